@@ -1,0 +1,1 @@
+"""The inference engine: sequences, paged KV cache with prefix caching, token-budget scheduler, model runner."""

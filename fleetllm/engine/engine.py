@@ -1,0 +1,247 @@
+"""LLMEngine: the synchronous step loop — schedule, run the model, sample, detokenize, check stops.
+
+Not thread-safe; :mod:`fleetllm.engine.async_engine` drives it from one background thread.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from fleetllm.engine.block_pool import BlockPool
+from fleetllm.engine.detokenizer import IncrementalDetokenizer
+from fleetllm.engine.kv_cache_manager import KVCacheManager
+from fleetllm.engine.metrics import EngineMetrics
+from fleetllm.engine.model_runner import ModelRunner
+from fleetllm.engine.sampling import InvalidParameter, Sampler, SamplingParams
+from fleetllm.engine.scheduler import Scheduler, SchedulerConfig
+from fleetllm.engine.sequence import Sequence, Status
+from fleetllm.models.loader import LoadedModel, load_model
+
+
+class PromptTooLong(InvalidParameter):
+    def __init__(self, message: str) -> None:
+        super().__init__("messages", message)
+
+
+@dataclass
+class EngineConfig:
+    """Engine knobs (CLI flags map 1:1 onto these)."""
+
+    model: str = "smollm2-135m"
+    served_model_name: str | None = None
+    device: str = "auto"  # auto: cuda when present, else cpu
+    block_size: int = 16
+    num_blocks: int | None = None  # default: from kv_cache_gb
+    kv_cache_gb: float = 1.0
+    max_model_len: int | None = None  # default: min(model context, 8192)
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    max_waiting: int = 1024
+    enable_prefix_caching: bool = True
+    num_threads: int | None = None
+
+    def resolved_device(self) -> str:
+        if self.device == "auto":
+            return "cuda" if torch.cuda.is_available() else "cpu"
+        return self.device
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass
+class RequestOutput:
+    """What one step produced for one request (a delta; ``finished`` marks the last one)."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_cached_tokens: int
+    finish_reason: str | None = None  # stop | length | abort | error
+    stop_reason: str | int | None = None
+    logprobs: list[TokenLogprob] | None = None
+    error: str | None = None
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig | None = None, loaded: LoadedModel | None = None) -> None:
+        self.config = cfg = config or EngineConfig()
+        if cfg.num_threads:
+            torch.set_num_threads(cfg.num_threads)
+        self.device = cfg.resolved_device()
+        dtype = torch.float32 if self.device == "cpu" else torch.bfloat16
+        self.loaded = loaded or load_model(cfg.model, device=self.device, dtype=dtype, name=cfg.served_model_name)
+        self.model_name = cfg.served_model_name or self.loaded.name
+        self.tokenizer = self.loaded.tokenizer
+        mcfg = self.loaded.config
+        self.max_model_len = cfg.max_model_len or min(mcfg.max_position_embeddings, 8192)
+        num_blocks = cfg.num_blocks or max(
+            16, int(cfg.kv_cache_gb * 2**30 // ModelRunner.kv_bytes_per_block(self.loaded.model, cfg.block_size))
+        )
+        self.kv_events: list[tuple[str, list[int]]] = []
+        self.pool = BlockPool(num_blocks, cfg.block_size)
+        self.kv = KVCacheManager(self.pool, cfg.enable_prefix_caching, extra_key=self.model_name.encode())
+        self.scheduler = Scheduler(
+            SchedulerConfig(cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.max_waiting), self.kv
+        )
+        self.runner = ModelRunner(self.loaded.model, num_blocks, cfg.block_size, self.device)
+        self.sampler = Sampler()
+        self.metrics = EngineMetrics(self.model_name)
+        self.seqs: dict[str, Sequence] = {}
+        self.detok: dict[str, IncrementalDetokenizer] = {}
+        self._pending: list[RequestOutput] = []  # outputs produced outside step() (aborts)
+        self._eos = set(mcfg.eos_token_ids)
+
+    # ---- requests ----------------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Queue a request. Raises PromptTooLong / InvalidParameter / QueueFull (nothing is queued then)."""
+        if request_id in self.seqs:
+            raise InvalidParameter("request_id", f"duplicate request id {request_id!r}")
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise InvalidParameter("prompt", "the prompt is empty")
+        if n >= self.max_model_len:
+            raise PromptTooLong(
+                f"This model's maximum context length is {self.max_model_len} tokens. "
+                f"However, your prompt has {n} tokens; no room is left for output."
+            )
+        vocab = self.loaded.config.vocab_size
+        if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab:
+            raise InvalidParameter("prompt", f"token ids must be in [0, {vocab})")
+        room = self.max_model_len - n
+        max_tokens = room if params.max_tokens is None else params.max_tokens
+        if max_tokens > room:
+            raise PromptTooLong(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
+                f"{n + max_tokens} tokens ({n} in the messages, {max_tokens} in the completion)."
+            )
+        gen = None
+        if params.seed is not None:
+            gen = torch.Generator().manual_seed(params.seed)
+        seq = Sequence(request_id, list(prompt_token_ids), params, max_tokens, generator=gen)
+        self.scheduler.add(seq)
+        self.seqs[request_id] = seq
+        self.detok[request_id] = IncrementalDetokenizer(
+            self.tokenizer, params.stop, params.include_stop_str_in_output, params.skip_special_tokens
+        )
+
+    def abort_request(self, request_id: str) -> None:
+        """Stop a request now and free its blocks; a final output with reason 'abort' follows."""
+        seq = self.seqs.get(request_id)
+        if seq is None or seq.status.finished:
+            return
+        self.scheduler.finish(seq, Status.FINISHED_ABORTED)
+        self._pending.append(self._finish_output(seq, [], None))
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work() or bool(self._pending)
+
+    # ---- the step ----------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        outputs, self._pending = self._pending, []
+        sched = self.scheduler.schedule()
+        if sched.preempted:
+            self.metrics.preemptions.inc(len(sched.preempted))
+        now = time.monotonic()
+        if not sched.scheduled:
+            self._update_gauges()
+            return outputs
+        batch = sched.scheduled
+        sample_rows = [i for i, s in enumerate(batch) if s.seq.num_computed_tokens + s.num_new_tokens == s.seq.num_tokens]
+        for s in batch:
+            if s.seq.first_scheduled_time is None:
+                s.seq.first_scheduled_time = now
+                self.metrics.queue_time.observe(now - s.seq.arrival_time)
+        try:
+            logits = self.runner.execute(batch, sample_rows)
+            seqs = [batch[i].seq for i in sample_rows]
+            result = self.sampler(
+                logits,
+                [q.params for q in seqs],
+                [q.generator for q in seqs],
+                [q.prompt_token_ids for q in seqs],
+                [q.output_token_ids for q in seqs],
+            )
+        except Exception as e:  # a failed step fails its requests, never the engine
+            for s in batch:
+                self.scheduler.finish(s.seq, Status.FINISHED_ERROR)
+                outputs.append(self._finish_output(s.seq, [], None, error=f"{type(e).__name__}: {e}"))
+            return outputs
+
+        prompt_done = 0
+        for s in batch:
+            s.seq.num_computed_tokens += s.num_new_tokens
+            self.kv.cache_full_blocks(s.seq)
+            if s.seq.num_computed_tokens <= len(s.seq.prompt_token_ids):
+                prompt_done += s.num_new_tokens
+        self.metrics.prompt_tokens.inc(prompt_done)
+        now = time.monotonic()
+        for j, i in enumerate(sample_rows):
+            seq = batch[i].seq
+            tok = result.token_ids[j]
+            lp = None
+            if seq.params.logprobs is not None:
+                lp = [TokenLogprob(tok, result.logprobs[j], result.top_logprobs[j])]
+            outputs.append(self._append_token(seq, tok, lp, now))
+        self._update_gauges()
+        return outputs
+
+    def _append_token(self, seq: Sequence, tok: int, lp: list[TokenLogprob] | None, now: float) -> RequestOutput:
+        seq.output_token_ids.append(tok)
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+            self.metrics.ttft.observe(now - seq.arrival_time)
+        else:
+            self.metrics.itl.observe(now - seq.last_token_time)
+        seq.last_token_time = now
+        self.metrics.generation_tokens.inc()
+        detok = self.detok[seq.request_id]
+        stop_str = detok.push(tok)
+        status = None
+        p = seq.params
+        if stop_str is not None:
+            status, seq.stop_reason = Status.FINISHED_STOPPED, stop_str
+        elif not p.ignore_eos and tok in self._eos:
+            status = Status.FINISHED_STOPPED
+        elif tok in p.stop_token_ids:
+            status, seq.stop_reason = Status.FINISHED_STOPPED, tok
+        elif len(seq.output_token_ids) >= seq.max_tokens or seq.num_tokens >= self.max_model_len:
+            status = Status.FINISHED_LENGTH
+        if status is None:
+            return RequestOutput(
+                seq.request_id, [tok], detok.release(False), False, len(seq.prompt_token_ids),
+                len(seq.output_token_ids), seq.num_cached_tokens, logprobs=lp,
+            )
+        self.scheduler.finish(seq, status)
+        return self._finish_output(seq, [tok], lp)
+
+    def _finish_output(self, seq: Sequence, new: list[int], lp: list[TokenLogprob] | None, error: str | None = None) -> RequestOutput:
+        detok = self.detok.pop(seq.request_id)
+        del self.seqs[seq.request_id]
+        reason = seq.status.value
+        self.metrics.finished(reason)
+        self.metrics.e2e.observe(time.monotonic() - seq.arrival_time)
+        return RequestOutput(
+            seq.request_id, new, detok.release(True), True, len(seq.prompt_token_ids), len(seq.output_token_ids),
+            max(seq.num_cached_tokens, 0), reason, seq.stop_reason, lp, error,
+        )
+
+    def _update_gauges(self) -> None:
+        m = self.metrics
+        m.running.set(len(self.scheduler.running))
+        m.waiting.set(len(self.scheduler.waiting))
+        m.kv_usage.set(self.pool.usage)
+        dq, dh = self.kv.prefix_queries, self.kv.prefix_hits
+        m.prefix_queries.inc(dq - getattr(self, "_last_q", 0))
+        m.prefix_hits.inc(dh - getattr(self, "_last_h", 0))
+        self._last_q, self._last_h = dq, dh

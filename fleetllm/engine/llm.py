@@ -1,0 +1,87 @@
+"""The embedding API: run the engine in-process, no HTTP.
+
+    llm = LLM("smollm2-135m")
+    out = llm.generate(["Hello"], SamplingParams(max_tokens=32, temperature=0))
+    print(out[0].outputs[0].text)
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import Any
+
+from fleetllm.engine.engine import EngineConfig, LLMEngine, TokenLogprob
+from fleetllm.engine.sampling import SamplingParams
+
+
+@dataclass
+class Completion:
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    logprobs: list[TokenLogprob] | None = None
+
+
+@dataclass
+class GenerationResult:
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: list[Completion]
+    num_cached_tokens: int = 0
+
+
+class LLM:
+    """Offline generation over a batch of prompts, with continuous batching inside."""
+
+    def __init__(self, model: str = "smollm2-135m", **engine_kwargs: Any) -> None:
+        self.engine = LLMEngine(EngineConfig(model=model, **engine_kwargs))
+        self.tokenizer = self.engine.tokenizer
+        self._ids = itertools.count()
+
+    def generate(
+        self, prompts: str | list[str] | list[list[int]], params: SamplingParams | list[SamplingParams] | None = None
+    ) -> list[GenerationResult]:
+        """Generate for each prompt (text, or token ids); results in prompt order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        plist = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
+        results: list[GenerationResult] = []
+        owner: dict[str, tuple[GenerationResult, Completion]] = {}
+        for prompt, p in zip(prompts, plist, strict=True):
+            ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+            res = GenerationResult(str(next(self._ids)), ids, [])
+            results.append(res)
+            for i in range(p.n):
+                sub = p if p.seed is None or i == 0 else _with_seed(p, p.seed + i)
+                rid = f"{res.request_id}-{i}"
+                comp = Completion(i, logprobs=[] if p.logprobs is not None else None)
+                res.outputs.append(comp)
+                owner[rid] = (res, comp)
+                self.engine.add_request(rid, ids, sub)
+        while self.engine.has_unfinished():
+            for out in self.engine.step():
+                res, comp = owner[out.request_id]
+                comp.token_ids.extend(out.new_token_ids)
+                comp.text += out.new_text
+                if out.logprobs and comp.logprobs is not None:
+                    comp.logprobs.extend(out.logprobs)
+                if out.finished:
+                    comp.finish_reason, comp.stop_reason = out.finish_reason, out.stop_reason
+                    res.num_cached_tokens = max(res.num_cached_tokens, out.num_cached_tokens)
+                    if out.error:
+                        raise RuntimeError(out.error)
+        return results
+
+    def chat(self, messages: list[dict[str, Any]], params: SamplingParams | None = None) -> GenerationResult:
+        """Apply the model's chat template to ``messages`` and generate one reply."""
+        prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        return self.generate([self.tokenizer.encode(prompt)], params)[0]
+
+
+def _with_seed(p: SamplingParams, seed: int) -> SamplingParams:
+    from dataclasses import replace
+
+    return replace(p, seed=seed)

@@ -1,0 +1,91 @@
+"""Turns a scheduled batch into tensors, runs the model over the paged KV cache, returns logits."""
+
+from __future__ import annotations
+
+import torch
+
+from fleetllm.engine.scheduler import Scheduled
+from fleetllm.models.llama import AttentionMetadata, LlamaModel, PrefillChunk
+
+
+class ModelRunner:
+    """Owns the KV cache tensors (one flat ``[num_blocks * block_size, kv_heads, head_dim]`` K and V per layer)."""
+
+    def __init__(self, model: LlamaModel, num_blocks: int, block_size: int, device: str = "cpu") -> None:
+        cfg = model.cfg
+        self.model = model
+        self.block_size = block_size
+        self.device = device
+        dtype = next(model.parameters()).dtype
+        shape = (num_blocks * block_size, cfg.num_kv_heads, cfg.head_dim)
+        self.kv_cache = [
+            (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+            for _ in range(cfg.num_layers)
+        ]
+
+    @staticmethod
+    def kv_bytes_per_block(model: LlamaModel, block_size: int) -> int:
+        cfg = model.cfg
+        itemsize = next(model.parameters()).element_size()
+        return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * itemsize
+
+    def _slots(self, block_table: list[int], start: int, end: int) -> torch.Tensor:
+        bs = self.block_size
+        bt = torch.tensor(block_table[start // bs : (end - 1) // bs + 1], dtype=torch.long)
+        slots = (bt.unsqueeze(1) * bs + torch.arange(bs)).flatten()
+        off = start - (start // bs) * bs
+        return slots[off : off + end - start]
+
+    @torch.inference_mode()
+    def execute(self, batch: list[Scheduled], sample_rows: list[int]) -> torch.Tensor:
+        """Run one step; return logits ``[len(sample_rows), vocab]`` for the last token of the given entries."""
+        ids: list[int] = []
+        positions: list[int] = []
+        slot_parts: list[torch.Tensor] = []
+        decode_idx: list[int] = []
+        decode_tables: list[list[int]] = []
+        decode_lens: list[int] = []
+        prefills: list[PrefillChunk] = []
+        last_index: list[int] = []
+        t = 0
+        for s in batch:
+            seq, n = s.seq, s.num_new_tokens
+            c = seq.num_computed_tokens
+            ids.extend(seq.token_ids_slice(c, c + n))
+            positions.extend(range(c, c + n))
+            if n == 1:
+                decode_idx.append(t)
+                decode_tables.append(seq.block_table)
+                decode_lens.append(c + 1)
+                slot_parts.append(self._slots(seq.block_table, c, c + 1))
+            else:
+                ctx = self._slots(seq.block_table, 0, c + n)
+                slot_parts.append(ctx[c:])
+                prefills.append(PrefillChunk(t, t + n, ctx, fresh=(c == 0)))
+            t += n
+            last_index.append(t - 1)
+
+        meta = AttentionMetadata(slot_mapping=torch.cat(slot_parts).to(self.device), prefills=prefills)
+        if decode_idx:
+            meta.decode_idx = torch.tensor(decode_idx, device=self.device)
+            meta.decode_slots, meta.decode_mask = self._decode_slots(decode_tables, decode_lens)
+        hidden = self.model(
+            torch.tensor(ids, device=self.device), torch.tensor(positions, device=self.device), meta, self.kv_cache
+        )
+        rows = torch.tensor([last_index[i] for i in sample_rows], device=self.device)
+        return self.model.compute_logits(hidden[rows])
+
+    def _decode_slots(self, tables: list[list[int]], lens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        bs = self.block_size
+        max_len = max(lens)
+        nblk = -(-max_len // bs)
+        bt = torch.zeros(len(tables), nblk, dtype=torch.long)
+        for i, (tbl, n) in enumerate(zip(tables, lens, strict=True)):
+            k = -(-n // bs)
+            bt[i, :k] = torch.tensor(tbl[:k])
+        slots = (bt.unsqueeze(-1) * bs + torch.arange(bs)).view(len(tables), -1)[:, :max_len]
+        lens_t = torch.tensor(lens).unsqueeze(1)
+        mask = torch.zeros(len(tables), max_len)
+        mask.masked_fill_(torch.arange(max_len).unsqueeze(0) >= lens_t, float("-inf"))
+        dtype = next(self.model.parameters()).dtype
+        return slots.to(self.device), mask.view(len(tables), 1, 1, max_len).to(self.device, dtype)

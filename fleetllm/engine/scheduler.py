@@ -1,0 +1,118 @@
+"""Token-budget scheduler (vLLM v1 style).
+
+Each step every running sequence asks for the tokens it lacks (one decode token, or the rest of its
+prompt as a chunk) within ``max_num_batched_tokens``; waiting sequences are admitted FCFS while budget,
+sequence slots and blocks last. Prefill and decode share one step; chunked prefill falls out of the
+budget. When blocks run out the most recently arrived running sequence is preempted (blocks freed,
+recomputed later — its prefix blocks usually survive in the prefix cache).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from fleetllm.engine.kv_cache_manager import KVCacheManager
+from fleetllm.engine.sequence import Sequence, Status
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    max_waiting: int = 1024  # bounded queue: beyond this, new requests are refused (HTTP 503)
+    watermark: float = 0.01  # fraction of blocks kept free when admitting new work
+
+
+@dataclass
+class Scheduled:
+    seq: Sequence
+    num_new_tokens: int
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[Scheduled] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+
+class QueueFull(RuntimeError):
+    pass
+
+
+class Scheduler:
+    def __init__(self, cfg: SchedulerConfig, kv: KVCacheManager) -> None:
+        self.cfg = cfg
+        self.kv = kv
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        if len(self.waiting) >= self.cfg.max_waiting:
+            raise QueueFull(f"{len(self.waiting)} requests already waiting")
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.cfg.max_num_batched_tokens
+        kept: list[Sequence] = []
+        queue = list(self.running)
+        while queue:
+            seq = queue.pop(0)
+            if budget <= 0:
+                kept.append(seq)
+                continue
+            n = min(seq.num_uncomputed, budget)
+            while not self.kv.grow(seq, n):
+                # preempt the newest running sequence that is not yet scheduled; else this one
+                victim = queue.pop() if queue else seq
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is seq:
+                    break
+            if seq.status is Status.RUNNING:
+                kept.append(seq)
+                out.scheduled.append(Scheduled(seq, n))
+                budget -= n
+        self.running = kept
+
+        watermark = int(self.cfg.watermark * self.kv.pool.num_blocks)
+        while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs and not out.preempted:
+            seq = self.waiting[0]
+            cached = self.kv.admit(seq, budget, watermark)
+            if cached is None:
+                break
+            self.waiting.popleft()
+            if seq.num_cached_tokens < 0:
+                seq.num_cached_tokens = cached
+            seq.transition(Status.RUNNING)
+            n = min(seq.num_uncomputed, budget)
+            self.running.append(seq)
+            out.scheduled.append(Scheduled(seq, n))
+            budget -= n
+        return out
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.kv.free(seq)
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        seq.transition(Status.PREEMPTED)
+        self.waiting.appendleft(seq)
+
+    def finish(self, seq: Sequence, status: Status) -> None:
+        """Free a sequence's blocks and move it to a finished state, wherever it is."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.kv.free(seq)
+        seq.transition(status)

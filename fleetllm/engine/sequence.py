@@ -1,0 +1,93 @@
+"""A request's sequence and its checked state machine.
+
+WAITING -> RUNNING -> (PREEMPTED -> RUNNING)* -> FINISHED_{STOPPED,LENGTH,ABORTED,ERROR}.
+Every transition is looked up in ``TRANSITIONS``; leaving RUNNING requires the sequence to hold no
+KV blocks, so a path that forgets to free them fails loudly instead of leaking.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from fleetllm.engine.sampling import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+    FINISHED_ERROR = "error"
+
+    @property
+    def finished(self) -> bool:
+        return self in _FINISHED
+
+
+_FINISHED = {Status.FINISHED_STOPPED, Status.FINISHED_LENGTH, Status.FINISHED_ABORTED, Status.FINISHED_ERROR}
+
+TRANSITIONS: dict[Status, set[Status]] = {
+    Status.WAITING: {Status.RUNNING, Status.FINISHED_ABORTED, Status.FINISHED_ERROR},
+    Status.RUNNING: {Status.PREEMPTED} | _FINISHED,
+    Status.PREEMPTED: {Status.RUNNING, Status.FINISHED_ABORTED, Status.FINISHED_ERROR},
+}
+
+
+class InvalidTransition(RuntimeError):
+    pass
+
+
+@dataclass
+class Sequence:
+    """One generation stream: prompt + outputs, its block table and how much of it has KV computed."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    max_tokens: int  # resolved against the context length
+    arrival_time: float = field(default_factory=time.monotonic)
+    status: Status = Status.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    block_table: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)  # hashes of the full, computed blocks so far
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = -1  # prefix-cache hit at first schedule (-1: not yet scheduled)
+    num_preemptions: int = 0
+    generator: torch.Generator | None = None
+    stop_reason: str | int | None = None
+    # timing (monotonic seconds)
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    def token_ids_slice(self, start: int, end: int) -> list[int]:
+        p = len(self.prompt_token_ids)
+        if end <= p:
+            return self.prompt_token_ids[start:end]
+        return (self.prompt_token_ids + self.output_token_ids)[start:end]
+
+    @property
+    def num_uncomputed(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    def transition(self, new: Status) -> None:
+        """Move to ``new``; raise :class:`InvalidTransition` if the table forbids it or blocks would leak."""
+        if new not in TRANSITIONS.get(self.status, set()):
+            raise InvalidTransition(f"{self.request_id}: {self.status.name} -> {new.name} is not allowed")
+        if new is not Status.RUNNING and self.block_table:
+            raise InvalidTransition(f"{self.request_id}: {self.status.name} -> {new.name} with {len(self.block_table)} blocks held")
+        self.status = new

