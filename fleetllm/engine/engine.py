@@ -178,13 +178,9 @@ class LLMEngine:
                 outputs.append(self._finish_output(s.seq, [], None, error=f"{type(e).__name__}: {e}"))
             return outputs
 
-        prompt_done = 0
         for s in batch:
             s.seq.num_computed_tokens += s.num_new_tokens
             self.kv.cache_full_blocks(s.seq)
-            if s.seq.num_computed_tokens <= len(s.seq.prompt_token_ids):
-                prompt_done += s.num_new_tokens
-        self.metrics.prompt_tokens.inc(prompt_done)
         now = time.monotonic()
         for j, i in enumerate(sample_rows):
             seq = batch[i].seq
@@ -200,6 +196,8 @@ class LLMEngine:
         seq.output_token_ids.append(tok)
         if seq.first_token_time is None:
             seq.first_token_time = now
+            # every prompt token counts once, cached or not, as in vLLM (recomputation is not new prompt)
+            self.metrics.prompt_tokens.inc(len(seq.prompt_token_ids))
             self.metrics.ttft.observe(now - seq.arrival_time)
         else:
             self.metrics.itl.observe(now - seq.last_token_time)

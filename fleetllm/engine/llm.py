@@ -13,6 +13,7 @@ from typing import Any
 
 from fleetllm.engine.engine import EngineConfig, LLMEngine, TokenLogprob
 from fleetllm.engine.sampling import SamplingParams
+from fleetllm.models.loader import LoadedModel
 
 
 @dataclass
@@ -36,8 +37,9 @@ class GenerationResult:
 class LLM:
     """Offline generation over a batch of prompts, with continuous batching inside."""
 
-    def __init__(self, model: str = "smollm2-135m", **engine_kwargs: Any) -> None:
-        self.engine = LLMEngine(EngineConfig(model=model, **engine_kwargs))
+    def __init__(self, model: str = "smollm2-135m", loaded: LoadedModel | None = None, **engine_kwargs: Any) -> None:
+        """``loaded`` reuses weights already in memory (several engines over one model, as in tests)."""
+        self.engine = LLMEngine(EngineConfig(model=model, **engine_kwargs), loaded=loaded)
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
 

@@ -72,7 +72,7 @@ class ModelRunner:
         hidden = self.model(
             torch.tensor(ids, device=self.device), torch.tensor(positions, device=self.device), meta, self.kv_cache
         )
-        rows = torch.tensor([last_index[i] for i in sample_rows], device=self.device)
+        rows = torch.tensor([last_index[i] for i in sample_rows], dtype=torch.long, device=self.device)
         return self.model.compute_logits(hidden[rows])
 
     def _decode_slots(self, tables: list[list[int]], lens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -82,7 +82,7 @@ class ModelRunner:
         bt = torch.zeros(len(tables), nblk, dtype=torch.long)
         for i, (tbl, n) in enumerate(zip(tables, lens, strict=True)):
             k = -(-n // bs)
-            bt[i, :k] = torch.tensor(tbl[:k])
+            bt[i, :k] = torch.tensor(tbl[:k], dtype=torch.long)
         slots = (bt.unsqueeze(-1) * bs + torch.arange(bs)).view(len(tables), -1)[:, :max_len]
         lens_t = torch.tensor(lens).unsqueeze(1)
         mask = torch.zeros(len(tables), max_len)

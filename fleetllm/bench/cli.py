@@ -1,0 +1,234 @@
+"""``fleetllm bench``: command-line front end (argparse) of the load generator.
+
+``fleetllm bench --url URL --model M [load] [workload] --output results/run.json`` runs one load
+point, a sweep (comma lists for ``--concurrency``/``--request-rate``) or an SLO search
+(``--find-max-load``); ``fleetllm bench compare a.json b.json`` prints ratios side by side.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from fleetllm.bench.client import CHAT, COMPLETIONS, ClientConfig
+from fleetllm.bench.load import ARRIVALS, LoadConfig
+from fleetllm.bench.metrics import parse_slos
+from fleetllm.bench.report import build_result, compare, print_compare, print_run, write_outputs
+from fleetllm.bench.search import Measurer, find_max_load, sweep
+from fleetllm.bench.tokens import CODE_WORDS, PROSE_WORDS, TokenCounter
+from fleetllm.bench.workloads import (
+    AgenticWorkload,
+    MultiTurnWorkload,
+    PromptBuilder,
+    PromptFileWorkload,
+    SharedPrefixWorkload,
+    SyntheticWorkload,
+    TraceWorkload,
+    Workload,
+    long_short_workload,
+)
+
+WORKLOADS = ("synthetic", "shared-prefix", "multi-turn", "agentic", "long-short", "trace", "prompts")
+
+
+def _floats(text: str | None) -> list[float]:
+    return [float(x) for x in text.split(",")] if text else []
+
+
+def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Register ``bench`` on an argparse subparsers object; returns the new parser."""
+    p = subparsers.add_parser("bench", help="benchmark an OpenAI-compatible endpoint",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_bench_arguments(p)
+    p.set_defaults(func=run_bench_command)
+    return p
+
+
+def add_bench_arguments(p: argparse.ArgumentParser) -> None:
+    """All ``bench`` options (shared by ``fleetllm bench`` and ``python -m fleetllm.bench``)."""
+    p.add_argument("command", nargs="?", choices=["compare"], help="compare two result JSON files")
+    p.add_argument("files", nargs="*", help="for compare: a.json b.json")
+    g = p.add_argument_group("server")
+    g.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL (without /v1)")
+    g.add_argument("--model", help="model name sent in requests")
+    g.add_argument("--endpoint", choices=[CHAT, COMPLETIONS], default=CHAT)
+    g.add_argument("--api-key")
+    g.add_argument("--timeout", type=float, default=600.0, help="per-request timeout, s")
+    g.add_argument("--no-ignore-eos", action="store_true", help="do not send ignore_eos (strict servers)")
+    g.add_argument("--extra-body", default="{}", help="JSON merged into every request body")
+    g.add_argument("--no-tokenize", action="store_true", help="do not calibrate prompt sizes with /tokenize")
+    g = p.add_argument_group("load")
+    g.add_argument("--concurrency", help="users in a closed loop, or a cap in rate mode; comma list sweeps")
+    g.add_argument("--request-rate", help="arrivals per second; comma list sweeps")
+    g.add_argument("--arrival", choices=ARRIVALS, default="poisson")
+    g.add_argument("--burstiness", type=float, default=1.0, help="gamma shape (arrival=gamma)")
+    g.add_argument("--requests", type=int, help="measured requests per load point (default 100 without --duration)")
+    g.add_argument("--duration", type=float, help="seconds per load point")
+    g.add_argument("--warmup-requests", type=int, default=0)
+    g.add_argument("--ramp-up", type=float, default=0.0, help="seconds to ramp users or rate up")
+    g.add_argument("--max-waiting-first-token", type=int, help="cap on requests awaiting their first token")
+    g.add_argument("--cancel-ratio", type=float, default=0.0, help="fraction of requests aborted mid-stream")
+    g.add_argument("--seed", type=int, default=0)
+    g = p.add_argument_group("workload")
+    g.add_argument("--workload", choices=WORKLOADS, default="synthetic")
+    g.add_argument("--isl", type=float, default=512, help="input tokens (mean)")
+    g.add_argument("--isl-std", type=float, default=0)
+    g.add_argument("--osl", type=float, default=128, help="output tokens (mean)")
+    g.add_argument("--osl-std", type=float, default=0)
+    g.add_argument("--isl-osl-mix", help="weighted classes 'isl:osl:weight,...' (synthetic)")
+    g.add_argument("--num-prefixes", type=int, default=8)
+    g.add_argument("--prefix-len", type=int, default=1024)
+    g.add_argument("--zipf", type=float, default=1.0, help="Zipf exponent of prefix popularity")
+    g.add_argument("--turns", type=float, default=4, help="turns per session (multi-turn, agentic)")
+    g.add_argument("--turns-std", type=float, default=0)
+    g.add_argument("--think-time", type=float, default=0.0, help="seconds between turns")
+    g.add_argument("--system-len", type=int, default=0, help="system prompt tokens (multi-turn)")
+    g.add_argument("--context-len", type=int, default=4096, help="initial context tokens (agentic)")
+    g.add_argument("--step-len", type=int, default=256, help="tool output tokens added per turn (agentic)")
+    g.add_argument("--long-isl", type=int, default=4096)
+    g.add_argument("--long-osl", type=int, default=64)
+    g.add_argument("--long-fraction", type=float, default=0.2)
+    g.add_argument("--trace", type=Path, help="JSONL trace (generic/Mooncake or SageMaker capture)")
+    g.add_argument("--trace-speedup", type=float, default=1.0)
+    g.add_argument("--prompts", type=Path, help="prompt file: text lines or JSONL")
+    g = p.add_argument_group("SLOs and search")
+    g.add_argument("--slo", default="", help="'ttft_ms=500,tpot_ms=50' (goodput) and/or 'ttft_p99_ms=800,itl_p99_ms=100'")
+    g.add_argument("--find-max-load", action="store_true", help="search the highest load meeting the SLOs")
+    g.add_argument("--max-load", type=float, default=256, help="upper bound of the search")
+    g = p.add_argument_group("output")
+    g.add_argument("--output", type=Path, default=Path("results/run.json"))
+    g.add_argument("--plots", action="store_true", help="write PNG plots and an HTML report next to the JSON")
+    g.add_argument("--no-progress", action="store_true")
+
+
+def build_workload(args: argparse.Namespace, builder: PromptBuilder) -> Workload:
+    """The workload the flags describe."""
+    w = args.workload
+    if w == "synthetic":
+        mix = [(int(a), int(b), float(c)) for a, b, c in
+               (item.split(":") for item in args.isl_osl_mix.split(","))] if args.isl_osl_mix else []
+        return SyntheticWorkload(builder, args.isl, args.isl_std, args.osl, args.osl_std, mix)
+    if w == "shared-prefix":
+        return SharedPrefixWorkload(builder, args.num_prefixes, args.prefix_len, int(args.isl), int(args.osl), args.zipf)
+    if w == "multi-turn":
+        return MultiTurnWorkload(builder, args.turns, args.turns_std, int(args.isl), int(args.osl), args.think_time,
+                                 args.system_len)
+    if w == "agentic":
+        return AgenticWorkload(builder, args.context_len, int(args.turns), args.step_len, int(args.osl), args.think_time)
+    if w == "long-short":
+        return long_short_workload(builder, args.long_isl, args.long_osl, int(args.isl), int(args.osl),
+                                   args.long_fraction)
+    if w == "trace":
+        if not args.trace:
+            raise SystemExit("--workload trace needs --trace FILE")
+        return TraceWorkload(args.trace, builder, args.trace_speedup, int(args.osl))
+    if not args.prompts:
+        raise SystemExit("--workload prompts needs --prompts FILE")
+    return PromptFileWorkload(args.prompts, int(args.osl))
+
+
+def calibrate(args: argparse.Namespace) -> tuple[PromptBuilder, dict[str, Any]]:
+    """Tokens per word from the server's /tokenize (so client and server agree), else 1.0."""
+    if args.no_tokenize or args.workload == "prompts":
+        return PromptBuilder(), {"source": "assumed", "prose_tokens_per_word": 1.0, "code_tokens_per_word": 1.0}
+    counter = TokenCounter(args.url, args.model)
+    prose = counter.tokens_per_word(PROSE_WORDS)
+    code = counter.tokens_per_word(CODE_WORDS) if counter.server_side else 1.0
+    source = "server /tokenize" if counter.server_side else "assumed"
+    return PromptBuilder(prose, code), {"source": source, "prose_tokens_per_word": prose, "code_tokens_per_word": code}
+
+
+def run_bench(args: argparse.Namespace, console: Console | None = None) -> dict[str, Any]:
+    """Run what ``args`` asks for, write the outputs, print the tables; returns the result document."""
+    console = console or Console()
+    if not args.model:
+        raise SystemExit("--model is required")
+    concurrency = [int(v) for v in _floats(args.concurrency)]
+    rates = _floats(args.request_rate)
+    client = ClientConfig(args.url, args.model, args.endpoint, args.api_key, args.timeout,
+                          ignore_eos=not args.no_ignore_eos, extra_body=json.loads(args.extra_body))
+    builder, calibration = calibrate(args)
+    workload = build_workload(args, builder)
+    requests = args.requests if args.requests or args.duration or args.workload == "trace" else 100
+    base = LoadConfig(
+        concurrency=concurrency[0] if concurrency else (None if rates or args.workload == "trace" else 1),
+        request_rate=rates[0] if rates else None, arrival=args.arrival, burstiness=args.burstiness,
+        max_requests=requests, duration_s=args.duration, warmup_requests=args.warmup_requests,
+        ramp_up_s=args.ramp_up, max_waiting_first_token=args.max_waiting_first_token,
+        cancel_ratio=args.cancel_ratio, seed=args.seed)
+    slos = parse_slos(args.slo)
+    kind, values = ("rate", rates) if rates else ("concurrency", [float(c) for c in concurrency])
+
+    progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                        console=console, disable=args.no_progress or not console.is_terminal, transient=True)
+    task = progress.add_task("bench", total=requests)
+    measure = Measurer(client, workload, slos,
+                       on_record=lambda _rec: progress.advance(task),
+                       on_start=lambda load: progress.reset(task, description=load.label(), total=requests))
+    extra: dict[str, Any] = {}
+    with progress:
+        if args.find_max_load:
+            if not any(s.stat for s in slos):
+                raise SystemExit("--find-max-load needs aggregate SLOs, e.g. --slo ttft_p99_ms=800")
+            report, runs = find_max_load(measure, base, kind, start=values[0] if values else 1, max_value=args.max_load)
+            extra["find_max_load"] = report
+        elif len(values) > 1:
+            runs = sweep(measure, base, kind, values)
+        else:
+            runs = [measure(base)]
+    config = {"client": {k: v for k, v in vars(client).items() if k != "api_key"}, "workload": args.workload,
+              "workload_params": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(workload).items()
+                                  if k != "builder"},
+              "token_calibration": calibration, "slo": args.slo}
+    result = build_result(config, runs, **extra)
+    paths = write_outputs(result, measure.results, args.output)
+    if args.plots:
+        from fleetllm.bench.plots import write_html, write_plots
+
+        pngs = write_plots(result, measure.results, args.output)
+        paths += pngs + [write_html(result, pngs, args.output.with_suffix(".html"))]
+    for run in runs:
+        print_run(console, run)
+    if "find_max_load" in extra:
+        r = extra["find_max_load"]
+        console.print(f"max {kind} meeting SLOs: {r['best']} (first failing: {r['first_failing']}"
+                      f"{', stopped on saturation' if r['stopped_on_saturation'] else ''})")
+    console.print("wrote " + ", ".join(str(p) for p in paths))
+    return result
+
+
+def run_compare(files: list[str], console: Console | None = None) -> list[dict[str, Any]]:
+    """``bench compare a.json b.json``: ratios b/a of the key numbers, run by run."""
+    if len(files) != 2:
+        raise SystemExit("usage: fleetllm bench compare a.json b.json")
+    a, b = (json.loads(Path(f).read_text()) for f in files)
+    rows = compare(a, b)
+    print_compare(console or Console(), rows, files[0], files[1])
+    return rows
+
+
+def run_bench_command(args: argparse.Namespace) -> int:
+    """Handler for the ``bench`` subcommand."""
+    if args.command == "compare":
+        run_compare(args.files)
+    else:
+        run_bench(args)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m fleetllm.bench``."""
+    parser = argparse.ArgumentParser(prog="fleetllm bench", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_bench_arguments(parser)
+    return run_bench_command(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,119 @@
+"""Drives an :class:`LLMEngine` from one background thread and streams its outputs to asyncio callers.
+
+The engine's step loop stays plain and synchronous; adds and aborts travel to it through a command
+queue and are applied between steps, so the engine is only ever touched by its own thread. Outputs
+come back to the event loop with ``call_soon_threadsafe``. PyTorch releases the GIL in its kernels,
+so the HTTP side stays responsive while a step runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fleetllm.engine.engine import LLMEngine, RequestOutput
+from fleetllm.engine.sampling import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self._cmds: queue.Queue[tuple[str, Any]] = queue.Queue()
+        self._streams: dict[str, asyncio.Queue[RequestOutput]] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self.steps = 0
+
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._thread.start()
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        self._cmds.put(("noop", None))
+        if self._thread:
+            self._thread.join(timeout=10)
+
+    @property
+    def num_active(self) -> int:
+        return len(self._streams)
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> AsyncIterator[RequestOutput]:
+        """Add a request and yield its outputs; the request is aborted if the caller stops iterating early."""
+        assert self._loop is not None, "start() the engine first"
+        added: asyncio.Future[None] = self._loop.create_future()
+        stream: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        self._streams[request_id] = stream
+        self._cmds.put(("add", (request_id, prompt_token_ids, params, added)))
+        finished = False
+        try:
+            await added  # raises the engine's validation error (bad params, too long, queue full)
+            while True:
+                out = await stream.get()
+                finished = out.finished
+                yield out
+                if finished:
+                    return
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished:
+                self._cmds.put(("abort", request_id))
+
+    def abort(self, request_id: str) -> None:
+        self._cmds.put(("abort", request_id))
+
+    # ---- engine thread -------------------------------------------------------------------------------
+    def _run(self) -> None:
+        eng = self.engine
+        while not self._stop.is_set():
+            try:
+                block = not eng.has_unfinished()
+                cmd = self._cmds.get(block=block, timeout=0.5 if block else None) if block else self._cmds.get_nowait()
+                self._apply(cmd)
+                while True:
+                    self._apply(self._cmds.get_nowait())
+            except queue.Empty:
+                pass
+            if self._stop.is_set():
+                break
+            if eng.has_unfinished():
+                outs = eng.step()
+                self.steps += 1
+                if outs:
+                    self._loop.call_soon_threadsafe(self._deliver, outs)
+
+    def _apply(self, cmd: tuple[str, Any]) -> None:
+        kind, arg = cmd
+        if kind == "add":
+            rid, ids, params, fut = arg
+            try:
+                self.engine.add_request(rid, ids, params)
+                err = None
+            except Exception as e:  # validation errors go back to the caller, the loop goes on
+                err = e
+            self._loop.call_soon_threadsafe(_settle, fut, err)
+        elif kind == "abort":
+            self.engine.abort_request(arg)
+
+    def _deliver(self, outs: list[RequestOutput]) -> None:
+        for out in outs:
+            stream = self._streams.get(out.request_id)
+            if stream is not None:
+                stream.put_nowait(out)
+
+
+def _settle(fut: asyncio.Future[None], err: BaseException | None) -> None:
+    if fut.done():
+        return
+    if err is None:
+        fut.set_result(None)
+    else:
+        fut.set_exception(err)

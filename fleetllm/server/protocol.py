@@ -1,0 +1,121 @@
+"""OpenAI request parsing and error bodies, shared by the worker and the router.
+
+Parsing is explicit (no schema library) so every bad field gets a precise 400 naming the parameter.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fleetllm.engine.sampling import InvalidParameter, SamplingParams
+
+
+class APIError(Exception):
+    """An error answered to the client as ``{"error": {...}}`` with ``status``."""
+
+    TYPES = {400: "invalid_request_error", 404: "not_found_error", 413: "invalid_request_error",
+             500: "internal_server_error", 503: "service_unavailable"}
+
+    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param = status, message, param
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.TYPES.get(self.status, "error"),
+                          "param": self.param, "code": self.status}}
+
+
+def _num(body: dict[str, Any], key: str, kind: type, default: Any) -> Any:
+    v = body.get(key, default)
+    if v is None:
+        return default
+    if kind is float and isinstance(v, int) and not isinstance(v, bool):
+        v = float(v)
+    if not isinstance(v, kind) or isinstance(v, bool):
+        raise APIError(400, f"{key} must be a {kind.__name__}, got {type(v).__name__}", key)
+    return v
+
+
+def sampling_from_body(body: dict[str, Any], chat: bool) -> SamplingParams:
+    """Build :class:`SamplingParams` from an OpenAI request body (chat or completions)."""
+    max_tokens = _num(body, "max_completion_tokens", int, None) if chat else None
+    if max_tokens is None:
+        max_tokens = _num(body, "max_tokens", int, None if chat else 16)
+    stop = body.get("stop") or []
+    if isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
+        raise APIError(400, "stop must be a string or a list of strings", "stop")
+    if chat:
+        logprobs = None
+        if body.get("logprobs"):
+            logprobs = _num(body, "top_logprobs", int, 0)
+    else:
+        logprobs = _num(body, "logprobs", int, None)
+    stop_ids = body.get("stop_token_ids") or []
+    if not isinstance(stop_ids, list) or not all(isinstance(i, int) for i in stop_ids):
+        raise APIError(400, "stop_token_ids must be a list of integers", "stop_token_ids")
+    try:
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=_num(body, "temperature", float, 1.0),
+            top_p=_num(body, "top_p", float, 1.0),
+            top_k=_num(body, "top_k", int, -1),
+            min_p=_num(body, "min_p", float, 0.0),
+            seed=_num(body, "seed", int, None),
+            presence_penalty=_num(body, "presence_penalty", float, 0.0),
+            frequency_penalty=_num(body, "frequency_penalty", float, 0.0),
+            repetition_penalty=_num(body, "repetition_penalty", float, 1.0),
+            stop=stop,
+            stop_token_ids=stop_ids,
+            ignore_eos=bool(body.get("ignore_eos", False)),
+            include_stop_str_in_output=bool(body.get("include_stop_str_in_output", False)),
+            logprobs=logprobs,
+            skip_special_tokens=bool(body.get("skip_special_tokens", True)),
+            n=_num(body, "n", int, 1),
+        )
+    except InvalidParameter as e:
+        param = e.param
+        if param == "max_tokens" and chat and body.get("max_completion_tokens") is not None:
+            param = "max_completion_tokens"  # name the field the client sent
+        raise APIError(400, str(e), param) from None
+
+
+def chat_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
+    """Validate ``messages`` and flatten content parts to text."""
+    msgs = body.get("messages")
+    if not isinstance(msgs, list) or not msgs:
+        raise APIError(400, "messages must be a non-empty list", "messages")
+    out = []
+    for i, m in enumerate(msgs):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise APIError(400, f"messages[{i}] must be an object with a role", "messages")
+        content = m.get("content")
+        if isinstance(content, list):
+            parts = []
+            for p in content:
+                if not isinstance(p, dict) or p.get("type") != "text":
+                    raise APIError(400, f"messages[{i}]: only text content parts are supported", "messages")
+                parts.append(str(p.get("text", "")))
+            content = "".join(parts)
+        elif content is None:
+            content = ""
+        elif not isinstance(content, str):
+            raise APIError(400, f"messages[{i}].content must be a string or a list of parts", "messages")
+        out.append({**m, "content": content})
+    return out
+
+
+def completion_prompts(body: dict[str, Any]) -> list[str | list[int]]:
+    """``prompt`` as a list of prompts, each text or token ids."""
+    p = body.get("prompt")
+    if isinstance(p, str):
+        return [p]
+    if isinstance(p, list) and p:
+        if all(isinstance(x, int) and not isinstance(x, bool) for x in p):
+            return [p]
+        if all(isinstance(x, str) for x in p):
+            return list(p)
+        if all(isinstance(x, list) and x and all(isinstance(t, int) for t in x) for x in p):
+            return list(p)
+    raise APIError(400, "prompt must be a string, a list of strings, or token ids", "prompt")

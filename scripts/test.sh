@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# Set up and run the whole test suite (lint first). Fails if pytest collected no tests.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh 2>&1 | grep -v "^WARNING: Location" || true
+. .venv/bin/activate
+ruff check . || exit 1
+python -m pytest -q -p no:cacheprovider "$@"
+rc=$?
+if [ $rc -eq 5 ]; then echo "pytest collected no tests: failing" >&2; exit 1; fi
+exit $rc
