@@ -21,6 +21,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-waiting", type=int, default=1024, help="queue bound; beyond it requests get 503")
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--num-threads", type=int, default=None, help="torch threads (default: all cores)")
+    p.add_argument("--quantization", default="none", choices=["none", "int4"],
+                   help="int4: int4 decoder / int8 LM-head weights for decode steps on CPU (default: exact fp32)")
 
 
 def engine_config(args: argparse.Namespace):  # -> EngineConfig (imported lazily: torch is slow to import)
@@ -39,6 +41,7 @@ def engine_config(args: argparse.Namespace):  # -> EngineConfig (imported lazily
         max_waiting=args.max_waiting,
         enable_prefix_caching=not args.no_prefix_caching,
         num_threads=args.num_threads,
+        quantization=args.quantization,
     )
 
 

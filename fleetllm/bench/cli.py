@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 from pathlib import Path
 from typing import Any
@@ -52,7 +53,9 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     """All ``bench`` options (shared by ``fleetllm bench`` and ``python -m fleetllm.bench``)."""
-    p.add_argument("command", nargs="?", choices=["compare"], help="compare two result JSON files")
+    # Its own dest: the top-level parser already stores the subcommand name in ``command``.
+    p.add_argument("bench_command", nargs="?", choices=["compare"], metavar="compare",
+                   help="compare two result JSON files")
     p.add_argument("files", nargs="*", help="for compare: a.json b.json")
     g = p.add_argument_group("server")
     g.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL (without /v1)")
@@ -147,6 +150,8 @@ def calibrate(args: argparse.Namespace) -> tuple[PromptBuilder, dict[str, Any]]:
 def run_bench(args: argparse.Namespace, console: Console | None = None) -> dict[str, Any]:
     """Run what ``args`` asks for, write the outputs, print the tables; returns the result document."""
     console = console or Console()
+    # The main CLI logs at INFO; one line per HTTP request would bury the progress bar.
+    logging.getLogger("httpx").setLevel(logging.WARNING)
     if not args.model:
         raise SystemExit("--model is required")
     concurrency = [int(v) for v in _floats(args.concurrency)]
@@ -176,7 +181,8 @@ def run_bench(args: argparse.Namespace, console: Console | None = None) -> dict[
         if args.find_max_load:
             if not any(s.stat for s in slos):
                 raise SystemExit("--find-max-load needs aggregate SLOs, e.g. --slo ttft_p99_ms=800")
-            report, runs = find_max_load(measure, base, kind, start=values[0] if values else 1, max_value=args.max_load)
+            start = (int(values[0]) if kind == "concurrency" else values[0]) if values else 1
+            report, runs = find_max_load(measure, base, kind, start=start, max_value=args.max_load)
             extra["find_max_load"] = report
         elif len(values) > 1:
             runs = sweep(measure, base, kind, values)
@@ -215,7 +221,7 @@ def run_compare(files: list[str], console: Console | None = None) -> list[dict[s
 
 def run_bench_command(args: argparse.Namespace) -> int:
     """Handler for the ``bench`` subcommand."""
-    if args.command == "compare":
+    if args.bench_command == "compare":
         run_compare(args.files)
     else:
         run_bench(args)

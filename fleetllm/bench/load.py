@@ -93,13 +93,22 @@ class _Phase:
     issued: int = 0
     records: list[RequestRecord] = field(default_factory=list)
 
-    def claim(self) -> bool:
-        if self.max_requests is not None and self.issued >= self.max_requests:
-            return False
-        if self.deadline_ns is not None and time.perf_counter_ns() >= self.deadline_ns:
-            return False
-        self.issued += 1
-        return True
+    def exhausted(self) -> bool:
+        return self.max_requests is not None and self.issued >= self.max_requests
+
+    def open(self) -> bool:
+        return self.deadline_ns is None or time.perf_counter_ns() < self.deadline_ns
+
+    def claim(self, turns: int) -> int:
+        """Reserve up to ``turns`` requests for one session; 0 when the budget or time is spent.
+
+        A session reserves all its turns when it starts, so a request limit yields whole
+        conversations rather than many first turns whose follow-ups never get sent."""
+        if not self.open():
+            return 0
+        granted = turns if self.max_requests is None else min(turns, self.max_requests - self.issued)
+        self.issued += max(granted, 0)
+        return max(granted, 0)
 
 
 class LoadRunner:
@@ -127,7 +136,8 @@ class LoadRunner:
     async def run(self) -> RunResult:
         """Warm up, then run the measured phase; returns once every in-flight request has ended."""
         load = self.load
-        width = load.concurrency or load.max_waiting_first_token or 256
+        # Enough pooled connections that requests never queue inside httpx (that wait would land in TTFT).
+        width = load.concurrency or max(load.max_waiting_first_token or 0, 1024)
         async with AsyncExitStack() as stack:
             self._http = await stack.enter_async_context(make_http_client(self.client, width))
             if load.max_waiting_first_token:
@@ -165,9 +175,10 @@ class LoadRunner:
             if ramp and self.load.ramp_up_s > 0:
                 await asyncio.sleep(i * self.load.ramp_up_s / users)
             for session in sessions:
-                if not phase.claim():
+                granted = phase.claim(len(session.turns))
+                if not granted:
                     return
-                await self._run_session(session, phase, time.perf_counter_ns())
+                await self._run_session(session, phase, time.perf_counter_ns(), granted)
 
         await asyncio.gather(*(user(i) for i in range(users)))
 
@@ -176,25 +187,28 @@ class LoadRunner:
     ) -> None:
         tasks: list[asyncio.Task[None]] = []
         for session in sessions:
+            if phase.exhausted():
+                break  # without waiting for one more arrival that could not be sent
             offset = next(offsets) if offsets is not None else (session.arrival_s or 0.0)
             due = start + int(offset * 1e9)
             delay = (due - time.perf_counter_ns()) / 1e9
             if delay > 0:
                 await asyncio.sleep(delay)
-            if not phase.claim():
+            granted = phase.claim(len(session.turns))
+            if not granted:
                 break
-            tasks.append(asyncio.create_task(self._run_session(session, phase, due)))
+            tasks.append(asyncio.create_task(self._run_session(session, phase, due, granted)))
         await asyncio.gather(*tasks)
 
-    async def _run_session(self, session: Session, phase: _Phase, scheduled_ns: int) -> None:
-        """Send the session's turns in order; the first turn's budget was claimed by the caller."""
+    async def _run_session(self, session: Session, phase: _Phase, scheduled_ns: int, turns: int) -> None:
+        """Send the first ``turns`` turns in order (their budget was claimed by the caller)."""
         history: list[dict[str, str]] = []
         context_tokens = session.system_tokens
-        for t, turn in enumerate(session.turns):
+        for t, turn in enumerate(session.turns[:turns]):
             if t:
                 if turn.think_time_s > 0:
                     await asyncio.sleep(turn.think_time_s)
-                if not phase.claim():
+                if not phase.open():
                     return
                 scheduled_ns = time.perf_counter_ns()
             spec = self._spec(session, t, turn, history, context_tokens)

@@ -123,7 +123,8 @@ def _fmt(v: Any) -> str:
     if v is None:
         return "-"
     if isinstance(v, float):
-        return f"{v:.2f}" if abs(v) < 1e5 else f"{v:.3g}"
+        # Narrow columns keep the 8-stat table readable in an 80-column terminal.
+        return f"{v:.2f}" if abs(v) < 100 else f"{v:.1f}" if abs(v) < 1000 else f"{v:.0f}"
     return str(v)
 
 
@@ -131,13 +132,16 @@ def print_run(console: Console, run: dict[str, Any]) -> None:
     """The readable summary of one load point."""
     s = run["summary"]
     table = Table(title=f"fleetllm bench — {run['label']}", title_justify="left")
-    table.add_column("metric", no_wrap=True, min_width=19)
-    for c in ("p50", "p90", "p95", "p99", "mean", "min", "max", "std"):
-        table.add_column(c, justify="right")
+    # Every stat is in the JSON; a narrow terminal gets the ones people read first.
+    cols = ("p50", "p90", "p95", "p99", "mean", "min", "max", "std") if console.width >= 100 else \
+        ("p50", "p90", "p99", "mean", "max")
+    table.add_column("metric", no_wrap=True)
+    for c in cols:
+        table.add_column(c, justify="right", no_wrap=True)
     for m in TABLE_METRICS:
         st = s["metrics"].get(m) or {}
         if st.get("count"):
-            table.add_row(m, *(_fmt(st.get(c)) for c in ("p50", "p90", "p95", "p99", "mean", "min", "max", "std")))
+            table.add_row(m, *(_fmt(st.get(c)) for c in cols))
     console.print(table)
     req = s["requests"]
     console.print(

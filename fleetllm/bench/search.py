@@ -31,6 +31,7 @@ class Measurer:
     workload: Workload
     slos: list[SloLimit]
     scrape_metrics: bool = True
+    sample_interval_s: float = 1.0
     on_record: Callable[[RequestRecord], None] | None = None
     on_start: Callable[[LoadConfig], None] | None = None
 
@@ -41,11 +42,22 @@ class Measurer:
         if self.on_start is not None:
             self.on_start(load)
         before = server_metrics.scrape(self.client.base_url) if self.scrape_metrics else None
-        result = run_load(self.client, load, self.workload, self.on_record)
+        sampler = server_metrics.GaugeSampler(self.client.base_url, self.sample_interval_s)
+        if before is not None:
+            with sampler:
+                result = run_load(self.client, load, self.workload, self.on_record)
+        else:
+            result = run_load(self.client, load, self.workload, self.on_record)
         after = server_metrics.scrape(self.client.base_url) if self.scrape_metrics else None
         self.results.append(result)
         summary = summarize(result.records, result.start_ns, result.end_ns, self.slos)
-        return run_entry(result, summary, server_metrics.diff(before, after))
+        server = server_metrics.diff(before, after)
+        if server is not None:
+            server["during_run"] = sampler.summary()
+            kv = server["during_run"].get("vllm:kv_cache_usage_perc")
+            server["derived"]["kv_cache_usage_max"] = kv["max"] if kv else None
+            server["derived"]["kv_cache_usage_mean"] = kv["mean"] if kv else None
+        return run_entry(result, summary, server)
 
 
 def with_value(load: LoadConfig, kind: str, value: float) -> LoadConfig:

@@ -8,6 +8,7 @@ after − before; gauges as before/after. Derived rates use the vLLM names: pref
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import httpx
@@ -40,6 +41,16 @@ def scrape(base_url: str, timeout_s: float = 5.0) -> Scrape | None:
         return None
 
 
+# The server's own latency histograms: Δsum/Δcount is its mean over the run, to set beside the
+# client's numbers (the difference is network, HTTP and detokenization time).
+SERVER_HISTOGRAMS = {"ttft": "time_to_first_token_seconds", "itl": "inter_token_latency_seconds",
+                     "e2e": "e2e_request_latency_seconds", "queue": "request_queue_time_seconds"}
+
+
+def _ms(seconds: float | None) -> float | None:
+    return seconds * 1000 if seconds is not None else None
+
+
 def _delta(before: Scrape, after: Scrape, name: str) -> float | None:
     for candidate in (name, name + "_total"):
         if candidate in after:
@@ -67,13 +78,54 @@ def diff(before: Scrape | None, after: Scrape | None) -> dict[str, Any] | None:
     drafted = _delta(before, after, "vllm:spec_decode_num_draft_tokens")
     drafts = _delta(before, after, "vllm:spec_decode_num_drafts")
     mean_al = 1 + accepted / drafts if accepted is not None and drafts else None
+    server_means = {
+        f"server_mean_{short}_ms": _ms(_ratio(_delta(before, after, f"vllm:{name}_sum"),
+                                             _delta(before, after, f"vllm:{name}_count")))
+        for short, name in SERVER_HISTOGRAMS.items()
+    }
     return {
         "derived": {
+            **server_means,
             "prefix_cache_hit_rate": _ratio(hits, queries),
-            "kv_cache_usage_after": after.get("vllm:kv_cache_usage_perc"),
+            "kv_cache_usage_max": None,  # filled from GaugeSampler samples taken during the run
+            "kv_cache_usage_mean": None,
             "spec_acceptance_rate": _ratio(accepted, drafted),
             "spec_mean_acceptance_length": mean_al,
         },
         "gauges": gauges,
         "counter_deltas": counters,
     }
+
+
+class GaugeSampler:
+    """Samples the gauges (KV usage, running, waiting) every ``interval_s`` while a run is on.
+
+    Before/after scrapes miss them: at both ends the server is idle. One scrape a second costs the
+    server next to nothing."""
+
+    def __init__(self, base_url: str, interval_s: float = 1.0):
+        self.base_url = base_url
+        self.interval_s = interval_s
+        self.samples: dict[str, list[float]] = {g: [] for g in GAUGES}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+
+    def __enter__(self) -> GaugeSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            got = scrape(self.base_url, timeout_s=self.interval_s)
+            for g in GAUGES:
+                if got is not None and g in got:
+                    self.samples[g].append(got[g])
+
+    def summary(self) -> dict[str, dict[str, float]]:
+        """Mean and max of each gauge over the run (gauges never sampled are left out)."""
+        return {g: {"mean": sum(v) / len(v), "max": max(v), "samples": len(v)}
+                for g, v in self.samples.items() if v}

@@ -19,6 +19,7 @@ from fleetllm.engine.sampling import InvalidParameter, Sampler, SamplingParams
 from fleetllm.engine.scheduler import Scheduler, SchedulerConfig
 from fleetllm.engine.sequence import Sequence, Status
 from fleetllm.models.loader import LoadedModel, load_model
+from fleetllm.models.quant import quantize_model
 
 
 class PromptTooLong(InvalidParameter):
@@ -42,6 +43,7 @@ class EngineConfig:
     max_waiting: int = 1024
     enable_prefix_caching: bool = True
     num_threads: int | None = None
+    quantization: str = "none"  # "int4": int4/int8 weight copies for narrow (decode) batches on CPU
 
     def resolved_device(self) -> str:
         if self.device == "auto":
@@ -81,6 +83,8 @@ class LLMEngine:
         self.device = cfg.resolved_device()
         dtype = torch.float32 if self.device == "cpu" else torch.bfloat16
         self.loaded = loaded or load_model(cfg.model, device=self.device, dtype=dtype, name=cfg.served_model_name)
+        if cfg.quantization != "none" and self.device == "cpu":
+            quantize_model(self.loaded.model, cfg.quantization)
         self.model_name = cfg.served_model_name or self.loaded.name
         self.tokenizer = self.loaded.tokenizer
         mcfg = self.loaded.config

@@ -12,9 +12,9 @@ import contextlib
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from dataclasses import replace
-from typing import Any
+from typing import Any, TypeVar
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
@@ -27,6 +27,8 @@ from fleetllm.engine.engine import LLMEngine, RequestOutput
 from fleetllm.engine.sampling import InvalidParameter, SamplingParams
 from fleetllm.engine.scheduler import QueueFull
 from fleetllm.server.protocol import APIError, chat_messages, completion_prompts, sampling_from_body
+
+T = TypeVar("T")
 
 
 def error_response(e: APIError) -> JSONResponse:
@@ -117,25 +119,24 @@ class Worker:
             for t in tasks:
                 t.cancel()  # a disconnect or error: cancelled generators abort their requests
 
-    async def _collect_or_disconnect(self, request: Request, agen: AsyncIterator[Any]) -> list[Any]:
-        """Gather a non-streaming result, aborting if the client disconnects meanwhile."""
-        items: list[Any] = []
+    async def _until_disconnect(self, request: Request, aw: Awaitable[T]) -> T:
+        """Await ``aw``, cancelling it and raising APIError(499) if the client disconnects meanwhile.
 
-        async def collect() -> None:
-            async for it in agen:
-                items.append(it)
-
-        task = asyncio.create_task(collect())
-        while not task.done():
+        Used for everything awaited before a response starts (a waiting request has no bytes to send,
+        so nothing else would notice that its client left)."""
+        task = asyncio.ensure_future(aw)
+        while True:
             done, _ = await asyncio.wait({task}, timeout=0.5)
-            if not done and await request.is_disconnected():
+            if done:
+                return task.result()
+            if await request.is_disconnected():
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
-                await agen.aclose()
                 raise APIError(499, "client disconnected")
-        task.result()
-        return items
+
+    async def _collect(self, agen: AsyncIterator[Any]) -> list[Any]:
+        return [it async for it in agen]
 
     def _usage(self, prompt_tokens: int, completion_tokens: int, cached: int) -> dict[str, Any]:
         return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
@@ -170,17 +171,18 @@ class Worker:
         cid = ("chatcmpl-" if kind == "chat" else "cmpl-") + rid
         headers = {"x-request-id": rid}
         gen = self._run(request, rid, prompts, params)
-        if not body.get("stream"):
-            try:
-                outs = await self._collect_or_disconnect(request, gen)
-            except APIError as e:
-                if e.status == 499:
-                    return Response(status_code=499)
-                raise
-            return JSONResponse(self._full_response(kind, cid, outs, len(prompts) * params.n, params.n), headers=headers)
-
-        # Start the first request before answering 200 so validation errors are still proper JSON errors.
-        first = await gen.__anext__()
+        try:
+            if not body.get("stream"):
+                outs = await self._until_disconnect(request, self._collect(gen))
+                return JSONResponse(self._full_response(kind, cid, outs, len(prompts) * params.n, params.n),
+                                    headers=headers)
+            # Start the first request before answering 200 so validation errors are still proper JSON errors.
+            first = await self._until_disconnect(request, gen.__anext__())
+        except APIError as e:
+            await gen.aclose()  # aborts whatever is still queued or running
+            if e.status == 499:
+                return Response(status_code=499)
+            raise
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
         return StreamingResponse(self._sse(kind, cid, first, gen, include_usage, params.n), media_type="text/event-stream", headers=headers)
 

@@ -74,7 +74,7 @@ def assert_hf_agrees(hf_model, prompt_ids: list[list[int]], outputs: list[list[i
         with torch.no_grad():
             logits = hf_model(seq).logits[0]
         predicted = logits[len(p) - 1 : len(p) - 1 + len(out)].argmax(-1).tolist()
-        assert predicted == out, f"diverged from HF at token {next(i for i, (a, b) in enumerate(zip(predicted, out)) if a != b)}"
+        assert predicted == out, f"diverged from HF at token {next(i for i, (a, b) in enumerate(zip(predicted, out, strict=True)) if a != b)}"
 
 
 @pytest.fixture(scope="module")

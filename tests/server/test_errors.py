@@ -1,7 +1,7 @@
 """Every failure the worker answers is an OpenAI-style JSON error with the right status, and the worker
 keeps serving afterwards.
 
-The worker here is deliberately small: a 64-token context, one running sequence and one waiting slot,
+The worker here is deliberately small: a 128-token context, one running sequence and one waiting slot,
 so "prompt too long" and "queue full" are easy to reach.
 """
 
@@ -13,7 +13,7 @@ from typing import Any
 import httpx
 import pytest
 
-MAX_MODEL_LEN = 64
+MAX_MODEL_LEN = 128
 
 
 @pytest.fixture(scope="module")
@@ -142,12 +142,12 @@ def test_prompt_longer_than_the_context_is_400(small_worker: Any) -> None:
 
 
 def test_prompt_plus_max_tokens_beyond_the_context_is_400(small_worker: Any) -> None:
-    r = post(small_worker, "/v1/completions", {"prompt": list(range(100, 140)), "max_tokens": MAX_MODEL_LEN})
+    r = post(small_worker, "/v1/completions", {"prompt": list(range(100, 140)), "max_tokens": MAX_MODEL_LEN - 20})
     assert_openai_error(r, 400)
 
 
 def test_chat_longer_than_the_context_is_400(small_worker: Any) -> None:
-    r = post(small_worker, "/v1/chat/completions", {"messages": [{"role": "user", "content": "word " * 100}]})
+    r = post(small_worker, "/v1/chat/completions", {"messages": [{"role": "user", "content": "word " * MAX_MODEL_LEN}]})
     assert_openai_error(r, 400)
 
 
@@ -173,10 +173,11 @@ def test_unknown_route_is_404(small_worker: Any, method: str, path: str) -> None
 def test_a_full_queue_answers_503_and_recovers(small_worker: Any) -> None:
     base = small_worker.base_url
     small_worker.wait_idle()
-    long_run = {"prompt": "Tell me a story.", "max_tokens": 40, "ignore_eos": True, "stream": True}
+    long_run = {"prompt": "Tell me a story.", "max_tokens": 100, "ignore_eos": True, "stream": True}
     with httpx.Client(timeout=60) as c, c.stream("POST", base + "/v1/completions", json=long_run) as running:
         assert running.status_code == 200
-        next(running.iter_lines())  # the one sequence slot is now taken
+        lines = running.iter_lines()  # keep a reference: a collected iterator closes the response
+        next(lines)  # the one sequence slot is now taken
         waiting_result: dict[str, httpx.Response] = {}
         waiter = threading.Thread(target=lambda: waiting_result.update(r=post(small_worker, "/v1/completions", COMPLETION)))
         waiter.start()

@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Build llama.cpp's own `llama-server` (the real multi-slot peer, see DESIGN.md §7) from the
+# llama.cpp source vendored in the llama-cpp-python sdist, in a cache dir outside the repo.
+# Idempotent: exits at once when the binary already exists.
+#
+# Usage: benchmarks/build_llama_server.sh            # prints the binary's path on success
+# Env:   FLEETLLM_PEERS_DIR (default ~/.cache/fleetllm-peers)
+#        LLAMA_CPP_PYTHON_VERSION (default 0.3.36), BUILD_JOBS (default 2)
+set -euo pipefail
+
+VERSION="${LLAMA_CPP_PYTHON_VERSION:-0.3.36}"
+ROOT="${FLEETLLM_PEERS_DIR:-$HOME/.cache/fleetllm-peers}"
+JOBS="${BUILD_JOBS:-2}"
+SRC="$ROOT/llama_cpp_python-$VERSION"  # the sdist's top folder
+LLAMA="$SRC/vendor/llama.cpp"
+BIN="$LLAMA/build/bin/llama-server"
+
+if [[ -x "$BIN" ]]; then
+  echo "$BIN"
+  exit 0
+fi
+
+mkdir -p "$ROOT"
+if [[ ! -d "$LLAMA" ]]; then
+  PIP="${PIP:-python -m pip}"
+  # --no-binary for this package only: ":all:" would also build its build deps from source (slow).
+  $PIP download --no-deps --no-binary llama-cpp-python "llama-cpp-python==$VERSION" -d "$ROOT/sdist" >&2
+  tar -xzf "$ROOT/sdist/llama_cpp_python-$VERSION.tar.gz" -C "$ROOT"
+fi
+
+cd "$LLAMA"
+start=$(date +%s)
+cmake -B build -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF \
+  -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON >&2
+nice -n "${BUILD_NICE:-19}" cmake --build build --target llama-server -j"$JOBS" >&2
+echo "built llama-server in $(( $(date +%s) - start )) s" >&2
+echo "$BIN"
