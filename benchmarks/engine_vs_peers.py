@@ -13,8 +13,11 @@ number of tokens. A level of concurrency c sends waves of c requests at once; ou
 output tokens over the summed wall time of the waves (prefill included), TTFT is send → first text chunk.
 For HF the whole batch shares one TTFT: the time from the call until ``generate`` emits the first token.
 
-Run:  python benchmarks/engine_vs_peers.py [--concurrency 1,8,32] [--max-tokens 64] [--quick]
-Build the llama.cpp peer first (once, ~15 min on 2 cores): benchmarks/build_llama_server.sh
+Run:  python benchmarks/engine_vs_peers.py [--concurrency 1,8,32] [--max-tokens 64] [--skip-hf] [--skip-llamacpp]
+      appends an entry (command, date, machine, tables) to BENCHMARKS.md under "Engine vs peers";
+      ``--quick`` (c=1,8, 16 tokens, one wave) is a smoke test and appends only with an explicit --output-md.
+Build the llama.cpp peer first (once, ~15-30 min on 2 cores): benchmarks/build_llama_server.sh
+Timings are only worth recording on a quiet machine: every system is given all ``--threads`` cores.
 """
 
 from __future__ import annotations
@@ -28,13 +31,13 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
-from peers_report import Result, append_markdown, print_tables
+from peers_report import Result, append_markdown, machine, print_tables
 
 from fleetllm.bench.client import ClientConfig, RequestSpec, make_http_client, send_request
 from fleetllm.models.loader import resolve
@@ -74,15 +77,15 @@ class Settings:
     waves: int
     threads: int
     request_timeout_s: float = 900.0
-    prompts_used: int = field(default=0)
 
-    def wave_prompts(self, c: int) -> list[list[str]]:
-        """The prompts of each wave at concurrency ``c``; identical across systems, unique per request."""
-        waves = []
-        for _ in range(self.waves):
-            waves.append([prompt_for(self.prompts_used + i) for i in range(c)])
-            self.prompts_used += c
-        return waves
+
+def build_prompts(settings: Settings) -> dict[int, list[list[str]]]:
+    """For each concurrency c, its waves of c prompts: the same for every system, unique per request."""
+    prompts, used = {}, 0
+    for c in settings.concurrency:
+        prompts[c] = [[prompt_for(used + w * c + i) for i in range(c)] for w in range(settings.waves)]
+        used += settings.waves * c
+    return prompts
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -105,6 +108,7 @@ def server(cmd: list[str], port: int, name: str, startup_timeout_s: float = 600.
     print(f"  starting {name}: {shlex.join(cmd)}  (log {log.name})", flush=True)
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=REPO)
     base = f"http://127.0.0.1:{port}"
+    ok = False
     try:
         deadline = time.monotonic() + startup_timeout_s
         while True:
@@ -119,9 +123,12 @@ def server(cmd: list[str], port: int, name: str, startup_timeout_s: float = 600.
                 raise RuntimeError(f"{name} not healthy after {startup_timeout_s:.0f}s:\n{_tail(log.name)}")
             time.sleep(0.5)
         yield base
+        ok = True
     finally:
         _stop(proc)
         log.close()
+        if ok:  # keep the log only when something went wrong
+            os.unlink(log.name)
 
 
 def _stop(proc: subprocess.Popen[bytes]) -> None:
@@ -252,7 +259,7 @@ def bench_hf(settings: Settings, prompts: dict[int, list[list[str]]]) -> list[Re
         def end(self) -> None:
             pass
 
-    def generate(texts: list[str], new_tokens: int) -> tuple[float, float, int]:
+    def generate(texts: list[str], new_tokens: int) -> tuple[float, float, list[int]]:
         start = time.perf_counter()
         chats = [tok.apply_chat_template(_chat(t), tokenize=False, add_generation_prompt=True) for t in texts]
         batch = tok(chats, return_tensors="pt", padding=True)
@@ -261,7 +268,7 @@ def bench_hf(settings: Settings, prompts: dict[int, list[list[str]]]) -> list[Re
             out = model.generate(**batch, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
                                  pad_token_id=tok.pad_token_id, streamer=clock)
         end = time.perf_counter()
-        made = int((out[:, batch["input_ids"].shape[1]:] != tok.pad_token_id).sum()) if new_tokens else 0
+        made = (out[:, batch["input_ids"].shape[1]:] != tok.pad_token_id).sum(dim=1).tolist()
         return end - start, clock.first_token_at - start, made
 
     results = []
@@ -271,7 +278,7 @@ def bench_hf(settings: Settings, prompts: dict[int, list[list[str]]]) -> list[Re
         for wave in prompts[c]:
             wall, ttft, made = generate(wave, settings.max_tokens)
             r.wall_s += wall
-            r.output_tokens.extend([made // len(wave)] * len(wave))
+            r.output_tokens.extend(made)
             r.ttft_s.extend([ttft] * len(wave))
         results.append(r)
         print(f"  {r.summary()}", flush=True)
@@ -281,23 +288,63 @@ def bench_hf(settings: Settings, prompts: dict[int, list[list[str]]]) -> list[Re
 # ---------------------------------------------------------------------------------------------------
 
 
+def _guarded(name: str, notes: list[str], bench: Callable[..., list[Result]], *args: object) -> list[Result]:
+    """Run one system's benchmark; a system that fails to start is reported, and the others still run."""
+    try:
+        return bench(*args)
+    except (RuntimeError, OSError) as e:
+        msg = f"{name} failed, no results: {str(e).splitlines()[0]}"
+        print(f"  {msg}\n{e}", flush=True)
+        notes.append(msg)
+        return []
+
+
+def _git_rev() -> str:
+    try:
+        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=REPO).stdout
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                               text=True, cwd=REPO).stdout
+    except OSError:
+        return "unknown"
+    return (rev.strip() or "unknown") + (" + uncommitted changes" if dirty.strip() else "")
+
+
+def _llama_version(binary: Path) -> str:
+    out = subprocess.run([str(binary), "--version"], capture_output=True, text=True, timeout=30)
+    lines = [ln for ln in (out.stdout + out.stderr).splitlines() if ln.startswith("version")]
+    return lines[0] if lines else "version unknown"
+
+
+def _version(package: str) -> str:
+    from importlib.metadata import version
+
+    return version(package)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--concurrency", default="1,8,32", help="comma-separated levels (default: %(default)s)")
-    p.add_argument("--max-tokens", type=int, default=64, help="output tokens per request (default: %(default)s)")
-    p.add_argument("--waves", type=int, default=2, help="waves of c requests per level (default: %(default)s)")
+    p.add_argument("--concurrency", default=None, help="comma-separated levels (default: 1,8,32; --quick: 1,8)")
+    p.add_argument("--max-tokens", type=int, default=None, help="output tokens per request (default: 64; --quick: 16)")
+    p.add_argument("--waves", type=int, default=None, help="waves of c requests per level (default: 2; --quick: 1)")
     p.add_argument("--threads", type=int, default=2, help="CPU threads for every system (default: %(default)s)")
-    p.add_argument("--quick", action="store_true", help="smoke run: concurrency 1,8, 16 tokens, one wave")
+    p.add_argument("--quick", action="store_true",
+                   help="smoke run: concurrency 1,8, 16 tokens, one wave; appends only with an explicit --output-md")
     p.add_argument("--skip-fleetllm", action="store_true")
     p.add_argument("--skip-hf", action="store_true")
     p.add_argument("--skip-llamacpp", action="store_true")
     p.add_argument("--llama-server", default=None, help="path to llama-server (default: the build script's output)")
     p.add_argument("--ctx-per-slot", type=int, default=512, help="llama-server context per slot (default: %(default)s)")
-    p.add_argument("--output-md", default=str(REPO / "BENCHMARKS.md"), help="file to append results to")
+    p.add_argument("--output-md", default=None, help="file to append results to (default: BENCHMARKS.md)")
     p.add_argument("--no-append", action="store_true", help="print only; do not append to --output-md")
     args = p.parse_args(argv)
-    if args.quick:
-        args.concurrency, args.max_tokens, args.waves = "1,8", 16, 1
+    quick = args.quick
+    args.concurrency = args.concurrency or ("1,8" if quick else "1,8,32")
+    args.max_tokens = args.max_tokens or (16 if quick else 64)
+    args.waves = args.waves or (1 if quick else 2)
+    if args.output_md is None:
+        # Smoke figures are not results: a quick run appends only where it is told to.
+        args.no_append = args.no_append or quick
+        args.output_md = str(REPO / "BENCHMARKS.md")
     return args
 
 
@@ -305,13 +352,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     command = "python " + shlex.join([os.path.relpath(sys.argv[0], REPO)] + sys.argv[1:])
     settings = Settings([int(c) for c in args.concurrency.split(",")], args.max_tokens, args.waves, args.threads)
-    # Every system gets exactly the same prompts at each level.
-    prompts = {c: settings.wave_prompts(c) for c in settings.concurrency}
+    prompts = build_prompts(settings)
+    machine_line = machine()  # the load average before this run adds its own
     results: list[Result] = []
-    notes: list[str] = []
+    notes = [f"Settings: {settings.max_tokens} output tokens per request (ignore_eos), {settings.waves} wave(s) of c "
+             f"requests per level, {settings.threads} threads per system; fleetllm at `{_git_rev()}`"]
     if not args.skip_fleetllm:
         print("[fleetllm worker]", flush=True)
-        results += bench_fleetllm(settings, prompts)
+        results += _guarded("fleetllm", notes, bench_fleetllm, settings, prompts)
     if not args.skip_llamacpp:
         binary = find_llama_server(args.llama_server)
         if binary is None:
@@ -321,13 +369,17 @@ def main(argv: list[str] | None = None) -> int:
             notes.append(msg)
         else:
             print(f"[llama.cpp] {binary}", flush=True)
-            results += bench_llamacpp(binary, settings, prompts, args.ctx_per_slot)
+            notes.append(f"llama.cpp: `{binary}` ({_llama_version(binary)}), ctx {args.ctx_per_slot} per slot")
+            results += _guarded("llama.cpp", notes, bench_llamacpp, binary, settings, prompts, args.ctx_per_slot)
     if not args.skip_hf:
         print("[HF transformers]", flush=True)
-        results += bench_hf(settings, prompts)
+        results += _guarded("HF", notes, bench_hf, settings, prompts)
+        notes.append(f"HF: transformers {_version('transformers')}, torch {_version('torch')}, fp32")
     print_tables(results)
-    if not args.no_append and results:
-        append_markdown(Path(args.output_md), results, command, notes)
+    if args.no_append:
+        print(f"not appended to {args.output_md}" + (" (--quick without --output-md)" if args.quick else ""))
+    elif results:
+        append_markdown(Path(args.output_md), results, command, machine_line, notes)
         print(f"appended to {args.output_md}")
     return 0
 

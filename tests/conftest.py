@@ -66,6 +66,7 @@ class WorkerProcess:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait(timeout=15)
+        self.log_path.unlink(missing_ok=True)
 
 
 def start_worker(*extra_args: str) -> WorkerProcess:

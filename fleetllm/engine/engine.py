@@ -98,6 +98,10 @@ class LLMEngine:
         self.scheduler = Scheduler(
             SchedulerConfig(cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.max_waiting), self.kv
         )
+        # A sequence must fit the pool on its own (admission keeps the watermark free), or it would wait
+        # forever at the head of the queue, or preempt itself forever once running.
+        fits = (num_blocks - int(self.scheduler.cfg.watermark * num_blocks)) * cfg.block_size
+        self.max_model_len = min(self.max_model_len, fits)
         self.runner = ModelRunner(self.loaded.model, num_blocks, cfg.block_size, self.device)
         self.sampler = Sampler()
         self.metrics = EngineMetrics(self.model_name)

@@ -8,9 +8,12 @@ sources give the HF layout the model code expects.
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
+import shutil
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -140,9 +143,16 @@ def _unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
 
 
 def read_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], TokenizerWrapper]:
+    """Config, fp32 HF-named weights and tokenizer of a GGUF file, from the dequantised cache when present."""
+    cached = _dequant_cache_dir(path)
+    if (cached / "done").exists():
+        try:
+            return _read_cache(cached)
+        except (OSError, ValueError, KeyError):
+            pass  # a damaged cache entry is rebuilt below
     from gguf import GGUFReader
 
-    reader = GGUFReader(str(path))
+    reader = GGUFReader(str(path))  # parses every metadata string: seconds for a 49k-token vocabulary
     meta = gguf_metadata(reader)
     names = {t.name for t in reader.tensors}
     tok = TokenizerWrapper.from_gguf_metadata(meta)
@@ -163,4 +173,46 @@ def read_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokeniz
         elif cfg.architecture == "llama" and t.name.endswith(("attn_k.weight", "attn_k.bias")):
             w = _unpermute(w, cfg.num_kv_heads)
         sd[hf] = w
+    _write_cache(cached, cfg, sd, tok)
     return cfg, sd, tok
+
+
+def cache_dir() -> Path:
+    """Where fleetllm keeps derived files (``FLEETLLM_CACHE_DIR``, default ``~/.cache/fleetllm``)."""
+    return Path(os.environ.get("FLEETLLM_CACHE_DIR") or Path.home() / ".cache" / "fleetllm")
+
+
+def _dequant_cache_dir(path: Path) -> Path:
+    # Keyed by the file's identity and the loader version, so a changed file or loader never hits stale weights.
+    st = path.stat()
+    key = hashlib.sha256(f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}|v1".encode()).hexdigest()[:24]
+    return cache_dir() / "gguf" / f"{path.stem}-{key}"
+
+
+def _write_cache(target: Path, cfg: ModelConfig, sd: dict[str, torch.Tensor], tok: TokenizerWrapper) -> None:
+    """Dequantising GGUF blocks in NumPy takes seconds; the fp32 safetensors copy loads in milliseconds."""
+    from safetensors.torch import save_file
+
+    try:
+        tmp = target.with_name(f"{target.name}.{os.getpid()}.tmp")
+        tmp.mkdir(parents=True, exist_ok=True)
+        save_file({k: v.contiguous() for k, v in sd.items()}, str(tmp / "model.safetensors"))
+        (tmp / "config.json").write_text(json.dumps(asdict(cfg)))
+        (tmp / "tokenizer.json").write_text(tok.tok.to_str())
+        (tmp / "tokenizer_extra.json").write_text(json.dumps(
+            {"chat_template": tok.chat_template, "bos_token": tok.bos_token, "eos_token": tok.eos_token, "add_bos": tok.add_bos}))
+        (tmp / "done").touch()
+        os.replace(tmp, target)  # atomic: concurrent workers never read a half-written entry
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)  # a read-only, full or raced cache only costs speed
+
+
+def _read_cache(entry: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], TokenizerWrapper]:
+    from safetensors.torch import load_file
+    from tokenizers import Tokenizer
+
+    cfg = ModelConfig(**json.loads((entry / "config.json").read_text()))
+    extra = json.loads((entry / "tokenizer_extra.json").read_text())
+    tok = TokenizerWrapper(Tokenizer.from_str((entry / "tokenizer.json").read_text()), extra["chat_template"],
+                           extra["bos_token"], extra["eos_token"], extra["add_bos"])
+    return cfg, load_file(str(entry / "model.safetensors")), tok

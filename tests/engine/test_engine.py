@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from fleetllm.engine.engine import PromptTooLong, RequestOutput
+from fleetllm.engine.engine import EngineConfig, LLMEngine, PromptTooLong, RequestOutput
 from fleetllm.engine.llm import LLM
 from fleetllm.engine.sampling import InvalidParameter, SamplingParams
 from fleetllm.engine.scheduler import QueueFull
@@ -177,3 +177,23 @@ def test_a_full_queue_refuses_and_queues_nothing(llm: LLM) -> None:
     assert "q-extra" not in eng.seqs
     outs = drain(llm)
     assert sorted(o.request_id for o in outs if o.finished) == ["q0", "q1", "q2", "q3"]
+
+
+def test_the_context_length_is_capped_to_what_the_kv_pool_holds(llm: LLM) -> None:
+    cfg = EngineConfig(model="smollm2-135m", num_blocks=4, block_size=16)  # 64 tokens of KV
+    small = LLMEngine(cfg, loaded=llm.engine.loaded)
+    assert small.max_model_len == 64
+    with pytest.raises(PromptTooLong):
+        small.add_request("too-big", [1] * 100, greedy(max_tokens=1))
+
+
+def test_a_request_filling_the_whole_pool_runs_to_completion(llm: LLM) -> None:
+    small = LLMEngine(EngineConfig(model="smollm2-135m", num_blocks=4, block_size=16), loaded=llm.engine.loaded)
+    small.add_request("fill", [1] * 60, greedy(max_tokens=4, ignore_eos=True))
+    outs = []
+    for _ in range(20):  # bounded: a request that cannot fit would spin forever
+        outs.extend(small.step())
+        if not small.has_unfinished():
+            break
+    assert [o.finish_reason for o in outs if o.finished] == ["length"]
+    assert small.pool.num_free == small.pool.num_blocks

@@ -1,0 +1,90 @@
+"""Model loading: GGUF dequantisation, llama.cpp's Q/K permutation, tokenizer, HF directories, the cache."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import quantize
+from safetensors.torch import save_file
+
+from fleetllm import LLM, SamplingParams
+from fleetllm.models import loader
+from fleetllm.models.loader import _unpermute, dequantize_tensor, load_model, resolve
+
+
+class _FakeTensor:
+    def __init__(self, data: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, ...]) -> None:
+        self.data, self.tensor_type, self.shape = data, qtype, list(reversed(shape))
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "F16"])
+def test_gguf_block_types_dequantise_to_close_fp32(qtype: str) -> None:
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((8, 256)).astype(np.float32)
+    t = GGMLQuantizationType[qtype]
+    q = w.astype(np.float16) if qtype == "F16" else quantize(w, t)
+    out = dequantize_tensor(_FakeTensor(q, t, w.shape))
+    assert out.shape == w.shape and out.dtype == np.float32
+    tol = {"Q8_0": 0.01, "F16": 0.001}.get(qtype, 0.15)
+    assert np.linalg.norm(out - w) / np.linalg.norm(w) < tol
+
+
+def test_unpermute_inverts_llama_cpp_permutation() -> None:
+    heads, head_dim, cols = 3, 8, 5
+    w = torch.randn(heads * head_dim, cols)
+    # convert_hf_to_gguf: reshape(n_head, 2, rows/n_head/2, ...).swapaxes(1, 2)
+    permuted = w.reshape(heads, 2, head_dim // 2, cols).swapaxes(1, 2).reshape(w.shape)
+    assert torch.equal(_unpermute(permuted, heads), w)
+
+
+def test_unknown_model_names_the_choices() -> None:
+    with pytest.raises(FileNotFoundError, match="smollm2-135m"):
+        resolve("no-such-model")
+
+
+def test_tokenizer_from_gguf_matches_transformers() -> None:
+    transformers = pytest.importorskip("transformers")
+    path = Path(resolve("smollm2-135m"))
+    ref = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    tok = load_model("smollm2-135m").tokenizer
+    for text in ["Hello, world!", "  leading spaces\tand tabs\n\nnewlines", "digits 1234567 and 3.14159",
+                 "émoji 🚀 and 中文", "<|im_start|>user\nhi<|im_end|>", "def f(x):\n    return x**2  # square"]:
+        assert tok.encode(text) == ref.encode(text), text
+        assert tok.decode(tok.encode(text), skip_special_tokens=False) == text
+
+
+def test_dequantised_cache_round_trips(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FLEETLLM_CACHE_DIR", str(tmp_path))
+    cfg1, sd1, tok1 = loader.read_gguf(resolve("smollm2-135m"))
+    assert list(tmp_path.glob("gguf/*/done")), "the first load writes the cache"
+    cfg2, sd2, tok2 = loader.read_gguf(resolve("smollm2-135m"))
+    assert cfg1 == cfg2
+    assert sd1.keys() == sd2.keys() and all(torch.equal(sd1[k], sd2[k]) for k in sd1)
+    text = "<|im_start|>user\nWhat is 12+30?<|im_end|>"
+    assert tok1.encode(text) == tok2.encode(text) and tok1.chat_template == tok2.chat_template
+
+
+def test_hf_directory_gives_the_same_greedy_output_as_the_gguf(tmp_path: Path) -> None:
+    cfg, sd, tok = loader.read_gguf(resolve("smollm2-135m"))
+    sd = {k: v for k, v in sd.items()}
+    save_file({k: v.contiguous() for k, v in sd.items()}, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text(json.dumps({
+        "model_type": "llama", "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size, "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads,
+        "rms_norm_eps": cfg.rms_norm_eps, "rope_theta": cfg.rope_theta, "max_position_embeddings": 2048,
+        "tie_word_embeddings": True, "bos_token_id": 1, "eos_token_id": 2,
+    }))
+    (tmp_path / "tokenizer.json").write_text(tok.tok.to_str())
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(
+        {"chat_template": tok.chat_template, "bos_token": "<|im_start|>", "eos_token": "<|im_end|>"}))
+    params = SamplingParams(max_tokens=12, temperature=0.0)
+    prompt = "The three primary colours are"
+    a = LLM(loaded=load_model("smollm2-135m")).generate([prompt], params)[0].outputs[0].token_ids
+    b = LLM(str(tmp_path)).generate([prompt], params)[0].outputs[0].token_ids
+    assert a == b
