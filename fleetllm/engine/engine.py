@@ -171,7 +171,7 @@ class LLMEngine:
                 s.seq.first_scheduled_time = now
                 self.metrics.queue_time.observe(now - s.seq.arrival_time)
         try:
-            logits = self.runner.execute(batch, sample_rows)
+            logits = self.runner.execute(batch, sample_rows).float().cpu()  # sampling runs on the host
             seqs = [batch[i].seq for i in sample_rows]
             result = self.sampler(
                 logits,

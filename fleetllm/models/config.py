@@ -37,6 +37,12 @@ class ModelConfig:
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
         eos = cfg.get("eos_token_id")
         eos_ids = eos if isinstance(eos, list) else ([eos] if eos is not None else [])
+        # transformers >= 5 writes one "rope_parameters" dict; older configs have rope_theta + rope_scaling.
+        rope = cfg.get("rope_parameters") or {}
+        theta = cfg.get("rope_theta") or rope.get("rope_theta", 10000.0)
+        scaling = cfg.get("rope_scaling")
+        if scaling is None and rope.get("rope_type", "default") != "default":
+            scaling = rope
         return cls(
             architecture=arch,
             vocab_size=cfg["vocab_size"],
@@ -47,8 +53,8 @@ class ModelConfig:
             num_kv_heads=cfg.get("num_key_value_heads", heads),
             head_dim=head_dim,
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-            rope_theta=cfg.get("rope_theta", 10000.0),
-            rope_scaling=cfg.get("rope_scaling"),
+            rope_theta=float(theta),
+            rope_scaling=scaling,
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
             attention_bias=cfg.get("attention_bias", arch == "qwen2"),
