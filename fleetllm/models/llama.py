@@ -81,8 +81,8 @@ class Rotary(nn.Module):
         self.register_buffer("sin", emb.sin(), persistent=False)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        cos = self.cos[positions].unsqueeze(1)  # [T, 1, D]
-        sin = self.sin[positions].unsqueeze(1)
+        cos = self.cos[positions].unsqueeze(1).to(q.dtype)  # [T, 1, D]; tables stay fp32 for accuracy
+        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 
