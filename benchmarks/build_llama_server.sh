@@ -2,6 +2,9 @@
 # Build llama.cpp's own `llama-server` (the real multi-slot peer, see DESIGN.md §7) from the
 # llama.cpp source vendored in the llama-cpp-python sdist, in a cache dir outside the repo.
 # Idempotent: exits at once when the binary already exists.
+# GGML_NATIVE=ON compiles llama.cpp's AMX kernels where /proc/cpuinfo lists AMX; on VMs that list AMX
+# but do not grant it, the server dies at start (SIGILL/SIGSEGV in `tilezero`). engine_vs_peers.py then
+# reruns it with `--no-repack`, which switches those kernels off at run time (no rebuild needed).
 #
 # Usage: benchmarks/build_llama_server.sh            # prints the binary's path on success
 # Env:   FLEETLLM_PEERS_DIR (default ~/.cache/fleetllm-peers)

@@ -101,6 +101,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+class ServerDied(RuntimeError):
+    """The server process exited before it became healthy."""
+
+    def __init__(self, message: str, returncode: int):
+        super().__init__(message)
+        self.returncode = returncode
+
+
 @contextmanager
 def server(cmd: list[str], port: int, name: str, startup_timeout_s: float = 600.0) -> Iterator[str]:
     """Start ``cmd`` in its own process group, wait until /health answers 200, stop it on exit."""
@@ -113,7 +121,7 @@ def server(cmd: list[str], port: int, name: str, startup_timeout_s: float = 600.
         deadline = time.monotonic() + startup_timeout_s
         while True:
             if proc.poll() is not None:
-                raise RuntimeError(f"{name} exited with {proc.returncode}:\n{_tail(log.name)}")
+                raise ServerDied(f"{name} exited with {proc.returncode}:\n{_tail(log.name)}", proc.returncode)
             try:
                 if httpx.get(f"{base}/health", timeout=2.0).status_code == 200:
                     break
@@ -210,16 +218,31 @@ def find_llama_server(explicit: str | None) -> Path | None:
     return None
 
 
-def bench_llamacpp(binary: Path, settings: Settings, prompts: dict[int, list[list[str]]], ctx_per_slot: int) -> list[Result]:
+def bench_llamacpp(binary: Path, settings: Settings, prompts: dict[int, list[list[str]]], ctx_per_slot: int,
+                   notes: list[str]) -> list[Result]:
     """A fresh ``llama-server -np c -cb`` per concurrency c (its slots are fixed at start)."""
     gguf = str(resolve(MODEL_ALIAS))
+    extra: list[str] = []
     results = []
     for c in settings.concurrency:
         port = free_port()
         cmd = [str(binary), "-m", gguf, "--host", "127.0.0.1", "--port", str(port), "-t", str(settings.threads),
                "-tb", str(settings.threads), "-np", str(c), "-cb", "-c", str(c * ctx_per_slot), "-a", MODEL_ALIAS]
-        with server(cmd, port, f"llama-server-np{c}") as base:
-            r = asyncio.run(run_waves(base, MODEL_ALIAS, settings, c, prompts[c]))
+        try:
+            with server(cmd + extra, port, f"llama-server-np{c}") as base:
+                r = asyncio.run(run_waves(base, MODEL_ALIAS, settings, c, prompts[c]))
+        except ServerDied as e:
+            if e.returncode >= 0 or extra:
+                raise
+            # A -march=native build takes the AMX kernels when /proc/cpuinfo lists AMX, and some VMs list
+            # AMX without letting a process use it (SIGILL/SIGSEGV in its warm-up decode). The AMX path is an
+            # "extra buffer type", so --no-repack turns it off; Q4_1 has no other repacked kernel.
+            extra = ["--no-repack"]
+            msg = f"llama-server died by signal {-e.returncode} at start; retried with --no-repack (no AMX kernels)"
+            print(f"  {msg}", flush=True)
+            notes.append(msg)
+            with server(cmd + extra, port, f"llama-server-np{c}") as base:
+                r = asyncio.run(run_waves(base, MODEL_ALIAS, settings, c, prompts[c]))
         r.system = "llama.cpp"
         results.append(r)
         print(f"  {r.summary()}", flush=True)
@@ -235,7 +258,9 @@ def bench_hf(settings: Settings, prompts: dict[int, list[list[str]]]) -> list[Re
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.generation.streamers import BaseStreamer
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()
     torch.set_num_threads(settings.threads)
     gguf = resolve(MODEL_ALIAS)
     tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
@@ -370,7 +395,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             print(f"[llama.cpp] {binary}", flush=True)
             notes.append(f"llama.cpp: `{binary}` ({_llama_version(binary)}), ctx {args.ctx_per_slot} per slot")
-            results += _guarded("llama.cpp", notes, bench_llamacpp, binary, settings, prompts, args.ctx_per_slot)
+            results += _guarded("llama.cpp", notes, bench_llamacpp, binary, settings, prompts, args.ctx_per_slot, notes)
     if not args.skip_hf:
         print("[HF transformers]", flush=True)
         results += _guarded("HF", notes, bench_hf, settings, prompts)

@@ -53,21 +53,31 @@ class TokenCounter:
         return len(text.split())
 
     def _server_count(self, text: str) -> int | None:
+        # vLLM and fleetllm read "prompt"; llama.cpp's llama-server reads only "content" and answers
+        # {"tokens": []} to anything else, so an empty list for non-empty text means "try the other form".
+        for body in ({"model": self.model, "prompt": text}, {"content": text}):
+            n = self._post_count(body)
+            if n is None:
+                continue
+            if n > 0 or not text.strip():
+                return n
+        return None
+
+    def _post_count(self, body: dict[str, object]) -> int | None:
         try:
-            r = httpx.post(
-                f"{self.base_url}/tokenize",
-                json={"model": self.model, "prompt": text},
-                timeout=self.timeout_s,
-            )
+            r = httpx.post(f"{self.base_url}/tokenize", json=body, timeout=self.timeout_s)
         except httpx.HTTPError:
             return None
         if r.status_code != 200:
             return None
-        body = r.json()
-        if "count" in body:
-            return int(body["count"])
-        if "tokens" in body:
-            return len(body["tokens"])
+        try:
+            answer = r.json()
+        except ValueError:
+            return None
+        if "count" in answer:
+            return int(answer["count"])
+        if isinstance(answer.get("tokens"), list):
+            return len(answer["tokens"])
         return None
 
     def tokens_per_word(self, words: tuple[str, ...] = PROSE_WORDS, sample: int = 400) -> float:

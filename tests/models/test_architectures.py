@@ -44,7 +44,7 @@ def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_architecture_matches_transformers(case: str, tmp_path: Path, tokenizer_dir: Path) -> None:
     torch.manual_seed(0)
     cfg = CASES[case]()
-    model = transformers.AutoModelForCausalLM.from_config(cfg, torch_dtype=torch.float32).eval()
+    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
     with torch.no_grad():  # random init gives near-uniform logits; sharpen them so argmax is never a near tie
         for p in model.parameters():
             p.mul_(4.0) if p.dim() > 1 else None
