@@ -27,7 +27,7 @@ Setup (once): ``benchmarks/install_aiperf.sh`` (AIPerf 0.13 in its own ~1.2 GB v
 GGUF to ~/.cache/fleetllm-peers/tokenizer-smollm2-135m on first use and handed to AIPerf as a local folder.
 
 Run:  python benchmarks/bench_vs_aiperf.py [--concurrency 4 --requests 24 --isl 128 --osl 32]
-          [--rounds 1] [--llama-server [PATH] | --peer-url URL] [--no-record]
+          [--rounds 1] [--llama-server [PATH] | --peer-url URL] [--no-pin] [--no-record]
 """
 
 from __future__ import annotations
@@ -153,6 +153,28 @@ class TargetResult:
 # ---------------------------------------------------------------------------------------------------
 # Servers
 
+# CPU sets for the server and for the load generators (None: not pinned). A load generator sharing the
+# server's cores slows the server down (torch/ggml threads wait on each other when one is preempted), so by
+# default the last core is kept for the client and the server gets the others.
+PINNING: dict[str, set[int] | None] = {"server": None, "client": None}
+
+
+def plan_pinning(enabled: bool) -> None:
+    """Server on every core but the last, clients on the last (when there are at least 2)."""
+    cores = sorted(os.sched_getaffinity(0))
+    if enabled and len(cores) >= 2:
+        PINNING["server"], PINNING["client"] = set(cores[:-1]), {cores[-1]}
+    else:
+        PINNING["server"] = PINNING["client"] = None
+
+
+def _pin(kind: str) -> Any:
+    """A ``preexec_fn`` that pins the child to ``PINNING[kind]`` (None when unpinned)."""
+    cpus = PINNING.get(kind)
+    if not cpus:
+        return None
+    return lambda: os.sched_setaffinity(0, cpus)
+
 
 def free_port() -> int:
     """A TCP port nobody listens on right now."""
@@ -166,7 +188,8 @@ def server(cmd: list[str], port: int, name: str, startup_timeout_s: float = 600.
     """Start ``cmd`` in its own process group, wait until /health answers 200, stop it on exit."""
     log = tempfile.NamedTemporaryFile("w+", prefix=f"{name}-", suffix=".log", delete=False)
     print(f"starting {name}: {shlex.join(cmd)}  (log {log.name})", flush=True)
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=REPO)
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=REPO,
+                            preexec_fn=_pin("server"))
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + startup_timeout_s
@@ -371,7 +394,8 @@ def _run(cmd: list[str], log: Path, name: str, env: dict[str, str] | None = None
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.monotonic()
     with open(log, "w") as f:
-        rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=REPO, env=env).returncode
+        rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=REPO, env=env,
+                            preexec_fn=_pin("client")).returncode
     wall = time.monotonic() - t0
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
@@ -648,7 +672,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=1, help="alternate the tools this many times; medians")
     p.add_argument("--timeout", type=float, default=900.0, help="per-request timeout, s")
     p.add_argument("--worker-url", default=None, help="use this fleetllm worker instead of starting one")
-    p.add_argument("--threads", type=int, default=None, help="worker --num-threads (default: its own)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="server threads (default: the server's cores: all but one when pinned)")
     p.add_argument("--aiperf", default=os.environ.get("AIPERF", str(AIPERF_DEFAULT)), help="aiperf executable")
     p.add_argument("--tokenizer-dir", default=str(TOKENIZER_DEFAULT), help="tokenizer folder for AIPerf")
     peer = p.add_mutually_exclusive_group()
@@ -656,7 +681,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     peer.add_argument("--llama-server", nargs="?", const="auto", default=None,
                       help="also start llama.cpp's llama-server on the same GGUF (optional path; default: "
                            "found under ~/.cache/fleetllm-peers)")
-    p.add_argument("--llama-threads", type=int, default=2)
+    p.add_argument("--llama-threads", type=int, default=None, help="llama-server -t (default: as the worker)")
+    p.add_argument("--no-pin", action="store_true",
+                   help="do not pin the server to all cores but the last and the tools to the last one")
     p.add_argument("--output-dir", default=None, help="keep both tools' artifacts here (default: a temp dir)")
     p.add_argument("--benchmarks-md", default=str(BENCHMARKS_MD))
     p.add_argument("--no-record", action="store_true", help="do not append to BENCHMARKS.md")
@@ -678,6 +705,11 @@ def main(argv: list[str] | None = None) -> int:
         console.print(f"[red]aiperf not found at {aiperf}[/red]: run benchmarks/install_aiperf.sh (or pass --aiperf)")
         return 2
     tokenizer = ensure_tokenizer(Path(args.tokenizer_dir))
+    plan_pinning(not args.no_pin)
+    server_threads = args.threads or len(PINNING["server"] or os.sched_getaffinity(0))
+    if PINNING["server"]:
+        print(f"pinning: server on cores {sorted(PINNING['server'])} ({server_threads} threads), "
+              f"fleetllm bench and AIPerf on {sorted(PINNING['client'] or [])}", flush=True)
     out_root = Path(args.output_dir or tempfile.mkdtemp(prefix="bench_vs_aiperf-"))
     out_root.mkdir(parents=True, exist_ok=True)
     print(f"artifacts: {out_root}   load average {', '.join(f'{x:.2f}' for x in load_start)}", flush=True)
@@ -695,7 +727,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         port = free_port()
         cmd = [sys.executable, "-m", "fleetllm.cli", "worker", "--model", MODEL_ALIAS, "--host", "127.0.0.1",
-               "--port", str(port)] + (["--num-threads", str(args.threads)] if args.threads else [])
+               "--port", str(port), "--num-threads", str(server_threads)]
         with server(cmd, port, "fleetllm-worker") as (url, pid):
             worker.url, worker.server_pid = url, pid
             measure(worker, wl, args.rounds, aiperf, tokenizer, MODEL_ALIAS, out_root, tool_cmds)
@@ -716,7 +748,8 @@ def main(argv: list[str] | None = None) -> int:
 
                 port = free_port()
                 cmd = [str(binary), "-m", str(resolve(MODEL_ALIAS)), "-c", "4096", "-np", str(wl.concurrency),
-                       "-cb", "-t", str(args.llama_threads), "--host", "127.0.0.1", "--port", str(port)]
+                       "-cb", "-t", str(args.llama_threads or server_threads), "--host", "127.0.0.1",
+                       "--port", str(port)]
                 versions["llama-server"] = _version([str(binary), "--version"])
                 with server(cmd, port, "llama-server") as (url, pid):
                     peer.url, peer.server_pid = url, pid
@@ -745,11 +778,17 @@ def main(argv: list[str] | None = None) -> int:
                 notes.append(f"{t.name}, {m.tool} run: other processes used {m.other_cpu_s:.0f} CPU s over its "
                              f"{m.wall_s:.0f} s ({m.other_cpu_s / m.wall_s:.2f} cores on average): this run shared "
                              f"the machine.")
+    if PINNING["server"]:
+        notes.insert(0, f"Pinned: the servers ran on core(s) {sorted(PINNING['server'])} with {server_threads} "
+                        f"thread(s), both load generators on core(s) {sorted(PINNING['client'] or [])}, so a "
+                        f"tool's own CPU use does not slow the server it measures.")
+    else:
+        notes.insert(0, "Not pinned (--no-pin): server and load generator shared every core.")
     notes += explain(targets)
     notes += [
         "AIPerf runs several processes of its own (system controller, dataset manager, timing manager, worker, "
         "record processor, ZMQ proxies); fleetllm bench is one asyncio process. \"client CPU time\" is each "
-        "tool's whole process tree, start-up included: on 2 cores that CPU is taken from the server.",
+        "tool's whole process tree, start-up included: unpinned on 2 cores, that CPU is taken from the server being measured.",
         "Both tools count input/output tokens from the server's `usage` (AIPerf `--use-server-token-count`); "
         "AIPerf's TTFT, \"ITL\" (= TPOT) and output tok/s use the same definitions as fleetllm's "
         "(`docs/bench.md`), and both measure duration from the first measured request's send to the last "
