@@ -36,7 +36,6 @@ import argparse
 import datetime as dt
 import json
 import os
-import platform
 import resource
 import shlex
 import shutil
@@ -54,6 +53,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from common import cpu_model, stop_process, tail
 from rich.console import Console
 from rich.table import Table
 
@@ -195,38 +195,19 @@ def server(cmd: list[str], port: int, name: str, startup_timeout_s: float = 600.
         deadline = time.monotonic() + startup_timeout_s
         while True:
             if proc.poll() is not None:
-                raise RuntimeError(f"{name} exited with {proc.returncode}:\n{_tail(log.name)}")
+                raise RuntimeError(f"{name} exited with {proc.returncode}:\n{tail(log.name)}")
             try:
                 if httpx.get(f"{base}/health", timeout=2.0).status_code == 200:
                     break
             except httpx.HTTPError:
                 pass
             if time.monotonic() > deadline:
-                raise RuntimeError(f"{name} not healthy after {startup_timeout_s:.0f}s:\n{_tail(log.name)}")
+                raise RuntimeError(f"{name} not healthy after {startup_timeout_s:.0f}s:\n{tail(log.name)}")
             time.sleep(0.5)
         yield base, proc.pid
     finally:
-        _stop(proc)
+        stop_process(proc)
         log.close()
-
-
-def _stop(proc: subprocess.Popen[bytes]) -> None:
-    """SIGTERM, then SIGKILL after 20 s, only this process."""
-    if proc.poll() is not None:
-        return
-    proc.terminate()
-    try:
-        proc.wait(timeout=20)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-
-
-def _tail(path: str | Path, lines: int = 30) -> str:
-    try:
-        return "".join(Path(path).read_text(errors="replace").splitlines(keepends=True)[-lines:])
-    except OSError:
-        return ""
 
 
 def busy_cpu_s() -> float:
@@ -400,7 +381,7 @@ def _run(cmd: list[str], log: Path, name: str, env: dict[str, str] | None = None
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     if rc != 0:
-        raise RuntimeError(f"{name} exited with {rc} after {wall:.0f}s (log {log}):\n{_tail(log)}")
+        raise RuntimeError(f"{name} exited with {rc} after {wall:.0f}s (log {log}):\n{tail(log)}")
     print(f"  {name}: done in {wall:.0f}s, {cpu:.1f} CPU s", flush=True)
     return wall, cpu
 
@@ -511,14 +492,7 @@ def print_tables(console: Console, targets: list[TargetResult], requested: int) 
 
 def machine_line(load_start: tuple[float, float, float], load_end: tuple[float, float, float]) -> str:
     """Cores, CPU model and load averages at start and end."""
-    model = platform.processor() or "unknown CPU"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    model = cpu_model()
     fmt = lambda la: ", ".join(f"{x:.2f}" for x in la)  # noqa: E731
     return (f"{len(os.sched_getaffinity(0))} cores (nproc), {model}; load average (1/5/15 min) "
             f"{fmt(load_start)} at start, {fmt(load_end)} at end")

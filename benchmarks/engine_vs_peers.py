@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+from common import stop_process, tail
 from peers_report import Result, append_markdown, machine, print_tables
 
 from fleetllm.bench.client import ClientConfig, RequestSpec, make_http_client, send_request
@@ -121,37 +122,22 @@ def server(cmd: list[str], port: int, name: str, startup_timeout_s: float = 600.
         deadline = time.monotonic() + startup_timeout_s
         while True:
             if proc.poll() is not None:
-                raise ServerDied(f"{name} exited with {proc.returncode}:\n{_tail(log.name)}", proc.returncode)
+                raise ServerDied(f"{name} exited with {proc.returncode}:\n{tail(log.name)}", proc.returncode)
             try:
                 if httpx.get(f"{base}/health", timeout=2.0).status_code == 200:
                     break
             except httpx.HTTPError:
                 pass
             if time.monotonic() > deadline:
-                raise RuntimeError(f"{name} not healthy after {startup_timeout_s:.0f}s:\n{_tail(log.name)}")
+                raise RuntimeError(f"{name} not healthy after {startup_timeout_s:.0f}s:\n{tail(log.name)}")
             time.sleep(0.5)
         yield base
         ok = True
     finally:
-        _stop(proc)
+        stop_process(proc)
         log.close()
         if ok:  # keep the log only when something went wrong
             os.unlink(log.name)
-
-
-def _stop(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is not None:
-        return
-    proc.terminate()
-    try:
-        proc.wait(timeout=20)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-
-
-def _tail(path: str, lines: int = 30) -> str:
-    return "".join(Path(path).read_text(errors="replace").splitlines(keepends=True)[-lines:])
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -10,11 +10,11 @@ from __future__ import annotations
 import datetime as dt
 import math
 import os
-import platform
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from common import cpu_model
 from rich.console import Console
 from rich.table import Table
 
@@ -116,14 +116,7 @@ def print_tables(results: list[Result], console: Console | None = None) -> None:
 
 def machine() -> str:
     """``nproc`` cores, the CPU model and the load average when the run started."""
-    model = platform.processor() or "unknown CPU"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    model = cpu_model()
     load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
     return f"{len(os.sched_getaffinity(0))} cores (nproc), {model}, load average {load}"
 
