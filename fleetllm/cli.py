@@ -111,13 +111,10 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
 
 def router_config(args: argparse.Namespace, workers: list[str], zones: list[str] | None = None):  # -> RouterConfig
     from fleetllm.router.gateway import RouterConfig
-    from fleetllm.router.policies import CostModel
+    from fleetllm.sim.profile import TimingProfile
 
-    cost = CostModel()
-    if args.profile:
-        from fleetllm.sim.profile import TimingProfile
-
-        cost = TimingProfile.load(args.profile).cost_model()
+    # Rates of the shipped SmolLM2-on-CPU profile unless a measured one is given (fleetllm calibrate).
+    cost = (TimingProfile.load(args.profile) if args.profile else TimingProfile.default()).cost_model()
     tokenizers = dict(kv.split("=", 1) for kv in getattr(args, "tokenizer", None) or [])
     return RouterConfig(workers=workers, policy=args.policy, zones=zones or [], max_retries=args.max_retries,
                         health_interval_s=args.health_interval, session_header=args.session_header,

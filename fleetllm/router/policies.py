@@ -13,7 +13,8 @@ Every policy implements :class:`Policy` and is registered by name in ``POLICIES`
 
 The cost used by ``prefix`` and ``kv_aware`` is in estimated seconds (DESIGN.md §4):
 ``(queued prefill tokens + this request's uncached tokens) / prefill_rate + γ · decoding / decode_rate
-+ KV-pressure penalty``, ties broken at random.
++ KV-pressure penalty``, ties broken at random, over the workers whose in-flight count stays within
+``balance`` times the mean (bounded load, as in the session policy).
 """
 
 from __future__ import annotations
@@ -155,19 +156,26 @@ class PrefixAware:
     ``prefix`` uses an index of what the router itself routed (TTL'd); ``kv_aware`` the same class
     over an index kept exact by the workers' KV events (see :mod:`fleetllm.router.index`)."""
 
-    def __init__(self, name: str, index: PrefixIndex, cost: CostModel | None = None, seed: int | None = None) -> None:
+    def __init__(self, name: str, index: PrefixIndex, cost: CostModel | None = None, seed: int | None = None,
+                 balance: float = 1.25) -> None:
         self.name = name
         self.index = index
         self.cost = cost or CostModel()
         self.rng = random.Random(seed)
+        self.balance = balance
 
     def choose(self, req: RouteRequest, workers: list[WorkerState]) -> Decision:
         if not req.block_hashes and req.num_prompt_tokens == 0:
             return Decision(_least_loaded(workers, self.rng), "fallback")
         depth = self.index.match(req.block_hashes, [w.name for w in workers])
         best_depth = max(depth.values(), default=0)
+        # Bounded load: a worker already above `balance` x the mean in-flight count takes no more until
+        # the others catch up, however much of the prefix it holds (a hot prefix spills instead of
+        # piling onto one replica). The least loaded worker always qualifies.
+        bound = math.ceil(self.balance * (sum(w.inflight for w in workers) + 1) / len(workers))
+        eligible = [w for w in workers if w.inflight + 1 <= bound] or workers
         costs = []
-        for w in workers:
+        for w in eligible:
             cached = min(depth[w.name] * req.block_size, max(req.num_prompt_tokens - 1, 0))
             costs.append((self.cost.cost(w, req.num_prompt_tokens - cached), w, cached))
         low = min(c for c, _, _ in costs)

@@ -131,3 +131,12 @@ def test_cached_estimate_never_exceeds_prompt_minus_one_token():
 def test_unknown_policy_name_is_a_clear_error():
     with pytest.raises(ValueError, match="round_robin"):
         make_policy("fastest", PrefixIndex(1.0))
+
+
+def test_prefix_aware_never_piles_onto_a_worker_far_above_the_mean_load():
+    idx = PrefixIndex(routed_ttl_s=300)
+    ws = workers(4)
+    idx.record_routed("w0", [1, 2, 3])
+    ws[0].inflight = 6  # the others are idle: 6 + 1 > ceil(1.25 * 7 / 4)
+    d = make_policy("kv_aware", idx, CostModel(prefill_tokens_per_s=1e9), seed=0).choose(_req([1, 2, 3]), ws)
+    assert d.worker.name != "w0" and d.reason == "spill"
