@@ -348,13 +348,20 @@ class Router:
         return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     async def state(self, request: Request) -> Response:
-        """Every worker as the router sees it (for people and tests)."""
-        return JSONResponse({"policy": self.policy.name, "workers": [
-            {"name": w.name, "url": w.url, "zone": w.zone, "healthy": w.healthy, "inflight": w.inflight,
-             "pending_prefill_tokens": w.pending_prefill_tokens, "decoding": w.decoding, "running": w.running,
-             "waiting": w.waiting, "kv_usage": w.kv_usage, "model": w.model, "instance": w.instance,
-             "events_connected": w.events_connected, "breaker": w.breaker.state, "index_blocks": self.index.size(w.name)}
-            for w in self.workers]})
+        """Every worker as the router sees it (for people and tests); ``?hashes=1`` adds the exact index."""
+        with_hashes = request.query_params.get("hashes") == "1"
+        workers = []
+        for w in self.workers:
+            exact = self.index.exact.get(w.name, set())
+            row = {"name": w.name, "url": w.url, "zone": w.zone, "healthy": w.healthy, "inflight": w.inflight,
+                   "pending_prefill_tokens": w.pending_prefill_tokens, "decoding": w.decoding, "running": w.running,
+                   "waiting": w.waiting, "kv_usage": w.kv_usage, "model": w.model, "instance": w.instance,
+                   "events_connected": w.events_connected, "breaker": w.breaker.state,
+                   "index_blocks": self.index.size(w.name), "exact_blocks": len(exact)}
+            if with_hashes:
+                row["exact_hashes"] = sorted(exact)
+            workers.append(row)
+        return JSONResponse({"policy": self.policy.name, "workers": workers})
 
 
 async def _read_quietly(resp: httpx.Response) -> bytes:
