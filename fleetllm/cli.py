@@ -62,7 +62,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
         "model %s loaded in %.1fs; %d KV blocks of %d tokens", engine.model_name, engine.loaded.load_seconds,
         engine.pool.num_blocks, engine.pool.block_size,
     )
-    worker = Worker(engine)
+    worker = Worker(engine, role=args.role)
     run_app(worker.app, args.host, args.port, args.log_level, on_exit=lambda: setattr(worker, "closing", True))
     return 0
 
@@ -107,9 +107,13 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--session-header", default="x-session-id", help="header naming a session (else the body's `user`)")
     p.add_argument("--profile", default=None, help="calibration profile (fleetllm calibrate) for the cost model")
     p.add_argument("--seed", type=int, default=None, help="seed for random tie-breaks")
+    p.add_argument("--pd-threshold", type=int, default=4096,
+                   help="disaggregate when the decode worker lacks at least this many prompt tokens")
+    p.add_argument("--pd-timeout", type=float, default=120.0, help="seconds for a remote prefill + KV transfer")
 
 
-def router_config(args: argparse.Namespace, workers: list[str], zones: list[str] | None = None):  # -> RouterConfig
+def router_config(args: argparse.Namespace, workers: list[str], zones: list[str] | None = None,
+                  roles: list[str] | None = None):  # -> RouterConfig
     from fleetllm.router.gateway import RouterConfig
     from fleetllm.sim.profile import TimingProfile
 
@@ -119,7 +123,8 @@ def router_config(args: argparse.Namespace, workers: list[str], zones: list[str]
     return RouterConfig(workers=workers, policy=args.policy, zones=zones or [], max_retries=args.max_retries,
                         health_interval_s=args.health_interval, session_header=args.session_header,
                         breaker_threshold=args.breaker_threshold, breaker_cooldown_s=args.breaker_cooldown,
-                        tokenizers=tokenizers, cost=cost, seed=args.seed)
+                        tokenizers=tokenizers, cost=cost, seed=args.seed, roles=roles or [],
+                        pd_threshold=args.pd_threshold, pd_timeout_s=args.pd_timeout)
 
 
 def cmd_router(args: argparse.Namespace) -> int:
@@ -127,8 +132,9 @@ def cmd_router(args: argparse.Namespace) -> int:
     from fleetllm.server.serving import run_app
 
     workers = [u for u in args.workers.split(",") if u]
-    zones = [z for z in args.zones.split(",")] if args.zones else None
-    router = Router(router_config(args, workers, zones))
+    zones = args.zones.split(",") if args.zones else None
+    roles = args.roles.split(",") if args.roles else None
+    router = Router(router_config(args, workers, zones, roles))
     logging.getLogger("fleetllm").info("router on %s:%d over %d workers, policy %s", args.host, args.port,
                                        len(workers), args.policy)
     run_app(router.app, args.host, args.port, args.log_level, on_exit=lambda: setattr(router, "closing", True))
@@ -141,9 +147,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     if args.config:
         cfg = FleetConfig.from_yaml(args.config)
+    elif args.prefill or args.decode:
+        cfg = FleetConfig(workers=[
+            WorkerGroup(replicas=args.prefill, model=args.model, role="prefill", threads=args.num_threads),
+            WorkerGroup(replicas=args.decode, model=args.model, role="decode", threads=args.num_threads)])
     else:
         cfg = FleetConfig(workers=[WorkerGroup(replicas=args.replicas, model=args.model, simulate=args.simulate,
                                                threads=args.num_threads)])
+    if args.pd_threshold is not None:
+        cfg.pd_threshold = args.pd_threshold
     cfg.host, cfg.port = args.host or cfg.host, args.port or cfg.port
     cfg.policy = args.policy or cfg.policy
     cfg.restart = cfg.restart or args.restart
@@ -172,6 +184,8 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--host", default="127.0.0.1")
     w.add_argument("--port", type=int, default=8001)
     w.add_argument("--log-level", default="info")
+    w.add_argument("--role", default="both", choices=["prefill", "decode", "both"],
+                   help="disaggregated serving: prefill workers get only remote prefills from the router")
     w.add_argument("--simulate", action="store_true", help="timing-model worker (no weights): for fleet experiments")
     w.add_argument("--profile", default=None, help="--simulate: timing profile from fleetllm calibrate")
     w.add_argument("--count", type=int, default=1, help="--simulate: workers on consecutive ports in one process")
@@ -181,6 +195,8 @@ def build_parser() -> argparse.ArgumentParser:
     r = sub.add_parser("router", help="OpenAI-compatible gateway routing over many workers")
     r.add_argument("--workers", required=True, help="comma-separated worker base URLs")
     r.add_argument("--zones", default=None, help="comma-separated zone per worker (metrics label)")
+    r.add_argument("--roles", default=None, help="comma-separated role per worker (prefill|decode|both); "
+                   "workers also report their role themselves")
     r.add_argument("--tokenizer", action="append", metavar="MODEL=REF",
                    help="tokenizer for a served model name that is not itself a model reference")
     add_router_args(r)
@@ -194,6 +210,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--replicas", type=int, default=2)
     s.add_argument("--model", default="smollm2-135m")
     s.add_argument("--simulate", action="store_true", help="simulated workers (timing model, no weights)")
+    s.add_argument("--prefill", type=int, default=0, help="disaggregated fleet: prefill-role workers")
+    s.add_argument("--decode", type=int, default=0, help="disaggregated fleet: decode-role workers")
+    s.add_argument("--pd-threshold", type=int, default=None, help="uncached prompt tokens that make a request "
+                   "prefill remotely (default 4096)")
     s.add_argument("--num-threads", type=int, default=None, help="torch threads per worker (default: cores / replicas)")
     s.add_argument("--policy", default=None, help="routing policy (default: kv_aware)")
     s.add_argument("--restart", action="store_true", help="restart worker processes that die")

@@ -8,7 +8,7 @@ import time
 
 import httpx
 import pytest
-from router_helpers import ThreadServer, router, sim_workers, wait_state
+from fleet_helpers import ThreadServer, router, sim_workers, wait_state
 from starlette.applications import Starlette
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -68,7 +68,7 @@ def test_router_errors_are_openai_style(procs):
 
 
 def test_no_healthy_worker_is_a_prompt_503_not_a_hang(procs):
-    from router_helpers import free_port
+    from fleet_helpers import free_port
 
     r = router([f"http://127.0.0.1:{free_port()}"], "kv_aware")  # nothing listens there
     procs.append(r)

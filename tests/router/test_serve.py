@@ -12,7 +12,7 @@ from pathlib import Path
 
 import httpx
 import openai
-from router_helpers import free_ports
+from fleet_helpers import free_ports
 
 from fleetllm.fleet.config import FleetConfig
 
