@@ -140,7 +140,7 @@ def main() -> int:
         args.duration, args.long_isl, args.sweep = 40.0, 1024, ""
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    console = Console()
+    console = Console(width=170)
     long_flags = ["--isl", str(args.long_isl), "--osl", "8"]
     colocated = [WorkerGroup(replicas=3, threads=1)]
     disagg = [WorkerGroup(replicas=1, role="prefill", threads=1), WorkerGroup(replicas=2, role="decode", threads=1)]
