@@ -5,7 +5,8 @@ with ``fleetllm serve``'s launcher (cold caches), and ``fleetllm bench`` drives 
 the router: multi-turn chat with shared system prompts, agentic sessions with growing contexts, and
 Zipf-skewed shared prefixes. Reported per run: TTFT p50/p99 and throughput (from the bench result),
 prefix-cache hit rate (from the workers' own ``vllm:prefix_cache_*`` counters, before/after deltas)
-and load imbalance (the busiest worker's requests over the mean). Ratios are against round_robin in
+and load imbalance: the busiest worker's requests over the mean, and its work (tokens it really
+computed: uncached prompt tokens + generated tokens) over the mean. Ratios are against round_robin in
 the same run.
 
     python benchmarks/routing.py                 # full run (see BENCHMARKS.md for its figures)
@@ -68,7 +69,7 @@ def scrape(url: str) -> dict[str, float]:
     for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
         m = _SAMPLE.match(line)
         if m and m.group(1) in ("vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total",
-                                "vllm:request_success_total", "vllm:prompt_tokens_total"):
+                                "vllm:request_success_total", "vllm:generation_tokens_total"):
             out[m.group(1)] = out.get(m.group(1), 0.0) + float(m.group(2))
     return out
 
@@ -111,6 +112,10 @@ def run_one(fleet_kind: str, n_workers: int, policy: str, workloads: dict[str, l
             h = sum(delta(u, "vllm:prefix_cache_hits_total") for u in fleet.worker_urls)
             per_worker = [delta(u, "vllm:request_success_total") for u in fleet.worker_urls]
             mean = sum(per_worker) / len(per_worker)
+            # work = tokens the worker really computed: uncached prompt tokens + generated tokens
+            work = [delta(u, "vllm:prefix_cache_queries_total") - delta(u, "vllm:prefix_cache_hits_total")
+                    + delta(u, "vllm:generation_tokens_total") for u in fleet.worker_urls]
+            mean_work = sum(work) / len(work)
             s = json.loads(out.read_text())["runs"][0]["summary"]
             rows.append({
                 "fleet": fleet_kind, "workers": n_workers, "policy": policy, "workload": wname,
@@ -118,6 +123,7 @@ def run_one(fleet_kind: str, n_workers: int, policy: str, workloads: dict[str, l
                 "req_per_s": s["request_throughput"], "out_tok_per_s": s["output_token_throughput"],
                 "errors": s["requests"]["errors"], "hit_rate": h / q if q else 0.0,
                 "imbalance": max(per_worker) / mean if mean else 0.0, "per_worker_requests": per_worker,
+                "work_imbalance": max(work) / mean_work if mean_work else 0.0, "per_worker_work_tokens": work,
                 "wall_s": wall,
             })
     finally:
@@ -130,7 +136,8 @@ def report(rows: list[dict], console: Console) -> list[str]:
     verdicts = []
     for fleet_kind in dict.fromkeys(r["fleet"] for r in rows):
         t = Table(title=f"{fleet_kind} fleet ({rows[0]['workers'] if fleet_kind == rows[0]['fleet'] else ''} workers)")
-        for c in ("workload", "policy", "TTFT p50 ms", "vs RR", "TTFT p99 ms", "req/s", "vs RR", "hit rate", "imbalance", "errors"):
+        for c in ("workload", "policy", "TTFT p50 ms", "vs RR", "TTFT p99 ms", "req/s", "vs RR", "hit rate",
+                  "max/mean requests", "max/mean work", "errors"):
             t.add_column(c, justify="right" if c not in ("workload", "policy") else "left")
         for r in (r for r in rows if r["fleet"] == fleet_kind):
             rr = next((x for x in rows if x["fleet"] == fleet_kind and x["workload"] == r["workload"]
@@ -139,14 +146,15 @@ def report(rows: list[dict], console: Console) -> list[str]:
             thr_ratio = r["req_per_s"] / rr["req_per_s"] if rr and rr["req_per_s"] else float("nan")
             t.add_row(r["workload"], r["policy"], f"{r['ttft_p50_ms']:.0f}", f"{ttft_ratio:.2f}", f"{r['ttft_p99_ms']:.0f}",
                       f"{r['req_per_s']:.2f}", f"{thr_ratio:.2f}", f"{r['hit_rate']:.1%}", f"{r['imbalance']:.2f}",
-                      str(r["errors"]))
+                      f"{r['work_imbalance']:.2f}", str(r["errors"]))
             if r["policy"] == "kv_aware" and rr:
                 verdicts.append(
                     f"{fleet_kind}/{r['workload']}: kv_aware TTFT p50 {1 - ttft_ratio:+.0%} lower than round_robin "
                     f"(goal >= 80%: {'met' if ttft_ratio <= 0.2 else 'not met'}); hit rate {r['hit_rate']:.0%} vs "
                     f"{rr['hit_rate']:.0%} (goal >= 90%: {'met' if r['hit_rate'] >= 0.9 else 'not met'}); throughput "
                     f"x{thr_ratio:.2f} (goal >= 1: {'met' if thr_ratio >= 0.98 else 'not met'})"
-                    + (f"; max/mean load {r['imbalance']:.2f} (goal <= 1.5: {'met' if r['imbalance'] <= 1.5 else 'not met'})"
+                    + (f"; busiest worker's work / mean {r['work_imbalance']:.2f} (goal <= 1.5: "
+                       f"{'met' if r['work_imbalance'] <= 1.5 else 'not met'}; requests {r['imbalance']:.2f})"
                        if r["workload"] == "zipf" else ""))
         console.print(t)
     for v in verdicts:
