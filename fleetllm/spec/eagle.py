@@ -1,0 +1,1 @@
+"""EAGLE / P-EAGLE draft heads (in progress)."""
