@@ -109,11 +109,11 @@ def build_corpus(loaded: LoadedModel, aux_layers: tuple[int, ...], text_tokens: 
             break
     log(f"text: {len(seqs)} chunks, {total} tokens")
     prompts = docstring_prompts(files[: len(files) // 2], chats, seed)
-    chat_ids = [tok.encode(tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True))[-256:]
+    chat_ids = [tok.encode(tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True))[-160:]
                 for p in prompts]
     llm = LLM(loaded=loaded, num_blocks=2048, max_num_seqs=48, max_num_batched_tokens=2048)
     t0 = time.perf_counter()
-    params = [SamplingParams(max_tokens=160, temperature=0.0 if i % 3 else 0.7, seed=seed + i) for i in range(len(chat_ids))]
+    params = [SamplingParams(max_tokens=128, temperature=0.0 if i % 3 else 0.7, seed=seed + i) for i in range(len(chat_ids))]
     results = llm.generate(chat_ids, params)
     for r in results:
         seqs.append(r.prompt_token_ids + r.outputs[0].token_ids)
@@ -121,7 +121,9 @@ def build_corpus(loaded: LoadedModel, aux_layers: tuple[int, ...], text_tokens: 
     del llm
     toks, auxs, finals, starts, lengths = [], [], [], [], []
     t0, n = time.perf_counter(), 0
-    for ids in seqs:
+    for j, ids in enumerate(seqs):
+        if j % 10 == 0:
+            log(f"target features: {j}/{len(seqs)} sequences, {n} tokens, {time.perf_counter() - t0:.0f}s")
         aux, final = target_features(loaded, ids, aux_layers)
         starts.append(n)
         lengths.append(len(ids))
