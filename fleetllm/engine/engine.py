@@ -5,6 +5,7 @@ Not thread-safe; :mod:`fleetllm.engine.async_engine` drives it from one backgrou
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field, replace
 
@@ -22,6 +23,8 @@ from fleetllm.models.loader import LoadedModel, load_model
 from fleetllm.models.quant import quantize_model
 from fleetllm.spec.config import SpeculativeConfig
 from fleetllm.spec.decoder import SpecDecoder
+
+logger = logging.getLogger("fleetllm.engine")
 
 
 class PromptTooLong(InvalidParameter):
@@ -241,7 +244,12 @@ class LLMEngine:
             outputs.append(out)
         if self.spec:
             decoding = [q for q in self.scheduler.running if q.num_uncomputed == 1]
-            self.spec.propose(decoding, self.max_model_len)
+            try:
+                self.spec.propose(decoding, self.max_model_len)
+            except Exception:  # a failing drafter costs speculation for one step, never a request
+                logger.exception("drafter failed; this step runs without drafts")
+                for q in decoding:
+                    q.draft_token_ids = []
         self._update_gauges()
         return outputs
 

@@ -117,3 +117,15 @@ def test_one_request_at_a_time_equals_greedy_without(loaded: LoadedModel, prompt
     llm = LLM(loaded=loaded, num_blocks=256, speculative="method=suffix,k=6,adaptive=0")
     for ids, ref in list(zip(prompt_ids, reference, strict=True))[::4]:
         assert llm.generate([ids], greedy())[0].outputs[0].token_ids == ref
+
+
+def test_logprobs_of_verified_tokens_match_plain_decoding(loaded: LoadedModel, prompt_ids) -> None:
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
+    ids = prompt_ids[len(CHAT) + len(CODE)]  # a copy prompt: drafts are accepted
+    plain = LLM(loaded=loaded, num_blocks=64).generate([ids], params)[0].outputs[0].logprobs
+    llm = LLM(loaded=loaded, num_blocks=64, speculative="method=ngram,k=4,adaptive=0")
+    spec = llm.generate([ids], params)[0].outputs[0].logprobs
+    assert llm.engine.spec.num_accepted > 0
+    assert [lp.token_id for lp in spec] == [lp.token_id for lp in plain]
+    assert [[t for t, _ in lp.top] for lp in spec] == [[t for t, _ in lp.top] for lp in plain]
+    assert max(abs(a.logprob - b.logprob) for a, b in zip(spec, plain, strict=True)) < 1e-3
