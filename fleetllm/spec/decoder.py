@@ -65,6 +65,8 @@ class StepCost:
         for _ in range(3):
             t0 = time.perf_counter()
             model.compute_logits(model(ids, slots, meta, kv_cache)[-1:])
+            if slots.is_cuda:
+                torch.cuda.synchronize()
             times.append(time.perf_counter() - t0)
         return sorted(times)[1]
 
