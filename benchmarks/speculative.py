@@ -122,14 +122,18 @@ def main() -> int:
         base = next(b for b in results if b["method"] == "none" and b["concurrency"] == r["concurrency"]
                     and b["category"] == r["category"])
         r["vs_none"] = round(r["tok_s"] / base["tok_s"], 2)
-    print(f"\n{cpu_model()}, {args.threads} threads, greedy, max_tokens {args.max_tokens}\n")
+    from fleetllm.spec.decoder import StepCost
+
+    step_cost = {n: round(t * 1000, 1) for times in StepCost._cache.values() for n, t in zip(StepCost.SIZES, times, strict=True)}
+    print(f"\n{cpu_model()}, {args.threads} threads, greedy, max_tokens {args.max_tokens}")
+    print(f"measured target step time (ms) by tokens in the step: {step_cost}\n")
     print("| c | category | method | tok/s | ×none | AL | draft s | verify s |")
     print("|---|---|---|---|---|---|---|---|")
     for r in results:
         print(f"| {r['concurrency']} | {r['category']} | {r['method']} | {r['tok_s']} | {r['vs_none']} | {r['al']} "
               f"| {r.get('draft_s', '')} | {r.get('verify_s', '')} |")
     if args.output:
-        args.output.write_text(json.dumps({"cpu": cpu_model(), "threads": args.threads, "results": results}, indent=1))
+        args.output.write_text(json.dumps({"cpu": cpu_model(), "threads": args.threads, "step_ms": step_cost, "results": results}, indent=1))
     return 0
 
 
