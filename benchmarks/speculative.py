@@ -62,8 +62,8 @@ def configs(concurrency: int) -> list[tuple[str, str | None]]:
                 ("eagle", "method=eagle,k=4"), ("peagle", "method=peagle,k=4")]
     fixed = [("none", None), ("ngram k=4", "method=ngram,k=4,adaptive=0"), ("suffix k=4", "method=suffix,k=4,adaptive=0")]
     for m in ("eagle", "peagle"):
-        fixed += [(f"{m} k={k}", f"method={m},k={k},adaptive=0") for k in (2, 4)]
-    return fixed + [("peagle auto", "method=peagle")]
+        fixed += [(f"{m} k={k}", f"method={m},k={k},adaptive=0") for k in ((2, 4) if concurrency == 1 else (4,))]
+    return fixed + ([("peagle auto", "method=peagle")] if concurrency == 1 else [])
 
 
 def run(loaded, spec: str | None, prompts: list[list[int]], concurrency: int, max_tokens: int) -> dict:
@@ -97,8 +97,8 @@ def run(loaded, spec: str | None, prompts: list[list[int]], concurrency: int, ma
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--concurrency", default="1,4,16")
-    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--concurrency", default="1,16,4")
+    ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--output", type=Path, default=None)
     args = ap.parse_args()
