@@ -72,9 +72,8 @@ def run(loaded, spec: str | None, prompts: list[list[int]], concurrency: int, ma
     params = SamplingParams(temperature=0, max_tokens=max_tokens)
     llm.generate([prompts[0]], SamplingParams(temperature=0, max_tokens=4))  # warm-up
     eng.pool.reset_prefix_cache()
-    if eng.spec:
-        for name in ("num_drafts", "num_draft_tokens", "num_accepted", "draft_seconds", "verify_seconds"):
-            setattr(eng.spec, name, 0)
+    counters = ("num_drafts", "num_draft_tokens", "num_accepted", "draft_seconds", "verify_seconds")
+    before = {n: getattr(eng.spec, n) for n in counters} if eng.spec else {}
     queue = list(enumerate(prompts))
     inflight, tokens = 0, 0
     t0 = time.perf_counter()
@@ -89,9 +88,10 @@ def run(loaded, spec: str | None, prompts: list[list[int]], concurrency: int, ma
     wall = time.perf_counter() - t0
     res = {"tokens": tokens, "seconds": round(wall, 2), "tok_s": round(tokens / wall, 2), "al": 1.0}
     if eng.spec:
-        s = eng.spec
-        res.update(al=round(s.acceptance_length, 2), drafts=s.num_drafts, draft_tokens=s.num_draft_tokens,
-                   accepted=s.num_accepted, draft_s=round(s.draft_seconds, 2), verify_s=round(s.verify_seconds, 2))
+        d = {n: getattr(eng.spec, n) - before[n] for n in counters}
+        res.update(al=round(1 + d["num_accepted"] / max(d["num_drafts"], 1), 2), drafts=d["num_drafts"],
+                   draft_tokens=d["num_draft_tokens"], accepted=d["num_accepted"], draft_s=round(d["draft_seconds"], 2),
+                   verify_s=round(d["verify_seconds"], 2))
     return res
 
 
@@ -100,6 +100,7 @@ def main() -> int:
     ap.add_argument("--concurrency", default="1,16,4")
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--prompts", type=int, default=1, help="prompts per category at concurrency 1")
     ap.add_argument("--output", type=Path, default=None)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -110,7 +111,7 @@ def main() -> int:
     results = []
     for c in [int(x) for x in args.concurrency.split(",")]:
         # c < 16: each category on its own (the batch holds one kind of text); c = 16: all mixed, 16 requests
-        groups = {cat: v[: max(c, 2)] * (c // len(v) or 1) for cat, v in ids.items()} if c < 16 else {
+        groups = {cat: v[: max(c, args.prompts)] for cat, v in ids.items()} if c < 16 else {
             "mixed": [p for v in ids.values() for p in v] + [p for v in ids.values() for p in v][: 16 - 12]}
         for name, spec in configs(c):
             for cat, prompts in groups.items():
