@@ -228,8 +228,9 @@ class LLMEngine:
             if aux is not None:
                 self.spec.drafter.observe(seq, seq.num_computed_tokens, aux[start : start + computed])
             seq.num_computed_tokens += computed
-            if toks is None:
+            if not s.draft_token_ids:  # every computed token is already in the sequence: cache now
                 self.kv.cache_full_blocks(seq)
+            if toks is None:
                 continue
             lps = None
             if seq.params.logprobs is not None:
@@ -239,7 +240,7 @@ class LLMEngine:
                     j = plain[i]
                     lps = [TokenLogprob(toks[0], result.logprobs[j], result.top_logprobs[j])]
             out = self._append_tokens(seq, toks, lps, now)
-            if not out.finished:
+            if s.draft_token_ids and not out.finished:  # accepted drafts are in the sequence only now
                 self.kv.cache_full_blocks(seq)
             outputs.append(out)
         if self.spec:
