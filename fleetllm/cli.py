@@ -24,6 +24,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-threads", type=int, default=None, help="torch threads (default: all cores)")
     p.add_argument("--quantization", default="none", choices=["none", "int4"],
                    help="int4: int4 decoder / int8 LM-head weights for decode steps on CPU (default: exact fp32)")
+    p.add_argument("--speculative", default=None, metavar="method=M,k=N",
+                   help="speculative decoding: method ngram | suffix | eagle | peagle, k draft tokens "
+                        "(default k: chosen from the measured verify cost), adaptive=0 to fix K")
 
 
 def engine_config(args: argparse.Namespace):  # -> EngineConfig (imported lazily: torch is slow to import)
@@ -43,6 +46,7 @@ def engine_config(args: argparse.Namespace):  # -> EngineConfig (imported lazily
         enable_prefix_caching=not args.no_prefix_caching,
         num_threads=args.num_threads,
         quantization=args.quantization,
+        speculative=args.speculative,
     )
 
 
@@ -175,6 +179,18 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_spec_train(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from fleetllm.spec.eagle import head_path
+    from fleetllm.spec.train import train
+
+    out = Path(args.output) if args.output else head_path(args.target, args.method)
+    train(args.method, args.target, out, args.minutes, args.batch_size, args.lr, args.seed, args.text_tokens,
+          args.chats, args.threads)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fleetllm", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -235,6 +251,20 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-tokens", type=int, default=128)
     g.add_argument("--temperature", type=float, default=0.0)
     g.set_defaults(func=cmd_generate)
+
+    sp = sub.add_parser("spec", help="speculative decoding tools").add_subparsers(dest="spec_command", required=True)
+    t = sp.add_parser("train", help="train an EAGLE / P-EAGLE draft head on the target's own outputs")
+    t.add_argument("--method", choices=["eagle", "peagle"], required=True)
+    t.add_argument("--target", default="smollm2-135m")
+    t.add_argument("--output", default=None, help="default: the shipped head's path (fleetllm/spec/heads/)")
+    t.add_argument("--minutes", type=float, default=10.0, help="training time budget (building the data not included)")
+    t.add_argument("--batch-size", type=int, default=32)
+    t.add_argument("--lr", type=float, default=5e-4)
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--text-tokens", type=int, default=6000, help="stdlib source tokens to prefill")
+    t.add_argument("--chats", type=int, default=48, help="chat answers to generate with the target")
+    t.add_argument("--threads", type=int, default=2)
+    t.set_defaults(func=cmd_spec_train)
 
     try:
         from fleetllm.bench.cli import add_bench_parser

@@ -5,8 +5,9 @@ Not thread-safe; :mod:`fleetllm.engine.async_engine` drives it from one backgrou
 
 from __future__ import annotations
 
+import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -22,6 +23,10 @@ from fleetllm.engine.scheduler import Scheduler, SchedulerConfig
 from fleetllm.engine.sequence import Sequence, Status
 from fleetllm.models.loader import LoadedModel, load_model
 from fleetllm.models.quant import quantize_model
+from fleetllm.spec.config import SpeculativeConfig
+from fleetllm.spec.decoder import SpecDecoder
+
+logger = logging.getLogger("fleetllm.engine")
 
 
 @dataclass
@@ -41,6 +46,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     num_threads: int | None = None
     quantization: str = "none"  # "int4": int4/int8 weight copies for narrow (decode) batches on CPU
+    speculative: str | dict | None = None  # e.g. "method=peagle,k=4" (see fleetllm.spec.config)
 
     def resolved_device(self) -> str:
         if self.device == "auto":
@@ -77,6 +83,8 @@ class LLMEngine:
         self.max_model_len = min(self.max_model_len, fits)
         self.runner = ModelRunner(self.loaded.model, num_blocks, cfg.block_size, self.device)
         self.sampler = Sampler()
+        spec_cfg = SpeculativeConfig.parse(cfg.speculative)
+        self.spec = SpecDecoder(spec_cfg, self.loaded, self.runner.kv_cache, self.device) if spec_cfg else None
         self.metrics = EngineMetrics(self.model_name)
         self.seqs: dict[str, Sequence] = {}
         self.detok: dict[str, IncrementalDetokenizer] = {}
@@ -121,40 +129,109 @@ class LLMEngine:
             self._update_gauges()
             return outputs
         batch = sched.scheduled
-        sample_rows = [i for i, s in enumerate(batch) if s.seq.num_computed_tokens + s.num_new_tokens == s.seq.num_tokens]
+        logit_rows: list[int] = []
+        t = 0
+        for s in batch:
+            t += s.num_new_tokens
+            logit_rows.extend(range(t - s.num_logits, t))
+        sample_rows = [i for i, s in enumerate(batch) if s.num_logits and not s.draft_token_ids]
         for s in batch:
             if s.seq.first_scheduled_time is None:
                 s.seq.first_scheduled_time = now
                 self.metrics.queue_time.observe(now - s.seq.arrival_time)
         try:
-            logits = self.runner.execute(batch, sample_rows).float().cpu()  # sampling runs on the host
+            aux_layers = self.spec.aux_layers if self.spec else None
+            t0 = time.perf_counter()
+            logits, aux = self.runner.execute(batch, logit_rows, aux_layers)
+            logits = logits.float().cpu()  # sampling runs on the host
+            if self.spec and any(s.draft_token_ids for s in batch):
+                self.spec.verify_seconds += time.perf_counter() - t0
+            plain = {i: j for j, i in enumerate(sample_rows)}
+            row_of, r = {}, 0
+            for i, s in enumerate(batch):
+                row_of[i], r = r, r + s.num_logits
             seqs = [batch[i].seq for i in sample_rows]
-            result = self.sampler(
-                logits,
+            result = None if not seqs else self.sampler(
+                logits[[row_of[i] for i in sample_rows]],
                 [q.params for q in seqs],
                 [q.generator for q in seqs],
                 [q.prompt_token_ids for q in seqs],
                 [q.output_token_ids for q in seqs],
             )
+            emitted: dict[int, list[int]] = {}
+            for i, s in enumerate(batch):
+                if s.draft_token_ids:
+                    rows = logits[row_of[i] : row_of[i] + s.num_logits]
+                    emitted[i] = self.spec.verify(s.seq, rows, s.draft_token_ids)
+                elif i in plain:
+                    emitted[i] = [result.token_ids[plain[i]]]
         except Exception as e:  # a failed step fails its requests, never the engine
             for s in batch:
                 self.scheduler.finish(s.seq, Status.FINISHED_ERROR)
                 outputs.append(self._finish_output(s.seq, [], None, error=f"{type(e).__name__}: {e}"))
             return outputs
 
-        for s in batch:
-            s.seq.num_computed_tokens += s.num_new_tokens
-            self.kv.cache_full_blocks(s.seq)
         now = time.monotonic()
-        for j, i in enumerate(sample_rows):
-            seq = batch[i].seq
-            tok = result.token_ids[j]
-            lp = None
+        t = 0
+        for i, s in enumerate(batch):
+            seq, start = s.seq, t
+            t += s.num_new_tokens
+            toks = emitted.get(i)
+            # Only the last sampled token and the accepted drafts become computed: the KV slots of
+            # rejected drafts hold garbage that the next step overwrites, and no block holding one is
+            # ever registered in the prefix cache.
+            computed = s.num_new_tokens if not s.draft_token_ids else len(toks)
+            if aux is not None:
+                self.spec.drafter.observe(seq, seq.num_computed_tokens, aux[start : start + computed])
+            seq.num_computed_tokens += computed
+            if not s.draft_token_ids:  # every computed token is already in the sequence: cache now
+                self.kv.cache_full_blocks(seq)
+            if toks is None:
+                continue
+            lps = None
             if seq.params.logprobs is not None:
-                lp = [TokenLogprob(tok, result.logprobs[j], result.top_logprobs[j])]
-            outputs.append(self._append_token(seq, tok, lp, now))
+                if s.draft_token_ids:
+                    lps = self._logprobs(logits[row_of[i] : row_of[i] + len(toks)], toks, seq.params.logprobs)
+                else:
+                    j = plain[i]
+                    lps = [TokenLogprob(toks[0], result.logprobs[j], result.top_logprobs[j])]
+            out = self._append_tokens(seq, toks, lps, now)
+            if s.draft_token_ids and not out.finished:  # accepted drafts are in the sequence only now
+                self.kv.cache_full_blocks(seq)
+            outputs.append(out)
+        if self.spec:
+            decoding = [q for q in self.scheduler.running if q.num_uncomputed == 1]
+            try:
+                self.spec.propose(decoding, self.max_model_len)
+            except Exception:  # a failing drafter costs speculation for one step, never a request
+                logger.exception("drafter failed; this step runs without drafts")
+                for q in decoding:
+                    q.draft_token_ids = []
         self._update_gauges()
         return outputs
+
+    @staticmethod
+    def _logprobs(logits: torch.Tensor, toks: list[int], k: int) -> list[TokenLogprob]:
+        lp = torch.log_softmax(logits, dim=-1)
+        out = []
+        for r, tok in enumerate(toks):
+            top = []
+            if k > 0:
+                vals, idx = lp[r].topk(k)
+                top = list(zip(idx.tolist(), vals.tolist(), strict=True))
+            out.append(TokenLogprob(tok, float(lp[r, tok]), top))
+        return out
+
+    def _append_tokens(self, seq: Sequence, toks: list[int], lps: list[TokenLogprob] | None, now: float) -> RequestOutput:
+        """Append tokens in order, stopping at the first that finishes the request (the rest are dropped)."""
+        text, new = "", []
+        for n, tok in enumerate(toks):
+            new.append(tok)
+            out = self._append_token(seq, tok, lps[n : n + 1] if lps else None, now)
+            if out.finished:
+                return replace(out, new_token_ids=new, new_text=text + out.new_text, logprobs=lps[: n + 1] if lps else None)
+            text += out.new_text
+        return replace(out, new_token_ids=new, new_text=text, logprobs=lps)
 
     def _append_token(self, seq: Sequence, tok: int, lp: list[TokenLogprob] | None, now: float) -> RequestOutput:
         seq.output_token_ids.append(tok)
@@ -190,6 +267,8 @@ class LLMEngine:
     def _finish_output(self, seq: Sequence, new: list[int], lp: list[TokenLogprob] | None, error: str | None = None) -> RequestOutput:
         detok = self.detok.pop(seq.request_id)
         del self.seqs[seq.request_id]
+        if self.spec:
+            self.spec.drafter.forget(seq)
         reason = seq.status.value
         self.metrics.finished(reason)
         self.metrics.e2e.observe(time.monotonic() - seq.arrival_time)
@@ -207,3 +286,5 @@ class LLMEngine:
         m.prefix_queries.inc(dq - getattr(self, "_last_q", 0))
         m.prefix_hits.inc(dh - getattr(self, "_last_h", 0))
         self._last_q, self._last_h = dq, dh
+        if self.spec:
+            m.spec_sync(self.spec)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 _TTFT = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
@@ -40,6 +42,26 @@ class EngineMetrics:
         fin = Counter("vllm:request_success", "Finished requests by reason.", ["model_name", "finished_reason"], registry=r)
         self._finished = fin
         self._model = model_name
+        self.spec_drafts = counter("vllm:spec_decode_num_drafts", "Verify steps that carried draft tokens.")
+        self.spec_draft_tokens = counter("vllm:spec_decode_num_draft_tokens", "Draft tokens proposed.")
+        self.spec_accepted = counter("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted.")
+        self._spec_per_pos = Counter(
+            "vllm:spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted, by draft position (0-based).",
+            ["model_name", "position"], registry=r,
+        )
+        self._spec_seen = (0, 0, 0, [])
+
+    def spec_sync(self, spec: Any) -> None:
+        """Bring the speculative decoding counters up to ``spec``'s totals (a SpecDecoder)."""
+        drafts, tokens, accepted, per_pos = self._spec_seen
+        self.spec_drafts.inc(spec.num_drafts - drafts)
+        self.spec_draft_tokens.inc(spec.num_draft_tokens - tokens)
+        self.spec_accepted.inc(spec.num_accepted - accepted)
+        for pos, n in enumerate(spec.accepted_per_pos):
+            seen = per_pos[pos] if pos < len(per_pos) else 0
+            if n > seen:
+                self._spec_per_pos.labels(model_name=self._model, position=str(pos)).inc(n - seen)
+        self._spec_seen = (spec.num_drafts, spec.num_draft_tokens, spec.num_accepted, list(spec.accepted_per_pos))
 
     def finished(self, reason: str) -> None:
         self._finished.labels(model_name=self._model, finished_reason=reason).inc()

@@ -1,4 +1,8 @@
-"""Turns a scheduled batch into tensors, runs the model over the paged KV cache, returns logits."""
+"""Turns a scheduled batch into tensors, runs the model over the paged KV cache, returns logits.
+
+A verifying sequence (1 + K tokens: its last sampled token and K draft tokens) is just a short chunk
+over cached context; the caller asks for logits at each of its rows.
+"""
 
 from __future__ import annotations
 
@@ -37,8 +41,11 @@ class ModelRunner:
         return slots[off : off + end - start]
 
     @torch.inference_mode()
-    def execute(self, batch: list[Scheduled], sample_rows: list[int]) -> torch.Tensor:
-        """Run one step; return logits ``[len(sample_rows), vocab]`` for the last token of the given entries."""
+    def execute(
+        self, batch: list[Scheduled], logit_rows: list[int], aux_layers: tuple[int, ...] | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Run one step; return logits ``[len(logit_rows), vocab]`` for the given rows of the flat batch,
+        and with ``aux_layers`` the features of those decoder layers for every row (else None)."""
         ids: list[int] = []
         positions: list[int] = []
         slot_parts: list[torch.Tensor] = []
@@ -46,12 +53,11 @@ class ModelRunner:
         decode_tables: list[list[int]] = []
         decode_lens: list[int] = []
         prefills: list[PrefillChunk] = []
-        last_index: list[int] = []
         t = 0
         for s in batch:
             seq, n = s.seq, s.num_new_tokens
             c = seq.num_computed_tokens
-            ids.extend(seq.token_ids_slice(c, c + n))
+            ids.extend(s.token_ids())
             positions.extend(range(c, c + n))
             if n == 1:
                 decode_idx.append(t)
@@ -63,17 +69,18 @@ class ModelRunner:
                 slot_parts.append(ctx[c:])
                 prefills.append(PrefillChunk(t, t + n, ctx, fresh=(c == 0)))
             t += n
-            last_index.append(t - 1)
 
         meta = AttentionMetadata(slot_mapping=torch.cat(slot_parts).to(self.device), prefills=prefills)
         if decode_idx:
             meta.decode_idx = torch.tensor(decode_idx, device=self.device)
             meta.decode_slots, meta.decode_mask = self._decode_slots(decode_tables, decode_lens)
-        hidden = self.model(
-            torch.tensor(ids, device=self.device), torch.tensor(positions, device=self.device), meta, self.kv_cache
+        out = self.model(
+            torch.tensor(ids, device=self.device), torch.tensor(positions, device=self.device), meta, self.kv_cache,
+            aux_layers,
         )
-        rows = torch.tensor([last_index[i] for i in sample_rows], dtype=torch.long, device=self.device)
-        return self.model.compute_logits(hidden[rows])
+        hidden, aux = out if aux_layers is not None else (out, None)
+        rows = torch.tensor(logit_rows, dtype=torch.long, device=self.device)
+        return self.model.compute_logits(hidden[rows]), aux
 
     def _decode_slots(self, tables: list[list[int]], lens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         bs = self.block_size

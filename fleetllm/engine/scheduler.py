@@ -1,7 +1,7 @@
 """Token-budget scheduler (vLLM v1 style).
 
-Each step every running sequence asks for the tokens it lacks (one decode token, or the rest of its
-prompt as a chunk) within ``max_num_batched_tokens``; waiting sequences are admitted FCFS while budget,
+Each step every running sequence asks for the tokens it lacks (one decode token, 1 + K tokens when it
+carries K draft tokens to verify, or the rest of its prompt as a chunk) within ``max_num_batched_tokens``; waiting sequences are admitted FCFS while budget,
 sequence slots and blocks last. Prefill and decode share one step; chunked prefill falls out of the
 budget. When blocks run out the most recently arrived running sequence is preempted (blocks freed,
 recomputed later — its prefix blocks usually survive in the prefix cache).
@@ -26,8 +26,23 @@ class SchedulerConfig:
 
 @dataclass
 class Scheduled:
+    """``num_new_tokens`` tokens of ``seq`` to compute this step; the last ``len(draft_token_ids)`` of
+    them are draft tokens to verify (speculative decoding), not yet part of the sequence."""
+
     seq: Sequence
     num_new_tokens: int
+    draft_token_ids: list[int] = field(default_factory=list)
+
+    def token_ids(self) -> list[int]:
+        c = self.seq.num_computed_tokens
+        return self.seq.token_ids_slice(c, c + self.num_new_tokens - len(self.draft_token_ids)) + self.draft_token_ids
+
+    @property
+    def num_logits(self) -> int:
+        """Rows whose logits are needed: 0 mid-prompt, 1 for a plain step, 1 + K when verifying K drafts."""
+        k = len(self.draft_token_ids)
+        done = self.seq.num_computed_tokens + self.num_new_tokens - k == self.seq.num_tokens
+        return 1 + k if done else 0
 
 
 @dataclass
@@ -71,7 +86,13 @@ class Scheduler:
                 kept.append(seq)
                 continue
             n = min(seq.num_uncomputed, budget)
-            while not self.kv.grow(seq, n):
+            drafts, seq.draft_token_ids = seq.draft_token_ids[: max(0, budget - n)], []
+            if n != seq.num_uncomputed:
+                drafts = []
+            while not self.kv.grow(seq, n + len(drafts)):
+                if drafts:  # lookahead slots for drafts are the first thing to give up
+                    drafts = []
+                    continue
                 # preempt the newest running sequence that is not yet scheduled; else this one
                 victim = queue.pop() if queue else seq
                 self._preempt(victim)
@@ -80,8 +101,8 @@ class Scheduler:
                     break
             if seq.status is Status.RUNNING:
                 kept.append(seq)
-                out.scheduled.append(Scheduled(seq, n))
-                budget -= n
+                out.scheduled.append(Scheduled(seq, n + len(drafts), drafts))
+                budget -= n + len(drafts)
         self.running = kept
 
         watermark = int(self.cfg.watermark * self.kv.pool.num_blocks)
@@ -103,6 +124,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         self.kv.free(seq)
         seq.num_computed_tokens = 0
+        seq.draft_token_ids = []
         seq.num_preemptions += 1
         self.num_preemptions += 1
         seq.transition(Status.PREEMPTED)

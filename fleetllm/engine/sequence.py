@@ -10,7 +10,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from fleetllm.engine.params import SamplingParams
 
@@ -62,6 +62,8 @@ class Sequence:
     num_cached_tokens: int = -1  # prefix-cache hit at first schedule (-1: not yet scheduled)
     num_preemptions: int = 0
     generator: torch.Generator | None = None
+    draft_token_ids: list[int] = field(default_factory=list)  # proposed for the next step's verify
+    spec_state: Any = None  # the speculative decoder's per-request state (acceptance, drafter index)
     stop_reason: str | int | None = None
     # timing (monotonic seconds)
     first_scheduled_time: float | None = None

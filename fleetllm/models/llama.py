@@ -177,7 +177,11 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    """Decoder stack + LM head. ``forward`` returns final hidden states of every scheduled token."""
+    """Decoder stack + LM head. ``forward`` returns final hidden states of every scheduled token.
+
+    With ``aux_layers`` it also returns the outputs of those decoder layers, concatenated per token
+    (``[T, len(aux_layers) * hidden]``): the features an EAGLE-style draft head reads.
+    """
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -191,13 +195,23 @@ class LlamaModel(nn.Module):
 
     @torch.inference_mode()
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, kv_cache: list[tuple[torch.Tensor, torch.Tensor]]
-    ) -> torch.Tensor:
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_cache: list[tuple[torch.Tensor, torch.Tensor]],
+        aux_layers: tuple[int, ...] | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         h = self.embed(input_ids)
-        for layer, (kc, vc) in zip(self.layers, kv_cache, strict=True):
+        aux = []
+        for i, (layer, (kc, vc)) in enumerate(zip(self.layers, kv_cache, strict=True)):
             h = h + layer.attn(layer.input_norm(h), positions, self.rotary, meta, kc, vc)
             h = h + layer.mlp(layer.post_attn_norm(h))
-        return self.norm(h)
+            if aux_layers and i in aux_layers:
+                aux.append(h)
+        if aux_layers is None:
+            return self.norm(h)
+        return self.norm(h), torch.cat(aux, dim=-1)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,280 @@
+"""``fleetllm spec train``: fit an EAGLE or P-EAGLE head to the target's own distributions.
+
+Data come from the target itself, offline: (1) prefill over local text (the Python standard library's
+source files), (2) the target's own chat answers to prompts built from stdlib docstrings and code.
+Each sequence is run through the target once, keeping the fused-layer features and the final hidden
+states; the labels are the target's next-token distributions restricted to the draft vocabulary
+(the most frequent tokens of the data). Loss: soft cross-entropy (= KL up to a constant) per depth,
+weighted 0.8^d. EAGLE is unrolled as at inference (each draft slot's feature is the head's previous
+output); P-EAGLE sees mask slots for depths 2..K in one pass. Training anchors are sampled at random
+positions of all sequences every step, so every depth sees every kind of position.
+"""
+
+from __future__ import annotations
+
+import ast
+import math
+import random
+import sysconfig
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from fleetllm.models.llama import AttentionMetadata, PrefillChunk
+from fleetllm.models.loader import LoadedModel, cache_dir, load_model
+from fleetllm.spec.eagle import DraftHead, HeadConfig
+
+DEPTH_WEIGHT = 0.8
+
+
+# ---- data --------------------------------------------------------------------------------------------
+def stdlib_files(seed: int) -> list[Path]:
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(p for p in root.rglob("*.py") if "test" not in p.parts and "site-packages" not in p.parts)
+    random.Random(seed).shuffle(files)
+    return files
+
+
+def docstring_prompts(files: list[Path], n: int, seed: int) -> list[str]:
+    """Chat prompts from stdlib functions: write-this, explain-this and copy-this-tool-output tasks."""
+    rng = random.Random(seed)
+    out: list[str] = []
+    for path in files:
+        try:
+            src = path.read_text(errors="ignore")
+            tree = ast.parse(src)
+        except (SyntaxError, ValueError):
+            continue
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.FunctionDef) or not ast.get_docstring(node):
+                continue
+            doc = ast.get_docstring(node).strip().split("\n")[0]
+            code = ast.get_source_segment(src, node) or ""
+            kind = rng.randrange(4)
+            if kind == 0:
+                out.append(f"Write a Python function `{node.name}` that does this: {doc}")
+            elif kind == 1:
+                out.append(f"Explain what this function does:\n```python\n{code[:600]}\n```")
+            elif kind == 2:
+                out.append(f"The tool returned:\n{code[:500]}\nRepeat the function signature and first lines, then fix any bug.")
+            else:
+                out.append(f"{doc} Give a short example in Python.")
+            if len(out) >= n:
+                return out
+    return out
+
+
+@dataclass
+class Corpus:
+    tokens: torch.Tensor  # [N] all sequences concatenated
+    aux: torch.Tensor  # [N, len(aux_layers) * H] target features
+    final: torch.Tensor  # [N, H] target final (normed) hidden states
+    starts: list[int]  # first index of each sequence
+    lengths: list[int]
+
+
+@torch.inference_mode()
+def target_features(loaded: LoadedModel, ids: list[int], aux_layers: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    model = loaded.model
+    cfg = model.cfg
+    n = len(ids)
+    kv = [(torch.zeros(n, cfg.num_kv_heads, cfg.head_dim), torch.zeros(n, cfg.num_kv_heads, cfg.head_dim)) for _ in model.layers]
+    slots = torch.arange(n)
+    meta = AttentionMetadata(slot_mapping=slots, prefills=[PrefillChunk(0, n, slots, fresh=True)])
+    final, aux = model(torch.tensor(ids), slots, meta, kv, aux_layers)
+    return aux, final
+
+
+def build_corpus(loaded: LoadedModel, aux_layers: tuple[int, ...], text_tokens: int, chats: int, seed: int, log) -> Corpus:
+    from fleetllm.engine.llm import LLM
+    from fleetllm.engine.sampling import SamplingParams
+
+    tok = loaded.tokenizer
+    files = stdlib_files(seed)
+    seqs: list[list[int]] = []
+    total = 0
+    for path in files[len(files) // 2 :]:  # text from one half of the files, chat prompts from the other
+        ids = tok.encode(path.read_text(errors="ignore"))
+        for s in range(0, max(len(ids) - 64, 1), 1024):
+            chunk = ids[s : s + 256]
+            if len(chunk) >= 64:
+                seqs.append(chunk)
+                total += len(chunk)
+            if total >= text_tokens:
+                break
+        if total >= text_tokens:
+            break
+    log(f"text: {len(seqs)} chunks, {total} tokens")
+    prompts = docstring_prompts(files[: len(files) // 2], chats, seed)
+    chat_ids = [tok.encode(tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True))[-160:]
+                for p in prompts]
+    llm = LLM(loaded=loaded, num_blocks=2048, max_num_seqs=48, max_num_batched_tokens=2048)
+    t0 = time.perf_counter()
+    params = [SamplingParams(max_tokens=128, temperature=0.0 if i % 3 else 0.7, seed=seed + i) for i in range(len(chat_ids))]
+    results = llm.generate(chat_ids, params)
+    for r in results:
+        seqs.append(r.prompt_token_ids + r.outputs[0].token_ids)
+    log(f"own generations: {len(results)} answers in {time.perf_counter() - t0:.0f}s")
+    del llm
+    toks, auxs, finals, starts, lengths = [], [], [], [], []
+    t0, n = time.perf_counter(), 0
+    for j, ids in enumerate(seqs):
+        if j % 10 == 0:
+            log(f"target features: {j}/{len(seqs)} sequences, {n} tokens, {time.perf_counter() - t0:.0f}s")
+        aux, final = target_features(loaded, ids, aux_layers)
+        starts.append(n)
+        lengths.append(len(ids))
+        n += len(ids)
+        toks.append(torch.tensor(ids))
+        auxs.append(aux.to(torch.bfloat16))
+        finals.append(final.to(torch.bfloat16))
+    log(f"target features: {n} tokens in {time.perf_counter() - t0:.0f}s")
+    return Corpus(torch.cat(toks), torch.cat(auxs), torch.cat(finals), starts, lengths)
+
+
+# ---- model init --------------------------------------------------------------------------------------
+def init_from_target(head: DraftHead, loaded: LoadedModel, vocab: torch.Tensor) -> None:
+    """Start from the target's last decoder layer (a layer that already maps features to predictions)."""
+    t = loaded.model
+    last = t.layers[-1]
+    with torch.no_grad():
+        head.draft_to_target.copy_(vocab)
+        head.qkv.weight.copy_(last.attn.qkv.weight)
+        head.o.weight.copy_(last.attn.o.weight)
+        gate, up = last.mlp.gate_up.weight.split(t.cfg.intermediate_size)
+        keep = last.mlp.down.weight.norm(dim=0).topk(head.cfg.intermediate_size).indices.sort().values
+        head.gate_up.weight.copy_(torch.cat([gate[keep], up[keep]]))
+        head.down.weight.copy_(last.mlp.down.weight[:, keep])
+        head.attn_norm.weight.copy_(last.input_norm.weight)
+        head.mlp_norm.weight.copy_(last.post_attn_norm.weight)
+        head.out_norm.weight.copy_(t.norm.weight)
+        h = head.cfg.hidden_size
+        head.fuse.weight.zero_()
+        head.fuse.weight[:, -h:] = torch.eye(h)  # start from the high layer's feature
+        head.mask_embed.copy_(t.embed.weight.mean(0))
+        head.mask_feature.normal_(0, 0.02)
+
+
+# ---- training ----------------------------------------------------------------------------------------
+class Batcher:
+    def __init__(self, corpus: Corpus, window: int, depth: int, seed: int) -> None:
+        self.c, self.w, self.k = corpus, window, depth
+        self.anchors = torch.tensor([s + a for s, n in zip(corpus.starts, corpus.lengths, strict=True)
+                                     for a in range(window - 1, n - depth - 1)])
+        self.gen = torch.Generator().manual_seed(seed)
+
+    def split(self, frac: float) -> tuple[torch.Tensor, torch.Tensor]:
+        perm = torch.randperm(len(self.anchors), generator=self.gen)
+        n = int(len(perm) * frac)
+        return self.anchors[perm[n:]], self.anchors[perm[:n]]
+
+    def batch(self, anchors: torch.Tensor) -> dict[str, torch.Tensor]:
+        c, w, k = self.c, self.w, self.k
+        ctx = anchors.unsqueeze(1) + torch.arange(-w + 1, 1).unsqueeze(0)  # [B, W] global index of f_j
+        ahead = anchors.unsqueeze(1) + torch.arange(1, k + 1).unsqueeze(0)  # [B, K] positions whose dist is a label
+        start = torch.tensor(c.starts)[torch.searchsorted(torch.tensor(c.starts), anchors, right=True) - 1]
+        return {
+            "ctx_tok": c.tokens[ctx + 1],  # t_{j+1}
+            "ctx_aux": c.aux[ctx].float(),
+            "ctx_pos": ctx + 1 - start.unsqueeze(1),
+            "ahead_tok": c.tokens[ahead],  # t_{g+1+d}: the token a draft slot d holds (teacher forcing)
+            "labels": c.final[ahead].float(),  # final hidden whose LM-head distribution is depth d's label
+        }
+
+
+def depth_logits(head: DraftHead, loaded: LoadedModel, b: dict[str, torch.Tensor], lm_weight: torch.Tensor) -> torch.Tensor:
+    """[B, K, Vd] draft logits for each depth, computed the way the drafter runs at inference."""
+    t = loaded.model
+    emb = t.embed(b["ctx_tok"])
+    feats = head.fuse(b["ctx_aux"])
+    pos = b["ctx_pos"]
+    k = b["labels"].shape[1]
+    if head.cfg.method == "peagle":
+        bsz, m = emb.shape[0], k - 1
+        emb = torch.cat([emb, head.mask_embed.expand(bsz, m, -1)], 1)
+        feats = torch.cat([feats, head.mask_feature.expand(bsz, m, -1)], 1)
+        pos = torch.cat([pos, pos[:, -1:] + torch.arange(1, m + 1)], 1)
+        h, _ = head(emb, feats, pos, t.rotary)
+        return head.logits(h[:, -k:], lm_weight)
+    h, past = head(emb, feats, pos, t.rotary)
+    h = h[:, -1:]
+    outs = [h]
+    for d in range(1, k):
+        h, past = head(t.embed(b["ahead_tok"][:, d : d + 1]), h, pos[:, -1:] + d, t.rotary, None, past)
+        outs.append(h)
+    return head.logits(torch.cat(outs, 1), lm_weight)
+
+
+def loss_and_acc(head, loaded, b, lm_weight) -> tuple[torch.Tensor, torch.Tensor]:
+    logits = depth_logits(head, loaded, b, lm_weight)
+    with torch.no_grad():
+        teacher = torch.log_softmax(F.linear(b["labels"], lm_weight), dim=-1)
+    k = logits.shape[1]
+    ce = -(teacher.exp() * torch.log_softmax(logits, -1)).sum(-1).mean(0)  # [K]
+    weights = DEPTH_WEIGHT ** torch.arange(k, dtype=torch.float32)
+    acc = (logits.argmax(-1) == teacher.argmax(-1)).float().mean(0)
+    return (ce * weights).sum() / weights.sum(), acc
+
+
+def train(method: str, target: str, output: Path, minutes: float, batch_size: int, lr: float, seed: int,
+          text_tokens: int, chats: int, threads: int) -> dict:
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+    torch.set_num_threads(threads)
+    torch.manual_seed(seed)
+    loaded = load_model(target)
+    cfg = HeadConfig.for_target(loaded.model, method, target)
+    head = DraftHead(cfg)
+    data_path = cache_dir() / f"spec-data-{target}-{seed}-{text_tokens}-{chats}.pt"
+    if data_path.exists():
+        corpus = Corpus(**torch.load(data_path))
+        print(f"data: {len(corpus.tokens)} tokens from {data_path}")
+    else:
+        corpus = build_corpus(loaded, cfg.aux_layers, text_tokens, chats, seed, print)
+        torch.save(corpus.__dict__, data_path)
+    counts = torch.bincount(corpus.tokens, minlength=loaded.config.vocab_size)
+    with torch.no_grad():  # frequent data tokens and what the target predicts there
+        pred = torch.cat([F.linear(corpus.final[i : i + 4096].float(), loaded.model.lm_head.weight).argmax(-1)
+                          for i in range(0, len(corpus.final), 4096)])
+    counts += torch.bincount(pred, minlength=loaded.config.vocab_size)
+    vocab = counts.topk(cfg.draft_vocab_size).indices.sort().values
+    init_from_target(head, loaded, vocab)
+    lm_weight = loaded.model.lm_head.weight[vocab].detach()
+    coverage = float(counts[vocab].sum() / counts.sum())
+
+    batcher = Batcher(corpus, cfg.window, cfg.max_depth, seed)
+    train_idx, eval_idx = batcher.split(0.05)
+    eval_batch = batcher.batch(eval_idx[:512])
+    opt = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=lr, weight_decay=0.0)
+    budget = minutes * 60
+    t0 = time.perf_counter()
+    step, ema = 0, None
+    with Progress(TextColumn("[bold]{task.description}"), BarColumn(), TextColumn("{task.percentage:>3.0f}%"),
+                  TextColumn("{task.fields[info]}"), TimeElapsedColumn(), TimeRemainingColumn()) as bar:
+        task = bar.add_task(f"train {method}", total=budget, info="")
+        while (elapsed := time.perf_counter() - t0) < budget:
+            frac = elapsed / budget
+            for g in opt.param_groups:  # warm up 3%, then cosine to 10%
+                g["lr"] = lr * min(1.0, frac / 0.03) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
+            idx = train_idx[torch.randint(len(train_idx), (batch_size,), generator=batcher.gen)]
+            loss, acc = loss_and_acc(head, loaded, batcher.batch(idx), lm_weight)
+            opt.zero_grad()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
+            opt.step()
+            step += 1
+            ema = acc if ema is None else 0.95 * ema + 0.05 * acc
+            info = f"step {step} loss {loss.item():.3f} acc@d " + " ".join(f"{a:.2f}" for a in ema.tolist())
+            bar.update(task, completed=min(elapsed, budget), info=info)
+    with torch.no_grad():
+        eval_loss, eval_acc = loss_and_acc(head, loaded, eval_batch, lm_weight)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    head.save(output)
+    report = {"method": method, "steps": step, "seconds": round(time.perf_counter() - t0), "train_tokens": len(corpus.tokens),
+              "eval_loss": round(eval_loss.item(), 3), "eval_top1_by_depth": [round(a, 3) for a in eval_acc.tolist()],
+              "draft_vocab_coverage": round(coverage, 3), "output": str(output), "bytes": output.stat().st_size}
+    print(report)
+    return report
