@@ -65,7 +65,7 @@ def test_serve_runs_real_workers_behind_the_router_and_stops_them_all():
 def test_serve_from_a_yaml_config_with_zones_and_simulated_workers(tmp_path):
     port = free_ports(5)
     cfg = tmp_path / "fleet.yaml"
-    cfg.write_text("policy: least_load\nworkers:\n"
+    cfg.write_text("policy: round_robin\nworkers:\n"
                    "  - {replicas: 2, simulate: true, zone: zone-a}\n"
                    "  - {replicas: 2, simulate: true, zone: zone-b, args: [--max-num-seqs, '8']}\n")
     p, log = start_serve("--config", str(cfg), port=port)
