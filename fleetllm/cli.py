@@ -26,6 +26,30 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="int4: int4 decoder / int8 LM-head weights for decode steps on CPU (default: exact fp32)")
 
 
+def add_observability_args(p: argparse.ArgumentParser) -> None:
+    """Worker identity (labels on every metric) and where telemetry goes."""
+    p.add_argument("--worker-id", default=None, help="label `worker` on every metric (default: HOST:PORT)")
+    p.add_argument("--role", default="both", choices=["both", "prefill", "decode"], help="label `role`")
+    p.add_argument("--zone", default="local", help="label `zone`: where this worker runs (default: %(default)s)")
+    p.add_argument("--instance-type", default=None, help="label `instance_type` (default: cpu, or the GPU's name)")
+    p.add_argument("--otlp-endpoint", default=None,
+                   help="OTLP/HTTP collector base URL (e.g. http://127.0.0.1:4318): metrics and request spans")
+    p.add_argument("--otlp-interval", type=float, default=10.0, help="seconds between OTLP metric pushes")
+    p.add_argument("--disable-metrics", action="store_true", help="record no engine metrics (overhead baseline)")
+    p.add_argument("--disable-log-requests", action="store_true", help="no log line per request")
+
+
+def worker_identity(args: argparse.Namespace) -> dict[str, str]:
+    instance_type = args.instance_type
+    if instance_type is None:
+        import torch
+
+        cuda = args.device in ("auto", "cuda") and torch.cuda.is_available()
+        instance_type = torch.cuda.get_device_name(0) if cuda else "cpu"
+    return {"worker": args.worker_id or f"{args.host}:{args.port}", "role": args.role, "zone": args.zone,
+            "instance_type": instance_type}
+
+
 def engine_config(args: argparse.Namespace):  # -> EngineConfig (imported lazily: torch is slow to import)
     from fleetllm.engine.engine import EngineConfig
 
@@ -43,6 +67,8 @@ def engine_config(args: argparse.Namespace):  # -> EngineConfig (imported lazily
         enable_prefix_caching=not args.no_prefix_caching,
         num_threads=args.num_threads,
         quantization=args.quantization,
+        metric_labels=worker_identity(args) if hasattr(args, "zone") else {},
+        disable_metrics=getattr(args, "disable_metrics", False),
     )
 
 
@@ -54,14 +80,15 @@ def cmd_worker(args: argparse.Namespace) -> int:
     import uvicorn
 
     from fleetllm.engine.engine import LLMEngine
-    from fleetllm.server.app import Worker
+    from fleetllm.server.app import ObservabilityConfig, Worker
 
     engine = LLMEngine(engine_config(args))
     logging.getLogger("fleetllm").info(
         "model %s loaded in %.1fs; %d KV blocks of %d tokens", engine.model_name, engine.loaded.load_seconds,
         engine.pool.num_blocks, engine.pool.block_size,
     )
-    worker = Worker(engine)
+    obs = ObservabilityConfig(args.otlp_endpoint, args.otlp_interval, not args.disable_log_requests)
+    worker = Worker(engine, obs)
     uvicorn.run(worker.app, host=args.host, port=args.port, log_level=args.log_level, access_log=False)
     return 0
 
@@ -87,6 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--host", default="127.0.0.1")
     w.add_argument("--port", type=int, default=8001)
     w.add_argument("--log-level", default="info")
+    add_observability_args(w)
     w.set_defaults(func=cmd_worker)
 
     g = sub.add_parser("generate", help="answer one chat prompt in-process (no server)")

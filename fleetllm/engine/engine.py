@@ -44,6 +44,8 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     num_threads: int | None = None
     quantization: str = "none"  # "int4": int4/int8 weight copies for narrow (decode) batches on CPU
+    metric_labels: dict[str, str] = field(default_factory=dict)  # worker identity: worker, role, zone, instance_type
+    disable_metrics: bool = False
 
     def resolved_device(self) -> str:
         if self.device == "auto":
@@ -56,6 +58,17 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass
+class RequestTiming:
+    """A finished request's phase boundaries (monotonic seconds): queue = arrival..scheduled,
+    prefill = scheduled..first token, decode = first token..finished."""
+
+    arrival: float
+    scheduled: float | None
+    first_token: float | None
+    finished: float
 
 
 @dataclass
@@ -73,6 +86,7 @@ class RequestOutput:
     stop_reason: str | int | None = None
     logprobs: list[TokenLogprob] | None = None
     error: str | None = None
+    timing: RequestTiming | None = None  # on the final output only
 
 
 class LLMEngine:
@@ -104,7 +118,7 @@ class LLMEngine:
         self.max_model_len = min(self.max_model_len, fits)
         self.runner = ModelRunner(self.loaded.model, num_blocks, cfg.block_size, self.device)
         self.sampler = Sampler()
-        self.metrics = EngineMetrics(self.model_name)
+        self.metrics = EngineMetrics(self.model_name, cfg.metric_labels, self.max_model_len, not cfg.disable_metrics)
         self.seqs: dict[str, Sequence] = {}
         self.detok: dict[str, IncrementalDetokenizer] = {}
         self._pending: list[RequestOutput] = []  # outputs produced outside step() (aborts)
@@ -159,7 +173,7 @@ class LLMEngine:
         outputs, self._pending = self._pending, []
         sched = self.scheduler.schedule()
         if sched.preempted:
-            self.metrics.preemptions.inc(len(sched.preempted))
+            self.metrics.preempted(len(sched.preempted))
         now = time.monotonic()
         if not sched.scheduled:
             self._update_gauges()
@@ -169,7 +183,7 @@ class LLMEngine:
         for s in batch:
             if s.seq.first_scheduled_time is None:
                 s.seq.first_scheduled_time = now
-                self.metrics.queue_time.observe(now - s.seq.arrival_time)
+                self.metrics.scheduled_first(s.seq, now)
         try:
             logits = self.runner.execute(batch, sample_rows).float().cpu()  # sampling runs on the host
             seqs = [batch[i].seq for i in sample_rows]
@@ -201,16 +215,11 @@ class LLMEngine:
         return outputs
 
     def _append_token(self, seq: Sequence, tok: int, lp: list[TokenLogprob] | None, now: float) -> RequestOutput:
+        self.metrics.token(seq, now)
         seq.output_token_ids.append(tok)
         if seq.first_token_time is None:
             seq.first_token_time = now
-            # every prompt token counts once, cached or not, as in vLLM (recomputation is not new prompt)
-            self.metrics.prompt_tokens.inc(len(seq.prompt_token_ids))
-            self.metrics.ttft.observe(now - seq.arrival_time)
-        else:
-            self.metrics.itl.observe(now - seq.last_token_time)
         seq.last_token_time = now
-        self.metrics.generation_tokens.inc()
         detok = self.detok[seq.request_id]
         stop_str = detok.push(tok)
         status = None
@@ -235,19 +244,28 @@ class LLMEngine:
         detok = self.detok.pop(seq.request_id)
         del self.seqs[seq.request_id]
         reason = seq.status.value
-        self.metrics.finished(reason)
-        self.metrics.e2e.observe(time.monotonic() - seq.arrival_time)
+        now = time.monotonic()
+        self.metrics.finished(seq, reason, now)
+        timing = RequestTiming(seq.arrival_time, seq.first_scheduled_time, seq.first_token_time, now)
         return RequestOutput(
             seq.request_id, new, detok.release(True), True, len(seq.prompt_token_ids), len(seq.output_token_ids),
-            max(seq.num_cached_tokens, 0), reason, seq.stop_reason, lp, error,
+            max(seq.num_cached_tokens, 0), reason, seq.stop_reason, lp, error, timing,
         )
 
     def _update_gauges(self) -> None:
-        m = self.metrics
-        m.running.set(len(self.scheduler.running))
-        m.waiting.set(len(self.scheduler.waiting))
-        m.kv_usage.set(self.pool.usage)
-        dq, dh = self.kv.prefix_queries, self.kv.prefix_hits
-        m.prefix_queries.inc(dq - getattr(self, "_last_q", 0))
-        m.prefix_hits.inc(dh - getattr(self, "_last_h", 0))
-        self._last_q, self._last_h = dq, dh
+        self.metrics.step_gauges(len(self.scheduler.running), len(self.scheduler.waiting), self.pool.usage,
+                                 self.kv.prefix_queries, self.kv.prefix_hits)
+
+    def warm_up(self, prompt_len: int = 8, max_tokens: int = 2) -> float:
+        """Run one short request to completion with metrics muted (first-call costs: allocator, kernels,
+        thread pools); return its seconds. The prompt is shorter than a block, so nothing stays cached."""
+        t0 = time.perf_counter()
+        enabled, self.metrics.enabled = self.metrics.enabled, False
+        try:
+            n = max(1, min(prompt_len, self.config.block_size - 1, self.max_model_len - max_tokens - 1))
+            self.add_request("warm-up", [1] * n, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+            while self.has_unfinished():
+                self.step()
+        finally:
+            self.metrics.enabled = enabled
+        return time.perf_counter() - t0

@@ -10,10 +10,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -26,9 +27,22 @@ from fleetllm.engine.async_engine import AsyncEngine
 from fleetllm.engine.engine import LLMEngine, RequestOutput
 from fleetllm.engine.sampling import InvalidParameter, SamplingParams
 from fleetllm.engine.scheduler import QueueFull
+from fleetllm.observability.dashboard import dashboard_routes
+from fleetllm.observability.process import ColdStart, ProcessHostCollector
+from fleetllm.observability.tracing import trace_id_of
 from fleetllm.server.protocol import APIError, chat_messages, completion_prompts, sampling_from_body
 
 T = TypeVar("T")
+request_log = logging.getLogger("fleetllm.requests")
+
+
+@dataclass
+class ObservabilityConfig:
+    """What a worker reports beyond ``/metrics`` (CLI: --otlp-endpoint, --disable-log-requests)."""
+
+    otlp_endpoint: str | None = None  # OTLP/HTTP base URL: metrics to /v1/metrics, spans to /v1/traces
+    otlp_interval_s: float = 10.0
+    log_requests: bool = True
 
 
 def error_response(e: APIError) -> JSONResponse:
@@ -38,11 +52,26 @@ def error_response(e: APIError) -> JSONResponse:
 class Worker:
     """Request handling for one engine; ``app`` is the ASGI application."""
 
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(self, engine: LLMEngine, obs: ObservabilityConfig | None = None) -> None:
         self.engine = engine
         self.async_engine = AsyncEngine(engine)
         self.model_name = engine.model_name
         self.created = int(time.time())
+        self.obs = obs = obs or ObservabilityConfig()
+        m = engine.metrics
+        if m.enabled:
+            m.registry.register(ProcessHostCollector(m.labels, gpu=engine.device.startswith("cuda")))
+        self.cold_start = ColdStart(m.registry, m.labels)
+        self.cold_start.set("weight_load", engine.loaded.load_seconds)
+        self.tracer = self.otlp_metrics = None
+        if obs.otlp_endpoint:
+            from fleetllm.observability.otlp import OTLPMetricsPusher, resource_for
+            from fleetllm.observability.tracing import RequestTracer
+
+            resource = resource_for("fleetllm-worker", m.labels)
+            self.tracer = RequestTracer(obs.otlp_endpoint, resource)
+            if m.enabled:
+                self.otlp_metrics = OTLPMetricsPusher(m.registry, obs.otlp_endpoint, resource, obs.otlp_interval_s)
         self.app = Starlette(
             routes=[
                 Route("/v1/chat/completions", self.chat, methods=["POST"]),
@@ -52,6 +81,7 @@ class Worker:
                 Route("/detokenize", self.detokenize, methods=["POST"]),
                 Route("/health", self.health, methods=["GET"]),
                 Route("/metrics", self.metrics, methods=["GET"]),
+                *dashboard_routes(),
             ],
             lifespan=self._lifespan,
             exception_handlers={APIError: lambda r, e: error_response(e), 404: self._not_found,
@@ -60,9 +90,17 @@ class Worker:
 
     @contextlib.asynccontextmanager
     async def _lifespan(self, app: Starlette) -> AsyncIterator[None]:
+        self.cold_start.set("warm_up", self.engine.warm_up())
         self.async_engine.start()
+        if self.otlp_metrics:
+            self.otlp_metrics.start()
+        logging.getLogger("fleetllm").info("worker ready %.1fs after process start", self.cold_start.ready_now())
         yield
         self.async_engine.shutdown()
+        if self.otlp_metrics:
+            self.otlp_metrics.stop()
+        if self.tracer:
+            self.tracer.shutdown()
 
     async def _not_found(self, request: Request, exc: Exception) -> JSONResponse:
         return error_response(APIError(404, f"no route {request.method} {request.url.path}"))
@@ -86,8 +124,13 @@ class Worker:
     def _encode(self, prompt: str | list[int]) -> list[int]:
         return self.engine.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
 
-    async def _run(self, request: Request, rid: str, prompts: list[list[int]], params: SamplingParams) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """Run every (prompt x n) sub-request; yield (choice index, output) as they arrive."""
+    async def _run(self, request: Request, rid: str, kind: str, prompts: list[list[int]], params: SamplingParams) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Run every (prompt x n) sub-request; yield (choice index, output) as they arrive.
+
+        When it ends (finished, failed or abandoned) the request is logged and traced."""
+        start = time.monotonic()
+        finals: list[RequestOutput] = []
+        status = 200
         subs = []
         for p_i, ids in enumerate(prompts):
             for k in range(params.n):
@@ -112,12 +155,32 @@ class Worker:
                 if item is None:
                     remaining -= 1
                 elif isinstance(item, BaseException):
-                    raise _as_api_error(item)
+                    err = _as_api_error(item)
+                    status = err.status if isinstance(err, APIError) else 500
+                    raise err
                 else:
+                    if item[1].finished:
+                        finals.append(item[1])
                     yield item
         finally:
             for t in tasks:
                 t.cancel()  # a disconnect or error: cancelled generators abort their requests
+            self._request_done(request, rid, kind, start, finals, status)
+
+    def _request_done(self, request: Request, rid: str, kind: str, start: float, finals: list[RequestOutput], status: int) -> None:
+        """The request's log line and span (the request id ties them to the caller's)."""
+        operation = "chat" if kind == "chat" else "text_completion"
+        if self.tracer is not None:
+            self.tracer.record(rid, request.headers, operation, self.model_name, start, finals, status)
+        if self.obs.log_requests and request_log.isEnabledFor(logging.INFO):
+            t = finals[0].timing if finals else None
+            ttft = f"{t.first_token - t.arrival:.3f}s" if t and t.first_token is not None else "-"
+            request_log.info(
+                "request %s %s: status=%d finish=%s prompt_tokens=%d output_tokens=%d cached_tokens=%d ttft=%s e2e=%.3fs trace=%s",
+                rid, operation, status, ",".join(f.finish_reason or "-" for f in finals) or "-",
+                finals[0].num_prompt_tokens if finals else 0, sum(f.num_output_tokens for f in finals),
+                finals[0].num_cached_tokens if finals else 0, ttft, time.monotonic() - start,
+                trace_id_of(request.headers) or "-")
 
     async def _until_disconnect(self, request: Request, aw: Awaitable[T]) -> T:
         """Await ``aw``, cancelling it and raising APIError(499) if the client disconnects meanwhile.
@@ -170,7 +233,7 @@ class Worker:
         rid = request.headers.get("x-request-id") or uuid.uuid4().hex
         cid = ("chatcmpl-" if kind == "chat" else "cmpl-") + rid
         headers = {"x-request-id": rid}
-        gen = self._run(request, rid, prompts, params)
+        gen = self._run(request, rid, kind, prompts, params)
         try:
             if not body.get("stream"):
                 outs = await self._until_disconnect(request, self._collect(gen))
