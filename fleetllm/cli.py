@@ -78,6 +78,9 @@ def cmd_worker(args: argparse.Namespace) -> int:
     # Must be set before torch loads its OpenMP runtime.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     import uvicorn
+    from prometheus_client import disable_created_metrics
+
+    disable_created_metrics()  # *_created series: half the /metrics page, read by nothing here
 
     from fleetllm.engine.engine import LLMEngine
     from fleetllm.server.app import ObservabilityConfig, Worker
