@@ -88,7 +88,7 @@ class EngineMetrics:
         tok_buckets = buckets_1_2_5(max_model_len)
         self.req_prompt_tokens = hist("vllm:request_prompt_tokens", "Prompt tokens per request.", tok_buckets)
         self.req_gen_tokens = hist("vllm:request_generation_tokens", "Generated tokens per request.", tok_buckets)
-        self._finished = Counter("vllm:request_success", "Finished requests by reason.",
+        self._finished: Counter = Counter("vllm:request_success", "Finished requests by reason.",
                                  [*names, "finished_reason"], registry=r)
         # OpenTelemetry GenAI server metrics (Prometheus form, see the module docstring)
         self.genai_ttft = hist("gen_ai_server_time_to_first_token_seconds",
@@ -101,7 +101,9 @@ class EngineMetrics:
                           [*names, "gen_ai_token_type"], buckets=GENAI_TOKENS, registry=r)
         self.genai_input_tokens = usage.labels(**lab, gen_ai_token_type="input")
         self.genai_output_tokens = usage.labels(**lab, gen_ai_token_type="output")
-        self._finished_by_reason: dict[str, Counter] = {}
+        # every reason's series exists from the start, so rates and error panels see it go from 0
+        self._finished_by_reason = {reason: self._finished.labels(**lab, finished_reason=reason)
+                                    for reason in ("stop", "length", "abort", "error")}
         self._last_queries = self._last_hits = 0
 
     # ---- events from the engine (monotonic seconds) ------------------------------------------------------
