@@ -13,10 +13,13 @@ import logging
 import queue
 import threading
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from fleetllm.engine.engine import LLMEngine, RequestOutput
-from fleetllm.engine.sampling import SamplingParams
+from fleetllm.engine.outputs import RequestOutput
+from fleetllm.engine.params import SamplingParams
+
+if TYPE_CHECKING:
+    from fleetllm.engine.engine import LLMEngine
 
 log = logging.getLogger(__name__)
 

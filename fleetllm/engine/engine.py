@@ -15,6 +15,7 @@ from fleetllm.engine.detokenizer import IncrementalDetokenizer
 from fleetllm.engine.kv_cache_manager import KVCacheManager
 from fleetllm.engine.metrics import EngineMetrics
 from fleetllm.engine.model_runner import ModelRunner
+from fleetllm.engine.outputs import RequestOutput, RequestTiming, TokenLogprob
 from fleetllm.engine.sampling import InvalidParameter, Sampler, SamplingParams
 from fleetllm.engine.scheduler import Scheduler, SchedulerConfig
 from fleetllm.engine.sequence import Sequence, Status
@@ -51,42 +52,6 @@ class EngineConfig:
         if self.device == "auto":
             return "cuda" if torch.cuda.is_available() else "cpu"
         return self.device
-
-
-@dataclass
-class TokenLogprob:
-    token_id: int
-    logprob: float
-    top: list[tuple[int, float]] = field(default_factory=list)
-
-
-@dataclass
-class RequestTiming:
-    """A finished request's phase boundaries (monotonic seconds): queue = arrival..scheduled,
-    prefill = scheduled..first token, decode = first token..finished."""
-
-    arrival: float
-    scheduled: float | None
-    first_token: float | None
-    finished: float
-
-
-@dataclass
-class RequestOutput:
-    """What one step produced for one request (a delta; ``finished`` marks the last one)."""
-
-    request_id: str
-    new_token_ids: list[int]
-    new_text: str
-    finished: bool
-    num_prompt_tokens: int
-    num_output_tokens: int
-    num_cached_tokens: int
-    finish_reason: str | None = None  # stop | length | abort | error
-    stop_reason: str | int | None = None
-    logprobs: list[TokenLogprob] | None = None
-    error: str | None = None
-    timing: RequestTiming | None = None  # on the final output only
 
 
 class LLMEngine:

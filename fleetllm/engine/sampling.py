@@ -6,71 +6,13 @@ min_p, top_k, top_p, then sampling. Log-probabilities are reported from the raw 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
+from fleetllm.engine.params import InvalidParameter, SamplingParams
 
-class InvalidParameter(ValueError):
-    """A request parameter is out of range; ``param`` names it for the API error."""
-
-    def __init__(self, param: str, message: str) -> None:
-        super().__init__(message)
-        self.param = param
-
-
-@dataclass
-class SamplingParams:
-    """How to sample one request's tokens and when to stop."""
-
-    max_tokens: int | None = 16
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1  # -1 or 0: off
-    min_p: float = 0.0
-    seed: int | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    stop: list[str] = field(default_factory=list)
-    stop_token_ids: list[int] = field(default_factory=list)
-    ignore_eos: bool = False
-    include_stop_str_in_output: bool = False
-    logprobs: int | None = None  # number of top alternatives per token; 0 = only the chosen token
-    skip_special_tokens: bool = True
-    n: int = 1
-
-    def __post_init__(self) -> None:
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        self.stop = [s for s in self.stop if s]
-        self.validate()
-
-    def validate(self) -> None:
-        """Raise :class:`InvalidParameter` naming the first parameter out of range."""
-        checks = [
-            ("max_tokens", self.max_tokens is None or self.max_tokens >= 1, "must be at least 1"),
-            ("temperature", 0.0 <= self.temperature <= 100.0, "must be in [0, 100]"),
-            ("top_p", 0.0 < self.top_p <= 1.0, "must be in (0, 1]"),
-            ("top_k", self.top_k == -1 or self.top_k >= 0, "must be -1 (off) or >= 0"),
-            ("min_p", 0.0 <= self.min_p <= 1.0, "must be in [0, 1]"),
-            ("presence_penalty", -2.0 <= self.presence_penalty <= 2.0, "must be in [-2, 2]"),
-            ("frequency_penalty", -2.0 <= self.frequency_penalty <= 2.0, "must be in [-2, 2]"),
-            ("repetition_penalty", 0.0 < self.repetition_penalty <= 10.0, "must be in (0, 10]"),
-            ("logprobs", self.logprobs is None or 0 <= self.logprobs <= 20, "must be in [0, 20]"),
-            ("n", 1 <= self.n <= 16, "must be in [1, 16]"),
-        ]
-        for name, ok, msg in checks:
-            if not ok:
-                raise InvalidParameter(name, f"{name} {msg}, got {getattr(self, name)!r}")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature < 1e-5
-
-    @property
-    def needs_penalties(self) -> bool:
-        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+__all__ = ["InvalidParameter", "SampleResult", "Sampler", "SamplingParams"]
 
 
 @dataclass

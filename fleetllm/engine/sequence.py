@@ -10,10 +10,12 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import torch
+from fleetllm.engine.params import SamplingParams
 
-from fleetllm.engine.sampling import SamplingParams
+if TYPE_CHECKING:
+    import torch
 
 
 class Status(enum.Enum):

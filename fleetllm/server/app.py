@@ -15,7 +15,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass, replace
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
@@ -24,13 +24,16 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from fleetllm.engine.async_engine import AsyncEngine
-from fleetllm.engine.engine import LLMEngine, RequestOutput
-from fleetllm.engine.sampling import InvalidParameter, SamplingParams
+from fleetllm.engine.outputs import RequestOutput
+from fleetllm.engine.params import InvalidParameter, SamplingParams
 from fleetllm.engine.scheduler import QueueFull
 from fleetllm.observability.dashboard import dashboard_routes
 from fleetllm.observability.process import ColdStart, ProcessHostCollector
 from fleetllm.observability.tracing import trace_id_of
 from fleetllm.server.protocol import APIError, chat_messages, completion_prompts, sampling_from_body
+
+if TYPE_CHECKING:
+    from fleetllm.engine.engine import LLMEngine
 
 T = TypeVar("T")
 request_log = logging.getLogger("fleetllm.requests")

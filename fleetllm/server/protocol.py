@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from fleetllm.engine.sampling import InvalidParameter, SamplingParams
+from fleetllm.engine.params import InvalidParameter, SamplingParams
 
 
 class APIError(Exception):

