@@ -20,6 +20,15 @@ MUST_HAVE_DATA = {
 }
 
 
+# the page's own Prometheus text parser on escapes, +Inf, NaN and a sample without labels
+PARSE_CHECK = r"""
+const text = String.raw`x{a="a \"quoted\"\\path\nline",le="+Inf"} +Inf` + "\ny{a=\"b\"} NaN\nz 3\n# HELP z z\n";
+const m = window.fleetDashboard.parseMetrics(text);
+const x = m.get("x")[0];
+return {label: x.labels.a, inf: String(x.value), nan: Number.isNaN(m.get("y")[0].value), bare: m.get("z")[0].value};
+"""
+
+
 @pytest.fixture(scope="module")
 def target(worker_factory: Any) -> str:
     return worker_factory("--zone", "zone-browser", "--worker-id", "browser-w0").base_url
@@ -53,6 +62,8 @@ def test_dashboard_renders_three_views_with_data_and_no_console_errors(target: s
             driver.save_screenshot(str(shots / f"{view}.png"))
             assert (shots / f"{view}.png").stat().st_size > 10_000
         assert driver.execute_script("return window.fleetDashboard.lastError") is None
+        parsed = driver.execute_script(PARSE_CHECK)
+        assert parsed == {"label": 'a "quoted"\\path\nline', "inf": "Infinity", "nan": True, "bare": 3}
         logs = driver.get_log("browser")
     errors = [e for e in logs if e["level"] in ("SEVERE", "ERROR")]
     assert not errors, errors
