@@ -86,3 +86,9 @@ async def scrape_workers(workers: Mapping[str, str], client: httpx.AsyncClient,
 
     texts = await asyncio.gather(*(one(u) for u in workers.values()))
     return dict(zip(workers, texts, strict=True))
+
+
+async def fleet_metrics(local: str, workers: Mapping[str, str], client: httpx.AsyncClient) -> str:
+    """The router's ``/metrics`` page: its own registry's text (``local``) plus every worker's page
+    (``{name: base URL}``), read concurrently and labelled ``worker=<name>``."""
+    return federate(await scrape_workers(workers, client), local=local)

@@ -62,3 +62,24 @@ def test_local_page_is_merged_without_a_worker_label() -> None:
     (sample,) = [s for s in fams["fleetllm_router_requests"].samples if s.name.endswith("_total")]
     assert sample.labels == {"status": "200"} and sample.value == 5
     assert "vllm:num_requests_running" in fams
+
+
+def test_fleet_metrics_reads_workers_concurrently_and_reports_the_dead_one() -> None:
+    import asyncio
+
+    import httpx
+
+    from fleetllm.observability.federate import fleet_metrics
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.host == "dead":
+            raise httpx.ConnectError("refused")
+        return httpx.Response(200, text=page(4, 0))
+
+    async def go() -> str:
+        async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
+            return await fleet_metrics("", {"live": "http://live:1", "dead": "http://dead:1"}, client)
+
+    fams = parsed(asyncio.run(go()))
+    assert {s.labels["worker"]: s.value for s in fams[SCRAPE_OK].samples} == {"live": 1, "dead": 0}
+    assert [s.value for s in fams["vllm:num_requests_running"].samples] == [4]
