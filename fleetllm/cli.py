@@ -39,15 +39,26 @@ def add_observability_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--disable-log-requests", action="store_true", help="no log line per request")
 
 
-def worker_identity(args: argparse.Namespace) -> dict[str, str]:
+def worker_identity(args: argparse.Namespace, port: int | None = None) -> dict[str, str]:
+    """The labels of a worker's metrics; ``port`` names a simulated worker among many in one process."""
     instance_type = args.instance_type
     if instance_type is None:
-        import torch
+        instance_type = "cpu"
+        if not getattr(args, "simulate", False) and args.device in ("auto", "cuda"):
+            import torch
 
-        cuda = args.device in ("auto", "cuda") and torch.cuda.is_available()
-        instance_type = torch.cuda.get_device_name(0) if cuda else "cpu"
-    return {"worker": args.worker_id or f"{args.host}:{args.port}", "role": args.role, "zone": args.zone,
-            "instance_type": instance_type}
+            if torch.cuda.is_available():
+                instance_type = torch.cuda.get_device_name(0)
+    worker = args.worker_id or f"{args.host}:{port or args.port}"
+    if args.worker_id and port is not None and port != args.port:
+        worker = f"{args.worker_id}-{port - args.port}"
+    return {"worker": worker, "role": args.role, "zone": args.zone, "instance_type": instance_type}
+
+
+def observability_config(args: argparse.Namespace):  # -> ObservabilityConfig
+    from fleetllm.server.app import ObservabilityConfig
+
+    return ObservabilityConfig(args.otlp_endpoint, args.otlp_interval, not args.disable_log_requests)
 
 
 def engine_config(args: argparse.Namespace):  # -> EngineConfig (imported lazily: torch is slow to import)
@@ -77,22 +88,40 @@ def cmd_worker(args: argparse.Namespace) -> int:
     # stall every step that waits on a descheduled thread (batch-1 decode 13 -> 19 tok/s when passive).
     # Must be set before torch loads its OpenMP runtime.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    import uvicorn
     from prometheus_client import disable_created_metrics
 
     disable_created_metrics()  # *_created series: half the /metrics page, read by nothing here
-
+    if args.simulate:
+        return cmd_sim_worker(args)
     from fleetllm.engine.engine import LLMEngine
-    from fleetllm.server.app import ObservabilityConfig, Worker
+    from fleetllm.server.app import Worker
+    from fleetllm.server.serving import run_app
 
     engine = LLMEngine(engine_config(args))
     logging.getLogger("fleetllm").info(
         "model %s loaded in %.1fs; %d KV blocks of %d tokens", engine.model_name, engine.loaded.load_seconds,
         engine.pool.num_blocks, engine.pool.block_size,
     )
-    obs = ObservabilityConfig(args.otlp_endpoint, args.otlp_interval, not args.disable_log_requests)
-    worker = Worker(engine, obs)
-    uvicorn.run(worker.app, host=args.host, port=args.port, log_level=args.log_level, access_log=False)
+    worker = Worker(engine, observability_config(args))
+    run_app(worker.app, args.host, args.port, args.log_level, on_exit=lambda: setattr(worker, "closing", True))
+    return 0
+
+
+def cmd_sim_worker(args: argparse.Namespace) -> int:
+    from fleetllm.sim.engine import SimConfig
+    from fleetllm.sim.profile import TimingProfile
+    from fleetllm.sim.server import serve_simulated
+
+    profile = TimingProfile.load(args.profile) if args.profile else TimingProfile.default()
+    cfg = SimConfig(model_name=args.served_model_name or args.model, max_model_len=args.max_model_len or 8192,
+                    max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                    max_waiting=args.max_waiting, num_blocks=args.num_blocks, block_size=args.block_size,
+                    enable_prefix_caching=not args.no_prefix_caching, speed=args.sim_speed)
+    logging.getLogger("fleetllm").info("%d simulated worker(s) on %s:%d-%d", args.count, args.host, args.port,
+                                       args.port + args.count - 1)
+    identities = [worker_identity(args, args.port + i) for i in range(args.count)]
+    serve_simulated(args.model, args.host, args.port, args.count, cfg, profile, args.log_level,
+                    identities=identities, obs=observability_config(args))
     return 0
 
 
@@ -108,6 +137,74 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def add_router_args(p: argparse.ArgumentParser) -> None:
+    """Router flags shared by ``fleetllm router`` and ``fleetllm serve``."""
+    from fleetllm.router.policies import POLICY_NAMES
+
+    p.add_argument("--policy", default="kv_aware", choices=POLICY_NAMES, help="routing policy (default: %(default)s)")
+    p.add_argument("--max-retries", type=int, default=2, help="retries on other workers before the first byte")
+    p.add_argument("--health-interval", type=float, default=1.0, help="seconds between health checks")
+    p.add_argument("--breaker-threshold", type=int, default=3, help="consecutive failures that open a worker's breaker")
+    p.add_argument("--breaker-cooldown", type=float, default=5.0, help="seconds a breaker stays open before a probe")
+    p.add_argument("--session-header", default="x-session-id", help="header naming a session (else the body's `user`)")
+    p.add_argument("--profile", default=None, help="calibration profile (fleetllm calibrate) for the cost model")
+    p.add_argument("--seed", type=int, default=None, help="seed for random tie-breaks")
+
+
+def router_config(args: argparse.Namespace, workers: list[str], zones: list[str] | None = None):  # -> RouterConfig
+    from fleetllm.router.gateway import RouterConfig
+    from fleetllm.sim.profile import TimingProfile
+
+    # Rates of the shipped SmolLM2-on-CPU profile unless a measured one is given (fleetllm calibrate).
+    cost = (TimingProfile.load(args.profile) if args.profile else TimingProfile.default()).cost_model()
+    tokenizers = dict(kv.split("=", 1) for kv in getattr(args, "tokenizer", None) or [])
+    return RouterConfig(workers=workers, policy=args.policy, zones=zones or [], max_retries=args.max_retries,
+                        health_interval_s=args.health_interval, session_header=args.session_header,
+                        breaker_threshold=args.breaker_threshold, breaker_cooldown_s=args.breaker_cooldown,
+                        tokenizers=tokenizers, cost=cost, seed=args.seed)
+
+
+def cmd_router(args: argparse.Namespace) -> int:
+    from fleetllm.router.gateway import Router
+    from fleetllm.server.serving import run_app
+
+    workers = [u for u in args.workers.split(",") if u]
+    zones = [z for z in args.zones.split(",")] if args.zones else None
+    router = Router(router_config(args, workers, zones))
+    logging.getLogger("fleetllm").info("router on %s:%d over %d workers, policy %s", args.host, args.port,
+                                       len(workers), args.policy)
+    run_app(router.app, args.host, args.port, args.log_level, on_exit=lambda: setattr(router, "closing", True))
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from fleetllm.fleet.config import FleetConfig, WorkerGroup
+    from fleetllm.fleet.launcher import run_fleet
+
+    if args.config:
+        cfg = FleetConfig.from_yaml(args.config)
+    else:
+        cfg = FleetConfig(workers=[WorkerGroup(replicas=args.replicas, model=args.model, simulate=args.simulate,
+                                               threads=args.num_threads)])
+    cfg.host, cfg.port = args.host or cfg.host, args.port or cfg.port
+    cfg.policy = args.policy or cfg.policy
+    cfg.restart = cfg.restart or args.restart
+    if args.log_dir:
+        cfg.log_dir = args.log_dir
+    return run_fleet(cfg)
+
+
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    from fleetllm.sim.calibrate import calibrate
+
+    prof = calibrate(args.model, threads=args.num_threads, repeats=args.repeats)
+    prof.save(args.output)
+    print(f"wrote {args.output}: prefill {prof.prefill}, decode {prof.decode}, "
+          f"context {prof.ctx_s_per_token * 1e6:.2f} us/token/seq")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fleetllm", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -118,7 +215,42 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--port", type=int, default=8001)
     w.add_argument("--log-level", default="info")
     add_observability_args(w)
+    w.add_argument("--simulate", action="store_true", help="timing-model worker (no weights): for fleet experiments")
+    w.add_argument("--profile", default=None, help="--simulate: timing profile from fleetllm calibrate")
+    w.add_argument("--count", type=int, default=1, help="--simulate: workers on consecutive ports in one process")
+    w.add_argument("--sim-speed", type=float, default=1.0, help="--simulate: run the timing model this much faster")
     w.set_defaults(func=cmd_worker)
+
+    r = sub.add_parser("router", help="OpenAI-compatible gateway routing over many workers")
+    r.add_argument("--workers", required=True, help="comma-separated worker base URLs")
+    r.add_argument("--zones", default=None, help="comma-separated zone per worker (metrics label)")
+    r.add_argument("--tokenizer", action="append", metavar="MODEL=REF",
+                   help="tokenizer for a served model name that is not itself a model reference")
+    add_router_args(r)
+    r.add_argument("--host", default="127.0.0.1")
+    r.add_argument("--port", type=int, default=8000)
+    r.add_argument("--log-level", default="info")
+    r.set_defaults(func=cmd_router)
+
+    s = sub.add_parser("serve", help="start N workers and a router on this machine (a fleet)")
+    s.add_argument("--config", default=None, help="fleet YAML (see fleetllm/fleet/config.py); flags override it")
+    s.add_argument("--replicas", type=int, default=2)
+    s.add_argument("--model", default="smollm2-135m")
+    s.add_argument("--simulate", action="store_true", help="simulated workers (timing model, no weights)")
+    s.add_argument("--num-threads", type=int, default=None, help="torch threads per worker (default: cores / replicas)")
+    s.add_argument("--policy", default=None, help="routing policy (default: kv_aware)")
+    s.add_argument("--restart", action="store_true", help="restart worker processes that die")
+    s.add_argument("--log-dir", default=None, help="where worker and router logs go (default: a temp dir)")
+    s.add_argument("--host", default=None, help="default 127.0.0.1")
+    s.add_argument("--port", type=int, default=None, help="router port (default 8000); workers use the next ones")
+    s.set_defaults(func=cmd_serve)
+
+    c = sub.add_parser("calibrate", help="measure the engine's step times for the simulated worker's timing model")
+    c.add_argument("--model", default="smollm2-135m")
+    c.add_argument("--num-threads", type=int, default=1)
+    c.add_argument("--repeats", type=int, default=3)
+    c.add_argument("--output", required=True)
+    c.set_defaults(func=cmd_calibrate)
 
     g = sub.add_parser("generate", help="answer one chat prompt in-process (no server)")
     add_engine_args(g)
@@ -138,6 +270,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per health check otherwise
     args = build_parser().parse_args(argv)
     return args.func(args) or 0
 

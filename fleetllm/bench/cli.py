@@ -92,6 +92,8 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--turns-std", type=float, default=0)
     g.add_argument("--think-time", type=float, default=0.0, help="seconds between turns")
     g.add_argument("--system-len", type=int, default=0, help="system prompt tokens (multi-turn)")
+    g.add_argument("--shared-systems", type=int, default=0,
+                   help="multi-turn: draw system prompts from this many shared ones (0: one per session)")
     g.add_argument("--context-len", type=int, default=4096, help="initial context tokens (agentic)")
     g.add_argument("--step-len", type=int, default=256, help="tool output tokens added per turn (agentic)")
     g.add_argument("--long-isl", type=int, default=4096)
@@ -121,7 +123,7 @@ def build_workload(args: argparse.Namespace, builder: PromptBuilder) -> Workload
         return SharedPrefixWorkload(builder, args.num_prefixes, args.prefix_len, int(args.isl), int(args.osl), args.zipf)
     if w == "multi-turn":
         return MultiTurnWorkload(builder, args.turns, args.turns_std, int(args.isl), int(args.osl), args.think_time,
-                                 args.system_len)
+                                 args.system_len, args.shared_systems)
     if w == "agentic":
         return AgenticWorkload(builder, args.context_len, int(args.turns), args.step_len, int(args.osl), args.think_time)
     if w == "long-short":

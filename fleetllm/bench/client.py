@@ -177,7 +177,9 @@ async def _stream(
     on_first_token: Callable[[], None] | None,
 ) -> None:
     body = build_body(cfg, spec)
-    async with http.stream("POST", ENDPOINT_PATHS[cfg.endpoint], json=body) as resp:
+    # the session id lets session-affine routers keep a conversation on one replica
+    headers = {"x-session-id": spec.session_id} if spec.session_id else None
+    async with http.stream("POST", ENDPOINT_PATHS[cfg.endpoint], json=body, headers=headers) as resp:
         if resp.status_code != 200:
             detail = (await resp.aread())[:300].decode(errors="replace")
             rec.error, rec.error_detail = f"http_{resp.status_code}", detail

@@ -149,10 +149,12 @@ class MultiTurnWorkload:
     osl: int = 64
     think_time_s: float = 0.0
     system_len: int = 0
+    shared_systems: int = 0  # > 0: each session's system prompt is one of this many shared ones
     name: str = "multi-turn"
 
     def sessions(self, seed: int) -> Iterator[Session]:
         rng = np.random.default_rng(seed)
+        shared = [self.builder.text(rng, self.system_len) for _ in range(self.shared_systems)] if self.system_len else []
         i = 0
         while True:
             n = _normal_len(rng, self.turns_mean, self.turns_std)
@@ -160,7 +162,10 @@ class MultiTurnWorkload:
                 Turn(self.builder.text(rng, self.user_isl), self.osl, self.user_isl, self.think_time_s if t else 0.0)
                 for t in range(n)
             ]
-            system = self.builder.text(rng, self.system_len) if self.system_len else None
+            if shared:
+                system: str | None = shared[int(rng.integers(len(shared)))]
+            else:
+                system = self.builder.text(rng, self.system_len) if self.system_len else None
             yield Session(f"s{i}", turns, system=system, system_tokens=self.system_len)
             i += 1
 

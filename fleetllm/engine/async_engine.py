@@ -32,7 +32,10 @@ class AsyncEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
+        self._kv_subscribers: set[asyncio.Queue[tuple[str, list[int]]]] = set()
+        self._kv_publish = False  # becomes True with the first subscriber (engine thread only)
         self.steps = 0
+        engine.pool.on_event = self._on_kv_event  # called on the engine thread
 
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -73,6 +76,20 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         self._cmds.put(("abort", request_id))
 
+    async def subscribe_kv_events(self) -> tuple[asyncio.Queue[tuple[str, list[int]]], list[int]]:
+        """A queue of ("stored" | "removed", block hashes) events and the snapshot of cached hashes they
+        follow. The snapshot is taken on the engine thread between steps, and the queue is registered in
+        the same FIFO as event deliveries, so snapshot + events is exactly the cache's state. Call
+        :meth:`unsubscribe_kv_events` when done."""
+        assert self._loop is not None, "start() the engine first"
+        q: asyncio.Queue[tuple[str, list[int]]] = asyncio.Queue()
+        fut: asyncio.Future[list[int]] = self._loop.create_future()
+        self._cmds.put(("kv_snapshot", (q, fut)))
+        return q, await fut
+
+    def unsubscribe_kv_events(self, q: asyncio.Queue[tuple[str, list[int]]]) -> None:
+        self._kv_subscribers.discard(q)
+
     # ---- engine thread -------------------------------------------------------------------------------
     def _run(self) -> None:
         eng = self.engine
@@ -105,6 +122,23 @@ class AsyncEngine:
             self._loop.call_soon_threadsafe(_settle, fut, err)
         elif kind == "abort":
             self.engine.abort_request(arg)
+        elif kind == "kv_snapshot":
+            q, fut = arg
+            self._kv_publish = True  # set on this thread before the snapshot: no event can slip between
+            self._loop.call_soon_threadsafe(self._register_kv, q, fut, list(self.engine.pool.cached))
+
+    def _on_kv_event(self, kind: str, hashes: list[int]) -> None:
+        if self._kv_publish and self._loop is not None:
+            self._loop.call_soon_threadsafe(self._fanout_kv, kind, list(hashes))
+
+    def _register_kv(self, q: asyncio.Queue[tuple[str, list[int]]], fut: asyncio.Future[list[int]], snapshot: list[int]) -> None:
+        self._kv_subscribers.add(q)
+        if not fut.done():
+            fut.set_result(snapshot)
+
+    def _fanout_kv(self, kind: str, hashes: list[int]) -> None:
+        for q in self._kv_subscribers:
+            q.put_nowait((kind, hashes))
 
     def _deliver(self, outs: list[RequestOutput]) -> None:
         for out in outs:

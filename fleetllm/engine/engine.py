@@ -16,16 +16,12 @@ from fleetllm.engine.kv_cache_manager import KVCacheManager
 from fleetllm.engine.metrics import EngineMetrics
 from fleetllm.engine.model_runner import ModelRunner
 from fleetllm.engine.outputs import RequestOutput, RequestTiming, TokenLogprob
+from fleetllm.engine.params import PromptTooLong
 from fleetllm.engine.sampling import InvalidParameter, Sampler, SamplingParams
 from fleetllm.engine.scheduler import Scheduler, SchedulerConfig
 from fleetllm.engine.sequence import Sequence, Status
 from fleetllm.models.loader import LoadedModel, load_model
 from fleetllm.models.quant import quantize_model
-
-
-class PromptTooLong(InvalidParameter):
-    def __init__(self, message: str) -> None:
-        super().__init__("messages", message)
 
 
 @dataclass

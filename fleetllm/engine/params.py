@@ -14,6 +14,13 @@ class InvalidParameter(ValueError):
         self.param = param
 
 
+class PromptTooLong(InvalidParameter):
+    """The prompt (plus the tokens asked for) does not fit the context."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__("messages", message)
+
+
 @dataclass
 class SamplingParams:
     """How to sample one request's tokens and when to stop."""

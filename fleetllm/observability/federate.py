@@ -91,4 +91,5 @@ async def scrape_workers(workers: Mapping[str, str], client: httpx.AsyncClient,
 async def fleet_metrics(local: str, workers: Mapping[str, str], client: httpx.AsyncClient) -> str:
     """The router's ``/metrics`` page: its own registry's text (``local``) plus every worker's page
     (``{name: base URL}``), read concurrently and labelled ``worker=<name>``."""
-    return federate(await scrape_workers(workers, client), local=local)
+    texts = await scrape_workers(workers, client)
+    return await asyncio.to_thread(federate, texts, local)  # parsing N pages is CPU work: off the event loop

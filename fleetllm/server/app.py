@@ -75,6 +75,8 @@ class Worker:
             self.tracer = RequestTracer(obs.otlp_endpoint, resource)
             if m.enabled:
                 self.otlp_metrics = OTLPMetricsPusher(m.registry, obs.otlp_endpoint, resource, obs.otlp_interval_s)
+        self.instance_id = uuid.uuid4().hex  # a restarted worker has a new one: routers re-sync their index
+        self.closing = False  # set when the server shuts down: ends the endless /kv/events streams
         self.app = Starlette(
             routes=[
                 Route("/v1/chat/completions", self.chat, methods=["POST"]),
@@ -85,6 +87,7 @@ class Worker:
                 Route("/health", self.health, methods=["GET"]),
                 Route("/metrics", self.metrics, methods=["GET"]),
                 *dashboard_routes(),
+                Route("/kv/events", self.kv_events, methods=["GET"]),
             ],
             lifespan=self._lifespan,
             exception_handlers={APIError: lambda r, e: error_response(e), 404: self._not_found,
@@ -391,6 +394,46 @@ class Worker:
 
     async def metrics(self, request: Request) -> Response:
         return Response(generate_latest(self.engine.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    def load(self) -> dict[str, Any]:
+        """The worker's load as routers see it (read without locking: a slightly stale view is fine)."""
+        sched = self.engine.scheduler
+        return {"running": len(sched.running), "waiting": len(sched.waiting), "kv_usage": self.engine.pool.usage}
+
+    async def kv_events(self, request: Request) -> Response:
+        """KV events as a server-sent event stream, for KV-aware routers.
+
+        First a ``snapshot`` (instance id, model, block size, pool size and every cached block hash),
+        then ``stored`` / ``removed`` events with the hashes of blocks entering or leaving the prefix
+        cache, and a ``load`` event (running, waiting, KV usage) at least every ``interval`` seconds.
+        Hashes are :func:`fleetllm.engine.block_pool.hash_block` chains keyed by the served model name.
+        """
+        interval = float(request.query_params.get("interval", "0.5"))
+        q, snapshot = await self.async_engine.subscribe_kv_events()
+
+        def event(obj: dict[str, Any]) -> str:
+            return f"data: {json.dumps(obj)}\n\n"
+
+        async def stream() -> AsyncIterator[str]:
+            try:
+                yield event({"type": "snapshot", "instance": self.instance_id, "model": self.model_name,
+                             "block_size": self.engine.pool.block_size, "num_blocks": self.engine.pool.num_blocks,
+                             "hashes": snapshot, **self.load()})
+                next_load = time.monotonic() + interval
+                while not self.closing:
+                    timeout = max(0.0, next_load - time.monotonic())
+                    try:
+                        kind, hashes = await asyncio.wait_for(q.get(), timeout)
+                        yield event({"type": kind, "hashes": hashes})
+                    except TimeoutError:
+                        pass
+                    if time.monotonic() >= next_load:
+                        yield event({"type": "load", **self.load()})
+                        next_load = time.monotonic() + interval
+            finally:
+                self.async_engine.unsubscribe_kv_events(q)
+
+        return StreamingResponse(stream(), media_type="text/event-stream")
 
 
 def _finish(out: RequestOutput) -> str | None:

@@ -151,3 +151,10 @@ def test_ramp_up_inverts_the_linear_intensity():
     assert ramped_time(6.0, 10) == pytest.approx(11.0)
     assert ramped_time(1.25, 10) == pytest.approx(5.0)
     assert ramped_time(3.0, 0) == 3.0
+
+
+def test_multi_turn_sessions_can_share_a_few_system_prompts():
+    wl = MultiTurnWorkload(B, turns_mean=2, system_len=64, shared_systems=3)
+    it = wl.sessions(seed=7)
+    systems = {next(it).system for _ in range(40)}
+    assert len(systems) == 3

@@ -1,0 +1,1 @@
+"""A fleet on one machine: ``fleetllm serve`` starts the workers and the router as processes."""

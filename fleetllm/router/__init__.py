@@ -1,0 +1,9 @@
+"""The router: an OpenAI-compatible gateway over many engine workers (``fleetllm router``).
+
+- :mod:`.upstream`  the workers as the router sees them: health, load counted at dispatch, breaker,
+  and the KV-event subscription that keeps the prefix index exact.
+- :mod:`.index`     which worker holds which KV blocks (block hashes equal to the engine's).
+- :mod:`.policies`  round_robin, least_load, session, prefix, kv_aware: one class each, by name.
+- :mod:`.gateway`   the HTTP app: tokenize, route, proxy streams byte for byte, retry before the
+  first byte, metrics.
+"""

@@ -1,0 +1,40 @@
+"""The router's own Prometheus metrics (``fleetllm_router_*``), one registry per router."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+_TTFB = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
+
+
+class RouterMetrics:
+    def __init__(self) -> None:
+        self.registry = r = CollectorRegistry()
+        self.decisions = Counter("fleetllm_router_decisions", "Routing decisions by policy, reason and chosen worker.",
+                                 ["policy", "reason", "worker"], registry=r)
+        self.inflight = Gauge("fleetllm_router_inflight", "Requests dispatched to a worker and not finished.",
+                              ["worker"], registry=r)
+        self.pending_prefill = Gauge("fleetllm_router_pending_prefill_tokens",
+                                     "Uncached prompt tokens dispatched to a worker and still before their first byte.",
+                                     ["worker"], registry=r)
+        self.retries = Counter("fleetllm_router_retries", "Requests retried elsewhere after failing on this worker "
+                               "before their first byte.", ["worker"], registry=r)
+        self.breaker_open = Gauge("fleetllm_router_breaker_open", "1 while the worker's circuit breaker is open.",
+                                  ["worker"], registry=r)
+        self.breaker_trips = Counter("fleetllm_router_breaker_trips", "Times the worker's circuit breaker opened.",
+                                     ["worker"], registry=r)
+        self.healthy = Gauge("fleetllm_router_worker_healthy", "1 while the worker passes health checks.",
+                             ["worker", "zone"], registry=r)
+        self.requests = Counter("fleetllm_router_requests", "Requests answered by the router, by HTTP status.",
+                                ["status"], registry=r)
+        self.errors = Counter("fleetllm_router_request_errors", "Failures seen by the router, by kind.",
+                              ["kind"], registry=r)
+        self.zone_requests = Counter("fleetllm_router_zone_requests", "Requests dispatched per worker zone.",
+                                     ["zone"], registry=r)
+        self.ttfb = Histogram("fleetllm_router_time_to_first_byte_seconds",
+                              "Request arrival at the router to the first response byte from a worker.",
+                              buckets=_TTFB, registry=r)
+        self.cached_tokens = Counter("fleetllm_router_estimated_cached_tokens",
+                                     "Prompt tokens the router expected the chosen worker to have cached.", registry=r)
+        self.prompt_tokens = Counter("fleetllm_router_prompt_tokens", "Prompt tokens of routed requests (router-side "
+                                     "tokenization).", registry=r)

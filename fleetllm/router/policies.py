@@ -1,0 +1,206 @@
+"""Routing policies: each picks one worker for a request and says why.
+
+Every policy implements :class:`Policy` and is registered by name in ``POLICIES``. Reasons (the
+``reason`` label of the decision counter):
+
+- ``affinity``  the worker that already holds the most of this request's prefix (or its session)
+- ``spill``     another worker was chosen although one held more of the prefix / owned the session,
+                because the affine one was too loaded
+- ``cold``      no worker holds any of the prefix: chosen by load alone
+- ``balance``   a load-only policy's choice (round_robin, least_load)
+- ``fallback``  the policy lacked what it needs (no session key, no tokens): least load instead
+- ``retry``     a second or later attempt after a failure before the first byte (set by the gateway)
+
+The cost used by ``prefix`` and ``kv_aware`` is in estimated seconds (DESIGN.md §4):
+``(queued prefill tokens + this request's uncached tokens) / prefill_rate + γ · decoding / decode_rate
++ KV-pressure penalty``, ties broken at random, over the workers whose in-flight count stays within
+``balance`` times the mean (bounded load, as in the session policy).
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import math
+import random
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from fleetllm.router.index import PrefixIndex
+from fleetllm.router.upstream import WorkerState
+
+
+@dataclass
+class RouteRequest:
+    """What a policy may look at: the prompt's tokens and block hashes (when the router could
+    tokenize it), its length, and a session key."""
+
+    num_prompt_tokens: int = 0
+    block_hashes: list[int] = field(default_factory=list)
+    block_size: int = 16
+    session_key: str | None = None
+
+
+@dataclass
+class Decision:
+    worker: WorkerState
+    reason: str
+    cached_tokens: int = 0  # the router's estimate of this request's prefix hit on ``worker``
+
+    def uncached_tokens(self, req: RouteRequest) -> int:
+        return max(0, req.num_prompt_tokens - self.cached_tokens)
+
+
+@dataclass
+class CostModel:
+    """Seconds a worker would take to start this request; calibrated rates come from a profile."""
+
+    prefill_tokens_per_s: float = 1000.0
+    decode_tokens_per_s: float = 50.0  # one running stream's share of a step, in steps per second
+    gamma: float = 1.0
+    kv_high: float = 0.8  # above this KV usage a worker is penalised, up to kv_penalty_s at 100%
+    kv_penalty_s: float = 2.0
+
+    def cost(self, w: WorkerState, uncached: int) -> float:
+        prefill = (w.pending_prefill_tokens + uncached) / self.prefill_tokens_per_s
+        decode = self.gamma * max(w.decoding, w.running - _pending(w)) / self.decode_tokens_per_s
+        pressure = self.kv_penalty_s * max(0.0, w.kv_usage - self.kv_high) / (1.0 - self.kv_high)
+        return prefill + decode + pressure
+
+
+def _pending(w: WorkerState) -> int:
+    return w.inflight - w.decoding
+
+
+class Policy(Protocol):
+    name: str
+
+    def choose(self, req: RouteRequest, workers: list[WorkerState]) -> Decision:
+        """Pick one of ``workers`` (non-empty, all routable)."""
+        ...
+
+
+def _least_loaded(workers: list[WorkerState], rng: random.Random) -> WorkerState:
+    best = min((w.inflight, w.pending_prefill_tokens) for w in workers)
+    return rng.choice([w for w in workers if (w.inflight, w.pending_prefill_tokens) == best])
+
+
+class RoundRobin:
+    name = "round_robin"
+
+    def __init__(self) -> None:
+        self._next = 0
+
+    def choose(self, req: RouteRequest, workers: list[WorkerState]) -> Decision:
+        w = workers[self._next % len(workers)]
+        self._next += 1
+        return Decision(w, "balance")
+
+
+class LeastLoad:
+    """Fewest requests in flight (counted at dispatch), then fewest queued prefill tokens."""
+
+    name = "least_load"
+
+    def __init__(self, seed: int | None = None) -> None:
+        self.rng = random.Random(seed)
+
+    def choose(self, req: RouteRequest, workers: list[WorkerState]) -> Decision:
+        return Decision(_least_loaded(workers, self.rng), "balance")
+
+
+class Session:
+    """Consistent hashing of the session key with bounded load (Mirrokni et al.): walk the ring from
+    the key's point to the first worker whose in-flight count stays within ``c`` times the mean.
+    Adding or removing a worker moves only the sessions that hashed to it."""
+
+    name = "session"
+
+    def __init__(self, c: float = 1.25, vnodes: int = 64, seed: int | None = None) -> None:
+        self.c = c
+        self.vnodes = vnodes
+        self.rng = random.Random(seed)
+        self._ring: list[tuple[int, str]] = []
+        self._ring_names: frozenset[str] = frozenset()
+
+    @staticmethod
+    def _point(s: str) -> int:
+        return int.from_bytes(hashlib.blake2b(s.encode(), digest_size=8).digest(), "little")
+
+    def _build(self, names: frozenset[str]) -> None:
+        self._ring = sorted((self._point(f"{n}#{i}"), n) for n in names for i in range(self.vnodes))
+        self._ring_names = names
+
+    def choose(self, req: RouteRequest, workers: list[WorkerState]) -> Decision:
+        if req.session_key is None:
+            return Decision(_least_loaded(workers, self.rng), "fallback")
+        by_name = {w.name: w for w in workers}
+        names = frozenset(by_name)
+        if names != self._ring_names:
+            self._build(names)
+        bound = math.ceil(self.c * (sum(w.inflight for w in workers) + 1) / len(workers))
+        start = bisect.bisect(self._ring, (self._point(req.session_key), ""))
+        owner = None
+        for k in range(len(self._ring)):
+            w = by_name[self._ring[(start + k) % len(self._ring)][1]]
+            if owner is None:
+                owner = w
+            if w.inflight + 1 <= bound:
+                return Decision(w, "affinity" if w is owner else "spill")
+        return Decision(owner, "affinity")  # unreachable: the least loaded worker is always within bound
+
+
+class PrefixAware:
+    """Cheapest worker by the cost model, counting as cached the prefix the index says it holds.
+
+    ``prefix`` uses an index of what the router itself routed (TTL'd); ``kv_aware`` the same class
+    over an index kept exact by the workers' KV events (see :mod:`fleetllm.router.index`)."""
+
+    def __init__(self, name: str, index: PrefixIndex, cost: CostModel | None = None, seed: int | None = None,
+                 balance: float = 1.25) -> None:
+        self.name = name
+        self.index = index
+        self.cost = cost or CostModel()
+        self.rng = random.Random(seed)
+        self.balance = balance
+
+    def choose(self, req: RouteRequest, workers: list[WorkerState]) -> Decision:
+        if not req.block_hashes and req.num_prompt_tokens == 0:
+            return Decision(_least_loaded(workers, self.rng), "fallback")
+        depth = self.index.match(req.block_hashes, [w.name for w in workers])
+        best_depth = max(depth.values(), default=0)
+        # Bounded load: a worker already above `balance` x the mean in-flight count takes no more until
+        # the others catch up, however much of the prefix it holds (a hot prefix spills instead of
+        # piling onto one replica). The least loaded worker always qualifies.
+        bound = math.ceil(self.balance * (sum(w.inflight for w in workers) + 1) / len(workers))
+        eligible = [w for w in workers if w.inflight + 1 <= bound] or workers
+        costs = []
+        for w in eligible:
+            cached = min(depth[w.name] * req.block_size, max(req.num_prompt_tokens - 1, 0))
+            costs.append((self.cost.cost(w, req.num_prompt_tokens - cached), w, cached))
+        low = min(c for c, _, _ in costs)
+        ties = [(w, cached) for c, w, cached in costs if c <= low + 1e-9]
+        w, cached = self.rng.choice(ties)
+        if best_depth == 0:
+            reason = "cold"
+        elif depth[w.name] == best_depth:
+            reason = "affinity"
+        else:
+            reason = "spill"
+        return Decision(w, reason, cached)
+
+
+POLICY_NAMES = ("round_robin", "least_load", "session", "prefix", "kv_aware")
+
+
+def make_policy(name: str, index: PrefixIndex, cost: CostModel | None = None, seed: int | None = None) -> Policy:
+    """The policy called ``name`` (one of ``POLICY_NAMES``)."""
+    if name == "round_robin":
+        return RoundRobin()
+    if name == "least_load":
+        return LeastLoad(seed)
+    if name == "session":
+        return Session(seed=seed)
+    if name in ("prefix", "kv_aware"):
+        return PrefixAware(name, index, cost, seed)
+    raise ValueError(f"unknown routing policy {name!r}; choose from {', '.join(POLICY_NAMES)}")

@@ -1,0 +1,63 @@
+"""The router's view of a prompt: the same token ids and block hashes the engine will compute.
+
+The chat template is applied before hashing, exactly as the worker does, so a returning conversation's
+blocks hash the same on both sides (router tokens != engine tokens is a classic way to lose affinity).
+Tokenizers load without weights or PyTorch (:func:`fleetllm.models.source.load_tokenizer`).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from fleetllm.engine.block_pool import hash_prefix_blocks
+from fleetllm.models.tokenizer import TokenizerWrapper
+from fleetllm.server.protocol import APIError, chat_messages
+
+log = logging.getLogger(__name__)
+
+
+class PromptTokenizer:
+    """Tokenizers by served model name, loaded on first use; ``refs`` maps a served name to a model
+    reference when the name alone does not resolve (e.g. ``--served-model-name``)."""
+
+    def __init__(self, refs: dict[str, str] | None = None) -> None:
+        self.refs = refs or {}
+        self._cache: dict[str, TokenizerWrapper | None] = {}
+
+    def tokenizer(self, model: str) -> TokenizerWrapper | None:
+        if model not in self._cache:
+            from fleetllm.models.source import load_tokenizer
+
+            try:
+                self._cache[model] = load_tokenizer(self.refs.get(model, model))[1]
+            except Exception as e:  # an unknown model only costs prefix affinity, never the request
+                log.warning("no tokenizer for model %r (%s): prefix-aware routing falls back to load", model, e)
+                self._cache[model] = None
+        return self._cache[model]
+
+    def token_ids(self, model: str, path: str, body: dict[str, Any]) -> list[int] | None:
+        """The prompt's token ids as the worker will see them, or None if they can't be known here."""
+        tok = self.tokenizer(model)
+        if tok is None:
+            return None
+        try:
+            if path.endswith("/chat/completions"):
+                text = tok.apply_chat_template(chat_messages(body), add_generation_prompt=body.get("add_generation_prompt", True),
+                                               **(body.get("chat_template_kwargs") or {}))
+                return tok.encode(text, add_special_tokens=False)
+            prompt = body.get("prompt")
+            if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+                prompt = prompt[0]  # a batch: route by its first prompt
+            if isinstance(prompt, str):
+                return tok.encode(prompt)
+            if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+                return list(prompt)
+        except (APIError, Exception):  # the worker will answer the bad request with its own error
+            return None
+        return None
+
+
+def block_hashes(token_ids: list[int], block_size: int, model: str) -> list[int]:
+    """The engine's prefix-cache keys for ``token_ids`` (see :class:`fleetllm.engine.kv_cache_manager.KVCacheManager`)."""
+    return hash_prefix_blocks(token_ids, block_size, model.encode())

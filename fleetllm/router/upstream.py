@@ -1,0 +1,188 @@
+"""The workers as the router sees them: health, load counted at dispatch, circuit breaker, KV events.
+
+Load is counted the moment a request is dispatched (not when its first byte comes back), so a burst
+of arrivals spreads instead of piling onto the worker that looked idle a moment ago. Each worker has
+two background tasks: a health check, and a subscription to its ``/kv/events`` stream that keeps the
+exact prefix index and the worker-reported load (running, waiting, KV usage) current. A worker whose
+health check fails is out of rotation and its index entries are dropped at once; when it comes back
+(possibly restarted, with an empty cache) the event stream's snapshot re-syncs the index.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import httpx
+
+from fleetllm.router.index import PrefixIndex
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Breaker:
+    """Circuit breaker: after ``threshold`` consecutive failures the worker gets no requests for
+    ``cooldown_s``; then one probe request decides (success closes, failure re-opens)."""
+
+    threshold: int = 3
+    cooldown_s: float = 5.0
+    failures: int = 0
+    state: str = "closed"  # closed | open | half_open
+    open_until: float = 0.0
+    trips: int = 0
+    probe_in_flight: bool = False
+
+    def allows(self, now: float) -> bool:
+        if self.state == "open" and now >= self.open_until:
+            self.state, self.probe_in_flight = "half_open", False
+        if self.state == "closed":
+            return True
+        return self.state == "half_open" and not self.probe_in_flight
+
+    def on_dispatch(self) -> None:
+        if self.state == "half_open":
+            self.probe_in_flight = True
+
+    def success(self) -> None:
+        self.failures, self.state, self.probe_in_flight = 0, "closed", False
+
+    def failure(self, now: float) -> bool:
+        """Count a failure; True if this opened the breaker."""
+        self.failures += 1
+        if self.state == "half_open" or (self.state == "closed" and self.failures >= self.threshold):
+            self.state, self.open_until, self.probe_in_flight = "open", now + self.cooldown_s, False
+            self.trips += 1
+            return True
+        return False
+
+
+@dataclass
+class WorkerState:
+    """One upstream worker. Router-side counters change only on the event loop (no locks)."""
+
+    name: str
+    url: str
+    zone: str = ""
+    healthy: bool = False
+    # counted by the router at dispatch
+    inflight: int = 0
+    pending_prefill_tokens: int = 0  # uncached prompt tokens of requests still waiting for a first byte
+    decoding: int = 0  # requests streaming tokens
+    # reported by the worker (KV events stream)
+    running: int = 0
+    waiting: int = 0
+    kv_usage: float = 0.0
+    model: str | None = None
+    block_size: int | None = None
+    num_blocks: int | None = None
+    instance: str | None = None
+    events_connected: bool = False
+    health_failures: int = 0
+    breaker: Breaker = field(default_factory=Breaker)
+
+    def routable(self, now: float) -> bool:
+        return self.healthy and self.breaker.allows(now)
+
+
+class WorkerMonitor:
+    """Runs the health check and KV-event subscription of every worker."""
+
+    def __init__(self, workers: list[WorkerState], index: PrefixIndex, client: httpx.AsyncClient,
+                 health_interval_s: float = 1.0, health_timeout_s: float = 2.0, failures_to_down: int = 2,
+                 on_change: Callable[[WorkerState], None] | None = None) -> None:
+        self.workers = workers
+        self.index = index
+        self.client = client
+        self.health_interval_s = health_interval_s
+        self.health_timeout_s = health_timeout_s
+        self.failures_to_down = failures_to_down
+        self.on_change = on_change or (lambda w: None)
+        self._tasks: list[asyncio.Task[None]] = []
+        self.stopping = False
+
+    def start(self) -> None:
+        for w in self.workers:
+            self._tasks.append(asyncio.create_task(self._health_loop(w), name=f"health-{w.name}"))
+            self._tasks.append(asyncio.create_task(self._events_loop(w), name=f"events-{w.name}"))
+
+    async def stop(self) -> None:
+        self.stopping = True
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
+
+    def mark_down(self, w: WorkerState, why: str) -> None:
+        """Take a worker out of rotation now and forget what it had cached."""
+        if w.healthy:
+            log.warning("worker %s down: %s", w.name, why)
+        w.healthy = False
+        self.index.drop(w.name)
+        self.on_change(w)
+
+    async def check(self, w: WorkerState) -> bool:
+        try:
+            r = await self.client.get(w.url + "/health", timeout=self.health_timeout_s)
+            ok = r.status_code == 200
+        except httpx.HTTPError:
+            ok = False
+        if ok:
+            w.health_failures = 0
+            if not w.healthy:
+                log.info("worker %s healthy", w.name)
+                w.healthy = True
+                self.on_change(w)
+        else:
+            w.health_failures += 1
+            if w.health_failures >= self.failures_to_down:
+                self.mark_down(w, "health check failed")
+        return ok
+
+    async def _health_loop(self, w: WorkerState) -> None:
+        while not self.stopping:
+            await self.check(w)
+            await asyncio.sleep(self.health_interval_s)
+
+    async def _events_loop(self, w: WorkerState) -> None:
+        backoff = 0.2
+        while not self.stopping:
+            try:
+                async with self.client.stream("GET", w.url + "/kv/events", timeout=httpx.Timeout(5.0, read=10.0)) as r:
+                    if r.status_code != 200:
+                        raise httpx.HTTPError(f"/kv/events answered {r.status_code}")
+                    async for line in r.aiter_lines():
+                        if line.startswith("data: "):
+                            self._apply(w, json.loads(line[6:]))
+                            backoff = 0.2
+            except (httpx.HTTPError, json.JSONDecodeError, KeyError, ValueError) as e:
+                log.debug("kv events from %s: %s", w.name, e)
+            # The stream broke: whatever the worker had may be gone (restart), so stop trusting it.
+            if w.events_connected:
+                w.events_connected = False
+                self.index.drop_exact(w.name)
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, 2.0)
+
+    def _apply(self, w: WorkerState, ev: dict) -> None:
+        kind = ev["type"]
+        if kind == "snapshot":
+            if w.instance is not None and ev["instance"] != w.instance:
+                log.info("worker %s restarted (instance %s): index re-synced", w.name, ev["instance"][:8])
+                self.index.drop(w.name)
+            w.instance, w.model = ev["instance"], ev["model"]
+            w.block_size, w.num_blocks = ev["block_size"], ev["num_blocks"]
+            self.index.reset(w.name, ev["hashes"], capacity=ev["num_blocks"])
+            w.events_connected = True
+        elif kind == "stored":
+            self.index.stored(w.name, ev["hashes"])
+        elif kind == "removed":
+            self.index.removed(w.name, ev["hashes"])
+        if "kv_usage" in ev:
+            w.running, w.waiting, w.kv_usage = ev["running"], ev["waiting"], ev["kv_usage"]
+

@@ -1,0 +1,55 @@
+"""Serve one or many simulated workers from one process (``fleetllm worker --simulate --count N``).
+
+Each simulated worker is a full :class:`fleetllm.server.app.Worker` on its own port over its own
+:class:`SimEngine`; they share the tokenizer and one event loop, so hundreds fit on one machine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+from collections.abc import Generator
+
+import uvicorn
+
+from fleetllm.models.source import load_tokenizer
+from fleetllm.server.app import ObservabilityConfig, Worker
+from fleetllm.sim.engine import SimConfig, SimEngine
+from fleetllm.sim.profile import TimingProfile
+
+
+class _Server(uvicorn.Server):
+    @contextlib.contextmanager
+    def capture_signals(self) -> Generator[None, None, None]:
+        yield  # signals are handled once for all servers in serve_simulated
+
+
+def build_workers(model: str, count: int, cfg: SimConfig, profile: TimingProfile | None,
+                  identities: list[dict[str, str]] | None = None, obs: ObservabilityConfig | None = None) -> list[Worker]:
+    model_config, tokenizer = load_tokenizer(model)
+    ids = identities or [None] * count
+    return [Worker(SimEngine(cfg, tokenizer, model_config, profile, ids[i]), obs) for i in range(count)]
+
+
+def serve_simulated(model: str, host: str, port: int, count: int, cfg: SimConfig, profile: TimingProfile | None,
+                    log_level: str = "warning", identities: list[dict[str, str]] | None = None,
+                    obs: ObservabilityConfig | None = None) -> None:
+    workers = build_workers(model, count, cfg, profile, identities, obs)
+    servers = [_Server(uvicorn.Config(w.app, host=host, port=port + i, log_level=log_level, access_log=False,
+                                      timeout_graceful_shutdown=30)) for i, w in enumerate(workers)]
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+
+        def stop() -> None:
+            for w in workers:
+                w.closing = True
+            for s in servers:
+                s.should_exit = True
+
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop)
+        await asyncio.gather(*(s.serve() for s in servers))
+
+    asyncio.run(main())

@@ -1,0 +1,1 @@
+from router_helpers import procs  # noqa: F401  (fixture)
