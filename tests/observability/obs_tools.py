@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -28,6 +29,61 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def free_ports(n: int) -> int:
+    """The first of ``n`` consecutive free ports (a fleet's router and workers take consecutive ports)."""
+    for _ in range(200):
+        base = free_port()
+        socks = []
+        try:
+            for i in range(n):
+                s = socket.socket()
+                s.bind(("127.0.0.1", base + i))
+                socks.append(s)
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError("no run of free ports")
+
+
+class Fleet:
+    """``fleetllm serve --config`` (a router and its workers) on consecutive free ports."""
+
+    def __init__(self, config: dict[str, Any], replicas: int) -> None:
+        self.dir = Path(tempfile.mkdtemp(prefix="fleetllm-fleet-"))
+        (self.dir / "fleet.yaml").write_text(yaml.safe_dump(config))
+        self.port = free_ports(1 + replicas)
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.worker_urls = [f"http://127.0.0.1:{self.port + 1 + i}" for i in range(replicas)]
+        self.log_path = self.dir / "serve.log"
+        log = open(self.log_path, "wb")  # noqa: SIM115 - the child holds it
+        self.proc = subprocess.Popen([sys.executable, "-m", "fleetllm.cli", "serve", "--config", str(self.dir / "fleet.yaml"),
+                                      "--port", str(self.port)], stdout=log, stderr=subprocess.STDOUT,
+                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        log.close()
+        end = time.monotonic() + 300
+        while "fleet ready" not in self.log():
+            if self.proc.poll() is not None or time.monotonic() > end:
+                self.stop()
+                raise RuntimeError(f"fleet did not become ready:\n{self.log()}")
+            time.sleep(0.3)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=15)
+        shutil.rmtree(self.dir, ignore_errors=True)
 
 
 def artifacts_dir(*parts: str) -> Path:
