@@ -55,7 +55,8 @@ class Fleet:
 
     def __init__(self, config: dict[str, Any], replicas: int) -> None:
         self.dir = Path(tempfile.mkdtemp(prefix="fleetllm-fleet-"))
-        (self.dir / "fleet.yaml").write_text(yaml.safe_dump(config))
+        self.log_dir = self.dir / "logs"  # the router's and each worker's log
+        (self.dir / "fleet.yaml").write_text(yaml.safe_dump({**config, "log_dir": str(self.log_dir)}))
         self.port = free_ports(1 + replicas)
         self.url = f"http://127.0.0.1:{self.port}"
         self.worker_urls = [f"http://127.0.0.1:{self.port + 1 + i}" for i in range(replicas)]

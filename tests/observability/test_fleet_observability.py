@@ -82,6 +82,19 @@ def test_prefix_hit_rate(prom: Prometheus) -> None:
     assert rate is not None and 0 < rate < 1  # the shared prefixes hit; each request's own suffix does not
 
 
+def test_request_id_and_trace_reach_the_workers_log_through_the_router(fleet: Fleet) -> None:
+    trace = "0af7651916cd43dd8448eb211c80319c"
+    r = httpx.post(fleet.url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, timeout=120,
+                   headers={"x-request-id": "fleet-rid-7", "traceparent": f"00-{trace}-b7ad6b7169203331-01"})
+    assert r.status_code == 200 and r.headers["x-request-id"] == "fleet-rid-7"
+    log = fleet.log_dir / f"worker-{r.headers['x-fleetllm-worker'].rsplit(':', 1)[1]}.log"
+    deadline = time.monotonic() + 30
+    while "fleet-rid-7" not in log.read_text() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    (line,) = [ln for ln in log.read_text().splitlines() if "fleet-rid-7" in ln]
+    assert f"trace={trace}" in line and "status=200" in line
+
+
 def test_deploy_prometheus_config_is_valid() -> None:
     p = subprocess.run([need("promtool"), "check", "config", str(ROOT / "deploy" / "prometheus.yml")],
                        capture_output=True, text=True, timeout=60)
