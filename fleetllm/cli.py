@@ -173,7 +173,18 @@ def cmd_router(args: argparse.Namespace) -> int:
     router = Router(router_config(args, workers, zones))
     logging.getLogger("fleetllm").info("router on %s:%d over %d workers, policy %s", args.host, args.port,
                                        len(workers), args.policy)
-    run_app(router.app, args.host, args.port, args.log_level, on_exit=lambda: setattr(router, "closing", True))
+    pusher = None
+    if args.otlp_endpoint:  # the router's own series; each worker pushes its own
+        from fleetllm.observability.otlp import OTLPMetricsPusher, resource_for
+
+        pusher = OTLPMetricsPusher(router.metrics.registry, args.otlp_endpoint,
+                                   resource_for("fleetllm-router", {"router": f"{args.host}:{args.port}"}), args.otlp_interval)
+        pusher.start()
+    try:
+        run_app(router.app, args.host, args.port, args.log_level, on_exit=lambda: setattr(router, "closing", True))
+    finally:
+        if pusher:
+            pusher.stop()
     return 0
 
 
@@ -191,6 +202,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     cfg.restart = cfg.restart or args.restart
     if args.log_dir:
         cfg.log_dir = args.log_dir
+    cfg.otlp_endpoint = args.otlp_endpoint or cfg.otlp_endpoint
     return run_fleet(cfg)
 
 
@@ -230,6 +242,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--host", default="127.0.0.1")
     r.add_argument("--port", type=int, default=8000)
     r.add_argument("--log-level", default="info")
+    r.add_argument("--otlp-endpoint", default=None, help="OTLP/HTTP collector base URL for the router's metrics")
+    r.add_argument("--otlp-interval", type=float, default=10.0, help="seconds between OTLP metric pushes")
     r.set_defaults(func=cmd_router)
 
     s = sub.add_parser("serve", help="start N workers and a router on this machine (a fleet)")
@@ -243,6 +257,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--log-dir", default=None, help="where worker and router logs go (default: a temp dir)")
     s.add_argument("--host", default=None, help="default 127.0.0.1")
     s.add_argument("--port", type=int, default=None, help="router port (default 8000); workers use the next ones")
+    s.add_argument("--otlp-endpoint", default=None, help="OTLP/HTTP collector for the router and every worker")
     s.set_defaults(func=cmd_serve)
 
     c = sub.add_parser("calibrate", help="measure the engine's step times for the simulated worker's timing model")

@@ -48,6 +48,7 @@ class FleetConfig:
     router_args: list[str] = field(default_factory=list)
     restart: bool = False
     log_dir: str | None = None
+    otlp_endpoint: str | None = None  # OTLP/HTTP collector: the router and every worker push to it
     startup_timeout_s: float = 300.0
 
     @classmethod

@@ -20,6 +20,7 @@ from typing import Any
 import httpx
 import pytest
 from obs_tools import ROOT, Fleet, Prometheus, artifacts_dir, chromium, need, run_bench
+from otlp_sink import OTLPSink
 
 SENT = 12  # requests of the first load; round robin puts half in each zone
 FLEET = {"policy": "round_robin", "workers": [{"replicas": 1, "zone": "zone-a"}, {"replicas": 1, "zone": "zone-b"}]}
@@ -170,3 +171,40 @@ def test_dashboard_renders_three_views_with_data_and_no_console_errors(fleet: Fl
         logs = driver.get_log("browser")
     errors = [e for e in logs if e["level"] in ("SEVERE", "ERROR")]
     assert not errors, errors
+
+
+def test_serve_with_otlp_pushes_router_and_worker_metrics_and_spans(tmp_path: Any) -> None:
+    """`fleetllm serve` with otlp_endpoint: the router and every (simulated) worker push to one collector."""
+    sink = OTLPSink()
+    f = Fleet({"policy": "round_robin", "otlp_endpoint": sink.url,
+               "router_args": ["--otlp-interval", "0.5"],
+               "workers": [{"replicas": 2, "simulate": True, "zone": "sim-zone", "args": ["--otlp-interval", "0.5"]}]},
+              replicas=2)
+    try:
+        for i in range(2):
+            r = httpx.post(f.url + "/v1/completions", json={"prompt": f"p{i}", "max_tokens": 3}, timeout=60,
+                           headers={"x-request-id": f"otlp-fleet-{i}"})
+            assert r.status_code == 200
+
+        def services() -> dict[str, set[str]]:
+            seen: dict[str, set[str]] = {}
+            for req in sink.metrics():
+                for rm in req.resource_metrics:
+                    svc = next(a.value.string_value for a in rm.resource.attributes if a.key == "service.name")
+                    seen.setdefault(svc, set()).update(m.name for sm in rm.scope_metrics for m in sm.metrics)
+            return seen
+
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            got = services()
+            spans = {a.value.string_value for s in sink.spans() for a in s.attributes if a.key == "fleetllm.request_id"}
+            if ("fleetllm_router_requests" in got.get("fleetllm-router", set())
+                    and "gen_ai.server.request.duration" in got.get("fleetllm-worker", set())
+                    and {"otlp-fleet-0", "otlp-fleet-1"} <= spans):
+                break
+            time.sleep(0.3)
+        else:
+            pytest.fail(f"the collector did not get router + worker metrics and both spans: {services()}")
+    finally:
+        f.stop()
+        sink.close()
