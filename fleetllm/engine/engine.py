@@ -86,7 +86,8 @@ class LLMEngine:
         self._eos = set(mcfg.eos_token_ids)
 
     # ---- requests ----------------------------------------------------------------------------------
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    arrival_time: float | None = None) -> None:
         """Queue a request. Raises PromptTooLong / InvalidParameter / QueueFull (nothing is queued then)."""
         if request_id in self.seqs:
             raise InvalidParameter("request_id", f"duplicate request id {request_id!r}")
@@ -112,6 +113,8 @@ class LLMEngine:
         if params.seed is not None:
             gen = torch.Generator().manual_seed(params.seed)
         seq = Sequence(request_id, list(prompt_token_ids), params, max_tokens, generator=gen)
+        if arrival_time is not None:  # when the server received it: queueing before this call counts
+            seq.arrival_time = arrival_time
         self.scheduler.add(seq)
         self.seqs[request_id] = seq
         self.detok[request_id] = IncrementalDetokenizer(

@@ -146,7 +146,7 @@ class Worker:
 
         async def pump(index: int, sub_id: str, ids: list[int], sp: SamplingParams) -> None:
             try:
-                async for out in self.async_engine.generate(sub_id, ids, sp):
+                async for out in self.async_engine.generate(sub_id, ids, sp, start):
                     await merged.put((index, out))
             except BaseException as e:  # noqa: BLE001 - forwarded to the consumer
                 await merged.put(e)

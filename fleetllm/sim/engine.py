@@ -68,7 +68,8 @@ class SimEngine:
         self.simulated_seconds = 0.0
 
     # ---- requests (same contract as LLMEngine) ------------------------------------------------------
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    arrival_time: float | None = None) -> None:
         if request_id in self.seqs:
             raise InvalidParameter("request_id", f"duplicate request id {request_id!r}")
         n = len(prompt_token_ids)
@@ -83,6 +84,8 @@ class SimEngine:
             raise PromptTooLong(f"This model's maximum context length is {self.max_model_len} tokens. However, you "
                                 f"requested {n + max_tokens} tokens ({n} in the messages, {max_tokens} in the completion).")
         seq = Sequence(request_id, list(prompt_token_ids), params, max_tokens)
+        if arrival_time is not None:
+            seq.arrival_time = arrival_time
         self.scheduler.add(seq)
         self.seqs[request_id] = seq
         self.detok[request_id] = IncrementalDetokenizer(self.tokenizer, params.stop, params.include_stop_str_in_output,
