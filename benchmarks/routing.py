@@ -37,23 +37,24 @@ from fleetllm.fleet.launcher import Fleet  # noqa: E402
 
 POLICIES = ("round_robin", "least_load", "session", "prefix", "kv_aware")
 
-# (name, bench flags) per fleet; sized so a full run takes minutes on 2 cores
+# (name, bench flags) per fleet. Closed loops at about half a user per worker: the regime where a
+# router's choice shows in TTFT (prefill saved or not) rather than in queues of a saturated fleet.
 WORKLOADS = {
     "real": {
         "multi-turn": ["--workload", "multi-turn", "--shared-systems", "4", "--system-len", "384", "--isl", "32",
-                       "--osl", "12", "--turns", "4", "--concurrency", "8", "--requests", "48"],
-        "agentic": ["--workload", "agentic", "--context-len", "512", "--step-len", "48", "--turns", "4", "--osl", "8",
-                    "--concurrency", "6", "--requests", "36"],
-        "zipf": ["--workload", "shared-prefix", "--num-prefixes", "12", "--prefix-len", "320", "--isl", "24",
-                 "--osl", "12", "--zipf", "1.2", "--concurrency", "8", "--requests", "48"],
+                       "--osl", "12", "--turns", "4", "--concurrency", "2", "--requests", "32"],
+        "agentic": ["--workload", "agentic", "--context-len", "512", "--step-len", "48", "--turns", "8", "--osl", "8",
+                    "--concurrency", "2", "--requests", "32"],
+        "zipf": ["--workload", "shared-prefix", "--num-prefixes", "12", "--prefix-len", "384", "--isl", "24",
+                 "--osl", "12", "--zipf", "1.2", "--concurrency", "2", "--requests", "32"],
     },
     "sim": {
         "multi-turn": ["--workload", "multi-turn", "--shared-systems", "16", "--system-len", "1024", "--isl", "64",
-                       "--osl", "24", "--turns", "6", "--concurrency", "96", "--requests", "576"],
-        "agentic": ["--workload", "agentic", "--context-len", "2048", "--step-len", "128", "--turns", "8", "--osl", "16",
-                    "--concurrency", "64", "--requests", "512"],
+                       "--osl", "24", "--turns", "6", "--concurrency", "16", "--requests", "192"],
+        "agentic": ["--workload", "agentic", "--context-len", "2048", "--step-len", "128", "--turns", "12",
+                    "--osl", "16", "--concurrency", "16", "--requests", "192"],
         "zipf": ["--workload", "shared-prefix", "--num-prefixes", "64", "--prefix-len", "1024", "--isl", "64",
-                 "--osl", "24", "--zipf", "1.2", "--concurrency", "96", "--requests", "576"],
+                 "--osl", "24", "--zipf", "1.2", "--concurrency", "16", "--requests", "192"],
     },
 }
 QUICK_SCALE = {"--requests": 0.25, "--concurrency": 0.5}
@@ -166,7 +167,7 @@ def main() -> int:
     args = ap.parse_args()
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    console = Console()
+    console = Console(width=170)
     policies = args.policies.split(",")
     if "round_robin" not in policies:
         policies.insert(0, "round_robin")

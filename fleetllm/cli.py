@@ -29,7 +29,6 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 def add_observability_args(p: argparse.ArgumentParser) -> None:
     """Worker identity (labels on every metric) and where telemetry goes."""
     p.add_argument("--worker-id", default=None, help="label `worker` on every metric (default: HOST:PORT)")
-    p.add_argument("--role", default="both", choices=["both", "prefill", "decode"], help="label `role`")
     p.add_argument("--zone", default="local", help="label `zone`: where this worker runs (default: %(default)s)")
     p.add_argument("--instance-type", default=None, help="label `instance_type` (default: cpu, or the GPU's name)")
     p.add_argument("--otlp-endpoint", default=None,
@@ -102,7 +101,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
         "model %s loaded in %.1fs; %d KV blocks of %d tokens", engine.model_name, engine.loaded.load_seconds,
         engine.pool.num_blocks, engine.pool.block_size,
     )
-    worker = Worker(engine, observability_config(args))
+    worker = Worker(engine, observability_config(args), role=args.role)
     run_app(worker.app, args.host, args.port, args.log_level, on_exit=lambda: setattr(worker, "closing", True))
     return 0
 
@@ -149,9 +148,13 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--session-header", default="x-session-id", help="header naming a session (else the body's `user`)")
     p.add_argument("--profile", default=None, help="calibration profile (fleetllm calibrate) for the cost model")
     p.add_argument("--seed", type=int, default=None, help="seed for random tie-breaks")
+    p.add_argument("--pd-threshold", type=int, default=4096,
+                   help="disaggregate when the decode worker lacks at least this many prompt tokens")
+    p.add_argument("--pd-timeout", type=float, default=120.0, help="seconds for a remote prefill + KV transfer")
 
 
-def router_config(args: argparse.Namespace, workers: list[str], zones: list[str] | None = None):  # -> RouterConfig
+def router_config(args: argparse.Namespace, workers: list[str], zones: list[str] | None = None,
+                  roles: list[str] | None = None):  # -> RouterConfig
     from fleetllm.router.gateway import RouterConfig
     from fleetllm.sim.profile import TimingProfile
 
@@ -161,7 +164,8 @@ def router_config(args: argparse.Namespace, workers: list[str], zones: list[str]
     return RouterConfig(workers=workers, policy=args.policy, zones=zones or [], max_retries=args.max_retries,
                         health_interval_s=args.health_interval, session_header=args.session_header,
                         breaker_threshold=args.breaker_threshold, breaker_cooldown_s=args.breaker_cooldown,
-                        tokenizers=tokenizers, cost=cost, seed=args.seed)
+                        tokenizers=tokenizers, cost=cost, seed=args.seed, roles=roles or [],
+                        pd_threshold=args.pd_threshold, pd_timeout_s=args.pd_timeout)
 
 
 def cmd_router(args: argparse.Namespace) -> int:
@@ -169,8 +173,9 @@ def cmd_router(args: argparse.Namespace) -> int:
     from fleetllm.server.serving import run_app
 
     workers = [u for u in args.workers.split(",") if u]
-    zones = [z for z in args.zones.split(",")] if args.zones else None
-    router = Router(router_config(args, workers, zones))
+    zones = args.zones.split(",") if args.zones else None
+    roles = args.roles.split(",") if args.roles else None
+    router = Router(router_config(args, workers, zones, roles))
     logging.getLogger("fleetllm").info("router on %s:%d over %d workers, policy %s", args.host, args.port,
                                        len(workers), args.policy)
     pusher = None
@@ -194,9 +199,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     if args.config:
         cfg = FleetConfig.from_yaml(args.config)
+    elif args.prefill or args.decode:
+        cfg = FleetConfig(workers=[
+            WorkerGroup(replicas=args.prefill, model=args.model, role="prefill", threads=args.num_threads),
+            WorkerGroup(replicas=args.decode, model=args.model, role="decode", threads=args.num_threads)])
     else:
         cfg = FleetConfig(workers=[WorkerGroup(replicas=args.replicas, model=args.model, simulate=args.simulate,
                                                threads=args.num_threads)])
+    if args.pd_threshold is not None:
+        cfg.pd_threshold = args.pd_threshold
     cfg.host, cfg.port = args.host or cfg.host, args.port or cfg.port
     cfg.policy = args.policy or cfg.policy
     cfg.restart = cfg.restart or args.restart
@@ -226,6 +237,9 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--host", default="127.0.0.1")
     w.add_argument("--port", type=int, default=8001)
     w.add_argument("--log-level", default="info")
+    w.add_argument("--role", default="both", choices=["prefill", "decode", "both"],
+                   help="disaggregated serving: prefill workers get only remote prefills from the router; "
+                        "also the `role` label on the worker's metrics")
     add_observability_args(w)
     w.add_argument("--simulate", action="store_true", help="timing-model worker (no weights): for fleet experiments")
     w.add_argument("--profile", default=None, help="--simulate: timing profile from fleetllm calibrate")
@@ -236,6 +250,8 @@ def build_parser() -> argparse.ArgumentParser:
     r = sub.add_parser("router", help="OpenAI-compatible gateway routing over many workers")
     r.add_argument("--workers", required=True, help="comma-separated worker base URLs")
     r.add_argument("--zones", default=None, help="comma-separated zone per worker (metrics label)")
+    r.add_argument("--roles", default=None, help="comma-separated role per worker (prefill|decode|both); "
+                   "workers also report their role themselves")
     r.add_argument("--tokenizer", action="append", metavar="MODEL=REF",
                    help="tokenizer for a served model name that is not itself a model reference")
     add_router_args(r)
@@ -251,6 +267,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--replicas", type=int, default=2)
     s.add_argument("--model", default="smollm2-135m")
     s.add_argument("--simulate", action="store_true", help="simulated workers (timing model, no weights)")
+    s.add_argument("--prefill", type=int, default=0, help="disaggregated fleet: prefill-role workers")
+    s.add_argument("--decode", type=int, default=0, help="disaggregated fleet: decode-role workers")
+    s.add_argument("--pd-threshold", type=int, default=None, help="uncached prompt tokens that make a request "
+                   "prefill remotely (default 4096)")
     s.add_argument("--num-threads", type=int, default=None, help="torch threads per worker (default: cores / replicas)")
     s.add_argument("--policy", default=None, help="routing policy (default: kv_aware)")
     s.add_argument("--restart", action="store_true", help="restart worker processes that die")

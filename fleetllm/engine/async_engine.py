@@ -13,8 +13,8 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any
+from collections.abc import AsyncIterator, Callable
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from fleetllm.engine.outputs import RequestOutput
 from fleetllm.engine.params import SamplingParams
@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from fleetllm.engine.engine import LLMEngine
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class AsyncEngine:
@@ -91,6 +92,15 @@ class AsyncEngine:
         self._cmds.put(("kv_snapshot", (q, fut)))
         return q, await fut
 
+    async def call(self, fn: Callable[[Any], T]) -> T:
+        """Run ``fn(engine)`` on the engine thread between steps and return its result (or raise its error).
+
+        For work that must see a consistent engine (exporting or importing KV blocks)."""
+        assert self._loop is not None, "start() the engine first"
+        fut: asyncio.Future[T] = self._loop.create_future()
+        self._cmds.put(("call", (fn, fut)))
+        return await fut
+
     def unsubscribe_kv_events(self, q: asyncio.Queue[tuple[str, list[int]]]) -> None:
         self._kv_subscribers.discard(q)
 
@@ -123,9 +133,16 @@ class AsyncEngine:
                 err = None
             except Exception as e:  # validation errors go back to the caller, the loop goes on
                 err = e
-            self._loop.call_soon_threadsafe(_settle, fut, err)
+            self._loop.call_soon_threadsafe(_resolve, fut, None, err)
         elif kind == "abort":
             self.engine.abort_request(arg)
+        elif kind == "call":
+            fn, fut = arg
+            try:
+                result, err = fn(self.engine), None
+            except Exception as e:  # returned to the caller; the loop goes on
+                result, err = None, e
+            self._loop.call_soon_threadsafe(_resolve, fut, result, err)
         elif kind == "kv_snapshot":
             q, fut = arg
             self._kv_publish = True  # set on this thread before the snapshot: no event can slip between
@@ -151,10 +168,10 @@ class AsyncEngine:
                 stream.put_nowait(out)
 
 
-def _settle(fut: asyncio.Future[None], err: BaseException | None) -> None:
+def _resolve(fut: asyncio.Future[Any], result: Any, err: BaseException | None) -> None:
     if fut.done():
         return
     if err is None:
-        fut.set_result(None)
+        fut.set_result(result)
     else:
         fut.set_exception(err)

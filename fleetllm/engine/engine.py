@@ -16,7 +16,7 @@ from fleetllm.engine.kv_cache_manager import KVCacheManager
 from fleetllm.engine.metrics import EngineMetrics
 from fleetllm.engine.model_runner import ModelRunner
 from fleetllm.engine.outputs import RequestOutput, RequestTiming, TokenLogprob
-from fleetllm.engine.params import PromptTooLong
+from fleetllm.engine.params import PromptTooLong, check_prompt  # noqa: F401  (PromptTooLong: re-exported)
 from fleetllm.engine.sampling import InvalidParameter, Sampler, SamplingParams
 from fleetllm.engine.scheduler import Scheduler, SchedulerConfig
 from fleetllm.engine.sequence import Sequence, Status
@@ -91,24 +91,7 @@ class LLMEngine:
         """Queue a request. Raises PromptTooLong / InvalidParameter / QueueFull (nothing is queued then)."""
         if request_id in self.seqs:
             raise InvalidParameter("request_id", f"duplicate request id {request_id!r}")
-        n = len(prompt_token_ids)
-        if n == 0:
-            raise InvalidParameter("prompt", "the prompt is empty")
-        if n >= self.max_model_len:
-            raise PromptTooLong(
-                f"This model's maximum context length is {self.max_model_len} tokens. "
-                f"However, your prompt has {n} tokens; no room is left for output."
-            )
-        vocab = self.loaded.config.vocab_size
-        if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab:
-            raise InvalidParameter("prompt", f"token ids must be in [0, {vocab})")
-        room = self.max_model_len - n
-        max_tokens = room if params.max_tokens is None else params.max_tokens
-        if max_tokens > room:
-            raise PromptTooLong(
-                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
-                f"{n + max_tokens} tokens ({n} in the messages, {max_tokens} in the completion)."
-            )
+        max_tokens = check_prompt(prompt_token_ids, params, self.max_model_len, self.loaded.config.vocab_size)
         gen = None
         if params.seed is not None:
             gen = torch.Generator().manual_seed(params.seed)

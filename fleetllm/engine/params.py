@@ -74,3 +74,27 @@ class SamplingParams:
     def needs_penalties(self) -> bool:
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
+
+
+def check_prompt(prompt_token_ids: list[int], params: SamplingParams, max_model_len: int, vocab_size: int,
+                 default_max_tokens: int | None = None) -> int:
+    """Validate a prompt against the context and vocabulary; return the request's resolved max_tokens.
+
+    ``default_max_tokens`` caps an unset ``max_tokens`` (None: all the room left in the context)."""
+    n = len(prompt_token_ids)
+    if n == 0:
+        raise InvalidParameter("prompt", "the prompt is empty")
+    if n >= max_model_len:
+        raise PromptTooLong(f"This model's maximum context length is {max_model_len} tokens. "
+                            f"However, your prompt has {n} tokens; no room is left for output.")
+    if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab_size:
+        raise InvalidParameter("prompt", f"token ids must be in [0, {vocab_size})")
+    room = max_model_len - n
+    if params.max_tokens is not None:
+        max_tokens = params.max_tokens
+    else:
+        max_tokens = room if default_max_tokens is None else min(room, default_max_tokens)
+    if max_tokens > room:
+        raise PromptTooLong(f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+                            f"{n + max_tokens} tokens ({n} in the messages, {max_tokens} in the completion).")
+    return max_tokens

@@ -16,6 +16,7 @@ Example (every key optional)::
         simulate: true          # timing-model workers, many per process
         zone: zone-b
     external: [http://10.0.0.5:8001]   # workers started elsewhere (a cluster)
+    pd_threshold: 2048          # with prefill-role workers: disaggregate long uncached prompts
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ class WorkerGroup:
     model: str = "smollm2-135m"
     simulate: bool = False
     zone: str = ""
+    role: str = "both"  # prefill | decode | both (real workers)
     threads: int | None = None  # torch threads per real worker (default: cores shared evenly)
     args: list[str] = field(default_factory=list)  # extra `fleetllm worker` flags
 
@@ -47,6 +49,7 @@ class FleetConfig:
     external: list[str] = field(default_factory=list)
     router_args: list[str] = field(default_factory=list)
     restart: bool = False
+    pd_threshold: int | None = None  # router: disaggregate above this many uncached prompt tokens (default 4096)
     log_dir: str | None = None
     otlp_endpoint: str | None = None  # OTLP/HTTP collector: the router and every worker push to it
     startup_timeout_s: float = 300.0

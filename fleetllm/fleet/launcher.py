@@ -63,6 +63,7 @@ class Fleet:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.workers: list[Proc] = []
         self.zones: list[str] = []
+        self.roles: list[str] = []
         self.router: Proc | None = None
         self._plan()
 
@@ -93,22 +94,30 @@ class Fleet:
                            "--port", str(port), "--log-level", "warning", *obs_flags, *g.args]
                     self.workers.append(Proc(f"sim{gi}-{port}", cmd, urls, self.log_dir / f"sim-{port}.log"))
                     self.zones += [g.zone] * n
+                    self.roles += ["both"] * n
                     port += n
                     left -= n
                 continue
             threads = g.threads or max(1, cores // max(1, real))
             for _ in range(g.replicas):
                 cmd = [*py, "worker", "--model", g.model, "--host", cfg.host, "--port", str(port),
-                       "--num-threads", str(threads), "--log-level", "warning", *obs_flags, *g.args]
+                       "--num-threads", str(threads), "--role", g.role, "--log-level", "warning", *obs_flags,
+                       *g.args]
                 self.workers.append(Proc(f"worker-{port}", cmd, [f"http://{cfg.host}:{port}"],
                                          self.log_dir / f"worker-{port}.log"))
                 self.zones.append(g.zone)
+                self.roles.append(g.role)
                 port += 1
         self.zones += [""] * len(cfg.external)
+        self.roles += ["both"] * len(cfg.external)
         rcmd = [*py, "router", "--workers", ",".join(self.worker_urls), "--policy", cfg.policy, "--host", cfg.host,
                 "--port", str(cfg.port), "--log-level", "warning", *otlp, *cfg.router_args]
         if any(self.zones):
             rcmd += ["--zones", ",".join(self.zones)]
+        if any(r != "both" for r in self.roles):
+            rcmd += ["--roles", ",".join(self.roles)]
+        if cfg.pd_threshold is not None:
+            rcmd += ["--pd-threshold", str(cfg.pd_threshold)]
         self.router = Proc("router", rcmd, [self.url], self.log_dir / "router.log")
 
     # ---- lifecycle --------------------------------------------------------------------------------

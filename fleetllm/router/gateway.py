@@ -52,6 +52,11 @@ class RouterConfig:
     workers: list[str]  # base URLs, e.g. http://127.0.0.1:8001
     policy: str = "kv_aware"
     zones: list[str] = field(default_factory=list)  # zone of each worker ("" when unset)
+    roles: list[str] = field(default_factory=list)  # role of each worker until its snapshot says (default both)
+    pd_threshold: int = 4096  # disaggregate when the decode worker lacks at least this many prompt tokens
+    pd_timeout_s: float = 120.0  # remote prefill + transfer; beyond it the request prefills locally
+    prefill_max_inflight: int = 2  # a prefill worker with this many remote prefills is saturated
+    pd_transfer: str = "auto"  # shm (same host) | http | auto
     max_retries: int = 2
     health_interval_s: float = 1.0
     routed_ttl_s: float | None = None  # routed-prefix hints: default 300 s for prefix, 10 s for kv_aware
@@ -78,13 +83,18 @@ class Router:
         self.cfg = cfg
         zones = cfg.zones or [""] * len(cfg.workers)
         urls = [(u if "://" in u else "http://" + u).rstrip("/") for u in cfg.workers]
+        roles = cfg.roles or ["both"] * len(urls)
         self.workers = [WorkerState(_name(u), u, zones[i] if i < len(zones) else "",
+                                    role=roles[i] if i < len(roles) else "both",
                                     breaker=Breaker(cfg.breaker_threshold, cfg.breaker_cooldown_s))
                         for i, u in enumerate(urls)]
         if len({w.name for w in self.workers}) != len(self.workers):
             raise ValueError("worker URLs must be distinct")
         ttl = cfg.routed_ttl_s if cfg.routed_ttl_s is not None else (300.0 if cfg.policy == "prefix" else 10.0)
-        self.index = PrefixIndex(ttl)
+        self.index = PrefixIndex(ttl)  # what the policy consults
+        # what the workers report (KV events): the kv_aware policy's own index; for other policies it
+        # still tells the P/D path how much of a prompt the chosen decode worker holds
+        self.events_index = self.index if cfg.policy == "kv_aware" else PrefixIndex(0.0)
         self.policy = make_policy(cfg.policy, self.index, cfg.cost, cfg.seed)
         self.uses_prefix = cfg.policy in ("prefix", "kv_aware")
         self.tokens = PromptTokenizer(cfg.tokenizers)
@@ -117,8 +127,7 @@ class Router:
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
         self.client = httpx.AsyncClient(limits=limits, timeout=None)
         # prefix: the index is only what the router routed; kv_aware: the workers' own events keep it exact
-        events_index = self.index if self.cfg.policy == "kv_aware" else PrefixIndex(0.0)
-        self.monitor = WorkerMonitor(self.workers, events_index, self.client, self.cfg.health_interval_s,
+        self.monitor = WorkerMonitor(self.workers, self.events_index, self.client, self.cfg.health_interval_s,
                                      on_change=self._on_worker_change)
         self.monitor.start()
         yield
@@ -129,6 +138,7 @@ class Router:
         self.metrics.healthy.labels(worker=w.name, zone=w.zone).set(1 if w.healthy else 0)
         if not w.healthy:
             self.index.drop(w.name)
+            self.events_index.drop(w.name)
 
     async def _not_found(self, request: Request, exc: Exception) -> JSONResponse:
         e = APIError(404, f"no route {request.method} {request.url.path}")
@@ -144,9 +154,10 @@ class Router:
             raise APIError(404, f"The model `{model}` does not exist. Served: {', '.join(sorted(known))}", "model")
         return [w for w in self.workers if w.model == model or w.model is None]
 
-    def route_request(self, path: str, body: dict[str, Any], headers: Any, group: list[WorkerState]) -> RouteRequest:
+    def route_request(self, path: str, body: dict[str, Any], headers: Any, group: list[WorkerState],
+                      tokenize: bool = False) -> RouteRequest:
         req = RouteRequest(session_key=headers.get(self.cfg.session_header) or _str_or_none(body.get("user")))
-        if not self.uses_prefix:
+        if not (self.uses_prefix or tokenize):
             return req
         model = body.get("model") or next((w.model for w in group if w.model), None)
         bs = next((w.block_size for w in group if w.block_size), None)
@@ -173,7 +184,9 @@ class Router:
             group = self._group(body.get("model"))
         except APIError as e:
             return self._error(e)
-        req = self.route_request(request.url.path, body, request.headers, group)
+        prefill_pool = [w for w in group if w.role == "prefill"]
+        group = [w for w in group if w.role != "prefill"]
+        req = self.route_request(request.url.path, body, request.headers, group, tokenize=bool(prefill_pool))
         rid = request.headers.get("x-request-id") or uuid.uuid4().hex
         headers = {k: v for k, v in request.headers.items() if k.lower() in _FORWARD_HEADERS}
         headers["x-request-id"] = rid
@@ -189,6 +202,8 @@ class Router:
             reason = "retry" if attempt else d.reason
             self.metrics.decisions.labels(policy=self.policy.name, reason=reason, worker=d.worker.name).inc()
             tried.add(d.worker.name)
+            if attempt == 0 and prefill_pool:
+                d = await self._maybe_disaggregate(d, req, prefill_pool, request.url.path, body, rid)
             try:
                 return await self._attempt(request, d, req, raw, headers, stream, t0)
             except _Failure as f:
@@ -203,6 +218,63 @@ class Router:
             return Response(last.body, status_code=last.status, media_type="application/json")
         return self._error(APIError(last.status if last.status in (502, 503, 504) else 502,
                                     f"every worker tried failed; last error: {last}"), kind="all_failed")
+
+    async def _maybe_disaggregate(self, d: Decision, req: RouteRequest, prefill_pool: list[WorkerState], path: str,
+                                  body: dict[str, Any], rid: str) -> Decision:
+        """The P/D path: with the decode worker chosen, prefill remotely if it lacks enough of the prompt.
+
+        The decode worker's load is counted from here on. Whatever goes wrong on the remote leg (prefill
+        worker down, transfer refused, timeout), the request goes on with a local prefill: counted, and
+        invisible to the client."""
+        held = self.events_index.match(req.block_hashes, [d.worker.name])[d.worker.name] * req.block_size
+        if held > d.cached_tokens:
+            d = Decision(d.worker, d.reason, min(held, max(req.num_prompt_tokens - 1, 0)))
+        uncached = d.uncached_tokens(req)
+        if uncached < self.cfg.pd_threshold:
+            self.metrics.pd_decisions.labels(decision="local").inc()
+            return d
+        now = time.monotonic()
+        free = [w for w in prefill_pool if w.routable(now) and w.inflight < self.cfg.prefill_max_inflight]
+        if not free:
+            self.metrics.pd_decisions.labels(decision="saturated").inc()
+            return d
+        p = min(free, key=lambda w: (w.inflight, w.pending_prefill_tokens))
+        via = self.cfg.pd_transfer
+        if via == "auto":
+            via = "shm" if _host(p.url) == _host(d.worker.url) else "http"
+        assert self.client is not None
+        t0 = time.perf_counter()
+        d.worker.inflight += 1  # load counted at dispatch, including while its KV is being prepared elsewhere
+        p.inflight += 1
+        p.pending_prefill_tokens += uncached
+        try:
+            r = await self.client.post(p.url + "/pd/prefill", json={
+                "path": path, "body": body, "decode_url": d.worker.url, "transfer": via, "request_id": rid,
+                "timeout_s": self.cfg.pd_timeout_s}, headers={"x-request-id": rid},
+                timeout=httpx.Timeout(self.cfg.pd_timeout_s, connect=self.cfg.connect_timeout_s))
+            ok = r.status_code == 200
+            detail = r.json() if ok else r.text[:200]
+        except (httpx.HTTPError, ValueError) as e:
+            ok, detail = False, f"{type(e).__name__}: {e}"
+        finally:
+            d.worker.inflight -= 1
+            p.inflight -= 1
+            p.pending_prefill_tokens -= uncached
+        if not ok:
+            self.metrics.pd_decisions.labels(decision="fallback").inc()
+            self.metrics.errors.labels(kind="pd_prefill_failed").inc()
+            if isinstance(detail, str) and ("Connect" in detail or "502" not in detail):
+                self._failed(p)
+            log.warning("request %s: remote prefill on %s failed (%s); prefilling on %s", rid, p.name, detail,
+                        d.worker.name)
+            return d
+        p.breaker.success()
+        self.metrics.pd_decisions.labels(decision="disaggregated").inc()
+        self.metrics.pd_seconds.observe(time.perf_counter() - t0)
+        self.metrics.pd_bytes.inc(detail.get("bytes", 0))
+        shipped = (detail.get("imported", 0) + detail.get("already_cached", 0)) * req.block_size
+        cached = min(max(d.cached_tokens, shipped), max(req.num_prompt_tokens - 1, 0))
+        return Decision(d.worker, d.reason, cached)
 
     async def _attempt(self, request: Request, d: Decision, req: RouteRequest, raw: bytes, headers: dict[str, str],
                        stream: bool, t0: float) -> Response:
@@ -357,13 +429,20 @@ class Router:
         return Response(body, media_type=CONTENT_TYPE_LATEST)
 
     async def state(self, request: Request) -> Response:
-        """Every worker as the router sees it (for people and tests)."""
-        return JSONResponse({"policy": self.policy.name, "workers": [
-            {"name": w.name, "url": w.url, "zone": w.zone, "healthy": w.healthy, "inflight": w.inflight,
-             "pending_prefill_tokens": w.pending_prefill_tokens, "decoding": w.decoding, "running": w.running,
-             "waiting": w.waiting, "kv_usage": w.kv_usage, "model": w.model, "instance": w.instance,
-             "events_connected": w.events_connected, "breaker": w.breaker.state, "index_blocks": self.index.size(w.name)}
-            for w in self.workers]})
+        """Every worker as the router sees it (for people and tests); ``?hashes=1`` adds the exact index."""
+        with_hashes = request.query_params.get("hashes") == "1"
+        workers = []
+        for w in self.workers:
+            exact = self.events_index.exact.get(w.name, set())
+            row = {"name": w.name, "url": w.url, "zone": w.zone, "role": w.role, "healthy": w.healthy, "inflight": w.inflight,
+                   "pending_prefill_tokens": w.pending_prefill_tokens, "decoding": w.decoding, "running": w.running,
+                   "waiting": w.waiting, "kv_usage": w.kv_usage, "model": w.model, "instance": w.instance,
+                   "events_connected": w.events_connected, "breaker": w.breaker.state,
+                   "index_blocks": self.index.size(w.name), "exact_blocks": len(exact)}
+            if with_hashes:
+                row["exact_hashes"] = sorted(exact)
+            workers.append(row)
+        return JSONResponse({"policy": self.policy.name, "workers": workers})
 
 
 async def _read_quietly(resp: httpx.Response) -> bytes:
@@ -378,6 +457,11 @@ async def _read_quietly(resp: httpx.Response) -> bytes:
 def _name(url: str) -> str:
     u = urlparse(url if "://" in url else "http://" + url)
     return f"{u.hostname}:{u.port}" if u.port else (u.hostname or url)
+
+
+def _host(url: str) -> str:
+    h = urlparse(url).hostname or ""
+    return "127.0.0.1" if h == "localhost" else h
 
 
 def _str_or_none(v: Any) -> str | None:

@@ -36,5 +36,12 @@ class RouterMetrics:
                               buckets=_TTFB, registry=r)
         self.cached_tokens = Counter("fleetllm_router_estimated_cached_tokens",
                                      "Prompt tokens the router expected the chosen worker to have cached.", registry=r)
+        self.pd_decisions = Counter("fleetllm_router_pd_decisions", "Prefill placement per request: disaggregated "
+                                    "(remote prefill + KV transfer), local (below the threshold), saturated (no "
+                                    "prefill worker free), fallback (the remote leg failed; prefilled locally).",
+                                    ["decision"], registry=r)
+        self.pd_seconds = Histogram("fleetllm_router_pd_prefill_seconds", "Remote prefill plus KV transfer, as the "
+                                    "router waited for it.", buckets=_TTFB, registry=r)
+        self.pd_bytes = Counter("fleetllm_router_pd_transfer_bytes", "KV bytes shipped prefill -> decode.", registry=r)
         self.prompt_tokens = Counter("fleetllm_router_prompt_tokens", "Prompt tokens of routed requests (router-side "
                                      "tokenization).", registry=r)

@@ -68,6 +68,7 @@ class WorkerState:
     name: str
     url: str
     zone: str = ""
+    role: str = "both"  # prefill | decode | both; the worker's KV-event snapshot says which
     healthy: bool = False
     # counted by the router at dispatch
     inflight: int = 0
@@ -177,6 +178,7 @@ class WorkerMonitor:
                 self.index.drop(w.name)
             w.instance, w.model = ev["instance"], ev["model"]
             w.block_size, w.num_blocks = ev["block_size"], ev["num_blocks"]
+            w.role = ev.get("role", w.role)
             self.index.reset(w.name, ev["hashes"], capacity=ev["num_blocks"])
             w.events_connected = True
         elif kind == "stored":

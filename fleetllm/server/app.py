@@ -23,6 +23,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from fleetllm.disagg.routes import pd_routes
 from fleetllm.engine.async_engine import AsyncEngine
 from fleetllm.engine.outputs import RequestOutput
 from fleetllm.engine.params import InvalidParameter, SamplingParams
@@ -55,8 +56,9 @@ def error_response(e: APIError) -> JSONResponse:
 class Worker:
     """Request handling for one engine; ``app`` is the ASGI application."""
 
-    def __init__(self, engine: LLMEngine, obs: ObservabilityConfig | None = None) -> None:
+    def __init__(self, engine: LLMEngine, obs: ObservabilityConfig | None = None, role: str = "both") -> None:
         self.engine = engine
+        self.role = role  # prefill | decode | both (disaggregated serving; routers read it from /kv/events)
         self.async_engine = AsyncEngine(engine)
         self.model_name = engine.model_name
         self.created = int(time.time())
@@ -88,6 +90,7 @@ class Worker:
                 Route("/metrics", self.metrics, methods=["GET"]),
                 *dashboard_routes(),
                 Route("/kv/events", self.kv_events, methods=["GET"]),
+                *pd_routes(self),
             ],
             lifespan=self._lifespan,
             exception_handlers={APIError: lambda r, e: error_response(e), 404: self._not_found,
@@ -213,10 +216,11 @@ class Worker:
                 "prompt_tokens_details": {"cached_tokens": cached}}
 
     # ---- endpoints ---------------------------------------------------------------------------------
-    async def chat(self, request: Request) -> Response:
-        body = await self._body(request)
+    def prompt_ids(self, kind: str, body: dict[str, Any]) -> list[list[int]]:
+        """The token ids of a chat (``kind="chat"``: template applied) or completions request's prompts."""
+        if kind != "chat":
+            return [self._encode(p) for p in completion_prompts(body)]
         messages = chat_messages(body)
-        params = sampling_from_body(body, chat=True)
         try:
             kwargs = body.get("chat_template_kwargs") or {}
             text = self.engine.tokenizer.apply_chat_template(
@@ -224,14 +228,19 @@ class Worker:
             )
         except Exception as e:
             raise APIError(400, f"chat template failed: {e}", "messages") from None
-        ids = self.engine.tokenizer.encode(text, add_special_tokens=False)
-        return await self._respond(request, "chat", body, [ids], params)
+        return [self.engine.tokenizer.encode(text, add_special_tokens=False)]
+
+    async def chat(self, request: Request) -> Response:
+        body = await self._body(request)
+        ids = self.prompt_ids("chat", body)
+        params = sampling_from_body(body, chat=True)
+        return await self._respond(request, "chat", body, ids, params)
 
     async def completions(self, request: Request) -> Response:
         body = await self._body(request)
         if body.get("echo"):
             raise APIError(400, "echo is not supported", "echo")
-        prompts = [self._encode(p) for p in completion_prompts(body)]
+        prompts = self.prompt_ids("text", body)
         params = sampling_from_body(body, chat=False)
         return await self._respond(request, "text", body, prompts, params)
 
@@ -418,6 +427,7 @@ class Worker:
             try:
                 yield event({"type": "snapshot", "instance": self.instance_id, "model": self.model_name,
                              "block_size": self.engine.pool.block_size, "num_blocks": self.engine.pool.num_blocks,
+                             "role": self.role,
                              "hashes": snapshot, **self.load()})
                 next_load = time.monotonic() + interval
                 while not self.closing:

@@ -20,7 +20,7 @@ from fleetllm.engine.detokenizer import IncrementalDetokenizer
 from fleetllm.engine.kv_cache_manager import KVCacheManager
 from fleetllm.engine.metrics import EngineMetrics
 from fleetllm.engine.outputs import RequestOutput, RequestTiming
-from fleetllm.engine.params import InvalidParameter, PromptTooLong, SamplingParams
+from fleetllm.engine.params import InvalidParameter, SamplingParams, check_prompt
 from fleetllm.engine.scheduler import Scheduler, SchedulerConfig
 from fleetllm.engine.sequence import Sequence, Status
 from fleetllm.models.config import ModelConfig
@@ -72,17 +72,8 @@ class SimEngine:
                     arrival_time: float | None = None) -> None:
         if request_id in self.seqs:
             raise InvalidParameter("request_id", f"duplicate request id {request_id!r}")
-        n = len(prompt_token_ids)
-        if n == 0:
-            raise InvalidParameter("prompt", "the prompt is empty")
-        if n >= self.max_model_len:
-            raise PromptTooLong(f"This model's maximum context length is {self.max_model_len} tokens. "
-                                f"However, your prompt has {n} tokens; no room is left for output.")
-        room = self.max_model_len - n
-        max_tokens = min(room, self.config.default_max_tokens) if params.max_tokens is None else params.max_tokens
-        if max_tokens > room:
-            raise PromptTooLong(f"This model's maximum context length is {self.max_model_len} tokens. However, you "
-                                f"requested {n + max_tokens} tokens ({n} in the messages, {max_tokens} in the completion).")
+        max_tokens = check_prompt(prompt_token_ids, params, self.max_model_len, self.loaded.config.vocab_size,
+                                  self.config.default_max_tokens)
         seq = Sequence(request_id, list(prompt_token_ids), params, max_tokens)
         if arrival_time is not None:
             seq.arrival_time = arrival_time

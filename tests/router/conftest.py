@@ -1,1 +1,1 @@
-from router_helpers import procs  # noqa: F401  (fixture)
+from fleet_helpers import procs  # noqa: F401  (fixture)

@@ -8,7 +8,7 @@ import time
 
 import httpx
 import pytest
-from router_helpers import ThreadServer, router, sim_workers, wait_state
+from fleet_helpers import ThreadServer, router, sim_workers, wait_state
 from starlette.applications import Starlette
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -68,7 +68,7 @@ def test_router_errors_are_openai_style(procs):
 
 
 def test_no_healthy_worker_is_a_prompt_503_not_a_hang(procs):
-    from router_helpers import free_port
+    from fleet_helpers import free_port
 
     r = router([f"http://127.0.0.1:{free_port()}"], "kv_aware")  # nothing listens there
     procs.append(r)
@@ -192,3 +192,56 @@ def test_every_policy_serves_requests(procs, policy):
     for i in range(3):
         resp = httpx.post(r.url + "/v1/chat/completions", json=chat(i, user="u1"), timeout=30)
         assert resp.status_code == 200 and resp.json()["choices"][0]["message"]["content"]
+
+
+def kv_snapshot(worker_url: str) -> set[int]:
+    """The worker's cached block hashes, from the first event of a fresh /kv/events stream."""
+    with httpx.stream("GET", worker_url + "/kv/events", timeout=10) as resp:
+        for line in resp.iter_lines():
+            if line.startswith("data: "):
+                return set(json.loads(line[6:])["hashes"])
+    raise AssertionError("no snapshot")
+
+
+def test_router_block_hashes_equal_the_engines_after_the_chat_template(procs):
+    from fleetllm.router.tokens import PromptTokenizer, block_hashes
+
+    sims = sim_workers(1)
+    procs.append(sims)
+    body = chat(0, max_tokens=1)
+    assert httpx.post(sims.url + "/v1/chat/completions", json=body, timeout=30).status_code == 200
+    ids = PromptTokenizer().token_ids("smollm2-135m", "/v1/chat/completions", body)
+    ours = block_hashes(ids, 16, "smollm2-135m")
+    assert len(ours) >= 2 and set(ours) <= kv_snapshot(sims.url)
+
+
+def test_the_exact_index_tracks_evictions_on_the_worker(procs):
+    sims = sim_workers(1, "--num-blocks", "48")  # ~4 prompts' worth: later prompts evict earlier blocks
+    procs.append(sims)
+    r = router(sims.urls, "kv_aware")
+    procs.append(r)
+    wait_state(r.url, lambda s: s["workers"][0]["events_connected"])
+    for i in range(10):
+        body = {"model": "smollm2-135m", "prompt": f"{i} " + "lorem ipsum dolor sit amet " * 40, "max_tokens": 2}
+        assert httpx.post(r.url + "/v1/completions", json=body, timeout=30).status_code == 200
+    truth = kv_snapshot(sims.url)
+    state = wait_state(r.url, lambda s: s["workers"][0]["exact_blocks"] == len(truth))
+    assert 0 < len(truth) <= 48
+    assert set(httpx.get(r.url + "/router/state?hashes=1").json()["workers"][0]["exact_hashes"]) == truth
+    assert state["workers"][0]["exact_blocks"] == len(truth)
+
+
+def test_sixty_four_simulated_workers_behind_one_router(procs):
+    sims = sim_workers(64)
+    procs.append(sims)
+    r = router(sims.urls, "kv_aware")
+    procs.append(r)
+    wait_state(r.url, lambda s: all(w["healthy"] and w["events_connected"] for w in s["workers"]), 60)
+
+    async def run() -> list[httpx.Response]:
+        async with httpx.AsyncClient(timeout=120) as client:
+            return await asyncio.gather(*(client.post(r.url + "/v1/chat/completions", json=chat(i)) for i in range(64)))
+
+    responses = asyncio.run(run())
+    assert all(x.status_code == 200 for x in responses)
+    assert len({x.headers["x-fleetllm-worker"] for x in responses}) > 16  # spread, not piled up

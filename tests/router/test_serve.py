@@ -12,7 +12,7 @@ from pathlib import Path
 
 import httpx
 import openai
-from router_helpers import free_ports
+from fleet_helpers import free_ports
 
 from fleetllm.fleet.config import FleetConfig
 
@@ -92,3 +92,18 @@ def test_fleet_config_rejects_unknown_keys(tmp_path):
         FleetConfig.from_dict({"workers": [{"replica": 2}]})
     with pytest.raises(ValueError, match="polcy"):
         FleetConfig.from_dict({"polcy": "x"})
+
+
+def test_a_disaggregated_fleet_plan_gives_workers_their_roles_and_the_router_its_threshold(tmp_path):
+    from fleetllm.fleet.config import WorkerGroup
+    from fleetllm.fleet.launcher import Fleet
+
+    cfg = FleetConfig(port=9000, pd_threshold=1024, log_dir=str(tmp_path), workers=[
+        WorkerGroup(replicas=1, role="prefill"), WorkerGroup(replicas=2, role="decode")])
+    fleet = Fleet(cfg)
+    roles = [p.cmd[p.cmd.index("--role") + 1] for p in fleet.workers]
+    assert roles == ["prefill", "decode", "decode"]
+    rcmd = fleet.router.cmd
+    assert rcmd[rcmd.index("--roles") + 1] == "prefill,decode,decode"
+    assert rcmd[rcmd.index("--pd-threshold") + 1] == "1024"
+    assert fleet.worker_urls == [f"http://127.0.0.1:{9001 + i}" for i in range(3)]

@@ -1,5 +1,5 @@
-"""Processes for router tests: simulated workers, routers and fake upstreams on free ports (imported by
-the router tests; the `procs` fixture is re-exported by this folder's conftest)."""
+"""Processes for fleet tests: real and simulated workers, routers and fake upstreams on free ports (imported by
+router and disaggregation tests; the `procs` fixture is re-exported by their conftest)."""
 
 from __future__ import annotations
 
@@ -103,6 +103,14 @@ def sim_workers(count: int, *extra: str, port: int | None = None) -> Proc:
     urls = [f"http://127.0.0.1:{port + i}" for i in range(count)]
     return start_cli(["worker", "--simulate", "--count", str(count), "--port", str(port), "--log-level", "warning",
                       *extra], urls)
+
+
+def real_worker(*extra: str) -> Proc:
+    """A real engine worker (one torch thread) on a free port."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    return start_cli(["worker", "--model", "smollm2-135m", "--port", str(port), "--num-threads", "1",
+                      "--log-level", "warning", *extra], [url], timeout=240)
 
 
 def router(workers: list[str], policy: str = "kv_aware", *extra: str) -> Proc:

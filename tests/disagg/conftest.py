@@ -1,0 +1,1 @@
+from fleet_helpers import procs  # noqa: F401  (fixture)

@@ -1,0 +1,144 @@
+"""Disaggregated prefill/decode over real worker processes and a real router.
+
+One prefill worker, one decode worker and a colocated reference worker; the router disaggregates every
+prompt with at least 32 uncached tokens. Outputs must equal the colocated ones token for token, the
+remote leg's failures must end in correct answers, and no KV block may stay allocated anywhere.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+import torch
+from fleet_helpers import real_worker, router, wait_state
+
+from fleetllm.disagg import frame
+from fleetllm.engine.block_pool import hash_prefix_blocks
+
+QUESTIONS = [
+    "Explain what a circuit breaker does in a service mesh, in two sentences.",
+    "Write a haiku about caches that forget.",
+    "Why do long prompts slow down other requests on the same GPU?",
+    "Give three tips for writing readable Python tests.",
+]
+SYSTEM = "You are a precise assistant for infrastructure engineers. Keep answers short and concrete."
+
+
+def body(q: str) -> dict:
+    return {"model": "smollm2-135m", "max_tokens": 16, "temperature": 0,
+            "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}]}
+
+
+@pytest.fixture(scope="module")
+def fleet():
+    started = []
+    try:
+        p, d, c = real_worker("--role", "prefill"), real_worker("--role", "decode"), real_worker()
+        started += [p, d, c]
+        r = router([p.url, d.url], "kv_aware", "--pd-threshold", "32")
+        started.append(r)
+        wait_state(r.url, lambda s: all(w["healthy"] and w["events_connected"] for w in s["workers"]), 60)
+        yield {"prefill": p, "decode": d, "colocated": c, "router": r}
+    finally:
+        for proc in reversed(started):
+            proc.stop()
+
+
+def answers(url: str, questions: list[str]) -> list[str]:
+    async def run() -> list[str]:
+        async with httpx.AsyncClient(timeout=300) as client:
+            rs = await asyncio.gather(*(client.post(url + "/v1/chat/completions", json=body(q)) for q in questions))
+        assert all(r.status_code == 200 for r in rs), [r.text for r in rs]
+        return [r.json()["choices"][0]["message"]["content"] for r in rs]
+
+    return asyncio.run(run())
+
+
+def metric(url: str, name: str) -> float:
+    total = 0.0
+    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
+        if line.startswith(name) and not line.startswith("#"):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def assert_no_blocks_held(*urls: str) -> None:
+    for u in urls:
+        assert metric(u, "vllm:kv_cache_usage_perc") == 0.0, u
+
+
+def test_disaggregated_outputs_equal_colocated_ones_under_concurrency(fleet):
+    r, d, c = fleet["router"].url, fleet["decode"].url, fleet["colocated"].url
+    expected = answers(c, QUESTIONS)
+    assert answers(r, QUESTIONS) == expected
+    # at most 2 remote prefills in flight per prefill worker (the rest of a burst is "saturated"), and a
+    # prompt whose shared system prefix is already on the decode worker may fall below the threshold
+    assert metric(r, 'fleetllm_router_pd_decisions_total{decision="disaggregated"}') >= 2
+    assert metric(r, "fleetllm_router_pd_decisions_total") == len(QUESTIONS)
+    assert metric(d, 'fleetllm:kv_transfer_blocks_total{kind="imported"}') > 0
+    # again: now the decode worker holds the prompts itself, so nothing is prefilled remotely
+    local_before = metric(r, 'fleetllm_router_pd_decisions_total{decision="local"}')
+    assert answers(r, QUESTIONS) == expected
+    assert metric(r, 'fleetllm_router_pd_decisions_total{decision="local"}') >= local_before + len(QUESTIONS)
+    assert_no_blocks_held(fleet["prefill"].url, d, c)
+
+
+def _frame_for(tokens: list[int], num_layers: int = 30, kv_heads: int = 3, head_dim: int = 64) -> bytes:
+    hashes = hash_prefix_blocks(tokens, 16, b"smollm2-135m")
+    header = frame.FrameHeader("smollm2-135m", num_layers, kv_heads, head_dim, "float32", 16,
+                               tokens[: len(hashes) * 16], hashes)
+    shape = (len(hashes), 16, kv_heads, head_dim)
+    return b"".join(frame.encode(header, [(torch.zeros(shape), torch.zeros(shape)) for _ in range(num_layers)]))
+
+
+@pytest.mark.parametrize("damage", ["corrupt", "truncate", "wrong_layout"])
+def test_a_bad_frame_is_refused_and_leaves_no_block_behind(fleet, damage):
+    d = fleet["decode"].url
+    tokens = list(range(1000, 1000 + 48))
+    data = bytearray(_frame_for(tokens, num_layers=2 if damage == "wrong_layout" else 30))
+    if damage == "corrupt":
+        data[len(data) // 2] ^= 0xFF
+    elif damage == "truncate":
+        data = data[: len(data) - 1000]
+    r = httpx.post(d + "/pd/kv", content=bytes(data), headers={"content-type": "application/octet-stream"}, timeout=60)
+    assert r.status_code == 400 and "frame" in r.json()["error"]["message"]
+    assert metric(d, 'fleetllm:kv_transfer_failures_total{reason="bad_frame"}') >= 1
+    assert_no_blocks_held(d)
+
+
+def test_a_well_formed_frame_over_http_is_imported_into_the_prefix_cache(fleet):
+    d = fleet["decode"].url
+    r = httpx.post(d + "/pd/kv", content=_frame_for(list(range(2000, 2048))),
+                   headers={"content-type": "application/octet-stream"}, timeout=60)
+    assert r.status_code == 200 and r.json()["imported"] == 3
+    assert_no_blocks_held(d)
+
+
+def test_a_transfer_timeout_falls_back_to_a_local_prefill(fleet):
+    p, d = fleet["prefill"].url, fleet["decode"].url
+    r2 = router([p, d], "kv_aware", "--pd-threshold", "32", "--pd-timeout", "0.05")
+    try:
+        wait_state(r2.url, lambda s: all(w["healthy"] and w["events_connected"] for w in s["workers"]), 60)
+        q = ["Describe a timeout in one sentence, please, for a junior engineer who is new to networks."]
+        assert answers(r2.url, q) == answers(fleet["colocated"].url, q)
+        assert metric(r2.url, 'fleetllm_router_pd_decisions_total{decision="fallback"}') == 1
+    finally:
+        r2.stop()
+    # the prefill worker's abandoned request is aborted: nothing stays allocated
+    wait_state(fleet["router"].url, lambda s: all(w["inflight"] == 0 for w in s["workers"]))
+    for u in (p, d):
+        end = 30
+        while metric(u, "vllm:kv_cache_usage_perc") != 0.0 and end:
+            asyncio.run(asyncio.sleep(0.5))
+            end -= 1
+    assert_no_blocks_held(p, d)
+
+
+def test_a_dead_prefill_worker_costs_no_request(fleet):
+    r, c = fleet["router"].url, fleet["colocated"].url
+    fleet["prefill"].kill()
+    q = ["What is a decode worker? Answer in one sentence for a product manager."]
+    assert answers(r, q) == answers(c, q)  # the remote leg failed or was skipped; prefilled locally
+    assert_no_blocks_held(fleet["decode"].url)
