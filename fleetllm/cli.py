@@ -29,6 +29,40 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "(default k: chosen from the measured verify cost), adaptive=0 to fix K")
 
 
+def add_observability_args(p: argparse.ArgumentParser) -> None:
+    """Worker identity (labels on every metric) and where telemetry goes."""
+    p.add_argument("--worker-id", default=None, help="label `worker` on every metric (default: HOST:PORT)")
+    p.add_argument("--zone", default="local", help="label `zone`: where this worker runs (default: %(default)s)")
+    p.add_argument("--instance-type", default=None, help="label `instance_type` (default: cpu, or the GPU's name)")
+    p.add_argument("--otlp-endpoint", default=None,
+                   help="OTLP/HTTP collector base URL (e.g. http://127.0.0.1:4318): metrics and request spans")
+    p.add_argument("--otlp-interval", type=float, default=10.0, help="seconds between OTLP metric pushes")
+    p.add_argument("--disable-metrics", action="store_true", help="record no engine metrics (overhead baseline)")
+    p.add_argument("--disable-log-requests", action="store_true", help="no log line per request")
+
+
+def worker_identity(args: argparse.Namespace, port: int | None = None) -> dict[str, str]:
+    """The labels of a worker's metrics; ``port`` names a simulated worker among many in one process."""
+    instance_type = args.instance_type
+    if instance_type is None:
+        instance_type = "cpu"
+        if not getattr(args, "simulate", False) and args.device in ("auto", "cuda"):
+            import torch
+
+            if torch.cuda.is_available():
+                instance_type = torch.cuda.get_device_name(0)
+    worker = args.worker_id or f"{args.host}:{port or args.port}"
+    if args.worker_id and port is not None and port != args.port:
+        worker = f"{args.worker_id}-{port - args.port}"
+    return {"worker": worker, "role": args.role, "zone": args.zone, "instance_type": instance_type}
+
+
+def observability_config(args: argparse.Namespace):  # -> ObservabilityConfig
+    from fleetllm.server.app import ObservabilityConfig
+
+    return ObservabilityConfig(args.otlp_endpoint, args.otlp_interval, not args.disable_log_requests)
+
+
 def engine_config(args: argparse.Namespace):  # -> EngineConfig (imported lazily: torch is slow to import)
     from fleetllm.engine.engine import EngineConfig
 
@@ -47,6 +81,8 @@ def engine_config(args: argparse.Namespace):  # -> EngineConfig (imported lazily
         num_threads=args.num_threads,
         quantization=args.quantization,
         speculative=args.speculative,
+        metric_labels=worker_identity(args) if hasattr(args, "zone") else {},
+        disable_metrics=getattr(args, "disable_metrics", False),
     )
 
 
@@ -55,6 +91,9 @@ def cmd_worker(args: argparse.Namespace) -> int:
     # stall every step that waits on a descheduled thread (batch-1 decode 13 -> 19 tok/s when passive).
     # Must be set before torch loads its OpenMP runtime.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    from prometheus_client import disable_created_metrics
+
+    disable_created_metrics()  # *_created series: half the /metrics page, read by nothing here
     if args.simulate:
         return cmd_sim_worker(args)
     from fleetllm.engine.engine import LLMEngine
@@ -66,7 +105,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
         "model %s loaded in %.1fs; %d KV blocks of %d tokens", engine.model_name, engine.loaded.load_seconds,
         engine.pool.num_blocks, engine.pool.block_size,
     )
-    worker = Worker(engine, role=args.role)
+    worker = Worker(engine, observability_config(args), role=args.role)
     run_app(worker.app, args.host, args.port, args.log_level, on_exit=lambda: setattr(worker, "closing", True))
     return 0
 
@@ -83,7 +122,9 @@ def cmd_sim_worker(args: argparse.Namespace) -> int:
                     enable_prefix_caching=not args.no_prefix_caching, speed=args.sim_speed)
     logging.getLogger("fleetllm").info("%d simulated worker(s) on %s:%d-%d", args.count, args.host, args.port,
                                        args.port + args.count - 1)
-    serve_simulated(args.model, args.host, args.port, args.count, cfg, profile, args.log_level)
+    identities = [worker_identity(args, args.port + i) for i in range(args.count)]
+    serve_simulated(args.model, args.host, args.port, args.count, cfg, profile, args.log_level,
+                    identities=identities, obs=observability_config(args))
     return 0
 
 
@@ -141,7 +182,18 @@ def cmd_router(args: argparse.Namespace) -> int:
     router = Router(router_config(args, workers, zones, roles))
     logging.getLogger("fleetllm").info("router on %s:%d over %d workers, policy %s", args.host, args.port,
                                        len(workers), args.policy)
-    run_app(router.app, args.host, args.port, args.log_level, on_exit=lambda: setattr(router, "closing", True))
+    pusher = None
+    if args.otlp_endpoint:  # the router's own series; each worker pushes its own
+        from fleetllm.observability.otlp import OTLPMetricsPusher, resource_for
+
+        pusher = OTLPMetricsPusher(router.metrics.registry, args.otlp_endpoint,
+                                   resource_for("fleetllm-router", {"router": f"{args.host}:{args.port}"}), args.otlp_interval)
+        pusher.start()
+    try:
+        run_app(router.app, args.host, args.port, args.log_level, on_exit=lambda: setattr(router, "closing", True))
+    finally:
+        if pusher:
+            pusher.stop()
     return 0
 
 
@@ -165,6 +217,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     cfg.restart = cfg.restart or args.restart
     if args.log_dir:
         cfg.log_dir = args.log_dir
+    cfg.otlp_endpoint = args.otlp_endpoint or cfg.otlp_endpoint
     return run_fleet(cfg)
 
 
@@ -201,7 +254,9 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--port", type=int, default=8001)
     w.add_argument("--log-level", default="info")
     w.add_argument("--role", default="both", choices=["prefill", "decode", "both"],
-                   help="disaggregated serving: prefill workers get only remote prefills from the router")
+                   help="disaggregated serving: prefill workers get only remote prefills from the router; "
+                        "also the `role` label on the worker's metrics")
+    add_observability_args(w)
     w.add_argument("--simulate", action="store_true", help="timing-model worker (no weights): for fleet experiments")
     w.add_argument("--profile", default=None, help="--simulate: timing profile from fleetllm calibrate")
     w.add_argument("--count", type=int, default=1, help="--simulate: workers on consecutive ports in one process")
@@ -219,6 +274,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--host", default="127.0.0.1")
     r.add_argument("--port", type=int, default=8000)
     r.add_argument("--log-level", default="info")
+    r.add_argument("--otlp-endpoint", default=None, help="OTLP/HTTP collector base URL for the router's metrics")
+    r.add_argument("--otlp-interval", type=float, default=10.0, help="seconds between OTLP metric pushes")
     r.set_defaults(func=cmd_router)
 
     s = sub.add_parser("serve", help="start N workers and a router on this machine (a fleet)")
@@ -236,6 +293,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--log-dir", default=None, help="where worker and router logs go (default: a temp dir)")
     s.add_argument("--host", default=None, help="default 127.0.0.1")
     s.add_argument("--port", type=int, default=None, help="router port (default 8000); workers use the next ones")
+    s.add_argument("--otlp-endpoint", default=None, help="OTLP/HTTP collector for the router and every worker")
     s.set_defaults(func=cmd_serve)
 
     c = sub.add_parser("calibrate", help="measure the engine's step times for the simulated worker's timing model")

@@ -2,6 +2,25 @@
 # Create .venv (if missing) and install fleetllm with its test tools. Idempotent; no model downloads.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+
+# Debian tools the observability tests drive: a real Prometheus (and promtool), headless Chromium and
+# chromedriver. Installed only when one is missing (CI runs as root; elsewhere sudo if it needs no password).
+missing=0
+for bin in prometheus promtool chromium chromedriver; do
+  command -v "$bin" >/dev/null 2>&1 || missing=1
+done
+if [ "$missing" = 1 ]; then
+  SUDO=""
+  [ "$(id -u)" = 0 ] || SUDO="sudo -n"
+  if $SUDO true 2>/dev/null; then
+    $SUDO apt-get update -q >/dev/null
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -q --no-install-recommends \
+      prometheus chromium chromium-driver >/dev/null
+  else
+    echo "setup.sh: cannot install prometheus/chromium/chromium-driver (not root, no sudo): observability tests will fail" >&2
+  fi
+fi
+
 PY=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv

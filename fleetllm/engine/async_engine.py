@@ -12,6 +12,7 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -53,13 +54,16 @@ class AsyncEngine:
     def num_active(self) -> int:
         return len(self._streams)
 
-    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> AsyncIterator[RequestOutput]:
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                       arrival_time: float | None = None) -> AsyncIterator[RequestOutput]:
         """Add a request and yield its outputs; the request is aborted if the caller stops iterating early."""
         assert self._loop is not None, "start() the engine first"
         added: asyncio.Future[None] = self._loop.create_future()
         stream: asyncio.Queue[RequestOutput] = asyncio.Queue()
         self._streams[request_id] = stream
-        self._cmds.put(("add", (request_id, prompt_token_ids, params, added)))
+        # the request arrives now, not when the engine thread next takes commands (after a running step)
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        self._cmds.put(("add", (request_id, prompt_token_ids, params, added, arrival)))
         finished = False
         try:
             await added  # raises the engine's validation error (bad params, too long, queue full)
@@ -123,9 +127,9 @@ class AsyncEngine:
     def _apply(self, cmd: tuple[str, Any]) -> None:
         kind, arg = cmd
         if kind == "add":
-            rid, ids, params, fut = arg
+            rid, ids, params, fut, arrival = arg
             try:
-                self.engine.add_request(rid, ids, params)
+                self.engine.add_request(rid, ids, params, arrival)
                 err = None
             except Exception as e:  # validation errors go back to the caller, the loop goes on
                 err = e

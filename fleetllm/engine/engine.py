@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -16,7 +16,7 @@ from fleetllm.engine.detokenizer import IncrementalDetokenizer
 from fleetllm.engine.kv_cache_manager import KVCacheManager
 from fleetllm.engine.metrics import EngineMetrics
 from fleetllm.engine.model_runner import ModelRunner
-from fleetllm.engine.outputs import RequestOutput, TokenLogprob
+from fleetllm.engine.outputs import RequestOutput, RequestTiming, TokenLogprob
 from fleetllm.engine.params import PromptTooLong, check_prompt  # noqa: F401  (PromptTooLong: re-exported)
 from fleetllm.engine.sampling import InvalidParameter, Sampler, SamplingParams
 from fleetllm.engine.scheduler import Scheduler, SchedulerConfig
@@ -47,6 +47,8 @@ class EngineConfig:
     num_threads: int | None = None
     quantization: str = "none"  # "int4": int4/int8 weight copies for narrow (decode) batches on CPU
     speculative: str | dict | None = None  # e.g. "method=peagle,k=4" (see fleetllm.spec.config)
+    metric_labels: dict[str, str] = field(default_factory=dict)  # worker identity: worker, role, zone, instance_type
+    disable_metrics: bool = False
 
     def resolved_device(self) -> str:
         if self.device == "auto":
@@ -85,14 +87,15 @@ class LLMEngine:
         self.sampler = Sampler()
         spec_cfg = SpeculativeConfig.parse(cfg.speculative)
         self.spec = SpecDecoder(spec_cfg, self.loaded, self.runner.kv_cache, self.device) if spec_cfg else None
-        self.metrics = EngineMetrics(self.model_name)
+        self.metrics = EngineMetrics(self.model_name, cfg.metric_labels, self.max_model_len, not cfg.disable_metrics)
         self.seqs: dict[str, Sequence] = {}
         self.detok: dict[str, IncrementalDetokenizer] = {}
         self._pending: list[RequestOutput] = []  # outputs produced outside step() (aborts)
         self._eos = set(mcfg.eos_token_ids)
 
     # ---- requests ----------------------------------------------------------------------------------
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    arrival_time: float | None = None) -> None:
         """Queue a request. Raises PromptTooLong / InvalidParameter / QueueFull (nothing is queued then)."""
         if request_id in self.seqs:
             raise InvalidParameter("request_id", f"duplicate request id {request_id!r}")
@@ -101,6 +104,8 @@ class LLMEngine:
         if params.seed is not None:
             gen = torch.Generator().manual_seed(params.seed)
         seq = Sequence(request_id, list(prompt_token_ids), params, max_tokens, generator=gen)
+        if arrival_time is not None:  # when the server received it: queueing before this call counts
+            seq.arrival_time = arrival_time
         self.scheduler.add(seq)
         self.seqs[request_id] = seq
         self.detok[request_id] = IncrementalDetokenizer(
@@ -123,7 +128,7 @@ class LLMEngine:
         outputs, self._pending = self._pending, []
         sched = self.scheduler.schedule()
         if sched.preempted:
-            self.metrics.preemptions.inc(len(sched.preempted))
+            self.metrics.preempted(len(sched.preempted))
         now = time.monotonic()
         if not sched.scheduled:
             self._update_gauges()
@@ -138,7 +143,7 @@ class LLMEngine:
         for s in batch:
             if s.seq.first_scheduled_time is None:
                 s.seq.first_scheduled_time = now
-                self.metrics.queue_time.observe(now - s.seq.arrival_time)
+                self.metrics.scheduled_first(s.seq, now)
         try:
             aux_layers = self.spec.aux_layers if self.spec else None
             t0 = time.perf_counter()
@@ -234,16 +239,11 @@ class LLMEngine:
         return replace(out, new_token_ids=new, new_text=text, logprobs=lps)
 
     def _append_token(self, seq: Sequence, tok: int, lp: list[TokenLogprob] | None, now: float) -> RequestOutput:
+        self.metrics.token(seq, now)
         seq.output_token_ids.append(tok)
         if seq.first_token_time is None:
             seq.first_token_time = now
-            # every prompt token counts once, cached or not, as in vLLM (recomputation is not new prompt)
-            self.metrics.prompt_tokens.inc(len(seq.prompt_token_ids))
-            self.metrics.ttft.observe(now - seq.arrival_time)
-        else:
-            self.metrics.itl.observe(now - seq.last_token_time)
         seq.last_token_time = now
-        self.metrics.generation_tokens.inc()
         detok = self.detok[seq.request_id]
         stop_str = detok.push(tok)
         status = None
@@ -270,21 +270,30 @@ class LLMEngine:
         if self.spec:
             self.spec.drafter.forget(seq)
         reason = seq.status.value
-        self.metrics.finished(reason)
-        self.metrics.e2e.observe(time.monotonic() - seq.arrival_time)
+        now = time.monotonic()
+        self.metrics.finished(seq, reason, now)
+        timing = RequestTiming(seq.arrival_time, seq.first_scheduled_time, seq.first_token_time, now)
         return RequestOutput(
             seq.request_id, new, detok.release(True), True, len(seq.prompt_token_ids), len(seq.output_token_ids),
-            max(seq.num_cached_tokens, 0), reason, seq.stop_reason, lp, error,
+            max(seq.num_cached_tokens, 0), reason, seq.stop_reason, lp, error, timing,
         )
 
     def _update_gauges(self) -> None:
-        m = self.metrics
-        m.running.set(len(self.scheduler.running))
-        m.waiting.set(len(self.scheduler.waiting))
-        m.kv_usage.set(self.pool.usage)
-        dq, dh = self.kv.prefix_queries, self.kv.prefix_hits
-        m.prefix_queries.inc(dq - getattr(self, "_last_q", 0))
-        m.prefix_hits.inc(dh - getattr(self, "_last_h", 0))
-        self._last_q, self._last_h = dq, dh
+        self.metrics.step_gauges(len(self.scheduler.running), len(self.scheduler.waiting), self.pool.usage,
+                                 self.kv.prefix_queries, self.kv.prefix_hits)
         if self.spec:
-            m.spec_sync(self.spec)
+            self.metrics.spec_sync(self.spec)
+
+    def warm_up(self, prompt_len: int = 8, max_tokens: int = 2) -> float:
+        """Run one short request to completion with metrics muted (first-call costs: allocator, kernels,
+        thread pools); return its seconds. The prompt is shorter than a block, so nothing stays cached."""
+        t0 = time.perf_counter()
+        enabled, self.metrics.enabled = self.metrics.enabled, False
+        try:
+            n = max(1, min(prompt_len, self.config.block_size - 1, self.max_model_len - max_tokens - 1))
+            self.add_request("warm-up", [1] * n, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+            while self.has_unfinished():
+                self.step()
+        finally:
+            self.metrics.enabled = enabled
+        return time.perf_counter() - t0

@@ -13,6 +13,17 @@ class TokenLogprob:
 
 
 @dataclass
+class RequestTiming:
+    """A finished request's phase boundaries (monotonic seconds): queue = arrival..scheduled,
+    prefill = scheduled..first token, decode = first token..finished."""
+
+    arrival: float
+    scheduled: float | None
+    first_token: float | None
+    finished: float
+
+
+@dataclass
 class RequestOutput:
     """What one step produced for one request (a delta; ``finished`` marks the last one)."""
 
@@ -27,3 +38,4 @@ class RequestOutput:
     stop_reason: str | int | None = None
     logprobs: list[TokenLogprob] | None = None
     error: str | None = None
+    timing: RequestTiming | None = None  # on the final output only

@@ -51,6 +51,7 @@ class FleetConfig:
     restart: bool = False
     pd_threshold: int | None = None  # router: disaggregate above this many uncached prompt tokens (default 4096)
     log_dir: str | None = None
+    otlp_endpoint: str | None = None  # OTLP/HTTP collector: the router and every worker push to it
     startup_timeout_s: float = 300.0
 
     @classmethod

@@ -81,14 +81,17 @@ class Fleet:
         port = cfg.worker_port or cfg.port + 1
         real = sum(g.replicas for g in cfg.workers if not g.simulate)
         cores = os.cpu_count() or 1
+        otlp = ["--otlp-endpoint", cfg.otlp_endpoint] if cfg.otlp_endpoint else []
         for gi, g in enumerate(cfg.workers):
+            # the `zone` label on the worker's own metrics, and where it pushes OTLP
+            obs_flags = (["--zone", g.zone] if g.zone else []) + otlp
             if g.simulate:
                 left = g.replicas
                 while left:
                     n = min(left, SIM_PER_PROCESS)
                     urls = [f"http://{cfg.host}:{port + i}" for i in range(n)]
                     cmd = [*py, "worker", "--simulate", "--count", str(n), "--model", g.model, "--host", cfg.host,
-                           "--port", str(port), "--log-level", "warning", *g.args]
+                           "--port", str(port), "--log-level", "warning", *obs_flags, *g.args]
                     self.workers.append(Proc(f"sim{gi}-{port}", cmd, urls, self.log_dir / f"sim-{port}.log"))
                     self.zones += [g.zone] * n
                     self.roles += ["both"] * n
@@ -98,7 +101,8 @@ class Fleet:
             threads = g.threads or max(1, cores // max(1, real))
             for _ in range(g.replicas):
                 cmd = [*py, "worker", "--model", g.model, "--host", cfg.host, "--port", str(port),
-                       "--num-threads", str(threads), "--role", g.role, "--log-level", "warning", *g.args]
+                       "--num-threads", str(threads), "--role", g.role, "--log-level", "warning", *obs_flags,
+                       *g.args]
                 self.workers.append(Proc(f"worker-{port}", cmd, [f"http://{cfg.host}:{port}"],
                                          self.log_dir / f"worker-{port}.log"))
                 self.zones.append(g.zone)
@@ -107,7 +111,7 @@ class Fleet:
         self.zones += [""] * len(cfg.external)
         self.roles += ["both"] * len(cfg.external)
         rcmd = [*py, "router", "--workers", ",".join(self.worker_urls), "--policy", cfg.policy, "--host", cfg.host,
-                "--port", str(cfg.port), "--log-level", "warning", *cfg.router_args]
+                "--port", str(cfg.port), "--log-level", "warning", *otlp, *cfg.router_args]
         if any(self.zones):
             rcmd += ["--zones", ",".join(self.zones)]
         if any(r != "both" for r in self.roles):

@@ -30,6 +30,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from fleetllm.observability.dashboard import dashboard_routes
+from fleetllm.observability.federate import fleet_metrics
 from fleetllm.router.index import PrefixIndex
 from fleetllm.router.metrics import RouterMetrics
 from fleetllm.router.policies import CostModel, Decision, RouteRequest, make_policy
@@ -110,6 +112,7 @@ class Router:
                 Route("/health", self.health, methods=["GET"]),
                 Route("/metrics", self.metrics_endpoint, methods=["GET"]),
                 Route("/router/state", self.state, methods=["GET"]),
+                *dashboard_routes(),
             ],
             lifespan=self._lifespan,
             exception_handlers={APIError: lambda r, e: JSONResponse(e.body(), status_code=e.status),
@@ -417,7 +420,13 @@ class Router:
         return JSONResponse(body, status_code=200 if body["status"] == "ok" else 503)
 
     async def metrics_endpoint(self, request: Request) -> Response:
-        return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        """The router's own series, then every worker's re-exported with ``worker=<name>`` (one scrape
+        target per fleet); ``?federate=0`` for the router's own only."""
+        own = generate_latest(self.metrics.registry).decode()
+        if request.query_params.get("federate") == "0" or self.client is None:
+            return Response(own, media_type=CONTENT_TYPE_LATEST)
+        body = await fleet_metrics(own, {w.name: w.url for w in self.workers}, self.client)
+        return Response(body, media_type=CONTENT_TYPE_LATEST)
 
     async def state(self, request: Request) -> Response:
         """Every worker as the router sees it (for people and tests); ``?hashes=1`` adds the exact index."""

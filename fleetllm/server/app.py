@@ -10,10 +10,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -27,12 +28,25 @@ from fleetllm.engine.async_engine import AsyncEngine
 from fleetllm.engine.outputs import RequestOutput
 from fleetllm.engine.params import InvalidParameter, SamplingParams
 from fleetllm.engine.scheduler import QueueFull
+from fleetllm.observability.dashboard import dashboard_routes
+from fleetllm.observability.process import ColdStart, ProcessHostCollector
+from fleetllm.observability.tracing import trace_id_of
 from fleetllm.server.protocol import APIError, chat_messages, completion_prompts, sampling_from_body
 
 if TYPE_CHECKING:
     from fleetllm.engine.engine import LLMEngine
 
 T = TypeVar("T")
+request_log = logging.getLogger("fleetllm.requests")
+
+
+@dataclass
+class ObservabilityConfig:
+    """What a worker reports beyond ``/metrics`` (CLI: --otlp-endpoint, --disable-log-requests)."""
+
+    otlp_endpoint: str | None = None  # OTLP/HTTP base URL: metrics to /v1/metrics, spans to /v1/traces
+    otlp_interval_s: float = 10.0
+    log_requests: bool = True
 
 
 def error_response(e: APIError) -> JSONResponse:
@@ -42,12 +56,27 @@ def error_response(e: APIError) -> JSONResponse:
 class Worker:
     """Request handling for one engine; ``app`` is the ASGI application."""
 
-    def __init__(self, engine: LLMEngine, role: str = "both") -> None:
+    def __init__(self, engine: LLMEngine, obs: ObservabilityConfig | None = None, role: str = "both") -> None:
         self.engine = engine
         self.role = role  # prefill | decode | both (disaggregated serving; routers read it from /kv/events)
         self.async_engine = AsyncEngine(engine)
         self.model_name = engine.model_name
         self.created = int(time.time())
+        self.obs = obs = obs or ObservabilityConfig()
+        m = engine.metrics
+        if m.enabled:
+            m.registry.register(ProcessHostCollector(m.labels, gpu=engine.device.startswith("cuda")))
+        self.cold_start = ColdStart(m.registry, m.labels)
+        self.cold_start.set("weight_load", engine.loaded.load_seconds)
+        self.tracer = self.otlp_metrics = None
+        if obs.otlp_endpoint:
+            from fleetllm.observability.otlp import OTLPMetricsPusher, resource_for
+            from fleetllm.observability.tracing import RequestTracer
+
+            resource = resource_for("fleetllm-worker", m.labels)
+            self.tracer = RequestTracer(obs.otlp_endpoint, resource)
+            if m.enabled:
+                self.otlp_metrics = OTLPMetricsPusher(m.registry, obs.otlp_endpoint, resource, obs.otlp_interval_s)
         self.instance_id = uuid.uuid4().hex  # a restarted worker has a new one: routers re-sync their index
         self.closing = False  # set when the server shuts down: ends the endless /kv/events streams
         self.app = Starlette(
@@ -59,6 +88,7 @@ class Worker:
                 Route("/detokenize", self.detokenize, methods=["POST"]),
                 Route("/health", self.health, methods=["GET"]),
                 Route("/metrics", self.metrics, methods=["GET"]),
+                *dashboard_routes(),
                 Route("/kv/events", self.kv_events, methods=["GET"]),
                 *pd_routes(self),
             ],
@@ -69,9 +99,17 @@ class Worker:
 
     @contextlib.asynccontextmanager
     async def _lifespan(self, app: Starlette) -> AsyncIterator[None]:
+        self.cold_start.set("warm_up", self.engine.warm_up())
         self.async_engine.start()
+        if self.otlp_metrics:
+            self.otlp_metrics.start()
+        logging.getLogger("fleetllm").info("worker ready %.1fs after process start", self.cold_start.ready_now())
         yield
         self.async_engine.shutdown()
+        if self.otlp_metrics:
+            self.otlp_metrics.stop()
+        if self.tracer:
+            self.tracer.shutdown()
 
     async def _not_found(self, request: Request, exc: Exception) -> JSONResponse:
         return error_response(APIError(404, f"no route {request.method} {request.url.path}"))
@@ -95,8 +133,13 @@ class Worker:
     def _encode(self, prompt: str | list[int]) -> list[int]:
         return self.engine.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
 
-    async def _run(self, request: Request, rid: str, prompts: list[list[int]], params: SamplingParams) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """Run every (prompt x n) sub-request; yield (choice index, output) as they arrive."""
+    async def _run(self, request: Request, rid: str, kind: str, prompts: list[list[int]], params: SamplingParams) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Run every (prompt x n) sub-request; yield (choice index, output) as they arrive.
+
+        When it ends (finished, failed or abandoned) the request is logged and traced."""
+        start = time.monotonic()
+        finals: list[RequestOutput] = []
+        status = 200
         subs = []
         for p_i, ids in enumerate(prompts):
             for k in range(params.n):
@@ -106,7 +149,7 @@ class Worker:
 
         async def pump(index: int, sub_id: str, ids: list[int], sp: SamplingParams) -> None:
             try:
-                async for out in self.async_engine.generate(sub_id, ids, sp):
+                async for out in self.async_engine.generate(sub_id, ids, sp, start):
                     await merged.put((index, out))
             except BaseException as e:  # noqa: BLE001 - forwarded to the consumer
                 await merged.put(e)
@@ -121,12 +164,32 @@ class Worker:
                 if item is None:
                     remaining -= 1
                 elif isinstance(item, BaseException):
-                    raise _as_api_error(item)
+                    err = _as_api_error(item)
+                    status = err.status if isinstance(err, APIError) else 500
+                    raise err
                 else:
+                    if item[1].finished:
+                        finals.append(item[1])
                     yield item
         finally:
             for t in tasks:
                 t.cancel()  # a disconnect or error: cancelled generators abort their requests
+            self._request_done(request, rid, kind, start, finals, status)
+
+    def _request_done(self, request: Request, rid: str, kind: str, start: float, finals: list[RequestOutput], status: int) -> None:
+        """The request's log line and span (the request id ties them to the caller's)."""
+        operation = "chat" if kind == "chat" else "text_completion"
+        if self.tracer is not None:
+            self.tracer.record(rid, request.headers, operation, self.model_name, start, finals, status)
+        if self.obs.log_requests and request_log.isEnabledFor(logging.INFO):
+            t = finals[0].timing if finals else None
+            ttft = f"{t.first_token - t.arrival:.3f}s" if t and t.first_token is not None else "-"
+            request_log.info(
+                "request %s %s: status=%d finish=%s prompt_tokens=%d output_tokens=%d cached_tokens=%d ttft=%s e2e=%.3fs trace=%s",
+                rid, operation, status, ",".join(f.finish_reason or "-" for f in finals) or "-",
+                finals[0].num_prompt_tokens if finals else 0, sum(f.num_output_tokens for f in finals),
+                finals[0].num_cached_tokens if finals else 0, ttft, time.monotonic() - start,
+                trace_id_of(request.headers) or "-")
 
     async def _until_disconnect(self, request: Request, aw: Awaitable[T]) -> T:
         """Await ``aw``, cancelling it and raising APIError(499) if the client disconnects meanwhile.
@@ -185,7 +248,7 @@ class Worker:
         rid = request.headers.get("x-request-id") or uuid.uuid4().hex
         cid = ("chatcmpl-" if kind == "chat" else "cmpl-") + rid
         headers = {"x-request-id": rid}
-        gen = self._run(request, rid, prompts, params)
+        gen = self._run(request, rid, kind, prompts, params)
         try:
             if not body.get("stream"):
                 outs = await self._until_disconnect(request, self._collect(gen))

@@ -19,7 +19,7 @@ from fleetllm.engine.block_pool import BlockPool
 from fleetllm.engine.detokenizer import IncrementalDetokenizer
 from fleetllm.engine.kv_cache_manager import KVCacheManager
 from fleetllm.engine.metrics import EngineMetrics
-from fleetllm.engine.outputs import RequestOutput
+from fleetllm.engine.outputs import RequestOutput, RequestTiming
 from fleetllm.engine.params import InvalidParameter, SamplingParams, check_prompt
 from fleetllm.engine.scheduler import Scheduler, SchedulerConfig
 from fleetllm.engine.sequence import Sequence, Status
@@ -47,7 +47,7 @@ class SimConfig:
 
 class SimEngine:
     def __init__(self, cfg: SimConfig, tokenizer: TokenizerWrapper, model_config: ModelConfig,
-                 profile: TimingProfile | None = None) -> None:
+                 profile: TimingProfile | None = None, identity: dict[str, str] | None = None) -> None:
         self.config = cfg
         self.profile = profile or TimingProfile.default()
         self.model_name = cfg.model_name
@@ -59,21 +59,24 @@ class SimEngine:
         self.kv = KVCacheManager(self.pool, cfg.enable_prefix_caching, extra_key=self.model_name.encode())
         self.scheduler = Scheduler(SchedulerConfig(cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.max_waiting), self.kv)
         self.max_model_len = min(self.max_model_len, int(self.pool.num_blocks * (1 - self.scheduler.cfg.watermark)) * bs)
-        self.metrics = EngineMetrics(self.model_name)
+        self.device = "cpu"
+        self.metrics = EngineMetrics(self.model_name, identity, self.max_model_len)
         self.seqs: dict[str, Sequence] = {}
         self.detok: dict[str, IncrementalDetokenizer] = {}
         self._pending: list[RequestOutput] = []
         self._text_ids = tokenizer.encode(_TEXT * 4, add_special_tokens=False)
-        self._last_q = self._last_h = 0
         self.simulated_seconds = 0.0
 
     # ---- requests (same contract as LLMEngine) ------------------------------------------------------
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    arrival_time: float | None = None) -> None:
         if request_id in self.seqs:
             raise InvalidParameter("request_id", f"duplicate request id {request_id!r}")
         max_tokens = check_prompt(prompt_token_ids, params, self.max_model_len, self.loaded.config.vocab_size,
                                   self.config.default_max_tokens)
         seq = Sequence(request_id, list(prompt_token_ids), params, max_tokens)
+        if arrival_time is not None:
+            seq.arrival_time = arrival_time
         self.scheduler.add(seq)
         self.seqs[request_id] = seq
         self.detok[request_id] = IncrementalDetokenizer(self.tokenizer, params.stop, params.include_stop_str_in_output,
@@ -95,7 +98,7 @@ class SimEngine:
         outputs, self._pending = self._pending, []
         sched = self.scheduler.schedule()
         if sched.preempted:
-            self.metrics.preemptions.inc(len(sched.preempted))
+            self.metrics.preempted(len(sched.preempted))
         batch = sched.scheduled
         if not batch:
             self._update_gauges()
@@ -108,7 +111,7 @@ class SimEngine:
         for s in batch:
             if s.seq.first_scheduled_time is None:
                 s.seq.first_scheduled_time = t0
-                self.metrics.queue_time.observe(t0 - s.seq.arrival_time)
+                self.metrics.scheduled_first(s.seq, t0)
         remaining = dt - (time.monotonic() - t0)
         if remaining > 0:
             time.sleep(remaining)
@@ -126,16 +129,11 @@ class SimEngine:
         return self._text_ids[(len(seq.prompt_token_ids) + len(seq.output_token_ids)) % len(self._text_ids)]
 
     def _append(self, seq: Sequence, tok: int, now: float) -> RequestOutput:
+        self.metrics.token(seq, now)
         seq.output_token_ids.append(tok)
-        m = self.metrics
         if seq.first_token_time is None:
             seq.first_token_time = now
-            m.prompt_tokens.inc(len(seq.prompt_token_ids))
-            m.ttft.observe(now - seq.arrival_time)
-        else:
-            m.itl.observe(now - seq.last_token_time)
         seq.last_token_time = now
-        m.generation_tokens.inc()
         detok = self.detok[seq.request_id]
         stop_str = detok.push(tok)
         status = None
@@ -152,16 +150,16 @@ class SimEngine:
     def _finish(self, seq: Sequence, new: list[int]) -> RequestOutput:
         detok = self.detok.pop(seq.request_id)
         del self.seqs[seq.request_id]
-        self.metrics.finished(seq.status.value)
-        self.metrics.e2e.observe(time.monotonic() - seq.arrival_time)
+        now = time.monotonic()
+        self.metrics.finished(seq, seq.status.value, now)
+        timing = RequestTiming(seq.arrival_time, seq.first_scheduled_time, seq.first_token_time, now)
         return RequestOutput(seq.request_id, new, detok.release(True), True, len(seq.prompt_token_ids),
-                             len(seq.output_token_ids), max(seq.num_cached_tokens, 0), seq.status.value, seq.stop_reason)
+                             len(seq.output_token_ids), max(seq.num_cached_tokens, 0), seq.status.value, seq.stop_reason,
+                             timing=timing)
 
     def _update_gauges(self) -> None:
-        m = self.metrics
-        m.running.set(len(self.scheduler.running))
-        m.waiting.set(len(self.scheduler.waiting))
-        m.kv_usage.set(self.pool.usage)
-        m.prefix_queries.inc(self.kv.prefix_queries - self._last_q)
-        m.prefix_hits.inc(self.kv.prefix_hits - self._last_h)
-        self._last_q, self._last_h = self.kv.prefix_queries, self.kv.prefix_hits
+        self.metrics.step_gauges(len(self.scheduler.running), len(self.scheduler.waiting), self.pool.usage,
+                                 self.kv.prefix_queries, self.kv.prefix_hits)
+
+    def warm_up(self) -> float:
+        return 0.0  # nothing to warm: no weights, no kernels

@@ -14,7 +14,7 @@ from collections.abc import Generator
 import uvicorn
 
 from fleetllm.models.source import load_tokenizer
-from fleetllm.server.app import Worker
+from fleetllm.server.app import ObservabilityConfig, Worker
 from fleetllm.sim.engine import SimConfig, SimEngine
 from fleetllm.sim.profile import TimingProfile
 
@@ -25,14 +25,17 @@ class _Server(uvicorn.Server):
         yield  # signals are handled once for all servers in serve_simulated
 
 
-def build_workers(model: str, count: int, cfg: SimConfig, profile: TimingProfile | None) -> list[Worker]:
+def build_workers(model: str, count: int, cfg: SimConfig, profile: TimingProfile | None,
+                  identities: list[dict[str, str]] | None = None, obs: ObservabilityConfig | None = None) -> list[Worker]:
     model_config, tokenizer = load_tokenizer(model)
-    return [Worker(SimEngine(cfg, tokenizer, model_config, profile)) for _ in range(count)]
+    ids = identities or [None] * count
+    return [Worker(SimEngine(cfg, tokenizer, model_config, profile, ids[i]), obs) for i in range(count)]
 
 
 def serve_simulated(model: str, host: str, port: int, count: int, cfg: SimConfig, profile: TimingProfile | None,
-                    log_level: str = "warning") -> None:
-    workers = build_workers(model, count, cfg, profile)
+                    log_level: str = "warning", identities: list[dict[str, str]] | None = None,
+                    obs: ObservabilityConfig | None = None) -> None:
+    workers = build_workers(model, count, cfg, profile, identities, obs)
     servers = [_Server(uvicorn.Config(w.app, host=host, port=port + i, log_level=log_level, access_log=False,
                                       timeout_graceful_shutdown=30)) for i, w in enumerate(workers)]
 
