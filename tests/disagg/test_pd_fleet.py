@@ -136,9 +136,36 @@ def test_a_transfer_timeout_falls_back_to_a_local_prefill(fleet):
     assert_no_blocks_held(p, d)
 
 
-def test_a_dead_prefill_worker_costs_no_request(fleet):
+def test_a_decode_worker_dying_under_the_p_d_path_costs_no_request(fleet):
+    d2 = real_worker("--role", "decode")
+    try:
+        r = router([fleet["prefill"].url, fleet["decode"].url, d2.url], "round_robin", "--pd-threshold", "32")
+        try:
+            wait_state(r.url, lambda s: all(w["healthy"] and w["events_connected"] for w in s["workers"]), 60)
+            d2.kill()  # the router has not noticed yet: KV gets pushed to a dead worker, then a retry
+            qs = [f"In one sentence: what is failover number {i}?" for i in range(4)]
+            assert answers(r.url, qs) == answers(fleet["colocated"].url, qs)
+            assert_no_blocks_held(fleet["prefill"].url, fleet["decode"].url)
+        finally:
+            r.stop()
+    finally:
+        d2.stop()
+
+
+def test_a_prefill_worker_killed_mid_prefill_costs_no_request(fleet):
     r, c = fleet["router"].url, fleet["colocated"].url
-    fleet["prefill"].kill()
-    q = ["What is a decode worker? Answer in one sentence for a product manager."]
-    assert answers(r, q) == answers(c, q)  # the remote leg failed or was skipped; prefilled locally
+    # a prompt long enough that its remote prefill takes a while on one CPU thread
+    q = ["Summarise this log for an on-call engineer: " + "worker 3 restarted after an out of memory error; " * 100]
+
+    async def run() -> list[str]:
+        async with httpx.AsyncClient(timeout=300) as client:
+            task = asyncio.create_task(client.post(r + "/v1/chat/completions", json=body(q[0])))
+            await asyncio.sleep(0.5)
+            fleet["prefill"].kill()  # SIGKILL while it computes the prompt's KV
+            resp = await task
+        assert resp.status_code == 200, resp.text
+        return [resp.json()["choices"][0]["message"]["content"]]
+
+    assert asyncio.run(run()) == answers(c, q)  # the remote leg failed: prefilled locally, same tokens
+    assert metric(r, 'fleetllm_router_pd_decisions_total{decision="fallback"}') >= 1
     assert_no_blocks_held(fleet["decode"].url)

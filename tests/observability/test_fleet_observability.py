@@ -38,6 +38,9 @@ def prom(fleet: Fleet, tmp_path_factory: Any) -> Iterator[Prometheus]:
     config = Prometheus.scraping([fleet.url.removeprefix("http://")])
     config["scrape_configs"][0]["honor_labels"] = True  # the worker label the router set
     p = Prometheus(config)
+    # rates need a sample from before the load: on a busy machine Prometheus may start scraping late,
+    # after a short load has already finished, and every increase() would then be 0
+    p.wait_for("sum(vllm:request_success_total)", lambda v: list(v.values()) == [0.0], deadline_s=60)
     run_bench(fleet.url, tmp_path_factory.mktemp("bench") / "load.json", "--workload", "shared-prefix",
               "--num-prefixes", "2", "--prefix-len", "48", "--isl", "16", "--osl", "8", "--concurrency", "3",
               "--requests", str(SENT))
