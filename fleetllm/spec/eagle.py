@@ -204,6 +204,16 @@ class HeadDrafter:
         emb = self.target.embed(ids.to(dev))
         return rows, emb, f_t, p_t.to(dev), key_mask.to(dev)
 
+    def _active(self, seqs: list[Sequence], ks: list[int]) -> tuple | None:
+        """The context rows of the sequences that want drafts (``ks[r] > 0``) and the depth to draft to."""
+        rows, emb, feats, pos, key_mask = self._context(seqs)
+        sel = [i for i, r in enumerate(rows) if ks[r] > 0]
+        rows = [rows[i] for i in sel]
+        if not rows:
+            return None
+        k = min(max(ks[r] for r in rows), self.cfg.max_depth)
+        return rows, emb[sel], feats[sel], pos[sel], key_mask[sel], k
+
     def _argmax(self, h: torch.Tensor) -> torch.Tensor:
         return self.head.draft_to_target[self.head.logits(h, self.lm_weight).argmax(dim=-1)]
 
@@ -218,13 +228,10 @@ class EagleDrafter(HeadDrafter):
     @torch.inference_mode()
     def propose(self, seqs: list[Sequence], ks: list[int]) -> list[list[int]]:
         out: list[list[int]] = [[] for _ in seqs]
-        rows, emb, feats, pos, key_mask = self._context(seqs)
-        sel = [i for i, r in enumerate(rows) if ks[r] > 0]
-        rows = [rows[i] for i in sel]
-        if not rows:
+        active = self._active(seqs, ks)
+        if active is None:
             return out
-        emb, feats, pos, key_mask = emb[sel], feats[sel], pos[sel], key_mask[sel]
-        k = min(max(ks[r] for r in rows), self.cfg.max_depth)
+        rows, emb, feats, pos, key_mask, k = active
         h, past = self.head(emb, feats, pos, self.target.rotary, key_mask)
         h = h[:, -1:]
         last_pos = pos[:, -1:]
@@ -252,13 +259,10 @@ class PEagleDrafter(HeadDrafter):
     @torch.inference_mode()
     def propose(self, seqs: list[Sequence], ks: list[int]) -> list[list[int]]:
         out: list[list[int]] = [[] for _ in seqs]
-        rows, emb, feats, pos, key_mask = self._context(seqs)
-        sel = [i for i, r in enumerate(rows) if ks[r] > 0]
-        rows = [rows[i] for i in sel]
-        if not rows:
+        active = self._active(seqs, ks)
+        if active is None:
             return out
-        emb, feats, pos, key_mask = emb[sel], feats[sel], pos[sel], key_mask[sel]
-        k = min(max(ks[r] for r in rows), self.cfg.max_depth)
+        rows, emb, feats, pos, key_mask, k = active
         b, m = len(rows), k - 1
         emb = torch.cat([emb, self.head.mask_embed.expand(b, m, -1)], dim=1)
         feats = torch.cat([feats, self.head.mask_feature.expand(b, m, -1)], dim=1)
