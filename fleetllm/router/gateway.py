@@ -126,7 +126,7 @@ class Router:
     async def _lifespan(self, app: Starlette) -> AsyncIterator[None]:
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
         self.client = httpx.AsyncClient(limits=limits, timeout=None)
-        # prefix: the index is only what the router routed; kv_aware: the workers' own events keep it exact
+        # the workers' KV events keep the events index exact (it is the policy's index under kv_aware)
         self.monitor = WorkerMonitor(self.workers, self.events_index, self.client, self.cfg.health_interval_s,
                                      on_change=self._on_worker_change)
         self.monitor.start()
@@ -137,8 +137,7 @@ class Router:
     def _on_worker_change(self, w: WorkerState) -> None:
         self.metrics.healthy.labels(worker=w.name, zone=w.zone).set(1 if w.healthy else 0)
         if not w.healthy:
-            self.index.drop(w.name)
-            self.events_index.drop(w.name)
+            self.index.drop(w.name)  # the monitor already dropped the events index's entries
 
     async def _not_found(self, request: Request, exc: Exception) -> JSONResponse:
         e = APIError(404, f"no route {request.method} {request.url.path}")
@@ -254,8 +253,10 @@ class Router:
                 timeout=httpx.Timeout(self.cfg.pd_timeout_s, connect=self.cfg.connect_timeout_s))
             ok = r.status_code == 200
             detail = r.json() if ok else r.text[:200]
+            # 502 = the prefill worker did its part but the decode worker refused or was unreachable
+            prefill_at_fault = not ok and r.status_code != 502
         except (httpx.HTTPError, ValueError) as e:
-            ok, detail = False, f"{type(e).__name__}: {e}"
+            ok, detail, prefill_at_fault = False, f"{type(e).__name__}: {e}", True
         finally:
             d.worker.inflight -= 1
             p.inflight -= 1
@@ -263,7 +264,7 @@ class Router:
         if not ok:
             self.metrics.pd_decisions.labels(decision="fallback").inc()
             self.metrics.errors.labels(kind="pd_prefill_failed").inc()
-            if isinstance(detail, str) and ("Connect" in detail or "502" not in detail):
+            if prefill_at_fault:
                 self._failed(p)
             log.warning("request %s: remote prefill on %s failed (%s); prefilling on %s", rid, p.name, detail,
                         d.worker.name)
