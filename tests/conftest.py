@@ -12,11 +12,7 @@ starts one with flags and stops it when the module ends, e.g.::
 
 from __future__ import annotations
 
-import os
-import socket
 import subprocess
-import sys
-import tempfile
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -24,15 +20,10 @@ from pathlib import Path
 
 import httpx
 import pytest
+from fleet_helpers import free_port, start_cli
 
 MODEL = "smollm2-135m"
 STARTUP_TIMEOUT_S = 120.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass
@@ -72,24 +63,10 @@ class WorkerProcess:
 def start_worker(*extra_args: str) -> WorkerProcess:
     """Start a worker with ``extra_args`` on a free port; wait until it is healthy."""
     port = free_port()
-    log_fd, log_name = tempfile.mkstemp(prefix="fleetllm-worker-", suffix=".log")
-    cmd = [sys.executable, "-m", "fleetllm.cli", "worker", "--model", MODEL, "--host", "127.0.0.1",
-           "--port", str(port), "--log-level", "warning", *extra_args]
-    proc = subprocess.Popen(cmd, stdout=log_fd, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    os.close(log_fd)
-    w = WorkerProcess(f"http://127.0.0.1:{port}", proc, Path(log_name))
-    deadline = time.monotonic() + STARTUP_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"worker exited with {proc.returncode}:\n{w.log()}")
-        try:
-            if httpx.get(w.base_url + "/health", timeout=2).status_code == 200:
-                return w
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)
-    w.stop()
-    raise RuntimeError(f"worker not healthy after {STARTUP_TIMEOUT_S}s:\n{w.log()}")
+    url = f"http://127.0.0.1:{port}"
+    p = start_cli(["worker", "--model", MODEL, "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning",
+                   *extra_args], [url], timeout=STARTUP_TIMEOUT_S)
+    return WorkerProcess(url, p.popen, p.log_path)
 
 
 @pytest.fixture(scope="module")
