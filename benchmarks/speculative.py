@@ -4,8 +4,11 @@ One process, one copy of the weights, an in-process engine per configuration (no
 are the engine's). Held-out prompts (none of them built from the training templates or stdlib files):
 chat, code, and agentic tool-output copying. A closed loop keeps ``c`` requests in flight. Greedy.
 At concurrency 1 and 4 K is fixed (adaptive=0) so methods compare as drafters; at concurrency 16 every
-method runs with its default adaptive K, which is what a server would use. Ratios are against "none"
-measured in the same run. Writes JSON (``--output``) and prints a Markdown table.
+method runs with its default adaptive K, which is what a server would use. On a shared machine the
+speed drifts by minutes, so every method runs on the same unit of work back to back (one prompt at
+c=1, one batch otherwise) and the ratio to "none" is taken unit by unit: x none = the time "none"
+would have taken for the same tokens / the time taken. Writes JSON (``--output``) and prints a
+Markdown table.
 
     python benchmarks/speculative.py --output /tmp/spec.json
 """
@@ -22,6 +25,7 @@ from pathlib import Path
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch  # noqa: E402
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
 from common import cpu_model  # noqa: E402
@@ -56,24 +60,28 @@ PROMPTS = {
 }
 
 
-def configs(concurrency: int) -> list[tuple[str, str | None]]:
+def configs(concurrency: int, ks: tuple[int, ...]) -> list[tuple[str, str | None]]:
     if concurrency >= 16:
         return [("none", None), ("ngram", "method=ngram,k=4"), ("suffix", "method=suffix,k=4"),
                 ("eagle", "method=eagle,k=4"), ("peagle", "method=peagle,k=4")]
     fixed = [("none", None), ("ngram k=4", "method=ngram,k=4,adaptive=0"), ("suffix k=4", "method=suffix,k=4,adaptive=0")]
-    for m in ("eagle", "peagle"):
-        fixed += [(f"{m} k={k}", f"method={m},k={k},adaptive=0") for k in ((2, 4) if concurrency == 1 else (4,))]
-    return fixed + ([("peagle auto", "method=peagle")] if concurrency == 1 else [])
+    for k in ks if concurrency == 1 else (4,):
+        fixed += [(f"{m} k={k}", f"method={m},k={k},adaptive=0") for m in ("eagle", "peagle")]
+    auto = [("suffix auto", "method=suffix"), ("peagle auto", "method=peagle")]  # K from acceptance and cost, up to 8
+    return fixed + (auto if concurrency == 1 else [])
+
+
+COUNTERS = ("num_drafts", "num_draft_tokens", "num_accepted", "draft_seconds", "verify_seconds")
 
 
 def run(loaded, spec: str | None, prompts: list[list[int]], concurrency: int, max_tokens: int) -> dict:
+    """One configuration over ``prompts`` with ``concurrency`` in flight: tokens, seconds, spec counters."""
     llm = LLM(loaded=loaded, num_blocks=1024, max_num_seqs=max(concurrency, 1), speculative=spec)
     eng = llm.engine
     params = SamplingParams(temperature=0, max_tokens=max_tokens)
     llm.generate([prompts[0]], SamplingParams(temperature=0, max_tokens=4))  # warm-up
     eng.pool.reset_prefix_cache()
-    counters = ("num_drafts", "num_draft_tokens", "num_accepted", "draft_seconds", "verify_seconds")
-    before = {n: getattr(eng.spec, n) for n in counters} if eng.spec else {}
+    before = {n: getattr(eng.spec, n) for n in COUNTERS} if eng.spec else {}
     queue = list(enumerate(prompts))
     inflight, tokens = 0, 0
     t0 = time.perf_counter()
@@ -85,22 +93,43 @@ def run(loaded, spec: str | None, prompts: list[list[int]], concurrency: int, ma
         for out in eng.step():
             tokens += len(out.new_token_ids)
             inflight -= out.finished
-    wall = time.perf_counter() - t0
-    res = {"tokens": tokens, "seconds": round(wall, 2), "tok_s": round(tokens / wall, 2), "al": 1.0}
+    res = {"tokens": tokens, "seconds": time.perf_counter() - t0}
     if eng.spec:
-        d = {n: getattr(eng.spec, n) - before[n] for n in counters}
-        res.update(al=round(1 + d["num_accepted"] / max(d["num_drafts"], 1), 2), drafts=d["num_drafts"],
-                   draft_tokens=d["num_draft_tokens"], accepted=d["num_accepted"], draft_s=round(d["draft_seconds"], 2),
-                   verify_s=round(d["verify_seconds"], 2))
+        res.update({n: getattr(eng.spec, n) - before[n] for n in COUNTERS})
     return res
+
+
+def summarise(runs: list[dict]) -> list[dict]:
+    """Per (concurrency, category, method): tok/s over all its runs, and its ratio to ``none`` taken
+    unit by unit (each unit = one prompt at c=1, one batch otherwise, every method back to back)."""
+    rows = []
+    keys = sorted({(r["concurrency"], r["category"], r["method"]) for r in runs},
+                  key=lambda k: (k[0], list(PROMPTS).index(k[1]) if k[1] in PROMPTS else 9, [r["method"] for r in runs].index(k[2])))
+    for c, cat, method in keys:
+        mine = [r for r in runs if (r["concurrency"], r["category"], r["method"]) == (c, cat, method)]
+        base = {r["unit"]: r for r in runs if (r["concurrency"], r["category"], r["method"]) == (c, cat, "none")}
+        tok, sec = sum(r["tokens"] for r in mine), sum(r["seconds"] for r in mine)
+        base_time = sum(base[r["unit"]]["seconds"] * r["tokens"] / base[r["unit"]]["tokens"] for r in mine)
+        ratios = sorted((r["tokens"] / r["seconds"]) / (base[r["unit"]]["tokens"] / base[r["unit"]]["seconds"]) for r in mine)
+        row = {"concurrency": c, "category": cat, "method": method, "units": len(mine), "tok_s": round(tok / sec, 2),
+               "vs_none": round(base_time / sec, 2), "vs_none_min": round(ratios[0], 2), "vs_none_max": round(ratios[-1], 2),
+               "al": 1.0, "spec": mine[0]["spec"]}
+        if "num_drafts" in mine[0]:
+            d = {n: sum(r[n] for r in mine) for n in COUNTERS}
+            row.update(al=round(1 + d["num_accepted"] / max(d["num_drafts"], 1), 2), draft_s=round(d["draft_seconds"], 2),
+                       verify_s=round(d["verify_seconds"], 2), drafts=d["num_drafts"], accepted=d["num_accepted"])
+        rows.append(row)
+    return rows
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--concurrency", default="1,16,4")
+    ap.add_argument("--concurrency", default="1,4,16")
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--prompts", type=int, default=1, help="prompts per category at concurrency 1")
+    ap.add_argument("--prompts", type=int, default=2, help="prompts per category at concurrency 1 (max 4)")
+    ap.add_argument("--rounds", type=int, default=1, help="repeat every batch at concurrency > 1")
+    ap.add_argument("--ks", default="2,4", help="fixed K for eagle / peagle at concurrency 1")
     ap.add_argument("--output", type=Path, default=None)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -108,33 +137,41 @@ def main() -> int:
     tok = loaded.tokenizer
     ids = {cat: [tok.encode(tok.apply_chat_template([{"role": "user", "content": p}])) for p in ps]
            for cat, ps in PROMPTS.items()}
-    results = []
+    ks = tuple(int(k) for k in args.ks.split(","))
+    units = []  # (concurrency, category, unit id, prompts): every method runs on a unit back to back
     for c in [int(x) for x in args.concurrency.split(",")]:
-        # c < 16: each category on its own (the batch holds one kind of text); c = 16: all mixed, 16 requests
-        groups = {cat: v[: max(c, args.prompts)] for cat, v in ids.items()} if c < 16 else {
-            "mixed": [p for v in ids.values() for p in v] + [p for v in ids.values() for p in v][: 16 - 12]}
-        for name, spec in configs(c):
-            for cat, prompts in groups.items():
+        if c == 1:
+            units += [(1, cat, f"{cat}{i}", [v[i]]) for i in range(args.prompts) for cat, v in ids.items()]
+        elif c < 16:  # each category on its own: the batch holds one kind of text
+            units += [(c, cat, f"{cat}-r{r}", v[:c]) for r in range(args.rounds) for cat, v in ids.items()]
+        else:
+            mixed = [p for v in ids.values() for p in v]
+            units += [(c, "mixed", f"mixed-r{r}", (mixed * 2)[:c]) for r in range(args.rounds)]
+    runs = []
+    total = sum(len(configs(c, ks)) for c, *_ in units)
+    with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()) as bar:
+        task = bar.add_task("runs", total=total)
+        for c, cat, unit, prompts in units:
+            for name, spec in configs(c, ks):
+                bar.update(task, description=f"c={c} {unit} {name}")
                 r = run(loaded, spec, prompts, c, args.max_tokens)
-                r.update(method=name, spec=spec, concurrency=c, category=cat, requests=len(prompts))
-                results.append(r)
-                print(json.dumps(r), flush=True)
-    for r in results:
-        base = next(b for b in results if b["method"] == "none" and b["concurrency"] == r["concurrency"]
-                    and b["category"] == r["category"])
-        r["vs_none"] = round(r["tok_s"] / base["tok_s"], 2)
+                r.update(method=name, spec=spec, concurrency=c, category=cat, unit=unit)
+                runs.append(r)
+                bar.advance(task)
+    rows = summarise(runs)
     from fleetllm.spec.decoder import StepCost
 
     step_cost = {n: round(t * 1000, 1) for times in StepCost._cache.values() for n, t in zip(StepCost.SIZES, times, strict=True)}
     print(f"\n{cpu_model()}, {args.threads} threads, greedy, max_tokens {args.max_tokens}")
     print(f"measured target step time (ms) by tokens in the step: {step_cost}\n")
-    print("| c | category | method | tok/s | ×none | AL | draft s | verify s |")
-    print("|---|---|---|---|---|---|---|---|")
-    for r in results:
-        print(f"| {r['concurrency']} | {r['category']} | {r['method']} | {r['tok_s']} | {r['vs_none']} | {r['al']} "
-              f"| {r.get('draft_s', '')} | {r.get('verify_s', '')} |")
+    print("| c | category | method | tok/s | ×none | ×none range | AL | draft s | verify s |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['concurrency']} | {r['category']} | {r['method']} | {r['tok_s']} | {r['vs_none']} "
+              f"| {r['vs_none_min']}–{r['vs_none_max']} | {r['al']} | {r.get('draft_s', '')} | {r.get('verify_s', '')} |")
     if args.output:
-        args.output.write_text(json.dumps({"cpu": cpu_model(), "threads": args.threads, "step_ms": step_cost, "results": results}, indent=1))
+        args.output.write_text(json.dumps({"cpu": cpu_model(), "threads": args.threads, "step_ms": step_cost,
+                                           "rows": rows, "runs": runs}, indent=1))
     return 0
 
 

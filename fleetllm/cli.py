@@ -212,6 +212,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
                                                threads=args.num_threads)])
     if args.pd_threshold is not None:
         cfg.pd_threshold = args.pd_threshold
+    if args.speculative:
+        for g in cfg.workers:
+            if not g.simulate:
+                g.args = [*g.args, "--speculative", args.speculative]
     cfg.host, cfg.port = args.host or cfg.host, args.port or cfg.port
     cfg.policy = args.policy or cfg.policy
     cfg.restart = cfg.restart or args.restart
@@ -294,6 +298,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--host", default=None, help="default 127.0.0.1")
     s.add_argument("--port", type=int, default=None, help="router port (default 8000); workers use the next ones")
     s.add_argument("--otlp-endpoint", default=None, help="OTLP/HTTP collector for the router and every worker")
+    s.add_argument("--speculative", default=None, metavar="method=M,k=N",
+                   help="speculative decoding on every real worker (see `fleetllm worker --speculative`)")
     s.set_defaults(func=cmd_serve)
 
     c = sub.add_parser("calibrate", help="measure the engine's step times for the simulated worker's timing model")
@@ -316,11 +322,11 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--target", default="smollm2-135m")
     t.add_argument("--output", default=None, help="default: the shipped head's path (fleetllm/spec/heads/)")
     t.add_argument("--minutes", type=float, default=10.0, help="training time budget (building the data not included)")
-    t.add_argument("--batch-size", type=int, default=32)
+    t.add_argument("--batch-size", type=int, default=64)
     t.add_argument("--lr", type=float, default=5e-4)
     t.add_argument("--seed", type=int, default=0)
-    t.add_argument("--text-tokens", type=int, default=6000, help="stdlib source tokens to prefill")
-    t.add_argument("--chats", type=int, default=48, help="chat answers to generate with the target")
+    t.add_argument("--text-tokens", type=int, default=24000, help="stdlib source tokens to prefill")
+    t.add_argument("--chats", type=int, default=384, help="answers to generate with the target (chat, code, tool copying)")
     t.add_argument("--threads", type=int, default=2)
     t.set_defaults(func=cmd_spec_train)
 

@@ -7,7 +7,7 @@ bash scripts/setup.sh 2>&1 | grep -v "^WARNING: Location" || true
 . .venv/bin/activate
 PORT=${PORT:-8000}
 REPLICAS=${REPLICAS:-2}
-fleetllm serve --replicas "$REPLICAS" --model smollm2-135m --host 127.0.0.1 --port "$PORT" &
+fleetllm serve --replicas "$REPLICAS" --model smollm2-135m --host 127.0.0.1 --port "$PORT" ${SPECULATIVE:+--speculative "$SPECULATIVE"} &
 FLEET=$!
 trap 'kill $FLEET 2>/dev/null; wait $FLEET 2>/dev/null' EXIT INT TERM
 for _ in $(seq 600); do

@@ -13,6 +13,7 @@ positions of all sequences every step, so every depth sees every kind of positio
 from __future__ import annotations
 
 import ast
+import json
 import math
 import random
 import sysconfig
@@ -67,6 +68,55 @@ def docstring_prompts(files: list[Path], n: int, seed: int) -> list[str]:
     return out
 
 
+# Chat and tool-output prompts are generated from these lists; none of them is a benchmark prompt.
+TOPICS = ["gardening", "learning a language", "saving money", "running a marathon", "baking bread", "public speaking",
+          "time management", "photography", "keeping bees", "chess openings", "remote work", "volcanoes",
+          "the water cycle", "black holes", "the Roman empire", "electric cars", "recycling", "jazz music",
+          "writing a CV", "camping", "meditation", "coffee", "rainforests", "the stock market", "first aid",
+          "learning to swim", "birdwatching", "solar panels", "a job interview", "moving to a new city",
+          "studying for exams", "healthy breakfasts", "painting with watercolours", "the moon landing",
+          "climate change", "hiking safety", "composting", "video games", "friendship", "octopuses"]
+FORMS = ["Give me {n} tips for {t}.", "Explain {t} to a ten-year-old.", "Write a short poem about {t}.",
+         "What are the pros and cons of {t}?", "Write a short story that involves {t}.",
+         "Summarise what someone should know about {t} in {n} bullet points.", "Why do people care about {t}?",
+         "Write a friendly email inviting a colleague to a talk about {t}.", "What is a common mistake with {t}?",
+         "Answer briefly: what is the most important thing about {t}?"]
+WORDS = ["alpha", "beta", "gamma", "delta", "orders", "users", "cache", "queue", "disk", "eu-north-1", "us-east-2",
+         "timeout", "retry", "billing", "invoice", "shard", "node-7", "pod-3", "backup", "token"]
+
+
+def chat_prompts(n: int, seed: int) -> list[str]:
+    rng = random.Random(seed)
+    return [rng.choice(FORMS).format(t=rng.choice(TOPICS), n=rng.randint(2, 5)) for _ in range(n)]
+
+
+def tool_prompts(n: int, seed: int) -> list[str]:
+    """Agentic copying: a random tool result (JSON record, log lines, CSV) and an instruction to reuse it."""
+    rng = random.Random(seed)
+    out: list[str] = []
+    for _ in range(n):
+        kind = rng.randrange(3)
+        if kind == 0:
+            rec = {rng.choice(WORDS): rng.choice([rng.randint(0, 9999), round(rng.uniform(0, 100), 2), rng.choice(WORDS)])
+                   for _ in range(rng.randint(3, 7))}
+            rec["items"] = [{"id": f"{rng.choice(WORDS)}-{rng.randint(100, 999)}", "value": rng.randint(1, 500)}
+                            for _ in range(rng.randint(1, 4))]
+            body = json.dumps(rec)
+        elif kind == 1:
+            body = "\n".join(f"2026-{rng.randint(1, 12):02d}-{rng.randint(1, 28):02d}T{rng.randint(0, 23):02d}:"
+                             f"{rng.randint(0, 59):02d}:00Z {rng.choice(WORDS)} {rng.choice(['INFO', 'WARN', 'ERROR'])} "
+                             f"{rng.choice(WORDS)} {rng.choice(['failed', 'started', 'completed', 'timed out'])} "
+                             f"after {rng.randint(1, 90)}s" for _ in range(rng.randint(2, 5)))
+        else:
+            body = "name,count,status\n" + "\n".join(f"{rng.choice(WORDS)},{rng.randint(0, 300)},{rng.choice(['ok', 'down'])}"
+                                                     for _ in range(rng.randint(2, 5)))
+        ask = rng.choice(["Repeat the result exactly, then explain it.", "Quote the relevant lines exactly and say what went wrong.",
+                          "List every entry in the same format.", "Copy the output verbatim, then summarise it in one sentence."])
+        tool = rng.choice(["search", "get_status", "query_db", "read_logs", "list_items"])
+        out.append(f"The tool `{tool}` returned:\n{body}\n{ask}")
+    return out
+
+
 @dataclass
 class Corpus:
     tokens: torch.Tensor  # [N] all sequences concatenated
@@ -74,6 +124,7 @@ class Corpus:
     final: torch.Tensor  # [N, H] target final (normed) hidden states
     starts: list[int]  # first index of each sequence
     lengths: list[int]
+    kinds: list[str]  # text | chat | code | tool, per sequence
 
 
 @torch.inference_mode()
@@ -89,50 +140,61 @@ def target_features(loaded: LoadedModel, ids: list[int], aux_layers: tuple[int, 
 
 
 def build_corpus(loaded: LoadedModel, aux_layers: tuple[int, ...], text_tokens: int, chats: int, seed: int, log) -> Corpus:
+    """Stdlib source chunks (prefill only) plus the target's own answers to ``chats`` generated prompts
+    (a third each chat, code, tool-output copying; two in three greedy, one sampled at temperature 0.7)."""
+    from rich.progress import Progress
+
     from fleetllm.engine.llm import LLM
     from fleetllm.engine.sampling import SamplingParams
 
     tok = loaded.tokenizer
     files = stdlib_files(seed)
-    seqs: list[list[int]] = []
+    seqs: list[tuple[str, list[int]]] = []
     total = 0
-    for path in files[len(files) // 2 :]:  # text from one half of the files, chat prompts from the other
+    for path in files[len(files) // 2 :]:  # text from one half of the files, code prompts from the other
         ids = tok.encode(path.read_text(errors="ignore"))
         for s in range(0, max(len(ids) - 64, 1), 1024):
             chunk = ids[s : s + 256]
             if len(chunk) >= 64:
-                seqs.append(chunk)
+                seqs.append(("text", chunk))
                 total += len(chunk)
             if total >= text_tokens:
                 break
         if total >= text_tokens:
             break
     log(f"text: {len(seqs)} chunks, {total} tokens")
-    prompts = docstring_prompts(files[: len(files) // 2], chats, seed)
-    chat_ids = [tok.encode(tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True))[-160:]
-                for p in prompts]
-    llm = LLM(loaded=loaded, num_blocks=2048, max_num_seqs=48, max_num_batched_tokens=2048)
-    t0 = time.perf_counter()
-    params = [SamplingParams(max_tokens=128, temperature=0.0 if i % 3 else 0.7, seed=seed + i) for i in range(len(chat_ids))]
-    results = llm.generate(chat_ids, params)
-    for r in results:
-        seqs.append(r.prompt_token_ids + r.outputs[0].token_ids)
-    log(f"own generations: {len(results)} answers in {time.perf_counter() - t0:.0f}s")
+    third = chats // 3
+    prompts = ([("chat", p) for p in chat_prompts(chats - 2 * third, seed)]
+               + [("code", p) for p in docstring_prompts(files[: len(files) // 2], third, seed)]
+               + [("tool", p) for p in tool_prompts(third, seed)])
+    chat_ids = [tok.encode(tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True))[-192:]
+                for _, p in prompts]
+    llm = LLM(loaded=loaded, num_blocks=4096, max_num_seqs=64, max_num_batched_tokens=2048)
+    params = [SamplingParams(max_tokens=160, temperature=0.0 if i % 3 else 0.7, seed=seed + i) for i in range(len(chat_ids))]
+    t0, done = time.perf_counter(), 0
+    with Progress() as bar:
+        task = bar.add_task("own answers", total=len(chat_ids))
+        for lo in range(0, len(chat_ids), 64):
+            for (kind, _), r in zip(prompts[lo : lo + 64], llm.generate(chat_ids[lo : lo + 64], params[lo : lo + 64]), strict=True):
+                seqs.append((kind, r.prompt_token_ids + r.outputs[0].token_ids))
+                done += len(r.outputs[0].token_ids)
+            bar.update(task, advance=len(chat_ids[lo : lo + 64]))
+    log(f"own answers: {len(chat_ids)} ({done} tokens) in {time.perf_counter() - t0:.0f}s")
     del llm
     toks, auxs, finals, starts, lengths = [], [], [], [], []
-    t0, n = time.perf_counter(), 0
-    for j, ids in enumerate(seqs):
-        if j % 10 == 0:
-            log(f"target features: {j}/{len(seqs)} sequences, {n} tokens, {time.perf_counter() - t0:.0f}s")
-        aux, final = target_features(loaded, ids, aux_layers)
-        starts.append(n)
-        lengths.append(len(ids))
-        n += len(ids)
-        toks.append(torch.tensor(ids))
-        auxs.append(aux.to(torch.bfloat16))
-        finals.append(final.to(torch.bfloat16))
-    log(f"target features: {n} tokens in {time.perf_counter() - t0:.0f}s")
-    return Corpus(torch.cat(toks), torch.cat(auxs), torch.cat(finals), starts, lengths)
+    n = 0
+    with Progress() as bar:
+        task = bar.add_task("target features", total=sum(len(s) for _, s in seqs))
+        for _, ids in seqs:
+            aux, final = target_features(loaded, ids, aux_layers)
+            starts.append(n)
+            lengths.append(len(ids))
+            n += len(ids)
+            toks.append(torch.tensor(ids))
+            auxs.append(aux.to(torch.bfloat16))
+            finals.append(final.to(torch.bfloat16))
+            bar.update(task, advance=len(ids))
+    return Corpus(torch.cat(toks), torch.cat(auxs), torch.cat(finals), starts, lengths, [k for k, _ in seqs])
 
 
 # ---- model init --------------------------------------------------------------------------------------
@@ -160,16 +222,19 @@ def init_from_target(head: DraftHead, loaded: LoadedModel, vocab: torch.Tensor) 
 
 # ---- training ----------------------------------------------------------------------------------------
 class Batcher:
+    """Training windows: an anchor is a context position with ``depth`` label positions after it."""
+
+    HOLD_OUT_EVERY = 16  # every 16th sequence is held out, whole (neighbouring windows share tokens)
+
     def __init__(self, corpus: Corpus, window: int, depth: int, seed: int) -> None:
         self.c, self.w, self.k = corpus, window, depth
-        self.anchors = torch.tensor([s + a for s, n in zip(corpus.starts, corpus.lengths, strict=True)
-                                     for a in range(window - 1, n - depth - 1)])
         self.gen = torch.Generator().manual_seed(seed)
 
-    def split(self, frac: float) -> tuple[torch.Tensor, torch.Tensor]:
-        perm = torch.randperm(len(self.anchors), generator=self.gen)
-        n = int(len(perm) * frac)
-        return self.anchors[perm[n:]], self.anchors[perm[:n]]
+    def anchors(self, held_out: bool, kind: str | None = None) -> torch.Tensor:
+        c, w, k = self.c, self.w, self.k
+        return torch.tensor([s + a for i, (s, n) in enumerate(zip(c.starts, c.lengths, strict=True))
+                             if (i % self.HOLD_OUT_EVERY == 0) == held_out and kind in (None, c.kinds[i])
+                             for a in range(w - 1, n - k - 1)], dtype=torch.long)
 
     def batch(self, anchors: torch.Tensor) -> dict[str, torch.Tensor]:
         c, w, k = self.c, self.w, self.k
@@ -228,7 +293,7 @@ def train(method: str, target: str, output: Path, minutes: float, batch_size: in
     loaded = load_model(target)
     cfg = HeadConfig.for_target(loaded.model, method, target)
     head = DraftHead(cfg)
-    data_path = cache_dir() / f"spec-data-{target}-{seed}-{text_tokens}-{chats}.pt"
+    data_path = cache_dir() / f"spec-data-v2-{target}-{seed}-{text_tokens}-{chats}.pt"
     if data_path.exists():
         corpus = Corpus(**torch.load(data_path))
         print(f"data: {len(corpus.tokens)} tokens from {data_path}")
@@ -246,8 +311,14 @@ def train(method: str, target: str, output: Path, minutes: float, batch_size: in
     coverage = float(counts[vocab].sum() / counts.sum())
 
     batcher = Batcher(corpus, cfg.window, cfg.max_depth, seed)
-    train_idx, eval_idx = batcher.split(0.05)
-    eval_batch = batcher.batch(eval_idx[:512])
+    train_idx = batcher.anchors(held_out=False)
+    eval_sets = {}
+    for kind in sorted(set(corpus.kinds)):
+        idx = batcher.anchors(held_out=True, kind=kind)
+        if len(idx):
+            eval_sets[kind] = batcher.batch(idx[torch.randperm(len(idx), generator=batcher.gen)[:384]])
+    sizes = ", ".join(f"{k} {len(v['labels'])}" for k, v in eval_sets.items())
+    print(f"train windows {len(train_idx)}; held-out windows by kind: {sizes}")
     opt = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=lr, weight_decay=0.0)
     budget = minutes * 60
     t0 = time.perf_counter()
@@ -269,12 +340,15 @@ def train(method: str, target: str, output: Path, minutes: float, batch_size: in
             ema = acc if ema is None else 0.95 * ema + 0.05 * acc
             info = f"step {step} loss {loss.item():.3f} acc@d " + " ".join(f"{a:.2f}" for a in ema.tolist())
             bar.update(task, completed=min(elapsed, budget), info=info)
+    held_out = {}
     with torch.no_grad():
-        eval_loss, eval_acc = loss_and_acc(head, loaded, eval_batch, lm_weight)
+        for kind, b in eval_sets.items():
+            eval_loss, eval_acc = loss_and_acc(head, loaded, b, lm_weight)
+            held_out[kind] = {"loss": round(eval_loss.item(), 3), "top1_by_depth": [round(a, 3) for a in eval_acc.tolist()]}
     output.parent.mkdir(parents=True, exist_ok=True)
     head.save(output)
     report = {"method": method, "steps": step, "seconds": round(time.perf_counter() - t0), "train_tokens": len(corpus.tokens),
-              "eval_loss": round(eval_loss.item(), 3), "eval_top1_by_depth": [round(a, 3) for a in eval_acc.tolist()],
-              "draft_vocab_coverage": round(coverage, 3), "output": str(output), "bytes": output.stat().st_size}
+              "held_out": held_out, "draft_vocab_coverage": round(coverage, 3), "output": str(output),
+              "bytes": output.stat().st_size}
     print(report)
     return report

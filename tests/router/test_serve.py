@@ -40,9 +40,14 @@ def listening(port: int) -> bool:
         return False
 
 
+def spec_drafts(metrics: str) -> float:
+    return sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+               if line.startswith("vllm:spec_decode_num_drafts_total{"))
+
+
 def test_serve_runs_real_workers_behind_the_router_and_stops_them_all():
     port = free_ports(3)
-    p, log = start_serve("--replicas", "2", "--num-threads", "1", port=port)
+    p, log = start_serve("--replicas", "2", "--num-threads", "1", "--speculative", "method=ngram", port=port)
     try:
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none")
         messages = [{"role": "system", "content": "You are a terse assistant for a team of site reliability "
@@ -55,6 +60,10 @@ def test_serve_runs_real_workers_behind_the_router_and_stops_them_all():
         again = client.chat.completions.create(model="smollm2-135m", messages=messages, max_tokens=12, temperature=0)
         assert again.choices[0].message.content == text  # greedy, and routed to the worker that cached it
         assert again.usage.prompt_tokens_details.cached_tokens > 0
+        # `--speculative` reached the workers: a copying prompt gets n-gram drafts verified
+        copy = "Repeat exactly: red green blue red green blue red green blue red green blue"
+        client.completions.create(model="smollm2-135m", prompt=copy, max_tokens=16, temperature=0)
+        assert spec_drafts(httpx.get(f"http://127.0.0.1:{port}/metrics").text) > 0
     finally:
         p.send_signal(signal.SIGTERM)
         assert p.wait(timeout=60) == 0
