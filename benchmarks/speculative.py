@@ -7,7 +7,9 @@ At concurrency 1 and 4 K is fixed (adaptive=0) so methods compare as drafters; a
 method runs with its default adaptive K, which is what a server would use. On a shared machine the
 speed drifts by minutes, so every method runs on the same unit of work back to back (one prompt at
 c=1, one batch otherwise) and the ratio to "none" is taken unit by unit: x none = the time "none"
-would have taken for the same tokens / the time taken. Writes JSON (``--output``) and prints a
+would have taken for the same tokens / the time taken. "x none CPU" is the same ratio in CPU seconds
+of this process (all threads): other tenants' load stretches wall time but not CPU time, so it is the
+steadier figure here, though it undercounts a method that keeps both threads busier than "none". Writes JSON (``--output``) and prints a
 Markdown table.
 
     python benchmarks/speculative.py --output /tmp/spec.json
@@ -84,7 +86,7 @@ def run(loaded, spec: str | None, prompts: list[list[int]], concurrency: int, ma
     before = {n: getattr(eng.spec, n) for n in COUNTERS} if eng.spec else {}
     queue = list(enumerate(prompts))
     inflight, tokens = 0, 0
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     while queue or eng.has_unfinished():
         while queue and inflight < concurrency:
             i, ids = queue.pop(0)
@@ -93,7 +95,7 @@ def run(loaded, spec: str | None, prompts: list[list[int]], concurrency: int, ma
         for out in eng.step():
             tokens += len(out.new_token_ids)
             inflight -= out.finished
-    res = {"tokens": tokens, "seconds": time.perf_counter() - t0}
+    res = {"tokens": tokens, "seconds": time.perf_counter() - t0, "cpu_seconds": time.process_time() - c0}
     if eng.spec:
         res.update({n: getattr(eng.spec, n) - before[n] for n in COUNTERS})
     return res
@@ -110,9 +112,11 @@ def summarise(runs: list[dict]) -> list[dict]:
         base = {r["unit"]: r for r in runs if (r["concurrency"], r["category"], r["method"]) == (c, cat, "none")}
         tok, sec = sum(r["tokens"] for r in mine), sum(r["seconds"] for r in mine)
         base_time = sum(base[r["unit"]]["seconds"] * r["tokens"] / base[r["unit"]]["tokens"] for r in mine)
+        base_cpu = sum(base[r["unit"]]["cpu_seconds"] * r["tokens"] / base[r["unit"]]["tokens"] for r in mine)
         ratios = sorted((r["tokens"] / r["seconds"]) / (base[r["unit"]]["tokens"] / base[r["unit"]]["seconds"]) for r in mine)
         row = {"concurrency": c, "category": cat, "method": method, "units": len(mine), "tok_s": round(tok / sec, 2),
                "vs_none": round(base_time / sec, 2), "vs_none_min": round(ratios[0], 2), "vs_none_max": round(ratios[-1], 2),
+               "vs_none_cpu": round(base_cpu / sum(r["cpu_seconds"] for r in mine), 2),
                "al": 1.0, "spec": mine[0]["spec"]}
         if "num_drafts" in mine[0]:
             d = {n: sum(r[n] for r in mine) for n in COUNTERS}
@@ -164,15 +168,50 @@ def main() -> int:
     step_cost = {n: round(t * 1000, 1) for times in StepCost._cache.values() for n, t in zip(StepCost.SIZES, times, strict=True)}
     print(f"\n{cpu_model()}, {args.threads} threads, greedy, max_tokens {args.max_tokens}")
     print(f"measured target step time (ms) by tokens in the step: {step_cost}\n")
-    print("| c | category | method | tok/s | ×none | ×none range | AL | draft s | verify s |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| c | category | method | tok/s | ×none | ×none range | ×none CPU | AL | draft s | verify s |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['concurrency']} | {r['category']} | {r['method']} | {r['tok_s']} | {r['vs_none']} "
-              f"| {r['vs_none_min']}–{r['vs_none_max']} | {r['al']} | {r.get('draft_s', '')} | {r.get('verify_s', '')} |")
+              f"| {r['vs_none_min']}–{r['vs_none_max']} | {r['vs_none_cpu']} | {r['al']} | {r.get('draft_s', '')} "
+              f"| {r.get('verify_s', '')} |")
     if args.output:
         args.output.write_text(json.dumps({"cpu": cpu_model(), "threads": args.threads, "step_ms": step_cost,
                                            "rows": rows, "runs": runs}, indent=1))
+        plot(rows, args.output.with_suffix(".png"))
+        print(f"wrote {args.output} and {args.output.with_suffix('.png')}")
     return 0
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    """One panel per concurrency: x none (wall, with the unit-by-unit range) per method and category, AL on top."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    concs = sorted({r["concurrency"] for r in rows})
+    fig, axes = plt.subplots(len(concs), 1, figsize=(13, 3.6 * len(concs)), squeeze=False)
+    for ax, c in zip(axes[:, 0], concs, strict=True):
+        mine = [r for r in rows if r["concurrency"] == c]
+        cats = list(dict.fromkeys(r["category"] for r in mine))
+        methods = list(dict.fromkeys(r["method"] for r in mine))
+        width = 0.85 / len(methods)
+        for k, m in enumerate(methods):
+            for x, cat in enumerate(cats):
+                r = next((r for r in mine if r["method"] == m and r["category"] == cat), None)
+                if r is None:
+                    continue
+                pos = x + k * width
+                err = [[r["vs_none"] - r["vs_none_min"]], [r["vs_none_max"] - r["vs_none"]]]
+                ax.bar(pos, r["vs_none"], width, color=plt.cm.tab20(k), yerr=err, capsize=2, label=m if x == 0 else None)
+                ax.text(pos, r["vs_none"] + 0.03, f"{r['al']:.1f}", ha="center", fontsize=6)
+        ax.axhline(1.0, color="black", lw=0.8)
+        ax.set_xticks([x + 0.425 - width / 2 for x in range(len(cats))], cats)
+        ax.set_ylabel("× none (output tok/s)")
+        ax.set_title(f"concurrency {c} (bar labels: acceptance length AL)")
+        ax.legend(fontsize=7, ncol=6)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 if __name__ == "__main__":

@@ -240,22 +240,9 @@ class LLMEngine:
 
     def _append_token(self, seq: Sequence, tok: int, lp: list[TokenLogprob] | None, now: float) -> RequestOutput:
         self.metrics.token(seq, now)
-        seq.output_token_ids.append(tok)
-        if seq.first_token_time is None:
-            seq.first_token_time = now
-        seq.last_token_time = now
+        seq.append_output(tok, now)
         detok = self.detok[seq.request_id]
-        stop_str = detok.push(tok)
-        status = None
-        p = seq.params
-        if stop_str is not None:
-            status, seq.stop_reason = Status.FINISHED_STOPPED, stop_str
-        elif not p.ignore_eos and tok in self._eos:
-            status = Status.FINISHED_STOPPED
-        elif tok in p.stop_token_ids:
-            status, seq.stop_reason = Status.FINISHED_STOPPED, tok
-        elif len(seq.output_token_ids) >= seq.max_tokens or seq.num_tokens >= self.max_model_len:
-            status = Status.FINISHED_LENGTH
+        status = seq.stop_status(tok, detok.push(tok), self._eos, self.max_model_len)
         if status is None:
             return RequestOutput(
                 seq.request_id, [tok], detok.release(False), False, len(seq.prompt_token_ids),

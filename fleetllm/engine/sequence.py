@@ -88,6 +88,28 @@ class Sequence:
     def num_uncomputed(self) -> int:
         return self.num_tokens - self.num_computed_tokens
 
+    def append_output(self, tok: int, now: float) -> None:
+        """Record a new output token and its time."""
+        self.output_token_ids.append(tok)
+        if self.first_token_time is None:
+            self.first_token_time = now
+        self.last_token_time = now
+
+    def stop_status(self, tok: int, stop_str: str | None, eos: set[int] | frozenset[int], max_model_len: int) -> Status | None:
+        """The finished status the just-appended ``tok`` brings (stop string, EOS, stop token, length), or None."""
+        p = self.params
+        if stop_str is not None:
+            self.stop_reason = stop_str
+            return Status.FINISHED_STOPPED
+        if not p.ignore_eos and tok in eos:
+            return Status.FINISHED_STOPPED
+        if tok in p.stop_token_ids:
+            self.stop_reason = tok
+            return Status.FINISHED_STOPPED
+        if len(self.output_token_ids) >= self.max_tokens or self.num_tokens >= max_model_len:
+            return Status.FINISHED_LENGTH
+        return None
+
     def transition(self, new: Status) -> None:
         """Move to ``new``; raise :class:`InvalidTransition` if the table forbids it or blocks would leak."""
         if new not in TRANSITIONS.get(self.status, set()):

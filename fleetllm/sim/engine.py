@@ -130,17 +130,9 @@ class SimEngine:
 
     def _append(self, seq: Sequence, tok: int, now: float) -> RequestOutput:
         self.metrics.token(seq, now)
-        seq.output_token_ids.append(tok)
-        if seq.first_token_time is None:
-            seq.first_token_time = now
-        seq.last_token_time = now
+        seq.append_output(tok, now)
         detok = self.detok[seq.request_id]
-        stop_str = detok.push(tok)
-        status = None
-        if stop_str is not None:
-            status, seq.stop_reason = Status.FINISHED_STOPPED, stop_str
-        elif len(seq.output_token_ids) >= seq.max_tokens or seq.num_tokens >= self.max_model_len:
-            status = Status.FINISHED_LENGTH
+        status = seq.stop_status(tok, detok.push(tok), frozenset(), self.max_model_len)  # synthetic text: no EOS
         if status is None:
             return RequestOutput(seq.request_id, [tok], detok.release(False), False, len(seq.prompt_token_ids),
                                  len(seq.output_token_ids), seq.num_cached_tokens)

@@ -4,7 +4,7 @@ K per request: with ``adaptive`` each request keeps a decayed estimate of its pe
 probability a; the expected tokens from a verify of K drafts are (1 - a^(K+1)) / (1 - a), and its cost
 relative to a plain step is ``cost(B * (1+K)) / cost(B)`` for B decoding sequences (the target's step
 time measured over token counts at start-up) plus the drafting cost. The K with the best tokens per
-unit of time wins; K = 0 (no speculation) whenever nothing beats a plain step, with a cheap probe
+unit of time wins; K = 0 (no speculation) whenever nothing beats a plain step by ``MIN_GAIN``, with a cheap probe
 every ``PROBE_EVERY`` steps so a request whose text becomes predictable can win speculation back.
 """
 
@@ -24,6 +24,9 @@ from fleetllm.spec.verify import verify
 PRIOR_ACCEPT, PRIOR_WEIGHT = 0.6, 2.0  # a request starts as if 2 drafts had been tried, 60% accepted
 DECAY = 0.8  # older verify steps count less: acceptance drifts with the text
 PROBE_EVERY = 16
+# A K > 0 must beat plain decoding by this much: the measured step cost leaves out speculation's own
+# per-step work (verification, features, bookkeeping), which matters when the expected gain is thin.
+MIN_GAIN = 1.10
 
 
 @dataclass
@@ -140,12 +143,12 @@ class SpecDecoder:
 
     def _best_k(self, a: float, batch: int) -> int:
         base = self.cost(batch)
-        best_k, best = 0, 1.0
+        best_k, best = 0, MIN_GAIN / 1.02
         for k in range(1, self.max_k + 1):
             tokens = (1 - a ** (k + 1)) / (1 - a)
             draft = self.draft_cost * (1 if self.drafter.one_pass else k)
             gain = tokens / ((self.cost(batch * (1 + k)) + draft) / base)
-            if gain > best * 1.02:  # a K must clearly beat plain decode (and the next-smaller K)
+            if gain > best * 1.02:  # a K must clearly beat plain decode (MIN_GAIN) and the next-smaller K
                 best_k, best = k, gain
         return best_k
 

@@ -125,6 +125,7 @@ class Corpus:
     starts: list[int]  # first index of each sequence
     lengths: list[int]
     kinds: list[str]  # text | chat | code | tool, per sequence
+    prompt_lens: list[int]  # tokens before the target's answer (0 for text): drafting starts after them
 
 
 @torch.inference_mode()
@@ -150,6 +151,7 @@ def build_corpus(loaded: LoadedModel, aux_layers: tuple[int, ...], text_tokens: 
     tok = loaded.tokenizer
     files = stdlib_files(seed)
     seqs: list[tuple[str, list[int]]] = []
+    prompt_lens: list[int] = []
     total = 0
     for path in files[len(files) // 2 :]:  # text from one half of the files, code prompts from the other
         ids = tok.encode(path.read_text(errors="ignore"))
@@ -157,6 +159,7 @@ def build_corpus(loaded: LoadedModel, aux_layers: tuple[int, ...], text_tokens: 
             chunk = ids[s : s + 256]
             if len(chunk) >= 64:
                 seqs.append(("text", chunk))
+                prompt_lens.append(0)
                 total += len(chunk)
             if total >= text_tokens:
                 break
@@ -177,6 +180,7 @@ def build_corpus(loaded: LoadedModel, aux_layers: tuple[int, ...], text_tokens: 
         for lo in range(0, len(chat_ids), 64):
             for (kind, _), r in zip(prompts[lo : lo + 64], llm.generate(chat_ids[lo : lo + 64], params[lo : lo + 64]), strict=True):
                 seqs.append((kind, r.prompt_token_ids + r.outputs[0].token_ids))
+                prompt_lens.append(len(r.prompt_token_ids))
                 done += len(r.outputs[0].token_ids)
             bar.update(task, advance=len(chat_ids[lo : lo + 64]))
     log(f"own answers: {len(chat_ids)} ({done} tokens) in {time.perf_counter() - t0:.0f}s")
@@ -194,7 +198,7 @@ def build_corpus(loaded: LoadedModel, aux_layers: tuple[int, ...], text_tokens: 
             auxs.append(aux.to(torch.bfloat16))
             finals.append(final.to(torch.bfloat16))
             bar.update(task, advance=len(ids))
-    return Corpus(torch.cat(toks), torch.cat(auxs), torch.cat(finals), starts, lengths, [k for k, _ in seqs])
+    return Corpus(torch.cat(toks), torch.cat(auxs), torch.cat(finals), starts, lengths, [k for k, _ in seqs], prompt_lens)
 
 
 # ---- model init --------------------------------------------------------------------------------------
@@ -222,7 +226,11 @@ def init_from_target(head: DraftHead, loaded: LoadedModel, vocab: torch.Tensor) 
 
 # ---- training ----------------------------------------------------------------------------------------
 class Batcher:
-    """Training windows: an anchor is a context position with ``depth`` label positions after it."""
+    """Training windows: an anchor is a context position with ``depth`` label positions after it.
+
+    In answers, anchors start where drafting starts at inference (the first draft follows the first
+    sampled token): the prompts share a system prompt and templates that a head would otherwise learn
+    by heart, scoring well on them and poorly on answers."""
 
     HOLD_OUT_EVERY = 16  # every 16th sequence is held out, whole (neighbouring windows share tokens)
 
@@ -232,9 +240,9 @@ class Batcher:
 
     def anchors(self, held_out: bool, kind: str | None = None) -> torch.Tensor:
         c, w, k = self.c, self.w, self.k
-        return torch.tensor([s + a for i, (s, n) in enumerate(zip(c.starts, c.lengths, strict=True))
+        return torch.tensor([s + a for i, (s, n, p) in enumerate(zip(c.starts, c.lengths, c.prompt_lens, strict=True))
                              if (i % self.HOLD_OUT_EVERY == 0) == held_out and kind in (None, c.kinds[i])
-                             for a in range(w - 1, n - k - 1)], dtype=torch.long)
+                             for a in range(max(w - 1, p - 1), n - k - 1)], dtype=torch.long)
 
     def batch(self, anchors: torch.Tensor) -> dict[str, torch.Tensor]:
         c, w, k = self.c, self.w, self.k
@@ -293,7 +301,7 @@ def train(method: str, target: str, output: Path, minutes: float, batch_size: in
     loaded = load_model(target)
     cfg = HeadConfig.for_target(loaded.model, method, target)
     head = DraftHead(cfg)
-    data_path = cache_dir() / f"spec-data-v2-{target}-{seed}-{text_tokens}-{chats}.pt"
+    data_path = cache_dir() / f"spec-data-v3-{target}-{seed}-{text_tokens}-{chats}.pt"
     if data_path.exists():
         corpus = Corpus(**torch.load(data_path))
         print(f"data: {len(corpus.tokens)} tokens from {data_path}")
@@ -319,7 +327,7 @@ def train(method: str, target: str, output: Path, minutes: float, batch_size: in
             eval_sets[kind] = batcher.batch(idx[torch.randperm(len(idx), generator=batcher.gen)[:384]])
     sizes = ", ".join(f"{k} {len(v['labels'])}" for k, v in eval_sets.items())
     print(f"train windows {len(train_idx)}; held-out windows by kind: {sizes}")
-    opt = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=lr, weight_decay=0.0)
+    opt = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=lr, weight_decay=0.01)
     budget = minutes * 60
     t0 = time.perf_counter()
     step, ema = 0, None

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from fleetllm.spec.config import SpeculativeConfig
-from fleetllm.spec.decoder import PROBE_EVERY, RequestSpecState, SpecDecoder
+from fleetllm.spec.decoder import MIN_GAIN, PROBE_EVERY, RequestSpecState, SpecDecoder
 
 
 def decoder(cost) -> SpecDecoder:  # type: ignore[no-untyped-def]
@@ -23,6 +23,13 @@ def test_when_a_verify_is_nearly_free_and_drafts_are_accepted_k_is_the_maximum()
 
 def test_poor_acceptance_turns_speculation_off() -> None:
     assert decoder(lambda n: 1.0 + 0.2 * n)._best_k(0.1, 1) == 0
+
+
+def test_a_thin_expected_gain_is_not_worth_speculating() -> None:
+    free = decoder(lambda n: 1.0)  # even with free verifies, 5% more tokens per step does not pay for the overheads
+    assert (1 - 0.05**5) / (1 - 0.05) < MIN_GAIN
+    assert free._best_k(0.05, 1) == 0
+    assert free._best_k(0.2, 1) > 0  # 25% more tokens per step does
 
 
 def test_larger_batches_get_smaller_k_when_steps_become_compute_bound() -> None:

@@ -38,18 +38,23 @@ def test_generated_prompts_are_deterministic_and_varied() -> None:
 def toy_corpus(n_seqs: int, length: int, kinds: list[str]) -> Corpus:
     n = n_seqs * length
     return Corpus(torch.arange(n) % 97, torch.randn(n, 6), torch.randn(n, 2), [i * length for i in range(n_seqs)],
-                  [length] * n_seqs, kinds)
+                  [length] * n_seqs, kinds, [0 if k == "text" else 12 for k in kinds])
 
 
 def test_held_out_sequences_are_whole_and_never_trained_on() -> None:
-    c = toy_corpus(40, 30, ["chat", "code"] * 20)
+    c = toy_corpus(40, 30, ["chat", "text"] * 20)
     b = Batcher(c, window=4, depth=3, seed=0)
     train, held = b.anchors(held_out=False), b.anchors(held_out=True)
     seq_of = lambda a: torch.searchsorted(torch.tensor(c.starts), a, right=True) - 1  # noqa: E731
     held_seqs = set(seq_of(held).tolist())
     assert held_seqs == {i for i in range(40) if i % Batcher.HOLD_OUT_EVERY == 0}
     assert not held_seqs & set(seq_of(train).tolist())
-    assert set(seq_of(b.anchors(held_out=True, kind="code")).tolist()) <= {i for i in held_seqs if c.kinds[i] == "code"}
+    assert set(seq_of(b.anchors(held_out=True, kind="text")).tolist()) <= {i for i in held_seqs if c.kinds[i] == "text"}
+    # answers train from where drafting starts (after the first sampled token), text from its start
+    offsets = {c.kinds[i]: set() for i in range(40)}
+    for a in train.tolist():
+        offsets[c.kinds[a // 30]].add(a % 30)
+    assert min(offsets["chat"]) == 12 - 1 and min(offsets["text"]) == 4 - 1
     # every window stays inside its sequence: context, the token after it, and the K label positions
     batch = b.batch(train)
     assert (batch["ctx_pos"] >= 1).all() and (batch["ctx_pos"][:, -1] + 3 < 30).all()
@@ -83,7 +88,7 @@ def test_training_forward_equals_the_drafter_at_inference(loaded: LoadedModel, m
     # the same anchor in the training layout; teacher-forced tokens = the drafts (what an accepted chain holds)
     full = ids + drafts
     aux_full, final_full = target_features(loaded, full, cfg.aux_layers)
-    corpus = Corpus(torch.tensor(full), aux_full, final_full, [0], [len(full)], ["chat"])
+    corpus = Corpus(torch.tensor(full), aux_full, final_full, [0], [len(full)], ["chat"], [len(ids)])
     batch = Batcher(corpus, cfg.window, k, seed=0).batch(torch.tensor([e - 1]))
     lm_weight = loaded.model.lm_head.weight[head.draft_to_target]
     with torch.no_grad():
