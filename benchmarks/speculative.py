@@ -134,29 +134,36 @@ def main() -> int:
     ap.add_argument("--prompts", type=int, default=2, help="prompts per category at concurrency 1 (max 4)")
     ap.add_argument("--rounds", type=int, default=1, help="repeat every batch at concurrency > 1")
     ap.add_argument("--ks", default="2,4", help="fixed K for eagle / peagle at concurrency 1")
+    ap.add_argument("--categories", default="chat,code,agentic", help="categories at concurrency < 16")
+    ap.add_argument("--methods", default=None, help="keep only these rows, comma-separated (e.g. 'eagle k=4,peagle k=4'); none always runs")
     ap.add_argument("--output", type=Path, default=None)
     args = ap.parse_args()
+    keep = None if not args.methods else {m.strip() for m in args.methods.split(",")} | {"none"}
     torch.set_num_threads(args.threads)
     loaded = load_model("smollm2-135m")
     tok = loaded.tokenizer
     ids = {cat: [tok.encode(tok.apply_chat_template([{"role": "user", "content": p}])) for p in ps]
            for cat, ps in PROMPTS.items()}
     ks = tuple(int(k) for k in args.ks.split(","))
+    cats = args.categories.split(",")
     units = []  # (concurrency, category, unit id, prompts): every method runs on a unit back to back
     for c in [int(x) for x in args.concurrency.split(",")]:
         if c == 1:
-            units += [(1, cat, f"{cat}{i}", [v[i]]) for i in range(args.prompts) for cat, v in ids.items()]
+            units += [(1, cat, f"{cat}{i}", [v[i]]) for i in range(args.prompts) for cat, v in ids.items() if cat in cats]
         elif c < 16:  # each category on its own: the batch holds one kind of text
-            units += [(c, cat, f"{cat}-r{r}", v[:c]) for r in range(args.rounds) for cat, v in ids.items()]
+            units += [(c, cat, f"{cat}-r{r}", v[:c]) for r in range(args.rounds) for cat, v in ids.items() if cat in cats]
         else:
             mixed = [p for v in ids.values() for p in v]
             units += [(c, "mixed", f"mixed-r{r}", (mixed * 2)[:c]) for r in range(args.rounds)]
     runs = []
-    total = sum(len(configs(c, ks)) for c, *_ in units)
+    def chosen(c: int) -> list[tuple[str, str | None]]:
+        return [(n, sp) for n, sp in configs(c, ks) if keep is None or n in keep]
+
+    total = sum(len(chosen(c)) for c, *_ in units)
     with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()) as bar:
         task = bar.add_task("runs", total=total)
         for c, cat, unit, prompts in units:
-            for name, spec in configs(c, ks):
+            for name, spec in chosen(c):
                 bar.update(task, description=f"c={c} {unit} {name}")
                 r = run(loaded, spec, prompts, c, args.max_tokens)
                 r.update(method=name, spec=spec, concurrency=c, category=cat, unit=unit)
