@@ -143,14 +143,16 @@ def head_path(target: str, method: str) -> Path:
 
 
 class HeadDrafter:
-    """Shared plumbing: per-request window of fused features, batched context slots, the LM head subset."""
+    """Shared plumbing: per-request window of fused features, batched context slots, the LM head subset.
+    A subclass says how K drafts come out of the head (``_draft``)."""
 
+    method = "eagle"
     one_pass = True
 
-    def __init__(self, loaded, head: str | None = None, device: str = "cpu", method: str = "eagle", **_: object) -> None:
-        path = Path(head) if head else head_path(loaded.name, method)
+    def __init__(self, loaded, head: str | None = None, device: str = "cpu", **_: object) -> None:
+        path = Path(head) if head else head_path(loaded.name, self.method)
         if not path.exists():
-            raise FileNotFoundError(f"no {method} head for {loaded.name!r} at {path} (train one: fleetllm spec train)")
+            raise FileNotFoundError(f"no {self.method} head for {loaded.name!r} at {path} (train one: fleetllm spec train)")
         self.head = DraftHead.load(path, device)
         self.target = loaded.model
         self.cfg = self.head.cfg
@@ -217,14 +219,6 @@ class HeadDrafter:
     def _argmax(self, h: torch.Tensor) -> torch.Tensor:
         return self.head.draft_to_target[self.head.logits(h, self.lm_weight).argmax(dim=-1)]
 
-
-@register("eagle")
-class EagleDrafter(HeadDrafter):
-    one_pass = False
-
-    def __init__(self, loaded, head: str | None = None, device: str = "cpu", **kw: object) -> None:
-        super().__init__(loaded, head, device, method="eagle")
-
     @torch.inference_mode()
     def propose(self, seqs: list[Sequence], ks: list[int]) -> list[list[int]]:
         out: list[list[int]] = [[] for _ in seqs]
@@ -232,6 +226,20 @@ class EagleDrafter(HeadDrafter):
         if active is None:
             return out
         rows, emb, feats, pos, key_mask, k = active
+        toks = self._draft(emb, feats, pos, key_mask, k).tolist()  # [rows, k] target token ids
+        for j, r in enumerate(rows):
+            out[r] = toks[j][: ks[r]]
+        return out
+
+    def _draft(self, emb, feats, pos, key_mask, k: int) -> torch.Tensor:  # type: ignore[no-untyped-def]
+        raise NotImplementedError
+
+
+@register("eagle")
+class EagleDrafter(HeadDrafter):
+    method, one_pass = "eagle", False
+
+    def _draft(self, emb, feats, pos, key_mask, k: int) -> torch.Tensor:  # type: ignore[no-untyped-def]
         h, past = self.head(emb, feats, pos, self.target.rotary, key_mask)
         h = h[:, -1:]
         last_pos = pos[:, -1:]
@@ -243,33 +251,18 @@ class EagleDrafter(HeadDrafter):
                 break
             key_mask = torch.cat([key_mask, torch.ones_like(key_mask[:, :1])], dim=1)
             h, past = self.head(self.target.embed(tok).unsqueeze(1), h, last_pos + d + 1, self.target.rotary, key_mask, past)
-        toks = torch.stack(drafts, dim=1).tolist()
-        for j, r in enumerate(rows):
-            out[r] = toks[j][: ks[r]]
-        return out
+        return torch.stack(drafts, dim=1)
 
 
 @register("peagle")
 class PEagleDrafter(HeadDrafter):
-    one_pass = True
+    method, one_pass = "peagle", True
 
-    def __init__(self, loaded, head: str | None = None, device: str = "cpu", **kw: object) -> None:
-        super().__init__(loaded, head, device, method="peagle")
-
-    @torch.inference_mode()
-    def propose(self, seqs: list[Sequence], ks: list[int]) -> list[list[int]]:
-        out: list[list[int]] = [[] for _ in seqs]
-        active = self._active(seqs, ks)
-        if active is None:
-            return out
-        rows, emb, feats, pos, key_mask, k = active
-        b, m = len(rows), k - 1
+    def _draft(self, emb, feats, pos, key_mask, k: int) -> torch.Tensor:  # type: ignore[no-untyped-def]
+        b, m = emb.shape[0], k - 1
         emb = torch.cat([emb, self.head.mask_embed.expand(b, m, -1)], dim=1)
         feats = torch.cat([feats, self.head.mask_feature.expand(b, m, -1)], dim=1)
         pos = torch.cat([pos, pos[:, -1:] + torch.arange(1, m + 1, device=pos.device)], dim=1)
         key_mask = torch.cat([key_mask, torch.ones(b, m, dtype=torch.bool, device=key_mask.device)], dim=1)
         h, _ = self.head(emb, feats, pos, self.target.rotary, key_mask)
-        toks = self._argmax(h[:, -k:]).tolist()
-        for j, r in enumerate(rows):
-            out[r] = toks[j][: ks[r]]
-        return out
+        return self._argmax(h[:, -k:])
