@@ -20,7 +20,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from fleet_helpers import free_port, start_cli
+from fleet_helpers import free_port, start_cli, stop_process
 
 MODEL = "smollm2-135m"
 STARTUP_TIMEOUT_S = 120.0
@@ -50,13 +50,7 @@ class WorkerProcess:
         return wait_for_metrics(self.base_url, idle, deadline_s)
 
     def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(timeout=15)
+        stop_process(self.process, timeout=15)
         self.log_path.unlink(missing_ok=True)
 
 

@@ -64,13 +64,7 @@ class Proc:
             self.popen.wait(timeout=30)
 
     def stop(self) -> None:
-        if self.popen.poll() is None:
-            self.popen.terminate()
-            try:
-                self.popen.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.popen.kill()
-                self.popen.wait()
+        stop_process(self.popen, timeout=20)
 
 
 def start_cli(args: list[str], urls: list[str], timeout: float = 120.0, ready: tuple[int, ...] = (200,)) -> Proc:
@@ -163,3 +157,14 @@ class ThreadServer:
     def __exit__(self, *exc: object) -> None:
         self.server.should_exit = True
         self.thread.join(timeout=10)
+
+
+def stop_process(popen: subprocess.Popen, timeout: float, kill_timeout: float | None = None) -> None:
+    """SIGTERM ``popen`` if it still runs and wait; SIGKILL it if it has not exited after ``timeout`` s."""
+    if popen.poll() is None:
+        popen.terminate()
+        try:
+            popen.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            popen.kill()
+            popen.wait(timeout=timeout if kill_timeout is None else kill_timeout)

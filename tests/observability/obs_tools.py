@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -20,7 +19,7 @@ from typing import Any
 import httpx
 import pytest
 import yaml
-from fleet_helpers import free_port, free_ports
+from fleet_helpers import free_port, free_ports, stop_process
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -52,13 +51,7 @@ class Fleet:
         return self.log_path.read_text(errors="replace")
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=15)
+        stop_process(self.proc, timeout=60, kill_timeout=15)
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
@@ -142,13 +135,7 @@ class Prometheus:
             time.sleep(0.5)
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=15)
+        stop_process(self.proc, timeout=15)
         self.log.close()
         shutil.rmtree(self.dir, ignore_errors=True)
 
