@@ -9,8 +9,8 @@ speed drifts by minutes, so every method runs on the same unit of work back to b
 c=1, one batch otherwise) and the ratio to "none" is taken unit by unit: x none = the time "none"
 would have taken for the same tokens / the time taken. "x none CPU" is the same ratio in CPU seconds
 of this process (all threads): other tenants' load stretches wall time but not CPU time, so it is the
-steadier figure here, though it undercounts a method that keeps both threads busier than "none". Writes JSON (``--output``) and prints a
-Markdown table.
+steadier figure here, though it undercounts a method that keeps both threads busier than "none".
+Writes JSON and a plot (``--output``) and prints a Markdown table.
 
     python benchmarks/speculative.py --output /tmp/spec.json
 """
@@ -101,22 +101,28 @@ def run(loaded, spec: str | None, prompts: list[list[int]], concurrency: int, ma
     return res
 
 
+def none_took(mine: list[dict], base: dict[str, dict], field: str) -> float:
+    """What ``none`` spent (``field``: seconds or cpu_seconds) on the tokens ``mine`` produced, unit by unit."""
+    return sum(base[r["unit"]][field] * r["tokens"] / base[r["unit"]]["tokens"] for r in mine)
+
+
 def summarise(runs: list[dict]) -> list[dict]:
     """Per (concurrency, category, method): tok/s over all its runs, and its ratio to ``none`` taken
     unit by unit (each unit = one prompt at c=1, one batch otherwise, every method back to back)."""
     rows = []
+    method_order = {m: i for i, m in enumerate(dict.fromkeys(r["method"] for r in runs))}
     keys = sorted({(r["concurrency"], r["category"], r["method"]) for r in runs},
-                  key=lambda k: (k[0], list(PROMPTS).index(k[1]) if k[1] in PROMPTS else 9, [r["method"] for r in runs].index(k[2])))
+                  key=lambda k: (k[0], list(PROMPTS).index(k[1]) if k[1] in PROMPTS else 9, method_order[k[2]]))
     for c, cat, method in keys:
         mine = [r for r in runs if (r["concurrency"], r["category"], r["method"]) == (c, cat, method)]
         base = {r["unit"]: r for r in runs if (r["concurrency"], r["category"], r["method"]) == (c, cat, "none")}
+
         tok, sec = sum(r["tokens"] for r in mine), sum(r["seconds"] for r in mine)
-        base_time = sum(base[r["unit"]]["seconds"] * r["tokens"] / base[r["unit"]]["tokens"] for r in mine)
-        base_cpu = sum(base[r["unit"]]["cpu_seconds"] * r["tokens"] / base[r["unit"]]["tokens"] for r in mine)
         ratios = sorted((r["tokens"] / r["seconds"]) / (base[r["unit"]]["tokens"] / base[r["unit"]]["seconds"]) for r in mine)
         row = {"concurrency": c, "category": cat, "method": method, "units": len(mine), "tok_s": round(tok / sec, 2),
-               "vs_none": round(base_time / sec, 2), "vs_none_min": round(ratios[0], 2), "vs_none_max": round(ratios[-1], 2),
-               "vs_none_cpu": round(base_cpu / sum(r["cpu_seconds"] for r in mine), 2),
+               "vs_none": round(none_took(mine, base, "seconds") / sec, 2), "vs_none_min": round(ratios[0], 2),
+               "vs_none_max": round(ratios[-1], 2),
+               "vs_none_cpu": round(none_took(mine, base, "cpu_seconds") / sum(r["cpu_seconds"] for r in mine), 2),
                "al": 1.0, "spec": mine[0]["spec"]}
         if "num_drafts" in mine[0]:
             d = {n: sum(r[n] for r in mine) for n in COUNTERS}

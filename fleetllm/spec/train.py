@@ -236,6 +236,7 @@ class Batcher:
 
     def __init__(self, corpus: Corpus, window: int, depth: int, seed: int) -> None:
         self.c, self.w, self.k = corpus, window, depth
+        self.starts = torch.tensor(corpus.starts)
         self.gen = torch.Generator().manual_seed(seed)
 
     def anchors(self, held_out: bool, kind: str | None = None) -> torch.Tensor:
@@ -248,7 +249,7 @@ class Batcher:
         c, w, k = self.c, self.w, self.k
         ctx = anchors.unsqueeze(1) + torch.arange(-w + 1, 1).unsqueeze(0)  # [B, W] global index of f_j
         ahead = anchors.unsqueeze(1) + torch.arange(1, k + 1).unsqueeze(0)  # [B, K] positions whose dist is a label
-        start = torch.tensor(c.starts)[torch.searchsorted(torch.tensor(c.starts), anchors, right=True) - 1]
+        start = self.starts[torch.searchsorted(self.starts, anchors, right=True) - 1]
         return {
             "ctx_tok": c.tokens[ctx + 1],  # t_{j+1}
             "ctx_aux": c.aux[ctx].float(),
