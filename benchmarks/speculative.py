@@ -176,7 +176,7 @@ def main() -> int:
                 runs.append(r)
                 bar.advance(task)
     rows = summarise(runs)
-    from fleetllm.spec.decoder import StepCost
+    from fleetllm.speculative.decoder import StepCost
 
     step_cost = {n: round(t * 1000, 1) for times in StepCost._cache.values() for n, t in zip(StepCost.SIZES, times, strict=True)}
     print(f"\n{cpu_model()}, {args.threads} threads, greedy, max_tokens {args.max_tokens}")

@@ -239,8 +239,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 def cmd_spec_train(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from fleetllm.spec.eagle import head_path
-    from fleetllm.spec.train import train
+    from fleetllm.speculative.eagle import head_path
+    from fleetllm.speculative.train import train
 
     out = Path(args.output) if args.output else head_path(args.target, args.method)
     train(args.method, args.target, out, args.minutes, args.batch_size, args.lr, args.seed, args.text_tokens,
@@ -320,7 +320,7 @@ def build_parser() -> argparse.ArgumentParser:
     t = sp.add_parser("train", help="train an EAGLE / P-EAGLE draft head on the target's own outputs")
     t.add_argument("--method", choices=["eagle", "peagle"], required=True)
     t.add_argument("--target", default="smollm2-135m")
-    t.add_argument("--output", default=None, help="default: the shipped head's path (fleetllm/spec/heads/)")
+    t.add_argument("--output", default=None, help="default: the shipped head's path (fleetllm/speculative/heads/)")
     t.add_argument("--minutes", type=float, default=10.0, help="training time budget (building the data not included)")
     t.add_argument("--batch-size", type=int, default=64)
     t.add_argument("--lr", type=float, default=5e-4)

@@ -23,8 +23,8 @@ from fleetllm.engine.scheduler import Scheduler, SchedulerConfig
 from fleetllm.engine.sequence import Sequence, Status
 from fleetllm.models.loader import LoadedModel, load_model
 from fleetllm.models.quant import quantize_model
-from fleetllm.spec.config import SpeculativeConfig
-from fleetllm.spec.decoder import SpecDecoder
+from fleetllm.speculative.config import SpeculativeConfig
+from fleetllm.speculative.decoder import SpecDecoder
 
 logger = logging.getLogger("fleetllm.engine")
 
@@ -46,7 +46,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     num_threads: int | None = None
     quantization: str = "none"  # "int4": int4/int8 weight copies for narrow (decode) batches on CPU
-    speculative: str | dict | None = None  # e.g. "method=peagle,k=4" (see fleetllm.spec.config)
+    speculative: str | dict | None = None  # e.g. "method=peagle,k=4" (see fleetllm.speculative.config)
     metric_labels: dict[str, str] = field(default_factory=dict)  # worker identity: worker, role, zone, instance_type
     disable_metrics: bool = False
 

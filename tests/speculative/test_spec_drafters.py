@@ -7,9 +7,9 @@ import pytest
 
 from fleetllm.engine.sampling import SamplingParams
 from fleetllm.engine.sequence import Sequence
-from fleetllm.spec.config import SpeculativeConfig
-from fleetllm.spec.drafter import create_drafter
-from fleetllm.spec.ngram import lookup
+from fleetllm.speculative.config import SpeculativeConfig
+from fleetllm.speculative.drafter import create_drafter
+from fleetllm.speculative.ngram import lookup
 
 
 def seq(tokens: list[int], rid: str = "r") -> Sequence:

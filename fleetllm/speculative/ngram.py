@@ -9,7 +9,7 @@ import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
 from fleetllm.engine.sequence import Sequence
-from fleetllm.spec.drafter import TokenOnlyDrafter, register
+from fleetllm.speculative.drafter import TokenOnlyDrafter, register
 
 
 def lookup(tokens: np.ndarray, k: int, max_n: int = 4, min_n: int = 2) -> list[int]:

@@ -1,7 +1,7 @@
 """The drafter seam: one small protocol, implementations registered by name.
 
 A drafter proposes up to ``k`` tokens that the target is likely to produce next. Every drafter here is
-deterministic (its proposal is a point mass), which is what :mod:`fleetllm.spec.verify` assumes.
+deterministic (its proposal is a point mass), which is what :mod:`fleetllm.speculative.verify` assumes.
 Drafters that read the target's hidden states say which layers (``aux_layers``) and get them through
 ``observe`` after every forward pass, for the rows that were accepted.
 """
@@ -46,7 +46,7 @@ def register(name: str) -> Callable[[Callable[..., Drafter]], Callable[..., Draf
 
 def create_drafter(name: str, **kwargs: Any) -> Drafter:
     """Build the drafter registered as ``name`` (importing the built-in ones on first use)."""
-    from fleetllm.spec import eagle, ngram, suffix  # noqa: F401  (they register themselves)
+    from fleetllm.speculative import eagle, ngram, suffix  # noqa: F401  (they register themselves)
 
     if name not in _REGISTRY:
         raise ValueError(f"unknown speculative method {name!r} (choices: {sorted(_REGISTRY)})")

@@ -9,9 +9,9 @@ import torch
 from fleetllm.engine.sampling import SamplingParams
 from fleetllm.engine.sequence import Sequence
 from fleetllm.models.loader import LoadedModel, load_model
-from fleetllm.spec.drafter import create_drafter
-from fleetllm.spec.eagle import DraftHead, HeadConfig
-from fleetllm.spec.train import (
+from fleetllm.speculative.drafter import create_drafter
+from fleetllm.speculative.eagle import DraftHead, HeadConfig
+from fleetllm.speculative.train import (
     Batcher,
     Corpus,
     chat_prompts,

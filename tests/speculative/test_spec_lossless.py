@@ -15,8 +15,8 @@ from fleetllm.engine.sampling import Sampler, SamplingParams
 from fleetllm.models.config import ModelConfig
 from fleetllm.models.llama import AttentionMetadata, LlamaModel, PrefillChunk
 from fleetllm.models.loader import LoadedModel
-from fleetllm.spec.drafter import TokenOnlyDrafter, register
-from fleetllm.spec.verify import verify
+from fleetllm.speculative.drafter import TokenOnlyDrafter, register
+from fleetllm.speculative.verify import verify
 
 VOCAB = 8
 

@@ -13,7 +13,7 @@ import pytest
 
 from fleetllm import LLM, SamplingParams
 from fleetllm.models.loader import LoadedModel, load_model
-from fleetllm.spec.eagle import head_path
+from fleetllm.speculative.eagle import head_path
 
 CHAT = [
     "What is the capital of France?", "Explain photosynthesis to a child.", "Give me a haiku about the sea.",

@@ -17,9 +17,9 @@ import torch
 
 from fleetllm.engine.sequence import Sequence
 from fleetllm.models.llama import AttentionMetadata, LlamaModel, PrefillChunk
-from fleetllm.spec.config import SpeculativeConfig
-from fleetllm.spec.drafter import create_drafter
-from fleetllm.spec.verify import verify
+from fleetllm.speculative.config import SpeculativeConfig
+from fleetllm.speculative.drafter import create_drafter
+from fleetllm.speculative.verify import verify
 
 PRIOR_ACCEPT, PRIOR_WEIGHT = 0.6, 2.0  # a request starts as if 2 drafts had been tried, 60% accepted
 DECAY = 0.8  # older verify steps count less: acceptance drifts with the text

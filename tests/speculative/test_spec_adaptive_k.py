@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from fleetllm.spec.config import SpeculativeConfig
-from fleetllm.spec.decoder import MIN_GAIN, PROBE_EVERY, RequestSpecState, SpecDecoder
+from fleetllm.speculative.config import SpeculativeConfig
+from fleetllm.speculative.decoder import MIN_GAIN, PROBE_EVERY, RequestSpecState, SpecDecoder
 
 
 def decoder(cost) -> SpecDecoder:  # type: ignore[no-untyped-def]

@@ -11,8 +11,8 @@ the position before it; its output predicts the first draft token.
 - ``peagle`` drafts all K tokens in ONE forward: slots 2..K hold a learned mask-token embedding and a
   learned mask feature at positions anchor+1 .. anchor+K-1; causal attention lets each see the context.
 
-Both are deterministic (argmax), so :mod:`fleetllm.spec.verify` keeps the output distribution exact.
-Weights: ``fleetllm/spec/heads/<target>-<method>.safetensors`` (trained by ``fleetllm spec train``).
+Both are deterministic (argmax), so :mod:`fleetllm.speculative.verify` keeps the output distribution exact.
+Weights: ``fleetllm/speculative/heads/<target>-<method>.safetensors`` (trained by ``fleetllm spec train``).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from torch import nn
 
 from fleetllm.engine.sequence import Sequence
 from fleetllm.models.llama import LlamaModel, Rotary, _rotate_half
-from fleetllm.spec.drafter import register
+from fleetllm.speculative.drafter import register
 
 HEADS_DIR = Path(__file__).parent / "heads"
 

@@ -12,7 +12,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 from fleetllm.engine.sequence import Sequence
-from fleetllm.spec.drafter import TokenOnlyDrafter, register
+from fleetllm.speculative.drafter import TokenOnlyDrafter, register
 
 ANCHOR = 2  # tokens a match must share before it is a candidate
 MAX_CANDIDATES = 8  # most recent anchor hits examined per draft

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from fleetllm.models.llama import AttentionMetadata, PrefillChunk
 from fleetllm.models.loader import LoadedModel, cache_dir, load_model
-from fleetllm.spec.eagle import DraftHead, HeadConfig
+from fleetllm.speculative.eagle import DraftHead, HeadConfig
 
 DEPTH_WEIGHT = 0.8
 
