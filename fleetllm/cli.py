@@ -198,24 +198,16 @@ def cmd_router(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from fleetllm.fleet.config import FleetConfig, WorkerGroup
+    from fleetllm.fleet.config import FleetConfig
     from fleetllm.fleet.launcher import run_fleet
 
     if args.config:
         cfg = FleetConfig.from_yaml(args.config)
-    elif args.prefill or args.decode:
-        cfg = FleetConfig(workers=[
-            WorkerGroup(replicas=args.prefill, model=args.model, role="prefill", threads=args.num_threads),
-            WorkerGroup(replicas=args.decode, model=args.model, role="decode", threads=args.num_threads)])
     else:
-        cfg = FleetConfig(workers=[WorkerGroup(replicas=args.replicas, model=args.model, simulate=args.simulate,
-                                               threads=args.num_threads)])
+        cfg = FleetConfig.single_model(args.model, args.replicas, args.simulate, args.prefill, args.decode,
+                                       args.num_threads, args.speculative)
     if args.pd_threshold is not None:
         cfg.pd_threshold = args.pd_threshold
-    if args.speculative:
-        for g in cfg.workers:
-            if not g.simulate:
-                g.args = [*g.args, "--speculative", args.speculative]
     cfg.host, cfg.port = args.host or cfg.host, args.port or cfg.port
     cfg.policy = args.policy or cfg.policy
     cfg.restart = cfg.restart or args.restart

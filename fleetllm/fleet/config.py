@@ -1,42 +1,123 @@
-"""Fleet configuration: from ``fleetllm serve`` flags or a YAML file.
+"""Fleet configuration: the models a fleet serves, the machines it may use, and the router in front.
 
-Example (every key optional)::
+A fleet serves one or more models; each model is an *inference component* in SageMaker's sense: its own
+source, engine settings, resources per copy, copy count (``min``/``max``/``initial``) and zones. ``fleetllm
+serve --config`` places the copies onto ``machines`` (fleetllm/fleet/placement.py) and starts them. Every key
+is optional; the smallest config is ``models: [{source: smollm2-135m}]``. Example::
 
     host: 127.0.0.1
     port: 8000
-    policy: kv_aware            # round_robin | least_load | session | prefix | kv_aware
-    restart: true               # restart a worker process that dies
-    router_args: [--max-retries, "3"]
-    workers:
-      - replicas: 2
-        model: smollm2-135m
-        zone: zone-a
-        args: [--max-num-seqs, "32"]
-      - replicas: 30
-        simulate: true          # timing-model workers, many per process
-        zone: zone-b
-    external: [http://10.0.0.5:8001]   # workers started elsewhere (a cluster)
-    pd_threshold: 2048          # with prefill-role workers: disaggregate long uncached prompts
+    policy: kv_aware                  # the default routing policy; a model may set its own
+    restart: true                     # restart a worker process that dies
+    machines:                         # default: this machine, all its cores and memory, zone "local"
+      - {name: a, cores: 1, memory_gb: 8, zone: zone-a}
+      - {name: b, cores: 1, memory_gb: 8, zone: zone-b}
+    models:
+      - name: smollm2                 # what clients send as `model`
+        aliases: [smollm2-135m]
+        source: smollm2-135m          # alias, .gguf file or HF directory
+        engine: {max_num_seqs: 32, kv_cache_gb: 0.5}   # `fleetllm worker` engine settings
+        speculative: method=suffix
+        resources: {cores: 1, memory_gb: 2}
+        replicas: {min: 1, max: 4, initial: 2}         # or a plain count
+        zones: [zone-a, zone-b]       # copies spread across these
+        policy: session
+      - name: chat-sim
+        source: smollm2-135m
+        simulate: true                # timing-model copies (no weights), many per process
+        replicas: 30
+    external: [http://10.0.0.5:8001]  # workers started elsewhere (a cluster)
+    pd_threshold: 2048                # with prefill copies: disaggregate long uncached prompts
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+ROLES = ("both", "prefill", "decode")
+
 
 @dataclass
-class WorkerGroup:
-    replicas: int = 1
-    model: str = "smollm2-135m"
-    simulate: bool = False
-    zone: str = ""
-    role: str = "both"  # prefill | decode | both (real workers)
-    threads: int | None = None  # torch threads per real worker (default: cores shared evenly)
-    args: list[str] = field(default_factory=list)  # extra `fleetllm worker` flags
+class Machine:
+    """A machine copies can be placed on. Only local ones (host 127.0.0.1) are started by ``fleetllm serve``."""
+
+    name: str = "local"
+    cores: int | None = None  # default: os.cpu_count()
+    memory_gb: float | None = None  # default: the machine's physical memory
+    accelerators: int = 0
+    zone: str = "local"
+    host: str = "127.0.0.1"
+
+
+@dataclass
+class Resources:
+    """What one copy of a model needs. ``cores: None`` shares the machine's cores evenly (the laptop case)."""
+
+    cores: int | None = None
+    memory_gb: float | None = None  # default: 2 GiB for a real copy (weights + 1 GiB of KV), 0.05 for a simulated one
+    accelerators: int = 0
+
+
+@dataclass
+class Replicas:
+    """How many copies of a model run: ``initial`` at start, the autoscaler keeps it within ``min``..``max``."""
+
+    min: int = 1
+    max: int | None = None  # default: initial
+    initial: int | None = None  # default: max(min, 1)
+
+    def __post_init__(self) -> None:
+        if self.initial is None:
+            self.initial = max(self.min, 1)
+        if self.max is None:
+            self.max = max(self.initial, self.min)
+        if not 0 <= self.min <= self.initial <= self.max:
+            raise ValueError(f"replicas need 0 <= min <= initial <= max, got min={self.min} "
+                             f"initial={self.initial} max={self.max}")
+
+
+@dataclass
+class ModelSpec:
+    """One model of the fleet: where it comes from, how its engine runs, and how many copies of it."""
+
+    source: str = "smollm2-135m"  # alias, .gguf file or HF directory
+    name: str | None = None  # served name (default: the source)
+    aliases: list[str] = field(default_factory=list)  # other names clients may send as `model`
+    engine: dict[str, Any] = field(default_factory=dict)  # engine settings, e.g. {max_num_seqs: 32}
+    speculative: str | None = None  # e.g. "method=suffix"
+    resources: Resources = field(default_factory=Resources)
+    replicas: Replicas = field(default_factory=Replicas)
+    zones: list[str] = field(default_factory=list)  # copies spread across these (default: any machine)
+    policy: str | None = None  # routing policy for this model (default: the fleet's)
+    role: str = "both"  # prefill | decode | both: a disaggregated model has a prefill and a decode entry
+    simulate: bool = False  # timing-model copies (no weights)
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"model {self.served_name!r}: role must be one of {', '.join(ROLES)}, not {self.role!r}")
+        if self.resources.memory_gb is None:
+            self.resources.memory_gb = 0.05 if self.simulate else 2.0
+
+    @property
+    def served_name(self) -> str:
+        return self.name or self.source
+
+    def worker_args(self) -> list[str]:
+        """The ``fleetllm worker`` flags for this model's engine settings and speculation."""
+        args = []
+        for key, value in self.engine.items():
+            flag = "--" + key.replace("_", "-")
+            if value is True:
+                args.append(flag)
+            elif value is not False and value is not None:
+                args += [flag, str(value)]
+        if self.speculative:
+            args += ["--speculative", self.speculative]
+        return args
 
 
 @dataclass
@@ -45,7 +126,8 @@ class FleetConfig:
     port: int = 8000
     worker_port: int | None = None  # first worker port (default: port + 1)
     policy: str = "kv_aware"
-    workers: list[WorkerGroup] = field(default_factory=lambda: [WorkerGroup()])
+    models: list[ModelSpec] = field(default_factory=lambda: [ModelSpec()])
+    machines: list[Machine] = field(default_factory=lambda: [Machine()])
     external: list[str] = field(default_factory=list)
     router_args: list[str] = field(default_factory=list)
     restart: bool = False
@@ -54,25 +136,66 @@ class FleetConfig:
     otlp_endpoint: str | None = None  # OTLP/HTTP collector: the router and every worker push to it
     startup_timeout_s: float = 300.0
 
+    def __post_init__(self) -> None:
+        names: dict[str, str] = {}
+        for m in self.models:
+            for n in [m.served_name, *m.aliases]:
+                if names.get(n, m.served_name) != m.served_name:
+                    raise ValueError(f"model name {n!r} is used by two models ({names[n]!r} and {m.served_name!r})")
+                names[n] = m.served_name
+
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> FleetConfig:
-        d = dict(d)
-        unknown = set(d) - set(cls.__dataclass_fields__)
-        if unknown:
-            raise ValueError(f"unknown fleet config keys: {', '.join(sorted(unknown))}")
-        groups = []
-        for g in d.pop("workers", None) or [{}]:
-            bad = set(g) - set(WorkerGroup.__dataclass_fields__)
-            if bad:
-                raise ValueError(f"unknown worker keys: {', '.join(sorted(bad))}")
-            groups.append(WorkerGroup(**{**g, "args": [str(a) for a in g.get("args", [])]}))
+        d = _checked(cls, d, "fleet config")
+        if "models" in d:
+            d["models"] = [_model(m) for m in d["models"] or []]
+        if "machines" in d:
+            d["machines"] = [Machine(**_checked(Machine, m, "machine")) for m in d["machines"] or []]
         d["router_args"] = [str(a) for a in d.get("router_args", [])]
-        return cls(workers=groups, **d)
+        return cls(**d)
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> FleetConfig:
         return cls.from_dict(yaml.safe_load(Path(path).read_text()) or {})
 
+    @classmethod
+    def single_model(cls, source: str, replicas: int, simulate: bool = False, prefill: int = 0, decode: int = 0,
+                     threads: int | None = None, speculative: str | None = None) -> FleetConfig:
+        """The fleet ``fleetllm serve`` flags describe: one model, ``replicas`` copies (or prefill + decode ones).
+
+        ``threads`` is torch threads per copy, not reserved cores: a laptop may run more copies than cores."""
+        engine = {"num_threads": threads} if threads and not simulate else {}
+        common = dict(source=source, engine=engine, speculative=None if simulate else speculative, simulate=simulate)
+        if prefill or decode:
+            models = [ModelSpec(role="prefill", replicas=Replicas(min=prefill), **common),
+                      ModelSpec(role="decode", replicas=Replicas(min=decode), **common)]
+        else:
+            models = [ModelSpec(replicas=Replicas(min=replicas), **common)]
+        return cls(models=[m for m in models if m.replicas.initial])
+
     @property
     def num_workers(self) -> int:
-        return sum(g.replicas for g in self.workers) + len(self.external)
+        return sum(m.replicas.initial for m in self.models) + len(self.external)
+
+
+def _checked(cls: type, d: Any, what: str) -> dict[str, Any]:
+    """``d`` as a dict whose keys are all fields of ``cls`` (a clear error naming any other)."""
+    if not isinstance(d, dict):
+        raise ValueError(f"{what}: expected a mapping, got {d!r}")
+    unknown = set(d) - {f.name for f in fields(cls)}
+    if unknown:
+        raise ValueError(f"unknown {what} keys: {', '.join(sorted(unknown))}")
+    return dict(d)
+
+
+def _model(d: Any) -> ModelSpec:
+    d = _checked(ModelSpec, d, "model")
+    if "resources" in d:
+        d["resources"] = Resources(**_checked(Resources, d["resources"], "resources"))
+    if "replicas" in d:
+        r = d["replicas"]
+        d["replicas"] = Replicas(min=r, initial=r, max=r) if isinstance(r, int) else Replicas(**_checked(Replicas, r, "replicas"))
+    for key in ("aliases", "zones"):
+        if isinstance(d.get(key), str):
+            d[key] = [d[key]]
+    return ModelSpec(**d)

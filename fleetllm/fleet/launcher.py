@@ -1,6 +1,6 @@
 """Start, watch and stop a fleet: N worker processes and a router process on one machine.
 
-Start order: workers (real ones share the cores evenly; simulated ones run up to ``SIM_PER_PROCESS``
+Start order: workers (one process per placed copy, pinned to its reserved cores; simulated copies run up to ``SIM_PER_PROCESS``
 per process), wait until each answers /health, then the router, then wait until the router sees
 every worker healthy. On SIGINT/SIGTERM the router stops first (no new requests), then the workers;
 anything still alive after a grace period is killed, so no process outlives the fleet. With
@@ -22,10 +22,12 @@ from pathlib import Path
 
 import httpx
 
-from fleetllm.fleet.config import FleetConfig
+from fleetllm.fleet.config import FleetConfig, ModelSpec
+from fleetllm.fleet.placement import Copy, place
 
 log = logging.getLogger(__name__)
 SIM_PER_PROCESS = 64
+PY = [sys.executable, "-m", "fleetllm.cli"]
 
 
 @dataclass
@@ -34,14 +36,17 @@ class Proc:
     cmd: list[str]
     urls: list[str]  # the base URLs this process serves
     log_path: Path
+    cpus: list[int] | None = None  # pinned to these cores (placement reserved them)
     popen: subprocess.Popen[bytes] | None = None
     restarts: int = 0
 
     def start(self) -> None:
         fd = os.open(self.log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        cpus = self.cpus
+        pin = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
         try:
             self.popen = subprocess.Popen(self.cmd, stdout=fd, stderr=subprocess.STDOUT, start_new_session=True,
-                                          env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                                          env={**os.environ, "PYTHONUNBUFFERED": "1"}, preexec_fn=pin)
         finally:
             os.close(fd)
 
@@ -76,49 +81,63 @@ class Fleet:
         return [u for p in self.workers for u in p.urls] + list(self.cfg.external)
 
     def _plan(self) -> None:
+        """Worker processes for every placed copy, then the router over all of them."""
         cfg = self.cfg
-        py = [sys.executable, "-m", "fleetllm.cli"]
-        port = cfg.worker_port or cfg.port + 1
-        real = sum(g.replicas for g in cfg.workers if not g.simulate)
-        cores = os.cpu_count() or 1
+        self._next_port = cfg.worker_port or cfg.port + 1
         otlp = ["--otlp-endpoint", cfg.otlp_endpoint] if cfg.otlp_endpoint else []
-        for gi, g in enumerate(cfg.workers):
-            # the `zone` label on the worker's own metrics, and where it pushes OTLP
-            obs_flags = (["--zone", g.zone] if g.zone else []) + otlp
-            if g.simulate:
-                left = g.replicas
-                while left:
-                    n = min(left, SIM_PER_PROCESS)
-                    urls = [f"http://{cfg.host}:{port + i}" for i in range(n)]
-                    cmd = [*py, "worker", "--simulate", "--count", str(n), "--model", g.model, "--host", cfg.host,
-                           "--port", str(port), "--log-level", "warning", *obs_flags, *g.args]
-                    self.workers.append(Proc(f"sim{gi}-{port}", cmd, urls, self.log_dir / f"sim-{port}.log"))
-                    self.zones += [g.zone] * n
-                    self.roles += ["both"] * n
-                    port += n
-                    left -= n
-                continue
-            threads = g.threads or max(1, cores // max(1, real))
-            for _ in range(g.replicas):
-                cmd = [*py, "worker", "--model", g.model, "--host", cfg.host, "--port", str(port),
-                       "--num-threads", str(threads), "--role", g.role, "--log-level", "warning", *obs_flags,
-                       *g.args]
-                self.workers.append(Proc(f"worker-{port}", cmd, [f"http://{cfg.host}:{port}"],
-                                         self.log_dir / f"worker-{port}.log"))
-                self.zones.append(g.zone)
-                self.roles.append(g.role)
-                port += 1
+        self.copies = place(cfg)
+        for c in [c for c in self.copies if not c.model.simulate]:
+            self._add_real(c, otlp)
+        sims: dict[tuple[int, str], list[Copy]] = {}
+        for c in self.copies:
+            if c.model.simulate:
+                sims.setdefault((id(c.model), c.zone), []).append(c)
+        for group in sims.values():
+            for i in range(0, len(group), SIM_PER_PROCESS):
+                self._add_sim(group[i:i + SIM_PER_PROCESS], otlp)
         self.zones += [""] * len(cfg.external)
         self.roles += ["both"] * len(cfg.external)
-        rcmd = [*py, "router", "--workers", ",".join(self.worker_urls), "--policy", cfg.policy, "--host", cfg.host,
-                "--port", str(cfg.port), "--log-level", "warning", *otlp, *cfg.router_args]
+        self.router = Proc("router", [*PY, "router", *self._router_args(otlp)], [self.url], self.log_dir / "router.log")
+
+    def _model_args(self, m: ModelSpec) -> list[str]:
+        return ["--model", m.source, "--served-model-name", m.served_name, *m.worker_args()]
+
+    def _add_real(self, c: Copy, otlp: list[str]) -> None:
+        port, self._next_port = self._next_port, self._next_port + 1
+        threads = [] if "num_threads" in c.model.engine else ["--num-threads", str(c.threads)]
+        cmd = [*PY, "worker", *self._model_args(c.model), *threads, "--host", self.cfg.host, "--port", str(port),
+               "--role", c.model.role, "--zone", c.zone, "--log-level", "warning", *otlp]
+        self.workers.append(Proc(f"worker-{port}", cmd, [f"http://{self.cfg.host}:{port}"],
+                                 self.log_dir / f"worker-{port}.log", cpus=c.cpus))
+        self.zones.append(c.zone)
+        self.roles.append(c.model.role)
+
+    def _add_sim(self, group: list[Copy], otlp: list[str]) -> None:
+        port, n = self._next_port, len(group)
+        self._next_port += n
+        cmd = [*PY, "worker", "--simulate", "--count", str(n), *self._model_args(group[0].model), "--host",
+               self.cfg.host, "--port", str(port), "--zone", group[0].zone, "--log-level", "warning", *otlp]
+        urls = [f"http://{self.cfg.host}:{port + i}" for i in range(n)]
+        self.workers.append(Proc(f"sim-{port}", cmd, urls, self.log_dir / f"sim-{port}.log"))
+        self.zones += [group[0].zone] * n
+        self.roles += ["both"] * n
+
+    def _router_args(self, otlp: list[str]) -> list[str]:
+        cfg = self.cfg
+        args = ["--workers", ",".join(self.worker_urls), "--policy", cfg.policy, "--host", cfg.host,
+                "--port", str(cfg.port), "--log-level", "warning", *otlp]
+        for m in {m.served_name: m for m in cfg.models}.values():
+            args += ["--tokenizer", f"{m.served_name}={m.source}"]
+            args += [a for alias in m.aliases for a in ("--alias", f"{alias}={m.served_name}")]
+            if m.policy:
+                args += ["--model-policy", f"{m.served_name}={m.policy}"]
         if any(self.zones):
-            rcmd += ["--zones", ",".join(self.zones)]
+            args += ["--zones", ",".join(self.zones)]
         if any(r != "both" for r in self.roles):
-            rcmd += ["--roles", ",".join(self.roles)]
+            args += ["--roles", ",".join(self.roles)]
         if cfg.pd_threshold is not None:
-            rcmd += ["--pd-threshold", str(cfg.pd_threshold)]
-        self.router = Proc("router", rcmd, [self.url], self.log_dir / "router.log")
+            args += ["--pd-threshold", str(cfg.pd_threshold)]
+        return args + cfg.router_args
 
     # ---- lifecycle --------------------------------------------------------------------------------
     def start(self) -> None:

@@ -74,9 +74,10 @@ def test_serve_runs_real_workers_behind_the_router_and_stops_them_all():
 def test_serve_from_a_yaml_config_with_zones_and_simulated_workers(tmp_path):
     port = free_ports(5)
     cfg = tmp_path / "fleet.yaml"
-    cfg.write_text("policy: round_robin\nworkers:\n"
-                   "  - {replicas: 2, simulate: true, zone: zone-a}\n"
-                   "  - {replicas: 2, simulate: true, zone: zone-b, args: [--max-num-seqs, '8']}\n")
+    cfg.write_text("policy: round_robin\n"
+                   "machines: [{name: a, cores: 1, zone: zone-a}, {name: b, cores: 1, zone: zone-b}]\n"
+                   "models:\n"
+                   "  - {source: smollm2-135m, simulate: true, replicas: 4, engine: {max_num_seqs: 8}}\n")
     p, log = start_serve("--config", str(cfg), port=port)
     try:
         health = httpx.get(f"http://127.0.0.1:{port}/health").json()
@@ -98,17 +99,16 @@ def test_fleet_config_rejects_unknown_keys(tmp_path):
     import pytest
 
     with pytest.raises(ValueError, match="replica"):
-        FleetConfig.from_dict({"workers": [{"replica": 2}]})
+        FleetConfig.from_dict({"models": [{"replica": 2}]})
     with pytest.raises(ValueError, match="polcy"):
         FleetConfig.from_dict({"polcy": "x"})
 
 
 def test_a_disaggregated_fleet_plan_gives_workers_their_roles_and_the_router_its_threshold(tmp_path):
-    from fleetllm.fleet.config import WorkerGroup
     from fleetllm.fleet.launcher import Fleet
 
-    cfg = FleetConfig(port=9000, pd_threshold=1024, log_dir=str(tmp_path), workers=[
-        WorkerGroup(replicas=1, role="prefill"), WorkerGroup(replicas=2, role="decode")])
+    cfg = FleetConfig.single_model("smollm2-135m", 0, prefill=1, decode=2)
+    cfg.port, cfg.pd_threshold, cfg.log_dir = 9000, 1024, str(tmp_path)
     fleet = Fleet(cfg)
     roles = [p.cmd[p.cmd.index("--role") + 1] for p in fleet.workers]
     assert roles == ["prefill", "decode", "decode"]

@@ -1,0 +1,123 @@
+"""The fleet YAML's `models:` schema and the placement of model copies onto machines."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from fleetllm.fleet.config import FleetConfig, Replicas
+from fleetllm.fleet.launcher import Fleet
+from fleetllm.fleet.placement import PlacementError, place
+
+TWO_ZONES = [{"name": "a", "cores": 2, "memory_gb": 8, "zone": "zone-a"},
+             {"name": "b", "cores": 2, "memory_gb": 8, "zone": "zone-b"}]
+
+
+def fleet(models: list[dict], machines: list[dict] | None = None, **kw) -> FleetConfig:
+    d = {"models": models, **kw}
+    if machines is not None:
+        d["machines"] = machines
+    return FleetConfig.from_dict(d)
+
+
+def test_the_smallest_config_is_one_copy_of_the_embedded_model():
+    cfg = FleetConfig.from_dict({})
+    [m] = cfg.models
+    assert (m.source, m.served_name, m.replicas.initial) == ("smollm2-135m", "smollm2-135m", 1)
+
+
+def test_unknown_keys_are_refused_by_name_at_every_level():
+    for bad, word in [({"modles": []}, "modles"), ({"models": [{"sorce": "x"}]}, "sorce"),
+                      ({"models": [{"replicas": {"minimum": 1}}]}, "minimum"),
+                      ({"models": [{"resources": {"gpus": 1}}]}, "gpus"),
+                      ({"machines": [{"cpus": 4}]}, "cpus")]:
+        with pytest.raises(ValueError, match=word):
+            FleetConfig.from_dict(bad)
+
+
+def test_replicas_take_a_count_or_min_max_initial_and_check_their_order():
+    cfg = fleet([{"source": "a", "replicas": 3}, {"source": "b", "replicas": {"min": 0, "max": 4}}])
+    assert (cfg.models[0].replicas.min, cfg.models[0].replicas.max) == (3, 3)
+    assert (cfg.models[1].replicas.initial, cfg.models[1].replicas.max) == (1, 4)
+    with pytest.raises(ValueError, match="min <= initial <= max"):
+        Replicas(min=2, max=1)
+
+
+def test_a_name_or_alias_used_by_two_models_is_refused():
+    with pytest.raises(ValueError, match="'x' is used by two models"):
+        fleet([{"source": "a", "name": "x"}, {"source": "b", "aliases": ["x"]}])
+
+
+def test_engine_settings_become_worker_flags():
+    [m] = fleet([{"source": "s", "engine": {"max_num_seqs": 8, "no_prefix_caching": True}, "speculative": "method=ngram"}]).models
+    assert m.worker_args() == ["--max-num-seqs", "8", "--no-prefix-caching", "--speculative", "method=ngram"]
+
+
+def test_copies_spread_across_zones_and_reserve_their_cores():
+    cfg = fleet([{"source": "s", "replicas": 4, "resources": {"cores": 1, "memory_gb": 1}}], TWO_ZONES)
+    copies = place(cfg)
+    assert [c.zone for c in copies] == ["zone-a", "zone-b", "zone-a", "zone-b"]
+    assert all(c.threads == 1 for c in copies)
+    assert all(c.cpus is None for c in copies)  # 4 cores declared on this smaller host: counted, not pinned
+
+
+def test_local_machines_are_slices_of_this_hosts_cpus_and_copies_are_pinned_to_them():
+    host = sorted(os.sched_getaffinity(0))
+    if len(host) < 2:
+        pytest.skip("needs 2 CPUs")
+    machines = [{"name": "a", "cores": 1, "zone": "zone-a"}, {"name": "b", "cores": 1, "zone": "zone-b"}]
+    copies = place(fleet([{"source": "s", "replicas": 2, "resources": {"cores": 1}}], machines))
+    assert [c.cpus for c in copies] == [[host[0]], [host[1]]]
+
+
+def test_a_model_stays_in_its_zones():
+    cfg = fleet([{"source": "s", "replicas": 2, "zones": ["zone-b"], "resources": {"cores": 1}}], TWO_ZONES)
+    assert {c.machine.name for c in place(cfg)} == {"b"}
+
+
+def test_a_plan_that_cannot_fit_is_refused_saying_what_is_free():
+    cfg = fleet([{"source": "big", "replicas": 3, "resources": {"cores": 2, "memory_gb": 4}}], TWO_ZONES)
+    with pytest.raises(PlacementError) as e:
+        place(cfg)
+    msg = str(e.value)
+    assert "'big': copy 3 of 3 needs 2 cores, 4.0 GiB" in msg
+    assert "a (zone-a): 0 cores, 4.0 GiB" in msg and "b (zone-b): 0 cores, 4.0 GiB" in msg
+
+
+def test_memory_and_accelerators_are_placement_constraints_too():
+    machines = [{"name": "cpu", "cores": 4, "memory_gb": 64}, {"name": "gpu", "cores": 4, "memory_gb": 8, "accelerators": 1}]
+    cfg = fleet([{"source": "s", "replicas": 1, "resources": {"memory_gb": 6, "accelerators": 1}}], machines)
+    assert place(cfg)[0].machine.name == "gpu"
+    with pytest.raises(PlacementError, match="1 accelerators"):
+        place(fleet([{"source": "s", "replicas": 2, "resources": {"accelerators": 1}}], machines))
+
+
+def test_copies_without_reserved_cores_share_what_is_left():
+    cfg = fleet([{"source": "s", "replicas": 1, "resources": {"cores": 1}}, {"source": "t", "replicas": 3}],
+                [{"name": "m", "cores": 4, "memory_gb": 32}])
+    threads = [c.threads for c in place(cfg)]
+    assert threads == [1, 1, 1, 1]  # 3 cores left for 3 sharing copies
+
+
+def test_a_two_model_plan_gives_each_worker_its_model_and_the_router_every_tokenizer(tmp_path):
+    cfg = fleet([{"source": "smollm2-135m", "name": "small", "aliases": ["s"], "replicas": 2, "policy": "session"},
+                 {"source": "gemma3-270m", "name": "gemma", "replicas": 1, "engine": {"max_num_seqs": 8}}],
+                port=9000, log_dir=str(tmp_path))
+    f = Fleet(cfg)
+    served = [p.cmd[p.cmd.index("--served-model-name") + 1] for p in f.workers]
+    assert served == ["small", "small", "gemma"]
+    assert f.workers[2].cmd[f.workers[2].cmd.index("--max-num-seqs") + 1] == "8"
+    rcmd = f.router.cmd
+    toks = [rcmd[i + 1] for i, a in enumerate(rcmd) if a == "--tokenizer"]
+    assert toks == ["small=smollm2-135m", "gemma=gemma3-270m"]
+    assert rcmd[rcmd.index("--alias") + 1] == "s=small"
+    assert rcmd[rcmd.index("--model-policy") + 1] == "small=session"
+    assert f.worker_urls == [f"http://127.0.0.1:{9001 + i}" for i in range(3)]
+
+
+def test_simulated_copies_of_a_model_share_processes_per_zone(tmp_path):
+    cfg = fleet([{"source": "smollm2-135m", "simulate": True, "replicas": 4}], TWO_ZONES, log_dir=str(tmp_path))
+    f = Fleet(cfg)
+    assert [len(p.urls) for p in f.workers] == [2, 2]
+    assert f.zones == ["zone-a", "zone-a", "zone-b", "zone-b"]
