@@ -41,6 +41,7 @@ class Signals:
 
     copies: int  # ready copies now
     waiting: float = 0.0  # requests queued on its workers (sum)
+    running: float = 0.0  # requests being served (sum)
     held: int = 0  # requests held by the router while no copy is ready
     kv_usage: float = 0.0  # mean over copies
     ttft_p90_s: float | None = None
@@ -69,7 +70,7 @@ class Autoscaler:
     def decide(self, s: Signals) -> Decision:
         """The copy count to aim for now, and why (call once per tick)."""
         now, p = self.clock(), self.policy
-        if s.request_rate > 0 or s.held or s.waiting:
+        if s.request_rate > 0 or s.held or s.waiting or s.running:
             self._last_request = now
         if s.copies == 0:  # scale from zero: a held request brings one copy at once
             want = max(self.min, 1 if s.held else 0)

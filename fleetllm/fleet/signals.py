@@ -1,0 +1,85 @@
+"""A model's load signals for the autoscaler, read from its copies' ``/metrics`` pages.
+
+Gauges are read as they are now (waiting requests summed, KV usage averaged over copies); rates and
+percentiles come from the difference between two reads ``dt`` seconds apart: request rate from
+``vllm:request_success``, TTFT and ITL p90 from the histogram buckets, interpolated within a bucket as
+Prometheus' ``histogram_quantile`` does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from fleetllm.fleet.autoscaler import Signals
+
+TTFT = "vllm:time_to_first_token_seconds"
+ITL = "vllm:inter_token_latency_seconds"
+
+
+class Page:
+    """One ``/metrics`` page: sample values summed over labels, and each histogram's cumulative buckets."""
+
+    def __init__(self, text: str) -> None:
+        self.values: dict[str, float] = {}
+        self.buckets: dict[str, dict[float, float]] = {}
+        for family in text_string_to_metric_families(text):
+            for s in family.samples:
+                if s.name.endswith("_bucket"):
+                    b = self.buckets.setdefault(s.name[: -len("_bucket")], {})
+                    le = float(s.labels["le"])
+                    b[le] = b.get(le, 0.0) + s.value
+                else:
+                    self.values[s.name] = self.values.get(s.name, 0.0) + s.value
+
+
+def quantile(q: float, buckets: Mapping[float, float]) -> float | None:
+    """The ``q`` quantile of cumulative ``{upper bound: count}`` buckets (None when they hold nothing)."""
+    bounds = sorted(buckets)
+    if not bounds or buckets[bounds[-1]] <= 0:
+        return None
+    rank = q * buckets[bounds[-1]]
+    lower, below = 0.0, 0.0
+    for le in bounds:
+        if buckets[le] >= rank:
+            if le == float("inf"):
+                return lower  # beyond the last finite bound: its lower edge, as Prometheus answers
+            width = buckets[le] - below
+            return lower + (le - lower) * ((rank - below) / width if width else 1.0)
+        lower, below = le, buckets[le]
+    return lower
+
+
+def model_signals(before: Mapping[str, str], after: Mapping[str, str], dt: float, held: int = 0) -> Signals:
+    """Signals of one model from its copies' pages (``{copy url: text}``) read ``dt`` seconds apart.
+
+    Copies missing from ``before`` (just started) count for gauges only."""
+    pages = {u: Page(t) for u, t in after.items()}
+    old = {u: Page(t) for u, t in before.items() if u in pages}
+    n = len(pages)
+    if n == 0:
+        return Signals(copies=0, held=held)
+
+    def delta_buckets(name: str) -> dict[float, float]:
+        out: dict[float, float] = {}
+        for u, p in pages.items():
+            prev = old[u].buckets.get(name, {}) if u in old else None
+            if prev is None:
+                continue
+            for le, c in p.buckets.get(name, {}).items():
+                out[le] = out.get(le, 0.0) + c - prev.get(le, 0.0)
+        return out
+
+    finished = sum(p.values.get("vllm:request_success_total", 0.0) - old[u].values.get("vllm:request_success_total", 0.0)
+                   for u, p in pages.items() if u in old)
+    return Signals(
+        copies=n,
+        waiting=sum(p.values.get("vllm:num_requests_waiting", 0.0) for p in pages.values()),
+        running=sum(p.values.get("vllm:num_requests_running", 0.0) for p in pages.values()),
+        held=held,
+        kv_usage=sum(p.values.get("vllm:kv_cache_usage_perc", 0.0) for p in pages.values()) / n,
+        ttft_p90_s=quantile(0.9, delta_buckets(TTFT)),
+        itl_p90_s=quantile(0.9, delta_buckets(ITL)),
+        request_rate=finished / dt if dt > 0 else 0.0,
+    )
