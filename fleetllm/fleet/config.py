@@ -20,6 +20,7 @@ is optional; the smallest config is ``models: [{source: smollm2-135m}]``. Exampl
         speculative: method=suffix
         resources: {cores: 1, memory_gb: 2}
         replicas: {min: 1, max: 4, initial: 2}         # or a plain count
+        autoscale: {ttft_p90_s: 2.0, down_window_s: 120}  # fleetllm/fleet/autoscaler.py ScalingPolicy
         zones: [zone-a, zone-b]       # copies spread across these
         policy: session
       - name: chat-sim
@@ -37,6 +38,8 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+
+from fleetllm.fleet.autoscaler import ScalingPolicy
 
 ROLES = ("both", "prefill", "decode")
 
@@ -91,6 +94,7 @@ class ModelSpec:
     speculative: str | None = None  # e.g. "method=suffix"
     resources: Resources = field(default_factory=Resources)
     replicas: Replicas = field(default_factory=Replicas)
+    autoscale: ScalingPolicy = field(default_factory=ScalingPolicy)  # used when replicas.min < replicas.max
     zones: list[str] = field(default_factory=list)  # copies spread across these (default: any machine)
     policy: str | None = None  # routing policy for this model (default: the fleet's)
     role: str = "both"  # prefill | decode | both: a disaggregated model has a prefill and a decode entry
@@ -105,6 +109,10 @@ class ModelSpec:
     @property
     def served_name(self) -> str:
         return self.name or self.source
+
+    @property
+    def autoscaled(self) -> bool:
+        return self.replicas.min < self.replicas.max
 
     def worker_args(self) -> list[str]:
         """The ``fleetllm worker`` flags for this model's engine settings and speculation."""
@@ -192,6 +200,8 @@ def _model(d: Any) -> ModelSpec:
     d = _checked(ModelSpec, d, "model")
     if "resources" in d:
         d["resources"] = Resources(**_checked(Resources, d["resources"], "resources"))
+    if "autoscale" in d:
+        d["autoscale"] = ScalingPolicy(**_checked(ScalingPolicy, d["autoscale"], "autoscale"))
     if "replicas" in d:
         r = d["replicas"]
         d["replicas"] = Replicas(min=r, initial=r, max=r) if isinstance(r, int) else Replicas(**_checked(Replicas, r, "replicas"))

@@ -17,13 +17,13 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
 
 from fleetllm.fleet.config import FleetConfig, ModelSpec
-from fleetllm.fleet.placement import Copy, place
+from fleetllm.fleet.placement import Copy, Placer, place
 
 log = logging.getLogger(__name__)
 SIM_PER_PROCESS = 64
@@ -37,6 +37,9 @@ class Proc:
     urls: list[str]  # the base URLs this process serves
     log_path: Path
     cpus: list[int] | None = None  # pinned to these cores (placement reserved them)
+    zone: str = ""
+    role: str = "both"
+    copies: list[Copy] = field(default_factory=list)  # the model copies it serves (empty for the router)
     popen: subprocess.Popen[bytes] | None = None
     restarts: int = 0
 
@@ -67,9 +70,10 @@ class Fleet:
         self.log_dir = Path(cfg.log_dir or tempfile.mkdtemp(prefix="fleetllm-fleet-"))
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.workers: list[Proc] = []
-        self.zones: list[str] = []
-        self.roles: list[str] = []
         self.router: Proc | None = None
+        self.placer = Placer(cfg.machines)
+        self._next_port = cfg.worker_port or cfg.port + 1
+        self._otlp = ["--otlp-endpoint", cfg.otlp_endpoint] if cfg.otlp_endpoint else []
         self._plan()
 
     @property
@@ -80,52 +84,62 @@ class Fleet:
     def worker_urls(self) -> list[str]:
         return [u for p in self.workers for u in p.urls] + list(self.cfg.external)
 
+    @property
+    def zones(self) -> list[str]:
+        """The zone of each of ``worker_urls``."""
+        return [p.zone for p in self.workers for _ in p.urls] + [""] * len(self.cfg.external)
+
+    @property
+    def roles(self) -> list[str]:
+        """The P/D role of each of ``worker_urls``."""
+        return [p.role for p in self.workers for _ in p.urls] + ["both"] * len(self.cfg.external)
+
+    def procs_of(self, model: str) -> list[Proc]:
+        """The worker processes serving copies of ``model`` (by served name)."""
+        return [p for p in self.workers if any(c.model.served_name == model for c in p.copies)]
+
     def _plan(self) -> None:
         """Worker processes for every placed copy, then the router over all of them."""
-        cfg = self.cfg
-        self._next_port = cfg.worker_port or cfg.port + 1
-        otlp = ["--otlp-endpoint", cfg.otlp_endpoint] if cfg.otlp_endpoint else []
-        self.copies = place(cfg)
-        for c in [c for c in self.copies if not c.model.simulate]:
-            self._add_real(c, otlp)
+        copies = place(self.cfg, self.placer)
+        for c in copies:
+            if not c.model.simulate:
+                self._add_real(c)
         sims: dict[tuple[int, str], list[Copy]] = {}
-        for c in self.copies:
+        for c in copies:
             if c.model.simulate:
                 sims.setdefault((id(c.model), c.zone), []).append(c)
         for group in sims.values():
             for i in range(0, len(group), SIM_PER_PROCESS):
-                self._add_sim(group[i:i + SIM_PER_PROCESS], otlp)
-        self.zones += [""] * len(cfg.external)
-        self.roles += ["both"] * len(cfg.external)
-        self.router = Proc("router", [*PY, "router", *self._router_args(otlp)], [self.url], self.log_dir / "router.log")
+                self._add_sim(group[i:i + SIM_PER_PROCESS])
+        self.router = Proc("router", [*PY, "router", *self._router_args()], [self.url], self.log_dir / "router.log")
 
     def _model_args(self, m: ModelSpec) -> list[str]:
         return ["--model", m.source, "--served-model-name", m.served_name, *m.worker_args()]
 
-    def _add_real(self, c: Copy, otlp: list[str]) -> None:
+    def _add_real(self, c: Copy) -> Proc:
         port, self._next_port = self._next_port, self._next_port + 1
         threads = [] if "num_threads" in c.model.engine else ["--num-threads", str(c.threads)]
         cmd = [*PY, "worker", *self._model_args(c.model), *threads, "--host", self.cfg.host, "--port", str(port),
-               "--role", c.model.role, "--zone", c.zone, "--log-level", "warning", *otlp]
-        self.workers.append(Proc(f"worker-{port}", cmd, [f"http://{self.cfg.host}:{port}"],
-                                 self.log_dir / f"worker-{port}.log", cpus=c.cpus))
-        self.zones.append(c.zone)
-        self.roles.append(c.model.role)
+               "--role", c.model.role, "--zone", c.zone, "--log-level", "warning", *self._otlp]
+        proc = Proc(f"worker-{port}", cmd, [f"http://{self.cfg.host}:{port}"], self.log_dir / f"worker-{port}.log",
+                    cpus=c.cpus, zone=c.zone, role=c.model.role, copies=[c])
+        self.workers.append(proc)
+        return proc
 
-    def _add_sim(self, group: list[Copy], otlp: list[str]) -> None:
+    def _add_sim(self, group: list[Copy]) -> Proc:
         port, n = self._next_port, len(group)
         self._next_port += n
         cmd = [*PY, "worker", "--simulate", "--count", str(n), *self._model_args(group[0].model), "--host",
-               self.cfg.host, "--port", str(port), "--zone", group[0].zone, "--log-level", "warning", *otlp]
+               self.cfg.host, "--port", str(port), "--zone", group[0].zone, "--log-level", "warning", *self._otlp]
         urls = [f"http://{self.cfg.host}:{port + i}" for i in range(n)]
-        self.workers.append(Proc(f"sim-{port}", cmd, urls, self.log_dir / f"sim-{port}.log"))
-        self.zones += [group[0].zone] * n
-        self.roles += ["both"] * n
+        proc = Proc(f"sim-{port}", cmd, urls, self.log_dir / f"sim-{port}.log", zone=group[0].zone, copies=group)
+        self.workers.append(proc)
+        return proc
 
-    def _router_args(self, otlp: list[str]) -> list[str]:
+    def _router_args(self) -> list[str]:
         cfg = self.cfg
         args = ["--workers", ",".join(self.worker_urls), "--policy", cfg.policy, "--host", cfg.host,
-                "--port", str(cfg.port), "--log-level", "warning", *otlp]
+                "--port", str(cfg.port), "--log-level", "warning", *self._otlp]
         for m in {m.served_name: m for m in cfg.models}.values():
             args += ["--tokenizer", f"{m.served_name}={m.source}"]
             args += [a for alias in m.aliases for a in ("--alias", f"{alias}={m.served_name}")]
@@ -138,6 +152,21 @@ class Fleet:
         if cfg.pd_threshold is not None:
             args += ["--pd-threshold", str(cfg.pd_threshold)]
         return args + cfg.router_args
+
+    # ---- copies added and removed while the fleet runs (the autoscaler's hands) ---------------------
+    def add_copy(self, m: ModelSpec) -> Proc:
+        """Place and start one more copy of ``m`` in its own process; the caller waits until it is ready."""
+        c = self.placer.add(m)
+        proc = self._add_sim([c]) if m.simulate else self._add_real(c)
+        proc.start()
+        return proc
+
+    def remove(self, proc: Proc, grace_s: float = 20.0) -> None:
+        """Stop one worker process (SIGTERM, then SIGKILL) and give its resources back."""
+        _terminate([proc], grace_s)
+        self.workers.remove(proc)
+        for c in proc.copies:
+            self.placer.release(c)
 
     # ---- lifecycle --------------------------------------------------------------------------------
     def start(self) -> None:
@@ -183,19 +212,8 @@ class Fleet:
 
     def stop(self, grace_s: float = 20.0) -> None:
         """Router first, then workers: SIGTERM, wait, then SIGKILL whatever is left."""
-        groups = [[self.router] if self.router else [], self.workers]
-        for group in groups:
-            live = [p for p in group if p.alive]
-            for p in live:
-                p.popen.terminate()  # type: ignore[union-attr]
-            end = time.monotonic() + grace_s
-            for p in live:
-                try:
-                    p.popen.wait(timeout=max(0.1, end - time.monotonic()))  # type: ignore[union-attr]
-                except subprocess.TimeoutExpired:
-                    log.warning("%s did not stop in %.0fs: killed", p.name, grace_s)
-                    os.killpg(p.popen.pid, signal.SIGKILL)  # type: ignore[union-attr]
-                    p.popen.wait()  # type: ignore[union-attr]
+        _terminate([self.router] if self.router else [], grace_s)
+        _terminate(self.workers, grace_s)
 
     def supervise(self, should_stop: callable) -> None:  # type: ignore[valid-type]
         """Block until ``should_stop()``; restart dead workers when configured to."""
@@ -210,6 +228,20 @@ class Fleet:
                 log.error("the router exited:\n%s", self.router.log_tail())
                 return
             time.sleep(0.5)
+
+
+def _terminate(procs: list[Proc], grace_s: float) -> None:
+    live = [p for p in procs if p.alive]
+    for p in live:
+        p.popen.terminate()  # type: ignore[union-attr]
+    end = time.monotonic() + grace_s
+    for p in live:
+        try:
+            p.popen.wait(timeout=max(0.1, end - time.monotonic()))  # type: ignore[union-attr]
+        except subprocess.TimeoutExpired:
+            log.warning("%s did not stop in %.0fs: killed", p.name, grace_s)
+            os.killpg(p.popen.pid, signal.SIGKILL)  # type: ignore[union-attr]
+            p.popen.wait()  # type: ignore[union-attr]
 
 
 def run_fleet(cfg: FleetConfig) -> int:

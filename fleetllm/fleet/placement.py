@@ -59,26 +59,46 @@ class Copy:
         return self.machine.zone
 
 
-def place(cfg: FleetConfig) -> list[Copy]:
+class Placer:
+    """The free resources of a fleet's machines, taken by copies as they are placed and given back."""
+
+    def __init__(self, machines: list[Machine]) -> None:
+        self.slots = _slots(machines)
+
+    def add(self, m: ModelSpec) -> Copy:
+        """Place one more copy of ``m`` (raises :class:`PlacementError` naming what every machine has free)."""
+        slot = _choose(self.slots, m)
+        if slot is None:
+            raise PlacementError(
+                f"model {m.served_name!r}: a copy needs {m.resources.cores or 0} cores, {m.resources.memory_gb:.1f} "
+                f"GiB and {m.resources.accelerators} accelerators{' in zones ' + ', '.join(m.zones) if m.zones else ''}"
+                "; free: " + "; ".join(s.describe() for s in self.slots))
+        n = m.resources.cores or 0
+        cpus, slot.cores = (slot.cores[:n], slot.cores[n:]) if n else (None, slot.cores)
+        slot.memory_gb -= m.resources.memory_gb
+        slot.accelerators -= m.resources.accelerators
+        slot.copies[m.served_name] = slot.copies.get(m.served_name, 0) + 1
+        return Copy(m, slot.copies[m.served_name] - 1, slot.machine, cpus, threads=n or 1)
+
+    def release(self, c: Copy) -> None:
+        slot = next(s for s in self.slots if s.machine is c.machine)
+        slot.cores = sorted(slot.cores + (c.cpus or []))
+        slot.memory_gb += c.model.resources.memory_gb
+        slot.accelerators += c.model.resources.accelerators
+        slot.copies[c.model.served_name] -= 1
+
+
+def place(cfg: FleetConfig, placer: Placer | None = None) -> list[Copy]:
     """Every model's ``initial`` copies placed onto ``cfg.machines`` (raises :class:`PlacementError`)."""
-    slots = _slots(cfg.machines)
-    copies: list[Copy] = []
+    placer = placer or Placer(cfg.machines)
+    copies = []
     for m in cfg.models:
         for i in range(m.replicas.initial):
-            slot = _choose(slots, m)
-            if slot is None:
-                raise PlacementError(
-                    f"model {m.served_name!r}: copy {i + 1} of {m.replicas.initial} needs {m.resources.cores or 0} "
-                    f"cores, {m.resources.memory_gb:.1f} GiB and {m.resources.accelerators} accelerators"
-                    f"{' in zones ' + ', '.join(m.zones) if m.zones else ''}; free: "
-                    + "; ".join(s.describe() for s in slots))
-            n = m.resources.cores or 0
-            cpus, slot.cores = (slot.cores[:n], slot.cores[n:]) if n else (None, slot.cores)
-            slot.memory_gb -= m.resources.memory_gb
-            slot.accelerators -= m.resources.accelerators
-            slot.copies[m.served_name] = slot.copies.get(m.served_name, 0) + 1
-            copies.append(Copy(m, i, slot.machine, cpus, threads=n or 1))
-    _share_cores(copies, slots)
+            try:
+                copies.append(placer.add(m))
+            except PlacementError as e:
+                raise PlacementError(f"copy {i + 1} of {m.replicas.initial}: {e}") from None
+    _share_cores(copies, placer.slots)
     return copies
 
 

@@ -81,7 +81,7 @@ def test_a_plan_that_cannot_fit_is_refused_saying_what_is_free():
     with pytest.raises(PlacementError) as e:
         place(cfg)
     msg = str(e.value)
-    assert "'big': copy 3 of 3 needs 2 cores, 4.0 GiB" in msg
+    assert "copy 3 of 3: model 'big': a copy needs 2 cores, 4.0 GiB" in msg
     assert "a (zone-a): 0 cores, 4.0 GiB" in msg and "b (zone-b): 0 cores, 4.0 GiB" in msg
 
 
