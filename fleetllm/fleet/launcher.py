@@ -17,6 +17,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -163,8 +164,8 @@ class Fleet:
 
     def remove(self, proc: Proc, grace_s: float = 20.0) -> None:
         """Stop one worker process (SIGTERM, then SIGKILL) and give its resources back."""
+        self.workers.remove(proc)  # first: the supervisor must not restart what is being stopped
         _terminate([proc], grace_s)
-        self.workers.remove(proc)
         for c in proc.copies:
             self.placer.release(c)
 
@@ -177,16 +178,16 @@ class Fleet:
                 p.start()
             for p in self.workers:
                 for u in p.urls:
-                    self._wait_healthy(p, u + "/health", deadline)
+                    self.wait_healthy(p, u + "/health", deadline)
             assert self.router is not None
             self.router.start()
-            self._wait_healthy(self.router, self.url + "/health", deadline)
+            self.wait_healthy(self.router, self.url + "/health", deadline)
             self._wait_router_sees_all(deadline)
         except BaseException:
             self.stop()
             raise
 
-    def _wait_healthy(self, p: Proc, url: str, deadline: float) -> None:
+    def wait_healthy(self, p: Proc, url: str, deadline: float) -> None:
         while time.monotonic() < deadline:
             if not p.alive:
                 raise RuntimeError(f"{p.name} exited with {p.popen.returncode if p.popen else '?'}:\n{p.log_tail()}")
@@ -215,10 +216,13 @@ class Fleet:
         _terminate([self.router] if self.router else [], grace_s)
         _terminate(self.workers, grace_s)
 
-    def supervise(self, should_stop: callable) -> None:  # type: ignore[valid-type]
-        """Block until ``should_stop()``; restart dead workers when configured to."""
+    def supervise(self, should_stop: Callable[[], bool], tick: Callable[[], object] | None = None,
+                  tick_s: float = 2.0) -> None:
+        """Block until ``should_stop()``; restart dead workers when configured to; call ``tick`` (the fleet
+        controller) every ``tick_s``."""
+        next_tick = time.monotonic() + tick_s
         while not should_stop():
-            for p in self.workers:
+            for p in list(self.workers):
                 if not p.alive and self.cfg.restart:
                     p.restarts += 1
                     log.warning("%s exited (%s); restarting (restart %d)", p.name,
@@ -227,6 +231,12 @@ class Fleet:
             if self.router is not None and not self.router.alive:
                 log.error("the router exited:\n%s", self.router.log_tail())
                 return
+            if tick is not None and time.monotonic() >= next_tick:
+                next_tick = time.monotonic() + tick_s
+                try:
+                    tick()
+                except Exception:  # a failed round of autoscaling must not take the fleet down
+                    log.exception("fleet controller tick failed")
             time.sleep(0.5)
 
 
@@ -264,8 +274,13 @@ def run_fleet(cfg: FleetConfig) -> int:
         return 1
     print(f"fleet ready in {time.monotonic() - t0:.1f}s: {fleet.url}/v1 (policy {cfg.policy}, {n} workers: "
           f"{', '.join(fleet.worker_urls[:4])}{' ...' if n > 4 else ''})", flush=True)
+    tick = None
+    if any(m.autoscaled for m in cfg.models):
+        from fleetllm.fleet.controller import FleetController, RouterAdmin
+
+        tick = FleetController(fleet, RouterAdmin(fleet.url)).tick
     try:
-        fleet.supervise(lambda: stop["now"])
+        fleet.supervise(lambda: stop["now"], tick)
     finally:
         fleet.stop()
     return 0
