@@ -86,3 +86,53 @@ def test_max_parallel_requests_frees_a_slot_when_a_request_ends(tmp_path):
     assert lim.admit(rec).status == 429
     lim.done(rec, 0)
     assert lim.admit(rec) is None
+
+
+# ---- the router's key gate (statuses and metering; the HTTP path is tested with the router) ----------
+
+def gate(tmp_path, **limits):
+    from prometheus_client import CollectorRegistry
+
+    from fleetllm.router.auth import KeyGate
+
+    store = KeyStore(tmp_path / "keys.yaml")
+    rec, key = store.create("t", **limits)
+    return KeyGate(store, KeyLimiter(clock=Clock()), CollectorRegistry()), rec, key
+
+
+def test_the_gate_answers_401_403_and_429_with_retry_after(tmp_path):
+    from fleetllm.server.protocol import APIError
+
+    g, rec, key = gate(tmp_path, models=["a"], max_parallel_requests=1)
+    for auth, model, status in [(None, "a", 401), ("Bearer nope", "a", 401), (f"Basic {key}", "a", 401),
+                                (f"Bearer {key}", "b", 403)]:
+        with pytest.raises(APIError) as e:
+            g.admit(auth, model)
+        assert e.value.status == status and key not in e.value.message
+    assert g.admit(f"bearer {key}", "a").id == rec.id
+    with pytest.raises(APIError) as e:
+        g.admit(f"Bearer {key}", "a")
+    assert e.value.status == 429 and e.value.headers["Retry-After"] == "1"
+
+
+def test_the_gate_meters_usage_per_key_id_and_never_names_the_key(tmp_path):
+    from prometheus_client import generate_latest
+
+    g, rec, key = gate(tmp_path)
+    r = g.admit(f"Bearer {key}", "m")
+    g.done(r, 12, 30)
+    assert (g.usage[rec.id].requests, g.usage[rec.id].prompt_tokens, g.usage[rec.id].completion_tokens) == (1, 12, 30)
+    text = generate_latest(g.registry).decode()
+    assert f'fleetllm_key_tokens_total{{key="{rec.id}",kind="completion"}} 30.0' in text
+    assert key not in text and rec.hash not in text
+
+
+def test_admin_routes_need_an_admin_key(tmp_path):
+    from fleetllm.server.protocol import APIError
+
+    g, _, key = gate(tmp_path)
+    _, admin = g.store.create("ops", admin=True)
+    g.require_admin(f"Bearer {admin}")
+    with pytest.raises(APIError) as e:
+        g.require_admin(f"Bearer {key}")
+    assert e.value.status == 403

@@ -1,0 +1,78 @@
+"""The router's key gate: who is calling, may they use this model, and are they within their limits.
+
+Off unless the router has a keys file. With it: ``/v1/*`` needs ``Authorization: Bearer <key>`` (401
+without a live key, 403 for a model the key may not use, 429 with ``Retry-After`` past a limit), and
+``/metrics``, ``/router/state`` and ``/admin/*`` need a key marked ``admin``. Usage (requests, prompt and
+output tokens) is metered per key id. The key itself is never logged, counted or forwarded: the router
+presents its own worker secret upstream instead.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from prometheus_client import CollectorRegistry, Counter
+
+from fleetllm.router.keys import KeyLimiter, KeyRecord, KeyStore
+from fleetllm.server.protocol import APIError
+
+
+@dataclass
+class Usage:
+    requests: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+
+@dataclass
+class KeyGate:
+    store: KeyStore
+    limiter: KeyLimiter
+    registry: CollectorRegistry
+    usage: dict[str, Usage] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.requests = Counter("fleetllm_key_requests", "Requests per API key id, by outcome (admitted, "
+                                "unauthorized, forbidden, limited).", ["key", "outcome"], registry=self.registry)
+        self.tokens = Counter("fleetllm_key_tokens", "Tokens per API key id (kind: prompt | completion).",
+                              ["key", "kind"], registry=self.registry)
+
+    @staticmethod
+    def bearer(authorization: str | None) -> str | None:
+        if authorization and authorization[:7].lower() == "bearer ":
+            return authorization[7:].strip()
+        return None
+
+    def admit(self, authorization: str | None, model: str | None) -> KeyRecord:
+        """The caller's key record, its request counted; raises a 401 / 403 / 429 ``APIError``."""
+        rec = self.store.authenticate(self.bearer(authorization))
+        if rec is None:
+            self.requests.labels(key="none", outcome="unauthorized").inc()
+            raise APIError(401, "a valid API key is required: send `Authorization: Bearer <key>`")
+        if not rec.allows(model):
+            self.requests.labels(key=rec.id, outcome="forbidden").inc()
+            raise APIError(403, f"key {rec.id} may not use model `{model}`", "model")
+        refusal = self.limiter.admit(rec)
+        if refusal is not None:
+            self.requests.labels(key=rec.id, outcome="limited").inc()
+            retry = str(max(1, int(refusal.retry_after + 0.999))) if refusal.retry_after is not None else "1"
+            raise APIError(refusal.status, refusal.message, headers={"Retry-After": retry})
+        self.requests.labels(key=rec.id, outcome="admitted").inc()
+        self.usage.setdefault(rec.id, Usage()).requests += 1
+        return rec
+
+    def done(self, rec: KeyRecord, prompt_tokens: int, completion_tokens: int) -> None:
+        """A request of ``rec`` ended: free its parallel slot and meter its tokens."""
+        self.limiter.done(rec, prompt_tokens + completion_tokens)
+        u = self.usage.setdefault(rec.id, Usage())
+        u.prompt_tokens += prompt_tokens
+        u.completion_tokens += completion_tokens
+        self.tokens.labels(key=rec.id, kind="prompt").inc(prompt_tokens)
+        self.tokens.labels(key=rec.id, kind="completion").inc(completion_tokens)
+
+    def require_admin(self, authorization: str | None) -> None:
+        rec = self.store.authenticate(self.bearer(authorization))
+        if rec is None:
+            raise APIError(401, "a valid admin API key is required: send `Authorization: Bearer <key>`")
+        if not rec.admin:
+            raise APIError(403, f"key {rec.id} is not an admin key")
