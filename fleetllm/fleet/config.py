@@ -28,6 +28,7 @@ is optional; the smallest config is ``models: [{source: smollm2-135m}]``. Exampl
         simulate: true                # timing-model copies (no weights), many per process
         replicas: 30
     external: [http://10.0.0.5:8001]  # workers started elsewhere (a cluster)
+    keys_file: keys.yaml              # API keys on (fleetllm keys create --file keys.yaml ...)
     pd_threshold: 2048                # with prefill copies: disaggregate long uncached prompts
 """
 
@@ -139,6 +140,7 @@ class FleetConfig:
     external: list[str] = field(default_factory=list)
     router_args: list[str] = field(default_factory=list)
     restart: bool = False
+    keys_file: str | None = None  # API keys on: the router admits only keys of this file (fleetllm keys)
     pd_threshold: int | None = None  # router: disaggregate above this many uncached prompt tokens (default 4096)
     log_dir: str | None = None
     otlp_endpoint: str | None = None  # OTLP/HTTP collector: the router and every worker push to it

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -25,6 +26,7 @@ import httpx
 
 from fleetllm.fleet.config import FleetConfig, ModelSpec
 from fleetllm.fleet.placement import Copy, Placer, place
+from fleetllm.server.worker_secret import ENV as SECRET_ENV
 
 log = logging.getLogger(__name__)
 SIM_PER_PROCESS = 64
@@ -41,6 +43,7 @@ class Proc:
     zone: str = ""
     role: str = "both"
     copies: list[Copy] = field(default_factory=list)  # the model copies it serves (empty for the router)
+    env: dict[str, str] = field(default_factory=dict)  # secrets travel here, never on the command line
     popen: subprocess.Popen[bytes] | None = None
     restarts: int = 0
 
@@ -50,7 +53,7 @@ class Proc:
         pin = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
         try:
             self.popen = subprocess.Popen(self.cmd, stdout=fd, stderr=subprocess.STDOUT, start_new_session=True,
-                                          env={**os.environ, "PYTHONUNBUFFERED": "1"}, preexec_fn=pin)
+                                          env={**os.environ, **self.env, "PYTHONUNBUFFERED": "1"}, preexec_fn=pin)
         finally:
             os.close(fd)
 
@@ -75,6 +78,8 @@ class Fleet:
         self.placer = Placer(cfg.machines)
         self._next_port = cfg.worker_port or cfg.port + 1
         self._otlp = ["--otlp-endpoint", cfg.otlp_endpoint] if cfg.otlp_endpoint else []
+        # with keys on, workers must take requests from the router only (fleetllm/server/worker_secret.py)
+        self._env = {SECRET_ENV: secrets.token_urlsafe(32)} if cfg.keys_file else {}
         self._plan()
 
     @property
@@ -112,7 +117,8 @@ class Fleet:
         for group in sims.values():
             for i in range(0, len(group), SIM_PER_PROCESS):
                 self._add_sim(group[i:i + SIM_PER_PROCESS])
-        self.router = Proc("router", [*PY, "router", *self._router_args()], [self.url], self.log_dir / "router.log")
+        self.router = Proc("router", [*PY, "router", *self._router_args()], [self.url], self.log_dir / "router.log",
+                           env=self._env)
 
     def _model_args(self, m: ModelSpec) -> list[str]:
         return ["--model", m.source, "--served-model-name", m.served_name, *m.worker_args()]
@@ -123,7 +129,7 @@ class Fleet:
         cmd = [*PY, "worker", *self._model_args(c.model), *threads, "--host", self.cfg.host, "--port", str(port),
                "--role", c.model.role, "--zone", c.zone, "--log-level", "warning", *self._otlp]
         proc = Proc(f"worker-{port}", cmd, [f"http://{self.cfg.host}:{port}"], self.log_dir / f"worker-{port}.log",
-                    cpus=c.cpus, zone=c.zone, role=c.model.role, copies=[c])
+                    cpus=c.cpus, zone=c.zone, role=c.model.role, copies=[c], env=self._env)
         self.workers.append(proc)
         return proc
 
@@ -133,7 +139,8 @@ class Fleet:
         cmd = [*PY, "worker", "--simulate", "--count", str(n), *self._model_args(group[0].model), "--host",
                self.cfg.host, "--port", str(port), "--zone", group[0].zone, "--log-level", "warning", *self._otlp]
         urls = [f"http://{self.cfg.host}:{port + i}" for i in range(n)]
-        proc = Proc(f"sim-{port}", cmd, urls, self.log_dir / f"sim-{port}.log", zone=group[0].zone, copies=group)
+        proc = Proc(f"sim-{port}", cmd, urls, self.log_dir / f"sim-{port}.log", zone=group[0].zone, copies=group,
+                    env=self._env)
         self.workers.append(proc)
         return proc
 
@@ -152,6 +159,8 @@ class Fleet:
             args += ["--roles", ",".join(self.roles)]
         if cfg.pd_threshold is not None:
             args += ["--pd-threshold", str(cfg.pd_threshold)]
+        if cfg.keys_file:
+            args += ["--keys-file", cfg.keys_file]
         return args + cfg.router_args
 
     # ---- copies added and removed while the fleet runs (the autoscaler's hands) ---------------------
