@@ -3,6 +3,10 @@
 Endpoints: /v1/chat/completions, /v1/completions (SSE streaming or not), /v1/models, /tokenize,
 /detokenize, /health, /metrics. Every failure is an OpenAI-style JSON error; a client that goes away
 aborts its request, which frees its KV blocks at the engine's next step.
+
+Handlers parse (:mod:`.protocol`), call the engine (through :class:`AsyncEngine`) and format
+(:mod:`.openai_format`). ``request_body``, ``prompt_ids`` and ``until_disconnect`` are public: the
+disaggregation endpoints (:mod:`fleetllm.disagg.routes`) handle their requests with them.
 """
 
 from __future__ import annotations
