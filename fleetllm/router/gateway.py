@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -36,7 +35,7 @@ from fleetllm.router.metrics import RouterMetrics
 from fleetllm.router.policies import CostModel, RouteRequest, make_policy
 from fleetllm.router.tokens import PromptTokenizer, block_hashes
 from fleetllm.router.upstream import Breaker, WorkerMonitor, WorkerState
-from fleetllm.server.protocol import APIError
+from fleetllm.server.protocol import APIError, json_object
 
 
 @dataclass
@@ -169,7 +168,7 @@ class Router:
         t0 = time.perf_counter()
         raw = await request.body()
         try:
-            body = _json_object(raw)
+            body = json_object(raw)
             group = self._group(body.get("model"))
         except APIError as e:
             return error_response(self.metrics, e)
@@ -245,16 +244,6 @@ class Router:
                 row["exact_hashes"] = sorted(exact)
             workers.append(row)
         return JSONResponse({"policy": self.policy.name, "workers": workers})
-
-
-def _json_object(raw: bytes) -> dict[str, Any]:
-    try:
-        body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise APIError(400, f"malformed JSON body: {e}") from None
-    if not isinstance(body, dict):
-        raise APIError(400, "the request body must be a JSON object")
-    return body
 
 
 def _name(url: str) -> str:

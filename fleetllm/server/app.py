@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import time
 import uuid
@@ -36,7 +35,13 @@ from fleetllm.observability.dashboard import dashboard_routes
 from fleetllm.observability.process import ColdStart, ProcessHostCollector
 from fleetllm.observability.tracing import trace_id_of
 from fleetllm.server import openai_format as fmt
-from fleetllm.server.protocol import APIError, chat_messages, completion_prompts, sampling_from_body
+from fleetllm.server.protocol import (
+    APIError,
+    chat_messages,
+    completion_prompts,
+    json_object,
+    sampling_from_body,
+)
 
 if TYPE_CHECKING:
     from fleetllm.engine.engine import LLMEngine
@@ -125,12 +130,7 @@ class Worker:
     # ---- helpers (public ones are what the disaggregation endpoints build on) -------------------------
     async def request_body(self, request: Request) -> dict[str, Any]:
         """The request's JSON object; APIError 400 if it is none, 404 if it names another model."""
-        try:
-            body = json.loads(await request.body())
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise APIError(400, f"malformed JSON body: {e}") from None
-        if not isinstance(body, dict):
-            raise APIError(400, "the request body must be a JSON object")
+        body = json_object(await request.body())
         model = body.get("model")
         if model is not None and model != self.model_name:
             raise APIError(404, f"The model `{model}` does not exist. Served: {self.model_name}", "model")
