@@ -98,7 +98,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
         return cmd_sim_worker(args)
     from fleetllm.engine.engine import LLMEngine
     from fleetllm.server.app import Worker
-    from fleetllm.server.serving import run_app
+    from fleetllm.server.uvicorn_runner import run_app
 
     engine = LLMEngine(engine_config(args))
     logging.getLogger("fleetllm").info(
@@ -174,7 +174,7 @@ def router_config(args: argparse.Namespace, workers: list[str], zones: list[str]
 
 def cmd_router(args: argparse.Namespace) -> int:
     from fleetllm.router.gateway import Router
-    from fleetllm.server.serving import run_app
+    from fleetllm.server.uvicorn_runner import run_app
 
     workers = [u for u in args.workers.split(",") if u]
     zones = args.zones.split(",") if args.zones else None

@@ -57,37 +57,61 @@ class TransferMetrics:
 
 
 def pd_routes(worker: Worker) -> list[Route]:
-    metrics: list[TransferMetrics] = []
+    """The ``/pd/prefill`` and ``/pd/kv`` routes of ``worker``."""
+    ep = PDEndpoints(worker)
+    return [Route("/pd/prefill", ep.prefill, methods=["POST"]), Route("/pd/kv", ep.receive, methods=["POST"])]
 
-    def m() -> TransferMetrics:
-        if not metrics:
-            metrics.append(TransferMetrics(worker))
-        return metrics[0]
 
-    async def prefill(request: Request) -> Response:
-        from fleetllm.disagg import frame
+class PDEndpoints:
+    """The two disaggregation endpoints of one worker, built on its public request helpers."""
+
+    def __init__(self, worker: Worker) -> None:
+        self.worker = worker
+        self._metrics: TransferMetrics | None = None
+
+    @property
+    def metrics(self) -> TransferMetrics:
+        # registered on first use: a worker that never transfers shows no transfer series
+        if self._metrics is None:
+            self._metrics = TransferMetrics(self.worker)
+        return self._metrics
+
+    # ---- prefill side ----------------------------------------------------------------------------------
+    async def prefill(self, request: Request) -> Response:
+        """Compute the prompt's KV, ship its full blocks to the decode worker, answer what was shipped."""
         from fleetllm.disagg.kv_io import export_blocks
 
-        req = await worker._body(request)
+        req = await self.worker.request_body(request)
         path, body, decode_url = req.get("path", ""), req.get("body"), req.get("decode_url")
         if not isinstance(body, dict) or not isinstance(decode_url, str):
             raise APIError(400, "give body (the request) and decode_url")
         kind = "chat" if path.endswith("/chat/completions") else "text"
-        ids = worker.prompt_ids(kind, body)[0]
+        ids = self.worker.prompt_ids(kind, body)[0]
         rid = f"pd-{req.get('request_id') or uuid.uuid4().hex}"
         t0 = time.perf_counter()
-
-        async def run() -> None:
-            async for _ in worker.async_engine.generate(rid, ids, SamplingParams(max_tokens=1, temperature=0.0)):
-                pass
-
-        await worker._until_disconnect(request, run())  # the router gave up: abort, free the blocks
-        header, layers = await worker.async_engine.call(lambda e: export_blocks(e, ids))
+        await self.worker.until_disconnect(request, self._compute(rid, ids))  # the router gave up: abort, free the blocks
+        header, layers = await self.worker.async_engine.call(lambda e: export_blocks(e, ids))
         prefill_s = time.perf_counter() - t0
-        m().prefill_seconds.observe(prefill_s)
+        self.metrics.prefill_seconds.observe(prefill_s)
         via = req.get("transfer") or "http"
         t1 = time.perf_counter()
-        timeout = float(req.get("timeout_s") or 60.0)
+        r, nbytes = await self._ship(header, layers, decode_url, via, float(req.get("timeout_s") or 60.0))
+        transfer_s = time.perf_counter() - t1
+        self.metrics.bytes.labels(direction="sent", via=via).inc(nbytes)
+        self.metrics.seconds.labels(direction="sent").observe(transfer_s)
+        self.metrics.blocks.labels(kind="sent").inc(header.num_blocks)
+        return JSONResponse({"blocks": header.num_blocks, "bytes": nbytes, "prompt_tokens": len(ids),
+                             "prefill_s": prefill_s, "transfer_s": transfer_s, "via": via, **r.json()})
+
+    async def _compute(self, rid: str, ids: list[int]) -> None:
+        # one greedy token: the prompt's blocks are then computed and sit in the prefix cache
+        async for _ in self.worker.async_engine.generate(rid, ids, SamplingParams(max_tokens=1, temperature=0.0)):
+            pass
+
+    async def _ship(self, header: Any, layers: Any, decode_url: str, via: str, timeout: float) -> tuple[httpx.Response, int]:
+        """POST the frame to the decode worker's ``/pd/kv``; its answer (200 only) and the bytes sent."""
+        from fleetllm.disagg import frame
+
         shm_path: Path | None = None
         try:
             async with httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=3.0)) as client:
@@ -107,55 +131,51 @@ def pd_routes(worker: Worker) -> list[Route]:
                                           headers={"content-type": "application/octet-stream"})
                     nbytes = sent[0]
         except httpx.HTTPError as e:
-            m().failures.labels(reason="send").inc()
+            self.metrics.failures.labels(reason="send").inc()
             raise APIError(502, f"KV transfer to {decode_url} failed: {type(e).__name__}: {e}") from None
         finally:
             if shm_path is not None and shm_path.exists():
                 shm_path.unlink(missing_ok=True)  # never claimed: the receiver unlinks what it reads
         if r.status_code != 200:
-            m().failures.labels(reason=f"rejected_{r.status_code}").inc()
+            self.metrics.failures.labels(reason=f"rejected_{r.status_code}").inc()
             raise APIError(502, f"the decode worker refused the KV frame ({r.status_code}): {r.text[:200]}")
-        transfer_s = time.perf_counter() - t1
-        m().bytes.labels(direction="sent", via=via).inc(nbytes)
-        m().seconds.labels(direction="sent").observe(transfer_s)
-        m().blocks.labels(kind="sent").inc(header.num_blocks)
-        return JSONResponse({"blocks": header.num_blocks, "bytes": nbytes, "prompt_tokens": len(ids),
-                             "prefill_s": prefill_s, "transfer_s": transfer_s, "via": via, **r.json()})
+        return r, nbytes
 
-    async def receive(request: Request) -> Response:
+    # ---- decode side -----------------------------------------------------------------------------------
+    async def receive(self, request: Request) -> Response:
+        """Verify a frame and import its blocks into this worker's prefix cache."""
         from fleetllm.disagg.frame import FrameError, decode
         from fleetllm.disagg.kv_io import import_blocks
 
         t0 = time.perf_counter()
-        via = "http"
-        if request.headers.get("content-type", "").startswith("application/json"):
-            spec = await worker._body(request)
-            p = Path(str(spec.get("shm", "")))
-            if p.parent != SHM_DIR or not p.name.startswith("fleetllm-kv-"):
-                raise APIError(400, "shm must name a fleetllm-kv-* file in the shared-memory directory", "shm")
-            try:
-                data = await asyncio.to_thread(p.read_bytes)
-            except OSError as e:
-                m().failures.labels(reason="shm_read").inc()
-                raise APIError(400, f"cannot read {p}: {e}", "shm") from None
-            finally:
-                p.unlink(missing_ok=True)
-            via = "shm"
-        else:
-            data = await request.body()
+        data, via = await self._read_frame(request)
         try:
             header, layers = await asyncio.to_thread(decode, data)
-            result = await worker.async_engine.call(lambda e: import_blocks(e, header, layers))
+            result = await self.worker.async_engine.call(lambda e: import_blocks(e, header, layers))
         except FrameError as e:
-            m().failures.labels(reason="bad_frame").inc()
+            self.metrics.failures.labels(reason="bad_frame").inc()
             raise APIError(400, f"bad KV frame: {e}") from None
-        m().bytes.labels(direction="received", via=via).inc(len(data))
-        m().seconds.labels(direction="received").observe(time.perf_counter() - t0)
-        m().blocks.labels(kind="imported").inc(result["imported"])
-        m().blocks.labels(kind="already_cached").inc(result["already_cached"])
+        self.metrics.bytes.labels(direction="received", via=via).inc(len(data))
+        self.metrics.seconds.labels(direction="received").observe(time.perf_counter() - t0)
+        self.metrics.blocks.labels(kind="imported").inc(result["imported"])
+        self.metrics.blocks.labels(kind="already_cached").inc(result["already_cached"])
         return JSONResponse(result)
 
-    return [Route("/pd/prefill", prefill, methods=["POST"]), Route("/pd/kv", receive, methods=["POST"])]
+    async def _read_frame(self, request: Request) -> tuple[bytes, str]:
+        """The frame's bytes, from the body or from the shared-memory file it names; and which way it came."""
+        if not request.headers.get("content-type", "").startswith("application/json"):
+            return await request.body(), "http"
+        spec = await self.worker.request_body(request)
+        p = Path(str(spec.get("shm", "")))
+        if p.parent != SHM_DIR or not p.name.startswith("fleetllm-kv-"):
+            raise APIError(400, "shm must name a fleetllm-kv-* file in the shared-memory directory", "shm")
+        try:
+            return await asyncio.to_thread(p.read_bytes), "shm"
+        except OSError as e:
+            self.metrics.failures.labels(reason="shm_read").inc()
+            raise APIError(400, f"cannot read {p}: {e}", "shm") from None
+        finally:
+            p.unlink(missing_ok=True)
 
 
 def _write_frame(path: Path, pieces: Any) -> int:

@@ -51,6 +51,11 @@ class AsyncEngine:
             self._thread.join(timeout=10)
 
     @property
+    def is_running(self) -> bool:
+        """Whether the engine thread is alive (started and not stopped or crashed)."""
+        return self._thread is not None and self._thread.is_alive()
+
+    @property
     def num_active(self) -> int:
         return len(self._streams)
 

@@ -4,6 +4,8 @@
   and the KV-event subscription that keeps the prefix index exact.
 - :mod:`.index`     which worker holds which KV blocks (block hashes equal to the engine's).
 - :mod:`.policies`  round_robin, least_load, session, prefix, kv_aware: one class each, by name.
-- :mod:`.gateway`   the HTTP app: tokenize, route, proxy streams byte for byte, retry before the
-  first byte, metrics.
+- :mod:`.forward`   forwarding to a worker: load counted at dispatch, streams relayed byte for byte,
+  retries before the first byte, circuit breaker.
+- :mod:`.gateway`   the HTTP app: routes, lifespan, workers grouped by served model, tokenize and hash
+  prompts, hand them to the forwarder (and to :mod:`fleetllm.disagg.router_path` for P/D).
 """

@@ -3,13 +3,16 @@
 Endpoints: /v1/chat/completions, /v1/completions (SSE streaming or not), /v1/models, /tokenize,
 /detokenize, /health, /metrics. Every failure is an OpenAI-style JSON error; a client that goes away
 aborts its request, which frees its KV blocks at the engine's next step.
+
+Handlers parse (:mod:`.protocol`), call the engine (through :class:`AsyncEngine`) and format
+(:mod:`.openai_format`). ``request_body``, ``prompt_ids`` and ``until_disconnect`` are public: the
+disaggregation endpoints (:mod:`fleetllm.disagg.routes`) handle their requests with them.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import time
 import uuid
@@ -31,7 +34,14 @@ from fleetllm.engine.scheduler import QueueFull
 from fleetllm.observability.dashboard import dashboard_routes
 from fleetllm.observability.process import ColdStart, ProcessHostCollector
 from fleetllm.observability.tracing import trace_id_of
-from fleetllm.server.protocol import APIError, chat_messages, completion_prompts, sampling_from_body
+from fleetllm.server import openai_format as fmt
+from fleetllm.server.protocol import (
+    APIError,
+    chat_messages,
+    completion_prompts,
+    json_object,
+    sampling_from_body,
+)
 
 if TYPE_CHECKING:
     from fleetllm.engine.engine import LLMEngine
@@ -117,14 +127,10 @@ class Worker:
     async def _internal(self, request: Request, exc: Exception) -> JSONResponse:
         return error_response(APIError(500, f"internal error: {type(exc).__name__}: {exc}"))
 
-    # ---- helpers -----------------------------------------------------------------------------------
-    async def _body(self, request: Request) -> dict[str, Any]:
-        try:
-            body = json.loads(await request.body())
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise APIError(400, f"malformed JSON body: {e}") from None
-        if not isinstance(body, dict):
-            raise APIError(400, "the request body must be a JSON object")
+    # ---- helpers (public ones are what the disaggregation endpoints build on) -------------------------
+    async def request_body(self, request: Request) -> dict[str, Any]:
+        """The request's JSON object; APIError 400 if it is none, 404 if it names another model."""
+        body = json_object(await request.body())
         model = body.get("model")
         if model is not None and model != self.model_name:
             raise APIError(404, f"The model `{model}` does not exist. Served: {self.model_name}", "model")
@@ -191,7 +197,7 @@ class Worker:
                 finals[0].num_cached_tokens if finals else 0, ttft, time.monotonic() - start,
                 trace_id_of(request.headers) or "-")
 
-    async def _until_disconnect(self, request: Request, aw: Awaitable[T]) -> T:
+    async def until_disconnect(self, request: Request, aw: Awaitable[T]) -> T:
         """Await ``aw``, cancelling it and raising APIError(499) if the client disconnects meanwhile.
 
         Used for everything awaited before a response starts (a waiting request has no bytes to send,
@@ -210,11 +216,6 @@ class Worker:
     async def _collect(self, agen: AsyncIterator[Any]) -> list[Any]:
         return [it async for it in agen]
 
-    def _usage(self, prompt_tokens: int, completion_tokens: int, cached: int) -> dict[str, Any]:
-        return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                "total_tokens": prompt_tokens + completion_tokens,
-                "prompt_tokens_details": {"cached_tokens": cached}}
-
     # ---- endpoints ---------------------------------------------------------------------------------
     def prompt_ids(self, kind: str, body: dict[str, Any]) -> list[list[int]]:
         """The token ids of a chat (``kind="chat"``: template applied) or completions request's prompts."""
@@ -231,143 +232,64 @@ class Worker:
         return [self.engine.tokenizer.encode(text, add_special_tokens=False)]
 
     async def chat(self, request: Request) -> Response:
-        body = await self._body(request)
+        body = await self.request_body(request)
         ids = self.prompt_ids("chat", body)
         params = sampling_from_body(body, chat=True)
         return await self._respond(request, "chat", body, ids, params)
 
     async def completions(self, request: Request) -> Response:
-        body = await self._body(request)
+        body = await self.request_body(request)
         if body.get("echo"):
             raise APIError(400, "echo is not supported", "echo")
         prompts = self.prompt_ids("text", body)
         params = sampling_from_body(body, chat=False)
         return await self._respond(request, "text", body, prompts, params)
 
-    async def _respond(self, request: Request, kind: str, body: dict[str, Any], prompts: list[list[int]], params: SamplingParams) -> Response:
+    async def _respond(self, request: Request, kind: str, body: dict[str, Any], prompts: list[list[int]],
+                       params: SamplingParams) -> Response:
         rid = request.headers.get("x-request-id") or uuid.uuid4().hex
         cid = ("chatcmpl-" if kind == "chat" else "cmpl-") + rid
         headers = {"x-request-id": rid}
         gen = self._run(request, rid, kind, prompts, params)
         try:
             if not body.get("stream"):
-                outs = await self._until_disconnect(request, self._collect(gen))
-                return JSONResponse(self._full_response(kind, cid, outs, len(prompts) * params.n, params.n),
+                outs = await self.until_disconnect(request, self._collect(gen))
+                return JSONResponse(fmt.completion_response(kind, cid, self.model_name, int(time.time()), outs,
+                                                            len(prompts) * params.n, params.n, self.token_text),
                                     headers=headers)
             # Start the first request before answering 200 so validation errors are still proper JSON errors.
-            first = await self._until_disconnect(request, gen.__anext__())
+            first = await self.until_disconnect(request, gen.__anext__())
         except APIError as e:
             await gen.aclose()  # aborts whatever is still queued or running
             if e.status == 499:
                 return Response(status_code=499)
             raise
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-        return StreamingResponse(self._sse(kind, cid, first, gen, include_usage, params.n), media_type="text/event-stream", headers=headers)
+        return StreamingResponse(self._sse(kind, cid, first, gen, include_usage, params.n),
+                                 media_type="text/event-stream", headers=headers)
 
-    async def _sse(self, kind: str, cid: str, first: tuple[int, RequestOutput], gen: AsyncIterator[tuple[int, RequestOutput]], include_usage: bool, n: int) -> AsyncIterator[str]:
+    async def _sse(self, kind: str, cid: str, first: tuple[int, RequestOutput],
+                   gen: AsyncIterator[tuple[int, RequestOutput]], include_usage: bool, n: int) -> AsyncIterator[str]:
         created = int(time.time())
-        counts: dict[int, tuple[int, int, int]] = {}
-        started: set[int] = set()
-
-        def chunk(choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> str:
-            obj = {"id": cid, "object": "chat.completion.chunk" if kind == "chat" else "text_completion",
-                   "created": created, "model": self.model_name, "choices": choices}
-            if usage is not None:
-                obj["usage"] = usage
-            return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
-
-        async def items() -> AsyncIterator[tuple[int, RequestOutput]]:
-            yield first
-            async for it in gen:
-                yield it
-
+        counts: dict[int, fmt.TokenCounts] = {}
         try:
-            async for index, out in items():
+            async for index, out in _prepend(first, gen):
                 if out.error:
-                    yield f"data: {json.dumps(APIError(500, out.error).body())}\n\n"
+                    yield fmt.error_event(out.error)
                     continue
-                counts[index] = (out.num_prompt_tokens, out.num_output_tokens, out.num_cached_tokens)
-                if kind == "chat":
-                    if index not in started:
-                        started.add(index)
-                        yield chunk([{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}])
-                    if out.new_text or out.logprobs:
-                        yield chunk([{"index": index, "delta": {"content": out.new_text},
-                                      "logprobs": self._chat_logprobs(out), "finish_reason": None}])
-                    if out.finished:
-                        yield chunk([{"index": index, "delta": {}, "logprobs": None, "finish_reason": _finish(out),
-                                      "stop_reason": out.stop_reason}])
-                else:
-                    if out.new_text or out.finished or out.logprobs:
-                        yield chunk([{"index": index, "text": out.new_text, "logprobs": self._text_logprobs(out, 0),
-                                      "finish_reason": _finish(out) if out.finished else None,
-                                      "stop_reason": out.stop_reason if out.finished else None}])
+                opened = index in counts
+                counts[index] = fmt.token_counts(out)
+                for choice in fmt.stream_choices(kind, index, out, not opened, self.token_text):
+                    yield fmt.chunk_event(kind, cid, self.model_name, created, [choice])
             if include_usage:
-                yield chunk([], self._sum_usage(counts, n))
-            yield "data: [DONE]\n\n"
+                yield fmt.chunk_event(kind, cid, self.model_name, created, [], fmt.total_usage(counts, n))
+            yield fmt.SSE_DONE
         finally:
             await gen.aclose()
 
-    def _sum_usage(self, counts: dict[int, tuple[int, int, int]], n: int) -> dict[str, Any]:
-        """Usage over all choices: each prompt's tokens count once even with n > 1, as in OpenAI's API."""
-        firsts = [c for i, c in counts.items() if i % n == 0]
-        return self._usage(sum(p for p, _, _ in firsts), sum(o for _, o, _ in counts.values()),
-                           sum(c for _, _, c in firsts))
-
-    def _full_response(self, kind: str, cid: str, outs: list[tuple[int, RequestOutput]], num_choices: int, n: int) -> dict[str, Any]:
-        texts = [""] * num_choices
-        lps: list[list[Any]] = [[] for _ in range(num_choices)]
-        final: dict[int, RequestOutput] = {}
-        for index, out in outs:
-            if out.error:
-                raise APIError(500, out.error)
-            texts[index] += out.new_text
-            if out.logprobs:
-                lps[index].append(out)
-            if out.finished:
-                final[index] = out
-        choices = []
-        for i in range(num_choices):
-            f = final[i]
-            if kind == "chat":
-                lp = None
-                if f.logprobs is not None or lps[i]:
-                    lp = {"content": [c for o in lps[i] for c in self._chat_logprobs(o)["content"]]}
-                choices.append({"index": i, "message": {"role": "assistant", "content": texts[i]},
-                                "logprobs": lp, "finish_reason": _finish(f), "stop_reason": f.stop_reason})
-            else:
-                lp = None
-                if lps[i]:
-                    parts = [self._text_logprobs(o, 0) for o in lps[i]]
-                    lp = {k: [v for p in parts for v in p[k]] for k in ("tokens", "token_logprobs", "top_logprobs")}
-                choices.append({"index": i, "text": texts[i], "logprobs": lp, "finish_reason": _finish(f),
-                                "stop_reason": f.stop_reason})
-        counts = {i: (f.num_prompt_tokens, f.num_output_tokens, f.num_cached_tokens) for i, f in final.items()}
-        return {"id": cid, "object": "chat.completion" if kind == "chat" else "text_completion",
-                "created": int(time.time()), "model": self.model_name, "choices": choices,
-                "usage": self._sum_usage(counts, n)}
-
-    def _tok(self, i: int) -> str:
-        return self.engine.tokenizer.decode([i], skip_special_tokens=False)
-
-    def _chat_logprobs(self, out: RequestOutput) -> dict[str, Any] | None:
-        if not out.logprobs:
-            return None
-        content = []
-        for t in out.logprobs:
-            s = self._tok(t.token_id)
-            content.append({"token": s, "logprob": t.logprob, "bytes": list(s.encode()),
-                            "top_logprobs": [{"token": self._tok(i), "logprob": lp, "bytes": list(self._tok(i).encode())}
-                                             for i, lp in t.top]})
-        return {"content": content}
-
-    def _text_logprobs(self, out: RequestOutput, offset: int) -> dict[str, Any] | None:
-        if not out.logprobs:
-            return None
-        return {"tokens": [self._tok(t.token_id) for t in out.logprobs],
-                "token_logprobs": [t.logprob for t in out.logprobs],
-                "top_logprobs": [{self._tok(i): lp for i, lp in t.top} for t in out.logprobs],
-                "text_offset": [offset] * len(out.logprobs)}
+    def token_text(self, token_id: int) -> str:
+        """One token's text as logprobs show it (special tokens included)."""
+        return self.engine.tokenizer.decode([token_id], skip_special_tokens=False)
 
     async def models(self, request: Request) -> Response:
         return JSONResponse({"object": "list", "data": [
@@ -375,7 +297,7 @@ class Worker:
              "max_model_len": self.engine.max_model_len}]})
 
     async def tokenize(self, request: Request) -> Response:
-        body = await self._body(request)
+        body = await self.request_body(request)
         if "messages" in body:
             text = self.engine.tokenizer.apply_chat_template(chat_messages(body), body.get("add_generation_prompt", True))
             ids = self.engine.tokenizer.encode(text, add_special_tokens=False)
@@ -386,7 +308,7 @@ class Worker:
         return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": self.engine.max_model_len})
 
     async def detokenize(self, request: Request) -> Response:
-        body = await self._body(request)
+        body = await self.request_body(request)
         toks = body.get("tokens")
         if not isinstance(toks, list) or not all(isinstance(t, int) for t in toks):
             raise APIError(400, "tokens must be a list of integers", "tokens")
@@ -396,8 +318,7 @@ class Worker:
         return JSONResponse({"prompt": self.engine.tokenizer.decode(toks, skip_special_tokens=False)})
 
     async def health(self, request: Request) -> Response:
-        t = self.async_engine._thread
-        if t is None or not t.is_alive():
+        if not self.async_engine.is_running:
             return JSONResponse({"status": "engine loop is not running"}, status_code=503)
         return JSONResponse({"status": "ok"})
 
@@ -420,12 +341,9 @@ class Worker:
         interval = float(request.query_params.get("interval", "0.5"))
         q, snapshot = await self.async_engine.subscribe_kv_events()
 
-        def event(obj: dict[str, Any]) -> str:
-            return f"data: {json.dumps(obj)}\n\n"
-
         async def stream() -> AsyncIterator[str]:
             try:
-                yield event({"type": "snapshot", "instance": self.instance_id, "model": self.model_name,
+                yield fmt.sse_event({"type": "snapshot", "instance": self.instance_id, "model": self.model_name,
                              "block_size": self.engine.pool.block_size, "num_blocks": self.engine.pool.num_blocks,
                              "role": self.role,
                              "hashes": snapshot, **self.load()})
@@ -434,11 +352,11 @@ class Worker:
                     timeout = max(0.0, next_load - time.monotonic())
                     try:
                         kind, hashes = await asyncio.wait_for(q.get(), timeout)
-                        yield event({"type": kind, "hashes": hashes})
+                        yield fmt.sse_event({"type": kind, "hashes": hashes})
                     except TimeoutError:
                         pass
                     if time.monotonic() >= next_load:
-                        yield event({"type": "load", **self.load()})
+                        yield fmt.sse_event({"type": "load", **self.load()})
                         next_load = time.monotonic() + interval
             finally:
                 self.async_engine.unsubscribe_kv_events(q)
@@ -446,8 +364,10 @@ class Worker:
         return StreamingResponse(stream(), media_type="text/event-stream")
 
 
-def _finish(out: RequestOutput) -> str | None:
-    return {"abort": "abort", "error": "error"}.get(out.finish_reason or "", out.finish_reason)
+async def _prepend(first: T, rest: AsyncIterator[T]) -> AsyncIterator[T]:
+    yield first
+    async for it in rest:
+        yield it
 
 
 def _as_api_error(e: BaseException) -> BaseException:

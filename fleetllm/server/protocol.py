@@ -5,6 +5,7 @@ Parsing is explicit (no schema library) so every bad field gets a precise 400 na
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from fleetllm.engine.params import InvalidParameter, SamplingParams
@@ -26,6 +27,17 @@ class APIError(Exception):
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.TYPES.get(self.status, "error"),
                           "param": self.param, "code": self.status}}
+
+
+def json_object(raw: bytes) -> dict[str, Any]:
+    """A request body that must be a JSON object (APIError 400 otherwise)."""
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise APIError(400, f"malformed JSON body: {e}") from None
+    if not isinstance(body, dict):
+        raise APIError(400, "the request body must be a JSON object")
+    return body
 
 
 def _num(body: dict[str, Any], key: str, kind: type, default: Any) -> Any:

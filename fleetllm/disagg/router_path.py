@@ -1,0 +1,116 @@
+"""The router's side of disaggregated serving: with the decode worker chosen, prefill elsewhere or not.
+
+The decode worker is chosen first (by the router's policy); the prompt is prefilled remotely only when
+that worker lacks at least ``pd_threshold`` of its tokens and some prefill worker has room
+(``prefill_max_inflight``). The prefill worker computes the KV and pushes it to the decode worker
+(``POST /pd/prefill``, see :mod:`fleetllm.disagg.routes`); the request then goes to the decode worker,
+which finds the blocks in its prefix cache. Whatever goes wrong on the remote leg (prefill worker down,
+transfer refused, timeout), the request goes on with a local prefill: counted, and invisible to the
+client. Torch-free, like the rest of the router.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+from urllib.parse import urlparse
+
+import httpx
+
+from fleetllm.router.forward import Forward
+from fleetllm.router.index import PrefixIndex
+from fleetllm.router.metrics import RouterMetrics
+from fleetllm.router.policies import Decision, RouteRequest
+from fleetllm.router.upstream import WorkerState
+
+if TYPE_CHECKING:
+    from fleetllm.router.gateway import RouterConfig
+
+log = logging.getLogger(__name__)
+
+
+class RemotePrefill:
+    """Decides per request whether to prefill on a prefill worker, and does it."""
+
+    def __init__(self, client: httpx.AsyncClient, cfg: RouterConfig, metrics: RouterMetrics,
+                 events_index: PrefixIndex, on_failure: Callable[[WorkerState], None]) -> None:
+        self.client = client
+        self.cfg = cfg
+        self.metrics = metrics
+        self.events_index = events_index  # what each worker reported holding (KV events)
+        self.on_failure = on_failure  # a prefill worker failed: its circuit breaker counts it
+
+    async def maybe_disaggregate(self, d: Decision, fwd: Forward, prefill_pool: list[WorkerState]) -> Decision:
+        """``d`` with the prompt tokens its worker will find cached once the remote prefill (if any) is done.
+
+        The decode worker's load is counted from here on."""
+        d = self._with_reported_blocks(d, fwd.route)
+        uncached = d.uncached_tokens(fwd.route)
+        if uncached < self.cfg.pd_threshold:
+            self.metrics.pd_decisions.labels(decision="local").inc()
+            return d
+        p = self._free_prefill_worker(prefill_pool)
+        if p is None:
+            self.metrics.pd_decisions.labels(decision="saturated").inc()
+            return d
+        t0 = time.perf_counter()
+        ok, detail, prefill_at_fault = await self._prefill(p, d.worker, fwd, uncached)
+        if not ok:
+            self.metrics.pd_decisions.labels(decision="fallback").inc()
+            self.metrics.errors.labels(kind="pd_prefill_failed").inc()
+            if prefill_at_fault:
+                self.on_failure(p)
+            log.warning("request %s: remote prefill on %s failed (%s); prefilling on %s", fwd.rid, p.name, detail,
+                        d.worker.name)
+            return d
+        p.breaker.success()
+        self.metrics.pd_decisions.labels(decision="disaggregated").inc()
+        self.metrics.pd_seconds.observe(time.perf_counter() - t0)
+        self.metrics.pd_bytes.inc(detail.get("bytes", 0))
+        shipped = (detail.get("imported", 0) + detail.get("already_cached", 0)) * fwd.route.block_size
+        cached = min(max(d.cached_tokens, shipped), max(fwd.route.num_prompt_tokens - 1, 0))
+        return Decision(d.worker, d.reason, cached)
+
+    def _with_reported_blocks(self, d: Decision, req: RouteRequest) -> Decision:
+        """``d``, crediting what the decode worker reported caching when the policy's view knew less."""
+        held = self.events_index.match(req.block_hashes, [d.worker.name])[d.worker.name] * req.block_size
+        if held > d.cached_tokens:
+            return Decision(d.worker, d.reason, min(held, max(req.num_prompt_tokens - 1, 0)))
+        return d
+
+    def _free_prefill_worker(self, prefill_pool: list[WorkerState]) -> WorkerState | None:
+        now = time.monotonic()
+        free = [w for w in prefill_pool if w.routable(now) and w.inflight < self.cfg.prefill_max_inflight]
+        return min(free, key=lambda w: (w.inflight, w.pending_prefill_tokens)) if free else None
+
+    async def _prefill(self, p: WorkerState, decode: WorkerState, fwd: Forward,
+                       uncached: int) -> tuple[bool, Any, bool]:
+        """Ask ``p`` to prefill and ship to ``decode``: (ok, its answer or why not, whether ``p`` is to blame)."""
+        via = self.cfg.pd_transfer
+        if via == "auto":
+            via = "shm" if _host(p.url) == _host(decode.url) else "http"
+        decode.inflight += 1  # load counted at dispatch, including while its KV is being prepared elsewhere
+        p.inflight += 1
+        p.pending_prefill_tokens += uncached
+        try:
+            r = await self.client.post(p.url + "/pd/prefill", json={
+                "path": fwd.path, "body": fwd.body, "decode_url": decode.url, "transfer": via, "request_id": fwd.rid,
+                "timeout_s": self.cfg.pd_timeout_s}, headers={"x-request-id": fwd.rid},
+                timeout=httpx.Timeout(self.cfg.pd_timeout_s, connect=self.cfg.connect_timeout_s))
+            ok = r.status_code == 200
+            detail = r.json() if ok else r.text[:200]
+            # 502 = the prefill worker did its part but the decode worker refused or was unreachable
+            return ok, detail, not ok and r.status_code != 502
+        except (httpx.HTTPError, ValueError) as e:
+            return False, f"{type(e).__name__}: {e}", True
+        finally:
+            decode.inflight -= 1
+            p.inflight -= 1
+            p.pending_prefill_tokens -= uncached
+
+
+def _host(url: str) -> str:
+    h = urlparse(url).hostname or ""
+    return "127.0.0.1" if h == "localhost" else h

@@ -1,0 +1,254 @@
+"""Forwarding a request to a worker: load counted at dispatch, retries before the first byte, breaker.
+
+A request's load (in flight, pending prefill tokens, then decoding) is put on its worker the moment it
+is dispatched and taken off exactly once, when its response ends however it ends. A failure before
+the first byte — connection refused, a 5xx status, a stream that ends before any byte — counts
+against the worker's circuit breaker and is retried on another worker (reason ``retry``), up to
+``max_retries`` times; after the first byte the client owns the stream, and a client that goes away
+closes the upstream request, which aborts it on the worker and frees its KV blocks. The response is
+relayed byte for byte as the worker sends it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import httpx
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from fleetllm.router.index import PrefixIndex
+from fleetllm.router.metrics import RouterMetrics
+from fleetllm.router.policies import Decision, Policy, RouteRequest
+from fleetllm.router.upstream import WorkerState
+from fleetllm.server.protocol import APIError
+
+if TYPE_CHECKING:
+    from fleetllm.router.gateway import RouterConfig
+
+log = logging.getLogger(__name__)
+
+_FORWARD_HEADERS = ("content-type", "authorization", "accept", "traceparent", "tracestate")
+_RESPONSE_HEADERS = ("content-type", "x-request-id")
+
+
+@dataclass
+class Forward:
+    """One client request on its way to a worker."""
+
+    path: str  # /v1/chat/completions or /v1/completions
+    raw: bytes  # the body as the client sent it: forwarded unchanged
+    body: dict[str, Any]  # the same body parsed
+    headers: dict[str, str]  # what goes upstream
+    rid: str
+    route: RouteRequest
+    t0: float  # perf_counter at arrival
+
+    @property
+    def stream(self) -> bool:
+        return bool(self.body.get("stream"))
+
+
+def upstream_headers(client_headers: Mapping[str, str], rid: str) -> dict[str, str]:
+    """The client's headers a worker needs, plus the request id that ties their logs together."""
+    headers = {k: v for k, v in client_headers.items() if k.lower() in _FORWARD_HEADERS}
+    headers["x-request-id"] = rid
+    return headers
+
+
+def error_response(metrics: RouterMetrics, e: APIError, kind: str | None = None) -> JSONResponse:
+    """``e`` as the client's answer, counted by status (and by ``kind`` among errors when given)."""
+    metrics.requests.labels(status=str(e.status)).inc()
+    if kind:
+        metrics.errors.labels(kind=kind).inc()
+    return JSONResponse(e.body(), status_code=e.status)
+
+
+class AttemptFailed(Exception):
+    """An attempt failed before any byte reached the client: safe to retry elsewhere."""
+
+    def __init__(self, kind: str, message: str, status: int = 502, body: bytes | None = None) -> None:
+        super().__init__(message)
+        self.kind, self.status, self.body = kind, status, body
+
+
+Prepare = Callable[[Decision], Awaitable[Decision]]
+
+
+class Forwarder:
+    """Sends requests to workers over one shared client and keeps their load, breakers and metrics."""
+
+    def __init__(self, client: httpx.AsyncClient, cfg: RouterConfig, metrics: RouterMetrics, index: PrefixIndex,
+                 records_routed: bool) -> None:
+        self.client = client
+        self.cfg = cfg
+        self.metrics = metrics
+        self.index = index  # the policy's index: learns where a prompt was routed when records_routed
+        self.records_routed = records_routed
+
+    async def forward(self, fwd: Forward, group: list[WorkerState], policy: Policy,
+                      prepare: Prepare | None = None) -> Response:
+        """Route ``fwd`` with ``policy`` among ``group``, retrying on other workers before the first byte.
+
+        ``prepare`` runs once on the first decision before it is sent (the P/D path's remote prefill)."""
+        tried: set[str] = set()
+        last: AttemptFailed | None = None
+        for attempt in range(self.cfg.max_retries + 1):
+            now = time.monotonic()
+            candidates = [w for w in group if w.name not in tried and w.routable(now)]
+            if not candidates:
+                break
+            d = policy.choose(fwd.route, candidates)
+            reason = "retry" if attempt else d.reason
+            self.metrics.decisions.labels(policy=policy.name, reason=reason, worker=d.worker.name).inc()
+            tried.add(d.worker.name)
+            if attempt == 0 and prepare is not None:
+                d = await prepare(d)
+            try:
+                return await self._attempt(fwd, d)
+            except AttemptFailed as f:
+                last = f
+                self.metrics.errors.labels(kind=f.kind).inc()
+                self.metrics.retries.labels(worker=d.worker.name).inc()
+                log.warning("request %s failed on %s before its first byte (%s): %s", fwd.rid, d.worker.name, f.kind, f)
+        return self._give_up(last)
+
+    def _give_up(self, last: AttemptFailed | None) -> Response:
+        if last is None:
+            return error_response(self.metrics, APIError(503, "no healthy worker is available; retry later"), "no_worker")
+        if last.body is not None and last.status < 600:
+            self.metrics.requests.labels(status=str(last.status)).inc()
+            return Response(last.body, status_code=last.status, media_type="application/json")
+        return error_response(self.metrics, APIError(last.status if last.status in (502, 503, 504) else 502,
+                                                     f"every worker tried failed; last error: {last}"), "all_failed")
+
+    async def _attempt(self, fwd: Forward, d: Decision) -> Response:
+        w = d.worker
+        load = _Load(self, w, d.uncached_tokens(fwd.route))
+        self._dispatch(w, load.uncached, fwd.route)
+        resp, chunks, first = await self._first_byte(fwd, w, load)
+        load.first_byte()
+        w.breaker.success()
+        self._sync_breaker(w)
+        self.metrics.ttfb.observe(time.perf_counter() - fwd.t0)
+        out_headers = {k: v for k, v in resp.headers.items() if k.lower() in _RESPONSE_HEADERS}
+        out_headers["x-fleetllm-worker"] = w.name
+        status = resp.status_code
+        self.metrics.requests.labels(status=str(status)).inc()
+        if not fwd.stream or status != 200:
+            try:
+                rest = [c async for c in chunks]
+            except httpx.HTTPError as e:
+                self.metrics.errors.labels(kind="body_broken").inc()
+                rest, status = [], 502
+                first = json.dumps(APIError(502, f"the worker's response broke: {e}").body()).encode()
+            finally:
+                await resp.aclose()
+                load.release()
+            return Response(first + b"".join(rest), status_code=status, headers=out_headers)
+        return StreamingResponse(self._relay(first, chunks, resp, load), status_code=status, headers=out_headers)
+
+    async def _first_byte(self, fwd: Forward, w: WorkerState,
+                          load: _Load) -> tuple[httpx.Response, AsyncIterator[bytes], bytes]:
+        """Send the request and wait for its first byte; on failure release the load and raise AttemptFailed."""
+        timeout = httpx.Timeout(self.cfg.request_timeout_s, connect=self.cfg.connect_timeout_s)
+        try:
+            resp = await self.client.send(
+                self.client.build_request("POST", w.url + fwd.path, content=fwd.raw, headers=fwd.headers,
+                                          timeout=timeout),
+                stream=True)
+        except httpx.HTTPError as e:
+            load.release()
+            self.failed(w)
+            raise AttemptFailed("connect", f"{type(e).__name__}: {e}") from None
+        if resp.status_code >= 500:
+            body = await _read_quietly(resp)
+            load.release()
+            self.failed(w)
+            raise AttemptFailed(f"upstream_{resp.status_code}", body[:200].decode(errors="replace"), resp.status_code,
+                                body)
+        chunks = resp.aiter_raw()
+        try:
+            first = await chunks.__anext__()
+        except (httpx.HTTPError, StopAsyncIteration) as e:
+            await resp.aclose()
+            load.release()
+            self.failed(w)
+            raise AttemptFailed("no_first_byte", f"the response ended before its first byte ({type(e).__name__})") from None
+        return resp, chunks, first
+
+    async def _relay(self, first: bytes, chunks: AsyncIterator[bytes], resp: httpx.Response,
+                     load: _Load) -> AsyncIterator[bytes]:
+        try:
+            yield first
+            async for c in chunks:
+                yield c
+        except httpx.HTTPError as e:
+            self.metrics.errors.labels(kind="stream_broken").inc()
+            err = APIError(502, f"the worker's stream broke: {type(e).__name__}").body()
+            yield f"data: {json.dumps(err)}\n\n".encode()
+        finally:
+            await resp.aclose()  # on a client disconnect this closes the upstream request: the worker aborts
+            load.release()
+
+    def _dispatch(self, w: WorkerState, uncached: int, req: RouteRequest) -> None:
+        w.inflight += 1
+        w.pending_prefill_tokens += uncached
+        w.breaker.on_dispatch()
+        if self.records_routed and req.block_hashes:
+            if w.num_blocks:
+                self.index.capacity.setdefault(w.name, w.num_blocks)
+            self.index.record_routed(w.name, req.block_hashes)
+        self.metrics.cached_tokens.inc(max(0, req.num_prompt_tokens - uncached))
+        self.metrics.zone_requests.labels(zone=w.zone).inc()
+        self.load_changed(w)
+
+    def load_changed(self, w: WorkerState) -> None:
+        """Export ``w``'s router-side load after it changed."""
+        self.metrics.inflight.labels(worker=w.name).set(w.inflight)
+        self.metrics.pending_prefill.labels(worker=w.name).set(w.pending_prefill_tokens)
+
+    def failed(self, w: WorkerState) -> None:
+        """Count a failure of ``w`` against its circuit breaker."""
+        if w.breaker.failure(time.monotonic()):
+            self.metrics.breaker_trips.labels(worker=w.name).inc()
+            log.warning("circuit breaker open for %s (%d failures)", w.name, w.breaker.failures)
+        self._sync_breaker(w)
+
+    def _sync_breaker(self, w: WorkerState) -> None:
+        self.metrics.breaker_open.labels(worker=w.name).set(1 if w.breaker.state == "open" else 0)
+
+
+class _Load:
+    """The load one attempt puts on its worker: pending prefill until the first byte, then decoding."""
+
+    def __init__(self, forwarder: Forwarder, w: WorkerState, uncached: int) -> None:
+        self.forwarder, self.worker, self.uncached = forwarder, w, uncached
+        self.first_seen = False
+
+    def first_byte(self) -> None:
+        self.first_seen = True
+        self.worker.pending_prefill_tokens -= self.uncached
+        self.worker.decoding += 1
+
+    def release(self) -> None:
+        w = self.worker
+        w.inflight -= 1
+        if self.first_seen:
+            w.decoding -= 1
+        else:
+            w.pending_prefill_tokens -= self.uncached
+        self.forwarder.load_changed(w)
+
+
+async def _read_quietly(resp: httpx.Response) -> bytes:
+    try:
+        return await resp.aread()
+    except httpx.HTTPError:
+        return b""
+    finally:
+        await resp.aclose()

@@ -1,0 +1,159 @@
+"""OpenAI response objects and server-sent events, built from engine outputs by pure functions.
+
+Nothing here touches a request, a socket or the engine: each function maps :class:`RequestOutput` values
+(and a ``token_text`` function that turns a token id into its text) to the JSON the OpenAI API answers,
+so the exact shape of every field can be tested without a server. ``kind`` is ``"chat"`` for
+``/v1/chat/completions`` and ``"text"`` for ``/v1/completions``.
+
+Usage follows OpenAI's rule for ``n > 1``: each prompt's tokens count once, every choice's output counts.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any
+
+from fleetllm.engine.outputs import RequestOutput
+from fleetllm.server.protocol import APIError
+
+TokenText = Callable[[int], str]
+TokenCounts = tuple[int, int, int]  # prompt, completion and cached tokens of one choice
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+def sse_event(obj: Any, ensure_ascii: bool = True) -> str:
+    """One server-sent event carrying ``obj`` as JSON."""
+    return f"data: {json.dumps(obj, ensure_ascii=ensure_ascii)}\n\n"
+
+
+def error_event(message: str) -> str:
+    """The event a stream carries when a request fails after its first byte (status 500 in the body)."""
+    return sse_event(APIError(500, message).body())
+
+
+def finish_reason(out: RequestOutput) -> str | None:
+    """The OpenAI ``finish_reason`` of a finished output (``stop``, ``length``, ``abort``, ``error``)."""
+    return {"abort": "abort", "error": "error"}.get(out.finish_reason or "", out.finish_reason)
+
+
+def token_counts(out: RequestOutput) -> TokenCounts:
+    return out.num_prompt_tokens, out.num_output_tokens, out.num_cached_tokens
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+
+
+def total_usage(counts: dict[int, TokenCounts], n: int) -> dict[str, Any]:
+    """Usage over all choices (keyed by choice index; choices ``p*n .. p*n+n-1`` share prompt ``p``)."""
+    firsts = [c for i, c in counts.items() if i % n == 0]
+    return usage(sum(p for p, _, _ in firsts), sum(o for _, o, _ in counts.values()), sum(c for _, _, c in firsts))
+
+
+def chat_logprobs(out: RequestOutput, token_text: TokenText) -> dict[str, Any] | None:
+    """Chat ``logprobs`` of the tokens new in ``out`` (None when it carries none)."""
+    if not out.logprobs:
+        return None
+    content = []
+    for t in out.logprobs:
+        s = token_text(t.token_id)
+        top = [{"token": token_text(i), "logprob": lp, "bytes": list(token_text(i).encode())} for i, lp in t.top]
+        content.append({"token": s, "logprob": t.logprob, "bytes": list(s.encode()), "top_logprobs": top})
+    return {"content": content}
+
+
+def text_logprobs(out: RequestOutput, token_text: TokenText, offset: int = 0) -> dict[str, Any] | None:
+    """Completions ``logprobs`` of the tokens new in ``out`` (None when it carries none)."""
+    if not out.logprobs:
+        return None
+    return {"tokens": [token_text(t.token_id) for t in out.logprobs],
+            "token_logprobs": [t.logprob for t in out.logprobs],
+            "top_logprobs": [{token_text(i): lp for i, lp in t.top} for t in out.logprobs],
+            "text_offset": [offset] * len(out.logprobs)}
+
+
+def object_name(kind: str, stream: bool) -> str:
+    if kind == "chat":
+        return "chat.completion.chunk" if stream else "chat.completion"
+    return "text_completion"
+
+
+# ---- a whole response -------------------------------------------------------------------------------
+def completion_response(kind: str, cid: str, model: str, created: int, outs: list[tuple[int, RequestOutput]],
+                        num_choices: int, n: int, token_text: TokenText) -> dict[str, Any]:
+    """The non-streamed response from every (choice index, output) of a request, in arrival order.
+
+    Raises :class:`APIError` (500) if an output carries an engine error."""
+    texts = [""] * num_choices
+    with_logprobs: list[list[RequestOutput]] = [[] for _ in range(num_choices)]
+    final: dict[int, RequestOutput] = {}
+    for index, out in outs:
+        if out.error:
+            raise APIError(500, out.error)
+        texts[index] += out.new_text
+        if out.logprobs:
+            with_logprobs[index].append(out)
+        if out.finished:
+            final[index] = out
+    make = _chat_choice if kind == "chat" else _text_choice
+    choices = [make(i, texts[i], final[i], with_logprobs[i], token_text) for i in range(num_choices)]
+    counts = {i: token_counts(f) for i, f in final.items()}
+    return {"id": cid, "object": object_name(kind, stream=False), "created": created, "model": model,
+            "choices": choices, "usage": total_usage(counts, n)}
+
+
+def _chat_choice(index: int, text: str, final: RequestOutput, parts: list[RequestOutput],
+                 token_text: TokenText) -> dict[str, Any]:
+    lp = None
+    if final.logprobs is not None or parts:
+        lp = {"content": [c for o in parts for c in chat_logprobs(o, token_text)["content"]]}  # type: ignore[index]
+    return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": lp,
+            "finish_reason": finish_reason(final), "stop_reason": final.stop_reason}
+
+
+def _text_choice(index: int, text: str, final: RequestOutput, parts: list[RequestOutput],
+                 token_text: TokenText) -> dict[str, Any]:
+    lp = None
+    if parts:
+        each = [text_logprobs(o, token_text) for o in parts]
+        lp = {k: [v for p in each for v in p[k]] for k in ("tokens", "token_logprobs", "top_logprobs")}  # type: ignore[index]
+    return {"index": index, "text": text, "logprobs": lp, "finish_reason": finish_reason(final),
+            "stop_reason": final.stop_reason}
+
+
+# ---- a streamed response ------------------------------------------------------------------------------
+def stream_choices(kind: str, index: int, out: RequestOutput, first: bool, token_text: TokenText) -> list[dict[str, Any]]:
+    """The chunk choices one output of choice ``index`` streams, one chunk each (possibly none).
+
+    ``first`` says this is the choice's first output: a chat stream opens each choice with the role."""
+    if kind != "chat":
+        if not (out.new_text or out.finished or out.logprobs):
+            return []
+        return [{"index": index, "text": out.new_text, "logprobs": text_logprobs(out, token_text),
+                 "finish_reason": finish_reason(out) if out.finished else None,
+                 "stop_reason": out.stop_reason if out.finished else None}]
+    choices = []
+    if first:
+        choices.append({"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                        "finish_reason": None})
+    if out.new_text or out.logprobs:
+        choices.append({"index": index, "delta": {"content": out.new_text},
+                        "logprobs": chat_logprobs(out, token_text), "finish_reason": None})
+    if out.finished:
+        choices.append({"index": index, "delta": {}, "logprobs": None, "finish_reason": finish_reason(out),
+                        "stop_reason": out.stop_reason})
+    return choices
+
+
+def chunk_event(kind: str, cid: str, model: str, created: int, choices: list[dict[str, Any]],
+                usage: dict[str, Any] | None = None) -> str:
+    """One streamed chunk as a server-sent event (text kept as UTF-8, not escaped)."""
+    obj: dict[str, Any] = {"id": cid, "object": object_name(kind, stream=True), "created": created, "model": model,
+                           "choices": choices}
+    if usage is not None:
+        obj["usage"] = usage
+    return sse_event(obj, ensure_ascii=False)

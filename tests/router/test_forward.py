@@ -1,0 +1,125 @@
+"""Forwarding and the P/D decision against fake upstreams in-process (httpx mock transport, no sockets)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+
+import httpx
+
+from fleetllm.disagg.router_path import RemotePrefill
+from fleetllm.router.forward import Forward, Forwarder
+from fleetllm.router.gateway import RouterConfig
+from fleetllm.router.index import PrefixIndex
+from fleetllm.router.metrics import RouterMetrics
+from fleetllm.router.policies import Decision, RoundRobin, RouteRequest
+from fleetllm.router.upstream import Breaker, WorkerState
+
+Handler = Callable[[httpx.Request], httpx.Response]
+
+
+class Chunks(httpx.AsyncByteStream):
+    """A response body that arrives in pieces, as a worker streams it."""
+
+    def __init__(self, *chunks: bytes) -> None:
+        self.chunks = chunks
+
+    async def __aiter__(self):  # type: ignore[override]
+        for c in self.chunks:
+            yield c
+
+
+def workers(*names: str, role: str = "both") -> list[WorkerState]:
+    return [WorkerState(n, f"http://{n}", healthy=True, role=role, breaker=Breaker(3, 5.0)) for n in names]
+
+
+def forwarder(handler: Handler, **cfg: object) -> Forwarder:
+    client = httpx.AsyncClient(transport=httpx.MockTransport(handler))
+    return Forwarder(client, RouterConfig(workers=[], **cfg), RouterMetrics(), PrefixIndex(10.0), records_routed=False)
+
+
+def request(stream: bool = False, prompt_tokens: int = 0) -> Forward:
+    body = {"prompt": "hi", "stream": stream}
+    return Forward("/v1/completions", b"{}", body, {"x-request-id": "r1"}, "r1",
+                   RouteRequest(num_prompt_tokens=prompt_tokens), time.perf_counter())
+
+
+def no_load(ws: list[WorkerState]) -> bool:
+    return all(w.inflight == 0 and w.decoding == 0 and w.pending_prefill_tokens == 0 for w in ws)
+
+
+def test_a_5xx_before_the_first_byte_is_retried_on_another_worker_and_counted_against_the_first() -> None:
+    def handler(r: httpx.Request) -> httpx.Response:
+        return httpx.Response(503, json={"error": "busy"}) if r.url.host == "a" else httpx.Response(200, stream=Chunks(b'{"ok": 1}'))
+
+    ws = workers("a", "b")
+    resp = asyncio.run(forwarder(handler).forward(request(prompt_tokens=40), ws, RoundRobin()))
+    assert resp.status_code == 200 and resp.headers["x-fleetllm-worker"] == "b"
+    assert ws[0].breaker.failures == 1 and ws[1].breaker.failures == 0
+    assert no_load(ws)
+
+
+def test_when_every_worker_fails_the_client_gets_the_last_error_body_as_is() -> None:
+    ws = workers("a", "b")
+    resp = asyncio.run(forwarder(lambda r: httpx.Response(500, content=b'{"e": 1}')).forward(request(), ws, RoundRobin()))
+    assert resp.status_code == 500 and resp.body == b'{"e": 1}'
+    assert no_load(ws)
+
+
+def test_with_no_routable_worker_the_answer_is_a_503_at_once() -> None:
+    ws = workers("a")
+    ws[0].healthy = False
+    resp = asyncio.run(forwarder(lambda r: httpx.Response(200)).forward(request(), ws, RoundRobin()))
+    assert resp.status_code == 503
+
+
+def test_a_streamed_response_holds_its_load_until_the_stream_ends() -> None:
+    ws = workers("a")
+    fw = forwarder(lambda r: httpx.Response(200, stream=Chunks(b"data: 1\n\n", b"data: [DONE]\n\n")))
+
+    async def run() -> tuple[bytes, int]:
+        resp = await fw.forward(request(stream=True, prompt_tokens=30), ws, RoundRobin())
+        decoding_while_open = ws[0].decoding
+        body = b"".join([c async for c in resp.body_iterator])
+        return body, decoding_while_open
+
+    body, decoding_while_open = asyncio.run(run())
+    assert body == b"data: 1\n\ndata: [DONE]\n\n"
+    assert decoding_while_open == 1 and no_load(ws)
+
+
+def remote_prefill(handler: Handler, **cfg: object) -> tuple[RemotePrefill, list[WorkerState]]:
+    failed: list[WorkerState] = []
+    client = httpx.AsyncClient(transport=httpx.MockTransport(handler))
+    pd = RemotePrefill(client, RouterConfig(workers=[], **cfg), RouterMetrics(), PrefixIndex(0.0), failed.append)
+    return pd, failed
+
+
+def test_a_prompt_below_the_threshold_is_prefilled_locally() -> None:
+    pd, _ = remote_prefill(lambda r: httpx.Response(500), pd_threshold=100)
+    d = Decision(workers("d")[0], "balance")
+    assert asyncio.run(pd.maybe_disaggregate(d, request(prompt_tokens=50), workers("p", role="prefill"))) == d
+
+
+def test_a_remote_prefill_credits_the_shipped_blocks_to_the_decode_worker() -> None:
+    pd, _ = remote_prefill(lambda r: httpx.Response(200, json={"bytes": 10, "imported": 5, "already_cached": 1}),
+                           pd_threshold=100)
+    d = Decision(workers("d")[0], "balance")
+    got = asyncio.run(pd.maybe_disaggregate(d, request(prompt_tokens=200), workers("p", role="prefill")))
+    assert got.worker is d.worker and got.cached_tokens == 6 * 16
+
+
+def test_a_failed_remote_prefill_falls_back_to_local_and_blames_the_prefill_worker() -> None:
+    pd, failed = remote_prefill(lambda r: httpx.Response(500, text="boom"), pd_threshold=100)
+    d = Decision(workers("d")[0], "balance")
+    pool = workers("p", role="prefill")
+    assert asyncio.run(pd.maybe_disaggregate(d, request(prompt_tokens=200), pool)) == d
+    assert failed == pool and no_load(pool + [d.worker])
+
+
+def test_a_refused_transfer_does_not_blame_the_prefill_worker() -> None:
+    pd, failed = remote_prefill(lambda r: httpx.Response(502, text="decode refused"), pd_threshold=100)
+    d = Decision(workers("d")[0], "balance")
+    assert asyncio.run(pd.maybe_disaggregate(d, request(prompt_tokens=200), workers("p", role="prefill"))) == d
+    assert failed == []
