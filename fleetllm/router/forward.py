@@ -11,11 +11,12 @@ relayed byte for byte as the worker sends it.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import httpx
@@ -47,16 +48,66 @@ class Forward:
     rid: str
     route: RouteRequest
     t0: float  # perf_counter at arrival
+    response_headers: dict[str, str] = field(default_factory=dict)  # added to the client's answer
+    on_end: Callable[[int, int], None] | None = None  # (prompt, completion tokens) once the answer has ended
 
     @property
     def stream(self) -> bool:
         return bool(self.body.get("stream"))
 
+    def ended(self, usage: TokenCount | None) -> None:
+        """Report the request's tokens, exactly once (the key gate meters them)."""
+        if self.on_end is not None:
+            on_end, self.on_end = self.on_end, None
+            prompt = usage.prompt if usage and usage.prompt else self.route.num_prompt_tokens
+            on_end(prompt, usage.completion if usage else 0)
 
-def upstream_headers(client_headers: Mapping[str, str], rid: str) -> dict[str, str]:
-    """The client's headers a worker needs, plus the request id that ties their logs together."""
+
+@dataclass
+class TokenCount:
+    """Tokens of an answer: its ``usage`` when it has one, else (a stream without ``include_usage``) one
+    output token per content delta, as fleetllm workers send them (an estimate for other servers)."""
+
+    prompt: int = 0
+    completion: int = 0
+    _rest: bytes = b""
+    _usage: bool = False
+
+    @classmethod
+    def of_body(cls, body: bytes) -> TokenCount:
+        t = cls()
+        with contextlib.suppress(ValueError, AttributeError, TypeError):
+            t._take_usage(json.loads(body).get("usage"))
+        return t
+
+    def feed(self, chunk: bytes) -> None:
+        """One relayed chunk of an SSE stream (events may span chunks)."""
+        *events, self._rest = (self._rest + chunk).split(b"\n\n")
+        for ev in events:
+            if not ev.startswith(b"data: {"):
+                continue
+            with contextlib.suppress(ValueError, AttributeError, TypeError):
+                obj = json.loads(ev[6:])
+                if not self._take_usage(obj.get("usage")) and not self._usage:
+                    self.completion += sum(1 for c in obj.get("choices", [])
+                                           if c.get("text") or (c.get("delta") or {}).get("content"))
+
+    def _take_usage(self, usage: Any) -> bool:
+        if not isinstance(usage, dict):
+            return False
+        self.prompt, self.completion, self._usage = int(usage["prompt_tokens"]), int(usage["completion_tokens"]), True
+        return True
+
+
+def upstream_headers(client_headers: Mapping[str, str], rid: str, secret: str | None = None) -> dict[str, str]:
+    """The client's headers a worker needs, plus the request id that ties their logs together.
+
+    With a worker secret the router presents it instead of the client's credentials, which never leave
+    the router."""
     headers = {k: v for k, v in client_headers.items() if k.lower() in _FORWARD_HEADERS}
     headers["x-request-id"] = rid
+    if secret:
+        headers["authorization"] = f"Bearer {secret}"
     return headers
 
 
@@ -65,7 +116,7 @@ def error_response(metrics: RouterMetrics, e: APIError, kind: str | None = None)
     metrics.requests.labels(status=str(e.status)).inc()
     if kind:
         metrics.errors.labels(kind=kind).inc()
-    return JSONResponse(e.body(), status_code=e.status)
+    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
 
 class AttemptFailed(Exception):
@@ -115,6 +166,7 @@ class Forwarder:
                 self.metrics.errors.labels(kind=f.kind).inc()
                 self.metrics.retries.labels(worker=d.worker.name).inc()
                 log.warning("request %s failed on %s before its first byte (%s): %s", fwd.rid, d.worker.name, f.kind, f)
+        fwd.ended(None)
         return self._give_up(last)
 
     def _give_up(self, last: AttemptFailed | None) -> Response:
@@ -136,7 +188,7 @@ class Forwarder:
         self._sync_breaker(w)
         self.metrics.ttfb.observe(time.perf_counter() - fwd.t0)
         out_headers = {k: v for k, v in resp.headers.items() if k.lower() in _RESPONSE_HEADERS}
-        out_headers["x-fleetllm-worker"] = w.name
+        out_headers.update(fwd.response_headers, **{"x-fleetllm-worker": w.name})
         status = resp.status_code
         self.metrics.requests.labels(status=str(status)).inc()
         if not fwd.stream or status != 200:
@@ -149,8 +201,10 @@ class Forwarder:
             finally:
                 await resp.aclose()
                 load.release()
-            return Response(first + b"".join(rest), status_code=status, headers=out_headers)
-        return StreamingResponse(self._relay(first, chunks, resp, load), status_code=status, headers=out_headers)
+            body = first + b"".join(rest)
+            fwd.ended(TokenCount.of_body(body) if fwd.on_end else None)
+            return Response(body, status_code=status, headers=out_headers)
+        return StreamingResponse(self._relay(fwd, first, chunks, resp, load), status_code=status, headers=out_headers)
 
     async def _first_byte(self, fwd: Forward, w: WorkerState,
                           load: _Load) -> tuple[httpx.Response, AsyncIterator[bytes], bytes]:
@@ -181,12 +235,17 @@ class Forwarder:
             raise AttemptFailed("no_first_byte", f"the response ended before its first byte ({type(e).__name__})") from None
         return resp, chunks, first
 
-    async def _relay(self, first: bytes, chunks: AsyncIterator[bytes], resp: httpx.Response,
+    async def _relay(self, fwd: Forward, first: bytes, chunks: AsyncIterator[bytes], resp: httpx.Response,
                      load: _Load) -> AsyncIterator[bytes]:
+        count = TokenCount() if fwd.on_end else None  # parsed only when someone meters tokens
         try:
             yield first
+            if count:
+                count.feed(first)
             async for c in chunks:
                 yield c
+                if count:
+                    count.feed(c)
         except httpx.HTTPError as e:
             self.metrics.errors.labels(kind="stream_broken").inc()
             err = APIError(502, f"the worker's stream broke: {type(e).__name__}").body()
@@ -194,6 +253,7 @@ class Forwarder:
         finally:
             await resp.aclose()  # on a client disconnect this closes the upstream request: the worker aborts
             load.release()
+            fwd.ended(count)
 
     def _dispatch(self, w: WorkerState, uncached: int, req: RouteRequest) -> None:
         w.inflight += 1

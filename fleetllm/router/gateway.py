@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -29,13 +30,18 @@ from starlette.routing import Route
 from fleetllm.disagg.router_path import RemotePrefill
 from fleetllm.observability.dashboard import dashboard_routes
 from fleetllm.observability.federate import fleet_metrics
+from fleetllm.router.admin import admin_routes
+from fleetllm.router.auth import KeyGate
 from fleetllm.router.forward import Forward, Forwarder, error_response, upstream_headers
+from fleetllm.router.hold import ColdStartHold
 from fleetllm.router.index import PrefixIndex
+from fleetllm.router.keys import KeyLimiter, KeyRecord, KeyStore
 from fleetllm.router.metrics import RouterMetrics
 from fleetllm.router.policies import CostModel, RouteRequest, make_policy
 from fleetllm.router.tokens import PromptTokenizer, block_hashes
 from fleetllm.router.upstream import Breaker, WorkerMonitor, WorkerState
 from fleetllm.server.protocol import APIError, json_object
+from fleetllm.server.worker_secret import worker_secret
 
 
 @dataclass
@@ -61,6 +67,13 @@ class RouterConfig:
     connect_timeout_s: float = 3.0
     request_timeout_s: float = 600.0
     seed: int | None = None
+    models: list[str] = field(default_factory=list)  # served model of each worker until its snapshot says
+    aliases: dict[str, str] = field(default_factory=dict)  # other name -> served model name
+    model_policies: dict[str, str] = field(default_factory=dict)  # served model name -> its routing policy
+    scale_from_zero: list[str] = field(default_factory=list)  # models whose requests wait while a copy starts
+    hold_max_waiting: int = 64  # held requests per model; beyond, 503 + Retry-After
+    hold_timeout_s: float = 120.0  # longest a request is held
+    keys_file: str | None = None  # API keys on (fleetllm/router/keys.py)
 
 
 class Router:
@@ -68,13 +81,11 @@ class Router:
 
     def __init__(self, cfg: RouterConfig) -> None:
         self.cfg = cfg
-        zones = cfg.zones or [""] * len(cfg.workers)
         urls = [(u if "://" in u else "http://" + u).rstrip("/") for u in cfg.workers]
-        roles = cfg.roles or ["both"] * len(urls)
-        self.workers = [WorkerState(_name(u), u, zones[i] if i < len(zones) else "",
-                                    role=roles[i] if i < len(roles) else "both",
-                                    breaker=Breaker(cfg.breaker_threshold, cfg.breaker_cooldown_s))
-                        for i, u in enumerate(urls)]
+        self.metrics = RouterMetrics()
+        self.workers: list[WorkerState] = []
+        for i, u in enumerate(urls):
+            self._add_state(u, _at(cfg.zones, i, ""), _at(cfg.roles, i, "both"), _at(cfg.models, i, "") or None)
         if len({w.name for w in self.workers}) != len(self.workers):
             raise ValueError("worker URLs must be distinct")
         ttl = cfg.routed_ttl_s if cfg.routed_ttl_s is not None else (300.0 if cfg.policy == "prefix" else 10.0)
@@ -83,10 +94,13 @@ class Router:
         # still tells the P/D path how much of a prompt the chosen decode worker holds
         self.events_index = self.index if cfg.policy == "kv_aware" else PrefixIndex(0.0)
         self.policy = make_policy(cfg.policy, self.index, cfg.cost, cfg.seed)
-        self.uses_prefix = cfg.policy in ("prefix", "kv_aware")
+        self.model_policies = {m: make_policy(p, self.index, cfg.cost, cfg.seed) for m, p in cfg.model_policies.items()}
+        self.uses_prefix = bool({cfg.policy, *cfg.model_policies.values()} & {"prefix", "kv_aware"})
         self.tokens = PromptTokenizer(cfg.tokenizers)
-        self.metrics = RouterMetrics()
-        # these three live while the app runs (they share the HTTP client its lifespan opens)
+        self.hold = ColdStartHold(cfg.hold_max_waiting, cfg.hold_timeout_s)
+        self.secret = worker_secret()  # presented to workers; also opens the admin endpoints to the fleet
+        self.gate = KeyGate(KeyStore(cfg.keys_file), KeyLimiter(), self.metrics.registry) if cfg.keys_file else None
+        # these four live while the app runs (they share the HTTP client its lifespan opens)
         self.client: httpx.AsyncClient | None = None
         self.forwarder: Forwarder | None = None
         self.remote_prefill: RemotePrefill | None = None
@@ -102,20 +116,61 @@ class Router:
                 Route("/health", self.health, methods=["GET"]),
                 Route("/metrics", self.metrics_endpoint, methods=["GET"]),
                 Route("/router/state", self.state, methods=["GET"]),
+                *admin_routes(self),
                 *dashboard_routes(),
             ],
             lifespan=self._lifespan,
-            exception_handlers={APIError: lambda r, e: JSONResponse(e.body(), status_code=e.status),
+            exception_handlers={APIError: lambda r, e: JSONResponse(e.body(), status_code=e.status, headers=e.headers),
                                 404: self._not_found, 405: self._not_found},
         )
-        for w in self.workers:
-            self.metrics.healthy.labels(worker=w.name, zone=w.zone).set(0)
-            self.metrics.breaker_open.labels(worker=w.name).set(0)
+
+    def _add_state(self, url: str, zone: str, role: str, model: str | None) -> WorkerState:
+        w = WorkerState(_name(url), url, zone, role=role, model=model,
+                        breaker=Breaker(self.cfg.breaker_threshold, self.cfg.breaker_cooldown_s))
+        self.workers.append(w)
+        self.metrics.healthy.labels(worker=w.name, zone=w.zone).set(0)
+        self.metrics.breaker_open.labels(worker=w.name).set(0)
+        return w
+
+    # ---- membership: the fleet controller adds, drains and removes copies while the router runs -----
+    def add_worker(self, url: str, zone: str = "", role: str = "both", model: str | None = None) -> WorkerState:
+        url = url.rstrip("/")
+        if any(w.url == url for w in self.workers):
+            raise APIError(400, f"worker {url} is already known", "url")
+        w = self._add_state(url, zone, role, model)
+        if self.monitor is not None:
+            self.monitor.watch(w)
+        return w
+
+    def worker(self, url: str) -> WorkerState:
+        w = next((w for w in self.workers if w.url == url.rstrip("/")), None)
+        if w is None:
+            raise APIError(404, f"no worker {url}", "url")
+        return w
+
+    async def remove_worker(self, url: str) -> None:
+        w = self.worker(url)
+        self.workers.remove(w)
+        if self.monitor is not None:
+            await self.monitor.unwatch(w)
+        self.index.drop(w.name)
+        self.metrics.healthy.labels(worker=w.name, zone=w.zone).set(0)
+
+    def require_admin(self, request: Request) -> None:
+        """Admin endpoints, /metrics and /router/state: open without keys; else an admin key or the fleet secret."""
+        auth = request.headers.get("authorization")
+        if self.secret and auth == f"Bearer {self.secret}":
+            return
+        if self.gate is not None:
+            self.gate.require_admin(auth)
+        elif self.secret:
+            raise APIError(401, "this router's admin endpoints need the fleet's secret")
 
     @contextlib.asynccontextmanager
     async def _lifespan(self, app: Starlette) -> AsyncIterator[None]:
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
-        self.client = httpx.AsyncClient(limits=limits, timeout=None)
+        headers = {"authorization": f"Bearer {self.secret}"} if self.secret else None  # workers answer only us
+        self.client = httpx.AsyncClient(limits=limits, timeout=None, headers=headers)
         self.forwarder = Forwarder(self.client, self.cfg, self.metrics, self.index, self.uses_prefix)
         self.remote_prefill = RemotePrefill(self.client, self.cfg, self.metrics, self.events_index,
                                             on_failure=self.forwarder.failed)
@@ -131,20 +186,41 @@ class Router:
         self.metrics.healthy.labels(worker=w.name, zone=w.zone).set(1 if w.healthy else 0)
         if not w.healthy:
             self.index.drop(w.name)  # the monitor already dropped the events index's entries
+        elif w.model:
+            self.hold.ready(w.model)  # requests held for a copy of this model go now
 
     async def _not_found(self, request: Request, exc: Exception) -> JSONResponse:
         e = APIError(404, f"no route {request.method} {request.url.path}")
         return JSONResponse(e.body(), status_code=404)
 
     # ---- routing ----------------------------------------------------------------------------------
-    def _group(self, model: Any) -> list[WorkerState]:
-        """The workers serving ``model`` (every worker while none has reported its model yet)."""
-        known = {w.model for w in self.workers if w.model}
-        if model is None or not known:
-            return self.workers
-        if not isinstance(model, str) or model not in known:
-            raise APIError(404, f"The model `{model}` does not exist. Served: {', '.join(sorted(known))}", "model")
-        return [w for w in self.workers if w.model == model or w.model is None]
+    def served_models(self) -> set[str]:
+        """Every model this router serves: configured (even with no copy running) or reported by a worker."""
+        return {w.model for w in self.workers if w.model} | set(self.cfg.tokenizers) | set(self.cfg.scale_from_zero)
+
+    def _group(self, model: Any) -> tuple[str | None, list[WorkerState]]:
+        """The served name ``model`` stands for (aliases resolved) and the workers serving it."""
+        served = self.served_models()
+        if model is None or not served:
+            return None, self.workers
+        name = self.cfg.aliases.get(model, model) if isinstance(model, str) else None
+        if name not in served:
+            names = ", ".join(sorted(served | set(self.cfg.aliases)))
+            raise APIError(404, f"The model `{model}` does not exist. Served: {names}", "model")
+        # a worker that has not said which model it serves may serve only a one-model fleet's requests
+        return name, [w for w in self.workers if w.model == name or (w.model is None and len(served) == 1)]
+
+    async def _wait_for_copy(self, name: str | None, group: list[WorkerState]) -> float | None:
+        """Scale from zero: hold the request until a copy of its model is routable; the seconds held."""
+        if name not in self.cfg.scale_from_zero or any(w.routable(time.monotonic()) for w in group):
+            return None
+        self.metrics.held.labels(model=name).inc()
+        try:
+            waited = await self.hold.wait(name)
+        finally:
+            self.metrics.held.labels(model=name).dec()
+        self.metrics.cold_start.labels(model=name).observe(waited)
+        return waited
 
     def route_request(self, path: str, body: dict[str, Any], headers: Any, group: list[WorkerState],
                       tokenize: bool = False) -> RouteRequest:
@@ -164,23 +240,47 @@ class Router:
         return req
 
     async def completion(self, request: Request) -> Response:
-        """``/v1/chat/completions`` and ``/v1/completions``: route, forward, relay."""
+        """``/v1/chat/completions`` and ``/v1/completions``: admit, route, forward, relay."""
         t0 = time.perf_counter()
-        raw = await request.body()
+        key = None
         try:
+            raw = await request.body()
             body = json_object(raw)
-            group = self._group(body.get("model"))
+            if self.gate is not None:
+                model = body.get("model")
+                key = self.gate.admit(request.headers.get("authorization"),
+                                      self.cfg.aliases.get(model, model) if isinstance(model, str) else None)
+            name, group = self._group(body.get("model"))
+            held = await self._wait_for_copy(name, group)
+            if held is not None:
+                name, group = self._group(name)
         except APIError as e:
+            if key is not None:
+                self.gate.done(key, 0, 0)
             return error_response(self.metrics, e)
+        if name is not None and body.get("model") != name:  # an alias: workers know the served name
+            body["model"] = name
+            raw = json.dumps(body).encode()
+        self.metrics.model_requests.labels(model=name or "").inc()
+        return await self._forward(request, raw, body, name, group, t0, key, held)
+
+    async def _forward(self, request: Request, raw: bytes, body: dict[str, Any], name: str | None,
+                       group: list[WorkerState], t0: float, key: KeyRecord | None, held: float | None) -> Response:
         prefill_pool = [w for w in group if w.role == "prefill"]
         group = [w for w in group if w.role != "prefill"]
         req = self.route_request(request.url.path, body, request.headers, group, tokenize=bool(prefill_pool))
         rid = request.headers.get("x-request-id") or uuid.uuid4().hex
-        fwd = Forward(request.url.path, raw, body, upstream_headers(request.headers, rid), rid, req, t0)
+        fwd = Forward(request.url.path, raw, body, upstream_headers(request.headers, rid, self.secret), rid, req, t0)
+        if held is not None:
+            fwd.response_headers["x-fleetllm-cold-start-ms"] = f"{held * 1000:.0f}"
+        if key is not None:
+            gate = self.gate
+            fwd.on_end = lambda prompt, completion: gate.done(key, prompt, completion)
         assert self.forwarder is not None and self.remote_prefill is not None
         pd = self.remote_prefill
         prepare = (lambda d: pd.maybe_disaggregate(d, fwd, prefill_pool)) if prefill_pool else None
-        return await self.forwarder.forward(fwd, group, self.policy, prepare)
+        policy = self.model_policies.get(name, self.policy) if name else self.policy
+        return await self.forwarder.forward(fwd, group, policy, prepare)
 
     # ---- other endpoints --------------------------------------------------------------------------
     async def models(self, request: Request) -> Response:
@@ -223,6 +323,7 @@ class Router:
     async def metrics_endpoint(self, request: Request) -> Response:
         """The router's own series, then every worker's re-exported with ``worker=<name>`` (one scrape
         target per fleet); ``?federate=0`` for the router's own only."""
+        self.require_admin(request)
         own = generate_latest(self.metrics.registry).decode()
         if request.query_params.get("federate") == "0" or self.client is None:
             return Response(own, media_type=CONTENT_TYPE_LATEST)
@@ -231,6 +332,7 @@ class Router:
 
     async def state(self, request: Request) -> Response:
         """Every worker as the router sees it (for people and tests); ``?hashes=1`` adds the exact index."""
+        self.require_admin(request)
         with_hashes = request.query_params.get("hashes") == "1"
         workers = []
         for w in self.workers:
@@ -238,17 +340,23 @@ class Router:
             row = {"name": w.name, "url": w.url, "zone": w.zone, "role": w.role, "healthy": w.healthy, "inflight": w.inflight,
                    "pending_prefill_tokens": w.pending_prefill_tokens, "decoding": w.decoding, "running": w.running,
                    "waiting": w.waiting, "kv_usage": w.kv_usage, "model": w.model, "instance": w.instance,
-                   "events_connected": w.events_connected, "breaker": w.breaker.state,
+                   "events_connected": w.events_connected, "breaker": w.breaker.state, "draining": w.draining,
                    "index_blocks": self.index.size(w.name), "exact_blocks": len(exact)}
             if with_hashes:
                 row["exact_hashes"] = sorted(exact)
             workers.append(row)
-        return JSONResponse({"policy": self.policy.name, "workers": workers})
+        held = {m: n for m, n in self.hold.waiting.items() if n}
+        return JSONResponse({"policy": self.policy.name, "workers": workers, "held": held,
+                             "models": sorted(self.served_models())})
 
 
 def _name(url: str) -> str:
     u = urlparse(url if "://" in url else "http://" + url)
     return f"{u.hostname}:{u.port}" if u.port else (u.hostname or url)
+
+
+def _at(values: list[str], i: int, default: str) -> str:
+    return values[i] if i < len(values) else default
 
 
 def _str_or_none(v: Any) -> str | None:

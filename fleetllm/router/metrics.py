@@ -45,3 +45,14 @@ class RouterMetrics:
         self.pd_bytes = Counter("fleetllm_router_pd_transfer_bytes", "KV bytes shipped prefill -> decode.", registry=r)
         self.prompt_tokens = Counter("fleetllm_router_prompt_tokens", "Prompt tokens of routed requests (router-side "
                                      "tokenization).", registry=r)
+        self.model_requests = Counter("fleetllm_router_model_requests", "Requests routed per served model.",
+                                      ["model"], registry=r)
+        self.held = Gauge("fleetllm_router_held_requests", "Requests held while a copy of their model starts "
+                          "(scale from zero).", ["model"], registry=r)
+        self.cold_start = Histogram("fleetllm_router_cold_start_seconds", "How long a request was held for a copy "
+                                    "of its model to start.", ["model"], buckets=_TTFB + (160.0, 320.0), registry=r)
+        self.desired = Gauge("fleetllm_autoscaler_desired_replicas", "Copies the autoscaler wants per model.",
+                             ["model"], registry=r)
+        self.scale_decisions = Counter("fleetllm_autoscaler_decisions", "Autoscaler decisions per model, by direction "
+                                       "(up, down, none) and the signal that decided.", ["model", "direction", "reason"],
+                                       registry=r)

@@ -84,10 +84,11 @@ class WorkerState:
     instance: str | None = None
     events_connected: bool = False
     health_failures: int = 0
+    draining: bool = False  # being removed: no new requests, in-flight ones finish
     breaker: Breaker = field(default_factory=Breaker)
 
     def routable(self, now: float) -> bool:
-        return self.healthy and self.breaker.allows(now)
+        return self.healthy and not self.draining and self.breaker.allows(now)
 
 
 class WorkerMonitor:
@@ -103,21 +104,26 @@ class WorkerMonitor:
         self.health_timeout_s = health_timeout_s
         self.failures_to_down = failures_to_down
         self.on_change = on_change or (lambda w: None)
-        self._tasks: list[asyncio.Task[None]] = []
+        self._tasks: dict[str, list[asyncio.Task[None]]] = {}
         self.stopping = False
 
     def start(self) -> None:
         for w in self.workers:
-            self._tasks.append(asyncio.create_task(self._health_loop(w), name=f"health-{w.name}"))
-            self._tasks.append(asyncio.create_task(self._events_loop(w), name=f"events-{w.name}"))
+            self.watch(w)
+
+    def watch(self, w: WorkerState) -> None:
+        """Start ``w``'s health checks and KV-event subscription (also for a worker added later)."""
+        self._tasks[w.name] = [asyncio.create_task(self._health_loop(w), name=f"health-{w.name}"),
+                               asyncio.create_task(self._events_loop(w), name=f"events-{w.name}")]
+
+    async def unwatch(self, w: WorkerState) -> None:
+        """Stop watching a removed worker and forget what it had cached."""
+        await _cancel(self._tasks.pop(w.name, []))
+        self.index.drop(w.name)
 
     async def stop(self) -> None:
         self.stopping = True
-        for t in self._tasks:
-            t.cancel()
-        for t in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await t
+        await _cancel([t for ts in self._tasks.values() for t in ts])
 
     def mark_down(self, w: WorkerState, why: str) -> None:
         """Take a worker out of rotation now and forget what it had cached."""
@@ -188,3 +194,11 @@ class WorkerMonitor:
         if "kv_usage" in ev:
             w.running, w.waiting, w.kv_usage = ev["running"], ev["waiting"], ev["kv_usage"]
 
+
+
+async def _cancel(tasks: list[asyncio.Task[None]]) -> None:
+    for t in tasks:
+        t.cancel()
+    for t in tasks:
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await t
