@@ -119,15 +119,20 @@ def cmd_worker(args: argparse.Namespace) -> int:
 def cmd_sim_worker(args: argparse.Namespace) -> int:
     from fleetllm.sim.server import serve_simulated
 
-    # The engine's flags, by name; the simulator's own defaults where the engine's are "from the model".
-    cfg = from_args(SimConfig, args, model_name=args.served_model_name or args.model,
-                    max_model_len=args.max_model_len or SimConfig.max_model_len)
+    cfg = sim_config(args)
     logging.getLogger("fleetllm").info("%d simulated worker(s) on %s:%d-%d", args.count, args.host, args.port,
                                        args.port + args.count - 1)
     identities = [worker_identity(args, args.port + i) for i in range(args.count)]
     serve_simulated(args.model, args.host, args.port, args.count, cfg, load_profile(args), args.log_level,
                     identities=identities, obs=from_args(ObservabilityConfig, args))
     return 0
+
+
+def sim_config(args: argparse.Namespace) -> SimConfig:
+    """The simulated engine's settings from the worker's flags (the engine's, by name, and --sim-speed)."""
+    # The simulator's own default where the engine's is "from the model" (which it has no weights of).
+    return from_args(SimConfig, args, model_name=args.served_model_name or args.model,
+                     max_model_len=args.max_model_len or SimConfig.max_model_len)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -261,9 +266,9 @@ def add_calibrate_parser(sub: argparse._SubParsersAction) -> None:
 def add_generate_parser(sub: argparse._SubParsersAction) -> None:
     g = sub.add_parser("generate", help="answer one chat prompt in-process (no server)")
     add_options(g, EngineConfig, title="engine")
-    g.add_argument("prompt")
-    g.add_argument("--max-tokens", type=int, default=128)
-    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("prompt", help="the user's message")
+    g.add_argument("--max-tokens", type=int, default=128, help="most tokens to answer (default: %(default)s)")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default: %(default)s)")
     g.set_defaults(func=cmd_generate)
 
 

@@ -11,7 +11,7 @@ A field documented with :func:`opt` becomes one flag:
 - default: the field's (a field without one is a required flag); help: the field's doc.
 
 The flag's destination is always the field's name, so :func:`from_args` rebuilds the dataclass from the
-parsed namespace. A field marked ``opt(..., cli=False)`` is set by code, never by a flag.
+parsed namespace (and :func:`to_argv` writes a dataclass back as flags, e.g. for a worker's command line). A field marked ``opt(..., cli=False)`` is set by code, never by a flag.
 Stdlib only: importing it (and the config modules built on it) never loads torch.
 """
 
@@ -85,6 +85,22 @@ def from_args(cls: type[C], args: argparse.Namespace, **overrides: Any) -> C:
     """``cls`` built from parsed flags: every CLI field the namespace holds, then ``overrides``."""
     values = {f.name: getattr(args, f.name) for f in cli_fields(cls) if hasattr(args, f.name)}
     return cls(**{**values, **overrides})
+
+
+def to_argv(cfg: Any) -> list[str]:
+    """The flags that give ``cfg`` back from :func:`from_args`: one per CLI field that is not at its default."""
+    argv: list[str] = []
+    for f in cli_fields(type(cfg)):
+        value, default = getattr(cfg, f.name), field_default(f)
+        if value == default:
+            continue
+        if isinstance(value, bool):
+            argv.append(flag_name(f))
+        elif isinstance(value, dict):
+            argv += [x for k, v in value.items() for x in (flag_name(f), f"{k}={v}")]
+        elif value is not None:
+            argv += [flag_name(f), ",".join(map(str, value)) if isinstance(value, list) else str(value)]
+    return argv
 
 
 def _argument(f: dataclasses.Field, annotation: Any, override: Any) -> dict[str, Any]:
