@@ -248,8 +248,8 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     add_options(s, ServeOptions)
     add_options(s, EngineConfig, only=["model", "speculative"], title="every real worker")
     # None: the fleet config's value stands unless the flag is given (the help shows the router's default).
-    add_options(s, RouterConfig, only=["policy", "pd_threshold"], defaults={"policy": None, "pd_threshold": None},
-                title="router")
+    add_options(s, RouterConfig, only=["policy", "pd_threshold"], title="router",
+                defaults={"policy": None, "pd_threshold": None})
     add_options(s, ObservabilityConfig, only=["otlp_endpoint"], title="router and every worker")
     s.set_defaults(func=cmd_serve)
 
@@ -291,8 +291,8 @@ def add_spec_parser(sub: argparse._SubParsersAction) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fleetllm", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    for add in (add_worker_parser, add_router_parser, add_serve_parser, add_calibrate_parser, add_generate_parser,
-                add_spec_parser):
+    for add in (add_worker_parser, add_router_parser, add_serve_parser, add_calibrate_parser,
+                add_generate_parser, add_spec_parser):
         add(sub)
     try:
         from fleetllm.bench.cli import add_bench_parser

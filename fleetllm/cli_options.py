@@ -1,18 +1,20 @@
 """Command-line flags generated from config dataclasses, so that every setting is defined once: as a field.
 
-A field documented with :func:`opt` becomes one flag:
+Every field of a config dataclass is a flag, documented where it is declared with :func:`opt`
+(``max_num_seqs: int = opt(64, "most sequences running in one step")``), unless marked
+``opt(..., cli=False)`` (set by code, e.g. a worker's metric labels):
 
-- name: ``--max-num-seqs`` for ``max_num_seqs``; a trailing ``_s`` (the unit, seconds) is not part of the
-  flag (``health_interval_s`` -> ``--health-interval``); ``opt(flag=...)`` names it otherwise;
+- name: ``--max-num-seqs`` for ``max_num_seqs``; a trailing ``_s`` (the unit, seconds) is not part of
+  the flag (``health_interval_s`` -> ``--health-interval``); ``opt(flag=...)`` names it otherwise;
 - type from the annotation: ``int``, ``float``, ``str``; ``X | None`` takes an X (absent: None); a
   ``Literal`` gives the choices; ``list[X]`` takes comma-separated values; ``dict[str, str]`` takes
   ``KEY=VALUE``, repeatable; ``bool`` is a switch: ``--x`` turns on a field that defaults to False,
   ``--no-x`` turns off one that defaults to True;
 - default: the field's (a field without one is a required flag); help: the field's doc.
 
-The flag's destination is always the field's name, so :func:`from_args` rebuilds the dataclass from the
-parsed namespace (and :func:`to_argv` writes a dataclass back as flags, e.g. for a worker's command line). A field marked ``opt(..., cli=False)`` is set by code, never by a flag.
-Stdlib only: importing it (and the config modules built on it) never loads torch.
+A flag's destination is always its field's name, so :func:`from_args` builds the dataclass from the
+parsed namespace, and :func:`to_argv` writes one back as flags (e.g. for a worker's command line).
+Stdlib only: the config modules built on it load no torch.
 """
 
 from __future__ import annotations
@@ -27,16 +29,17 @@ from typing import Any, Literal, TypeVar
 C = TypeVar("C")
 
 
-def opt(default: Any = dataclasses.MISSING, doc: str = "", *, factory: Callable[[], Any] | Any = dataclasses.MISSING,
+def opt(default: Any = dataclasses.MISSING, doc: str = "", *, factory: Any = dataclasses.MISSING,
         flag: str | None = None, metavar: str | None = None, choices: Iterable[Any] | None = None,
         cli: bool = True) -> Any:
-    """A dataclass field with its documentation, e.g. ``max_num_seqs: int = opt(64, "most sequences per step")``.
+    """A dataclass field with its doc, e.g. ``max_num_seqs: int = opt(64, "most sequences per step")``.
 
     ``factory`` replaces ``default`` for mutable values (``opt(doc="...", factory=list)``); ``flag`` names
     the flag when the field's name is not the flag's; ``choices`` when they are not a ``Literal``;
     ``cli=False`` for a field that is no flag.
     """
-    meta = {"doc": doc, "flag": flag, "metavar": metavar, "choices": tuple(choices) if choices else None, "cli": cli}
+    meta = {"doc": doc, "flag": flag, "metavar": metavar, "cli": cli,
+            "choices": tuple(choices) if choices else None}
     return dataclasses.field(default=default, default_factory=factory, metadata=meta)
 
 
@@ -62,8 +65,9 @@ def flag_name(f: dataclasses.Field) -> str:
     return f"--no-{name}" if field_default(f) is True else f"--{name}"
 
 
-def add_options(parser: argparse.ArgumentParser | argparse._ArgumentGroup, cls: type, *, only: Iterable[str] | None = None,
-                defaults: Mapping[str, Any] | None = None, title: str | None = None) -> None:
+def add_options(parser: argparse.ArgumentParser | argparse._ArgumentGroup, cls: type, *,
+                only: Iterable[str] | None = None, defaults: Mapping[str, Any] | None = None,
+                title: str | None = None) -> None:
     """One flag per CLI field of the dataclass ``cls`` (or of the fields named in ``only``).
 
     ``defaults`` replaces a field's default on this parser only: ``None`` makes a flag an override of a
@@ -88,7 +92,7 @@ def from_args(cls: type[C], args: argparse.Namespace, **overrides: Any) -> C:
 
 
 def to_argv(cfg: Any) -> list[str]:
-    """The flags that give ``cfg`` back from :func:`from_args`: one per CLI field that is not at its default."""
+    """The flags that give ``cfg`` back through :func:`from_args`: one per CLI field not at its default."""
     argv: list[str] = []
     for f in cli_fields(type(cfg)):
         value, default = getattr(cfg, f.name), field_default(f)
@@ -104,7 +108,7 @@ def to_argv(cfg: Any) -> list[str]:
 
 
 def _argument(f: dataclasses.Field, annotation: Any, override: Any) -> dict[str, Any]:
-    """``add_argument`` keywords for one field: default (``override`` if given), help, how to read the value."""
+    """``add_argument`` keywords for one field: default (``override`` if given), help, how to read it."""
     default = field_default(f)
     kind = _without_none(annotation)
     # an override of None defers to a value from elsewhere, which in the end is the field's default

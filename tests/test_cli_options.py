@@ -1,4 +1,4 @@
-"""The CLI is generated from the config dataclasses: one definition per flag, defaults and help from the field."""
+"""The CLI is generated from the config dataclasses: one definition per flag, its default and help."""
 
 from __future__ import annotations
 
@@ -63,8 +63,9 @@ def test_defaults_come_from_the_fields() -> None:
 
 
 def test_flags_are_named_and_typed_from_the_fields() -> None:
-    args = parser_for(Knobs).parse_args(["--url", "u", "--count", "4", "--mode", "fast", "--no-cache", "--verbose",
-                                         "--hosts", "a,b", "--alias", "x=1", "--alias", "y=2", "--timeout", "1"])
+    args = parser_for(Knobs).parse_args(["--url", "u", "--count", "4", "--mode", "fast", "--no-cache",
+                                         "--verbose", "--hosts", "a,b", "--alias", "x=1", "--alias", "y=2",
+                                         "--timeout", "1"])
     assert (args.count, args.mode, args.cache, args.verbose) == (4, "fast", False, True)
     assert (args.hosts, args.aliases, args.timeout_s) == (["a", "b"], {"x": "1", "y": "2"}, 1.0)
 
@@ -119,8 +120,9 @@ def test_worker_flags_give_the_default_configs() -> None:
 
 
 def test_worker_flags_keep_their_names_and_meanings() -> None:
-    args = parse("worker", "--no-prefix-caching", "--disable-log-requests", "--max-num-seqs", "8", "--quantization",
-                 "int4", "--speculative", "method=ngram,k=4", "--otlp-interval", "2.5", "--kv-cache-gb", "0.5")
+    args = parse("worker", "--no-prefix-caching", "--disable-log-requests", "--max-num-seqs", "8",
+                 "--quantization", "int4", "--speculative", "method=ngram,k=4", "--otlp-interval", "2.5",
+                 "--kv-cache-gb", "0.5")
     cfg, obs = from_args(EngineConfig, args), from_args(ObservabilityConfig, args)
     assert (cfg.enable_prefix_caching, cfg.max_num_seqs, cfg.quantization) == (False, 8, "int4")
     assert (cfg.speculative, cfg.kv_cache_gb) == ("method=ngram,k=4", 0.5)
@@ -136,19 +138,20 @@ def test_the_engine_scheduler_and_simulator_share_their_defaults() -> None:
 def test_the_simulated_worker_reads_the_engine_flags() -> None:
     cfg = sim_config(parse("worker", "--simulate", "--served-model-name", "m", "--max-num-seqs", "8",
                            "--no-prefix-caching", "--sim-speed", "4", "--num-blocks", "100"))
-    assert cfg == SimConfig(model_name="m", max_num_seqs=8, enable_prefix_caching=False, speed=4.0, num_blocks=100,
-                            block_size=EngineConfig.block_size)
+    assert cfg == SimConfig(model_name="m", max_num_seqs=8, enable_prefix_caching=False, speed=4.0,
+                            num_blocks=100, block_size=EngineConfig.block_size)
     assert sim_config(parse("worker", "--simulate", "--max-model-len", "512")).max_model_len == 512
 
 
 def test_router_flags_build_the_router_config() -> None:
-    args = parse("router", "--workers", "http://a:1,http://b:2", "--zones", "z1,", "--roles", "prefill,decode",
-                 "--tokenizer", "m=smollm2-135m", "--health-interval", "0.5", "--breaker-cooldown", "2",
-                 "--pd-timeout", "30", "--policy", "least_load", "--seed", "3")
+    args = parse("router", "--workers", "http://a:1,http://b:2", "--zones", "z1,", "--roles",
+                 "prefill,decode", "--tokenizer", "m=smollm2-135m", "--health-interval", "0.5",
+                 "--breaker-cooldown", "2", "--pd-timeout", "30", "--policy", "least_load", "--seed", "3")
     cfg = from_args(RouterConfig, args)
-    assert cfg == RouterConfig(workers=["http://a:1", "http://b:2"], zones=["z1", ""], roles=["prefill", "decode"],
-                               tokenizers={"m": "smollm2-135m"}, health_interval_s=0.5, breaker_cooldown_s=2.0,
-                               pd_timeout_s=30.0, policy="least_load", seed=3)
+    assert cfg == RouterConfig(workers=["http://a:1", "http://b:2"], zones=["z1", ""],
+                               roles=["prefill", "decode"], tokenizers={"m": "smollm2-135m"},
+                               health_interval_s=0.5, breaker_cooldown_s=2.0, pd_timeout_s=30.0,
+                               policy="least_load", seed=3)
 
 
 def test_pd_threshold_has_one_default() -> None:
@@ -158,7 +161,8 @@ def test_pd_threshold_has_one_default() -> None:
 
 
 def test_every_command_line_the_fleet_launcher_writes_parses(tmp_path) -> None:
-    cfg = FleetConfig(workers=[WorkerGroup(replicas=1, role="prefill", zone="z", args=["--speculative", "method=ngram"]),
+    cfg = FleetConfig(workers=[WorkerGroup(replicas=1, role="prefill", zone="z",
+                                           args=["--speculative", "method=ngram"]),
                                WorkerGroup(replicas=2, simulate=True, args=["--sim-speed", "2"])],
                       pd_threshold=100, otlp_endpoint="http://127.0.0.1:4318", log_dir=str(tmp_path))
     fleet = Fleet(cfg)
@@ -167,6 +171,7 @@ def test_every_command_line_the_fleet_launcher_writes_parses(tmp_path) -> None:
 
 
 def test_the_parsers_load_no_torch() -> None:
-    code = ("import sys; from fleetllm.cli import build_parser; import fleetllm.router.gateway, fleetllm.sim.server; "
+    code = ("import sys; from fleetllm.cli import build_parser; "
+            "import fleetllm.router.gateway, fleetllm.sim.server; "
             "build_parser().parse_args(['worker', '--simulate']); assert 'torch' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -33,12 +33,13 @@ class EngineConfig:
                                       flag="--no-prefix-caching")
     num_threads: int | None = opt(None, "torch threads (default: all cores)")
     quantization: Literal["none", "int4"] = opt(
-        "none", "int4: int4 decoder / int8 LM-head weights for decode steps on CPU (default: none, exact fp32)")
+        "none", "int4: int4 decoder / int8 LM-head weights for decode steps on CPU (default: none, exact "
+                "fp32)")
     speculative: str | dict | None = opt(
-        None, "speculative decoding: method ngram | suffix | eagle | peagle, k draft tokens (default k: chosen "
-              "from the measured verify cost), adaptive=0 to fix K", metavar="method=M,k=N")
-    metric_labels: dict[str, str] = opt(doc="worker identity on every metric: worker, role, zone, instance_type",
-                                        factory=dict, cli=False)
+        None, "speculative decoding: method ngram | suffix | eagle | peagle, k draft tokens (default k: "
+              "chosen from the measured verify cost), adaptive=0 to fix K", metavar="method=M,k=N")
+    metric_labels: dict[str, str] = opt(doc="worker identity on every metric: worker, role, zone, "
+                                            "instance_type", factory=dict, cli=False)
     disable_metrics: bool = opt(False, "record no engine metrics (overhead baseline)")
 
     def resolved_device(self) -> str:

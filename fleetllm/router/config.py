@@ -1,4 +1,4 @@
-"""The router's settings: each field a flag of ``fleetllm router`` (``fleetllm serve`` sets them from its config).
+"""The router's settings: each field a flag of ``fleetllm router`` (``fleetllm serve`` passes them on).
 
 Torch-free, like the whole router.
 """
@@ -18,10 +18,12 @@ class RouterConfig:
 
     workers: list[str] = opt(doc="comma-separated worker base URLs, e.g. http://127.0.0.1:8001")
     policy: str = opt("kv_aware", "routing policy", choices=POLICY_NAMES)
-    zones: list[str] = opt(doc="comma-separated zone of each worker (metrics label; empty when unset)", factory=list)
-    roles: list[str] = opt(doc="comma-separated role of each worker (prefill|decode|both) until the worker's own "
-                               "report says (default: both)", factory=list)
-    pd_threshold: int = opt(4096, "disaggregate when the decode worker lacks at least this many prompt tokens")
+    zones: list[str] = opt(doc="comma-separated zone of each worker (metrics label; empty when unset)",
+                           factory=list)
+    roles: list[str] = opt(doc="comma-separated role of each worker (prefill|decode|both) until the worker's "
+                               "own report says (default: both)", factory=list)
+    pd_threshold: int = opt(4096, "disaggregate when the decode worker lacks at least this many prompt "
+                                  "tokens")
     pd_timeout_s: float = opt(120.0, "seconds for a remote prefill + KV transfer; beyond it the request "
                                      "prefills locally")
     prefill_max_inflight: int = opt(2, "remote prefills that saturate a prefill worker")
