@@ -1,4 +1,9 @@
-"""The ``fleetllm`` command: ``worker`` (one engine behind the OpenAI API), ``generate`` and more."""
+"""The ``fleetllm`` command: ``worker`` (one engine behind the OpenAI API), ``router``, ``serve`` and more.
+
+The flags are generated from config dataclasses (:mod:`fleetllm.cli_options`): the components' own
+(EngineConfig, RouterConfig, ObservabilityConfig, SimConfig) and, below, the few that configure no
+component (where a server listens, a worker's labels, ``serve``'s fleet shape).
+"""
 
 from __future__ import annotations
 
