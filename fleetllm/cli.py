@@ -261,7 +261,7 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
 
 def add_calibrate_parser(sub: argparse._SubParsersAction) -> None:
     c = sub.add_parser("calibrate", help="measure the engine's step times for the simulated worker's timing model")
-    c.add_argument("--model", default="smollm2-135m")
+    add_options(c, EngineConfig, only=["model"])
     c.add_argument("--num-threads", type=int, default=1)
     c.add_argument("--repeats", type=int, default=3)
     c.add_argument("--output", required=True)

@@ -78,6 +78,9 @@ def add_options(parser: argparse.ArgumentParser | argparse._ArgumentGroup, cls: 
     hints = typing.get_type_hints(cls)
     wanted = set(only) if only is not None else None
     defaults = defaults or {}
+    unknown = ((wanted or set()) | set(defaults)) - {f.name for f in cli_fields(cls)}
+    if unknown:
+        raise ValueError(f"{cls.__name__} has no CLI field {', '.join(sorted(unknown))}")
     for f in cli_fields(cls):
         if wanted is not None and f.name not in wanted:
             continue

@@ -82,6 +82,11 @@ def test_a_field_marked_not_cli_is_no_flag() -> None:
     assert "--metric-labels" not in subparser("worker").format_help()
 
 
+def test_naming_a_field_that_is_no_flag_is_an_error() -> None:
+    with pytest.raises(ValueError, match="labels"):
+        add_options(argparse.ArgumentParser(), Knobs, only=["count", "labels"])
+
+
 def test_a_new_field_becomes_a_flag_with_no_other_edit() -> None:
     @dataclasses.dataclass
     class Extended(EngineConfig):
