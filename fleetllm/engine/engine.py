@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 import torch
 
 from fleetllm.engine.block_pool import BlockPool
+from fleetllm.engine.config import EngineConfig
 from fleetllm.engine.detokenizer import IncrementalDetokenizer
 from fleetllm.engine.kv_cache_manager import KVCacheManager
 from fleetllm.engine.metrics import EngineMetrics
@@ -27,33 +28,6 @@ from fleetllm.speculative.config import SpeculativeConfig
 from fleetllm.speculative.decoder import SpecDecoder
 
 logger = logging.getLogger("fleetllm.engine")
-
-
-@dataclass
-class EngineConfig:
-    """Engine knobs (CLI flags map 1:1 onto these)."""
-
-    model: str = "smollm2-135m"
-    served_model_name: str | None = None
-    device: str = "auto"  # auto: cuda when present, else cpu
-    block_size: int = 16
-    num_blocks: int | None = None  # default: from kv_cache_gb
-    kv_cache_gb: float = 1.0
-    max_model_len: int | None = None  # default: min(model context, 8192)
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 512
-    max_waiting: int = 1024
-    enable_prefix_caching: bool = True
-    num_threads: int | None = None
-    quantization: str = "none"  # "int4": int4/int8 weight copies for narrow (decode) batches on CPU
-    speculative: str | dict | None = None  # e.g. "method=peagle,k=4" (see fleetllm.speculative.config)
-    metric_labels: dict[str, str] = field(default_factory=dict)  # worker identity: worker, role, zone, instance_type
-    disable_metrics: bool = False
-
-    def resolved_device(self) -> str:
-        if self.device == "auto":
-            return "cuda" if torch.cuda.is_available() else "cpu"
-        return self.device
 
 
 class LLMEngine:

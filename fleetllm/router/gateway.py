@@ -16,7 +16,6 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlparse
 
@@ -32,48 +31,17 @@ from fleetllm.observability.dashboard import dashboard_routes
 from fleetllm.observability.federate import fleet_metrics
 from fleetllm.router.admin import admin_routes
 from fleetllm.router.auth import KeyGate
+from fleetllm.router.config import RouterConfig
 from fleetllm.router.forward import Forward, Forwarder, error_response, upstream_headers
 from fleetllm.router.hold import ColdStartHold
 from fleetllm.router.index import PrefixIndex
 from fleetllm.router.keys import KeyLimiter, KeyRecord, KeyStore
 from fleetllm.router.metrics import RouterMetrics
-from fleetllm.router.policies import CostModel, RouteRequest, make_policy
+from fleetllm.router.policies import RouteRequest, make_policy
 from fleetllm.router.tokens import PromptTokenizer, block_hashes
 from fleetllm.router.upstream import Breaker, WorkerMonitor, WorkerState
 from fleetllm.server.protocol import APIError, json_object
 from fleetllm.server.worker_secret import worker_secret
-
-
-@dataclass
-class RouterConfig:
-    """What ``fleetllm router`` takes on its command line (and ``fleetllm serve`` from its config)."""
-
-    workers: list[str]  # base URLs, e.g. http://127.0.0.1:8001
-    policy: str = "kv_aware"
-    zones: list[str] = field(default_factory=list)  # zone of each worker ("" when unset)
-    roles: list[str] = field(default_factory=list)  # role of each worker until its snapshot says (default both)
-    pd_threshold: int = 4096  # disaggregate when the decode worker lacks at least this many prompt tokens
-    pd_timeout_s: float = 120.0  # remote prefill + transfer; beyond it the request prefills locally
-    prefill_max_inflight: int = 2  # a prefill worker with this many remote prefills is saturated
-    pd_transfer: str = "auto"  # shm (same host) | http | auto
-    max_retries: int = 2
-    health_interval_s: float = 1.0
-    routed_ttl_s: float | None = None  # routed-prefix hints: default 300 s for prefix, 10 s for kv_aware
-    session_header: str = "x-session-id"
-    tokenizers: dict[str, str] = field(default_factory=dict)  # served model name -> model reference
-    cost: CostModel = field(default_factory=CostModel)
-    breaker_threshold: int = 3  # consecutive failures that open a worker's circuit breaker
-    breaker_cooldown_s: float = 5.0  # how long it stays open before one probe request
-    connect_timeout_s: float = 3.0
-    request_timeout_s: float = 600.0
-    seed: int | None = None
-    models: list[str] = field(default_factory=list)  # served model of each worker until its snapshot says
-    aliases: dict[str, str] = field(default_factory=dict)  # other name -> served model name
-    model_policies: dict[str, str] = field(default_factory=dict)  # served model name -> its routing policy
-    scale_from_zero: list[str] = field(default_factory=list)  # models whose requests wait while a copy starts
-    hold_max_waiting: int = 64  # held requests per model; beyond, 503 + Retry-After
-    hold_timeout_s: float = 120.0  # longest a request is held
-    keys_file: str | None = None  # API keys on (fleetllm/router/keys.py)
 
 
 class Router:

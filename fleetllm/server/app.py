@@ -17,7 +17,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -35,6 +35,7 @@ from fleetllm.observability.dashboard import dashboard_routes
 from fleetllm.observability.process import ColdStart, ProcessHostCollector
 from fleetllm.observability.tracing import trace_id_of
 from fleetllm.server import openai_format as fmt
+from fleetllm.server.config import ObservabilityConfig
 from fleetllm.server.protocol import (
     APIError,
     chat_messages,
@@ -48,15 +49,6 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 request_log = logging.getLogger("fleetllm.requests")
-
-
-@dataclass
-class ObservabilityConfig:
-    """What a worker reports beyond ``/metrics`` (CLI: --otlp-endpoint, --disable-log-requests)."""
-
-    otlp_endpoint: str | None = None  # OTLP/HTTP base URL: metrics to /v1/metrics, spans to /v1/traces
-    otlp_interval_s: float = 10.0
-    log_requests: bool = True
 
 
 def error_response(e: APIError) -> JSONResponse:

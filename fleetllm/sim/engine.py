@@ -12,7 +12,6 @@ sampling sequence. Output text is a fixed cycle of ordinary words (its content i
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from types import SimpleNamespace
 
 from fleetllm.engine.block_pool import BlockPool
@@ -25,24 +24,11 @@ from fleetllm.engine.scheduler import Scheduler, SchedulerConfig
 from fleetllm.engine.sequence import Sequence, Status
 from fleetllm.models.config import ModelConfig
 from fleetllm.models.tokenizer import TokenizerWrapper
+from fleetllm.sim.config import SimConfig
 from fleetllm.sim.profile import TimingProfile
 
 _TEXT = ("The fleet routes each request to the replica that already holds its prefix, so the prompt "
          "is not computed twice and the answer starts sooner. ")
-
-
-@dataclass
-class SimConfig:
-    model_name: str = "smollm2-135m"
-    max_model_len: int = 8192
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 512
-    max_waiting: int = 1024
-    num_blocks: int | None = None  # default: the profile's
-    block_size: int | None = None
-    enable_prefix_caching: bool = True
-    default_max_tokens: int = 64  # when a request gives none
-    speed: float = 1.0  # >1 runs the timing model faster than real time
 
 
 class SimEngine:

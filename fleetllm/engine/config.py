@@ -1,0 +1,51 @@
+"""The engine's settings: one dataclass, each field a flag of ``fleetllm worker`` and ``fleetllm generate``.
+
+Torch-free (the CLI builds its parsers, and the router and the simulated worker start, without loading torch).
+The scheduler's knobs take their defaults from :class:`SchedulerConfig`, which owns them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from fleetllm.cli_options import opt
+from fleetllm.engine.scheduler import SchedulerConfig
+
+
+@dataclass
+class EngineConfig:
+    """Engine knobs; each field is a flag of `fleetllm worker`, named as vLLM names it."""
+
+    model: str = opt("smollm2-135m", "model alias, .gguf file or HF directory")
+    served_model_name: str | None = opt(None, "name clients use (default: --model)")
+    device: str = opt("auto", "auto | cpu | cuda (auto: cuda when present, else cpu)")
+    block_size: int = opt(16, "tokens per KV block")
+    num_blocks: int | None = opt(None, "KV blocks (default: from --kv-cache-gb)")
+    kv_cache_gb: float = opt(1.0, "GiB of KV cache, when --num-blocks is not given")
+    max_model_len: int | None = opt(None, "most tokens of one sequence, prompt and output (default: "
+                                          "min(the model's context, 8192), capped by the KV cache)")
+    max_num_seqs: int = opt(SchedulerConfig.max_num_seqs, "most sequences running in one step")
+    max_num_batched_tokens: int = opt(SchedulerConfig.max_num_batched_tokens,
+                                      "token budget of one step: prefill chunks, decode and verify tokens")
+    max_waiting: int = opt(SchedulerConfig.max_waiting, "queue bound; beyond it requests get 503")
+    enable_prefix_caching: bool = opt(True, "reuse the KV blocks of prompt prefixes computed before",
+                                      flag="--no-prefix-caching")
+    num_threads: int | None = opt(None, "torch threads (default: all cores)")
+    quantization: Literal["none", "int4"] = opt(
+        "none", "int4: int4 decoder / int8 LM-head weights for decode steps on CPU (default: none, exact "
+                "fp32)")
+    speculative: str | dict | None = opt(
+        None, "speculative decoding: method ngram | suffix | eagle | peagle, k draft tokens (default k: "
+              "chosen from the measured verify cost), adaptive=0 to fix K", metavar="method=M,k=N")
+    metric_labels: dict[str, str] = opt(doc="worker identity on every metric: worker, role, zone, "
+                                            "instance_type", factory=dict, cli=False)
+    disable_metrics: bool = opt(False, "record no engine metrics (overhead baseline)")
+
+    def resolved_device(self) -> str:
+        """``cuda`` or ``cpu`` for ``auto``; the device as given otherwise."""
+        if self.device == "auto":
+            import torch  # here, not at the top: the module stays torch-free
+
+            return "cuda" if torch.cuda.is_available() else "cpu"
+        return self.device

@@ -1,0 +1,55 @@
+"""The router's settings: each field a flag of ``fleetllm router`` (``fleetllm serve`` passes them on).
+
+Torch-free, like the whole router.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from fleetllm.cli_options import opt
+from fleetllm.router.policies import POLICY_NAMES, CostModel
+
+
+@dataclass
+class RouterConfig:
+    """Routing, retries, health checks and the disaggregated (P/D) path."""
+
+    workers: list[str] = opt(doc="comma-separated worker base URLs, e.g. http://127.0.0.1:8001")
+    policy: str = opt("kv_aware", "routing policy", choices=POLICY_NAMES)
+    zones: list[str] = opt(doc="comma-separated zone of each worker (metrics label; empty when unset)",
+                           factory=list)
+    roles: list[str] = opt(doc="comma-separated role of each worker (prefill|decode|both) until the worker's "
+                               "own report says (default: both)", factory=list)
+    pd_threshold: int = opt(4096, "disaggregate when the decode worker lacks at least this many prompt "
+                                  "tokens")
+    pd_timeout_s: float = opt(120.0, "seconds for a remote prefill + KV transfer; beyond it the request "
+                                     "prefills locally")
+    prefill_max_inflight: int = opt(2, "remote prefills that saturate a prefill worker")
+    pd_transfer: Literal["auto", "shm", "http"] = opt("auto", "how KV blocks travel: shm (same host), http, "
+                                                             "or auto")
+    max_retries: int = opt(2, "retries on other workers before the first byte")
+    health_interval_s: float = opt(1.0, "seconds between health checks")
+    routed_ttl_s: float | None = opt(None, "seconds a routed prefix is remembered (default: 300 for prefix, "
+                                           "10 for kv_aware)")
+    session_header: str = opt("x-session-id", "header naming a session (else the body's `user`)")
+    tokenizers: dict[str, str] = opt(doc="tokenizer for a served model name that is not itself a model "
+                                         "reference", factory=dict, flag="--tokenizer", metavar="MODEL=REF")
+    cost: CostModel = opt(doc="the cost model's rates (from --profile)", factory=CostModel, cli=False)
+    breaker_threshold: int = opt(3, "consecutive failures that open a worker's circuit breaker")
+    breaker_cooldown_s: float = opt(5.0, "seconds a breaker stays open before one probe request")
+    connect_timeout_s: float = opt(3.0, "seconds to connect to a worker")
+    request_timeout_s: float = opt(600.0, "seconds for one forwarded request")
+    seed: int | None = opt(None, "seed for random tie-breaks")
+    models: list[str] = opt(doc="comma-separated served model of each worker until the worker's own report says",
+                            factory=list, flag="--worker-models")
+    aliases: dict[str, str] = opt(doc="another name clients may send for a served model", factory=dict,
+                                  flag="--alias", metavar="ALIAS=MODEL")
+    model_policies: dict[str, str] = opt(doc="a served model's own routing policy", factory=dict,
+                                         flag="--model-policy", metavar="MODEL=POLICY")
+    scale_from_zero: list[str] = opt(doc="comma-separated models whose requests are held while a copy starts",
+                                     factory=list)
+    hold_max_waiting: int = opt(64, "requests held per model while a copy starts; beyond, 503 + Retry-After")
+    hold_timeout_s: float = opt(120.0, "seconds a request is held at most")
+    keys_file: str | None = opt(None, "API keys file (fleetllm keys): only its keys may call /v1/*")
