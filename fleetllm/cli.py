@@ -8,6 +8,7 @@ component (where a server listens, a worker's labels, ``serve``'s fleet shape).
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import sys
@@ -285,11 +286,49 @@ def add_spec_parser(sub: argparse._SubParsersAction) -> None:
     t.set_defaults(func=cmd_spec_train)
 
 
+def cmd_keys(args: argparse.Namespace) -> int:
+    from fleetllm.router.keys import KeyStore
+
+    store = KeyStore(args.file)
+    if args.keys_command == "create":
+        rec, key = store.create(args.name, models=args.models.split(",") if args.models else [],
+                                rpm_limit=args.rpm_limit, tpm_limit=args.tpm_limit,
+                                max_parallel_requests=args.max_parallel_requests, admin=args.admin)
+        print(f"{rec.id}  {key}\n(the key is shown once; {args.file} keeps only its hash)")
+    elif args.keys_command == "revoke":
+        try:
+            print(f"revoked {store.revoke(args.id).id}")
+        except KeyError as e:
+            print(e.args[0], file=sys.stderr)
+            return 1
+    else:
+        for rec in store.records():
+            print(json.dumps(rec.public()))
+    return 0
+
+
+def add_keys_parser(sub: argparse._SubParsersAction) -> None:
+    k = sub.add_parser("keys", help="API keys of a fleet: create, ls, revoke (the router re-reads the file)")
+    k.add_argument("--file", default="keys.yaml", help="the keys file (the fleet YAML's keys_file)")
+    ks = k.add_subparsers(dest="keys_command", required=True)
+    c = ks.add_parser("create", help="a new key, printed once")
+    c.add_argument("--name", default="", help="a name to find it by")
+    c.add_argument("--models", default=None, help="comma-separated models it may call (default: all)")
+    c.add_argument("--rpm-limit", type=int, default=None, help="requests per minute")
+    c.add_argument("--tpm-limit", type=int, default=None, help="prompt + output tokens per minute")
+    c.add_argument("--max-parallel-requests", type=int, default=None, help="requests in flight at once")
+    c.add_argument("--admin", action="store_true", help="may read /metrics, /router/state and /admin/*")
+    ks.add_parser("ls", help="every key's id, name, limits (never the key)")
+    r = ks.add_parser("revoke", help="refuse a key from the next request on")
+    r.add_argument("id", help="the key's id (key-...) or name")
+    k.set_defaults(func=cmd_keys)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fleetllm", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     for add in (add_worker_parser, add_router_parser, add_serve_parser, add_calibrate_parser,
-                add_generate_parser, add_spec_parser):
+                add_generate_parser, add_spec_parser, add_keys_parser):
         add(sub)
     try:
         from fleetllm.bench.cli import add_bench_parser

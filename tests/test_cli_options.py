@@ -14,7 +14,7 @@ from fleetllm.cli import build_parser, sim_config
 from fleetllm.cli_options import add_options, field_default, from_args, opt, to_argv
 from fleetllm.engine.config import EngineConfig
 from fleetllm.engine.scheduler import SchedulerConfig
-from fleetllm.fleet.config import FleetConfig, WorkerGroup
+from fleetllm.fleet.config import FleetConfig
 from fleetllm.fleet.launcher import Fleet
 from fleetllm.router.config import RouterConfig
 from fleetllm.server.config import ObservabilityConfig
@@ -166,10 +166,14 @@ def test_pd_threshold_has_one_default() -> None:
 
 
 def test_every_command_line_the_fleet_launcher_writes_parses(tmp_path) -> None:
-    cfg = FleetConfig(workers=[WorkerGroup(replicas=1, role="prefill", zone="z",
-                                           args=["--speculative", "method=ngram"]),
-                               WorkerGroup(replicas=2, simulate=True, args=["--sim-speed", "2"])],
-                      pd_threshold=100, otlp_endpoint="http://127.0.0.1:4318", log_dir=str(tmp_path))
+    cfg = FleetConfig.from_dict({
+        "models": [{"source": "smollm2-135m", "name": "small", "aliases": ["s"], "role": "prefill",
+                    "speculative": "method=ngram", "engine": {"max_num_seqs": 8, "no_prefix_caching": True},
+                    "policy": "session"},
+                   {"source": "smollm2-135m", "name": "sim", "simulate": True, "replicas": {"min": 0, "max": 2},
+                    "engine": {"sim_speed": 2}}],
+        "machines": [{"name": "z", "zone": "z"}], "keys_file": str(tmp_path / "keys.yaml"),
+        "pd_threshold": 100, "otlp_endpoint": "http://127.0.0.1:4318", "log_dir": str(tmp_path)})
     fleet = Fleet(cfg)
     for proc in [*fleet.workers, fleet.router]:
         parse(*proc.cmd[3:])  # after `python -m fleetllm.cli`

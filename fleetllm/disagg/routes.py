@@ -35,6 +35,7 @@ from starlette.routing import Route
 
 from fleetllm.engine.params import SamplingParams
 from fleetllm.server.protocol import APIError
+from fleetllm.server.worker_secret import worker_secret
 
 if TYPE_CHECKING:
     from fleetllm.server.app import Worker
@@ -114,7 +115,9 @@ class PDEndpoints:
 
         shm_path: Path | None = None
         try:
-            async with httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=3.0)) as client:
+            secret = worker_secret()  # a fleet with keys: the decode worker takes requests from its fleet only
+            auth = {"authorization": f"Bearer {secret}"} if secret else None
+            async with httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=3.0), headers=auth) as client:
                 if via == "shm":
                     shm_path = SHM_DIR / f"fleetllm-kv-{uuid.uuid4().hex}"
                     nbytes = await asyncio.to_thread(_write_frame, shm_path, frame.encode(header, layers))

@@ -42,8 +42,9 @@ class RouterAdmin:
     def state(self) -> dict[str, Any]:
         return self.client.get("/router/state").raise_for_status().json()
 
-    def add_worker(self, url: str, zone: str, role: str) -> None:
-        self.client.post("/admin/workers", json={"url": url, "zone": zone, "role": role}).raise_for_status()
+    def add_worker(self, url: str, zone: str, role: str, model: str) -> None:
+        self.client.post("/admin/workers", json={"url": url, "zone": zone, "role": role, "model": model}
+                         ).raise_for_status()
 
     def drain_worker(self, url: str) -> None:
         self.client.post("/admin/workers/drain", json={"url": url}).raise_for_status()
@@ -119,7 +120,7 @@ class FleetController:
         try:
             for u in proc.urls:
                 self.fleet.wait_healthy(proc, u + "/health", time.monotonic() + self.fleet.cfg.startup_timeout_s)
-                self.admin.add_worker(u, proc.zone, proc.role)
+                self.admin.add_worker(u, proc.zone, proc.role, proc.copies[0].model.served_name)
         except (RuntimeError, TimeoutError, httpx.HTTPError) as e:
             log.error("autoscaler: new copy %s failed: %s", proc.name, e)
             self.fleet.remove(proc)

@@ -79,7 +79,8 @@ class Fleet:
         self._next_port = cfg.worker_port or cfg.port + 1
         self._otlp = ["--otlp-endpoint", cfg.otlp_endpoint] if cfg.otlp_endpoint else []
         # with keys on, workers must take requests from the router only (fleetllm/server/worker_secret.py)
-        self._env = {SECRET_ENV: secrets.token_urlsafe(32)} if cfg.keys_file else {}
+        self.secret = secrets.token_urlsafe(32) if cfg.keys_file else None
+        self._env = {SECRET_ENV: self.secret} if self.secret else {}
         self._plan()
 
     @property
@@ -94,6 +95,11 @@ class Fleet:
     def zones(self) -> list[str]:
         """The zone of each of ``worker_urls``."""
         return [p.zone for p in self.workers for _ in p.urls] + [""] * len(self.cfg.external)
+
+    @property
+    def models(self) -> list[str]:
+        """The served model of each of ``worker_urls`` ("" for external workers: they say themselves)."""
+        return [p.copies[0].model.served_name for p in self.workers for _ in p.urls] + [""] * len(self.cfg.external)
 
     @property
     def roles(self) -> list[str]:
@@ -153,6 +159,11 @@ class Fleet:
             args += [a for alias in m.aliases for a in ("--alias", f"{alias}={m.served_name}")]
             if m.policy:
                 args += ["--model-policy", f"{m.served_name}={m.policy}"]
+        if self.worker_urls:
+            args += ["--worker-models", ",".join(self.models)]
+        zero = [m.served_name for m in cfg.models if m.replicas.min == 0]
+        if zero:
+            args += ["--scale-from-zero", ",".join(dict.fromkeys(zero))]
         if any(self.zones):
             args += ["--zones", ",".join(self.zones)]
         if any(r != "both" for r in self.roles):
@@ -212,7 +223,8 @@ class Fleet:
         n = len(self.worker_urls)
         while time.monotonic() < deadline:
             try:
-                state = httpx.get(self.url + "/router/state", timeout=2).json()
+                auth = {"authorization": f"Bearer {self.secret}"} if self.secret else {}
+                state = httpx.get(self.url + "/router/state", headers=auth, timeout=2).json()
                 if sum(w["healthy"] for w in state["workers"]) == n:
                     return
             except (httpx.HTTPError, ValueError, KeyError):
@@ -287,7 +299,7 @@ def run_fleet(cfg: FleetConfig) -> int:
     if any(m.autoscaled for m in cfg.models):
         from fleetllm.fleet.controller import FleetController, RouterAdmin
 
-        tick = FleetController(fleet, RouterAdmin(fleet.url)).tick
+        tick = FleetController(fleet, RouterAdmin(fleet.url, fleet.secret)).tick
     try:
         fleet.supervise(lambda: stop["now"], tick)
     finally:

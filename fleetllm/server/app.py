@@ -43,6 +43,7 @@ from fleetllm.server.protocol import (
     json_object,
     sampling_from_body,
 )
+from fleetllm.server.worker_secret import RequireSecret, worker_secret
 
 if TYPE_CHECKING:
     from fleetllm.engine.engine import LLMEngine
@@ -98,6 +99,9 @@ class Worker:
             exception_handlers={APIError: lambda r, e: error_response(e), 404: self._not_found,
                                 405: self._not_found, 500: self._internal},
         )
+        secret = worker_secret()
+        if secret:  # a fleet with API keys: only the router may call this worker
+            self.app = RequireSecret(self.app, secret)
 
     @contextlib.asynccontextmanager
     async def _lifespan(self, app: Starlette) -> AsyncIterator[None]:

@@ -1,0 +1,150 @@
+"""A real `fleetllm serve` of several models: routing by model, API keys, scale from zero, autoscaling.
+
+Simulated copies (no weights) keep these fast; the processes, router, controller and HTTP are all real.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+from fleet_helpers import free_ports, stop_process
+
+SIM = {"source": "smollm2-135m", "simulate": True, "engine": {"sim_speed": 20}}
+
+
+class Serve:
+    def __init__(self, cfg: dict, tmp: Path) -> None:
+        self.port = cfg["port"] = free_ports(12)
+        self.log_dir = tmp / "logs"
+        cfg["log_dir"] = str(self.log_dir)
+        (tmp / "fleet.yaml").write_text(yaml.safe_dump(cfg))
+        fd, name = tempfile.mkstemp(prefix="fleetllm-serve-", suffix=".log")
+        self.log_path = Path(name)
+        self.popen = subprocess.Popen([sys.executable, "-m", "fleetllm.cli", "serve", "--config", str(tmp / "fleet.yaml")],
+                                      stdout=fd, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        os.close(fd)
+        self.url = f"http://127.0.0.1:{self.port}"
+        end = time.monotonic() + 120
+        while "fleet ready" not in self.log():
+            if self.popen.poll() is not None or time.monotonic() > end:
+                self.stop()
+                raise RuntimeError("serve did not start:\n" + self.log())
+            time.sleep(0.2)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def logs(self) -> str:
+        """Everything the fleet wrote: its own output and every worker's and the router's log."""
+        return self.log() + "".join(p.read_text(errors="replace") for p in self.log_dir.glob("*.log"))
+
+    def stop(self) -> None:
+        if self.popen.poll() is None:
+            self.popen.send_signal(signal.SIGINT)
+        stop_process(self.popen, timeout=60)
+
+
+@pytest.fixture
+def serve(tmp_path) -> Iterator:
+    started: list[Serve] = []
+
+    def start(cfg: dict) -> Serve:
+        s = Serve(cfg, tmp_path)
+        started.append(s)
+        return s
+
+    yield start
+    for s in started:
+        s.stop()
+        s.log_path.unlink(missing_ok=True)
+
+
+def complete(url: str, model: str, key: str | None = None, **kw) -> httpx.Response:
+    headers = {"authorization": f"Bearer {key}"} if key else {}
+    return httpx.post(url + "/v1/completions", json={"model": model, "prompt": "hello there", "max_tokens": 4, **kw},
+                      headers=headers, timeout=60)
+
+
+def test_keys_gate_a_two_model_fleet_and_workers_answer_only_the_router(serve, tmp_path):
+    from fleetllm.router.keys import KeyStore
+
+    keys = KeyStore(tmp_path / "keys.yaml")
+    rec, key = keys.create("team", models=["a"], rpm_limit=3)
+    _, admin = keys.create("ops", admin=True)
+    fleet = serve({"keys_file": str(tmp_path / "keys.yaml"), "policy": "round_robin",
+                   "models": [{**SIM, "name": "a", "aliases": ["alpha"], "replicas": 2},
+                              {**SIM, "name": "b", "replicas": 1}]})
+    url = fleet.url
+    assert complete(url, "a").status_code == 401
+    assert complete(url, "a", "flk-not-a-key").status_code == 401
+    r = complete(url, "b", key)
+    assert r.status_code == 403 and r.json()["error"]["type"] == "permission_error"
+    state = httpx.get(url + "/router/state", headers={"authorization": f"Bearer {admin}"}).json()
+    a_workers = {w["name"] for w in state["workers"] if w["model"] == "a"}
+    assert len(a_workers) == 2 and set(state["models"]) == {"a", "b"}
+    served = {complete(url, m, key).headers["x-fleetllm-worker"] for m in ("a", "alpha")}
+    assert served <= a_workers
+    assert complete(url, "a", key).status_code == 200
+    r = complete(url, "a", key)
+    assert r.status_code == 429 and int(r.headers["retry-after"]) >= 1  # the 4th request within the minute
+    # a worker called directly, without the router's secret, refuses
+    direct = next(w["url"] for w in state["workers"])
+    assert httpx.post(direct + "/v1/completions", json={"prompt": "x"}, headers={"authorization": f"Bearer {key}"}
+                      ).status_code == 401
+    assert httpx.get(url + "/metrics").status_code == 401
+    assert httpx.get(url + "/metrics", headers={"authorization": f"Bearer {key}"}).status_code == 403
+    metrics = httpx.get(url + "/metrics", headers={"authorization": f"Bearer {admin}"}).text
+    assert f'fleetllm_key_requests_total{{key="{rec.id}",outcome="limited"}} 1.0' in metrics
+    usage = httpx.get(url + "/admin/usage", headers={"authorization": f"Bearer {admin}"}).json()
+    team = next(k for k in usage["keys"] if k["id"] == rec.id)
+    assert team["requests"] == 3 and team["completion_tokens"] == 12
+    models = httpx.get(url + "/v1/models", headers={"authorization": f"Bearer {admin}"}).json()
+    assert {m["id"] for m in models["data"]} == {"a", "b"}
+    keys.revoke(rec.id)
+    assert complete(url, "a", key).status_code == 401
+    logs = fleet.logs() + metrics + str(usage) + str(state)
+    assert key not in logs and admin not in logs and rec.hash not in logs
+
+
+def test_a_model_scales_from_zero_for_a_held_request_and_back_to_zero_when_idle(serve):
+    zero = {**SIM, "name": "z", "replicas": {"min": 0, "max": 1, "initial": 0},
+            "autoscale": {"idle_s": 4, "cooldown_s": 1, "down_window_s": 2}}
+    fleet = serve({"router_args": ["--hold-max-waiting", "1", "--hold-timeout", "60"],
+                   "models": [{**SIM, "name": "a", "replicas": 1}, zero]})
+    url = fleet.url
+
+    async def burst() -> list[httpx.Response]:
+        async with httpx.AsyncClient(timeout=90) as c:
+            first = asyncio.create_task(c.post(url + "/v1/completions", json={"model": "z", "prompt": "hi",
+                                                                               "max_tokens": 3}))
+            await asyncio.sleep(0.5)  # the first is held; the queue bound (1) is reached
+            more = [await c.post(url + "/v1/completions", json={"model": "z", "prompt": "hi", "max_tokens": 3})
+                    for _ in range(2)]
+            return [await first, *more]
+
+    held, *refused = asyncio.run(burst())
+    assert held.status_code == 200, held.text
+    assert int(held.headers["x-fleetllm-cold-start-ms"]) > 0
+    assert all(r.status_code == 503 and r.headers["retry-after"] for r in refused)
+    metrics = httpx.get(url + "/metrics", params={"federate": "0"}).text
+    assert 'fleetllm_autoscaler_decisions_total{direction="up",model="z",reason="held"}' in metrics
+    assert 'fleetllm_router_cold_start_seconds_count{model="z"} 1.0' in metrics
+    # idle: drained and stopped, and the router forgets it
+    end = time.monotonic() + 40
+    while any(w["model"] == "z" for w in httpx.get(url + "/router/state").json()["workers"]):
+        assert time.monotonic() < end, fleet.log()
+        time.sleep(0.5)
+    metrics = httpx.get(url + "/metrics", params={"federate": "0"}).text
+    assert 'fleetllm_autoscaler_desired_replicas{model="z"} 0.0' in metrics
+    assert complete(url, "a").status_code == 200  # the other model never noticed
