@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import Any
 
 import httpx
@@ -64,6 +64,9 @@ class FleetController:
         self.interval_s, self.drain_timeout_s = interval_s, drain_timeout_s
         self.models = {m.served_name: m for m in fleet.cfg.models if m.autoscaled}
         self.scalers = {n: Autoscaler(m.autoscale, m.replicas.min, m.replicas.max) for n, m in self.models.items()}
+        # the copy count each model is steered to: changes only with a decision, so copies still starting
+        # (not yet ready, so not counted by the autoscaler) are not taken for a scale-down
+        self.targets = {n: m.replicas.initial for n, m in self.models.items()}
         self._pages: dict[str, dict[str, str]] = {}
         self._last = time.monotonic()
         self._draining: set[str] = set()  # names of worker processes being drained
@@ -79,15 +82,18 @@ class FleetController:
         for name, m in self.models.items():
             procs = self.fleet.procs_of(name)
             ready = [u for p in procs for u in p.urls if u in healthy]
+            if len(ready) < sum(len(p.urls) for p in procs if p.name not in self._draining):
+                continue  # copies still starting: their load is not seen yet, so decide once they are ready
             pages = self._read(ready)
             sig = model_signals(self._pages.get(name, {}), pages, dt, held.get(name, 0))
             self._pages[name] = pages
             d = decisions[name] = self.scalers[name].decide(sig)
-            self.admin.report(name, d)
             if d.direction != "none":
+                self.targets[name] = d.desired
                 log.info("autoscaler %s: %d -> %d copies (%s; %s)", name, sig.copies, d.desired, d.reason,
                          ", ".join(f"{k} {v:.2f}" for k, v in d.ratios.items()))
-            self._act(m, procs, d.desired)
+            self.admin.report(name, replace(d, desired=self.targets[name]))
+            self._act(m, procs, self.targets[name])
         return decisions
 
     def _read(self, urls: list[str]) -> dict[str, str]:
