@@ -51,7 +51,8 @@ class Run:
 def fleet_yaml(kind: str, port: int, speed: float) -> dict:
     machines = [{"name": n, "cores": CORES // 2, "memory_gb": 8, "zone": f"zone-{n}"} for n in ("a", "b")]
     sim_engine = {"sim_speed": speed, "max_num_seqs": 8}
-    autoscale = {"ttft_p90_s": TTFT_TARGET_S, "waiting_per_copy": 2, "down_window_s": 20, "cooldown_s": 5,
+    autoscale = {"ttft_p90_s": TTFT_TARGET_S, "concurrency_per_copy": 3, "waiting_per_copy": 2, "down_window_s": 20,
+                 "cooldown_s": 5,
                  "idle_s": 30}
     if kind == "autoscaled":
         a = {"replicas": {"min": 1, "max": CORES - 1, "initial": 1}, "autoscale": autoscale}

@@ -1,10 +1,13 @@
 """The autoscaler: from a model's load signals to the number of copies it should have.
 
 Each tick the fleet controller hands in one :class:`Signals` per model (summed or averaged over its ready
-copies). Every signal has a target; its ratio to the target says how many copies would bring it back to
-target (the rule Kubernetes' HPA uses: ``ceil(copies * signal / target)``), and the largest ratio wins and is
-the decision's reason. Signals: waiting requests per copy (vLLM production-stack's KEDA trigger), KV-cache
-usage (AIBrix), TTFT and ITL p90 against the model's SLO (Dynamo's planner).
+copies). The copies a model needs come from its concurrency (requests running or waiting per copy, against
+``concurrency_per_copy``): it grows and shrinks in proportion to copies, so it sizes the model both ways by
+Kubernetes HPA's rule ``ceil(copies * signal / target)``, within a 10% tolerance. The SLO guards, waiting
+requests per copy (vLLM production-stack's KEDA trigger), KV-cache usage (AIBrix), TTFT and ITL p90 against
+the model's targets (Dynamo's planner), only push up: a latency far under its target does not mean
+copies can go in proportion (queueing is not linear), so they never shrink a model. The signal that
+decided is the decision's reason.
 
 Stabilisation (as HPA): a scale-up takes the *lowest* recommendation of the last ``up_window_s`` (a spike
 must last), a scale-down the *highest* of the last ``down_window_s`` (a lull must last); after any change
@@ -20,11 +23,14 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+TOLERANCE = 0.1  # a ratio within 10% of 1 asks for no change (HPA's default): no flapping around a target
+
 
 @dataclass
 class ScalingPolicy:
     """A model's autoscaling targets and windows (the ``autoscale:`` block of a model in the fleet YAML)."""
 
+    concurrency_per_copy: float = 8.0  # requests running or waiting per copy the model is sized for
     waiting_per_copy: float = 5.0  # queued requests per copy
     kv_usage: float = 0.85  # fraction of KV blocks in use
     ttft_p90_s: float | None = None  # SLO: time to first token, 90th percentile
@@ -76,8 +82,8 @@ class Autoscaler:
             want = max(self.min, 1 if s.held else 0)
             return self._settle(0, want, "held" if s.held else "idle", {}, now, cooldown=False)
         ratios = self._ratios(s)
-        reason, ratio = max(ratios.items(), key=lambda kv: kv[1])
-        self._history.append((now, math.ceil(s.copies * ratio - 1e-9)))
+        reason, raw = _recommend(s.copies, ratios)
+        self._history.append((now, raw))
         while self._history and self._history[0][0] < now - max(p.up_window_s, p.down_window_s):
             self._history.popleft()
         want = min(r for t, r in self._history if t >= now - p.up_window_s)  # a spike must last up_window_s
@@ -96,7 +102,8 @@ class Autoscaler:
 
     def _ratios(self, s: Signals) -> dict[str, float]:
         p = self.policy
-        r = {"waiting": s.waiting / s.copies / p.waiting_per_copy, "kv": s.kv_usage / p.kv_usage}
+        r = {"concurrency": (s.running + s.waiting) / s.copies / p.concurrency_per_copy,
+             "waiting": s.waiting / s.copies / p.waiting_per_copy, "kv": s.kv_usage / p.kv_usage}
         if p.ttft_p90_s and s.ttft_p90_s is not None:
             r["ttft"] = s.ttft_p90_s / p.ttft_p90_s
         if p.itl_p90_s and s.itl_p90_s is not None:
@@ -112,3 +119,14 @@ class Autoscaler:
         self._last_change = self._stable_since = now
         self._history.clear()  # recommendations made for the old copy count are stale
         return Decision(want, "up" if want > copies else "down", reason, ratios)
+
+
+def _recommend(copies: int, ratios: dict[str, float]) -> tuple[str, int]:
+    """The copies the concurrency asks for, or more when an SLO guard is broken; and which signal decided."""
+    load = ratios["concurrency"]
+    reason, want = "concurrency", copies if abs(load - 1) <= TOLERANCE else math.ceil(copies * load - 1e-9)
+    for name, r in ratios.items():
+        need = math.ceil(copies * r - 1e-9)
+        if name != "concurrency" and r > 1 + TOLERANCE and need > want:
+            reason, want = name, need
+    return reason, want

@@ -20,7 +20,7 @@ def scaler(min_copies=1, max_copies=8, **policy) -> tuple[Autoscaler, Clock]:
 
 
 def test_a_queue_past_its_target_scales_up_in_proportion():
-    a, _ = scaler()
+    a, _ = scaler(concurrency_per_copy=100)
     d = a.decide(Signals(copies=2, waiting=20))  # 10 per copy, target 5
     assert (d.desired, d.direction, d.reason) == (4, "up", "waiting")
 
@@ -44,13 +44,13 @@ def test_a_lull_must_last_the_down_window_before_copies_go():
         assert a.decide(Signals(copies=4, waiting=0, kv_usage=0.1)).direction == "none"
     clock.t = 31
     d = a.decide(Signals(copies=4, waiting=0, kv_usage=0.1))
-    assert (d.desired, d.direction, d.reason) == (1, "down", "kv")
+    assert (d.desired, d.direction, d.reason) == (1, "down", "min")
 
 
 def test_a_burst_inside_the_down_window_keeps_the_copies():
     a, clock = scaler()
     clock.t = 1
-    a.decide(Signals(copies=4, waiting=20))  # exactly at target: 4 copies wanted
+    a.decide(Signals(copies=4, running=32))  # 8 per copy: exactly at target, 4 copies wanted
     clock.t = 31
     d = a.decide(Signals(copies=4, waiting=0))
     assert (d.desired, d.direction) == (4, "none")
@@ -89,3 +89,22 @@ def test_kv_pressure_alone_scales_up():
     a, _ = scaler()
     d = a.decide(Signals(copies=2, kv_usage=0.95))
     assert (d.desired, d.reason) == (3, "kv")
+
+
+def test_concurrency_sizes_a_model_both_ways():
+    a, clock = scaler()
+    d = a.decide(Signals(copies=2, running=40))  # 20 per copy, target 8
+    assert (d.desired, d.reason) == (5, "concurrency")
+    clock.t = 40
+    a.decide(Signals(copies=5, running=12))
+    clock.t = 80
+    d = a.decide(Signals(copies=5, running=12))  # 2.4 per copy for 30 s
+    assert (d.desired, d.direction) == (2, "down")
+
+
+def test_latency_far_under_its_target_does_not_shrink_a_busy_model():
+    a, clock = scaler(ttft_p90_s=1.0)
+    for t in (0, 20, 40, 60):
+        clock.t = t
+        d = a.decide(Signals(copies=7, running=54, ttft_p90_s=0.05))  # within 10% of 8 per copy
+        assert (d.desired, d.direction) == (7, "none")
