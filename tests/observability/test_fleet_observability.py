@@ -23,7 +23,9 @@ from obs_tools import ROOT, Fleet, Prometheus, artifacts_dir, chromium, need, ru
 from otlp_sink import OTLPSink
 
 SENT = 12  # requests of the first load; round robin puts half in each zone
-FLEET = {"policy": "round_robin", "workers": [{"replicas": 1, "zone": "zone-a"}, {"replicas": 1, "zone": "zone-b"}]}
+FLEET = {"policy": "round_robin",
+         "machines": [{"name": "a", "cores": 1, "zone": "zone-a"}, {"name": "b", "cores": 1, "zone": "zone-b"}],
+         "models": [{"source": "smollm2-135m", "replicas": 2, "resources": {"cores": 1}}]}
 
 
 @pytest.fixture(scope="module")
@@ -181,7 +183,8 @@ def test_serve_with_otlp_pushes_router_and_worker_metrics_and_spans(tmp_path: An
     sink = OTLPSink()
     f = Fleet({"policy": "round_robin", "otlp_endpoint": sink.url,
                "router_args": ["--otlp-interval", "0.5"],
-               "workers": [{"replicas": 2, "simulate": True, "zone": "sim-zone", "args": ["--otlp-interval", "0.5"]}]},
+               "machines": [{"zone": "sim-zone"}],
+               "models": [{"source": "smollm2-135m", "simulate": True, "replicas": 2, "engine": {"otlp_interval": 0.5}}]},
               replicas=2)
     try:
         for i in range(2):
