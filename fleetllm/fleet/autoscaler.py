@@ -53,6 +53,7 @@ class Signals:
     ttft_p90_s: float | None = None
     itl_p90_s: float | None = None
     request_rate: float = 0.0  # requests per second arriving
+    concurrency: float | None = None  # mean requests in the system over the tick (else running + waiting now)
 
 
 @dataclass
@@ -102,7 +103,8 @@ class Autoscaler:
 
     def _ratios(self, s: Signals) -> dict[str, float]:
         p = self.policy
-        r = {"concurrency": (s.running + s.waiting) / s.copies / p.concurrency_per_copy,
+        busy = s.concurrency if s.concurrency is not None else s.running + s.waiting
+        r = {"concurrency": busy / s.copies / p.concurrency_per_copy,
              "waiting": s.waiting / s.copies / p.waiting_per_copy, "kv": s.kv_usage / p.kv_usage}
         if p.ttft_p90_s and s.ttft_p90_s is not None:
             r["ttft"] = s.ttft_p90_s / p.ttft_p90_s

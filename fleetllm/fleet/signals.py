@@ -3,7 +3,9 @@
 Gauges are read as they are now (waiting requests summed, KV usage averaged over copies); rates and
 percentiles come from the difference between two reads ``dt`` seconds apart: request rate from
 ``vllm:request_success``, TTFT and ITL p90 from the histogram buckets, interpolated within a bucket as
-Prometheus' ``histogram_quantile`` does.
+Prometheus' ``histogram_quantile`` does, and the mean concurrency over the interval by Little's law: the
+seconds requests spent in the system (``vllm:e2e_request_latency_seconds_sum``) per second. The running
+gauge, read at one instant, swings several-fold at a steady load; the mean does not.
 """
 
 from __future__ import annotations
@@ -71,8 +73,11 @@ def model_signals(before: Mapping[str, str], after: Mapping[str, str], dt: float
                 out[le] = out.get(le, 0.0) + c - prev.get(le, 0.0)
         return out
 
-    finished = sum(p.values.get("vllm:request_success_total", 0.0) - old[u].values.get("vllm:request_success_total", 0.0)
-                   for u, p in pages.items() if u in old)
+    def delta(name: str) -> float:
+        return sum(p.values.get(name, 0.0) - old[u].values.get(name, 0.0) for u, p in pages.items() if u in old)
+
+    finished = delta("vllm:request_success_total")
+    busy_s = delta("vllm:e2e_request_latency_seconds_sum")
     return Signals(
         copies=n,
         waiting=sum(p.values.get("vllm:num_requests_waiting", 0.0) for p in pages.values()),
@@ -82,4 +87,5 @@ def model_signals(before: Mapping[str, str], after: Mapping[str, str], dt: float
         ttft_p90_s=quantile(0.9, delta_buckets(TTFT)),
         itl_p90_s=quantile(0.9, delta_buckets(ITL)),
         request_rate=finished / dt if dt > 0 else 0.0,
+        concurrency=busy_s / dt if old and dt > 0 else None,
     )

@@ -23,6 +23,8 @@ class FakeWorker:
         self.itl = Histogram("vllm:inter_token_latency_seconds", "", ["model_name"], buckets=BUCKETS,
                              registry=r).labels("m")
         self.done = Counter("vllm:request_success", "", ["model_name", "finished_reason"], registry=r)
+        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "", ["model_name"], buckets=BUCKETS,
+                             registry=r).labels("m")
 
     def page(self) -> str:
         return generate_latest(self.registry).decode()
@@ -44,6 +46,7 @@ def test_signals_sum_queues_average_kv_and_take_latency_percentiles_since_the_la
     b.ttft.observe(1.5)
     for _ in range(10):
         a.done.labels("m", "stop").inc()
+        a.e2e.observe(1.5)  # 10 requests of 1.5 s in 5 s: 3 in the system on average
     a.waiting.set(3)
     b.waiting.set(4)
     b.running.set(2)
@@ -53,6 +56,7 @@ def test_signals_sum_queues_average_kv_and_take_latency_percentiles_since_the_la
     assert (s.copies, s.waiting, s.running, s.held) == (2, 7, 2, 1)
     assert s.kv_usage == pytest.approx(0.4)
     assert s.request_rate == pytest.approx(2.0)
+    assert s.concurrency == pytest.approx(3.0)
     assert 0.1 < s.ttft_p90_s <= 0.2  # 9 of 10 observations in the window were 0.15 s
     assert s.itl_p90_s is None
 
@@ -62,7 +66,7 @@ def test_a_copy_that_just_started_counts_for_gauges_only():
     a.waiting.set(2)
     a.ttft.observe(0.3)
     s = model_signals({}, {"new": a.page()}, dt=5.0)
-    assert (s.copies, s.waiting, s.ttft_p90_s) == (1, 2, None)
+    assert (s.copies, s.waiting, s.ttft_p90_s, s.concurrency) == (1, 2, None, None)
 
 
 def test_no_copies_means_zero_copies_and_the_held_requests():
