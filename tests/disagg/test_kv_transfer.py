@@ -9,6 +9,7 @@ from fleetllm.disagg import frame
 from fleetllm.disagg.kv_io import export_blocks, import_blocks
 from fleetllm.engine.engine import EngineConfig, LLMEngine
 from fleetllm.engine.params import SamplingParams
+from fleetllm.models.loader import LoadedModel
 
 PROMPTS = [
     "Write a Python function that merges two sorted lists into one sorted list, and explain its complexity.",
@@ -19,9 +20,9 @@ PROMPTS = [
 
 
 @pytest.fixture(scope="module")
-def engines() -> tuple[LLMEngine, LLMEngine]:
-    a = LLMEngine(EngineConfig(num_blocks=256, max_num_batched_tokens=64))
-    b = LLMEngine(EngineConfig(num_blocks=256), loaded=a.loaded)  # same weights, its own pool and KV cache
+def engines(loaded_model: LoadedModel) -> tuple[LLMEngine, LLMEngine]:
+    a = LLMEngine(EngineConfig(num_blocks=256, max_num_batched_tokens=64), loaded=loaded_model)
+    b = LLMEngine(EngineConfig(num_blocks=256), loaded=loaded_model)  # same weights, its own pool and KV cache
     return a, b
 
 

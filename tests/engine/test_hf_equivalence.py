@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from fleetllm import LLM, SamplingParams
-from fleetllm.models.loader import load_model, resolve
+from fleetllm.models.loader import resolve
 
 transformers = pytest.importorskip("transformers")
 
@@ -39,8 +39,8 @@ MAX_TOKENS = 24
 
 
 @pytest.fixture(scope="module")
-def loaded():
-    return load_model("smollm2-135m")
+def loaded(loaded_model):
+    return loaded_model  # the session's weights (tests/conftest.py)
 
 
 @pytest.fixture(scope="module")

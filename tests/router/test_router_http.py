@@ -1,4 +1,5 @@
-"""The router over real HTTP: simulated worker processes, fake upstreams, a real router process."""
+"""The router over real HTTP: simulated workers, fake upstreams and the router served in-process; worker
+processes where a worker is killed or restarted."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import time
 
 import httpx
 import pytest
-from fleet_helpers import ThreadServer, router, sim_workers, wait_state
+from fleet_helpers import ThreadServer, router, sim_worker_processes, sim_workers, wait_state
 from starlette.applications import Starlette
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -80,7 +81,7 @@ def test_no_healthy_worker_is_a_prompt_503_not_a_hang(procs):
 
 
 def test_killing_a_worker_mid_run_loses_no_request_that_had_not_started_streaming(procs):
-    a, b = sim_workers(1), sim_workers(1)
+    a, b = sim_worker_processes(1), sim_workers(1)
     procs += [a, b]
     r = router([a.url, b.url], "round_robin")
     procs.append(r)
@@ -104,7 +105,7 @@ def test_killing_a_worker_mid_run_loses_no_request_that_had_not_started_streamin
 
 
 def test_a_restarted_worker_is_resynced_from_its_snapshot(procs):
-    w = sim_workers(1)
+    w = sim_worker_processes(1)
     procs.append(w)
     r = router(w.urls, "kv_aware")
     procs.append(r)
@@ -112,7 +113,7 @@ def test_a_restarted_worker_is_resynced_from_its_snapshot(procs):
     before = wait_state(r.url, lambda s: s["workers"][0]["index_blocks"] > 0)["workers"][0]
     port = int(w.url.rsplit(":", 1)[1])
     w.kill()
-    w2 = sim_workers(1, port=port)  # same address, new process: empty cache, new instance id
+    w2 = sim_worker_processes(1, port=port)  # same address, new process: empty cache, new instance id
     procs.append(w2)
     after = wait_state(r.url, lambda s: s["workers"][0]["healthy"] and s["workers"][0]["instance"] not in
                        (None, before["instance"]))["workers"][0]

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import pytest
 
 from fleetllm import LLM, SamplingParams
-from fleetllm.models.loader import LoadedModel, load_model
+from fleetllm.models.loader import LoadedModel
 from fleetllm.speculative.eagle import head_path
 
 CHAT = [
@@ -49,8 +49,8 @@ METHODS = ["ngram", "suffix", "eagle", "peagle"]
 
 
 @pytest.fixture(scope="module")
-def loaded() -> LoadedModel:
-    return load_model("smollm2-135m")
+def loaded(loaded_model: LoadedModel) -> LoadedModel:
+    return loaded_model  # the session's weights (tests/conftest.py)
 
 
 @pytest.fixture(scope="module")
