@@ -23,6 +23,7 @@ import os
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import logging  # noqa: E402
+import threading  # noqa: E402
 import time  # noqa: E402
 from collections.abc import Callable, Iterator  # noqa: E402
 from typing import TYPE_CHECKING  # noqa: E402
@@ -37,6 +38,29 @@ if TYPE_CHECKING:
 MODEL = "smollm2-135m"
 STARTUP_TIMEOUT_S = 120.0
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"  # as `fleetllm` logs
+
+
+def child_processes() -> list[str]:
+    """Processes whose parent is the test process, as "pid command"."""
+    out = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            stat = open(f"/proc/{pid}/stat").read()  # noqa: SIM115 - read at once
+        except OSError:
+            continue
+        # "pid (comm) state ppid ...": comm may hold spaces, so split after its closing parenthesis
+        if int(stat.rsplit(")", 1)[1].split()[1]) == os.getpid():
+            out.append(f"{pid} {stat.split('(', 1)[1].rsplit(')', 1)[0]}")
+    return out
+
+
+@pytest.fixture(scope="session", autouse=True)
+def nothing_left_behind() -> Iterator[None]:
+    """The suite leaves no in-process server, engine thread or child process running."""
+    yield
+    threads = [t.name for t in threading.enumerate() if t.name.startswith(("uvicorn-", "engine-loop"))]
+    assert not threads, f"threads left running: {threads}"
+    assert not child_processes(), f"processes left running: {child_processes()}"
 
 
 @pytest.fixture(scope="session")

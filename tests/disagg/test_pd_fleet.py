@@ -17,6 +17,8 @@ from fleet_helpers import real_worker, router, wait_state
 from fleetllm.disagg import frame
 from fleetllm.engine.block_pool import hash_prefix_blocks
 
+pytestmark = pytest.mark.slow  # a worker process, kills and restarts
+
 QUESTIONS = [
     "Explain what a circuit breaker does in a service mesh, in two sentences.",
     "Write a haiku about caches that forget.",

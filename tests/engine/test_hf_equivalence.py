@@ -16,6 +16,7 @@ from fleetllm import LLM, SamplingParams
 from fleetllm.models.loader import resolve
 
 transformers = pytest.importorskip("transformers")
+pytestmark = pytest.mark.slow  # HF transformers' reference runs
 
 PROMPTS = [
     "What is the capital of France?",

@@ -23,6 +23,8 @@ from obs_tools import ROOT, Fleet, Prometheus, artifacts_dir, chromium, need, ru
 from otlp_sink import OTLPSink
 
 SENT = 12  # requests of the first load; round robin puts half in each zone
+pytestmark = pytest.mark.slow  # a `fleetllm serve` fleet of real workers, Prometheus and Chromium
+
 FLEET = {"policy": "round_robin", "workers": [{"replicas": 1, "zone": "zone-a"}, {"replicas": 1, "zone": "zone-b"}]}
 
 

@@ -80,6 +80,7 @@ def test_no_healthy_worker_is_a_prompt_503_not_a_hang(procs):
     assert httpx.get(r.url + "/health").status_code == 503
 
 
+@pytest.mark.slow
 def test_killing_a_worker_mid_run_loses_no_request_that_had_not_started_streaming(procs):
     a, b = sim_worker_processes(1), sim_workers(1)
     procs += [a, b]
@@ -104,6 +105,7 @@ def test_killing_a_worker_mid_run_loses_no_request_that_had_not_started_streamin
     assert "fleetllm_router_retries_total" in httpx.get(r.url + "/metrics").text
 
 
+@pytest.mark.slow
 def test_a_restarted_worker_is_resynced_from_its_snapshot(procs):
     w = sim_worker_processes(1)
     procs.append(w)
@@ -232,6 +234,7 @@ def test_the_exact_index_tracks_evictions_on_the_worker(procs):
     assert state["workers"][0]["exact_blocks"] == len(truth)
 
 
+@pytest.mark.slow
 def test_sixty_four_simulated_workers_behind_one_router(procs):
     sims = sim_workers(64)
     procs.append(sims)
