@@ -47,6 +47,7 @@ def test_unknown_model_names_the_choices() -> None:
         resolve("no-such-model")
 
 
+@pytest.mark.slow
 def test_tokenizer_from_gguf_matches_transformers(loaded_model: LoadedModel) -> None:
     transformers = pytest.importorskip("transformers")
     path = Path(resolve("smollm2-135m"))
@@ -69,6 +70,7 @@ def test_dequantised_cache_round_trips(tmp_path: Path, monkeypatch: pytest.Monke
     assert tok1.encode(text) == tok2.encode(text) and tok1.chat_template == tok2.chat_template
 
 
+@pytest.mark.slow
 def test_hf_directory_gives_the_same_greedy_output_as_the_gguf(tmp_path: Path, loaded_model: LoadedModel) -> None:
     cfg, sd, tok = loader.read_gguf(resolve("smollm2-135m"))
     sd = {k: v for k, v in sd.items()}

@@ -169,6 +169,7 @@ def test_streaming_through_the_router_is_byte_for_byte_and_chunk_by_chunk(procs)
         assert arrivals[-1] - arrivals[0] > 0.4  # relayed as they came, not buffered to the end
 
 
+@pytest.mark.slow
 def test_a_failing_worker_is_retried_elsewhere_and_its_breaker_opens(procs):
     bad_app = fake_worker("fail")
     with ThreadServer(bad_app) as bad, ThreadServer(fake_worker("stream")) as good:
@@ -218,6 +219,7 @@ def test_router_block_hashes_equal_the_engines_after_the_chat_template(procs):
     assert len(ours) >= 2 and set(ours) <= kv_snapshot(sims.url)
 
 
+@pytest.mark.slow
 def test_the_exact_index_tracks_evictions_on_the_worker(procs):
     sims = sim_workers(1, "--num-blocks", "48")  # ~4 prompts' worth: later prompts evict earlier blocks
     procs.append(sims)
