@@ -37,7 +37,7 @@ def run(engine: LLMEngine, rid: str, ids: list[int], max_tokens: int) -> tuple[l
     return tokens, cached
 
 
-@pytest.mark.parametrize("i", range(len(PROMPTS)))
+@pytest.mark.parametrize("i", [0, *(pytest.param(i, marks=pytest.mark.slow) for i in range(1, len(PROMPTS)))])
 def test_decode_after_import_equals_local_prefill(engines, i):
     a, b = engines
     ids = a.tokenizer.encode(PROMPTS[i])

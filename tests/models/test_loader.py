@@ -59,6 +59,7 @@ def test_tokenizer_from_gguf_matches_transformers(loaded_model: LoadedModel) -> 
         assert tok.decode(tok.encode(text), skip_special_tokens=False) == text
 
 
+@pytest.mark.slow
 def test_dequantised_cache_round_trips(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("FLEETLLM_CACHE_DIR", str(tmp_path))
     cfg1, sd1, tok1 = loader.read_gguf(resolve("smollm2-135m"))

@@ -187,7 +187,8 @@ def test_a_failing_worker_is_retried_elsewhere_and_its_breaker_opens(procs):
         assert state["workers"][0]["breaker"] == "open"
 
 
-@pytest.mark.parametrize("policy", ["round_robin", "least_load", "session", "prefix", "kv_aware"])
+@pytest.mark.parametrize("policy", ["round_robin", *(pytest.param(p, marks=pytest.mark.slow) for p in ("least_load", "session", "prefix")),
+                                    "kv_aware"])
 def test_every_policy_serves_requests(procs, policy):
     sims = sim_workers(2)
     procs.append(sims)
