@@ -126,7 +126,12 @@ def sim_workers(count: int, *extra: str) -> ThreadServers:
     with mock.patch("fleetllm.sim.server.serve_simulated", serve_simulated):
         args.func(args)
     workers = build_workers(**caught)
-    return ThreadServers([w.app for w in workers], port, on_exit=lambda: [setattr(w, "closing", True) for w in workers]).start()
+
+    def closing() -> None:
+        for w in workers:
+            w.closing = True
+
+    return ThreadServers([w.app for w in workers], port, on_exit=closing).start()
 
 
 def real_worker(*extra: str) -> Proc:
@@ -228,10 +233,12 @@ class ThreadServers:
         assert not self.thread.is_alive(), f"in-process servers on {self.urls} did not stop"
 
 
-def ThreadServer(app: Any, port: int | None = None, on_exit: Callable[[], object] | None = None,  # noqa: N802
-                 startup_timeout: float = 10.0) -> ThreadServers:
+class ThreadServer(ThreadServers):
     """One ASGI app served in-process (see :class:`ThreadServers`); use as a context manager."""
-    return ThreadServers([app], port, on_exit, startup_timeout)
+
+    def __init__(self, app: Any, port: int | None = None, on_exit: Callable[[], object] | None = None,
+                 startup_timeout: float = 10.0) -> None:
+        super().__init__([app], port, on_exit, startup_timeout)
 
 
 def stop_process(popen: subprocess.Popen, timeout: float, kill_timeout: float | None = None) -> None:
