@@ -98,6 +98,20 @@ def worker_identity(args: argparse.Namespace, port: int | None = None) -> dict[s
     return {"worker": worker, "role": args.role, "zone": args.zone, "instance_type": instance_type}
 
 
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    """The engine a ``fleetllm worker`` command line describes (with its identity as metric labels)."""
+    return from_args(EngineConfig, args, metric_labels=worker_identity(args))
+
+
+def observability_config(args: argparse.Namespace) -> ObservabilityConfig:
+    return from_args(ObservabilityConfig, args)
+
+
+def router_config(args: argparse.Namespace) -> RouterConfig:
+    """The router a ``fleetllm router`` command line describes (cost rates from --profile)."""
+    return from_args(RouterConfig, args, cost=load_profile(args).cost_model())
+
+
 def cmd_worker(args: argparse.Namespace) -> int:
     # The HTTP thread shares the cores with torch's OpenMP pool; spinning OpenMP workers starve it and
     # stall every step that waits on a descheduled thread (batch-1 decode 13 -> 19 tok/s when passive).
@@ -112,12 +126,12 @@ def cmd_worker(args: argparse.Namespace) -> int:
     from fleetllm.server.app import Worker
     from fleetllm.server.uvicorn_runner import run_app
 
-    engine = LLMEngine(from_args(EngineConfig, args, metric_labels=worker_identity(args)))
+    engine = LLMEngine(engine_config(args))
     logging.getLogger("fleetllm").info(
         "model %s loaded in %.1fs; %d KV blocks of %d tokens", engine.model_name, engine.loaded.load_seconds,
         engine.pool.num_blocks, engine.pool.block_size,
     )
-    worker = Worker(engine, from_args(ObservabilityConfig, args), role=args.role)
+    worker = Worker(engine, observability_config(args), role=args.role)
     run_app(worker.app, args.host, args.port, args.log_level, on_exit=lambda: setattr(worker, "closing", True))
     return 0
 
@@ -130,7 +144,7 @@ def cmd_sim_worker(args: argparse.Namespace) -> int:
                                        args.port + args.count - 1)
     identities = [worker_identity(args, args.port + i) for i in range(args.count)]
     serve_simulated(args.model, args.host, args.port, args.count, cfg, load_profile(args), args.log_level,
-                    identities=identities, obs=from_args(ObservabilityConfig, args))
+                    identities=identities, obs=observability_config(args))
     return 0
 
 
@@ -157,7 +171,7 @@ def cmd_router(args: argparse.Namespace) -> int:
     from fleetllm.server.uvicorn_runner import run_app
 
     # Rates of the shipped SmolLM2-on-CPU profile unless a measured one is given (fleetllm calibrate).
-    router = Router(from_args(RouterConfig, args, cost=load_profile(args).cost_model()))
+    router = Router(router_config(args))
     logging.getLogger("fleetllm").info("router on %s:%d over %d workers, policy %s", args.host, args.port,
                                        len(args.workers), args.policy)
     pusher = None

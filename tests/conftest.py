@@ -1,9 +1,13 @@
-"""Shared fixtures: a real worker process on a free port, with helpers to read its /metrics.
+"""Shared fixtures: the model loaded once per session, and real workers served in-process.
 
-``start_worker(*extra_args)`` starts ``fleetllm worker`` with the given extra flags and returns a
-:class:`WorkerProcess` once ``/health`` says ok. Test modules get workers through fixtures (nothing
-needs importing from here): ``worker`` is a default worker, one per module; ``worker_factory(*args)``
-starts one with flags and stops it when the module ends, e.g.::
+A worker here is what ``fleetllm worker FLAGS`` runs — the same flags parsed by the same CLI parser
+into an :class:`LLMEngine` behind a :class:`Worker` app — but served by uvicorn on a thread of the test
+process, over the session's one copy of the weights. Tests about processes (signals, restarts,
+``fleetllm serve``) start real ones through ``fleet_helpers``.
+
+Test modules get workers through fixtures (nothing needs importing from here): ``worker`` is a worker
+with default flags, one per session; ``worker_factory(*flags)`` starts one with flags and stops it when
+the module ends, e.g.::
 
     @pytest.fixture(scope="module")
     def small_worker(worker_factory):
@@ -12,32 +16,124 @@ starts one with flags and stops it when the module ends, e.g.::
 
 from __future__ import annotations
 
-import subprocess
-import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
-from pathlib import Path
+import os
 
-import httpx
-import pytest
-from fleet_helpers import free_port, start_cli, stop_process
+# Before torch loads its OpenMP runtime (as `fleetllm worker` does): spinning OpenMP threads would
+# starve the in-process HTTP threads that share the cores with each engine step.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import logging  # noqa: E402
+import threading  # noqa: E402
+import time  # noqa: E402
+from collections.abc import Callable, Iterator  # noqa: E402
+from typing import TYPE_CHECKING  # noqa: E402
+
+import httpx  # noqa: E402
+import pytest  # noqa: E402
+from fleet_helpers import ThreadServer, free_port  # noqa: E402
+
+if TYPE_CHECKING:
+    from fleetllm.models.loader import LoadedModel
 
 MODEL = "smollm2-135m"
 STARTUP_TIMEOUT_S = 120.0
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"  # as `fleetllm` logs
 
 
-@dataclass
-class WorkerProcess:
-    base_url: str  # http://127.0.0.1:PORT (the OpenAI base URL is base_url + "/v1")
-    process: subprocess.Popen[bytes]
-    log_path: Path
+def child_processes() -> list[str]:
+    """Processes whose parent is the test process, as "pid command"."""
+    out = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            stat = open(f"/proc/{pid}/stat").read()  # noqa: SIM115 - read at once
+        except OSError:
+            continue
+        # "pid (comm) state ppid ...": comm may hold spaces, so split after its closing parenthesis
+        if int(stat.rsplit(")", 1)[1].split()[1]) == os.getpid():
+            out.append(f"{pid} {stat.split('(', 1)[1].rsplit(')', 1)[0]}")
+    return out
+
+
+@pytest.fixture(scope="session", autouse=True)
+def nothing_left_behind() -> Iterator[None]:
+    """The suite leaves no in-process server, engine thread or child process running."""
+    yield
+    threads = [t.name for t in threading.enumerate() if t.name.startswith(("uvicorn-", "engine-loop"))]
+    assert not threads, f"threads left running: {threads}"
+    assert not child_processes(), f"processes left running: {child_processes()}"
+
+
+@pytest.fixture(scope="session")
+def loaded_model() -> LoadedModel:
+    """SmolLM2-135M's weights and tokenizer, loaded once per session. Engines only read them: share
+    them through ``LLMEngine(config, loaded=...)`` / ``LLM(loaded=...)``; a test that changes weights
+    (e.g. quantizes them) loads its own copy."""
+    import torch
+
+    from fleetllm.engine.engine import EngineConfig
+    from fleetllm.models.loader import load_model
+
+    device = EngineConfig().resolved_device()
+    return load_model(MODEL, device=device, dtype=torch.float32 if device == "cpu" else torch.bfloat16)
+
+
+class ThreadLog(logging.Handler):
+    """The ``fleetllm`` log records emitted on one thread (an in-process worker's server thread, where
+    its request log is written), formatted as the CLI formats them: that worker's log."""
+
+    def __init__(self, thread_name: str) -> None:
+        super().__init__(logging.INFO)
+        self.thread_name = thread_name
+        self.lines: list[str] = []
+        self.setFormatter(logging.Formatter(LOG_FORMAT))
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.threadName == self.thread_name:
+            self.lines.append(self.format(record))
+
+
+class InProcessWorker:
+    """``fleetllm worker FLAGS`` served on a thread of the test process, over shared weights."""
+
+    def __init__(self, loaded: LoadedModel, *flags: str) -> None:
+        import torch
+        from prometheus_client import disable_created_metrics
+
+        from fleetllm.cli import build_parser, engine_config, observability_config
+        from fleetllm.engine.engine import LLMEngine
+        from fleetllm.server.app import Worker
+
+        disable_created_metrics()  # as `fleetllm worker` does
+        port = free_port()
+        args = build_parser().parse_args(["worker", "--host", "127.0.0.1", "--port", str(port), *flags])
+        threads = torch.get_num_threads()
+        # quantization rewrites the weights in place: such an engine loads its own
+        engine = LLMEngine(engine_config(args), loaded=loaded if args.quantization == "none" else None)
+        torch.set_num_threads(threads)  # --num-threads sizes a worker process; the test process keeps its own
+        self.worker = Worker(engine, observability_config(args), role=args.role)
+        self.base_url = f"http://127.0.0.1:{port}"  # the OpenAI base URL is base_url + "/v1"
+        self.server = ThreadServer(self.worker.app, port, on_exit=lambda: setattr(self.worker, "closing", True),
+                                   startup_timeout=STARTUP_TIMEOUT_S)
+        self._log = ThreadLog(self.server.thread.name)
+        logger = logging.getLogger("fleetllm")
+        logger.setLevel(logging.INFO)  # as the CLI's logging.basicConfig(level=INFO)
+        logger.addHandler(self._log)
+        try:
+            self.server.start()
+        except BaseException:
+            logger.removeHandler(self._log)
+            raise
+
+    @property
+    def url(self) -> str:
+        return self.base_url
 
     @property
     def openai_base_url(self) -> str:
         return self.base_url + "/v1"
 
     def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
+        return "\n".join(self._log.lines)
 
     def metrics(self) -> dict[str, float]:
         return scrape(self.base_url)
@@ -50,34 +146,28 @@ class WorkerProcess:
         return wait_for_metrics(self.base_url, idle, deadline_s)
 
     def stop(self) -> None:
-        stop_process(self.process, timeout=15)
-        self.log_path.unlink(missing_ok=True)
+        """Stop the server (its lifespan stops the engine thread and any OTLP pusher)."""
+        try:
+            self.server.stop()
+        finally:
+            logging.getLogger("fleetllm").removeHandler(self._log)
 
 
-def start_worker(*extra_args: str) -> WorkerProcess:
-    """Start a worker with ``extra_args`` on a free port; wait until it is healthy."""
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    p = start_cli(["worker", "--model", MODEL, "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning",
-                   *extra_args], [url], timeout=STARTUP_TIMEOUT_S)
-    return WorkerProcess(url, p.popen, p.log_path)
-
-
-@pytest.fixture(scope="module")
-def worker() -> Iterator[WorkerProcess]:
-    """A worker with default flags, one per test module."""
-    w = start_worker()
+@pytest.fixture(scope="session")
+def worker(loaded_model: LoadedModel) -> Iterator[InProcessWorker]:
+    """A worker with default flags, shared by the session (tests measure metric deltas, not totals)."""
+    w = InProcessWorker(loaded_model)
     yield w
     w.stop()
 
 
 @pytest.fixture(scope="module")
-def worker_factory() -> Iterator[Callable[..., WorkerProcess]]:
-    """``start(*extra_args)`` -> a started worker; every worker it started is stopped with the module."""
-    started: list[WorkerProcess] = []
+def worker_factory(loaded_model: LoadedModel) -> Iterator[Callable[..., InProcessWorker]]:
+    """``start(*flags)`` -> a started worker; every worker it started is stopped with the module."""
+    started: list[InProcessWorker] = []
 
-    def start(*extra_args: str) -> WorkerProcess:
-        w = start_worker(*extra_args)
+    def start(*flags: str) -> InProcessWorker:
+        w = InProcessWorker(loaded_model, *flags)
         started.append(w)
         return w
 
@@ -109,7 +199,7 @@ def wait_for_metrics(base_url: str, ok: Callable[[dict[str, float]], bool], dead
     while not ok(m):
         if time.monotonic() > end:
             pytest.fail(f"metrics never satisfied the condition within {deadline_s}s: {m}")
-        time.sleep(0.1)
+        time.sleep(0.05)
         m = scrape(base_url)
     return m
 

@@ -1,8 +1,15 @@
-"""Processes for fleet tests: real and simulated workers, routers and fake upstreams on free ports (imported by
-router and disaggregation tests; the `procs` fixture is re-exported by their conftest)."""
+"""Fleets for tests: simulated workers, routers and fake upstreams served in-process on free ports, and real
+processes for the tests about processes (imported by router and disaggregation tests; the `procs` fixture is
+re-exported by their conftest).
+
+In-process servers are the apps ``fleetllm worker --simulate`` and ``fleetllm router`` build from the same
+flags, served by uvicorn on a thread of the test process; ``*_processes`` start the CLI itself, for tests
+that kill or restart a process.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import socket
@@ -14,6 +21,8 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+from unittest import mock
 
 import httpx
 import pytest
@@ -92,27 +101,58 @@ def start_cli(args: list[str], urls: list[str], timeout: float = 120.0, ready: t
     return p
 
 
-def sim_workers(count: int, *extra: str, port: int | None = None) -> Proc:
+def sim_worker_processes(count: int, *extra: str, port: int | None = None) -> Proc:
+    """``fleetllm worker --simulate --count COUNT`` as a process (for tests that kill or restart it)."""
     port = port or free_ports(count)
     urls = [f"http://127.0.0.1:{port + i}" for i in range(count)]
     return start_cli(["worker", "--simulate", "--count", str(count), "--port", str(port), "--log-level", "warning",
                       *extra], urls)
 
 
+def sim_workers(count: int, *extra: str) -> ThreadServers:
+    """What ``fleetllm worker --simulate --count COUNT EXTRA`` serves, in-process: the CLI maps the flags
+    (its call to ``serve_simulated`` is caught), the apps run on one thread of the test process."""
+    from fleetllm.cli import build_parser
+    from fleetllm.sim.server import build_workers
+
+    port = free_ports(count)
+    args = build_parser().parse_args(["worker", "--simulate", "--count", str(count), "--host", "127.0.0.1",
+                                      "--port", str(port), *extra])
+    caught: dict[str, Any] = {}
+
+    def serve_simulated(model, host, port, count, cfg, profile, log_level="warning", identities=None, obs=None):
+        caught.update(model=model, count=count, cfg=cfg, profile=profile, identities=identities, obs=obs)
+
+    with mock.patch("fleetllm.sim.server.serve_simulated", serve_simulated):
+        args.func(args)
+    workers = build_workers(**caught)
+
+    def closing() -> None:
+        for w in workers:
+            w.closing = True
+
+    return ThreadServers([w.app for w in workers], port, on_exit=closing).start()
+
+
 def real_worker(*extra: str) -> Proc:
-    """A real engine worker (one torch thread) on a free port."""
+    """A real engine worker process (one torch thread) on a free port."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     return start_cli(["worker", "--model", "smollm2-135m", "--port", str(port), "--num-threads", "1",
                       "--log-level", "warning", *extra], [url], timeout=240)
 
 
-def router(workers: list[str], policy: str = "kv_aware", *extra: str) -> Proc:
+def router(workers: list[str], policy: str = "kv_aware", *extra: str) -> ThreadServers:
+    """What ``fleetllm router --workers W --policy P EXTRA`` serves, in-process (health checks every 0.5 s)."""
+    from fleetllm.cli import build_parser, router_config
+    from fleetllm.router.gateway import Router
+
     port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    p = start_cli(["router", "--workers", ",".join(workers), "--policy", policy, "--port", str(port),
-                   "--health-interval", "0.5", "--log-level", "info", *extra], [url], ready=(200, 503))
-    return p
+    args = build_parser().parse_args(["router", "--workers", ",".join(workers), "--policy", policy, "--host",
+                                      "127.0.0.1", "--port", str(port), "--health-interval", "0.5", *extra])
+    assert not args.otlp_endpoint, "an in-process router pushes no OTLP: start `fleetllm router` for that"
+    r = Router(router_config(args))
+    return ThreadServers([r.app], port, on_exit=lambda: setattr(r, "closing", True), startup_timeout=30).start()
 
 
 def wait_state(router_url: str, ok: Callable[[dict], bool], deadline_s: float = 20.0) -> dict:
@@ -128,35 +168,76 @@ def wait_state(router_url: str, ok: Callable[[dict], bool], deadline_s: float = 
 
 @pytest.fixture
 def procs() -> Iterator[list[Proc]]:
-    """Processes a test starts; every one is stopped when the test ends."""
-    started: list[Proc] = []
+    """Processes and in-process servers a test starts; every one is stopped when the test ends."""
+    started: list[Proc | ThreadServers] = []
     yield started
     for p in reversed(started):
         p.stop()
-        p.log_path.unlink(missing_ok=True)
+        if isinstance(p, Proc):
+            p.log_path.unlink(missing_ok=True)
 
 
-class ThreadServer:
-    """An ASGI app served by uvicorn on a thread of the test process (for fake upstream workers)."""
+class ThreadServers:
+    """ASGI apps served by uvicorn on consecutive ports, all on one thread (one event loop) of the test
+    process: in-process workers and routers, and fake upstreams.
 
-    def __init__(self, app) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
+    ``on_exit`` runs before the servers are asked to stop: a Worker or Router ends its endless streams
+    (/kv/events, upstream subscriptions) when its ``closing`` is set, as ``fleetllm.server.uvicorn_runner`` does
+    on SIGTERM. Lifespans run for real ("on": a failing start-up fails the test, not its requests).
+    """
 
-    def __enter__(self) -> ThreadServer:
+    def __init__(self, apps: list[Any], port: int | None = None, on_exit: Callable[[], object] | None = None,
+                 startup_timeout: float = 10.0) -> None:
+        port = port or (free_port() if len(apps) == 1 else free_ports(len(apps)))
+        self.urls = [f"http://127.0.0.1:{port + i}" for i in range(len(apps))]
+        self.on_exit = on_exit
+        self.startup_timeout = startup_timeout
+        self.servers = [uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port + i, log_level="warning",
+                                                      lifespan="on", access_log=False, timeout_graceful_shutdown=10))
+                        for i, app in enumerate(apps)]
+        self.thread = threading.Thread(target=self._run, name=f"uvicorn-{port}", daemon=True)
+
+    def _run(self) -> None:
+        async def serve_all() -> None:
+            await asyncio.gather(*(s.serve() for s in self.servers))
+
+        asyncio.run(serve_all())
+
+    @property
+    def url(self) -> str:
+        return self.urls[0]
+
+    def __enter__(self) -> ThreadServers:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def start(self) -> ThreadServers:
         self.thread.start()
-        end = time.monotonic() + 10
-        while not self.server.started:
-            if time.monotonic() > end:
-                raise RuntimeError("fake upstream did not start")
+        end = time.monotonic() + self.startup_timeout
+        while not all(s.started for s in self.servers):
+            if not self.thread.is_alive() or time.monotonic() > end:
+                self.stop()
+                raise RuntimeError(f"in-process servers on {self.urls} did not start")
             time.sleep(0.02)
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=10)
+    def stop(self) -> None:
+        if self.on_exit is not None:
+            self.on_exit()
+        for s in self.servers:
+            s.should_exit = True
+        self.thread.join(timeout=30)
+        assert not self.thread.is_alive(), f"in-process servers on {self.urls} did not stop"
+
+
+class ThreadServer(ThreadServers):
+    """One ASGI app served in-process (see :class:`ThreadServers`); use as a context manager."""
+
+    def __init__(self, app: Any, port: int | None = None, on_exit: Callable[[], object] | None = None,
+                 startup_timeout: float = 10.0) -> None:
+        super().__init__([app], port, on_exit, startup_timeout)
 
 
 def stop_process(popen: subprocess.Popen, timeout: float, kill_timeout: float | None = None) -> None:

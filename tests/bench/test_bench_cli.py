@@ -47,6 +47,7 @@ def test_main_fleetllm_cli_dispatches_bench(fake, tmp_path: Path):
     assert json.loads(out.read_text())["runs"][0]["summary"]["requests"]["completed"] == 2
 
 
+@pytest.mark.slow
 def test_concurrency_sweep_plots_and_html(fake, tmp_path: Path):
     result = run_cli(fake, tmp_path, "--concurrency", "1,2", "--requests", "4", "--plots")
     assert [r["label"] for r in result["runs"]] == ["c=1", "c=2"]

@@ -1,4 +1,4 @@
-"""Disaggregated prefill/decode over real worker processes and a real router.
+"""Disaggregated prefill/decode over real workers and a real router, over HTTP.
 
 One prefill worker, one decode worker and a colocated reference worker; the router disaggregates every
 prompt with at least 32 uncached tokens. Outputs must equal the colocated ones token for token, the
@@ -17,6 +17,8 @@ from fleet_helpers import real_worker, router, wait_state
 from fleetllm.disagg import frame
 from fleetllm.engine.block_pool import hash_prefix_blocks
 
+pytestmark = pytest.mark.slow  # a worker process, kills and restarts
+
 QUESTIONS = [
     "Explain what a circuit breaker does in a service mesh, in two sentences.",
     "Write a haiku about caches that forget.",
@@ -32,11 +34,14 @@ def body(q: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def fleet():
+def fleet(worker_factory):
+    """The prefill worker is a process (the last test SIGKILLs it); decode, colocated and the router run
+    in-process (the decode and colocated workers stop with the module, through ``worker_factory``)."""
     started = []
     try:
-        p, d, c = real_worker("--role", "prefill"), real_worker("--role", "decode"), real_worker()
-        started += [p, d, c]
+        p = real_worker("--role", "prefill")
+        started.append(p)
+        d, c = worker_factory("--role", "decode"), worker_factory()
         r = router([p.url, d.url], "kv_aware", "--pd-threshold", "32")
         started.append(r)
         wait_state(r.url, lambda s: all(w["healthy"] and w["events_connected"] for w in s["workers"]), 60)

@@ -11,14 +11,15 @@ from fleetllm.engine.engine import EngineConfig, LLMEngine, PromptTooLong, Reque
 from fleetllm.engine.llm import LLM
 from fleetllm.engine.sampling import InvalidParameter, SamplingParams
 from fleetllm.engine.scheduler import QueueFull
+from fleetllm.models.loader import LoadedModel
 
 MAX_MODEL_LEN = 128
 PROMPT = "The days of the week are Monday, Tuesday,"
 
 
 @pytest.fixture(scope="module")
-def llm() -> Iterator[LLM]:
-    yield LLM("smollm2-135m", num_blocks=64, max_model_len=MAX_MODEL_LEN, max_waiting=4)
+def llm(loaded_model: LoadedModel) -> Iterator[LLM]:
+    yield LLM(loaded=loaded_model, num_blocks=64, max_model_len=MAX_MODEL_LEN, max_waiting=4)
 
 
 @pytest.fixture(autouse=True)

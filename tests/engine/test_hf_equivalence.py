@@ -13,9 +13,10 @@ import pytest
 import torch
 
 from fleetllm import LLM, SamplingParams
-from fleetllm.models.loader import load_model, resolve
+from fleetllm.models.loader import resolve
 
 transformers = pytest.importorskip("transformers")
+pytestmark = pytest.mark.slow  # HF transformers' reference runs
 
 PROMPTS = [
     "What is the capital of France?",
@@ -39,8 +40,8 @@ MAX_TOKENS = 24
 
 
 @pytest.fixture(scope="module")
-def loaded():
-    return load_model("smollm2-135m")
+def loaded(loaded_model):
+    return loaded_model  # the session's weights (tests/conftest.py)
 
 
 @pytest.fixture(scope="module")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections import Counter
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -129,6 +130,7 @@ def run(sim: Sim, operations: list[tuple]) -> None:
     sim.drain()
 
 
+@pytest.mark.slow
 @settings(max_examples=300, deadline=None)
 @given(operations=ops, num_blocks=st.integers(5, 12), max_num_seqs=st.integers(1, 4), budget=st.integers(1, 24))
 def test_no_block_leaks_or_double_frees_under_any_interleaving(
@@ -137,6 +139,7 @@ def test_no_block_leaks_or_double_frees_under_any_interleaving(
     run(Sim(num_blocks, max_num_seqs, budget), operations)
 
 
+@pytest.mark.slow
 @settings(max_examples=200, deadline=None)
 @given(operations=ops, budget=st.integers(4, 24))
 def test_tiny_pools_preempt_without_leaking(operations: list[tuple], budget: int) -> None:

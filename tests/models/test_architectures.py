@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from fleetllm import LLM, SamplingParams
-from fleetllm.models.loader import load_model
+from fleetllm.models.loader import LoadedModel
 
 transformers = pytest.importorskip("transformers")
 
@@ -32,9 +32,9 @@ CASES = {
 
 
 @pytest.fixture(scope="module")
-def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory, loaded_model: LoadedModel) -> Path:
     """The embedded model's tokenizer files (the tiny models only need the loader to find one)."""
-    tok = load_model("smollm2-135m").tokenizer
+    tok = loaded_model.tokenizer
     d = tmp_path_factory.mktemp("tok")
     (d / "tokenizer.json").write_text(tok.tok.to_str())
     return d

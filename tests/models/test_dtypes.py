@@ -5,14 +5,14 @@ from __future__ import annotations
 import torch
 
 from fleetllm import LLM, SamplingParams
-from fleetllm.models.loader import load_model
+from fleetllm.models.loader import LoadedModel, load_model
 
 
-def test_bf16_model_generates_like_fp32_on_an_easy_prompt() -> None:
+def test_bf16_model_generates_like_fp32_on_an_easy_prompt(loaded_model: LoadedModel) -> None:
     params = SamplingParams(max_tokens=3, temperature=0.0)
     prompt = "The capital of France is"
     bf16 = LLM(loaded=load_model("smollm2-135m", dtype=torch.bfloat16))
     assert bf16.engine.runner.kv_cache[0][0].dtype == torch.bfloat16
-    fp32 = LLM(loaded=load_model("smollm2-135m"))
+    fp32 = LLM(loaded=loaded_model)
     assert bf16.generate([prompt], params)[0].outputs[0].text.strip().startswith("Paris")
     assert fp32.generate([prompt], params)[0].outputs[0].text.strip().startswith("Paris")

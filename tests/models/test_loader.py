@@ -14,7 +14,7 @@ from safetensors.torch import save_file
 
 from fleetllm import LLM, SamplingParams
 from fleetllm.models import loader
-from fleetllm.models.loader import _unpermute, dequantize_tensor, load_model, resolve
+from fleetllm.models.loader import LoadedModel, _unpermute, dequantize_tensor, resolve
 
 
 class _FakeTensor:
@@ -47,17 +47,19 @@ def test_unknown_model_names_the_choices() -> None:
         resolve("no-such-model")
 
 
-def test_tokenizer_from_gguf_matches_transformers() -> None:
+@pytest.mark.slow
+def test_tokenizer_from_gguf_matches_transformers(loaded_model: LoadedModel) -> None:
     transformers = pytest.importorskip("transformers")
     path = Path(resolve("smollm2-135m"))
     ref = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    tok = load_model("smollm2-135m").tokenizer
+    tok = loaded_model.tokenizer
     for text in ["Hello, world!", "  leading spaces\tand tabs\n\nnewlines", "digits 1234567 and 3.14159",
                  "émoji 🚀 and 中文", "<|im_start|>user\nhi<|im_end|>", "def f(x):\n    return x**2  # square"]:
         assert tok.encode(text) == ref.encode(text), text
         assert tok.decode(tok.encode(text), skip_special_tokens=False) == text
 
 
+@pytest.mark.slow
 def test_dequantised_cache_round_trips(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("FLEETLLM_CACHE_DIR", str(tmp_path))
     cfg1, sd1, tok1 = loader.read_gguf(resolve("smollm2-135m"))
@@ -69,7 +71,8 @@ def test_dequantised_cache_round_trips(tmp_path: Path, monkeypatch: pytest.Monke
     assert tok1.encode(text) == tok2.encode(text) and tok1.chat_template == tok2.chat_template
 
 
-def test_hf_directory_gives_the_same_greedy_output_as_the_gguf(tmp_path: Path) -> None:
+@pytest.mark.slow
+def test_hf_directory_gives_the_same_greedy_output_as_the_gguf(tmp_path: Path, loaded_model: LoadedModel) -> None:
     cfg, sd, tok = loader.read_gguf(resolve("smollm2-135m"))
     sd = {k: v for k, v in sd.items()}
     save_file({k: v.contiguous() for k, v in sd.items()}, str(tmp_path / "model.safetensors"))
@@ -85,6 +88,6 @@ def test_hf_directory_gives_the_same_greedy_output_as_the_gguf(tmp_path: Path) -
         {"chat_template": tok.chat_template, "bos_token": "<|im_start|>", "eos_token": "<|im_end|>"}))
     params = SamplingParams(max_tokens=12, temperature=0.0)
     prompt = "The three primary colours are"
-    a = LLM(loaded=load_model("smollm2-135m")).generate([prompt], params)[0].outputs[0].token_ids
+    a = LLM(loaded=loaded_model).generate([prompt], params)[0].outputs[0].token_ids
     b = LLM(str(tmp_path)).generate([prompt], params)[0].outputs[0].token_ids
     assert a == b

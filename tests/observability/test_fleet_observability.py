@@ -23,6 +23,8 @@ from obs_tools import ROOT, Fleet, Prometheus, artifacts_dir, chromium, need, ru
 from otlp_sink import OTLPSink
 
 SENT = 12  # requests of the first load; round robin puts half in each zone
+pytestmark = pytest.mark.slow  # a `fleetllm serve` fleet of real workers, Prometheus and Chromium
+
 FLEET = {"policy": "round_robin",
          "machines": [{"name": "a", "cores": 1, "zone": "zone-a"}, {"name": "b", "cores": 1, "zone": "zone-b"}],
          "models": [{"source": "smollm2-135m", "replicas": 2, "resources": {"cores": 1}}]}

@@ -1,4 +1,5 @@
-"""The router over real HTTP: simulated worker processes, fake upstreams, a real router process."""
+"""The router over real HTTP: simulated workers, fake upstreams and the router served in-process; worker
+processes where a worker is killed or restarted."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import time
 
 import httpx
 import pytest
-from fleet_helpers import ThreadServer, router, sim_workers, wait_state
+from fleet_helpers import ThreadServer, router, sim_worker_processes, sim_workers, wait_state
 from starlette.applications import Starlette
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -79,8 +80,9 @@ def test_no_healthy_worker_is_a_prompt_503_not_a_hang(procs):
     assert httpx.get(r.url + "/health").status_code == 503
 
 
+@pytest.mark.slow
 def test_killing_a_worker_mid_run_loses_no_request_that_had_not_started_streaming(procs):
-    a, b = sim_workers(1), sim_workers(1)
+    a, b = sim_worker_processes(1), sim_workers(1)
     procs += [a, b]
     r = router([a.url, b.url], "round_robin")
     procs.append(r)
@@ -103,8 +105,9 @@ def test_killing_a_worker_mid_run_loses_no_request_that_had_not_started_streamin
     assert "fleetllm_router_retries_total" in httpx.get(r.url + "/metrics").text
 
 
+@pytest.mark.slow
 def test_a_restarted_worker_is_resynced_from_its_snapshot(procs):
-    w = sim_workers(1)
+    w = sim_worker_processes(1)
     procs.append(w)
     r = router(w.urls, "kv_aware")
     procs.append(r)
@@ -112,7 +115,7 @@ def test_a_restarted_worker_is_resynced_from_its_snapshot(procs):
     before = wait_state(r.url, lambda s: s["workers"][0]["index_blocks"] > 0)["workers"][0]
     port = int(w.url.rsplit(":", 1)[1])
     w.kill()
-    w2 = sim_workers(1, port=port)  # same address, new process: empty cache, new instance id
+    w2 = sim_worker_processes(1, port=port)  # same address, new process: empty cache, new instance id
     procs.append(w2)
     after = wait_state(r.url, lambda s: s["workers"][0]["healthy"] and s["workers"][0]["instance"] not in
                        (None, before["instance"]))["workers"][0]
@@ -166,6 +169,7 @@ def test_streaming_through_the_router_is_byte_for_byte_and_chunk_by_chunk(procs)
         assert arrivals[-1] - arrivals[0] > 0.4  # relayed as they came, not buffered to the end
 
 
+@pytest.mark.slow
 def test_a_failing_worker_is_retried_elsewhere_and_its_breaker_opens(procs):
     bad_app = fake_worker("fail")
     with ThreadServer(bad_app) as bad, ThreadServer(fake_worker("stream")) as good:
@@ -183,7 +187,8 @@ def test_a_failing_worker_is_retried_elsewhere_and_its_breaker_opens(procs):
         assert state["workers"][0]["breaker"] == "open"
 
 
-@pytest.mark.parametrize("policy", ["round_robin", "least_load", "session", "prefix", "kv_aware"])
+@pytest.mark.parametrize("policy", ["round_robin", *(pytest.param(p, marks=pytest.mark.slow) for p in ("least_load", "session", "prefix")),
+                                    "kv_aware"])
 def test_every_policy_serves_requests(procs, policy):
     sims = sim_workers(2)
     procs.append(sims)
@@ -215,6 +220,7 @@ def test_router_block_hashes_equal_the_engines_after_the_chat_template(procs):
     assert len(ours) >= 2 and set(ours) <= kv_snapshot(sims.url)
 
 
+@pytest.mark.slow
 def test_the_exact_index_tracks_evictions_on_the_worker(procs):
     sims = sim_workers(1, "--num-blocks", "48")  # ~4 prompts' worth: later prompts evict earlier blocks
     procs.append(sims)
@@ -231,6 +237,7 @@ def test_the_exact_index_tracks_evictions_on_the_worker(procs):
     assert state["workers"][0]["exact_blocks"] == len(truth)
 
 
+@pytest.mark.slow
 def test_sixty_four_simulated_workers_behind_one_router(procs):
     sims = sim_workers(64)
     procs.append(sims)

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import httpx
 import openai
+import pytest
 from fleet_helpers import free_ports
 
 from fleetllm.fleet.config import FleetConfig
@@ -45,6 +46,7 @@ def spec_drafts(metrics: str) -> float:
                if line.startswith("vllm:spec_decode_num_drafts_total{"))
 
 
+@pytest.mark.slow
 def test_serve_runs_real_workers_behind_the_router_and_stops_them_all():
     port = free_ports(3)
     p, log = start_serve("--replicas", "2", "--num-threads", "1", "--speculative", "method=ngram", port=port)
@@ -71,6 +73,7 @@ def test_serve_runs_real_workers_behind_the_router_and_stops_them_all():
     log.unlink()
 
 
+@pytest.mark.slow
 def test_serve_from_a_yaml_config_with_zones_and_simulated_workers(tmp_path):
     port = free_ports(5)
     cfg = tmp_path / "fleet.yaml"
@@ -96,8 +99,6 @@ def test_serve_from_a_yaml_config_with_zones_and_simulated_workers(tmp_path):
 
 
 def test_fleet_config_rejects_unknown_keys(tmp_path):
-    import pytest
-
     with pytest.raises(ValueError, match="replica"):
         FleetConfig.from_dict({"models": [{"replica": 2}]})
     with pytest.raises(ValueError, match="polcy"):

@@ -66,6 +66,7 @@ def test_closing_a_stream_with_n_choices_aborts_every_choice(one_seq_worker: Any
     assert aborted_count(one_seq_worker) == aborts + 2  # the running choice and the waiting one
 
 
+@pytest.mark.slow
 def test_a_non_streaming_client_timeout_frees_its_blocks(one_seq_worker: Any) -> None:
     one_seq_worker.wait_idle()
     aborts = aborted_count(one_seq_worker)
@@ -105,6 +106,7 @@ def leave_while_waiting(worker: Any, stream: bool) -> None:
     assert isinstance(gave_up.get("error"), httpx.TimeoutException)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stream", [True, False], ids=["stream", "non-stream"])
 def test_a_waiting_request_whose_client_leaves_leaves_the_queue(one_seq_worker: Any, stream: bool) -> None:
     one_seq_worker.wait_idle()

@@ -8,6 +8,8 @@ from typing import Any
 import openai
 import pytest
 
+pytestmark = pytest.mark.slow  # a second engine with speculation (the fast tier checks speculation in-process)
+
 COPY = "Repeat exactly: alpha beta gamma delta epsilon zeta eta theta iota kappa. alpha beta gamma delta"
 
 

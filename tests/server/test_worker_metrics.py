@@ -154,6 +154,7 @@ def test_the_request_id_is_in_the_log(labelled: Any) -> None:
     assert "output_tokens=2" in line and "finish=length" in line
 
 
+@pytest.mark.slow  # a worker of its own
 def test_disable_metrics_records_nothing(worker_factory: Any) -> None:
     quiet = worker_factory("--disable-metrics", "--disable-log-requests")
     stream_and_time(quiet.base_url, "Hello", 2, "quiet-1")

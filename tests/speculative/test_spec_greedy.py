@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import pytest
 
 from fleetllm import LLM, SamplingParams
-from fleetllm.models.loader import LoadedModel, load_model
+from fleetllm.models.loader import LoadedModel
 from fleetllm.speculative.eagle import head_path
 
 CHAT = [
@@ -49,8 +49,8 @@ METHODS = ["ngram", "suffix", "eagle", "peagle"]
 
 
 @pytest.fixture(scope="module")
-def loaded() -> LoadedModel:
-    return load_model("smollm2-135m")
+def loaded(loaded_model: LoadedModel) -> LoadedModel:
+    return loaded_model  # the session's weights (tests/conftest.py)
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +82,8 @@ def available(method: str) -> bool:
     return method not in ("eagle", "peagle") or head_path("smollm2-135m", method).exists()
 
 
-@pytest.fixture(scope="module", params=METHODS)
+# every method over every prompt, twice: the slow tier (the logprobs test below is the fast tier's check)
+@pytest.fixture(scope="module", params=[pytest.param(m, marks=pytest.mark.slow) for m in METHODS])
 def spec_run(request, loaded: LoadedModel, prompt_ids: list[list[int]]) -> Iterator[tuple[LLM, list, list]]:
     method = request.param
     if not available(method):
@@ -113,6 +114,7 @@ def test_no_block_leaks_after_speculation(spec_run) -> None:
     eng.pool.check({})
 
 
+@pytest.mark.slow
 def test_one_request_at_a_time_equals_greedy_without(loaded: LoadedModel, prompt_ids, reference) -> None:
     llm = LLM(loaded=loaded, num_blocks=256, speculative="method=suffix,k=6,adaptive=0")
     for ids, ref in list(zip(prompt_ids, reference, strict=True))[::4]:

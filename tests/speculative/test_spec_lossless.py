@@ -8,6 +8,7 @@ target's exact next-token distributions by a chi-squared test. Fixed seeds: the 
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from fleetllm.engine.engine import EngineConfig, LLMEngine
@@ -46,6 +47,7 @@ def _rule_samples(logits: torch.Tensor, drafts: list[int], params: SamplingParam
     return [verify(logits, drafts, params, gen) for _ in range(n)]
 
 
+@pytest.mark.slow
 def test_rule_first_token_and_conditional_match_the_target_with_top_k_top_p() -> None:
     torch.manual_seed(0)
     logits = torch.randn(3, VOCAB) * 1.5
@@ -98,6 +100,7 @@ def target_probs(loaded: LoadedModel, ids: list[int], params: SamplingParams) ->
     return Sampler._probs(loaded.model.compute_logits(h[-1:]), [params])[0].double()
 
 
+@pytest.mark.slow
 def test_engine_with_speculation_samples_the_target_distribution() -> None:
     loaded = tiny_loaded()
     engine = LLMEngine(EngineConfig(model="tiny", num_blocks=512, block_size=4, max_num_seqs=256,

@@ -8,7 +8,7 @@ import torch
 
 from fleetllm.engine.sampling import SamplingParams
 from fleetllm.engine.sequence import Sequence
-from fleetllm.models.loader import LoadedModel, load_model
+from fleetllm.models.loader import LoadedModel
 from fleetllm.speculative.drafter import create_drafter
 from fleetllm.speculative.eagle import DraftHead, HeadConfig
 from fleetllm.speculative.train import (
@@ -23,8 +23,8 @@ from fleetllm.speculative.train import (
 
 
 @pytest.fixture(scope="module")
-def loaded() -> LoadedModel:
-    return load_model("smollm2-135m")
+def loaded(loaded_model: LoadedModel) -> LoadedModel:
+    return loaded_model  # the session's weights (tests/conftest.py)
 
 
 def test_generated_prompts_are_deterministic_and_varied() -> None:
