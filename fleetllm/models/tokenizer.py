@@ -131,8 +131,10 @@ class TokenizerWrapper:
             template = template or GEMMA_TURN_TEMPLATE
         else:
             raise ValueError(f"GGUF tokenizer model {kind!r} ({arch}) is not supported: byte-level BPE 'gpt2', or Gemma 3's")
-        # Control (3) and user-defined (4) tokens match whole, never split by BPE.
-        special = [AddedToken(t, special=(ty == 3), normalized=False) for t, ty in zip(tokens, types, strict=True) if ty in (3, 4)]
+        # Control (3) and user-defined (4) tokens match whole, never split by BPE. Gemma's runs of spaces are
+        # user-defined but respelled in the vocabulary: BPE builds them from U+2581 like any other piece.
+        special = [AddedToken(t, special=(ty == 3), normalized=False) for t, ty in zip(tokens, types, strict=True)
+                   if ty in (3, 4) and tok.token_to_id(t) is not None]
         tok.add_tokens(special)
         bos = meta.get("tokenizer.ggml.bos_token_id")
         eos = meta.get("tokenizer.ggml.eos_token_id")
