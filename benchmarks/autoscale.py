@@ -151,7 +151,8 @@ def summarize(run: Run, steps: list[float], step_s: float) -> list[dict]:
         rows.append({"fleet": run.name, "step": i + 1, "rate_a": rate, "requests_a": len(recs),
                      "failed": sum(1 for r in run.records if lo <= r[0] < hi and r[2] != 200),
                      "ttft_p90_a_2nd_half_s": p90(tail_half), "copies_a_end": copies[-1] if copies else None,
-                     "copies_b_end": b[-1] if b else None})
+                     "copies_b_end": b[-1] if b else None,
+                     "copy_s": sum(sum(s.copies.values()) for s in run.samples if lo <= s.t < hi)})  # 1 s samples
     return rows
 
 
@@ -185,9 +186,9 @@ def plot(runs: list[Run], steps: list[float], step_s: float, path: Path) -> None
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--steps", default="1,4,8,2", help="model-a request rates (req/s), one per step")
+    ap.add_argument("--steps", default="1,4,12,2", help="model-a request rates (req/s), one per step")
     ap.add_argument("--step-s", type=float, default=60.0)
-    ap.add_argument("--speed", type=float, default=4.0, help="simulated workers run this much faster than real time")
+    ap.add_argument("--speed", type=float, default=1.0, help="simulated workers run this much faster than real time")
     ap.add_argument("--fleets", default="autoscaled,fixed")
     ap.add_argument("--port", type=int, default=9300)
     ap.add_argument("--out", default="results/autoscale")

@@ -19,6 +19,7 @@ import httpx
 import pytest
 import yaml
 from fleet_helpers import free_ports, stop_process
+from prometheus_client.parser import text_string_to_metric_families
 
 SIM = {"source": "smollm2-135m", "simulate": True, "engine": {"sim_speed": 20}}
 
@@ -148,3 +149,24 @@ def test_a_model_scales_from_zero_for_a_held_request_and_back_to_zero_when_idle(
     metrics = httpx.get(url + "/metrics", params={"federate": "0"}).text
     assert 'fleetllm_autoscaler_desired_replicas{model="z"} 0.0' in metrics
     assert complete(url, "a").status_code == 200  # the other model never noticed
+
+
+@pytest.mark.slow
+def test_a_fleet_of_smollm2_and_gemma3_routes_each_model_to_its_own_workers(serve):
+    fleet = serve({"models": [{"name": "smollm2", "source": "smollm2-135m", "engine": {"num_threads": 1}},
+                              {"name": "gemma", "source": "gemma3-270m", "engine": {"num_threads": 1}}]})
+    state = httpx.get(fleet.url + "/router/state").json()
+    workers = {m: {w["name"] for w in state["workers"] if w["model"] == m} for m in ("smollm2", "gemma")}
+    assert all(len(v) == 1 for v in workers.values())
+    assert {m["id"] for m in httpx.get(fleet.url + "/v1/models").json()["data"]} == {"smollm2", "gemma"}
+    for model in ("smollm2", "gemma", "smollm2", "gemma"):
+        r = complete(fleet.url, model, prompt="The capital of France is", temperature=0)
+        assert r.status_code == 200 and r.json()["model"] == model
+        assert r.headers["x-fleetllm-worker"] in workers[model]
+    assert complete(fleet.url, "llama").json()["error"]["message"].endswith("Served: gemma, smollm2")
+    finished: dict[str, float] = {}
+    for family in text_string_to_metric_families(httpx.get(fleet.url + "/metrics").text):
+        for s in family.samples:  # the workers' series, federated by the router, carry their model
+            if s.name == "vllm:request_success_total":
+                finished[s.labels["model_name"]] = finished.get(s.labels["model_name"], 0) + s.value
+    assert finished == {"smollm2": 2, "gemma": 2}
