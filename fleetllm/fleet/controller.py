@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import deque
 from dataclasses import asdict, replace
 from typing import Any
 
@@ -59,7 +60,8 @@ class RouterAdmin:
 class FleetController:
     """Autoscales the fleet's models whose ``replicas.min < replicas.max``."""
 
-    def __init__(self, fleet: Fleet, admin: RouterAdmin, interval_s: float = 2.0, drain_timeout_s: float = 120.0) -> None:
+    def __init__(self, fleet: Fleet, admin: RouterAdmin, interval_s: float = 2.0, drain_timeout_s: float = 120.0,
+                 window_s: float = 15.0) -> None:
         self.fleet, self.admin = fleet, admin
         self.interval_s, self.drain_timeout_s = interval_s, drain_timeout_s
         self.models = {m.served_name: m for m in fleet.cfg.models if m.autoscaled}
@@ -67,14 +69,15 @@ class FleetController:
         # the copy count each model is steered to: changes only with a decision, so copies still starting
         # (not yet ready, so not counted by the autoscaler) are not taken for a scale-down
         self.targets = {n: m.replicas.initial for n, m in self.models.items()}
-        self._pages: dict[str, dict[str, str]] = {}
-        self._last = time.monotonic()
+        # each model's pages of the last ``window_s``: rates and percentiles are taken over the window, not
+        # one tick (a 2 s tick sees a request of several seconds finish in one tick and none in the next)
+        self.window_s = window_s
+        self._pages: dict[str, deque[tuple[float, dict[str, str]]]] = {}
         self._draining: set[str] = set()  # names of worker processes being drained
 
     def tick(self) -> dict[str, Decision]:
         """One round: signals -> decisions -> actions. Returns the decisions by model."""
         now = time.monotonic()
-        dt, self._last = now - self._last, now
         state = self.admin.state()
         healthy = {w["url"] for w in state["workers"] if w.get("healthy") and not w.get("draining")}
         held = state.get("held", {})
@@ -85,8 +88,12 @@ class FleetController:
             if len(ready) < sum(len(p.urls) for p in procs if p.name not in self._draining):
                 continue  # copies still starting: their load is not seen yet, so decide once they are ready
             pages = self._read(ready)
-            sig = model_signals(self._pages.get(name, {}), pages, dt, held.get(name, 0))
-            self._pages[name] = pages
+            past = self._pages.setdefault(name, deque())
+            while len(past) > 1 and past[1][0] <= now - self.window_s:
+                past.popleft()
+            t_old, old = past[0] if past else (now, {})
+            sig = model_signals(old, pages, now - t_old, held.get(name, 0))
+            past.append((now, pages))
             d = decisions[name] = self.scalers[name].decide(sig)
             if d.direction != "none":
                 self.targets[name] = d.desired
