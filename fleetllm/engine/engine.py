@@ -68,6 +68,8 @@ class EngineConfig:
 
 
 class LLMEngine:
+    """Requests in, per-step output deltas out, over a scheduler, a block pool and an executor."""
+
     def __init__(self, config: EngineConfig | None = None, loaded: LoadedModel | None = None,
                  executor: Executor | None = None, default_max_tokens: int | None = None) -> None:
         """Without ``executor``, run the model itself (``loaded`` reuses weights already in memory).
@@ -139,6 +141,7 @@ class LLMEngine:
 
     # ---- the step ----------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """Schedule, execute, update from the output, draft for the next step; return this step's outputs."""
         outputs, self._pending = self._pending, []
         drafts, self._drafts = self._drafts, {}
         sched = self.scheduler.schedule(drafts)
