@@ -10,36 +10,23 @@ an abandoned transfer are cleaned up.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from fleetllm.disagg.frame import FrameError, FrameHeader
 from fleetllm.engine.block_pool import hash_block
 
-
-def _cache_views(engine: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    runner = engine.runner
-    nb, bs = engine.pool.num_blocks, engine.pool.block_size
-    return [(k.view(nb, bs, *k.shape[1:]), v.view(nb, bs, *v.shape[1:])) for k, v in runner.kv_cache]
+if TYPE_CHECKING:
+    from fleetllm.engine.engine import LLMEngine
 
 
-def export_blocks(engine: Any, token_ids: list[int]) -> tuple[FrameHeader, list[tuple[torch.Tensor, torch.Tensor]]]:
+def export_blocks(engine: LLMEngine, token_ids: list[int]) -> tuple[FrameHeader, list[tuple[torch.Tensor, torch.Tensor]]]:
     """The cached full blocks of ``token_ids`` (the leading run still in the prefix cache), copied out."""
     bs = engine.pool.block_size
-    extra = engine.model_name.encode()
-    ids, hashes = [], []
-    parent = None
-    for start in range(0, len(token_ids) - bs + 1, bs):
-        chunk = token_ids[start : start + bs]
-        parent = hash_block(parent, chunk, extra)
-        bid = engine.pool.lookup(parent, chunk)
-        if bid is None:
-            break
-        ids.append(bid)
-        hashes.append(parent)
+    ids, hashes = engine.kv.cached_prefix(list(token_ids))
     cfg = engine.loaded.config
-    views = _cache_views(engine)
+    views = engine.kv_blocks()
     index = torch.tensor(ids, dtype=torch.long, device=views[0][0].device)
     layers = [(k.index_select(0, index).cpu(), v.index_select(0, index).cpu()) for k, v in views]
     dtype = str(views[0][0].dtype).removeprefix("torch.")
@@ -48,19 +35,19 @@ def export_blocks(engine: Any, token_ids: list[int]) -> tuple[FrameHeader, list[
     return header, layers
 
 
-def import_blocks(engine: Any, header: FrameHeader, layers: list[tuple[torch.Tensor, torch.Tensor]]) -> dict[str, int]:
+def import_blocks(engine: LLMEngine, header: FrameHeader, layers: list[tuple[torch.Tensor, torch.Tensor]]) -> dict[str, int]:
     """Register the frame's blocks in ``engine``'s prefix cache; blocks already cached are skipped.
 
     Raises :class:`FrameError` if the frame does not fit this engine (model, layout, hashes)."""
     cfg = engine.loaded.config
-    views = _cache_views(engine)
+    views = engine.kv_blocks()
     dtype = str(views[0][0].dtype).removeprefix("torch.")
     expect = (engine.model_name, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype, engine.pool.block_size)
     got = (header.model, header.num_layers, header.num_kv_heads, header.head_dim, header.dtype, header.block_size)
     if got != expect:
         raise FrameError(f"frame for {got} does not fit this engine {expect}")
     bs, pool = header.block_size, engine.pool
-    extra = engine.model_name.encode()
+    extra = engine.kv.extra_key
     parent = None
     missing = []  # (frame index, hash, tokens) of blocks not cached here yet
     for i, h in enumerate(header.block_hashes):
@@ -71,7 +58,7 @@ def import_blocks(engine: Any, header: FrameHeader, layers: list[tuple[torch.Ten
         if pool.lookup(h, chunk) is None:
             missing.append((i, h, chunk))
     # keep the scheduler's headroom: never take more than the free blocks beyond the watermark
-    room = pool.num_free - int(engine.scheduler.cfg.watermark * pool.num_blocks)
+    room = pool.num_free - engine.scheduler.watermark_blocks
     todo = missing[: max(0, room)]
     if todo:
         new = pool.allocate(len(todo))

@@ -18,14 +18,18 @@ class KVCacheManager:
         self.prefix_hits = 0  # tokens found
 
     def prefix_hit(self, seq: Sequence) -> tuple[list[int], list[int]]:
-        """Cached blocks (and their hashes) covering the longest prefix of ``seq``, at most num_tokens-1."""
+        """Cached blocks (and their hashes) covering the longest prefix of ``seq``, at most num_tokens-1
+        (the last token is always computed: its logits are needed)."""
+        return self.cached_prefix(seq.all_token_ids[:-1])
+
+    def cached_prefix(self, tokens: list[int]) -> tuple[list[int], list[int]]:
+        """Cached blocks (and their hashes) holding the leading full blocks of ``tokens``, up to the first miss."""
         if not self.enable_prefix_caching:
             return [], []
         bs = self.block_size
-        tokens = seq.all_token_ids
         blocks, hashes = [], []
         parent = None
-        for i in range((len(tokens) - 1) // bs):
+        for i in range(len(tokens) // bs):
             chunk = tokens[i * bs : (i + 1) * bs]
             parent = hash_block(parent, chunk, self.extra_key)
             bid = self.pool.lookup(parent, chunk)

@@ -55,17 +55,22 @@ class EngineMetrics:
         self.registry = CollectorRegistry()
         ident = {k: "" for k in IDENTITY_LABELS} | (identity or {})
         self.labels = {"model_name": model_name, **{k: ident[k] for k in IDENTITY_LABELS}}
-        r, names, lab = self.registry, list(self.labels), self.labels
+        self._define_vllm(max_model_len)
+        self._define_genai()
+        self._define_spec()
+        self._last_queries = self._last_hits = 0
 
-        def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(name, doc, names, registry=r).labels(**lab)
+    def _gauge(self, name: str, doc: str) -> Gauge:
+        return Gauge(name, doc, list(self.labels), registry=self.registry).labels(**self.labels)
 
-        def counter(name: str, doc: str) -> Counter:
-            return Counter(name, doc, names, registry=r).labels(**lab)
+    def _counter(self, name: str, doc: str) -> Counter:
+        return Counter(name, doc, list(self.labels), registry=self.registry).labels(**self.labels)
 
-        def hist(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
-            return Histogram(name, doc, names, buckets=buckets, registry=r).labels(**lab)
+    def _hist(self, name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+        return Histogram(name, doc, list(self.labels), buckets=buckets, registry=self.registry).labels(**self.labels)
 
+    def _define_vllm(self, max_model_len: int) -> None:
+        gauge, counter, hist = self._gauge, self._counter, self._hist
         self.running = gauge("vllm:num_requests_running", "Requests in the running batch.")
         self.waiting = gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled.")
         self.kv_usage = gauge("vllm:kv_cache_usage_perc", "Fraction of KV blocks in use (0-1).")
@@ -89,8 +94,14 @@ class EngineMetrics:
         self.req_prompt_tokens = hist("vllm:request_prompt_tokens", "Prompt tokens per request.", tok_buckets)
         self.req_gen_tokens = hist("vllm:request_generation_tokens", "Generated tokens per request.", tok_buckets)
         self._finished: Counter = Counter("vllm:request_success", "Finished requests by reason.",
-                                 [*names, "finished_reason"], registry=r)
-        # OpenTelemetry GenAI server metrics (Prometheus form, see the module docstring)
+                                          [*self.labels, "finished_reason"], registry=self.registry)
+        # every reason's series exists from the start, so rates and error panels see it go from 0
+        self._finished_by_reason = {reason: self._finished.labels(**self.labels, finished_reason=reason)
+                                    for reason in ("stop", "length", "abort", "error")}
+
+    def _define_genai(self) -> None:
+        """OpenTelemetry GenAI server metrics (Prometheus form, see the module docstring)."""
+        hist = self._hist
         self.genai_ttft = hist("gen_ai_server_time_to_first_token_seconds",
                                "gen_ai.server.time_to_first_token: time to generate the first token.", GENAI_TTFT)
         self.genai_tpot = hist("gen_ai_server_time_per_output_token_seconds",
@@ -98,19 +109,17 @@ class EngineMetrics:
         self.genai_duration = hist("gen_ai_server_request_duration_seconds",
                                    "gen_ai.server.request.duration: arrival to last token.", GENAI_DURATION)
         usage = Histogram("gen_ai_client_token_usage", "gen_ai.client.token.usage: tokens per request by type.",
-                          [*names, "gen_ai_token_type"], buckets=GENAI_TOKENS, registry=r)
-        self.genai_input_tokens = usage.labels(**lab, gen_ai_token_type="input")
-        self.genai_output_tokens = usage.labels(**lab, gen_ai_token_type="output")
-        # every reason's series exists from the start, so rates and error panels see it go from 0
-        self._finished_by_reason = {reason: self._finished.labels(**lab, finished_reason=reason)
-                                    for reason in ("stop", "length", "abort", "error")}
-        self._last_queries = self._last_hits = 0
-        self.spec_drafts = counter("vllm:spec_decode_num_drafts", "Verify steps that carried draft tokens.")
-        self.spec_draft_tokens = counter("vllm:spec_decode_num_draft_tokens", "Draft tokens proposed.")
-        self.spec_accepted = counter("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted.")
+                          [*self.labels, "gen_ai_token_type"], buckets=GENAI_TOKENS, registry=self.registry)
+        self.genai_input_tokens = usage.labels(**self.labels, gen_ai_token_type="input")
+        self.genai_output_tokens = usage.labels(**self.labels, gen_ai_token_type="output")
+
+    def _define_spec(self) -> None:
+        self.spec_drafts = self._counter("vllm:spec_decode_num_drafts", "Verify steps that carried draft tokens.")
+        self.spec_draft_tokens = self._counter("vllm:spec_decode_num_draft_tokens", "Draft tokens proposed.")
+        self.spec_accepted = self._counter("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted.")
         self._spec_per_pos = Counter(
             "vllm:spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted, by draft position (0-based).",
-            [*names, "position"], registry=r,
+            [*self.labels, "position"], registry=self.registry,
         )
         self._spec_seen: tuple[int, int, int, list[int]] = (0, 0, 0, [])
 

@@ -1,15 +1,18 @@
 """Token-budget scheduler (vLLM v1 style).
 
-Each step every running sequence asks for the tokens it lacks (one decode token, 1 + K tokens when it
-carries K draft tokens to verify, or the rest of its prompt as a chunk) within ``max_num_batched_tokens``; waiting sequences are admitted FCFS while budget,
-sequence slots and blocks last. Prefill and decode share one step; chunked prefill falls out of the
-budget. When blocks run out the most recently arrived running sequence is preempted (blocks freed,
-recomputed later — its prefix blocks usually survive in the prefix cache).
+Each step every running sequence asks for the tokens it lacks (one decode token, 1 + K tokens when the
+step's input holds K draft tokens for it to verify, or the rest of its prompt as a chunk) within
+``max_num_batched_tokens``; waiting sequences are admitted FCFS while budget, sequence slots and blocks
+last. Prefill and decode share one step; chunked prefill falls out of the budget. When blocks run out
+the most recently arrived running sequence is preempted (blocks freed, recomputed later — its prefix
+blocks usually survive in the prefix cache).
 """
 
 from __future__ import annotations
 
+import time
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from fleetllm.engine.kv_cache_manager import KVCacheManager
@@ -44,11 +47,19 @@ class Scheduled:
         done = self.seq.num_computed_tokens + self.num_new_tokens - k == self.seq.num_tokens
         return 1 + k if done else 0
 
+    def num_computed(self, emitted: list[int]) -> int:
+        """Tokens of this step whose KV stays valid once it emitted ``emitted``: all but rejected drafts
+        (verifying K drafts emits the accepted ones and then one target token)."""
+        if not self.draft_token_ids:
+            return self.num_new_tokens
+        return self.num_new_tokens - len(self.draft_token_ids) + len(emitted) - 1
+
 
 @dataclass
 class SchedulerOutput:
     scheduled: list[Scheduled] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    start_time: float = field(default_factory=time.monotonic)  # when the step began (monotonic seconds)
 
     @property
     def num_tokens(self) -> int:
@@ -75,7 +86,15 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> SchedulerOutput:
+    @property
+    def watermark_blocks(self) -> int:
+        """Blocks kept free when admitting new work (and importing KV blocks)."""
+        return int(self.cfg.watermark * self.kv.pool.num_blocks)
+
+    def schedule(self, drafts: Mapping[str, list[int]] | None = None) -> SchedulerOutput:
+        """This step's work; ``drafts`` are the draft tokens proposed for running sequences (by request id),
+        verified this step when budget and blocks allow."""
+        drafts = drafts or {}
         out = SchedulerOutput()
         budget = self.cfg.max_num_batched_tokens
         kept: list[Sequence] = []
@@ -86,12 +105,10 @@ class Scheduler:
                 kept.append(seq)
                 continue
             n = min(seq.num_uncomputed, budget)
-            drafts, seq.draft_token_ids = seq.draft_token_ids[: max(0, budget - n)], []
-            if n != seq.num_uncomputed:
-                drafts = []
-            while not self.kv.grow(seq, n + len(drafts)):
-                if drafts:  # lookahead slots for drafts are the first thing to give up
-                    drafts = []
+            proposed = drafts.get(seq.request_id, [])[: max(0, budget - n)] if n == seq.num_uncomputed else []
+            while not self.kv.grow(seq, n + len(proposed)):
+                if proposed:  # lookahead slots for drafts are the first thing to give up
+                    proposed = []
                     continue
                 # preempt the newest running sequence that is not yet scheduled; else this one
                 victim = queue.pop() if queue else seq
@@ -101,11 +118,11 @@ class Scheduler:
                     break
             if seq.status is Status.RUNNING:
                 kept.append(seq)
-                out.scheduled.append(Scheduled(seq, n + len(drafts), drafts))
-                budget -= n + len(drafts)
+                out.scheduled.append(Scheduled(seq, n + len(proposed), list(proposed)))
+                budget -= n + len(proposed)
         self.running = kept
 
-        watermark = int(self.cfg.watermark * self.kv.pool.num_blocks)
+        watermark = self.watermark_blocks
         while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs and not out.preempted:
             seq = self.waiting[0]
             cached = self.kv.admit(seq, budget, watermark)
@@ -124,7 +141,6 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         self.kv.free(seq)
         seq.num_computed_tokens = 0
-        seq.draft_token_ids = []
         seq.num_preemptions += 1
         self.num_preemptions += 1
         seq.transition(Status.PREEMPTED)

@@ -61,8 +61,7 @@ class Sequence:
     num_computed_tokens: int = 0
     num_cached_tokens: int = -1  # prefix-cache hit at first schedule (-1: not yet scheduled)
     num_preemptions: int = 0
-    generator: torch.Generator | None = None
-    draft_token_ids: list[int] = field(default_factory=list)  # proposed for the next step's verify
+    generator: torch.Generator | None = None  # a seeded request's sampling RNG (made by the executor)
     spec_state: Any = None  # the speculative decoder's per-request state (acceptance, drafter index)
     stop_reason: str | int | None = None
     # timing (monotonic seconds)

@@ -1,7 +1,7 @@
 """Serve one or many simulated workers from one process (``fleetllm worker --simulate --count N``).
 
 Each simulated worker is a full :class:`fleetllm.server.app.Worker` on its own port over its own
-:class:`SimEngine`; they share the tokenizer and one event loop, so hundreds fit on one machine.
+:func:`fleetllm.sim.engine.sim_engine`; they share the tokenizer and one event loop, so hundreds fit on one machine.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import uvicorn
 
 from fleetllm.models.source import load_tokenizer
 from fleetllm.server.app import ObservabilityConfig, Worker
-from fleetllm.sim.engine import SimConfig, SimEngine
+from fleetllm.sim.engine import SimConfig, sim_engine
 from fleetllm.sim.profile import TimingProfile
 
 
@@ -29,7 +29,7 @@ def build_workers(model: str, count: int, cfg: SimConfig, profile: TimingProfile
                   identities: list[dict[str, str]] | None = None, obs: ObservabilityConfig | None = None) -> list[Worker]:
     model_config, tokenizer = load_tokenizer(model)
     ids = identities or [None] * count
-    return [Worker(SimEngine(cfg, tokenizer, model_config, profile, ids[i]), obs) for i in range(count)]
+    return [Worker(sim_engine(cfg, tokenizer, model_config, profile, ids[i]), obs) for i in range(count)]
 
 
 def serve_simulated(model: str, host: str, port: int, count: int, cfg: SimConfig, profile: TimingProfile | None,

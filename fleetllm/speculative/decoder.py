@@ -104,10 +104,11 @@ class SpecDecoder:
         return 1.0 + self.num_accepted / self.num_drafts if self.num_drafts else 1.0
 
     # ---- drafting ------------------------------------------------------------------------------------
-    def propose(self, seqs: list[Sequence], max_model_len: int) -> None:
-        """Set ``draft_token_ids`` on each of ``seqs`` (running, one token from decode) for the next step."""
+    def propose(self, seqs: list[Sequence], max_model_len: int) -> dict[str, list[int]]:
+        """Draft tokens for the next step of ``seqs`` (running, one token from decode), by request id;
+        a request drafting nothing is left out."""
         if not seqs:
-            return
+            return {}
         ks = []
         for seq in seqs:
             if seq.spec_state is None:
@@ -116,15 +117,14 @@ class SpecDecoder:
             k = 0 if seq.params.needs_penalties else min(self._choose_k(seq.spec_state, len(seqs)), room)
             ks.append(max(k, 0))
         if not any(ks):
-            return
+            return {}
         t0 = time.perf_counter()
         drafts = self.drafter.propose(seqs, ks)
         dt = time.perf_counter() - t0
         self.draft_seconds += dt
         unit = dt if self.drafter.one_pass else dt / max(ks)
         self.draft_cost = unit if not self.draft_cost else 0.8 * self.draft_cost + 0.2 * unit
-        for seq, d, k in zip(seqs, drafts, ks, strict=True):
-            seq.draft_token_ids = list(d[:k])
+        return {seq.request_id: list(d[:k]) for seq, d, k in zip(seqs, drafts, ks, strict=True) if k and d}
 
     def _choose_k(self, st: RequestSpecState, batch: int) -> int:
         if not self.cfg.adaptive:

@@ -12,7 +12,7 @@ def test_bf16_model_generates_like_fp32_on_an_easy_prompt(loaded_model: LoadedMo
     params = SamplingParams(max_tokens=3, temperature=0.0)
     prompt = "The capital of France is"
     bf16 = LLM(loaded=load_model("smollm2-135m", dtype=torch.bfloat16))
-    assert bf16.engine.runner.kv_cache[0][0].dtype == torch.bfloat16
+    assert bf16.engine.kv_blocks()[0][0].dtype == torch.bfloat16
     fp32 = LLM(loaded=loaded_model)
     assert bf16.generate([prompt], params)[0].outputs[0].text.strip().startswith("Paris")
     assert fp32.generate([prompt], params)[0].outputs[0].text.strip().startswith("Paris")

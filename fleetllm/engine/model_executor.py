@@ -1,0 +1,145 @@
+"""The real executor: the model runner's forward pass, the sampler, and speculative verify and drafting.
+
+One forward pass computes every scheduled token; logits are taken at each request's sampling rows (the
+last one, or 1 + K rows when it verifies K drafts). Plain rows go through the batched sampler, verify
+rows through the lossless acceptance rule; a drafter that reads the target's hidden states gets them
+for the positions that stay computed. It owns the weights, the KV cache tensors and the per-request
+sampling state; the engine owns everything the step leaves behind.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+import torch
+
+from fleetllm.engine.executor import ModelOutput, Sampled
+from fleetllm.engine.model_runner import ModelRunner
+from fleetllm.engine.outputs import TokenLogprob
+from fleetllm.engine.sampling import Sampler
+from fleetllm.engine.scheduler import Scheduled, SchedulerOutput
+from fleetllm.engine.sequence import Sequence
+from fleetllm.models.loader import LoadedModel, load_model
+from fleetllm.models.quant import quantize_model
+from fleetllm.speculative.config import SpeculativeConfig
+from fleetllm.speculative.decoder import SpecDecoder
+
+if TYPE_CHECKING:
+    from fleetllm.engine.engine import EngineConfig
+
+
+class ModelExecutor:
+    needs_warm_up = True
+
+    def __init__(self, cfg: EngineConfig, loaded: LoadedModel | None = None) -> None:
+        """Load the model (unless ``loaded`` is given), size and allocate the KV cache, set up speculation."""
+        if cfg.num_threads:
+            torch.set_num_threads(cfg.num_threads)
+        self.device = cfg.resolved_device()
+        dtype = torch.float32 if self.device == "cpu" else torch.bfloat16
+        self.loaded = loaded or load_model(cfg.model, device=self.device, dtype=dtype, name=cfg.served_model_name)
+        if cfg.quantization != "none" and self.device == "cpu":
+            quantize_model(self.loaded.model, cfg.quantization)
+        per_block = ModelRunner.kv_bytes_per_block(self.loaded.model, cfg.block_size)
+        self.num_blocks = cfg.num_blocks or max(16, int(cfg.kv_cache_gb * 2**30 // per_block))
+        self.runner = ModelRunner(self.loaded.model, self.num_blocks, cfg.block_size, self.device)
+        self.sampler = Sampler()
+        spec_cfg = SpeculativeConfig.parse(cfg.speculative)
+        self.spec = SpecDecoder(spec_cfg, self.loaded, self.runner.kv_cache, self.device) if spec_cfg else None
+
+    def execute(self, sched: SchedulerOutput) -> ModelOutput:
+        batch = sched.scheduled
+        for s in batch:
+            seq = s.seq
+            if seq.generator is None and seq.params.seed is not None:
+                seq.generator = torch.Generator().manual_seed(seq.params.seed)
+        rows, first = _logit_rows(batch)
+        verifying = any(s.draft_token_ids for s in batch)
+        t0 = time.perf_counter()
+        logits, aux = self.runner.execute(batch, rows, self.spec.aux_layers if self.spec else None)
+        logits = logits.float().cpu()  # sampling runs on the host
+        if verifying:
+            self.spec.verify_seconds += time.perf_counter() - t0
+        out = ModelOutput()
+        self._sample(batch, logits, first, out)
+        if verifying:
+            self._verify(batch, logits, first, out)
+        if aux is not None:
+            self._observe(batch, aux, out)
+        return out
+
+    def _sample(self, batch: list[Scheduled], logits: torch.Tensor, first: list[int], out: ModelOutput) -> None:
+        """One token for each request at the end of its tokens without drafts to verify."""
+        plain = [i for i, s in enumerate(batch) if s.num_logits and not s.draft_token_ids]
+        if not plain:
+            return
+        seqs = [batch[i].seq for i in plain]
+        res = self.sampler(
+            logits[[first[i] for i in plain]],
+            [q.params for q in seqs],
+            [q.generator for q in seqs],
+            [q.prompt_token_ids for q in seqs],
+            [q.output_token_ids for q in seqs],
+        )
+        for j, seq in enumerate(seqs):
+            tok = res.token_ids[j]
+            lps = None if seq.params.logprobs is None else [TokenLogprob(tok, res.logprobs[j], res.top_logprobs[j])]
+            out.sampled[seq.request_id] = Sampled([tok], lps)
+
+    def _verify(self, batch: list[Scheduled], logits: torch.Tensor, first: list[int], out: ModelOutput) -> None:
+        """Accepted drafts plus one target token for each request verifying drafts."""
+        for i, s in enumerate(batch):
+            if not s.draft_token_ids:
+                continue
+            rows = logits[first[i] : first[i] + s.num_logits]
+            toks = self.spec.verify(s.seq, rows, s.draft_token_ids)
+            k = s.seq.params.logprobs
+            out.sampled[s.seq.request_id] = Sampled(toks, None if k is None else _logprobs(rows, toks, k))
+
+    def _observe(self, batch: list[Scheduled], aux: torch.Tensor, out: ModelOutput) -> None:
+        """Hand the drafter the target's features of the positions that stay computed (not rejected drafts)."""
+        t = 0
+        for s in batch:
+            seq, start = s.seq, t
+            t += s.num_new_tokens
+            sampled = out.sampled.get(seq.request_id)
+            n = s.num_computed(sampled.token_ids if sampled else [])
+            self.spec.drafter.observe(seq, seq.num_computed_tokens, aux[start : start + n])
+
+    def propose(self, seqs: list[Sequence], max_model_len: int) -> dict[str, list[int]]:
+        return self.spec.propose(seqs, max_model_len) if self.spec else {}
+
+    def forget(self, seq: Sequence) -> None:
+        if self.spec:
+            self.spec.drafter.forget(seq)
+
+    def kv_blocks(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        bs = self.runner.block_size
+        return [(k.view(self.num_blocks, bs, *k.shape[1:]), v.view(self.num_blocks, bs, *v.shape[1:]))
+                for k, v in self.runner.kv_cache]
+
+
+def _logit_rows(batch: list[Scheduled]) -> tuple[list[int], list[int]]:
+    """Rows of the flat batch whose logits are needed, and where each request's rows start among them."""
+    rows: list[int] = []
+    first: list[int] = []
+    t = 0
+    for s in batch:
+        t += s.num_new_tokens
+        first.append(len(rows))
+        rows.extend(range(t - s.num_logits, t))
+    return rows, first
+
+
+def _logprobs(logits: torch.Tensor, toks: list[int], k: int) -> list[TokenLogprob]:
+    """Log-probabilities of ``toks`` (one per row of ``logits``) and each row's top ``k``."""
+    lp = torch.log_softmax(logits[: len(toks)], dim=-1)
+    out = []
+    for r, tok in enumerate(toks):
+        top = []
+        if k > 0:
+            vals, idx = lp[r].topk(k)
+            top = list(zip(idx.tolist(), vals.tolist(), strict=True))
+        out.append(TokenLogprob(tok, float(lp[r, tok]), top))
+    return out
