@@ -143,7 +143,10 @@ return {label: x.labels.a, inf: String(x.value), nan: Number.isNaN(m.get("y")[0]
 
 
 def points(driver: Any, card: str) -> int:
-    return int(driver.find_element("id", "card-" + card).get_attribute("data-points"))
+    """Chart points (or table rows) on a card; 0 while the card is not on the page yet: a tab's click
+    builds its view on the next hashchange event, which can come after the click returns."""
+    cards = driver.find_elements("id", "card-" + card)
+    return int(cards[0].get_attribute("data-points")) if cards else 0
 
 
 def test_dashboard_renders_three_views_with_data_and_no_console_errors(fleet: Fleet, prom: Prometheus,
