@@ -80,7 +80,7 @@ class LLM:
     def chat(self, messages: list[dict[str, Any]], params: SamplingParams | None = None) -> GenerationResult:
         """Apply the model's chat template to ``messages`` and generate one reply."""
         prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-        return self.generate([self.tokenizer.encode(prompt)], params)[0]
+        return self.generate([self.tokenizer.encode(prompt, add_special_tokens=False)], params)[0]  # the template has its BOS
 
 
 def _with_seed(p: SamplingParams, seed: int) -> SamplingParams:
