@@ -293,6 +293,29 @@ def loss_and_acc(head, loaded, b, lm_weight) -> tuple[torch.Tensor, torch.Tensor
     return (ce * weights).sum() / weights.sum(), acc
 
 
+def cached_corpus(loaded: LoadedModel, aux_layers: tuple[int, ...], target: str, seed: int, text_tokens: int,
+                  chats: int) -> Corpus:
+    """The training data: built once (it takes the target minutes of generation), then read from the cache."""
+    data_path = cache_dir() / f"spec-data-v3-{target}-{seed}-{text_tokens}-{chats}.pt"
+    if data_path.exists():
+        corpus = Corpus(**torch.load(data_path))
+        print(f"data: {len(corpus.tokens)} tokens from {data_path}")
+        return corpus
+    corpus = build_corpus(loaded, aux_layers, text_tokens, chats, seed, print)
+    torch.save(corpus.__dict__, data_path)
+    return corpus
+
+
+@torch.no_grad()
+def evaluate(head: DraftHead, loaded: LoadedModel, eval_sets: dict[str, dict], lm_weight: torch.Tensor) -> dict:
+    """Held-out loss and top-1 agreement by depth, per kind of data."""
+    held_out = {}
+    for kind, b in eval_sets.items():
+        eval_loss, eval_acc = loss_and_acc(head, loaded, b, lm_weight)
+        held_out[kind] = {"loss": round(eval_loss.item(), 3), "top1_by_depth": [round(a, 3) for a in eval_acc.tolist()]}
+    return held_out
+
+
 def train(method: str, target: str, output: Path, minutes: float, batch_size: int, lr: float, seed: int,
           text_tokens: int, chats: int, threads: int) -> dict:
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
@@ -302,13 +325,7 @@ def train(method: str, target: str, output: Path, minutes: float, batch_size: in
     loaded = load_model(target)
     cfg = HeadConfig.for_target(loaded.model, method, target)
     head = DraftHead(cfg)
-    data_path = cache_dir() / f"spec-data-v3-{target}-{seed}-{text_tokens}-{chats}.pt"
-    if data_path.exists():
-        corpus = Corpus(**torch.load(data_path))
-        print(f"data: {len(corpus.tokens)} tokens from {data_path}")
-    else:
-        corpus = build_corpus(loaded, cfg.aux_layers, text_tokens, chats, seed, print)
-        torch.save(corpus.__dict__, data_path)
+    corpus = cached_corpus(loaded, cfg.aux_layers, target, seed, text_tokens, chats)
     counts = torch.bincount(corpus.tokens, minlength=loaded.config.vocab_size)
     with torch.no_grad():  # frequent data tokens and what the target predicts there
         pred = torch.cat([F.linear(corpus.final[i : i + 4096].float(), loaded.model.lm_head.weight).argmax(-1)
@@ -349,11 +366,7 @@ def train(method: str, target: str, output: Path, minutes: float, batch_size: in
             ema = acc if ema is None else 0.95 * ema + 0.05 * acc
             info = f"step {step} loss {loss.item():.3f} acc@d " + " ".join(f"{a:.2f}" for a in ema.tolist())
             bar.update(task, completed=min(elapsed, budget), info=info)
-    held_out = {}
-    with torch.no_grad():
-        for kind, b in eval_sets.items():
-            eval_loss, eval_acc = loss_and_acc(head, loaded, b, lm_weight)
-            held_out[kind] = {"loss": round(eval_loss.item(), 3), "top1_by_depth": [round(a, 3) for a in eval_acc.tolist()]}
+    held_out = evaluate(head, loaded, eval_sets, lm_weight)
     output.parent.mkdir(parents=True, exist_ok=True)
     head.save(output)
     report = {"method": method, "steps": step, "seconds": round(time.perf_counter() - t0), "train_tokens": len(corpus.tokens),
