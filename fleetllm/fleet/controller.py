@@ -74,6 +74,7 @@ class FleetController:
         self.window_s = window_s
         self._pages: dict[str, deque[tuple[float, dict[str, str]]]] = {}
         self._draining: set[str] = set()  # names of worker processes being drained
+        self._no_room: dict[str, str] = {}  # the last placement refusal per model
 
     def tick(self) -> dict[str, Decision]:
         """One round: signals -> decisions -> actions. Returns the decisions by model."""
@@ -121,7 +122,9 @@ class FleetController:
             try:
                 proc = self.fleet.add_copy(m)  # placed and started now, so the next tick counts it
             except PlacementError as e:
-                log.warning("autoscaler %s: cannot add a copy: %s", m.served_name, e)
+                if self._no_room.get(m.served_name) != str(e):  # said once, not every tick while it lasts
+                    log.warning("autoscaler %s: cannot add a copy: %s", m.served_name, e)
+                self._no_room[m.served_name] = str(e)
                 return
             _thread(self._admit, proc)
         for proc in live[desired:] if desired < len(live) else []:  # the newest go first

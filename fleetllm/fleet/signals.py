@@ -17,6 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from fleetllm.fleet.autoscaler import Signals
 
 TTFT = "vllm:time_to_first_token_seconds"
+MIN_SAMPLES = 10  # fewer observations in the window give no percentile: one slow request is no trend
 ITL = "vllm:inter_token_latency_seconds"
 
 
@@ -36,10 +37,10 @@ class Page:
                     self.values[s.name] = self.values.get(s.name, 0.0) + s.value
 
 
-def quantile(q: float, buckets: Mapping[float, float]) -> float | None:
-    """The ``q`` quantile of cumulative ``{upper bound: count}`` buckets (None when they hold nothing)."""
+def quantile(q: float, buckets: Mapping[float, float], min_count: float = 1) -> float | None:
+    """The ``q`` quantile of cumulative ``{upper bound: count}`` buckets (None below ``min_count`` observations)."""
     bounds = sorted(buckets)
-    if not bounds or buckets[bounds[-1]] <= 0:
+    if not bounds or buckets[bounds[-1]] < max(min_count, 1e-9):
         return None
     rank = q * buckets[bounds[-1]]
     lower, below = 0.0, 0.0
@@ -84,8 +85,8 @@ def model_signals(before: Mapping[str, str], after: Mapping[str, str], dt: float
         running=sum(p.values.get("vllm:num_requests_running", 0.0) for p in pages.values()),
         held=held,
         kv_usage=sum(p.values.get("vllm:kv_cache_usage_perc", 0.0) for p in pages.values()) / n,
-        ttft_p90_s=quantile(0.9, delta_buckets(TTFT)),
-        itl_p90_s=quantile(0.9, delta_buckets(ITL)),
+        ttft_p90_s=quantile(0.9, delta_buckets(TTFT), MIN_SAMPLES),
+        itl_p90_s=quantile(0.9, delta_buckets(ITL), MIN_SAMPLES),
         request_rate=finished / dt if dt > 0 else 0.0,
         concurrency=busy_s / dt if old and dt > 0 else None,
     )

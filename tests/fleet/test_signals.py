@@ -34,6 +34,7 @@ def test_quantile_interpolates_inside_a_bucket_like_prometheus():
     assert quantile(0.5, {1.0: 0, 2.0: 10, float("inf"): 10}) == pytest.approx(1.5)
     assert quantile(0.9, {1.0: 10, float("inf"): 10}) == pytest.approx(0.9)
     assert quantile(0.9, {1.0: 0, float("inf"): 0}) is None
+    assert quantile(0.9, {1.0: 3, float("inf"): 3}, min_count=10) is None  # too few to be a percentile
 
 
 def test_signals_sum_queues_average_kv_and_take_latency_percentiles_since_the_last_read():
