@@ -186,7 +186,7 @@ def plot(runs: list[Run], steps: list[float], step_s: float, path: Path) -> None
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--steps", default="1,4,12,2", help="model-a request rates (req/s), one per step")
+    ap.add_argument("--steps", default="1,3,6,2", help="model-a request rates (req/s), one per step")
     ap.add_argument("--step-s", type=float, default=60.0)
     ap.add_argument("--speed", type=float, default=1.0, help="simulated workers run this much faster than real time")
     ap.add_argument("--fleets", default="autoscaled,fixed")
