@@ -134,6 +134,11 @@ class Router:
         elif self.secret:
             raise APIError(401, "this router's admin endpoints need the fleet's secret")
 
+    def require_key(self, request: Request) -> None:
+        """/v1/models and the tokenizer endpoints: any live key when keys are on (not counted against limits)."""
+        if self.gate is not None and self.gate.store.authenticate(self.gate.bearer(request.headers.get("authorization"))) is None:
+            raise APIError(401, "a valid API key is required: send `Authorization: Bearer <key>`")
+
     @contextlib.asynccontextmanager
     async def _lifespan(self, app: Starlette) -> AsyncIterator[None]:
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
@@ -253,6 +258,7 @@ class Router:
     # ---- other endpoints --------------------------------------------------------------------------
     async def models(self, request: Request) -> Response:
         assert self.client is not None
+        self.require_key(request)
         healthy = [w for w in self.workers if w.healthy]
 
         async def one(w: WorkerState) -> list[dict[str, Any]]:
@@ -271,6 +277,7 @@ class Router:
     async def forward_any(self, request: Request) -> Response:
         """Tokenizer endpoints: any healthy worker answers the same."""
         assert self.client is not None
+        self.require_key(request)
         raw = await request.body()
         now = time.monotonic()
         for w in sorted((w for w in self.workers if w.routable(now)), key=lambda w: w.inflight)[: self.cfg.max_retries + 1]:

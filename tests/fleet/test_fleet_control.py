@@ -110,7 +110,9 @@ def test_keys_gate_a_two_model_fleet_and_workers_answer_only_the_router(serve, t
     usage = httpx.get(url + "/admin/usage", headers={"authorization": f"Bearer {admin}"}).json()
     team = next(k for k in usage["keys"] if k["id"] == rec.id)
     assert team["requests"] == 3 and team["completion_tokens"] == 12
-    models = httpx.get(url + "/v1/models", headers={"authorization": f"Bearer {admin}"}).json()
+    assert httpx.get(url + "/v1/models").status_code == 401
+    assert httpx.post(url + "/tokenize", json={"prompt": "hi"}).status_code == 401
+    models = httpx.get(url + "/v1/models", headers={"authorization": f"Bearer {key}"}).json()
     assert {m["id"] for m in models["data"]} == {"a", "b"}
     keys.revoke(rec.id)
     assert complete(url, "a", key).status_code == 401
