@@ -43,9 +43,13 @@ class KeyGate:
             return authorization[7:].strip()
         return None
 
+    def authenticate(self, authorization: str | None) -> KeyRecord | None:
+        """The live key an ``Authorization`` header carries, or None."""
+        return self.store.authenticate(self.bearer(authorization))
+
     def admit(self, authorization: str | None, model: str | None) -> KeyRecord:
         """The caller's key record, its request counted; raises a 401 / 403 / 429 ``APIError``."""
-        rec = self.store.authenticate(self.bearer(authorization))
+        rec = self.authenticate(authorization)
         if rec is None:
             self.requests.labels(key="none", outcome="unauthorized").inc()
             raise APIError(401, "a valid API key is required: send `Authorization: Bearer <key>`")
@@ -71,7 +75,7 @@ class KeyGate:
         self.tokens.labels(key=rec.id, kind="completion").inc(completion_tokens)
 
     def require_admin(self, authorization: str | None) -> None:
-        rec = self.store.authenticate(self.bearer(authorization))
+        rec = self.authenticate(authorization)
         if rec is None:
             raise APIError(401, "a valid admin API key is required: send `Authorization: Bearer <key>`")
         if not rec.admin:

@@ -136,7 +136,7 @@ class Router:
 
     def require_key(self, request: Request) -> None:
         """/v1/models and the tokenizer endpoints: any live key when keys are on (not counted against limits)."""
-        if self.gate is not None and self.gate.store.authenticate(self.gate.bearer(request.headers.get("authorization"))) is None:
+        if self.gate is not None and self.gate.authenticate(request.headers.get("authorization")) is None:
             raise APIError(401, "a valid API key is required: send `Authorization: Bearer <key>`")
 
     @contextlib.asynccontextmanager
