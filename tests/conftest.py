@@ -208,3 +208,58 @@ def idle(m: dict[str, float]) -> bool:
     """No request running or waiting, and every KV block free."""
     return (m["vllm:num_requests_running"] == 0 and m["vllm:num_requests_waiting"] == 0
             and m["vllm:kv_cache_usage_perc"] == 0)
+
+
+# ---- S3 + KMS on 127.0.0.1 --------------------------------------------------------------------------
+class S3Server:
+    """A real S3 and KMS API (``moto[server]``) in its own process on 127.0.0.1, reached only through
+    boto3 with ``endpoint_url``. One per session: tests use their own buckets."""
+
+    def __init__(self) -> None:
+        import subprocess
+        import sys
+
+        self.port = free_port()
+        self.endpoint_url = f"http://127.0.0.1:{self.port}"
+        self.popen = subprocess.Popen(
+            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        end = time.monotonic() + 60
+        while True:
+            try:
+                httpx.get(self.endpoint_url + "/moto-api/", timeout=2)
+                break
+            except httpx.TransportError:
+                if self.popen.poll() is not None or time.monotonic() > end:
+                    self.stop()
+                    raise RuntimeError("moto server did not start") from None
+                time.sleep(0.1)
+
+    def client(self, service: str = "s3"):  # noqa: ANN201 - a boto3 client
+        """A boto3 client for ``service`` ("s3", "kms") pointed at this server, with dummy credentials."""
+        import boto3
+
+        return boto3.client(service, endpoint_url=self.endpoint_url, region_name="us-east-1",
+                            aws_access_key_id="testing", aws_secret_access_key="testing")
+
+    def env(self) -> dict[str, str]:
+        """Environment for a child process (e.g. ``fleetllm serve``) that talks to this server."""
+        return {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+                "AWS_DEFAULT_REGION": "us-east-1", "AWS_ENDPOINT_URL": self.endpoint_url}
+
+    def stop(self) -> None:
+        if self.popen.poll() is None:
+            self.popen.terminate()
+            try:
+                self.popen.wait(timeout=10)
+            except Exception:
+                self.popen.kill()
+                self.popen.wait()
+
+
+@pytest.fixture(scope="session")
+def s3_server() -> Iterator[S3Server]:
+    """The session's S3 + KMS endpoint (started on first use, stopped at the end of the session)."""
+    server = S3Server()
+    yield server
+    server.stop()
