@@ -25,6 +25,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from fleetllm.router.index import PrefixIndex
 from fleetllm.router.metrics import RouterMetrics
 from fleetllm.router.policies import Decision, Policy, RouteRequest
+from fleetllm.router.request_id import HEADER as FLEET_ID_HEADER
 from fleetllm.router.upstream import WorkerState
 from fleetllm.server.protocol import APIError
 
@@ -34,7 +35,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _FORWARD_HEADERS = ("content-type", "authorization", "accept", "traceparent", "tracestate")
-_RESPONSE_HEADERS = ("content-type", "x-request-id")
+_RESPONSE_HEADERS = ("content-type", "x-request-id", FLEET_ID_HEADER)
 
 
 @dataclass
@@ -45,7 +46,7 @@ class Forward:
     raw: bytes  # the body as the client sent it: forwarded unchanged
     body: dict[str, Any]  # the same body parsed
     headers: dict[str, str]  # what goes upstream
-    rid: str
+    rid: str  # the router's own id (request_id.mint()): unique, unlike the client's x-request-id
     route: RouteRequest
     t0: float  # perf_counter at arrival
     response_headers: dict[str, str] = field(default_factory=dict)  # added to the client's answer
@@ -100,12 +101,14 @@ class TokenCount:
 
 
 def upstream_headers(client_headers: Mapping[str, str], rid: str, secret: str | None = None) -> dict[str, str]:
-    """The client's headers a worker needs, plus the request id that ties their logs together.
+    """The client's headers a worker needs, plus the ids that tie their logs together: the router's own
+    ``rid`` as ``x-fleetllm-request-id`` and the client's ``x-request-id`` (``rid`` when it sent none).
 
     With a worker secret the router presents it instead of the client's credentials, which never leave
     the router."""
     headers = {k: v for k, v in client_headers.items() if k.lower() in _FORWARD_HEADERS}
-    headers["x-request-id"] = rid
+    headers["x-request-id"] = client_headers.get("x-request-id") or rid
+    headers[FLEET_ID_HEADER] = rid
     if secret:
         headers["authorization"] = f"Bearer {secret}"
     return headers

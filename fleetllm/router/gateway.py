@@ -14,7 +14,6 @@ import asyncio
 import contextlib
 import json
 import time
-import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 from urllib.parse import urlparse
@@ -38,6 +37,7 @@ from fleetllm.router.index import PrefixIndex
 from fleetllm.router.keys import KeyLimiter, KeyRecord, KeyStore
 from fleetllm.router.metrics import RouterMetrics
 from fleetllm.router.policies import RouteRequest, make_policy
+from fleetllm.router.request_id import mint
 from fleetllm.router.tokens import PromptTokenizer, block_hashes
 from fleetllm.router.upstream import Breaker, WorkerMonitor, WorkerState
 from fleetllm.server.protocol import APIError, json_object
@@ -242,7 +242,7 @@ class Router:
         prefill_pool = [w for w in group if w.role == "prefill"]
         group = [w for w in group if w.role != "prefill"]
         req = self.route_request(request.url.path, body, request.headers, group, tokenize=bool(prefill_pool))
-        rid = request.headers.get("x-request-id") or uuid.uuid4().hex
+        rid = mint()
         fwd = Forward(request.url.path, raw, body, upstream_headers(request.headers, rid, self.secret), rid, req, t0)
         if held is not None:
             fwd.response_headers["x-fleetllm-cold-start-ms"] = f"{held * 1000:.0f}"

@@ -34,6 +34,7 @@ from fleetllm.engine.scheduler import QueueFull
 from fleetllm.observability.dashboard import dashboard_routes
 from fleetllm.observability.process import ColdStart, ProcessHostCollector
 from fleetllm.observability.tracing import trace_id_of
+from fleetllm.router import request_id
 from fleetllm.server import openai_format as fmt
 from fleetllm.server.config import ObservabilityConfig
 from fleetllm.server.protocol import (
@@ -187,8 +188,8 @@ class Worker:
             t = finals[0].timing if finals else None
             ttft = f"{t.first_token - t.arrival:.3f}s" if t and t.first_token is not None else "-"
             request_log.info(
-                "request %s %s: status=%d finish=%s prompt_tokens=%d output_tokens=%d cached_tokens=%d ttft=%s e2e=%.3fs trace=%s",
-                rid, operation, status, ",".join(f.finish_reason or "-" for f in finals) or "-",
+                "request %s id=%s %s: status=%d finish=%s prompt_tokens=%d output_tokens=%d cached_tokens=%d ttft=%s e2e=%.3fs trace=%s",
+                rid, getattr(request.state, "fleet_id", "-"), operation, status, ",".join(f.finish_reason or "-" for f in finals) or "-",
                 finals[0].num_prompt_tokens if finals else 0, sum(f.num_output_tokens for f in finals),
                 finals[0].num_cached_tokens if finals else 0, ttft, time.monotonic() - start,
                 trace_id_of(request.headers) or "-")
@@ -243,9 +244,12 @@ class Worker:
 
     async def _respond(self, request: Request, kind: str, body: dict[str, Any], prompts: list[list[int]],
                        params: SamplingParams) -> Response:
-        rid = request.headers.get("x-request-id") or uuid.uuid4().hex
-        cid = ("chatcmpl-" if kind == "chat" else "cmpl-") + rid
-        headers = {"x-request-id": rid}
+        # the fleet's id (minted by the router, else here) is unique; the client's id is its own label
+        fid = request.headers.get(request_id.HEADER) or request_id.mint()
+        rid = request.headers.get("x-request-id") or fid
+        cid = ("chatcmpl-" if kind == "chat" else "cmpl-") + fid
+        headers = {"x-request-id": rid, request_id.HEADER: fid}
+        request.state.fleet_id = fid  # for the request's log line
         gen = self._run(request, rid, kind, prompts, params)
         try:
             if not body.get("stream"):
