@@ -41,6 +41,8 @@ class WorkerOptions:
     worker_id: str | None = opt(None, "label `worker` on every metric (default: HOST:PORT)")
     zone: str = opt("local", "label `zone`: where this worker runs")
     instance_type: str | None = opt(None, "label `instance_type` (default: cpu, or the GPU's name)")
+    drain_timeout_s: float = opt(30.0, "on SIGTERM: seconds to let in-flight requests finish (/ready answers "
+                                       "503 draining meanwhile) before exiting")
 
 
 @dataclass
@@ -70,7 +72,7 @@ class ServeOptions:
     prefill: int = opt(0, "disaggregated fleet: prefill-role workers")
     decode: int = opt(0, "disaggregated fleet: decode-role workers")
     num_threads: int | None = opt(None, "torch threads per worker (default: cores / replicas)")
-    restart: bool = opt(False, "restart worker processes that die")
+    restart: bool = opt(True, "restart worker processes that die")
     log_dir: str | None = opt(None, "where worker and router logs go (default: a temp dir)")
     host: str | None = opt(None, "router address (default: the config's, else 127.0.0.1)")
     port: int | None = opt(None, "router port (default: the config's, else 8000); workers use the next ones")
@@ -124,7 +126,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
         return cmd_sim_worker(args)
     from fleetllm.engine.engine import LLMEngine
     from fleetllm.server.app import Worker
-    from fleetllm.server.uvicorn_runner import run_app
+    from fleetllm.server.uvicorn_runner import make_server
 
     engine = LLMEngine(engine_config(args))
     logging.getLogger("fleetllm").info(
@@ -132,8 +134,12 @@ def cmd_worker(args: argparse.Namespace) -> int:
         engine.pool.num_blocks, engine.pool.block_size,
     )
     worker = Worker(engine, observability_config(args), role=args.role)
-    run_app(worker.app, args.host, args.port, args.log_level, on_exit=lambda: setattr(worker, "closing", True))
-    return 0
+    server = make_server(worker.app, args.host, args.port, args.log_level,
+                         on_exit=lambda: setattr(worker, "closing", True),
+                         drain=lambda: worker.drain(args.drain_timeout_s))
+    worker.on_fatal = server.exit_now
+    server.run()
+    return 1 if worker.async_engine.failure else 0  # non-zero: the supervisor restarts this worker
 
 
 def cmd_sim_worker(args: argparse.Namespace) -> int:
@@ -143,9 +149,9 @@ def cmd_sim_worker(args: argparse.Namespace) -> int:
     logging.getLogger("fleetllm").info("%d simulated worker(s) on %s:%d-%d", args.count, args.host, args.port,
                                        args.port + args.count - 1)
     identities = [worker_identity(args, args.port + i) for i in range(args.count)]
-    serve_simulated(args.model, args.host, args.port, args.count, cfg, load_profile(args), args.log_level,
-                    identities=identities, obs=observability_config(args))
-    return 0
+    failed = serve_simulated(args.model, args.host, args.port, args.count, cfg, load_profile(args), args.log_level,
+                             identities=identities, obs=observability_config(args), drain_timeout_s=args.drain_timeout_s)
+    return 1 if failed else 0
 
 
 def sim_config(args: argparse.Namespace) -> SimConfig:
@@ -190,8 +196,14 @@ def cmd_router(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from fleetllm.fleet.config import FleetConfig
     from fleetllm.fleet.launcher import run_fleet
+
+    return run_fleet(fleet_config(args))
+
+
+def fleet_config(args: argparse.Namespace):  # -> FleetConfig
+    """The fleet a ``fleetllm serve`` command line describes: its YAML, with the flags given overriding it."""
+    from fleetllm.fleet.config import FleetConfig
 
     if args.config:
         cfg = FleetConfig.from_yaml(args.config)
@@ -202,11 +214,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         cfg.pd_threshold = args.pd_threshold
     cfg.host, cfg.port = args.host or cfg.host, args.port or cfg.port
     cfg.policy = args.policy or cfg.policy
-    cfg.restart = cfg.restart or args.restart
+    cfg.restart = cfg.restart and args.restart  # on unless the YAML or --no-restart turns it off
     if args.log_dir:
         cfg.log_dir = args.log_dir
     cfg.otlp_endpoint = args.otlp_endpoint or cfg.otlp_endpoint
-    return run_fleet(cfg)
+    return cfg
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:

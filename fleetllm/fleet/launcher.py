@@ -198,7 +198,7 @@ class Fleet:
                 p.start()
             for p in self.workers:
                 for u in p.urls:
-                    self.wait_healthy(p, u + "/health", deadline)
+                    self.wait_healthy(p, u + "/ready", deadline)  # loaded and warm
             assert self.router is not None
             self.router.start()
             self.wait_healthy(self.router, self.url + "/health", deadline)

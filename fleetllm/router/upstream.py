@@ -2,7 +2,8 @@
 
 Load is counted the moment a request is dispatched (not when its first byte comes back), so a burst
 of arrivals spreads instead of piling onto the worker that looked idle a moment ago. Each worker has
-two background tasks: a health check, and a subscription to its ``/kv/events`` stream that keeps the
+two background tasks: a readiness check (``/ready``: a worker that is alive but warming up or draining
+gets no requests; ``/health`` for upstreams without ``/ready``), and a subscription to its ``/kv/events`` stream that keeps the
 exact prefix index and the worker-reported load (running, waiting, KV usage) current. A worker whose
 health check fails is out of rotation and its index entries are dropped at once; when it comes back
 (possibly restarted, with an empty cache) the event stream's snapshot re-syncs the index.
@@ -134,11 +135,19 @@ class WorkerMonitor:
         self.on_change(w)
 
     async def check(self, w: WorkerState) -> bool:
+        """One readiness check; a worker that answers "not ready" is out of rotation at once."""
+        not_ready = False
         try:
-            r = await self.client.get(w.url + "/health", timeout=self.health_timeout_s)
-            ok = r.status_code == 200
+            r = await self.client.get(w.url + "/ready", timeout=self.health_timeout_s)
+            if r.status_code == 404:  # an upstream with no readiness probe (another server): liveness it is
+                r = await self.client.get(w.url + "/health", timeout=self.health_timeout_s)
+            ok, not_ready = r.status_code == 200, r.status_code == 503
         except httpx.HTTPError:
             ok = False
+        if not_ready and w.healthy:
+            w.health_failures = self.failures_to_down
+            self.mark_down(w, f"not ready ({r.text[:80]})")
+            return False
         if ok:
             w.health_failures = 0
             if not w.healthy:

@@ -1,8 +1,15 @@
 """The worker: an OpenAI-compatible HTTP server around one engine (``fleetllm worker``).
 
 Endpoints: /v1/chat/completions, /v1/completions (SSE streaming or not), /v1/models, /tokenize,
-/detokenize, /health, /metrics. Every failure is an OpenAI-style JSON error; a client that goes away
+/detokenize, /health, /ready, /metrics. Every failure is an OpenAI-style JSON error; a client that goes away
 aborts its request, which frees its KV blocks at the engine's next step.
+
+Probes: ``/health`` is liveness (the process and its engine thread are alive: restart me if not);
+``/ready`` is readiness (loaded, warm, not draining, engine alive: route to me). A worker whose engine
+thread dies fails every in-flight request with a 500 (streams: an error event, then ``[DONE]``),
+fails both probes, and calls ``on_fatal`` (``fleetllm worker`` exits non-zero, to be restarted).
+On SIGTERM it drains: ``/ready`` answers 503 "draining", new requests get 503 (a router retries them
+elsewhere), in-flight ones finish, then it exits.
 
 Handlers parse (:mod:`.protocol`), call the engine (through :class:`AsyncEngine`) and format
 (:mod:`.openai_format`). ``request_body``, ``prompt_ids`` and ``until_disconnect`` are public: the
@@ -16,7 +23,7 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -27,7 +34,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from fleetllm.disagg.routes import pd_routes
-from fleetllm.engine.async_engine import AsyncEngine
+from fleetllm.engine.async_engine import AsyncEngine, EngineFailed
 from fleetllm.engine.outputs import RequestOutput
 from fleetllm.engine.params import InvalidParameter, SamplingParams
 from fleetllm.engine.scheduler import QueueFull
@@ -37,6 +44,7 @@ from fleetllm.observability.tracing import trace_id_of
 from fleetllm.router import request_id
 from fleetllm.server import openai_format as fmt
 from fleetllm.server.config import ObservabilityConfig
+from fleetllm.server.inflight import InFlight
 from fleetllm.server.protocol import (
     APIError,
     chat_messages,
@@ -63,7 +71,10 @@ class Worker:
     def __init__(self, engine: LLMEngine, obs: ObservabilityConfig | None = None, role: str = "both") -> None:
         self.engine = engine
         self.role = role  # prefill | decode | both (disaggregated serving; routers read it from /kv/events)
-        self.async_engine = AsyncEngine(engine)
+        self.async_engine = AsyncEngine(engine, on_failure=self._engine_failed)
+        self.ready = False  # warm and serving (set at the end of start-up)
+        self.draining = False  # SIGTERM: finishing in-flight requests, taking no new ones
+        self.on_fatal: Callable[[], None] | None = None  # the engine died: the process should exit non-zero
         self.model_name = engine.model_name
         self.created = int(time.time())
         self.obs = obs = obs or ObservabilityConfig()
@@ -91,6 +102,7 @@ class Worker:
                 Route("/tokenize", self.tokenize, methods=["POST"]),
                 Route("/detokenize", self.detokenize, methods=["POST"]),
                 Route("/health", self.health, methods=["GET"]),
+                Route("/ready", self.readiness, methods=["GET"]),
                 Route("/metrics", self.metrics, methods=["GET"]),
                 *dashboard_routes(),
                 Route("/kv/events", self.kv_events, methods=["GET"]),
@@ -100,6 +112,7 @@ class Worker:
             exception_handlers={APIError: lambda r, e: error_response(e), 404: self._not_found,
                                 405: self._not_found, 500: self._internal},
         )
+        self.app = self.inflight = InFlight(self.app)
         secret = worker_secret()
         if secret:  # a fleet with API keys: only the router may call this worker
             self.app = RequireSecret(self.app, secret)
@@ -111,12 +124,30 @@ class Worker:
         if self.otlp_metrics:
             self.otlp_metrics.start()
         logging.getLogger("fleetllm").info("worker ready %.1fs after process start", self.cold_start.ready_now())
+        self.ready = True
         yield
+        self.ready = False
         self.async_engine.shutdown()
         if self.otlp_metrics:
             self.otlp_metrics.stop()
         if self.tracer:
             self.tracer.shutdown()
+
+    def _engine_failed(self, err: BaseException) -> None:
+        logging.getLogger("fleetllm").error("worker unusable (%s): failing readiness and exiting", err)
+        self.closing = True  # ends the /kv/events streams: routers drop this worker's cache at once
+        if self.on_fatal is not None:
+            self.on_fatal()
+
+    async def drain(self, timeout_s: float) -> bool:
+        """Take no new requests and wait up to ``timeout_s`` for in-flight ones; True if all finished."""
+        self.draining = True
+        logging.getLogger("fleetllm").info("draining: %d request(s) in flight", self.inflight.count)
+        idle = await self.inflight.wait_idle(timeout_s)
+        if not idle:
+            logging.getLogger("fleetllm").warning("drain timed out with %d request(s) in flight", self.inflight.count)
+        self.closing = True
+        return idle
 
     async def _not_found(self, request: Request, exc: Exception) -> JSONResponse:
         return error_response(APIError(404, f"no route {request.method} {request.url.path}"))
@@ -244,6 +275,8 @@ class Worker:
 
     async def _respond(self, request: Request, kind: str, body: dict[str, Any], prompts: list[list[int]],
                        params: SamplingParams) -> Response:
+        if self.draining:
+            raise APIError(503, "this worker is draining; retry on another", headers={"Retry-After": "1"})
         # the fleet's id (minted by the router, else here) is unique; the client's id is its own label
         fid = request.headers.get(request_id.HEADER) or request_id.mint()
         rid = request.headers.get("x-request-id") or fid
@@ -284,6 +317,9 @@ class Worker:
             if include_usage:
                 yield fmt.chunk_event(kind, cid, self.model_name, created, [], fmt.total_usage(counts, n))
             yield fmt.SSE_DONE
+        except (APIError, EngineFailed) as e:  # after the 200: the stream ends with an error event
+            yield fmt.error_event(str(e))
+            yield fmt.SSE_DONE
         finally:
             await gen.aclose()
 
@@ -318,9 +354,22 @@ class Worker:
         return JSONResponse({"prompt": self.engine.tokenizer.decode(toks, skip_special_tokens=False)})
 
     async def health(self, request: Request) -> Response:
+        """Liveness: the engine thread runs (a draining or warming worker is alive)."""
         if not self.async_engine.is_running:
             return JSONResponse({"status": "engine loop is not running"}, status_code=503)
         return JSONResponse({"status": "ok"})
+
+    async def readiness(self, request: Request) -> Response:
+        """Readiness: loaded, warm, not draining and the engine alive; 503 with the reason otherwise."""
+        if self.async_engine.failure is not None or not self.async_engine.is_running:
+            why = "engine failed" if self.async_engine.failure else "engine loop is not running"
+        elif self.draining:
+            why = "draining"
+        elif not self.ready:
+            why = "warming up"
+        else:
+            return JSONResponse({"status": "ready"})
+        return JSONResponse({"status": why}, status_code=503)
 
     async def metrics(self, request: Request) -> Response:
         return Response(generate_latest(self.engine.metrics.registry), media_type=CONTENT_TYPE_LATEST)
@@ -374,7 +423,9 @@ def _as_api_error(e: BaseException) -> BaseException:
     if isinstance(e, APIError):
         return e
     if isinstance(e, QueueFull):
-        return APIError(503, f"server overloaded: {e}; retry later")
+        return APIError(503, f"server overloaded: {e}; retry later", headers={"Retry-After": "1"})
+    if isinstance(e, EngineFailed):
+        return APIError(500, str(e))
     if isinstance(e, InvalidParameter):
         return APIError(400, str(e), e.param)
     return e
