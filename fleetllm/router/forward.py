@@ -4,7 +4,10 @@ A request's load (in flight, pending prefill tokens, then decoding) is put on it
 is dispatched and taken off exactly once, when its response ends however it ends. A failure before
 the first byte — connection refused, a 5xx status, a stream that ends before any byte — counts
 against the worker's circuit breaker and is retried on another worker (reason ``retry``), up to
-``max_retries`` times; after the first byte the client owns the stream, and a client that goes away
+``max_retries`` times. A 503 is back-pressure, not failure (a full queue, a draining worker): it is
+retried elsewhere the same way but never counts against the breaker, which would otherwise take
+capacity away exactly when load peaks; when every worker tried is full the client gets 503 with
+``Retry-After``; after the first byte the client owns the stream, and a client that goes away
 closes the upstream request, which aborts it on the worker and frees its KV blocks. The response is
 relayed byte for byte as the worker sends it.
 """
@@ -114,6 +117,9 @@ def upstream_headers(client_headers: Mapping[str, str], rid: str, secret: str | 
     return headers
 
 
+RETRY_AFTER_S = "1"  # what a client is told to wait when no worker has room
+
+
 def error_response(metrics: RouterMetrics, e: APIError, kind: str | None = None) -> JSONResponse:
     """``e`` as the client's answer, counted by status (and by ``kind`` among errors when given)."""
     metrics.requests.labels(status=str(e.status)).inc()
@@ -173,11 +179,14 @@ class Forwarder:
         return self._give_up(last)
 
     def _give_up(self, last: AttemptFailed | None) -> Response:
+        busy = {"Retry-After": RETRY_AFTER_S}
         if last is None:
-            return error_response(self.metrics, APIError(503, "no healthy worker is available; retry later"), "no_worker")
+            return error_response(self.metrics, APIError(503, "no healthy worker is available; retry later",
+                                                         headers=busy), "no_worker")
         if last.body is not None and last.status < 600:
             self.metrics.requests.labels(status=str(last.status)).inc()
-            return Response(last.body, status_code=last.status, media_type="application/json")
+            return Response(last.body, status_code=last.status, media_type="application/json",
+                            headers=busy if last.status == 503 else None)
         return error_response(self.metrics, APIError(last.status if last.status in (502, 503, 504) else 502,
                                                      f"every worker tried failed; last error: {last}"), "all_failed")
 
@@ -225,7 +234,10 @@ class Forwarder:
         if resp.status_code >= 500:
             body = await _read_quietly(resp)
             load.release()
-            self.failed(w)
+            if resp.status_code == 503:  # full or draining: try elsewhere, but the worker is not failing
+                w.breaker.busy()
+            else:
+                self.failed(w)
             raise AttemptFailed(f"upstream_{resp.status_code}", body[:200].decode(errors="replace"), resp.status_code,
                                 body)
         chunks = resp.aiter_raw()

@@ -241,7 +241,9 @@ class Router:
                        group: list[WorkerState], t0: float, key: KeyRecord | None, held: float | None) -> Response:
         prefill_pool = [w for w in group if w.role == "prefill"]
         group = [w for w in group if w.role != "prefill"]
-        req = self.route_request(request.url.path, body, request.headers, group, tokenize=bool(prefill_pool))
+        # tokenising (and a tokenizer's first load) takes a thread: a long prompt never stalls the relayed streams
+        req = await asyncio.to_thread(self.route_request, request.url.path, body, request.headers, group,
+                                      bool(prefill_pool))
         rid = mint()
         fwd = Forward(request.url.path, raw, body, upstream_headers(request.headers, rid, self.secret), rid, req, t0)
         if held is not None:

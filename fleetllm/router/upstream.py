@@ -49,6 +49,11 @@ class Breaker:
         if self.state == "half_open":
             self.probe_in_flight = True
 
+    def busy(self) -> None:
+        """The worker answered but had no room (503): neither a failure nor a success; a half-open
+        breaker may send its probe again."""
+        self.probe_in_flight = False
+
     def success(self) -> None:
         self.failures, self.state, self.probe_in_flight = 0, "closed", False
 
