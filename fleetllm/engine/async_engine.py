@@ -134,6 +134,12 @@ class AsyncEngine:
     def unsubscribe_kv_events(self, q: asyncio.Queue[tuple[str, list[int]]]) -> None:
         self._kv_subscribers.discard(q)
 
+    def announce(self, kind: str) -> int:
+        """Send a ``kind`` event (no hashes) to every KV-event subscriber now; return how many there are.
+        On the event loop (e.g. "draining", which routers act on at once)."""
+        self._fanout_kv(kind, [])
+        return len(self._kv_subscribers)
+
     # ---- engine thread -------------------------------------------------------------------------------
     def _run(self) -> None:
         try:

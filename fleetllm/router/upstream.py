@@ -158,6 +158,7 @@ class WorkerMonitor:
             if not w.healthy:
                 log.info("worker %s healthy", w.name)
                 w.healthy = True
+                w.breaker.success()  # back (often a new process): failures from before it went down are moot
                 self.on_change(w)
         else:
             w.health_failures += 1
@@ -205,6 +206,8 @@ class WorkerMonitor:
             self.index.stored(w.name, ev["hashes"])
         elif kind == "removed":
             self.index.removed(w.name, ev["hashes"])
+        elif kind == "draining":
+            self.mark_down(w, "draining")
         if "kv_usage" in ev:
             w.running, w.waiting, w.kv_usage = ev["running"], ev["waiting"], ev["kv_usage"]
 

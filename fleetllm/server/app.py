@@ -62,7 +62,7 @@ request_log = logging.getLogger("fleetllm.requests")
 
 
 def error_response(e: APIError) -> JSONResponse:
-    return JSONResponse(e.body(), status_code=e.status)
+    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
 
 class Worker:
@@ -143,6 +143,8 @@ class Worker:
         """Take no new requests and wait up to ``timeout_s`` for in-flight ones; True if all finished."""
         self.draining = True
         logging.getLogger("fleetllm").info("draining: %d request(s) in flight", self.inflight.count)
+        if self.async_engine.announce("draining"):  # routers stop sending here on this event, not a poll later
+            await asyncio.sleep(0.1)
         idle = await self.inflight.wait_idle(timeout_s)
         if not idle:
             logging.getLogger("fleetllm").warning("drain timed out with %d request(s) in flight", self.inflight.count)
@@ -384,7 +386,7 @@ class Worker:
 
         First a ``snapshot`` (instance id, model, block size, pool size and every cached block hash),
         then ``stored`` / ``removed`` events with the hashes of blocks entering or leaving the prefix
-        cache, and a ``load`` event (running, waiting, KV usage) at least every ``interval`` seconds.
+        cache, ``draining`` once the worker takes no new requests, and a ``load`` event (running, waiting, KV usage) at least every ``interval`` seconds.
         Hashes are :func:`fleetllm.engine.block_pool.hash_block` chains keyed by the served model name.
         """
         interval = float(request.query_params.get("interval", "0.5"))
