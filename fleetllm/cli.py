@@ -18,6 +18,7 @@ from typing import Literal
 from fleetllm.cli_options import add_options, from_args, opt
 from fleetllm.engine.config import EngineConfig
 from fleetllm.router.config import RouterConfig
+from fleetllm.server.body_limit import DEFAULT_MAX_BODY_BYTES
 from fleetllm.server.config import ObservabilityConfig
 from fleetllm.sim.config import SimConfig
 
@@ -29,6 +30,7 @@ class ListenOptions:
     host: str = opt("127.0.0.1", "address to listen on")
     port: int = opt(8000, "port to listen on")
     log_level: str = opt("info", "uvicorn log level")
+    max_body_bytes: int = opt(DEFAULT_MAX_BODY_BYTES, "largest request body accepted (413 above)")
 
 
 @dataclass
@@ -133,7 +135,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
         "model %s loaded in %.1fs; %d KV blocks of %d tokens", engine.model_name, engine.loaded.load_seconds,
         engine.pool.num_blocks, engine.pool.block_size,
     )
-    worker = Worker(engine, observability_config(args), role=args.role)
+    worker = Worker(engine, observability_config(args), role=args.role, max_body_bytes=args.max_body_bytes)
     server = make_server(worker.app, args.host, args.port, args.log_level,
                          on_exit=lambda: setattr(worker, "closing", True),
                          drain=lambda: worker.drain(args.drain_timeout_s))
@@ -177,7 +179,7 @@ def cmd_router(args: argparse.Namespace) -> int:
     from fleetllm.server.uvicorn_runner import run_app
 
     # Rates of the shipped SmolLM2-on-CPU profile unless a measured one is given (fleetllm calibrate).
-    router = Router(router_config(args))
+    router = Router(router_config(args), max_body_bytes=args.max_body_bytes)
     logging.getLogger("fleetllm").info("router on %s:%d over %d workers, policy %s", args.host, args.port,
                                        len(args.workers), args.policy)
     pusher = None

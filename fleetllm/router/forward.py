@@ -37,7 +37,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-_FORWARD_HEADERS = ("content-type", "authorization", "accept", "traceparent", "tracestate")
+_FORWARD_HEADERS = ("content-type", "authorization", "accept", "traceparent", "tracestate", "x-request-timeout")
 _RESPONSE_HEADERS = ("content-type", "x-request-id", FLEET_ID_HEADER)
 
 

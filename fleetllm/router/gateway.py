@@ -40,6 +40,8 @@ from fleetllm.router.policies import RouteRequest, make_policy
 from fleetllm.router.request_id import mint
 from fleetllm.router.tokens import PromptTokenizer, block_hashes
 from fleetllm.router.upstream import Breaker, WorkerMonitor, WorkerState
+from fleetllm.server.body_limit import DEFAULT_MAX_BODY_BYTES, BodyLimit
+from fleetllm.server.openapi import openapi_schema
 from fleetllm.server.protocol import APIError, json_object
 from fleetllm.server.worker_secret import worker_secret
 
@@ -47,7 +49,7 @@ from fleetllm.server.worker_secret import worker_secret
 class Router:
     """The gateway over ``cfg.workers``; ``app`` is the ASGI application."""
 
-    def __init__(self, cfg: RouterConfig) -> None:
+    def __init__(self, cfg: RouterConfig, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> None:
         self.cfg = cfg
         urls = [(u if "://" in u else "http://" + u).rstrip("/") for u in cfg.workers]
         self.metrics = RouterMetrics()
@@ -84,6 +86,7 @@ class Router:
                 Route("/health", self.health, methods=["GET"]),
                 Route("/metrics", self.metrics_endpoint, methods=["GET"]),
                 Route("/router/state", self.state, methods=["GET"]),
+                Route("/openapi.json", self.openapi, methods=["GET"]),
                 *admin_routes(self),
                 *dashboard_routes(),
             ],
@@ -91,6 +94,7 @@ class Router:
             exception_handlers={APIError: lambda r, e: JSONResponse(e.body(), status_code=e.status, headers=e.headers),
                                 404: self._not_found, 405: self._not_found},
         )
+        self.app = BodyLimit(self.app, max_body_bytes)
 
     def _add_state(self, url: str, zone: str, role: str, model: str | None) -> WorkerState:
         w = WorkerState(_name(url), url, zone, role=role, model=model,
@@ -291,6 +295,9 @@ class Router:
             if r.status_code < 500:
                 return Response(r.content, status_code=r.status_code, media_type="application/json")
         return error_response(self.metrics, APIError(503, "no healthy worker is available; retry later"), "no_worker")
+
+    async def openapi(self, request: Request) -> Response:
+        return JSONResponse(openapi_schema("fleetllm router", ("/health", "/metrics", "/router/state")))
 
     async def health(self, request: Request) -> Response:
         body = {"status": "ok" if any(w.healthy for w in self.workers) else "no healthy worker",

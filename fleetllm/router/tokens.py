@@ -57,8 +57,8 @@ class PromptTokenizer:
                 prompt = prompt[0]  # a batch: route by its first prompt
             if isinstance(prompt, str):
                 return tok.encode(prompt)
-            if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
-                return list(prompt)
+            if isinstance(prompt, list) and all(isinstance(t, int) and 0 <= t < 2**31 for t in prompt):
+                return list(prompt)  # ids no vocabulary has are the worker's to refuse
         except (APIError, Exception):  # the worker will answer the bad request with its own error
             return None
         return None

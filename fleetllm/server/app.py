@@ -43,13 +43,16 @@ from fleetllm.observability.process import ColdStart, ProcessHostCollector
 from fleetllm.observability.tracing import trace_id_of
 from fleetllm.router import request_id
 from fleetllm.server import openai_format as fmt
+from fleetllm.server.body_limit import DEFAULT_MAX_BODY_BYTES, BodyLimit
 from fleetllm.server.config import ObservabilityConfig
 from fleetllm.server.inflight import InFlight
+from fleetllm.server.openapi import openapi_schema
 from fleetllm.server.protocol import (
     APIError,
     chat_messages,
     completion_prompts,
     json_object,
+    request_timeout,
     sampling_from_body,
 )
 from fleetllm.server.worker_secret import RequireSecret, worker_secret
@@ -68,7 +71,8 @@ def error_response(e: APIError) -> JSONResponse:
 class Worker:
     """Request handling for one engine; ``app`` is the ASGI application."""
 
-    def __init__(self, engine: LLMEngine, obs: ObservabilityConfig | None = None, role: str = "both") -> None:
+    def __init__(self, engine: LLMEngine, obs: ObservabilityConfig | None = None, role: str = "both",
+                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> None:
         self.engine = engine
         self.role = role  # prefill | decode | both (disaggregated serving; routers read it from /kv/events)
         self.async_engine = AsyncEngine(engine, on_failure=self._engine_failed)
@@ -103,6 +107,7 @@ class Worker:
                 Route("/detokenize", self.detokenize, methods=["POST"]),
                 Route("/health", self.health, methods=["GET"]),
                 Route("/ready", self.readiness, methods=["GET"]),
+                Route("/openapi.json", self.openapi, methods=["GET"]),
                 Route("/metrics", self.metrics, methods=["GET"]),
                 *dashboard_routes(),
                 Route("/kv/events", self.kv_events, methods=["GET"]),
@@ -113,6 +118,7 @@ class Worker:
                                 405: self._not_found, 500: self._internal},
         )
         self.app = self.inflight = InFlight(self.app)
+        self.app = BodyLimit(self.app, max_body_bytes)
         secret = worker_secret()
         if secret:  # a fleet with API keys: only the router may call this worker
             self.app = RequireSecret(self.app, secret)
@@ -179,7 +185,7 @@ class Worker:
         subs = []
         for p_i, ids in enumerate(prompts):
             for k in range(params.n):
-                sub = replace(params, n=1, seed=None if params.seed is None else params.seed + k)
+                sub = replace(params, n=1, seed=None if params.seed is None else _wrap_seed(params.seed + k))
                 subs.append((p_i * params.n + k, f"{rid}-{p_i}-{k}", ids, sub))
         merged: asyncio.Queue[tuple[int, RequestOutput] | BaseException | None] = asyncio.Queue()
 
@@ -285,7 +291,10 @@ class Worker:
         cid = ("chatcmpl-" if kind == "chat" else "cmpl-") + fid
         headers = {"x-request-id": rid, request_id.HEADER: fid}
         request.state.fleet_id = fid  # for the request's log line
+        timeout = request_timeout(body, request.headers)
         gen = self._run(request, rid, kind, prompts, params)
+        if timeout is not None:
+            gen = _until(gen, time.monotonic() + timeout, timeout)
         try:
             if not body.get("stream"):
                 outs = await self.until_disconnect(request, self._collect(gen))
@@ -320,7 +329,7 @@ class Worker:
                 yield fmt.chunk_event(kind, cid, self.model_name, created, [], fmt.total_usage(counts, n))
             yield fmt.SSE_DONE
         except (APIError, EngineFailed) as e:  # after the 200: the stream ends with an error event
-            yield fmt.error_event(str(e))
+            yield fmt.error_event(str(e), e.status if isinstance(e, APIError) else 500)
             yield fmt.SSE_DONE
         finally:
             await gen.aclose()
@@ -360,6 +369,9 @@ class Worker:
         if not self.async_engine.is_running:
             return JSONResponse({"status": "engine loop is not running"}, status_code=503)
         return JSONResponse({"status": "ok"})
+
+    async def openapi(self, request: Request) -> Response:
+        return JSONResponse(openapi_schema("fleetllm worker", ("/health", "/ready", "/metrics")))
 
     async def readiness(self, request: Request) -> Response:
         """Readiness: loaded, warm, not draining and the engine alive; 503 with the reason otherwise."""
@@ -419,6 +431,27 @@ async def _prepend(first: T, rest: AsyncIterator[T]) -> AsyncIterator[T]:
     yield first
     async for it in rest:
         yield it
+
+
+def _wrap_seed(seed: int) -> int:
+    """``seed`` folded into the signed 64-bit range (the n-th choice's seed is the request's + n)."""
+    return (seed + 2**63) % 2**64 - 2**63
+
+
+async def _until(gen: AsyncIterator[T], deadline: float, timeout: float) -> AsyncIterator[T]:
+    """``gen``'s items until ``deadline`` (monotonic); past it ``gen`` is cancelled (its requests abort and
+    free their blocks) and APIError 408 is raised."""
+    try:
+        while True:
+            try:
+                item = await asyncio.wait_for(gen.__anext__(), max(0.0, deadline - time.monotonic()))
+            except StopAsyncIteration:
+                return
+            yield item
+    except TimeoutError:
+        raise APIError(408, f"the request passed its timeout of {timeout:g}s and was aborted", "timeout") from None
+    finally:
+        await gen.aclose()  # type: ignore[attr-defined]
 
 
 def _as_api_error(e: BaseException) -> BaseException:
