@@ -23,6 +23,14 @@ is optional; the smallest config is ``models: [{source: smollm2-135m}]``. Exampl
         autoscale: {ttft_p90_s: 2.0, down_window_s: 120}  # fleetllm/fleet/autoscaler.py ScalingPolicy
         zones: [zone-a, zone-b]       # copies spread across these
         policy: session
+      - name: coder                   # one model as two variants: 95% stable, 5% canary (sticky per session)
+        variant: stable
+        source: /models/coder-v1
+        traffic: 95
+      - name: coder
+        variant: canary               # its own copies, autoscaling and fleetllm_router_variant_* metrics
+        source: /models/coder-v2
+        traffic: 5
       - name: chat-sim
         source: smollm2-135m
         simulate: true                # timing-model copies (no weights), many per process
@@ -100,6 +108,8 @@ class ModelSpec:
     policy: str | None = None  # routing policy for this model (default: the fleet's)
     role: str = "both"  # prefill | decode | both: a disaggregated model has a prefill and a decode entry
     simulate: bool = False  # timing-model copies (no weights)
+    variant: str | None = None  # entries sharing a name are variants of one model (a canary), each with its copies
+    traffic: float = 1.0  # this variant's weight in its model's traffic split (sticky per session)
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -110,6 +120,12 @@ class ModelSpec:
     @property
     def served_name(self) -> str:
         return self.name or self.source
+
+    @property
+    def unit(self) -> str:
+        """What is placed and scaled on its own: the served name, with the variant and a P/D role if any."""
+        role = "" if self.role == "both" else f":{self.role}"
+        return f"{self.served_name}{'@' + self.variant if self.variant else ''}{role}"
 
     @property
     def autoscaled(self) -> bool:
@@ -153,6 +169,24 @@ class FleetConfig:
                 if names.get(n, m.served_name) != m.served_name:
                     raise ValueError(f"model name {n!r} is used by two models ({names[n]!r} and {m.served_name!r})")
                 names[n] = m.served_name
+        units = [m.unit for m in self.models]
+        dup = next((u for u in units if units.count(u) > 1), None)
+        if dup is not None:
+            raise ValueError(f"model {dup!r} is listed twice: give each entry of one model its own `variant`")
+        for name in dict.fromkeys(m.served_name for m in self.models):
+            entries = [m for m in self.models if m.served_name == name]
+            if any(m.variant for m in entries) and not all(m.variant for m in entries):
+                raise ValueError(f"model {name!r}: either every entry names its `variant` or none does")
+            if any(not 0 <= m.traffic < float("inf") for m in entries) or not sum(m.traffic for m in entries) > 0:
+                raise ValueError(f"model {name!r}: `traffic` weights must be non-negative, and one positive")
+
+    def traffic_splits(self) -> dict[str, str]:
+        """``{model: "variant:weight,..."}`` for every model served as variants (the router's ``--traffic``)."""
+        splits: dict[str, dict[str, float]] = {}
+        for m in self.models:
+            if m.variant:
+                splits.setdefault(m.served_name, {})[m.variant] = m.traffic
+        return {name: ",".join(f"{v}:{w:g}" for v, w in ws.items()) for name, ws in splits.items()}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> FleetConfig:

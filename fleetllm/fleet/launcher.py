@@ -106,9 +106,14 @@ class Fleet:
         """The P/D role of each of ``worker_urls``."""
         return [p.role for p in self.workers for _ in p.urls] + ["both"] * len(self.cfg.external)
 
-    def procs_of(self, model: str) -> list[Proc]:
-        """The worker processes serving copies of ``model`` (by served name)."""
-        return [p for p in self.workers if any(c.model.served_name == model for c in p.copies)]
+    @property
+    def variants(self) -> list[str]:
+        """The variant of each of ``worker_urls`` ("" unless its model is split)."""
+        return [p.copies[0].model.variant or "" for p in self.workers for _ in p.urls] + [""] * len(self.cfg.external)
+
+    def procs_of(self, m: ModelSpec) -> list[Proc]:
+        """The worker processes serving copies of the fleet entry ``m``."""
+        return [p for p in self.workers if any(c.model is m for c in p.copies)]
 
     def _plan(self) -> None:
         """Worker processes for every placed copy, then the router over all of them."""
@@ -161,6 +166,10 @@ class Fleet:
                 args += ["--model-policy", f"{m.served_name}={m.policy}"]
         if self.worker_urls:
             args += ["--worker-models", ",".join(self.models)]
+        if any(self.variants):
+            args += ["--worker-variants", ",".join(self.variants)]
+        for name, split in cfg.traffic_splits().items():
+            args += ["--traffic", f"{name}={split}"]
         zero = [m.served_name for m in cfg.models if m.replicas.min == 0]
         if zero:
             args += ["--scale-from-zero", ",".join(dict.fromkeys(zero))]

@@ -50,6 +50,7 @@ class Forward:
     t0: float  # perf_counter at arrival
     response_headers: dict[str, str] = field(default_factory=dict)  # added to the client's answer
     on_end: Callable[[int, int], None] | None = None  # (prompt, completion tokens) once the answer has ended
+    variant: tuple[str, str] | None = None  # (model, variant) of a split model: its own metrics
 
     @property
     def stream(self) -> bool:
@@ -167,7 +168,11 @@ class Forwarder:
                 self.metrics.retries.labels(worker=d.worker.name).inc()
                 log.warning("request %s failed on %s before its first byte (%s): %s", fwd.rid, d.worker.name, f.kind, f)
         fwd.ended(None)
-        return self._give_up(last)
+        resp = self._give_up(last)
+        if fwd.variant is not None:
+            model, variant = fwd.variant
+            self.metrics.variant_responses.labels(model=model, variant=variant, status=str(resp.status_code)).inc()
+        return resp
 
     def _give_up(self, last: AttemptFailed | None) -> Response:
         if last is None:
@@ -187,6 +192,10 @@ class Forwarder:
         w.breaker.success()
         self._sync_breaker(w)
         self.metrics.ttfb.observe(time.perf_counter() - fwd.t0)
+        if fwd.variant is not None:
+            model, variant = fwd.variant
+            self.metrics.variant_ttfb.labels(model=model, variant=variant).observe(time.perf_counter() - fwd.t0)
+            self.metrics.variant_responses.labels(model=model, variant=variant, status=str(resp.status_code)).inc()
         out_headers = {k: v for k, v in resp.headers.items() if k.lower() in _RESPONSE_HEADERS}
         out_headers.update(fwd.response_headers, **{"x-fleetllm-worker": w.name})
         status = resp.status_code

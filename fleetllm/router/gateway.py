@@ -39,6 +39,7 @@ from fleetllm.router.keys import KeyLimiter, KeyRecord, KeyStore
 from fleetllm.router.metrics import RouterMetrics
 from fleetllm.router.policies import RouteRequest, make_policy
 from fleetllm.router.tokens import PromptTokenizer, block_hashes
+from fleetllm.router.traffic import TrafficSplit, parse_weights
 from fleetllm.router.upstream import Breaker, WorkerMonitor, WorkerState
 from fleetllm.server.protocol import APIError, json_object
 from fleetllm.server.worker_secret import worker_secret
@@ -53,7 +54,8 @@ class Router:
         self.metrics = RouterMetrics()
         self.workers: list[WorkerState] = []
         for i, u in enumerate(urls):
-            self._add_state(u, _at(cfg.zones, i, ""), _at(cfg.roles, i, "both"), _at(cfg.models, i, "") or None)
+            self._add_state(u, _at(cfg.zones, i, ""), _at(cfg.roles, i, "both"), _at(cfg.models, i, "") or None,
+                            _at(cfg.variants, i, ""))
         if len({w.name for w in self.workers}) != len(self.workers):
             raise ValueError("worker URLs must be distinct")
         ttl = cfg.routed_ttl_s if cfg.routed_ttl_s is not None else (300.0 if cfg.policy == "prefix" else 10.0)
@@ -65,6 +67,7 @@ class Router:
         self.model_policies = {m: make_policy(p, self.index, cfg.cost, cfg.seed) for m, p in cfg.model_policies.items()}
         self.uses_prefix = bool({cfg.policy, *cfg.model_policies.values()} & {"prefix", "kv_aware"})
         self.tokens = PromptTokenizer(cfg.tokenizers)
+        self.traffic = TrafficSplit({m: parse_weights(spec) for m, spec in cfg.traffic.items()})
         self.hold = ColdStartHold(cfg.hold_max_waiting, cfg.hold_timeout_s)
         self.secret = worker_secret()  # presented to workers; also opens the admin endpoints to the fleet
         self.gate = KeyGate(KeyStore(cfg.keys_file), KeyLimiter(), self.metrics.registry) if cfg.keys_file else None
@@ -92,8 +95,8 @@ class Router:
                                 404: self._not_found, 405: self._not_found},
         )
 
-    def _add_state(self, url: str, zone: str, role: str, model: str | None) -> WorkerState:
-        w = WorkerState(_name(url), url, zone, role=role, model=model,
+    def _add_state(self, url: str, zone: str, role: str, model: str | None, variant: str = "") -> WorkerState:
+        w = WorkerState(_name(url), url, zone, role=role, model=model, variant=variant,
                         breaker=Breaker(self.cfg.breaker_threshold, self.cfg.breaker_cooldown_s))
         self.workers.append(w)
         self.metrics.healthy.labels(worker=w.name, zone=w.zone).set(0)
@@ -101,11 +104,12 @@ class Router:
         return w
 
     # ---- membership: the fleet controller adds, drains and removes copies while the router runs -----
-    def add_worker(self, url: str, zone: str = "", role: str = "both", model: str | None = None) -> WorkerState:
+    def add_worker(self, url: str, zone: str = "", role: str = "both", model: str | None = None,
+                   variant: str = "") -> WorkerState:
         url = url.rstrip("/")
         if any(w.url == url for w in self.workers):
             raise APIError(400, f"worker {url} is already known", "url")
-        w = self._add_state(url, zone, role, model)
+        w = self._add_state(url, zone, role, model, variant)
         if self.monitor is not None:
             self.monitor.watch(w)
         return w
@@ -243,7 +247,11 @@ class Router:
         group = [w for w in group if w.role != "prefill"]
         req = self.route_request(request.url.path, body, request.headers, group, tokenize=bool(prefill_pool))
         rid = request.headers.get("x-request-id") or uuid.uuid4().hex
+        variant, group = self._variant(name, group, req.session_key or rid)
         fwd = Forward(request.url.path, raw, body, upstream_headers(request.headers, rid, self.secret), rid, req, t0)
+        if variant is not None:
+            fwd.variant = (name, variant)
+            fwd.response_headers["x-fleetllm-variant"] = variant
         if held is not None:
             fwd.response_headers["x-fleetllm-cold-start-ms"] = f"{held * 1000:.0f}"
         if key is not None:
@@ -254,6 +262,18 @@ class Router:
         prepare = (lambda d: pd.maybe_disaggregate(d, fwd, prefill_pool)) if prefill_pool else None
         policy = self.model_policies.get(name, self.policy) if name else self.policy
         return await self.forwarder.forward(fwd, group, policy, prepare)
+
+    def _variant(self, name: str | None, group: list[WorkerState], key: str) -> tuple[str | None, list[WorkerState]]:
+        """A split model's variant for this request and its copies; with no weighted variant up, any copy
+        serves (a canary being down must not fail requests)."""
+        if name is None or name not in self.traffic.splits:
+            return None, group
+        now = time.monotonic()
+        variant = self.traffic.choose(name, key, {w.variant for w in group if w.routable(now)})
+        if variant is None:
+            return None, group
+        self.metrics.variant_requests.labels(model=name, variant=variant).inc()
+        return variant, [w for w in group if w.variant == variant]
 
     # ---- other endpoints --------------------------------------------------------------------------
     async def models(self, request: Request) -> Response:
@@ -314,7 +334,7 @@ class Router:
             exact = self.events_index.exact.get(w.name, set())
             row = {"name": w.name, "url": w.url, "zone": w.zone, "role": w.role, "healthy": w.healthy, "inflight": w.inflight,
                    "pending_prefill_tokens": w.pending_prefill_tokens, "decoding": w.decoding, "running": w.running,
-                   "waiting": w.waiting, "kv_usage": w.kv_usage, "model": w.model, "instance": w.instance,
+                   "waiting": w.waiting, "kv_usage": w.kv_usage, "model": w.model, "variant": w.variant, "instance": w.instance,
                    "events_connected": w.events_connected, "breaker": w.breaker.state, "draining": w.draining,
                    "index_blocks": self.index.size(w.name), "exact_blocks": len(exact)}
             if with_hashes:
@@ -322,7 +342,7 @@ class Router:
             workers.append(row)
         held = {m: n for m, n in self.hold.waiting.items() if n}
         return JSONResponse({"policy": self.policy.name, "workers": workers, "held": held,
-                             "models": sorted(self.served_models())})
+                             "models": sorted(self.served_models()), "traffic": self.traffic.splits})
 
 
 def _name(url: str) -> str:
