@@ -155,8 +155,12 @@ def cmd_sim_worker(args: argparse.Namespace) -> int:
     logging.getLogger("fleetllm").info("%d simulated worker(s) on %s:%d-%d", args.count, args.host, args.port,
                                        args.port + args.count - 1)
     identities = [worker_identity(args, args.port + i) for i in range(args.count)]
+    extra = {}
+    if args.destination:  # capture: one per simulated worker (passed only when on)
+        extra["captures"] = lambda i, e: capture_for(args, "worker-" + identities[i]["worker"], ("worker",),
+                                                     e.metrics.registry)
     serve_simulated(args.model, args.host, args.port, args.count, cfg, load_profile(args), args.log_level,
-                    identities=identities, obs=observability_config(args))
+                    identities=identities, obs=observability_config(args), **extra)
     return 0
 
 

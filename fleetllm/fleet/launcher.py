@@ -145,7 +145,8 @@ class Fleet:
         port, n = self._next_port, len(group)
         self._next_port += n
         cmd = [*PY, "worker", "--simulate", "--count", str(n), *self._model_args(group[0].model), "--host",
-               self.cfg.host, "--port", str(port), "--zone", group[0].zone, "--log-level", "warning", *self._otlp]
+               self.cfg.host, "--port", str(port), "--zone", group[0].zone, "--log-level", "warning", *self._otlp,
+               *self._capture]
         urls = [f"http://{self.cfg.host}:{port + i}" for i in range(n)]
         proc = Proc(f"sim-{port}", cmd, urls, self.log_dir / f"sim-{port}.log", zone=group[0].zone, copies=group,
                     env=self._env)
