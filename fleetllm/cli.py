@@ -365,8 +365,10 @@ def add_keys_parser(sub: argparse._SubParsersAction) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fleetllm", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
+    from fleetllm.capture.cli import add_capture_parser
+
     for add in (add_worker_parser, add_router_parser, add_serve_parser, add_calibrate_parser,
-                add_generate_parser, add_spec_parser, add_keys_parser):
+                add_generate_parser, add_spec_parser, add_keys_parser, add_capture_parser):
         add(sub)
     try:
         from fleetllm.bench.cli import add_bench_parser

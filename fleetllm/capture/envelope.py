@@ -43,3 +43,9 @@ def open_(blob: bytes, kms: Any) -> bytes:
     header = json.loads(head[len(MAGIC):])
     key = kms.decrypt(CiphertextBlob=base64.b64decode(header["encrypted_key"]), KeyId=header["kms_key_id"])
     return AESGCM(key["Plaintext"]).decrypt(rest[:12], rest[12:], head)
+
+
+def key_id_of(blob: bytes) -> str:
+    """The KMS key a sealed object's data key is wrapped under."""
+    end = blob.index(b"\n", len(MAGIC))
+    return json.loads(blob[len(MAGIC):end])["kms_key_id"]

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from fleetllm.capture import envelope
-from fleetllm.capture.records import tier_of
+from fleetllm.capture.records import record_id, tier_of
 from fleetllm.capture.sinks import LocalSink, Sink, make_sink
 
 
@@ -58,3 +58,26 @@ class CaptureSource:
                 t = tier_of(rec)
                 if tier is None or t == tier:
                     yield key, t, rec
+
+
+def forget(source: CaptureSource, request_id: str) -> int:
+    """Delete every record of ``request_id`` (retention: a request's records on demand); how many went.
+
+    An object holding other records is rewritten without them (re-sealed under the same KMS key)."""
+    gone = 0
+    for key in source.keys():
+        raw = source.sink.get(key)
+        plain = source.read(key)
+        lines = plain.splitlines(keepends=True)
+        kept = [x for x in lines if not x.strip() or record_id(tier_of(json.loads(x)), json.loads(x)) != request_id]
+        if len(kept) == len(lines):
+            continue
+        gone += len(lines) - len(kept)
+        if not any(x.strip() for x in kept):
+            source.sink.delete(key)
+            continue
+        data = b"".join(kept)
+        if envelope.is_sealed(raw):
+            data = envelope.seal(data, source.kms(), envelope.key_id_of(raw))
+        source.sink.put(key, data)
+    return gone

@@ -3,12 +3,17 @@ capture on at every tier, and helpers to flush and read back what it captured.""
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import pytest
-from fleet_helpers import ThreadServer, ThreadServers
+from fleet_helpers import (
+    ThreadServer,
+    ThreadServers,
+    procs,  # noqa: F401  (fixture)
+)
 
 from fleetllm.capture.config import CaptureConfig
 from fleetllm.capture.reader import CaptureSource
@@ -88,3 +93,12 @@ def _wait_healthy(url: str) -> None:
     pytest.fail("router never saw its workers healthy")
 
 
+@pytest.fixture
+def aws(s3_server, monkeypatch: pytest.MonkeyPatch):
+    """boto3 in this process talks to the session's S3 + KMS endpoint; a fresh bucket and KMS key."""
+    for k, v in s3_server.env().items():
+        monkeypatch.setenv(k, v)
+    bucket = f"capture-{uuid.uuid4().hex[:12]}"
+    s3_server.client("s3").create_bucket(Bucket=bucket)
+    key_id = s3_server.client("kms").create_key()["KeyMetadata"]["KeyId"]
+    return s3_server, bucket, key_id

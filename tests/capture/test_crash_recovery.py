@@ -11,14 +11,14 @@ from pathlib import Path
 
 import httpx
 import pytest
-from fleet_helpers import Proc, free_port, free_ports, procs, start_cli  # noqa: F401  (procs: fixture)
+from fleet_helpers import free_port, free_ports, start_cli
 
 from fleetllm.capture.reader import CaptureSource
 
 CHAT = {"model": "smollm2-135m", "messages": [{"role": "user", "content": "Count to three"}], "max_tokens": 6}
 
 
-def _fleet(procs: list, capture: list[str], worker_port: int, router_port: int) -> str:
+def _fleet(started: list, capture: list[str], worker_port: int, router_port: int) -> str:
     """A simulated worker and a router, started side by side (each its own process)."""
     worker, router = f"http://127.0.0.1:{worker_port}", f"http://127.0.0.1:{router_port}"
     commands = [(["worker", "--simulate", "--count", "1", "--port", str(worker_port), "--sim-speed", "20",
@@ -26,7 +26,7 @@ def _fleet(procs: list, capture: list[str], worker_port: int, router_port: int) 
                 (["router", "--workers", worker, "--policy", "round_robin", "--port", str(router_port),
                   "--health-interval", "0.2", "--log-level", "warning", *capture], [router])]
     with ThreadPoolExecutor(2) as pool:
-        procs.extend(pool.map(lambda c: start_cli(*c, ready=(200, 503)), commands))
+        started.extend(pool.map(lambda c: start_cli(*c, ready=(200, 503)), commands))
     end = time.monotonic() + 30
     while httpx.get(router + "/health", timeout=5).status_code != 200 and time.monotonic() < end:
         time.sleep(0.1)

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import uuid
 from pathlib import Path
 
 import pytest
@@ -21,17 +20,6 @@ from fleetllm.capture.records import endpoint_record, payload
 from fleetllm.capture.sinks import S3Sink
 
 KEY_LAYOUT = re.compile(r"^p/fleetllm/AllTraffic/\d{4}/\d\d/\d\d/\d\d/\d\d-\d\d-\d{3}-[0-9a-f]{32}\.jsonl(\.enc)?$")
-
-
-@pytest.fixture
-def aws(s3_server, monkeypatch: pytest.MonkeyPatch):
-    """boto3 in this process talks to the session's S3 + KMS endpoint; a fresh bucket and KMS key."""
-    for k, v in s3_server.env().items():
-        monkeypatch.setenv(k, v)
-    bucket = f"capture-{uuid.uuid4().hex[:12]}"
-    s3_server.client("s3").create_bucket(Bucket=bucket)
-    key_id = s3_server.client("kms").create_key()["KeyMetadata"]["KeyId"]
-    return s3_server, bucket, key_id
 
 
 def _capture(tmp_path: Path, bucket: str, **settings) -> Capture:
