@@ -2,13 +2,15 @@
 
 Keys are relative (``fleetllm/AllTraffic/2026/12/03/16/25-01-123-UUID.jsonl``); a sink puts them under
 its root or prefix. ``put`` of an existing key replaces it, so a retried upload never duplicates. Reads
-(``keys``, ``get``) serve ``fleetllm capture`` and ``fleetllm bench --trace``.
+(``keys``, ``get``) serve ``fleetllm capture`` and ``fleetllm bench --trace``. Retention: a local
+directory expires its own objects; for S3, a bucket lifecycle rule does it.
 """
 
 from __future__ import annotations
 
 import io
 import os
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Protocol
@@ -53,6 +55,14 @@ class LocalSink:
 
     def delete(self, key: str) -> None:
         (self.root / key).unlink(missing_ok=True)
+
+    def expire(self, max_age_s: float) -> int:
+        """Delete objects older than ``max_age_s`` (retention of a local destination); how many went."""
+        cutoff = time.time() - max_age_s
+        old = [k for k in self.keys() if (self.root / k).stat().st_mtime < cutoff]
+        for k in old:
+            self.delete(k)
+        return len(old)
 
 
 class S3Sink:

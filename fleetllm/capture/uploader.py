@@ -37,6 +37,7 @@ class Uploader:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="capture-uploader", daemon=True)
         self.backoff = 0.0
+        self._next_expiry = 0.0
 
     def start(self) -> None:
         self._thread.start()
@@ -46,12 +47,23 @@ class Uploader:
         while not self._stop.is_set():
             self._check_disk()
             self.spool.seal_due(self.flush_interval_s)
-            if self.max_age_s is not None:
-                self.spool.expire(self.max_age_s)
+            if self.max_age_s is not None and time.monotonic() >= self._next_expiry:
+                self._next_expiry = time.monotonic() + 60.0  # retention is checked once a minute
+                self._expire(self.max_age_s)
             ok = self.drain()
             self.backoff = 0.0 if ok else min(BACKOFF_MAX_S, max(BACKOFF_MIN_S, self.backoff * 2))
             self.wake.wait(self.backoff or tick)
             self.wake.clear()
+
+    def _expire(self, max_age_s: float) -> None:
+        """Retention: old spool segments, and old objects of a sink that keeps its own (a local directory)."""
+        self.spool.expire(max_age_s)
+        expire = getattr(self.sink, "expire", None)
+        if expire is not None:
+            try:
+                expire(max_age_s)
+            except OSError as e:
+                log.warning("capture retention: %s", e)
 
     def _check_disk(self) -> None:
         was = self.spool.full
