@@ -105,3 +105,25 @@ def test_at_ten_percent_the_same_requests_are_captured_at_every_tier(capture_fle
     assert len(fleet.records("access")) == n  # access stays at 100%
     m = httpx.get(fleet.router_url + "/metrics").text
     assert f'fleetllm_capture_records_total{{outcome="sampled_out",tier="endpoint"}} {n - len(endpoint)}.0' in m
+
+
+def test_a_stream_the_client_breaks_off_is_captured_as_aborted_at_every_tier(capture_fleet, tmp_path: Path):
+    import time
+
+    fleet = capture_fleet(destination=str(tmp_path / "captures"))
+    with CLIENT.stream("POST", fleet.router_url + "/v1/chat/completions",
+                       json={**CHAT, "max_tokens": 4000, "stream": True}) as r:
+        rid = r.headers["x-fleetllm-request-id"]
+        next(r.iter_raw())  # the first chunk, then the client goes away
+    end = time.monotonic() + 20
+    while True:
+        endpoint, worker = fleet.records("endpoint"), fleet.records("worker")
+        if (endpoint and worker) or time.monotonic() > end:
+            break
+        time.sleep(0.1)
+    [e], [w] = endpoint, worker
+    assert e["eventMetadata"]["inferenceId"] == w["request_id"] == rid
+    assert e["fleetllm"]["aborted"] and e["fleetllm"]["status"] == 499
+    assert w["aborted"] and w["status"] == 499 and 0 < w["usage"]["completion_tokens"] < 4000
+    [a] = fleet.records("access")
+    assert a["status"] == 499 and a["bytes_out"] > 0
