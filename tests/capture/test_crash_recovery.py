@@ -46,11 +46,12 @@ def test_sigkill_with_s3_down_then_restart_loses_no_answered_request(s3_server, 
     bucket = f"crash-{uuid.uuid4().hex[:12]}"
     s3_server.client("s3").create_bucket(Bucket=bucket)
     common = ["--capture-destination", f"s3://{bucket}/c", "--capture-spool-dir", str(tmp_path / "spool"),
-              "--capture-flush-interval", "0.2", "--capture-batch-records", "5"]
+              "--capture-batch-records", "5"]
     down = f"http://127.0.0.1:{free_port()}"  # nothing listens: S3 is down
     worker_port, router_port = free_ports(1), free_port()
 
-    url = _fleet(procs, [*common, "--capture-s3-endpoint-url", down], worker_port, router_port)
+    url = _fleet(procs, [*common, "--capture-s3-endpoint-url", down, "--capture-flush-interval", "0.2"],
+                 worker_port, router_port)
     with httpx.Client(timeout=30) as client, ThreadPoolExecutor(4) as pool:
         answers = list(pool.map(lambda i: _ask(client, url, i), range(24)))
     answered = [a.headers["x-fleetllm-request-id"] for a in answers if a.status_code == 200]
@@ -59,7 +60,9 @@ def test_sigkill_with_s3_down_then_restart_loses_no_answered_request(s3_server, 
         p.kill()  # SIGKILL: no flush, no upload
     procs.clear()
 
-    _fleet(procs, [*common, "--capture-s3-endpoint-url", s3_server.endpoint_url], worker_port, router_port)
+    # back up, with a flush interval so long that only SIGTERM ships what arrives from now on
+    _fleet(procs, [*common, "--capture-s3-endpoint-url", s3_server.endpoint_url, "--capture-flush-interval", "600"],
+           worker_port, router_port)
     source = CaptureSource(f"s3://{bucket}/c", s3_server.endpoint_url)
     end = time.monotonic() + 30
     while True:
@@ -69,3 +72,11 @@ def test_sigkill_with_s3_down_then_restart_loses_no_answered_request(s3_server, 
         time.sleep(0.3)
     for tier in ("endpoint", "worker", "access"):
         assert Counter({i: ids[(tier, i)] for i in answered}) == Counter(answered), tier  # each exactly once
+
+    with httpx.Client(timeout=30) as client:
+        late = [_ask(client, url, i).headers["x-fleetllm-request-id"] for i in range(3)]
+    for p in procs:
+        p.stop()  # SIGTERM flushes the open segments
+    procs.clear()
+    ids = Counter((t, r.get("request_id") or r["eventMetadata"]["inferenceId"]) for _, t, r in source.records())
+    assert all(ids[(t, i)] == 1 for t in ("endpoint", "worker", "access") for i in late)
