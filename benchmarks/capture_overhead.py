@@ -110,7 +110,9 @@ def main() -> int:
         for p in fleets.values():
             stop_process(p)
         stop_process(s3_proc)
-    summary = _summary(runs, sent, counts)
+    cost = record_cost_us()
+    summary = _summary(runs, sent, counts) + "; in-process cost per record: " + ", ".join(
+        f"{tier} {us:.0f} us" for tier, us in cost.items())
     print(summary)
     if args.record:
         record(args, runs, summary)
@@ -128,6 +130,35 @@ def drive(args: argparse.Namespace, ports: dict[str, int], tmp: Path) -> tuple[d
             sent += n if name == "on" else 0
             print(f"round {r + 1} {name:3s}: {tput:7.2f} output tok/s, TTFT p50 {ttft:7.1f} ms", flush=True)
     return runs, sent
+
+
+def record_cost_us(n: int = 5000) -> dict[str, float]:
+    """In-process: microseconds the request path pays per captured record, per tier (sampling, redaction,
+    ``json.dumps`` and the spool's ``os.write``; shipping excluded), for a chat request of ~1 KB."""
+    from fleetllm.capture.config import CaptureConfig
+    from fleetllm.capture.recorder import Capture
+    from fleetllm.capture.records import access_record, endpoint_record, payload
+
+    body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "word " * 150}], "max_tokens": 32})
+    answer = json.dumps({"object": "chat.completion", "choices": [{"message": {"content": "tok " * 32}}],
+                         "usage": {"prompt_tokens": 160, "completion_tokens": 32}})
+    with tempfile.TemporaryDirectory() as d:
+        cap = Capture(CaptureConfig(destination=d, batch_records=10**9, spool_max_mb=10**4), "bench",
+                      ("endpoint", "access"))
+        out = {}
+        t = time.perf_counter()
+        for i in range(n):
+            flags: set[str] = set()
+            rec = endpoint_record(str(i), time.time(), payload(cap.payload("endpoint", body, flags) or "", "application/json",
+                                  "INPUT"), payload(cap.payload("endpoint", answer, flags) or "", "application/json",
+                                                    "OUTPUT"), {"status": 200})
+            cap.write("endpoint", rec, flags)
+        out["endpoint"] = (time.perf_counter() - t) / n * 1e6
+        t = time.perf_counter()
+        for i in range(n):
+            cap.write("access", access_record({"request_id": str(i), "status": 200, "path": "/v1/chat/completions"}))
+        out["access"] = (time.perf_counter() - t) / n * 1e6
+    return out
 
 
 def _creds() -> dict[str, str]:

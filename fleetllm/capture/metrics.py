@@ -26,5 +26,21 @@ class CaptureMetrics:
                                    registry=r)
         self.spool_segments = Gauge("fleetllm_capture_spool_segments", "Spool segments not yet shipped.", registry=r)
         self.spool_bytes = Gauge("fleetllm_capture_spool_bytes", "Bytes in the spool not yet shipped.", registry=r)
+        self._children: dict[tuple[int, str, str], Counter] = {}
         self.active = Gauge("fleetllm_capture_active", "1 while capture writes; 0 while paused (spool disk past "
                             "its use threshold).", registry=r)
+
+    def count(self, tier: str, outcome: str, n: int = 1) -> None:
+        """``records_total{tier, outcome} += n`` (children cached: this runs in every captured request)."""
+        self._child(self.records, tier, outcome).inc(n)
+
+    def count_bytes(self, tier: str, n: int) -> None:
+        self._child(self.bytes, tier, "").inc(n)
+
+    def _child(self, counter: Counter, tier: str, outcome: str) -> Counter:
+        key = (id(counter), tier, outcome)
+        child = self._children.get(key)
+        if child is None:
+            child = counter.labels(tier=tier, outcome=outcome) if outcome else counter.labels(tier=tier)
+            self._children[key] = child
+        return child

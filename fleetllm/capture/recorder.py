@@ -73,7 +73,7 @@ class Capture:
             return False
         if sampled(request_id, self.cfg.percent(tier)):
             return True
-        self.metrics.records.labels(tier=tier, outcome="sampled_out").inc()
+        self.metrics.count(tier, "sampled_out")
         return False
 
     def keeps(self, side: str) -> bool:
@@ -100,15 +100,15 @@ class Capture:
         if record is not None:
             record = self.redactor.record(tier, record)
         if record is None:
-            self.metrics.records.labels(tier=tier, outcome="skipped").inc()
+            self.metrics.count(tier, "skipped")
             return False
         line = (json.dumps(record, separators=(",", ":"), ensure_ascii=False) + "\n").encode()
         ok = self.spool.append(tier, line)
-        self.metrics.records.labels(tier=tier, outcome="written" if ok else "dropped").inc()
+        self.metrics.count(tier, "written" if ok else "dropped")
         if ok:
-            self.metrics.bytes.labels(tier=tier).inc(len(line))
+            self.metrics.count_bytes(tier, len(line))
             for f in flags:
-                self.metrics.records.labels(tier=tier, outcome=f).inc()
+                self.metrics.count(tier, f)
             if self.spool.ready_waiting():
                 self.uploader.wake.set()
         return ok

@@ -19,6 +19,9 @@ _CREDENTIALS = re.compile(
     r"|(Bearer\s+)[A-Za-z0-9._~+/=-]+",
     re.IGNORECASE)
 
+# the credential pattern runs only on text holding one of these (lowercased): a substring test is ~50x cheaper
+_TRIGGERS = ('"api', '"authorization', '"x-api-key', '"password', '"secret', '"access', "bearer")
+
 Hook = Callable[[str, dict[str, Any]], "dict[str, Any] | None"]
 
 
@@ -31,7 +34,9 @@ class Redactor:
 
     def text(self, s: str) -> tuple[str, bool]:
         """``s`` with credentials and pattern matches masked; and whether an operator pattern matched."""
-        s = _CREDENTIALS.sub(_mask_credential, s)
+        low = s.lower()
+        if any(t in low for t in _TRIGGERS):
+            s = _CREDENTIALS.sub(_mask_credential, s)
         hit = False
         for p in self.patterns:
             s, n = p.subn(MASK, s)
