@@ -7,10 +7,12 @@ a hash, a ``json.dumps`` and one ``os.write``; shipping is the uploader thread's
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import re
 import tempfile
+from collections.abc import Iterable, Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -95,7 +97,16 @@ class Capture:
         flags.add("truncated")
         return text.encode()[:self.max_payload].decode(errors="ignore") + TRUNCATED.format(n=size)
 
-    def write(self, tier: str, record: dict[str, Any] | None, flags: set[str] = frozenset()) -> bool:
+    @contextlib.contextmanager
+    def guard(self, tier: str) -> Iterator[None]:
+        """Capture never fails a request: a record that cannot be built is logged and counted dropped."""
+        try:
+            yield
+        except Exception:  # noqa: BLE001 - whatever broke, the request goes on
+            log.exception("capture: a %s record could not be written", tier)
+            self.metrics.count(tier, "dropped")
+
+    def write(self, tier: str, record: dict[str, Any] | None, flags: Iterable[str] = ()) -> bool:
         """Append a finished record to the spool; never waits (refused: counted ``dropped``)."""
         if record is not None:
             record = self.redactor.record(tier, record)

@@ -68,10 +68,12 @@ class RequestTap:
 
     def _record(self, status: int, body: bytes | None, asm: StreamAssembler | None, bytes_out: int,
                 first: float | None, aborted: bool) -> None:
-        if self.access:
-            self.capture.write("access", access_record(self._access_values(status, bytes_out, first, aborted)))
-        if self.endpoint:
-            self._endpoint(status, body, asm, aborted)
+        with self.capture.guard("access"):
+            if self.access:
+                self.capture.write("access", access_record(self._access_values(status, bytes_out, first, aborted)))
+        with self.capture.guard("endpoint"):
+            if self.endpoint:
+                self._endpoint(status, body, asm, aborted)
 
     def _access_values(self, status: int, bytes_out: int, first: float | None, aborted: bool) -> dict[str, Any]:
         now, fwd = time.perf_counter(), self.fwd
@@ -102,14 +104,16 @@ class RequestTap:
         if c.keeps("input") and req_type in allowed:
             text = c.payload("endpoint", self.raw.decode(errors="replace"), flags)
             if text is None:
-                return c.write("endpoint", None)
+                c.write("endpoint", None)
+                return
             request = payload(text, req_type, "INPUT")
         if c.keeps("output") and out_type in allowed:
             if asm is not None:
                 body = json.dumps(asm.result(self._prompt_tokens(asm))).encode()
             text = c.payload("endpoint", (body or b"").decode(errors="replace"), flags)
             if text is None:
-                return c.write("endpoint", None)
+                c.write("endpoint", None)
+                return
             response = payload(text, "application/json", "OUTPUT")
         extra = {"status": 499 if aborted else status, "stream": asm is not None, "aborted": aborted,
                  "worker": self.fwd.worker if self.fwd else None,

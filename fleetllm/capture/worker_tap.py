@@ -38,6 +38,10 @@ class WorkerTap:
 
     def end(self, status: int) -> None:
         """Write the record (once the request has ended, however it ended)."""
+        with self.capture.guard("worker"):
+            self._end(status)
+
+    def _end(self, status: int) -> None:
         c, flags = self.capture, set()
         finished = [o for o in self.last.values() if o.finished]
         aborted = status == 200 and len(finished) < self.expected
@@ -49,14 +53,16 @@ class WorkerTap:
         if c.keeps("input"):
             texts = [c.payload("worker", self.decode(ids), flags) for ids in self.prompts]
             if any(t is None for t in texts):
-                return c.write("worker", None)
+                c.write("worker", None)
+                return
             record["prompt"] = [{"text": t, "num_tokens": len(ids)} for t, ids in zip(texts, self.prompts, strict=True)]
         if c.keeps("output"):
             outputs = []
             for i in sorted(self.texts):
                 text = c.payload("worker", "".join(self.texts[i]), flags)
                 if text is None:
-                    return c.write("worker", None)
+                    c.write("worker", None)
+                    return
                 o = self.last[i]
                 outputs.append({"index": i, "text": text, "finish_reason": o.finish_reason,
                                 "num_tokens": o.num_output_tokens, "error": o.error})
