@@ -124,6 +124,7 @@ class RequestTap:
 
 
     def _prompt_tokens(self, asm: StreamAssembler) -> int | None:
+        asm.parse()
         if asm.usage is not None:
             return None
         counted = self.fwd.route.num_prompt_tokens if self.fwd else 0

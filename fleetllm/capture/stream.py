@@ -17,6 +17,7 @@ class StreamAssembler:
 
     def __init__(self) -> None:
         self._rest = b""
+        self._events: list[bytes] = []  # the JSON of each data event, parsed in result()
         self.head: dict[str, Any] = {}
         self.choices: dict[int, dict[str, Any]] = {}
         self.usage: dict[str, Any] | None = None
@@ -28,11 +29,24 @@ class StreamAssembler:
         """One relayed chunk of the stream."""
         *events, self._rest = (self._rest + chunk).split(b"\n\n")
         for ev in events:
-            if ev.startswith(b"data: [DONE]"):
+            if ev.startswith(b"data: {"):
+                self._events.append(ev[6:])
+            elif ev.startswith(b"data: [DONE]"):
                 self.done = True
-            elif ev.startswith(b"data: {"):
-                with contextlib.suppress(ValueError, AttributeError, TypeError, KeyError):
-                    self._event(json.loads(ev[6:]))
+
+    def parse(self) -> None:
+        """Parse the events fed so far (``usage`` is known after this)."""
+        events, self._events = self._events, []
+        try:
+            parsed = json.loads(b"[" + b",".join(events) + b"]")
+        except ValueError:  # one bad event: parse them one by one, skipping it
+            parsed = []
+            for ev in events:
+                with contextlib.suppress(ValueError):
+                    parsed.append(json.loads(ev))
+        for obj in parsed:
+            with contextlib.suppress(AttributeError, TypeError, KeyError, ValueError):
+                self._event(obj)
 
     def _event(self, obj: dict[str, Any]) -> None:
         if "error" in obj:
@@ -71,6 +85,7 @@ class StreamAssembler:
     def result(self, prompt_tokens: int | None = None) -> dict[str, Any]:
         """The assembled object; without a usage event, usage is estimated (a delta per token) from the
         router's prompt token count."""
+        self.parse()
         usage = self.usage
         if usage is None:
             p = prompt_tokens or 0
