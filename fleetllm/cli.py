@@ -15,7 +15,8 @@ import sys
 from dataclasses import dataclass
 from typing import Literal
 
-from fleetllm.cli_options import add_options, from_args, opt
+from fleetllm.capture.config import CaptureConfig
+from fleetllm.cli_options import add_options, cli_fields, from_args, opt
 from fleetllm.engine.config import EngineConfig
 from fleetllm.router.config import RouterConfig
 from fleetllm.server.config import ObservabilityConfig
@@ -112,6 +113,16 @@ def router_config(args: argparse.Namespace) -> RouterConfig:
     return from_args(RouterConfig, args, cost=load_profile(args).cost_model())
 
 
+def capture_for(args: argparse.Namespace, component: str, tiers: tuple[str, ...], registry):  # -> Capture | None
+    """The process's capture from its ``--capture-*`` flags (None when no destination is given)."""
+    cfg = from_args(CaptureConfig, args)
+    if not cfg.enabled:
+        return None
+    from fleetllm.capture.recorder import Capture
+
+    return Capture(cfg, component, tiers, registry)
+
+
 def cmd_worker(args: argparse.Namespace) -> int:
     # The HTTP thread shares the cores with torch's OpenMP pool; spinning OpenMP workers starve it and
     # stall every step that waits on a descheduled thread (batch-1 decode 13 -> 19 tok/s when passive).
@@ -131,7 +142,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
         "model %s loaded in %.1fs; %d KV blocks of %d tokens", engine.model_name, engine.loaded.load_seconds,
         engine.pool.num_blocks, engine.pool.block_size,
     )
-    worker = Worker(engine, observability_config(args), role=args.role)
+    capture = capture_for(args, "worker-" + worker_identity(args)["worker"], ("worker",), engine.metrics.registry)
+    worker = Worker(engine, observability_config(args), role=args.role, capture=capture)
     run_app(worker.app, args.host, args.port, args.log_level, on_exit=lambda: setattr(worker, "closing", True))
     return 0
 
@@ -143,8 +155,12 @@ def cmd_sim_worker(args: argparse.Namespace) -> int:
     logging.getLogger("fleetllm").info("%d simulated worker(s) on %s:%d-%d", args.count, args.host, args.port,
                                        args.port + args.count - 1)
     identities = [worker_identity(args, args.port + i) for i in range(args.count)]
+    extra = {}
+    if args.destination:  # capture: one per simulated worker (passed only when on)
+        extra["captures"] = lambda i, e: capture_for(args, "worker-" + identities[i]["worker"], ("worker",),
+                                                     e.metrics.registry)
     serve_simulated(args.model, args.host, args.port, args.count, cfg, load_profile(args), args.log_level,
-                    identities=identities, obs=observability_config(args))
+                    identities=identities, obs=observability_config(args), **extra)
     return 0
 
 
@@ -172,6 +188,7 @@ def cmd_router(args: argparse.Namespace) -> int:
 
     # Rates of the shipped SmolLM2-on-CPU profile unless a measured one is given (fleetllm calibrate).
     router = Router(router_config(args))
+    router.capture = capture_for(args, "router", ("endpoint", "access"), router.metrics.registry)
     logging.getLogger("fleetllm").info("router on %s:%d over %d workers, policy %s", args.host, args.port,
                                        len(args.workers), args.policy)
     pusher = None
@@ -206,6 +223,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.log_dir:
         cfg.log_dir = args.log_dir
     cfg.otlp_endpoint = args.otlp_endpoint or cfg.otlp_endpoint
+    given = {f.name: getattr(args, f.name) for f in cli_fields(CaptureConfig) if getattr(args, f.name) is not None}
+    cfg.capture = CaptureConfig(**{**vars(cfg.capture), **given})
     return run_fleet(cfg)
 
 
@@ -238,6 +257,7 @@ def add_worker_parser(sub: argparse._SubParsersAction) -> None:
     add_options(w, ListenOptions, defaults={"port": 8001}, title="server")
     add_options(w, WorkerOptions, title="worker identity (labels on every metric)")
     add_options(w, ObservabilityConfig, title="observability")
+    add_options(w, CaptureConfig, title="capture (worker tier)")
     sim = w.add_argument_group("simulated worker")
     add_options(sim, SimulateOptions)
     add_options(sim, ProfileOption)
@@ -252,6 +272,7 @@ def add_router_parser(sub: argparse._SubParsersAction) -> None:
     add_options(routing, ProfileOption)
     add_options(r, ListenOptions, title="server")
     add_options(r, ObservabilityConfig, only=["otlp_endpoint", "otlp_interval_s"], title="observability")
+    add_options(r, CaptureConfig, title="capture (endpoint and access tiers)")
     r.set_defaults(func=cmd_router)
 
 
@@ -263,6 +284,9 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     add_options(s, RouterConfig, only=["policy", "pd_threshold"], title="router",
                 defaults={"policy": None, "pd_threshold": None})
     add_options(s, ObservabilityConfig, only=["otlp_endpoint"], title="router and every worker")
+    # None: the fleet YAML's capture block stands unless a flag is given
+    add_options(s, CaptureConfig, title="capture (router and every worker)",
+                defaults={f.name: None for f in cli_fields(CaptureConfig)})
     s.set_defaults(func=cmd_serve)
 
 
@@ -341,8 +365,10 @@ def add_keys_parser(sub: argparse._SubParsersAction) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fleetllm", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
+    from fleetllm.capture.cli import add_capture_parser
+
     for add in (add_worker_parser, add_router_parser, add_serve_parser, add_calibrate_parser,
-                add_generate_parser, add_spec_parser, add_keys_parser):
+                add_generate_parser, add_spec_parser, add_keys_parser, add_capture_parser):
         add(sub)
     try:
         from fleetllm.bench.cli import add_bench_parser

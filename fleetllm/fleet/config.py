@@ -38,6 +38,9 @@ is optional; the smallest config is ``models: [{source: smollm2-135m}]``. Exampl
     external: [http://10.0.0.5:8001]  # workers started elsewhere (a cluster)
     keys_file: keys.yaml              # API keys on (fleetllm keys create --file keys.yaml ...)
     pd_threshold: 2048                # with prefill copies: disaggregate long uncached prompts
+    capture:                          # inference data capture (docs/capture.md; --capture-* flags)
+      destination: s3://bucket/captures
+      sampling: {endpoint: 10, worker: 10}
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ from typing import Any
 
 import yaml
 
+from fleetllm.capture.config import CaptureConfig
 from fleetllm.fleet.autoscaler import ScalingPolicy
 
 ROLES = ("both", "prefill", "decode")
@@ -161,6 +165,7 @@ class FleetConfig:
     log_dir: str | None = None
     otlp_endpoint: str | None = None  # OTLP/HTTP collector: the router and every worker push to it
     startup_timeout_s: float = 300.0
+    capture: CaptureConfig = field(default_factory=CaptureConfig)  # the router's and every worker's
 
     def __post_init__(self) -> None:
         names: dict[str, str] = {}
@@ -196,6 +201,8 @@ class FleetConfig:
         if "machines" in d:
             d["machines"] = [Machine(**_checked(Machine, m, "machine")) for m in d["machines"] or []]
         d["router_args"] = [str(a) for a in d.get("router_args", [])]
+        if "capture" in d:
+            d["capture"] = CaptureConfig.from_dict(d["capture"])
         return cls(**d)
 
     @classmethod

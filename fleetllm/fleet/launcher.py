@@ -24,6 +24,7 @@ from pathlib import Path
 
 import httpx
 
+from fleetllm.cli_options import to_argv
 from fleetllm.fleet.config import FleetConfig, ModelSpec
 from fleetllm.fleet.placement import Copy, Placer, place
 from fleetllm.server.worker_secret import ENV as SECRET_ENV
@@ -78,6 +79,7 @@ class Fleet:
         self.placer = Placer(cfg.machines)
         self._next_port = cfg.worker_port or cfg.port + 1
         self._otlp = ["--otlp-endpoint", cfg.otlp_endpoint] if cfg.otlp_endpoint else []
+        self._capture = to_argv(cfg.capture)  # the --capture-* flags of the router and every real worker
         # with keys on, workers must take requests from the router only (fleetllm/server/worker_secret.py)
         self.secret = secrets.token_urlsafe(32) if cfg.keys_file else None
         self._env = {SECRET_ENV: self.secret} if self.secret else {}
@@ -138,7 +140,7 @@ class Fleet:
         port, self._next_port = self._next_port, self._next_port + 1
         threads = [] if "num_threads" in c.model.engine else ["--num-threads", str(c.threads)]
         cmd = [*PY, "worker", *self._model_args(c.model), *threads, "--host", self.cfg.host, "--port", str(port),
-               "--role", c.model.role, "--zone", c.zone, "--log-level", "warning", *self._otlp]
+               "--role", c.model.role, "--zone", c.zone, "--log-level", "warning", *self._otlp, *self._capture]
         proc = Proc(f"worker-{port}", cmd, [f"http://{self.cfg.host}:{port}"], self.log_dir / f"worker-{port}.log",
                     cpus=c.cpus, zone=c.zone, role=c.model.role, copies=[c], env=self._env)
         self.workers.append(proc)
@@ -148,7 +150,8 @@ class Fleet:
         port, n = self._next_port, len(group)
         self._next_port += n
         cmd = [*PY, "worker", "--simulate", "--count", str(n), *self._model_args(group[0].model), "--host",
-               self.cfg.host, "--port", str(port), "--zone", group[0].zone, "--log-level", "warning", *self._otlp]
+               self.cfg.host, "--port", str(port), "--zone", group[0].zone, "--log-level", "warning", *self._otlp,
+               *self._capture]
         urls = [f"http://{self.cfg.host}:{port + i}" for i in range(n)]
         proc = Proc(f"sim-{port}", cmd, urls, self.log_dir / f"sim-{port}.log", zone=group[0].zone, copies=group,
                     env=self._env)
@@ -158,7 +161,7 @@ class Fleet:
     def _router_args(self) -> list[str]:
         cfg = self.cfg
         args = ["--workers", ",".join(self.worker_urls), "--policy", cfg.policy, "--host", cfg.host,
-                "--port", str(cfg.port), "--log-level", "warning", *self._otlp]
+                "--port", str(cfg.port), "--log-level", "warning", *self._otlp, *self._capture]
         for m in {m.served_name: m for m in cfg.models}.values():
             args += ["--tokenizer", f"{m.served_name}={m.source}"]
             args += [a for alias in m.aliases for a in ("--alias", f"{alias}={m.served_name}")]

@@ -51,6 +51,11 @@ class Forward:
     response_headers: dict[str, str] = field(default_factory=dict)  # added to the client's answer
     on_end: Callable[[int, int], None] | None = None  # (prompt, completion tokens) once the answer has ended
     variant: tuple[str, str] | None = None  # (model, variant) of a split model: its own metrics
+    # where and when it went (the access capture tier): chosen worker, routing reason, perf_counter times
+    worker: str = ""
+    reason: str = ""
+    dispatched: float | None = None
+    first_byte: float | None = None
 
     @property
     def stream(self) -> bool:
@@ -158,6 +163,7 @@ class Forwarder:
             reason = "retry" if attempt else d.reason
             self.metrics.decisions.labels(policy=policy.name, reason=reason, worker=d.worker.name).inc()
             tried.add(d.worker.name)
+            fwd.worker, fwd.reason = d.worker.name, reason
             if attempt == 0 and prepare is not None:
                 d = await prepare(d)
             try:
@@ -187,7 +193,9 @@ class Forwarder:
         w = d.worker
         load = _Load(self, w, d.uncached_tokens(fwd.route))
         self._dispatch(w, load.uncached, fwd.route)
+        fwd.dispatched = time.perf_counter()
         resp, chunks, first = await self._first_byte(fwd, w, load)
+        fwd.first_byte = time.perf_counter()
         load.first_byte()
         w.breaker.success()
         self._sync_breaker(w)

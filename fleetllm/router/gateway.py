@@ -26,6 +26,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from fleetllm.capture.recorder import Capture
+from fleetllm.capture.router_tap import RequestTap, open_tap
 from fleetllm.disagg.router_path import RemotePrefill
 from fleetllm.observability.dashboard import dashboard_routes
 from fleetllm.observability.federate import fleet_metrics
@@ -38,6 +40,8 @@ from fleetllm.router.index import PrefixIndex
 from fleetllm.router.keys import KeyLimiter, KeyRecord, KeyStore
 from fleetllm.router.metrics import RouterMetrics
 from fleetllm.router.policies import RouteRequest, make_policy
+from fleetllm.router.request_id import HEADER as REQUEST_ID_HEADER
+from fleetllm.router.request_id import mint
 from fleetllm.router.tokens import PromptTokenizer, block_hashes
 from fleetllm.router.traffic import TrafficSplit, parse_weights
 from fleetllm.router.upstream import Breaker, WorkerMonitor, WorkerState
@@ -48,8 +52,9 @@ from fleetllm.server.worker_secret import worker_secret
 class Router:
     """The gateway over ``cfg.workers``; ``app`` is the ASGI application."""
 
-    def __init__(self, cfg: RouterConfig) -> None:
+    def __init__(self, cfg: RouterConfig, capture: Capture | None = None) -> None:
         self.cfg = cfg
+        self.capture = capture  # the endpoint and access tiers (fleetllm/capture/)
         urls = [(u if "://" in u else "http://" + u).rstrip("/") for u in cfg.workers]
         self.metrics = RouterMetrics()
         self.workers: list[WorkerState] = []
@@ -155,8 +160,12 @@ class Router:
         self.monitor = WorkerMonitor(self.workers, self.events_index, self.client, self.cfg.health_interval_s,
                                      on_change=self._on_worker_change)
         self.monitor.start()
+        if self.capture is not None:
+            self.capture.start()
         yield
         await self.monitor.stop()
+        if self.capture is not None:
+            await asyncio.to_thread(self.capture.close)  # SIGTERM flushes the capture spool
         await self.client.aclose()
 
     def _on_worker_change(self, w: WorkerState) -> None:
@@ -217,7 +226,18 @@ class Router:
         return req
 
     async def completion(self, request: Request) -> Response:
-        """``/v1/chat/completions`` and ``/v1/completions``: admit, route, forward, relay."""
+        """``/v1/chat/completions`` and ``/v1/completions``: admit, route, forward, relay (and capture)."""
+        fid = mint()
+        tap = open_tap(self.capture, request, fid)
+        if tap is None:
+            return await self._complete(request, fid, None)
+        try:
+            response = await self._complete(request, fid, tap)
+        except APIError as e:
+            response = JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+        return await tap.finish(response)
+
+    async def _complete(self, request: Request, fid: str, tap: RequestTap | None) -> Response:
         t0 = time.perf_counter()
         key = None
         try:
@@ -235,23 +255,32 @@ class Router:
             if key is not None:
                 self.gate.done(key, 0, 0)
             return error_response(self.metrics, e)
+        if tap is not None and key is not None:
+            tap.key_id = key.id
         if name is not None and body.get("model") != name:  # an alias: workers know the served name
             body["model"] = name
             raw = json.dumps(body).encode()
         self.metrics.model_requests.labels(model=name or "").inc()
-        return await self._forward(request, raw, body, name, group, t0, key, held)
+        return await self._forward(request, raw, body, name, group, t0, key, held, fid, tap)
 
     async def _forward(self, request: Request, raw: bytes, body: dict[str, Any], name: str | None,
-                       group: list[WorkerState], t0: float, key: KeyRecord | None, held: float | None) -> Response:
+                       group: list[WorkerState], t0: float, key: KeyRecord | None, held: float | None,
+                       fid: str, tap: RequestTap | None) -> Response:
         prefill_pool = [w for w in group if w.role == "prefill"]
         group = [w for w in group if w.role != "prefill"]
         req = self.route_request(request.url.path, body, request.headers, group, tokenize=bool(prefill_pool))
         rid = request.headers.get("x-request-id") or uuid.uuid4().hex
-        variant, group = self._variant(name, group, req.session_key or rid)
+        variant, group = self._variant(name, group, req.session_key or fid)
         fwd = Forward(request.url.path, raw, body, upstream_headers(request.headers, rid, self.secret), rid, req, t0)
         if variant is not None:
             fwd.variant = (name, variant)
             fwd.response_headers["x-fleetllm-variant"] = variant
+        fwd.headers[REQUEST_ID_HEADER] = fid
+        fwd.response_headers[REQUEST_ID_HEADER] = fid  # the client can find its request in captures and logs
+        if tap is not None:
+            tap.fwd = fwd
+            # a stream without usage is captured with the prompt's tokens counted here, only when needed
+            tap.count_prompt = lambda: len(self.tokens.token_ids(name, request.url.path, body) or ()) if name else 0
         if held is not None:
             fwd.response_headers["x-fleetllm-cold-start-ms"] = f"{held * 1000:.0f}"
         if key is not None:

@@ -26,6 +26,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from fleetllm.capture.recorder import Capture
+from fleetllm.capture.worker_tap import open_worker_tap
 from fleetllm.disagg.routes import pd_routes
 from fleetllm.engine.async_engine import AsyncEngine
 from fleetllm.engine.outputs import RequestOutput
@@ -59,8 +61,10 @@ def error_response(e: APIError) -> JSONResponse:
 class Worker:
     """Request handling for one engine; ``app`` is the ASGI application."""
 
-    def __init__(self, engine: LLMEngine, obs: ObservabilityConfig | None = None, role: str = "both") -> None:
+    def __init__(self, engine: LLMEngine, obs: ObservabilityConfig | None = None, role: str = "both",
+                 capture: Capture | None = None) -> None:
         self.engine = engine
+        self.capture = capture  # the worker tier (fleetllm/capture/)
         self.role = role  # prefill | decode | both (disaggregated serving; routers read it from /kv/events)
         self.async_engine = AsyncEngine(engine)
         self.model_name = engine.model_name
@@ -107,11 +111,15 @@ class Worker:
     async def _lifespan(self, app: Starlette) -> AsyncIterator[None]:
         self.cold_start.set("warm_up", self.engine.warm_up())
         self.async_engine.start()
+        if self.capture:
+            self.capture.start()
         if self.otlp_metrics:
             self.otlp_metrics.start()
         logging.getLogger("fleetllm").info("worker ready %.1fs after process start", self.cold_start.ready_now())
         yield
         self.async_engine.shutdown()
+        if self.capture:
+            await asyncio.to_thread(self.capture.close)  # SIGTERM flushes the capture spool
         if self.otlp_metrics:
             self.otlp_metrics.stop()
         if self.tracer:
@@ -148,6 +156,8 @@ class Worker:
                 sub = replace(params, n=1, seed=None if params.seed is None else params.seed + k)
                 subs.append((p_i * params.n + k, f"{rid}-{p_i}-{k}", ids, sub))
         merged: asyncio.Queue[tuple[int, RequestOutput] | BaseException | None] = asyncio.Queue()
+        tap = open_worker_tap(self.capture, request.headers, rid, kind, self.model_name, prompts, params.n,
+                              self.engine.tokenizer.decode)
 
         async def pump(index: int, sub_id: str, ids: list[int], sp: SamplingParams) -> None:
             try:
@@ -172,10 +182,14 @@ class Worker:
                 else:
                     if item[1].finished:
                         finals.append(item[1])
+                    if tap:
+                        tap.output(*item)
                     yield item
         finally:
             for t in tasks:
                 t.cancel()  # a disconnect or error: cancelled generators abort their requests
+            if tap:
+                tap.end(status)
             self._request_done(request, rid, kind, start, finals, status)
 
     def _request_done(self, request: Request, rid: str, kind: str, start: float, finals: list[RequestOutput], status: int) -> None:
