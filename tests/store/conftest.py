@@ -1,0 +1,96 @@
+"""The store's test fixtures: a hub-compatible server (tests/store/hub_server.py) on 127.0.0.1 serving repos built
+from the embedded model, and caches.
+
+Built once per session: ``test/smollm2`` (the embedded model as fp32 HF safetensors, 0.54 GB, sharing the
+dequantised cache's file instead of writing it again) with two commits (``v1``; then ``main`` moves to ``v2``,
+whose config.json has a shorter context), the same files as the gated ``test/smollm2-gated``, and ``test/tiny``
+(config, tokenizer and a few-KB safetensors) for the store's behaviours that need no model.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from hub_server import HubRepo, HubServer, HubState
+
+GATED_TOKEN = "hf_TESTtoken-9f2c41d7e0b35a86c1"  # a made-up token: tests grep every output for it
+
+
+def commit_id(*parts: str) -> str:
+    return hashlib.sha1("|".join(parts).encode()).hexdigest()
+
+
+@pytest.fixture(scope="session")
+def hub_repos(tmp_path_factory: pytest.TempPathFactory, loaded_model) -> dict[str, HubRepo]:  # noqa: ANN001
+    """The repos (loaded_model first: its dequantised cache is the safetensors file the repo shares)."""
+    from fleetllm.models.export_hf import export_hf_dir
+
+    root = tmp_path_factory.mktemp("hub")
+    v1 = export_hf_dir("smollm2-135m", root / "smollm2-v1")
+    v2 = root / "smollm2-v2"
+    shutil.copytree(v1, v2, copy_function=_link)
+    cfg = json.loads((v1 / "config.json").read_text())
+    (v2 / "config.json").unlink()  # a hard link: rewrite, don't edit v1's file in place
+    (v2 / "config.json").write_text(json.dumps({**cfg, "max_position_embeddings": 4096}))
+    (v2 / "README.md").write_text("# smollm2, second commit\n")
+    c1, c2 = commit_id("smollm2", "1"), commit_id("smollm2", "2")
+    full = {c1: _files(v1), c2: _files(v2)}
+    tiny = _tiny(root / "tiny", v1)
+    t1, t2 = commit_id("tiny", "1"), commit_id("tiny", "2")
+    return {
+        "test/smollm2": HubRepo("test/smollm2", full, {"main": c1, "v1": c1, "v2": c2}),
+        "test/smollm2-gated": HubRepo("test/smollm2-gated", {c1: _files(v1)}, {"main": c1}, token=GATED_TOKEN),
+        "test/tiny": HubRepo("test/tiny", {t1: _files(tiny[0]), t2: _files(tiny[1])}, {"main": t1}),
+    }
+
+
+def _link(src: str, dst: str) -> None:
+    Path(dst).hardlink_to(src)
+
+
+def _files(d: Path) -> dict[str, Path]:
+    return {p.name: p for p in d.iterdir() if p.is_file()}
+
+
+def _tiny(d: Path, full: Path) -> tuple[Path, Path]:
+    """Two commits of a small repo: config and tokenizer of the full one, a few-KB safetensors that differs."""
+    import torch
+    from safetensors.torch import save_file
+
+    out = []
+    for i in (1, 2):
+        c = d / f"c{i}"
+        c.mkdir(parents=True)
+        for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+            shutil.copyfile(full / name, c / name)
+        save_file({"w": torch.full((64, 64), float(i))}, str(c / "model.safetensors"))
+        (c / "pytorch_model.bin").write_bytes(b"not fetched: the safetensors are")
+        out.append(c)
+    return out[0], out[1]
+
+
+@pytest.fixture(scope="session")
+def hub(hub_repos: dict[str, HubRepo]) -> Iterator[HubServer]:
+    """The session's hub; tests that move a branch move it back."""
+    server = HubServer(HubState(dict(hub_repos))).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def model_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A cache shared by the tests that load the full model (each download of it costs 0.54 GB)."""
+    return tmp_path_factory.mktemp("model-cache")
+
+
+@pytest.fixture
+def store_cfg(hub: HubServer, tmp_path: Path):  # noqa: ANN201
+    """Settings for a fresh cache of this test over the session's hub."""
+    from fleetllm.store.config import StoreConfig
+
+    return StoreConfig(cache_dir=str(tmp_path / "cache"), hf_endpoint=hub.endpoint)
