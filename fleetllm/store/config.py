@@ -27,7 +27,7 @@ class StoreConfig:
                                             "$AWS_ENDPOINT_URL)")
     token_file: str | None = opt(None, "file holding this model's hub token (gated or private repos)")
     token_env: str | None = opt(None, "environment variable holding this model's hub token")
-    download_workers: int = opt(8, "files (and S3 byte ranges) downloaded in parallel")
+    download_workers: int = opt(8, "files downloaded in parallel")
     offline: bool = opt(False, "never contact the source: serve from the cache or fail")
 
     def root(self) -> Path:

@@ -4,7 +4,8 @@ S3 has no commits: the store's revision of a prefix is a hash of its objects' ke
 changed object is a new revision, and a pinned revision is checked against the listing. Each file is checked
 against S3's own checksum: its SHA-256 when it was uploaded with one, else the ETag when that is an MD5 (a
 single-part upload); a multipart upload without a SHA-256 has none to check (logged), and is then only
-recorded by the cache's own SHA-256. Downloads use boto3's transfer manager: parallel byte ranges.
+recorded by the cache's own SHA-256. Each file is one streamed GET (files in parallel), appended to a ``.part``
+file that an interrupted pull resumes with a byte range.
 """
 
 from __future__ import annotations
@@ -20,16 +21,17 @@ from fleetllm.store.remote import Listing, RemoteFile
 from fleetllm.store.uri import ModelURI
 
 log = logging.getLogger(__name__)
+CHUNK = 8 << 20
 
 
 class S3Source:
     """The objects under ``s3://bucket/prefix/``."""
 
-    def __init__(self, uri: ModelURI, endpoint_url: str | None, workers: int = 8) -> None:
+    def __init__(self, uri: ModelURI, endpoint_url: str | None) -> None:
         import boto3
         from botocore.config import Config
 
-        self.uri, self.workers = uri, workers
+        self.uri = uri
         # few retries: an unreachable store should fall back to the cache in seconds, not minutes
         self.client = boto3.client("s3", endpoint_url=endpoint_url,
                                    config=Config(retries={"max_attempts": 2}, connect_timeout=5, read_timeout=60))
@@ -66,19 +68,24 @@ class S3Source:
         return objects
 
     def download(self, commit: str, f: RemoteFile, staging: Path) -> tuple[Path, Checksum | None]:
-        from boto3.s3.transfer import TransferConfig
         from botocore.exceptions import BotoCoreError, ClientError
 
-        target = staging / f.name
-        target.parent.mkdir(parents=True, exist_ok=True)
+        target, part = staging / f.name, staging / f"{f.name}.part"
+        part.parent.mkdir(parents=True, exist_ok=True)
         try:
             checksum = self._sha256(f) or f.checksum
-            self.client.download_file(self.uri.bucket, self._key(f.name), str(target),
-                                      Config=TransferConfig(max_concurrency=self.workers))
+            have = part.stat().st_size if part.exists() else 0
+            if have < f.size:  # a .part left by an interrupted pull is resumed, not started over
+                extra = {"Range": f"bytes={have}-"} if have else {}
+                body = self.client.get_object(Bucket=self.uri.bucket, Key=self._key(f.name), **extra)["Body"]
+                with open(part, "ab") as out:
+                    for chunk in body.iter_chunks(CHUNK):
+                        out.write(chunk)
         except ClientError as e:
             raise self._client_error(e) from None
         except BotoCoreError as e:
             raise SourceUnreachable(f"S3 unreachable ({type(e).__name__})") from None
+        part.replace(target)
         if checksum is None:
             log.warning("model %s: %s has no source checksum (multipart upload without SHA-256); recorded by "
                         "its own SHA-256 only", self.uri, f.name)

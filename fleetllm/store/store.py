@@ -62,7 +62,7 @@ class ModelStore:
             return HubSource(uri, self.cfg.endpoint(), load_token(self.cfg, str(uri)))
         from fleetllm.store.s3 import S3Source
 
-        return S3Source(uri, self.cfg.s3_endpoint_url, self.cfg.download_workers)
+        return S3Source(uri, self.cfg.s3_endpoint_url)
 
     def fetch(self, ref: str, weights: bool = True) -> Fetched:
         """``ref`` (hf:// or s3://) in the cache, verified; ``weights=False`` for config and tokenizer only."""

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 from hub_server import HubRepo, HubServer, HubState
+from store_helpers import greedy
 
 GATED_TOKEN = "hf_TESTtoken-9f2c41d7e0b35a86c1"  # a made-up token: tests grep every output for it
 
@@ -94,3 +95,18 @@ def store_cfg(hub: HubServer, tmp_path: Path):  # noqa: ANN201
     from fleetllm.store.config import StoreConfig
 
     return StoreConfig(cache_dir=str(tmp_path / "cache"), hf_endpoint=hub.endpoint)
+
+
+@pytest.fixture(scope="session")
+def in_process_worker(request: pytest.FixtureRequest) -> type:
+    """tests/conftest.py's InProcessWorker (``fleetllm worker`` on a thread), here over a model loaded from the
+    store (both conftest modules are named ``conftest``, so it is found by file)."""
+    root = str(Path(__file__).resolve().parents[1] / "conftest.py")
+    plugins = request.config.pluginmanager.get_plugins()
+    return next(m for m in plugins if getattr(m, "__file__", None) == root).InProcessWorker
+
+
+@pytest.fixture(scope="session")
+def local_greedy(loaded_model) -> list[int]:  # noqa: ANN001
+    """The embedded model's own greedy answer: what every source must reproduce token for token."""
+    return greedy(loaded_model)
