@@ -3,8 +3,8 @@ from the embedded model, and caches.
 
 Built once per session: ``test/smollm2`` (the embedded model as fp32 HF safetensors, 0.54 GB, sharing the
 dequantised cache's file instead of writing it again) with two commits (``v1``; then ``main`` moves to ``v2``,
-whose config.json has a shorter context), the same files as the gated ``test/smollm2-gated``, and ``test/tiny``
-(config, tokenizer and a few-KB safetensors) for the store's behaviours that need no model.
+whose config.json has a shorter context), and ``test/tiny`` (a 2-layer Llama with the real tokenizer, 13 MB) with
+two commits, also as the gated ``test/tiny-gated``, for the behaviours that need no real model.
 """
 
 from __future__ import annotations
@@ -17,9 +17,7 @@ from pathlib import Path
 
 import pytest
 from hub_server import HubRepo, HubServer, HubState
-from store_helpers import greedy
-
-GATED_TOKEN = "hf_TESTtoken-9f2c41d7e0b35a86c1"  # a made-up token: tests grep every output for it
+from store_helpers import GATED_TOKEN, greedy
 
 
 def commit_id(*parts: str) -> str:
@@ -45,8 +43,8 @@ def hub_repos(tmp_path_factory: pytest.TempPathFactory, loaded_model) -> dict[st
     t1, t2 = commit_id("tiny", "1"), commit_id("tiny", "2")
     return {
         "test/smollm2": HubRepo("test/smollm2", full, {"main": c1, "v1": c1, "v2": c2}),
-        "test/smollm2-gated": HubRepo("test/smollm2-gated", {c1: _files(v1)}, {"main": c1}, token=GATED_TOKEN),
         "test/tiny": HubRepo("test/tiny", {t1: _files(tiny[0]), t2: _files(tiny[1])}, {"main": t1}),
+        "test/tiny-gated": HubRepo("test/tiny-gated", {t1: _files(tiny[0])}, {"main": t1}, token=GATED_TOKEN),
     }
 
 
@@ -59,17 +57,30 @@ def _files(d: Path) -> dict[str, Path]:
 
 
 def _tiny(d: Path, full: Path) -> tuple[Path, Path]:
-    """Two commits of a small repo: config and tokenizer of the full one, a few-KB safetensors that differs."""
+    """Two commits of a small but loadable Llama (2 layers, width 64, the real tokenizer; 13 MB of random
+    weights, a different seed per commit) and a .bin the store must not fetch."""
     import torch
     from safetensors.torch import save_file
 
+    cfg = {**json.loads((full / "config.json").read_text()), "hidden_size": 64, "intermediate_size": 128,
+           "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16}
+    shapes = {"model.embed_tokens.weight": (cfg["vocab_size"], 64), "model.norm.weight": (64,)}
+    for i in range(2):
+        p = f"model.layers.{i}."
+        shapes.update({p + "input_layernorm.weight": (64,), p + "post_attention_layernorm.weight": (64,),
+                       p + "self_attn.q_proj.weight": (64, 64), p + "self_attn.k_proj.weight": (32, 64),
+                       p + "self_attn.v_proj.weight": (32, 64), p + "self_attn.o_proj.weight": (64, 64),
+                       p + "mlp.gate_proj.weight": (128, 64), p + "mlp.up_proj.weight": (128, 64),
+                       p + "mlp.down_proj.weight": (64, 128)})
     out = []
-    for i in (1, 2):
-        c = d / f"c{i}"
+    for seed in (1, 2):
+        c = d / f"c{seed}"
         c.mkdir(parents=True)
-        for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        for name in ("tokenizer.json", "tokenizer_config.json"):
             shutil.copyfile(full / name, c / name)
-        save_file({"w": torch.full((64, 64), float(i))}, str(c / "model.safetensors"))
+        (c / "config.json").write_text(json.dumps(cfg))
+        g = torch.Generator().manual_seed(seed)
+        save_file({k: torch.randn(s, generator=g) * 0.05 for k, s in shapes.items()}, str(c / "model.safetensors"))
         (c / "pytorch_model.bin").write_bytes(b"not fetched: the safetensors are")
         out.append(c)
     return out[0], out[1]

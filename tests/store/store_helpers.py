@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+GATED_TOKEN = "hf_TESTtoken-9f2c41d7e0b35a86c1"  # a made-up token of the gated test repo: tests grep for it
+
 
 def greedy(loaded) -> list[int]:  # noqa: ANN001 - a LoadedModel
     """24 greedy tokens of a chat answer from an engine over ``loaded``."""

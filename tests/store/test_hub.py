@@ -109,9 +109,9 @@ def test_a_gated_repo_without_a_token_fails_naming_the_model(hub, store_cfg, cap
     from fleetllm.cli import main
 
     with caplog.at_level(logging.ERROR, logger="fleetllm"):
-        rc = main(["worker", "--model", "hf://test/smollm2-gated", "--cache-dir", store_cfg.cache_dir,
+        rc = main(["worker", "--model", "hf://test/tiny-gated", "--cache-dir", store_cfg.cache_dir,
                    "--hf-endpoint", hub.endpoint])
     assert rc == 2
-    assert "hf://test/smollm2-gated: the hub answered 401: the repository is gated or private and give its token" \
+    assert "hf://test/tiny-gated: the hub answered 401: the repository is gated or private and give its token" \
         in caplog.text
     assert "Traceback" not in caplog.text
