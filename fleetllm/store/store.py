@@ -64,6 +64,11 @@ class ModelStore:
 
         return S3Source(uri, self.cfg.s3_endpoint_url)
 
+    def pin(self, ref: str) -> ModelURI:
+        """``ref`` pinned to the commit it resolves to now (or, with the source down, last resolved to here)."""
+        uri = ModelURI.parse(ref)
+        return uri.at(self._resolve(uri)[1])
+
     def fetch(self, ref: str, weights: bool = True) -> Fetched:
         """``ref`` (hf:// or s3://) in the cache, verified; ``weights=False`` for config and tokenizer only."""
         uri, phases = ModelURI.parse(ref), Phases()
