@@ -35,7 +35,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "benchmarks"), str(ROOT / "tests" / "store"), str(ROOT / "tests")]
 from common import cpu_model, stop_process, tail  # noqa: E402
 from fleet_helpers import free_port  # noqa: E402
-from hub_server import HubRepo, HubServer, HubState  # noqa: E402
+from hub_server import HubRepo, HubServer, HubState, file_meta  # noqa: E402
 
 PHASES = ("resolve", "download", "verify", "load", "weight_load", "warm_up", "ready")
 
@@ -49,6 +49,8 @@ def build_repos(tmp: Path) -> dict[str, HubRepo]:
     hf = export_hf_dir("smollm2-135m", tmp / "hf")
     gguf = resolve("smollm2-135m")
     commit_hf, commit_gguf = "1" * 40, "2" * 40
+    for p in [*hf.iterdir(), gguf]:
+        file_meta(p)  # the test hub hashes its files once; not part of any worker's cold start
     return {"test/smollm2": HubRepo("test/smollm2", {commit_hf: {p.name: p for p in hf.iterdir()}}, {"main": commit_hf}),
             "test/smollm2-gguf": HubRepo("test/smollm2-gguf", {commit_gguf: {gguf.name: gguf}}, {"main": commit_gguf})}
 
