@@ -113,7 +113,12 @@ def read_cached_tokenizer(entry: Path) -> tuple[ModelConfig, TokenizerWrapper]:
 def load_tokenizer(ref: str, store: StoreConfig | None = None) -> tuple[ModelConfig, TokenizerWrapper]:
     """Config and tokenizer (with chat template) of a model, without reading its weights (nor, for a store
     URI of a HF layout, downloading them)."""
-    path = fetch(ref, store, weights=False).path if is_remote(ref) else resolve(ref)
+    if is_remote(ref):
+        fetched = fetch(ref, store, weights=False)
+        fetched.release()  # read into memory below; nothing of it stays open
+        path = fetched.path
+    else:
+        path = resolve(ref)
     if path.is_dir():
         return ModelConfig.from_hf(json.loads((path / "config.json").read_text())), TokenizerWrapper.from_hf_dir(path)
     cached = dequant_cache_dir(path)

@@ -26,6 +26,7 @@ def _store(args: argparse.Namespace):  # -> ModelStore
 
 def cmd_pull(args: argparse.Namespace) -> None:
     fetched = _store(args).fetch(args.source)
+    fetched.release()  # pulled for workers to come: this process does not serve it
     phases = dict(fetched.phases)
     if args.load:  # the rest of a worker's cold start: weights into memory, the first forward passes
         from fleetllm.engine.config import EngineConfig

@@ -40,7 +40,13 @@ class Fetched:
     phases: dict[str, float]
     offline: bool = False  # served from the cache because the source did not answer
     downloaded: list[str] = field(default_factory=list)  # files fetched (again) from the source
-    hold_fd: int | None = None  # keeps the revision marked in use (not evicted) while open
+    hold_fd: int | None = None  # keeps the revision marked in use (not evicted) while open: a worker's whole life
+
+    def release(self) -> None:
+        """No longer in use by this process (a pull, or a tokenizer already read into memory)."""
+        if self.hold_fd is not None:
+            os.close(self.hold_fd)
+            self.hold_fd = None
 
     @property
     def revision(self) -> str:
