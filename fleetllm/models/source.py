@@ -92,11 +92,28 @@ def cache_dir() -> Path:
 def dequant_cache_dir(path: Path) -> Path:
     """The dequantised-weights cache entry of a GGUF file.
 
-    Keyed by the file's identity and the loader version, so a changed file or loader never hits stale weights.
+    Keyed by the file's content (SHA-256) and the loader version, so a changed file or loader never hits stale
+    weights, and the same GGUF reached another way (pulled from a hub or bucket into the model store) hits the
+    entry its twin left.
     """
-    st = path.stat()
-    key = hashlib.sha256(f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}|v1".encode()).hexdigest()[:24]
+    key = hashlib.sha256(f"{_content_sha256(path)}|v2".encode()).hexdigest()[:24]
     return cache_dir() / "gguf" / f"{path.stem}-{key}"
+
+
+_DIGESTS: dict[tuple[str, int, int], str] = {}
+
+
+def _content_sha256(path: Path) -> str:
+    """A file's SHA-256, once per process per file version (1.5 GB/s: 0.07 s for the embedded model)."""
+    st = path.stat()
+    key = (str(path.resolve()), st.st_size, st.st_mtime_ns)
+    if key not in _DIGESTS:
+        h = hashlib.sha256()
+        with open(path, "rb") as f:
+            while chunk := f.read(8 << 20):
+                h.update(chunk)
+        _DIGESTS[key] = h.hexdigest()
+    return _DIGESTS[key]
 
 
 def read_cached_tokenizer(entry: Path) -> tuple[ModelConfig, TokenizerWrapper]:

@@ -14,26 +14,17 @@ BUCKET = "fleetllm-models"
 
 
 @pytest.fixture(scope="module")
-def s3_model(s3_server, hub_repos) -> str:  # noqa: ANN001
-    """The embedded model's HF files under s3://fleetllm-models/smollm2/: the weights as one single-part upload
-    (its ETag is its MD5), the small files with S3's SHA-256 checksum."""
-    import boto3
-    from botocore.config import Config
+def s3_model(s3_server) -> str:  # noqa: ANN001
+    """The embedded model's GGUF (98 MB) under s3://fleetllm-models/smollm2/, uploaded with S3's SHA-256 checksum,
+    beside a README the store must not fetch."""
+    from fleetllm.models.source import resolve
 
-    repo = hub_repos["test/smollm2"]
-    files = repo.commits[repo.branches["v1"]]
-    # boto3's default CRC32 trailer makes moto take 4x longer over 0.5 GB: plain body for the weights
-    plain = boto3.client("s3", endpoint_url=s3_server.endpoint_url, region_name="us-east-1",
-                         aws_access_key_id="testing", aws_secret_access_key="testing",
-                         config=Config(request_checksum_calculation="when_required"))
+    gguf = resolve("smollm2-135m")
     client = s3_server.client("s3")
     client.create_bucket(Bucket=BUCKET)
-    for name, path in files.items():
-        with open(path, "rb") as body:
-            if name.endswith(".safetensors"):
-                plain.put_object(Bucket=BUCKET, Key=f"smollm2/{name}", Body=body)
-            else:
-                client.put_object(Bucket=BUCKET, Key=f"smollm2/{name}", Body=body, ChecksumAlgorithm="SHA256")
+    with open(gguf, "rb") as body:
+        client.put_object(Bucket=BUCKET, Key=f"smollm2/{gguf.name}", Body=body, ChecksumAlgorithm="SHA256")
+    client.put_object(Bucket=BUCKET, Key="smollm2/README.md", Body=b"# SmolLM2-135M-Instruct, Q4_1\n")
     return f"s3://{BUCKET}/smollm2"
 
 
@@ -45,7 +36,7 @@ def s3_cfg(s3_server, tmp_path, monkeypatch) -> StoreConfig:  # noqa: ANN001
 
 
 def test_greedy_output_from_s3_equals_the_local_model(s3_model, s3_cfg, local_greedy):
-    loaded = load_model(s3_model, store=s3_cfg)
+    loaded = load_model(s3_model, store=s3_cfg)  # its dequantised weights: the cache entry of the identical local file
     assert loaded.root == f"{s3_model}@{loaded.revision}" and loaded.phases["download"] > 0
     assert greedy(loaded) == local_greedy
 
