@@ -32,7 +32,7 @@ def cmd_pull(args: argparse.Namespace) -> None:
         from fleetllm.engine.config import EngineConfig
         from fleetllm.engine.engine import LLMEngine
 
-        engine = LLMEngine(EngineConfig(model=str(fetched.uri), store=from_args(StoreConfig, args)))
+        engine = LLMEngine(EngineConfig(model=str(fetched.uri), num_blocks=64, store=from_args(StoreConfig, args)))
         phases["load"] = engine.loaded.phases["load"]
         phases["warm_up"] = engine.warm_up()
     size = sum((fetched.path / n if fetched.path.is_dir() else fetched.path).stat().st_size
