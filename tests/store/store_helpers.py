@@ -6,7 +6,7 @@ GATED_TOKEN = "hf_TESTtoken-9f2c41d7e0b35a86c1"  # a made-up token of the gated 
 
 
 def greedy(loaded) -> list[int]:  # noqa: ANN001 - a LoadedModel
-    """24 greedy tokens of a chat answer from an engine over ``loaded``."""
+    """16 greedy tokens of a chat answer from an engine over ``loaded``."""
     import torch
 
     from fleetllm.engine.llm import LLM
@@ -16,7 +16,7 @@ def greedy(loaded) -> list[int]:  # noqa: ANN001 - a LoadedModel
     try:  # one thread: two OpenMP threads on cores shared with other jobs stall each other (10x slower here)
         llm = LLM(loaded=loaded, num_blocks=32, num_threads=1)
         res = llm.chat([{"role": "user", "content": "Name three rivers of Europe."}],
-                       SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
+                       SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
     finally:
         torch.set_num_threads(threads)
     return res.outputs[0].token_ids

@@ -52,7 +52,7 @@ def test_only_the_files_the_loader_reads_are_fetched(hub, store_cfg):
 
 
 def test_two_workers_pulling_together_download_once(hub, store_cfg):
-    hub.state.throttle_bytes_per_s = 4e6  # slow enough that both are inside the pull at once
+    hub.state.throttle_bytes_per_s = 8e6  # 14.5 MB in ~2 s: both processes are inside the pull at once
     before = sum(n for (repo, _), n in hub.state.downloads.items() if repo == "test/tiny")
     cmd = [sys.executable, "-m", "fleetllm.cli", "models", "pull", "hf://test/tiny@main",
            "--cache-dir", store_cfg.cache_dir, "--hf-endpoint", hub.endpoint]
