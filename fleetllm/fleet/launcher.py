@@ -85,7 +85,9 @@ class Fleet:
         self.secret = secrets.token_urlsafe(32) if cfg.keys_file else None
         self._env = {SECRET_ENV: self.secret} if self.secret else {}
         # hf:// and s3:// sources resolve once, now: every copy and the router's tokenizer get the same commit
-        self._sources = {id(m): pin(m.source, m.engine) for m in cfg.models}
+        pinned = {id(m): pin(m.source, m.engine) for m in cfg.models}
+        self._sources = {k: source for k, (source, _) in pinned.items()}
+        self._tokenizers = {k: tokenizer for k, (_, tokenizer) in pinned.items()}
         self._plan()
 
     @property
@@ -166,7 +168,7 @@ class Fleet:
         args = ["--workers", ",".join(self.worker_urls), "--policy", cfg.policy, "--host", cfg.host,
                 "--port", str(cfg.port), "--log-level", "warning", *self._otlp]
         for m in {m.served_name: m for m in cfg.models}.values():
-            args += ["--tokenizer", f"{m.served_name}={self._sources.get(id(m), m.source)}"]
+            args += ["--tokenizer", f"{m.served_name}={self._tokenizers.get(id(m), m.source)}"]
             args += [a for alias in m.aliases for a in ("--alias", f"{alias}={m.served_name}")]
             if m.policy:
                 args += ["--model-policy", f"{m.served_name}={m.policy}"]

@@ -1,8 +1,8 @@
 """Pinning a fleet's models: each hf:// or s3:// source resolves once, when the fleet is deployed, to a commit.
 
-Every copy of the model (the first ones and those the autoscaler adds hours later) and the router's tokenizer
-are given ``hf://org/name@<commit>``, so a branch that moves upstream changes nothing until the fleet is
-redeployed. A model's store settings (``token_env``, ``cache_dir``, ``hf_endpoint`` ...) are read from its
+Every copy of the model (the first ones and those the autoscaler adds hours later) is given
+``hf://org/name@<commit>``, and the router the files of that commit's tokenizer, so a branch that moves upstream
+changes nothing until the fleet is redeployed. A model's store settings (``token_env``, ``cache_dir``, ``hf_endpoint`` ...) are read from its
 ``engine:`` settings in the fleet YAML, the same keys as the worker's flags.
 """
 
@@ -21,13 +21,19 @@ def store_config(settings: Mapping[str, Any]) -> StoreConfig:
     return StoreConfig(**{f.name: settings[f.name] for f in fields(StoreConfig) if f.name in settings})
 
 
-def pin(source: str, settings: Mapping[str, Any]) -> str:
-    """``source`` pinned to the commit it resolves to now (local sources as they are)."""
+def pin(source: str, settings: Mapping[str, Any]) -> tuple[str, str]:
+    """``source`` pinned to the commit it resolves to now, and where the router reads its tokenizer: that
+    commit's config and tokenizer files, fetched here into the model's cache (the router then needs neither the
+    source nor the model's token). Local sources come back as they are."""
     if not is_remote(source):
-        return source
+        return source, source
     from fleetllm.store.store import ModelStore
 
-    return str(ModelStore(store_config(settings)).pin(source))
+    store = ModelStore(store_config(settings))
+    pinned = str(store.pin(source))
+    tokenizer = store.fetch(pinned, weights=False)
+    tokenizer.release()
+    return pinned, str(tokenizer.path)
 
 
 def token_envs(settings: Mapping[str, Any]) -> list[str]:

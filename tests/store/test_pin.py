@@ -16,6 +16,7 @@ def test_a_fleet_pins_hub_sources_and_hides_other_models_tokens(hub, hub_repos, 
     commit = hub_repos["test/tiny"].branches["main"]
     tiny, chat = fleet.procs_of("tiny")[0], fleet.procs_of("chat")[0]
     assert tiny.cmd[tiny.cmd.index("--model") + 1] == f"hf://test/tiny@{commit}"
-    assert f"tiny=hf://test/tiny@{commit}" in fleet.router.cmd  # the router's tokenizer: the same commit
+    tokenizer = next(a for a in fleet.router.cmd if a.startswith("tiny="))  # the router's: that commit's files
+    assert tokenizer == f"tiny={store_cfg.cache_dir}/hf--test--tiny/{commit}/files"
     assert chat.cmd[chat.cmd.index("--model") + 1] == "smollm2-135m"
     assert (tiny.hide, chat.hide) == (["CHAT_TOKEN"], ["TINY_TOKEN"])
