@@ -165,7 +165,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from fleetllm.engine.llm import LLM
     from fleetllm.engine.sampling import SamplingParams
 
-    llm = LLM(**vars(from_args(EngineConfig, args)))
+    llm = LLM(**vars(from_args(EngineConfig, args, store=from_args(StoreConfig, args))))
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
     res = llm.chat([{"role": "user", "content": args.prompt}], params)
     print(res.outputs[0].text)
@@ -285,6 +285,7 @@ def add_calibrate_parser(sub: argparse._SubParsersAction) -> None:
 def add_generate_parser(sub: argparse._SubParsersAction) -> None:
     g = sub.add_parser("generate", help="answer one chat prompt in-process (no server)")
     add_options(g, EngineConfig, title="engine")
+    add_options(g, StoreConfig, title="model store (hf:// and s3:// models)")
     g.add_argument("prompt", help="the user's message")
     g.add_argument("--max-tokens", type=int, default=128, help="most tokens to answer (default: %(default)s)")
     g.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default: %(default)s)")

@@ -14,14 +14,19 @@ BUCKET = "fleetllm-models"
 
 
 @pytest.fixture(scope="module")
-def s3_model(s3_server) -> str:  # noqa: ANN001
+def bucket(s3_server) -> str:  # noqa: ANN001
+    s3_server.client("s3").create_bucket(Bucket=BUCKET)
+    return BUCKET
+
+
+@pytest.fixture(scope="module")
+def s3_model(s3_server, bucket) -> str:  # noqa: ANN001
     """The embedded model's GGUF (98 MB) under s3://fleetllm-models/smollm2/, uploaded with S3's SHA-256 checksum,
     beside a README the store must not fetch."""
     from fleetllm.models.source import resolve
 
     gguf = resolve("smollm2-135m")
     client = s3_server.client("s3")
-    client.create_bucket(Bucket=BUCKET)
     with open(gguf, "rb") as body:
         client.put_object(Bucket=BUCKET, Key=f"smollm2/{gguf.name}", Body=body, ChecksumAlgorithm="SHA256")
     client.put_object(Bucket=BUCKET, Key="smollm2/README.md", Body=b"# SmolLM2-135M-Instruct, Q4_1\n")
@@ -41,7 +46,7 @@ def test_greedy_output_from_s3_equals_the_local_model(s3_model, s3_cfg, local_gr
     assert greedy(loaded) == local_greedy
 
 
-def test_a_changed_object_is_a_new_revision_and_the_pinned_one_stays_cached(s3_server, s3_cfg):
+def test_a_changed_object_is_a_new_revision_and_the_pinned_one_stays_cached(s3_server, bucket, s3_cfg):
     client = s3_server.client("s3")
     client.put_object(Bucket=BUCKET, Key="tiny/config.json", Body=b'{"a": 1}')
     client.put_object(Bucket=BUCKET, Key="tiny/model.safetensors", Body=b"x" * 64)
@@ -54,3 +59,17 @@ def test_a_changed_object_is_a_new_revision_and_the_pinned_one_stays_cached(s3_s
     with pytest.raises(StoreError, match="changed since revision"):
         ModelStore(StoreConfig(cache_dir=s3_cfg.cache_dir + "-fresh", s3_endpoint_url=s3_cfg.s3_endpoint_url)
                    ).fetch(str(first.uri))
+
+
+def test_an_interrupted_download_resumes_from_its_part_file(s3_server, bucket, s3_cfg):
+    client = s3_server.client("s3")
+    body = bytes(range(256)) * 64
+    client.put_object(Bucket=BUCKET, Key="resume/model.safetensors", Body=body)
+    client.put_object(Bucket=BUCKET, Key="resume/config.json", Body=b"{}")
+    store = ModelStore(s3_cfg)
+    commit = store.pin(f"s3://{BUCKET}/resume").revision
+    staging = store.cache.revision("s3--fleetllm-models--resume", commit).staging
+    staging.mkdir(parents=True)
+    (staging / "model.safetensors.part").write_bytes(body[:5000])  # what a killed pull left
+    fetched = store.fetch(f"s3://{BUCKET}/resume")
+    assert (fetched.path / "model.safetensors").read_bytes() == body  # the rest appended, MD5 ETag checked
