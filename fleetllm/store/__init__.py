@@ -6,10 +6,10 @@ A model reference is a local path or alias, ``hf://org/name[@revision]`` (a Hugg
 ``/v1/models`` shows and what a fleet pins. Files enter the cache only after their source's checksum
 matched; every load checks them again against the cache's manifest.
 
-Modules: ``uri`` (parsing), ``config`` (settings), ``secret`` (per-model tokens), ``checksum``,
-``selection`` (which files a loader needs), ``cache`` (layout, manifest, locks, LRU), ``hub`` and ``s3``
-(the sources), ``store`` (resolve -> download -> verify, with fallbacks), ``phases`` (cold-start timing),
-``cli`` (``fleetllm models``).
+Modules: ``uri`` (parsing), ``config`` (settings), ``secret`` (per-model tokens), ``errors``, ``checksum``,
+``selection`` (which files a loader needs), ``cache`` (layout, manifest, locks, LRU), ``remote`` (what a source
+is), ``hub`` and ``s3`` (the sources), ``store`` (resolve -> download -> verify, with fallbacks), ``pin`` (a
+fleet's sources pinned at deploy), ``phases`` (cold-start timing), ``cli`` (``fleetllm models``).
 """
 
 from fleetllm.store.config import StoreConfig
