@@ -21,6 +21,7 @@ from fleetllm.engine.config import EngineConfig
 from fleetllm.router.config import RouterConfig
 from fleetllm.server.config import ObservabilityConfig
 from fleetllm.sim.config import SimConfig
+from fleetllm.store.config import StoreConfig
 
 
 @dataclass
@@ -101,7 +102,7 @@ def worker_identity(args: argparse.Namespace, port: int | None = None) -> dict[s
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     """The engine a ``fleetllm worker`` command line describes (with its identity as metric labels)."""
-    return from_args(EngineConfig, args, metric_labels=worker_identity(args))
+    return from_args(EngineConfig, args, metric_labels=worker_identity(args), store=from_args(StoreConfig, args))
 
 
 def observability_config(args: argparse.Namespace) -> ObservabilityConfig:
@@ -136,8 +137,13 @@ def cmd_worker(args: argparse.Namespace) -> int:
     from fleetllm.engine.engine import LLMEngine
     from fleetllm.server.app import Worker
     from fleetllm.server.uvicorn_runner import run_app
+    from fleetllm.store.errors import StoreError
 
-    engine = LLMEngine(engine_config(args))
+    try:
+        engine = LLMEngine(engine_config(args))
+    except StoreError as e:  # no access, no such model, source down without a cached copy: say so, no traceback
+        logging.getLogger("fleetllm").error("cannot start: %s", e)
+        return 2
     logging.getLogger("fleetllm").info(
         "model %s loaded in %.1fs; %d KV blocks of %d tokens", engine.model_name, engine.loaded.load_seconds,
         engine.pool.num_blocks, engine.pool.block_size,
@@ -175,7 +181,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from fleetllm.engine.llm import LLM
     from fleetllm.engine.sampling import SamplingParams
 
-    llm = LLM(**vars(from_args(EngineConfig, args)))
+    llm = LLM(**vars(from_args(EngineConfig, args, store=from_args(StoreConfig, args))))
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
     res = llm.chat([{"role": "user", "content": args.prompt}], params)
     print(res.outputs[0].text)
@@ -254,6 +260,7 @@ def cmd_spec_train(args: argparse.Namespace) -> int:
 def add_worker_parser(sub: argparse._SubParsersAction) -> None:
     w = sub.add_parser("worker", help="serve one engine over the OpenAI-compatible API")
     add_options(w, EngineConfig, title="engine")
+    add_options(w, StoreConfig, title="model store (hf:// and s3:// models)")
     add_options(w, ListenOptions, defaults={"port": 8001}, title="server")
     add_options(w, WorkerOptions, title="worker identity (labels on every metric)")
     add_options(w, ObservabilityConfig, title="observability")
@@ -302,6 +309,7 @@ def add_calibrate_parser(sub: argparse._SubParsersAction) -> None:
 def add_generate_parser(sub: argparse._SubParsersAction) -> None:
     g = sub.add_parser("generate", help="answer one chat prompt in-process (no server)")
     add_options(g, EngineConfig, title="engine")
+    add_options(g, StoreConfig, title="model store (hf:// and s3:// models)")
     g.add_argument("prompt", help="the user's message")
     g.add_argument("--max-tokens", type=int, default=128, help="most tokens to answer (default: %(default)s)")
     g.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default: %(default)s)")
@@ -366,9 +374,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fleetllm", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     from fleetllm.capture.cli import add_capture_parser
+    from fleetllm.store.cli import add_models_parser
 
     for add in (add_worker_parser, add_router_parser, add_serve_parser, add_calibrate_parser,
-                add_generate_parser, add_spec_parser, add_keys_parser, add_capture_parser):
+                add_generate_parser, add_spec_parser, add_keys_parser, add_capture_parser, add_models_parser):
         add(sub)
     try:
         from fleetllm.bench.cli import add_bench_parser

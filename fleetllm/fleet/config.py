@@ -100,7 +100,7 @@ class Replicas:
 class ModelSpec:
     """One model of the fleet: where it comes from, how its engine runs, and how many copies of it."""
 
-    source: str = "smollm2-135m"  # alias, .gguf file or HF directory
+    source: str = "smollm2-135m"  # alias, .gguf file, HF directory, hf://org/name[@revision] or s3://bucket/prefix
     name: str | None = None  # served name (default: the source)
     aliases: list[str] = field(default_factory=list)  # other names clients may send as `model`
     engine: dict[str, Any] = field(default_factory=dict)  # engine settings, e.g. {max_num_seqs: 32}

@@ -75,6 +75,10 @@ class Worker:
             m.registry.register(ProcessHostCollector(m.labels, gpu=engine.device.startswith("cuda")))
         self.cold_start = ColdStart(m.registry, m.labels)
         self.cold_start.set("weight_load", engine.loaded.load_seconds)
+        if engine.loaded.revision:  # a model from the store: its resolve / download / verify / load phases
+            for phase, seconds in engine.loaded.phases.items():
+                self.cold_start.set(phase, seconds)
+            self.cold_start.model_info(engine.loaded.root, engine.loaded.revision)
         self.tracer = self.otlp_metrics = None
         if obs.otlp_endpoint:
             from fleetllm.observability.otlp import OTLPMetricsPusher, resource_for
@@ -302,8 +306,10 @@ class Worker:
         return self.engine.tokenizer.decode([token_id], skip_special_tokens=False)
 
     async def models(self, request: Request) -> Response:
+        loaded = self.engine.loaded  # root: where the weights came from; revision: its commit (store models)
         return JSONResponse({"object": "list", "data": [
             {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "fleetllm",
+             "root": loaded.root or loaded.name, "revision": loaded.revision,
              "max_model_len": self.engine.max_model_len}]})
 
     async def tokenize(self, request: Request) -> Response:
