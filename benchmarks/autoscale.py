@@ -9,6 +9,11 @@ and copies. The timeline (load, copies, TTFT p90) is plotted to PNG.
 
     python benchmarks/autoscale.py                      # both fleets, ~4 min each
     python benchmarks/autoscale.py --steps 1,3,6 --step-s 40 --fleets autoscaled
+    python benchmarks/autoscale.py --fleets real --steps 0.3,2,0.3 --step-s 60   # A as real SmolLM2 copies
+
+``real``: model A's copies load SmolLM2's weights (one core each, up to this machine's cores), so each
+scale-up pays a real cold start (process, weights, warm-up); the decision-to-ready time of every new copy
+is read from the fleet's log.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import subprocess
 import sys
@@ -48,7 +54,23 @@ class Run:
     samples: list[Sample] = field(default_factory=list)
 
 
+def real_fleet_yaml(port: int) -> dict:
+    """Model A as real copies (SmolLM2 weights, one core each, at most one per core of this machine); B simulated."""
+    cores = os.cpu_count() or 2
+    machines = [{"name": f"m{i}", "cores": 1, "memory_gb": 4, "zone": f"zone-{i % 2}"} for i in range(cores)]
+    autoscale = {"ttft_p90_s": TTFT_TARGET_S, "concurrency_per_copy": 2, "waiting_per_copy": 1, "down_window_s": 20,
+                 "cooldown_s": 5, "idle_s": 30}
+    a = {"name": "model-a", "source": "smollm2-135m", "engine": {"max_num_seqs": 8}, "autoscale": autoscale,
+         "resources": {"cores": 1, "memory_gb": 2}, "replicas": {"min": 1, "max": cores, "initial": 1}}
+    b = {"name": "model-b", "source": "smollm2-135m", "simulate": True, "engine": {"max_num_seqs": 8},
+         "resources": {"cores": 0, "memory_gb": 0.1}, "replicas": {"min": 0, "max": 1, "initial": 1},
+         "autoscale": autoscale}
+    return {"port": port, "policy": "least_load", "machines": machines, "models": [a, b]}
+
+
 def fleet_yaml(kind: str, port: int, speed: float) -> dict:
+    if kind == "real":
+        return real_fleet_yaml(port)
     machines = [{"name": n, "cores": CORES // 2, "memory_gb": 8, "zone": f"zone-{n}"} for n in ("a", "b")]
     sim_engine = {"sim_speed": speed, "max_num_seqs": 8}
     autoscale = {"ttft_p90_s": TTFT_TARGET_S, "concurrency_per_copy": 3, "waiting_per_copy": 2, "down_window_s": 20,
@@ -156,6 +178,19 @@ def summarize(run: Run, steps: list[float], step_s: float) -> list[dict]:
     return rows
 
 
+def cold_starts(run: Run, model: str = "model-a") -> list[float]:
+    """Seconds from each rise of the model's desired copies to that many copies ready (1 s samples)."""
+    out, prev = [], None
+    for i, s in enumerate(run.samples):
+        want = s.desired.get(model)
+        if want is not None and prev is not None and want > prev:
+            ready = next((t.t for t in run.samples[i:] if t.copies.get(model, 0) >= want), None)
+            if ready is not None:
+                out.append(round(ready - s.t, 1))
+        prev = want if want is not None else prev
+    return out
+
+
 def plot(runs: list[Run], steps: list[float], step_s: float, path: Path) -> None:
     import matplotlib
 
@@ -212,8 +247,11 @@ def main() -> int:
     for r in rows:
         table.add_row(*[f"{v:.2f}" if isinstance(v, float) else str(v) for v in r.values()])
     console.print(table)
+    for run in runs:
+        console.print(f"{run.name}: model-a decision-to-ready seconds per scale-up: {cold_starts(run)}")
     plot(runs, steps, args.step_s, out / "autoscale.png")
-    (out / "autoscale.json").write_text(json.dumps({"rows": rows, "args": vars(args)}, indent=1))
+    (out / "autoscale.json").write_text(json.dumps({"rows": rows, "args": vars(args),
+                                                   "cold_starts": {r.name: cold_starts(r) for r in runs}}, indent=1))
     console.print(f"plot: {out / 'autoscale.png'}")
     return 0
 

@@ -15,12 +15,14 @@ import sys
 from dataclasses import dataclass
 from typing import Literal
 
-from fleetllm.cli_options import add_options, from_args, opt
+from fleetllm.capture.config import CaptureConfig
+from fleetllm.cli_options import add_options, cli_fields, from_args, opt
 from fleetllm.engine.config import EngineConfig
 from fleetllm.router.config import RouterConfig
 from fleetllm.server.body_limit import DEFAULT_MAX_BODY_BYTES
 from fleetllm.server.config import ObservabilityConfig
 from fleetllm.sim.config import SimConfig
+from fleetllm.store.config import StoreConfig
 
 
 @dataclass
@@ -104,7 +106,7 @@ def worker_identity(args: argparse.Namespace, port: int | None = None) -> dict[s
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     """The engine a ``fleetllm worker`` command line describes (with its identity as metric labels)."""
-    return from_args(EngineConfig, args, metric_labels=worker_identity(args))
+    return from_args(EngineConfig, args, metric_labels=worker_identity(args), store=from_args(StoreConfig, args))
 
 
 def observability_config(args: argparse.Namespace) -> ObservabilityConfig:
@@ -114,6 +116,16 @@ def observability_config(args: argparse.Namespace) -> ObservabilityConfig:
 def router_config(args: argparse.Namespace) -> RouterConfig:
     """The router a ``fleetllm router`` command line describes (cost rates from --profile)."""
     return from_args(RouterConfig, args, cost=load_profile(args).cost_model())
+
+
+def capture_for(args: argparse.Namespace, component: str, tiers: tuple[str, ...], registry):  # -> Capture | None
+    """The process's capture from its ``--capture-*`` flags (None when no destination is given)."""
+    cfg = from_args(CaptureConfig, args)
+    if not cfg.enabled:
+        return None
+    from fleetllm.capture.recorder import Capture
+
+    return Capture(cfg, component, tiers, registry)
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
@@ -129,13 +141,20 @@ def cmd_worker(args: argparse.Namespace) -> int:
     from fleetllm.engine.engine import LLMEngine
     from fleetllm.server.app import Worker
     from fleetllm.server.uvicorn_runner import make_server
+    from fleetllm.store.errors import StoreError
 
-    engine = LLMEngine(engine_config(args))
+    try:
+        engine = LLMEngine(engine_config(args))
+    except StoreError as e:  # no access, no such model, source down without a cached copy: say so, no traceback
+        logging.getLogger("fleetllm").error("cannot start: %s", e)
+        return 2
     logging.getLogger("fleetllm").info(
         "model %s loaded in %.1fs; %d KV blocks of %d tokens", engine.model_name, engine.loaded.load_seconds,
         engine.pool.num_blocks, engine.pool.block_size,
     )
-    worker = Worker(engine, observability_config(args), role=args.role, max_body_bytes=args.max_body_bytes)
+    capture = capture_for(args, "worker-" + worker_identity(args)["worker"], ("worker",), engine.metrics.registry)
+    worker = Worker(engine, observability_config(args), role=args.role, capture=capture,
+                    max_body_bytes=args.max_body_bytes)
     server = make_server(worker.app, args.host, args.port, args.log_level,
                          on_exit=lambda: setattr(worker, "closing", True),
                          drain=lambda: worker.drain(args.drain_timeout_s))
@@ -151,8 +170,13 @@ def cmd_sim_worker(args: argparse.Namespace) -> int:
     logging.getLogger("fleetllm").info("%d simulated worker(s) on %s:%d-%d", args.count, args.host, args.port,
                                        args.port + args.count - 1)
     identities = [worker_identity(args, args.port + i) for i in range(args.count)]
+    extra = {}
+    if args.destination:  # capture: one per simulated worker (passed only when on)
+        extra["captures"] = lambda i, e: capture_for(args, "worker-" + identities[i]["worker"], ("worker",),
+                                                     e.metrics.registry)
     failed = serve_simulated(args.model, args.host, args.port, args.count, cfg, load_profile(args), args.log_level,
-                             identities=identities, obs=observability_config(args), drain_timeout_s=args.drain_timeout_s)
+                             identities=identities, obs=observability_config(args),
+                             drain_timeout_s=args.drain_timeout_s, **extra)
     return 1 if failed else 0
 
 
@@ -167,7 +191,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from fleetllm.engine.llm import LLM
     from fleetllm.engine.sampling import SamplingParams
 
-    llm = LLM(**vars(from_args(EngineConfig, args)))
+    llm = LLM(**vars(from_args(EngineConfig, args, store=from_args(StoreConfig, args))))
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
     res = llm.chat([{"role": "user", "content": args.prompt}], params)
     print(res.outputs[0].text)
@@ -180,6 +204,7 @@ def cmd_router(args: argparse.Namespace) -> int:
 
     # Rates of the shipped SmolLM2-on-CPU profile unless a measured one is given (fleetllm calibrate).
     router = Router(router_config(args), max_body_bytes=args.max_body_bytes)
+    router.capture = capture_for(args, "router", ("endpoint", "access"), router.metrics.registry)
     logging.getLogger("fleetllm").info("router on %s:%d over %d workers, policy %s", args.host, args.port,
                                        len(args.workers), args.policy)
     pusher = None
@@ -220,6 +245,8 @@ def fleet_config(args: argparse.Namespace):  # -> FleetConfig
     if args.log_dir:
         cfg.log_dir = args.log_dir
     cfg.otlp_endpoint = args.otlp_endpoint or cfg.otlp_endpoint
+    given = {f.name: getattr(args, f.name) for f in cli_fields(CaptureConfig) if getattr(args, f.name) is not None}
+    cfg.capture = CaptureConfig(**{**vars(cfg.capture), **given})
     return cfg
 
 
@@ -249,9 +276,11 @@ def cmd_spec_train(args: argparse.Namespace) -> int:
 def add_worker_parser(sub: argparse._SubParsersAction) -> None:
     w = sub.add_parser("worker", help="serve one engine over the OpenAI-compatible API")
     add_options(w, EngineConfig, title="engine")
+    add_options(w, StoreConfig, title="model store (hf:// and s3:// models)")
     add_options(w, ListenOptions, defaults={"port": 8001}, title="server")
     add_options(w, WorkerOptions, title="worker identity (labels on every metric)")
     add_options(w, ObservabilityConfig, title="observability")
+    add_options(w, CaptureConfig, title="capture (worker tier)")
     sim = w.add_argument_group("simulated worker")
     add_options(sim, SimulateOptions)
     add_options(sim, ProfileOption)
@@ -266,6 +295,7 @@ def add_router_parser(sub: argparse._SubParsersAction) -> None:
     add_options(routing, ProfileOption)
     add_options(r, ListenOptions, title="server")
     add_options(r, ObservabilityConfig, only=["otlp_endpoint", "otlp_interval_s"], title="observability")
+    add_options(r, CaptureConfig, title="capture (endpoint and access tiers)")
     r.set_defaults(func=cmd_router)
 
 
@@ -277,6 +307,9 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     add_options(s, RouterConfig, only=["policy", "pd_threshold"], title="router",
                 defaults={"policy": None, "pd_threshold": None})
     add_options(s, ObservabilityConfig, only=["otlp_endpoint"], title="router and every worker")
+    # None: the fleet YAML's capture block stands unless a flag is given
+    add_options(s, CaptureConfig, title="capture (router and every worker)",
+                defaults={f.name: None for f in cli_fields(CaptureConfig)})
     s.set_defaults(func=cmd_serve)
 
 
@@ -292,6 +325,7 @@ def add_calibrate_parser(sub: argparse._SubParsersAction) -> None:
 def add_generate_parser(sub: argparse._SubParsersAction) -> None:
     g = sub.add_parser("generate", help="answer one chat prompt in-process (no server)")
     add_options(g, EngineConfig, title="engine")
+    add_options(g, StoreConfig, title="model store (hf:// and s3:// models)")
     g.add_argument("prompt", help="the user's message")
     g.add_argument("--max-tokens", type=int, default=128, help="most tokens to answer (default: %(default)s)")
     g.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default: %(default)s)")
@@ -355,8 +389,11 @@ def add_keys_parser(sub: argparse._SubParsersAction) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fleetllm", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
+    from fleetllm.capture.cli import add_capture_parser
+    from fleetllm.store.cli import add_models_parser
+
     for add in (add_worker_parser, add_router_parser, add_serve_parser, add_calibrate_parser,
-                add_generate_parser, add_spec_parser, add_keys_parser):
+                add_generate_parser, add_spec_parser, add_keys_parser, add_capture_parser, add_models_parser):
         add(sub)
     try:
         from fleetllm.bench.cli import add_bench_parser

@@ -99,7 +99,8 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--long-isl", type=int, default=4096)
     g.add_argument("--long-osl", type=int, default=64)
     g.add_argument("--long-fraction", type=float, default=0.2)
-    g.add_argument("--trace", type=Path, help="JSONL trace (generic/Mooncake or SageMaker capture)")
+    g.add_argument("--trace", help="JSONL trace (generic/Mooncake or SageMaker capture), or a capture directory "
+                                   "(local or s3://bucket/prefix: every endpoint-tier object)")
     g.add_argument("--trace-speedup", type=float, default=1.0)
     g.add_argument("--prompts", type=Path, help="prompt file: text lines or JSONL")
     g = p.add_argument_group("SLOs and search")

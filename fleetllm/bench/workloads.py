@@ -219,14 +219,15 @@ class PromptFileWorkload:
 
 @dataclass
 class TraceWorkload:
-    """Replays a JSONL trace with timestamps: generic/Mooncake-style lines or SageMaker data capture.
+    """Replays a JSONL trace with timestamps: generic/Mooncake-style lines or SageMaker data capture
+    (one file, or a whole capture directory, local or ``s3://bucket/prefix``).
 
     Generic lines carry ``timestamp`` (ms) or ``timestamp_s``, ``input_length``/``output_length``
     (or ``prompt``/``messages``/``max_tokens``) and optional Mooncake ``hash_ids``: blocks with the same
     id get the same text, so the trace's prefix sharing is reproduced.
     """
 
-    path: Path
+    path: Path | str  # a file, a capture directory, or s3://bucket/prefix
     builder: PromptBuilder
     speedup: float = 1.0
     default_osl: int = 128
@@ -236,14 +237,27 @@ class TraceWorkload:
     def sessions(self, seed: int) -> Iterator[Session]:
         rng = np.random.default_rng(seed)
         t0: float | None = None
-        for i, line in enumerate(_nonblank_lines(self.path)):
-            row = json.loads(line)
+        for i, row in enumerate(self._rows()):
             if "captureData" in row:
                 ts, turn = _sagemaker_turn(row, self.default_osl)
             else:
                 ts, turn = self._generic_turn(row, rng)
             t0 = ts if t0 is None else t0
             yield Session(str(row.get("session_id", f"s{i}")), [turn], arrival_s=(ts - t0) / self.speedup)
+
+    def _rows(self) -> Iterator[dict[str, Any]]:
+        """The trace's lines; for a capture directory (local or ``s3://``), every endpoint-tier record of
+        every object, in arrival order."""
+        if str(self.path).startswith("s3://") or Path(self.path).is_dir():
+            from fleetllm.capture.reader import CaptureSource
+
+            # requests the fleet refused as malformed (4xx) are not traffic to replay
+            rows = [r for _, _, r in CaptureSource(str(self.path)).records("endpoint")
+                    if not 400 <= ((r.get("fleetllm") or {}).get("status") or 200) < 500]
+            yield from sorted(rows, key=lambda r: r["eventMetadata"].get("inferenceTime") or "")
+            return
+        for line in _nonblank_lines(Path(self.path)):
+            yield json.loads(line)
 
     def _generic_turn(self, row: dict[str, Any], rng: np.random.Generator) -> tuple[float, Turn]:
         ts = float(row["timestamp_s"]) if "timestamp_s" in row else float(row.get("timestamp", 0)) / 1000.0

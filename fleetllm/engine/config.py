@@ -11,13 +11,15 @@ from typing import Literal
 
 from fleetllm.cli_options import opt
 from fleetllm.engine.scheduler import SchedulerConfig
+from fleetllm.store.config import StoreConfig
 
 
 @dataclass
 class EngineConfig:
     """Engine knobs; each field is a flag of `fleetllm worker`, named as vLLM names it."""
 
-    model: str = opt("smollm2-135m", "model alias, .gguf file or HF directory")
+    model: str = opt("smollm2-135m", "model alias, .gguf file, HF directory, hf://org/name[/file.gguf][@revision] "
+                                     "or s3://bucket/prefix")
     served_model_name: str | None = opt(None, "name clients use (default: --model)")
     device: str = opt("auto", "auto | cpu | cuda (auto: cuda when present, else cpu)")
     block_size: int = opt(16, "tokens per KV block")
@@ -41,6 +43,8 @@ class EngineConfig:
     metric_labels: dict[str, str] = opt(doc="worker identity on every metric: worker, role, zone, "
                                             "instance_type", factory=dict, cli=False)
     disable_metrics: bool = opt(False, "record no engine metrics (overhead baseline)")
+    store: StoreConfig = opt(doc="where hf:// and s3:// models are cached and how they are reached (its own flags)",
+                             factory=StoreConfig, cli=False)
 
     def resolved_device(self) -> str:
         """``cuda`` or ``cpu`` for ``auto``; the device as given otherwise."""

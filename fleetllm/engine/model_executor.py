@@ -38,7 +38,8 @@ class ModelExecutor:
             torch.set_num_threads(cfg.num_threads)
         self.device = cfg.resolved_device()
         dtype = torch.float32 if self.device == "cpu" else torch.bfloat16
-        self.loaded = loaded or load_model(cfg.model, device=self.device, dtype=dtype, name=cfg.served_model_name)
+        self.loaded = loaded or load_model(cfg.model, device=self.device, dtype=dtype, name=cfg.served_model_name,
+                                             store=cfg.store)
         if cfg.quantization != "none" and self.device == "cpu":
             quantize_model(self.loaded.model, cfg.quantization)
         per_block = ModelRunner.kv_bytes_per_block(self.loaded.model, cfg.block_size)

@@ -23,6 +23,14 @@ is optional; the smallest config is ``models: [{source: smollm2-135m}]``. Exampl
         autoscale: {ttft_p90_s: 2.0, down_window_s: 120}  # fleetllm/fleet/autoscaler.py ScalingPolicy
         zones: [zone-a, zone-b]       # copies spread across these
         policy: session
+      - name: coder                   # one model as two variants: 95% stable, 5% canary (sticky per session)
+        variant: stable
+        source: /models/coder-v1
+        traffic: 95
+      - name: coder
+        variant: canary               # its own copies, autoscaling and fleetllm_router_variant_* metrics
+        source: /models/coder-v2
+        traffic: 5
       - name: chat-sim
         source: smollm2-135m
         simulate: true                # timing-model copies (no weights), many per process
@@ -30,6 +38,9 @@ is optional; the smallest config is ``models: [{source: smollm2-135m}]``. Exampl
     external: [http://10.0.0.5:8001]  # workers started elsewhere (a cluster)
     keys_file: keys.yaml              # API keys on (fleetllm keys create --file keys.yaml ...)
     pd_threshold: 2048                # with prefill copies: disaggregate long uncached prompts
+    capture:                          # inference data capture (docs/capture.md; --capture-* flags)
+      destination: s3://bucket/captures
+      sampling: {endpoint: 10, worker: 10}
 """
 
 from __future__ import annotations
@@ -40,6 +51,7 @@ from typing import Any
 
 import yaml
 
+from fleetllm.capture.config import CaptureConfig
 from fleetllm.fleet.autoscaler import ScalingPolicy
 
 ROLES = ("both", "prefill", "decode")
@@ -88,7 +100,7 @@ class Replicas:
 class ModelSpec:
     """One model of the fleet: where it comes from, how its engine runs, and how many copies of it."""
 
-    source: str = "smollm2-135m"  # alias, .gguf file or HF directory
+    source: str = "smollm2-135m"  # alias, .gguf file, HF directory, hf://org/name[@revision] or s3://bucket/prefix
     name: str | None = None  # served name (default: the source)
     aliases: list[str] = field(default_factory=list)  # other names clients may send as `model`
     engine: dict[str, Any] = field(default_factory=dict)  # engine settings, e.g. {max_num_seqs: 32}
@@ -100,6 +112,8 @@ class ModelSpec:
     policy: str | None = None  # routing policy for this model (default: the fleet's)
     role: str = "both"  # prefill | decode | both: a disaggregated model has a prefill and a decode entry
     simulate: bool = False  # timing-model copies (no weights)
+    variant: str | None = None  # entries sharing a name are variants of one model (a canary), each with its copies
+    traffic: float = 1.0  # this variant's weight in its model's traffic split (sticky per session)
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -110,6 +124,12 @@ class ModelSpec:
     @property
     def served_name(self) -> str:
         return self.name or self.source
+
+    @property
+    def unit(self) -> str:
+        """What is placed and scaled on its own: the served name, with the variant and a P/D role if any."""
+        role = "" if self.role == "both" else f":{self.role}"
+        return f"{self.served_name}{'@' + self.variant if self.variant else ''}{role}"
 
     @property
     def autoscaled(self) -> bool:
@@ -145,6 +165,7 @@ class FleetConfig:
     log_dir: str | None = None
     otlp_endpoint: str | None = None  # OTLP/HTTP collector: the router and every worker push to it
     startup_timeout_s: float = 300.0
+    capture: CaptureConfig = field(default_factory=CaptureConfig)  # the router's and every worker's
 
     def __post_init__(self) -> None:
         names: dict[str, str] = {}
@@ -153,6 +174,24 @@ class FleetConfig:
                 if names.get(n, m.served_name) != m.served_name:
                     raise ValueError(f"model name {n!r} is used by two models ({names[n]!r} and {m.served_name!r})")
                 names[n] = m.served_name
+        units = [m.unit for m in self.models]
+        dup = next((u for u in units if units.count(u) > 1), None)
+        if dup is not None:
+            raise ValueError(f"model {dup!r} is listed twice: give each entry of one model its own `variant`")
+        for name in dict.fromkeys(m.served_name for m in self.models):
+            entries = [m for m in self.models if m.served_name == name]
+            if any(m.variant for m in entries) and not all(m.variant for m in entries):
+                raise ValueError(f"model {name!r}: either every entry names its `variant` or none does")
+            if any(not 0 <= m.traffic < float("inf") for m in entries) or not sum(m.traffic for m in entries) > 0:
+                raise ValueError(f"model {name!r}: `traffic` weights must be non-negative, and one positive")
+
+    def traffic_splits(self) -> dict[str, str]:
+        """``{model: "variant:weight,..."}`` for every model served as variants (the router's ``--traffic``)."""
+        splits: dict[str, dict[str, float]] = {}
+        for m in self.models:
+            if m.variant:
+                splits.setdefault(m.served_name, {})[m.variant] = m.traffic
+        return {name: ",".join(f"{v}:{w:g}" for v, w in ws.items()) for name, ws in splits.items()}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> FleetConfig:
@@ -162,6 +201,8 @@ class FleetConfig:
         if "machines" in d:
             d["machines"] = [Machine(**_checked(Machine, m, "machine")) for m in d["machines"] or []]
         d["router_args"] = [str(a) for a in d.get("router_args", [])]
+        if "capture" in d:
+            d["capture"] = CaptureConfig.from_dict(d["capture"])
         return cls(**d)
 
     @classmethod

@@ -43,9 +43,9 @@ class RouterAdmin:
     def state(self) -> dict[str, Any]:
         return self.client.get("/router/state").raise_for_status().json()
 
-    def add_worker(self, url: str, zone: str, role: str, model: str) -> None:
-        self.client.post("/admin/workers", json={"url": url, "zone": zone, "role": role, "model": model}
-                         ).raise_for_status()
+    def add_worker(self, url: str, zone: str, role: str, model: str, variant: str = "") -> None:
+        self.client.post("/admin/workers", json={"url": url, "zone": zone, "role": role, "model": model,
+                                                 "variant": variant}).raise_for_status()
 
     def drain_worker(self, url: str) -> None:
         self.client.post("/admin/workers/drain", json={"url": url}).raise_for_status()
@@ -64,7 +64,7 @@ class FleetController:
                  window_s: float = 15.0) -> None:
         self.fleet, self.admin = fleet, admin
         self.interval_s, self.drain_timeout_s = interval_s, drain_timeout_s
-        self.models = {m.served_name: m for m in fleet.cfg.models if m.autoscaled}
+        self.models = {m.unit: m for m in fleet.cfg.models if m.autoscaled}
         self.scalers = {n: Autoscaler(m.autoscale, m.replicas.min, m.replicas.max) for n, m in self.models.items()}
         # the copy count each model is steered to: changes only with a decision, so copies still starting
         # (not yet ready, so not counted by the autoscaler) are not taken for a scale-down
@@ -84,7 +84,7 @@ class FleetController:
         held = state.get("held", {})
         decisions = {}
         for name, m in self.models.items():
-            procs = self.fleet.procs_of(name)
+            procs = self.fleet.procs_of(m)
             ready = [u for p in procs for u in p.urls if u in healthy]
             if len(ready) < sum(len(p.urls) for p in procs if p.name not in self._draining):
                 continue  # copies still starting: their load is not seen yet, so decide once they are ready
@@ -93,7 +93,7 @@ class FleetController:
             while len(past) > 1 and past[1][0] <= now - self.window_s:
                 past.popleft()
             t_old, old = past[0] if past else (now, {})
-            sig = model_signals(old, pages, now - t_old, held.get(name, 0))
+            sig = model_signals(old, pages, now - t_old, held.get(m.served_name, 0))
             past.append((now, pages))
             d = decisions[name] = self.scalers[name].decide(sig)
             if d.direction != "none":
@@ -122,9 +122,9 @@ class FleetController:
             try:
                 proc = self.fleet.add_copy(m)  # placed and started now, so the next tick counts it
             except PlacementError as e:
-                if self._no_room.get(m.served_name) != str(e):  # said once, not every tick while it lasts
-                    log.warning("autoscaler %s: cannot add a copy: %s", m.served_name, e)
-                self._no_room[m.served_name] = str(e)
+                if self._no_room.get(m.unit) != str(e):  # said once, not every tick while it lasts
+                    log.warning("autoscaler %s: cannot add a copy: %s", m.unit, e)
+                self._no_room[m.unit] = str(e)
                 return
             _thread(self._admit, proc)
         for proc in live[desired:] if desired < len(live) else []:  # the newest go first
@@ -136,7 +136,8 @@ class FleetController:
         try:
             for u in proc.urls:
                 self.fleet.wait_healthy(proc, u + "/ready", time.monotonic() + self.fleet.cfg.startup_timeout_s)
-                self.admin.add_worker(u, proc.zone, proc.role, proc.copies[0].model.served_name)
+                m = proc.copies[0].model
+                self.admin.add_worker(u, proc.zone, proc.role, m.served_name, m.variant or "")
         except (RuntimeError, TimeoutError, httpx.HTTPError) as e:
             log.error("autoscaler: new copy %s failed: %s", proc.name, e)
             self.fleet.remove(proc)

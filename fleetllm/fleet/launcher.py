@@ -29,9 +29,11 @@ from pathlib import Path
 
 import httpx
 
+from fleetllm.cli_options import to_argv
 from fleetllm.fleet.config import FleetConfig, ModelSpec
 from fleetllm.fleet.placement import Copy, Placer, place
 from fleetllm.server.worker_secret import ENV as SECRET_ENV
+from fleetllm.store.pin import pin, token_envs
 
 log = logging.getLogger(__name__)
 SIM_PER_PROCESS = 64
@@ -49,6 +51,7 @@ class Proc:
     role: str = "both"
     copies: list[Copy] = field(default_factory=list)  # the model copies it serves (empty for the router)
     env: dict[str, str] = field(default_factory=dict)  # secrets travel here, never on the command line
+    hide: list[str] = field(default_factory=list)  # variables of the fleet's environment it must not see
     popen: subprocess.Popen[bytes] | None = None
     restarts: int = 0
 
@@ -56,9 +59,10 @@ class Proc:
         fd = os.open(self.log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         cpus = self.cpus
         pin = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
+        env = {k: v for k, v in os.environ.items() if k not in self.hide}
         try:
             self.popen = subprocess.Popen(self.cmd, stdout=fd, stderr=subprocess.STDOUT, start_new_session=True,
-                                          env={**os.environ, **self.env, "PYTHONUNBUFFERED": "1"}, preexec_fn=pin)
+                                          env={**env, **self.env, "PYTHONUNBUFFERED": "1"}, preexec_fn=pin)
         finally:
             os.close(fd)
 
@@ -83,9 +87,14 @@ class Fleet:
         self.placer = Placer(cfg.machines)
         self._next_port = cfg.worker_port or cfg.port + 1
         self._otlp = ["--otlp-endpoint", cfg.otlp_endpoint] if cfg.otlp_endpoint else []
+        self._capture = to_argv(cfg.capture)  # the --capture-* flags of the router and every real worker
         # with keys on, workers must take requests from the router only (fleetllm/server/worker_secret.py)
         self.secret = secrets.token_urlsafe(32) if cfg.keys_file else None
         self._env = {SECRET_ENV: self.secret} if self.secret else {}
+        # hf:// and s3:// sources resolve once, now: every copy and the router's tokenizer get the same commit
+        pinned = {id(m): pin(m.source, m.engine) for m in cfg.models}
+        self._sources = {k: source for k, (source, _) in pinned.items()}
+        self._tokenizers = {k: tokenizer for k, (_, tokenizer) in pinned.items()}
         self._plan()
 
     @property
@@ -111,9 +120,14 @@ class Fleet:
         """The P/D role of each of ``worker_urls``."""
         return [p.role for p in self.workers for _ in p.urls] + ["both"] * len(self.cfg.external)
 
-    def procs_of(self, model: str) -> list[Proc]:
-        """The worker processes serving copies of ``model`` (by served name)."""
-        return [p for p in self.workers if any(c.model.served_name == model for c in p.copies)]
+    @property
+    def variants(self) -> list[str]:
+        """The variant of each of ``worker_urls`` ("" unless its model is split)."""
+        return [p.copies[0].model.variant or "" for p in self.workers for _ in p.urls] + [""] * len(self.cfg.external)
+
+    def procs_of(self, m: ModelSpec) -> list[Proc]:
+        """The worker processes serving copies of the fleet entry ``m``."""
+        return [p for p in self.workers if any(c.model is m for c in p.copies)]
 
     def _plan(self) -> None:
         """Worker processes for every placed copy, then the router over all of them."""
@@ -132,15 +146,21 @@ class Fleet:
                            env=self._env)
 
     def _model_args(self, m: ModelSpec) -> list[str]:
-        return ["--model", m.source, "--served-model-name", m.served_name, *m.worker_args()]
+        return ["--model", self._sources.get(id(m), m.source), "--served-model-name", m.served_name, *m.worker_args()]
+
+    def _hidden(self, m: ModelSpec) -> list[str]:
+        """Other models' token variables: a worker never sees another model's token."""
+        own = set(token_envs(m.engine))
+        return [v for o in self.cfg.models for v in token_envs(o.engine) if v not in own]
 
     def _add_real(self, c: Copy) -> Proc:
         port, self._next_port = self._next_port, self._next_port + 1
         threads = [] if "num_threads" in c.model.engine else ["--num-threads", str(c.threads)]
         cmd = [*PY, "worker", *self._model_args(c.model), *threads, "--host", self.cfg.host, "--port", str(port),
-               "--role", c.model.role, "--zone", c.zone, "--log-level", "warning", *self._otlp]
+               "--role", c.model.role, "--zone", c.zone, "--log-level", "warning", *self._otlp, *self._capture]
         proc = Proc(f"worker-{port}", cmd, [f"http://{self.cfg.host}:{port}"], self.log_dir / f"worker-{port}.log",
-                    cpus=c.cpus, zone=c.zone, role=c.model.role, copies=[c], env=self._env)
+                    cpus=c.cpus, zone=c.zone, role=c.model.role, copies=[c], env=self._env,
+                    hide=self._hidden(c.model))
         self.workers.append(proc)
         return proc
 
@@ -148,24 +168,29 @@ class Fleet:
         port, n = self._next_port, len(group)
         self._next_port += n
         cmd = [*PY, "worker", "--simulate", "--count", str(n), *self._model_args(group[0].model), "--host",
-               self.cfg.host, "--port", str(port), "--zone", group[0].zone, "--log-level", "warning", *self._otlp]
+               self.cfg.host, "--port", str(port), "--zone", group[0].zone, "--log-level", "warning", *self._otlp,
+               *self._capture]
         urls = [f"http://{self.cfg.host}:{port + i}" for i in range(n)]
         proc = Proc(f"sim-{port}", cmd, urls, self.log_dir / f"sim-{port}.log", zone=group[0].zone, copies=group,
-                    env=self._env)
+                    env=self._env, hide=self._hidden(group[0].model))
         self.workers.append(proc)
         return proc
 
     def _router_args(self) -> list[str]:
         cfg = self.cfg
         args = ["--workers", ",".join(self.worker_urls), "--policy", cfg.policy, "--host", cfg.host,
-                "--port", str(cfg.port), "--log-level", "warning", *self._otlp]
+                "--port", str(cfg.port), "--log-level", "warning", *self._otlp, *self._capture]
         for m in {m.served_name: m for m in cfg.models}.values():
-            args += ["--tokenizer", f"{m.served_name}={m.source}"]
+            args += ["--tokenizer", f"{m.served_name}={self._tokenizers.get(id(m), m.source)}"]
             args += [a for alias in m.aliases for a in ("--alias", f"{alias}={m.served_name}")]
             if m.policy:
                 args += ["--model-policy", f"{m.served_name}={m.policy}"]
         if self.worker_urls:
             args += ["--worker-models", ",".join(self.models)]
+        if any(self.variants):
+            args += ["--worker-variants", ",".join(self.variants)]
+        for name, split in cfg.traffic_splits().items():
+            args += ["--traffic", f"{name}={split}"]
         zero = [m.served_name for m in cfg.models if m.replicas.min == 0]
         if zero:
             args += ["--scale-from-zero", ",".join(dict.fromkeys(zero))]

@@ -77,15 +77,15 @@ class Placer:
         cpus, slot.cores = (slot.cores[:n], slot.cores[n:]) if n else (None, slot.cores)
         slot.memory_gb -= m.resources.memory_gb
         slot.accelerators -= m.resources.accelerators
-        slot.copies[m.served_name] = slot.copies.get(m.served_name, 0) + 1
-        return Copy(m, slot.copies[m.served_name] - 1, slot.machine, cpus, threads=n or 1)
+        slot.copies[m.unit] = slot.copies.get(m.unit, 0) + 1
+        return Copy(m, slot.copies[m.unit] - 1, slot.machine, cpus, threads=n or 1)
 
     def release(self, c: Copy) -> None:
         slot = next(s for s in self.slots if s.machine is c.machine)
         slot.cores = sorted(slot.cores + (c.cpus or []))
         slot.memory_gb += c.model.resources.memory_gb
         slot.accelerators += c.model.resources.accelerators
-        slot.copies[c.model.served_name] -= 1
+        slot.copies[c.model.unit] -= 1
 
 
 def place(cfg: FleetConfig, placer: Placer | None = None) -> list[Copy]:
@@ -122,7 +122,7 @@ def _slots(machines: list[Machine]) -> list[Slot]:
 
 def _choose(slots: list[Slot], m: ModelSpec) -> Slot | None:
     zones = m.zones or list(dict.fromkeys(s.machine.zone for s in slots))
-    placed = {z: sum(s.copies.get(m.served_name, 0) for s in slots if s.machine.zone == z) for z in zones}
+    placed = {z: sum(s.copies.get(m.unit, 0) for s in slots if s.machine.zone == z) for z in zones}
     for zone in sorted(zones, key=lambda z: placed[z]):  # stable: config order among equals
         for s in slots:
             if s.machine.zone == zone and s.fits(m):

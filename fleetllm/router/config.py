@@ -44,6 +44,10 @@ class RouterConfig:
     seed: int | None = opt(None, "seed for random tie-breaks")
     models: list[str] = opt(doc="comma-separated served model of each worker until the worker's own report says",
                             factory=list, flag="--worker-models")
+    variants: list[str] = opt(doc="comma-separated variant of each worker's model (for a traffic split)",
+                              factory=list, flag="--worker-variants")
+    traffic: dict[str, str] = opt(doc="split a model's requests between its variants by weight (sticky per "
+                                      "session)", factory=dict, metavar="MODEL=VARIANT:WEIGHT,...")
     aliases: dict[str, str] = opt(doc="another name clients may send for a served model", factory=dict,
                                   flag="--alias", metavar="ALIAS=MODEL")
     model_policies: dict[str, str] = opt(doc="a served model's own routing policy", factory=dict,

@@ -54,6 +54,12 @@ class Forward:
     t0: float  # perf_counter at arrival
     response_headers: dict[str, str] = field(default_factory=dict)  # added to the client's answer
     on_end: Callable[[int, int], None] | None = None  # (prompt, completion tokens) once the answer has ended
+    variant: tuple[str, str] | None = None  # (model, variant) of a split model: its own metrics
+    # where and when it went (the access capture tier): chosen worker, routing reason, perf_counter times
+    worker: str = ""
+    reason: str = ""
+    dispatched: float | None = None
+    first_byte: float | None = None
 
     @property
     def stream(self) -> bool:
@@ -166,6 +172,7 @@ class Forwarder:
             reason = "retry" if attempt else d.reason
             self.metrics.decisions.labels(policy=policy.name, reason=reason, worker=d.worker.name).inc()
             tried.add(d.worker.name)
+            fwd.worker, fwd.reason = d.worker.name, reason
             if attempt == 0 and prepare is not None:
                 d = await prepare(d)
             try:
@@ -176,7 +183,11 @@ class Forwarder:
                 self.metrics.retries.labels(worker=d.worker.name).inc()
                 log.warning("request %s failed on %s before its first byte (%s): %s", fwd.rid, d.worker.name, f.kind, f)
         fwd.ended(None)
-        return self._give_up(last)
+        resp = self._give_up(last)
+        if fwd.variant is not None:
+            model, variant = fwd.variant
+            self.metrics.variant_responses.labels(model=model, variant=variant, status=str(resp.status_code)).inc()
+        return resp
 
     def _give_up(self, last: AttemptFailed | None) -> Response:
         busy = {"Retry-After": RETRY_AFTER_S}
@@ -194,11 +205,17 @@ class Forwarder:
         w = d.worker
         load = _Load(self, w, d.uncached_tokens(fwd.route))
         self._dispatch(w, load.uncached, fwd.route)
+        fwd.dispatched = time.perf_counter()
         resp, chunks, first = await self._first_byte(fwd, w, load)
+        fwd.first_byte = time.perf_counter()
         load.first_byte()
         w.breaker.success()
         self._sync_breaker(w)
         self.metrics.ttfb.observe(time.perf_counter() - fwd.t0)
+        if fwd.variant is not None:
+            model, variant = fwd.variant
+            self.metrics.variant_ttfb.labels(model=model, variant=variant).observe(time.perf_counter() - fwd.t0)
+            self.metrics.variant_responses.labels(model=model, variant=variant, status=str(resp.status_code)).inc()
         out_headers = {k: v for k, v in resp.headers.items() if k.lower() in _RESPONSE_HEADERS}
         out_headers.update(fwd.response_headers, **{"x-fleetllm-worker": w.name})
         status = resp.status_code

@@ -25,6 +25,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from fleetllm.capture.recorder import Capture
+from fleetllm.capture.router_tap import RequestTap, open_tap
 from fleetllm.disagg.router_path import RemotePrefill
 from fleetllm.observability.dashboard import dashboard_routes
 from fleetllm.observability.federate import fleet_metrics
@@ -37,8 +39,10 @@ from fleetllm.router.index import PrefixIndex
 from fleetllm.router.keys import KeyLimiter, KeyRecord, KeyStore
 from fleetllm.router.metrics import RouterMetrics
 from fleetllm.router.policies import RouteRequest, make_policy
+from fleetllm.router.request_id import HEADER as REQUEST_ID_HEADER
 from fleetllm.router.request_id import mint
 from fleetllm.router.tokens import PromptTokenizer, block_hashes
+from fleetllm.router.traffic import TrafficSplit, parse_weights
 from fleetllm.router.upstream import Breaker, WorkerMonitor, WorkerState
 from fleetllm.server.body_limit import DEFAULT_MAX_BODY_BYTES, BodyLimit
 from fleetllm.server.openapi import openapi_schema
@@ -49,13 +53,16 @@ from fleetllm.server.worker_secret import worker_secret
 class Router:
     """The gateway over ``cfg.workers``; ``app`` is the ASGI application."""
 
-    def __init__(self, cfg: RouterConfig, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> None:
+    def __init__(self, cfg: RouterConfig, capture: Capture | None = None,
+                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> None:
         self.cfg = cfg
+        self.capture = capture  # the endpoint and access tiers (fleetllm/capture/)
         urls = [(u if "://" in u else "http://" + u).rstrip("/") for u in cfg.workers]
         self.metrics = RouterMetrics()
         self.workers: list[WorkerState] = []
         for i, u in enumerate(urls):
-            self._add_state(u, _at(cfg.zones, i, ""), _at(cfg.roles, i, "both"), _at(cfg.models, i, "") or None)
+            self._add_state(u, _at(cfg.zones, i, ""), _at(cfg.roles, i, "both"), _at(cfg.models, i, "") or None,
+                            _at(cfg.variants, i, ""))
         if len({w.name for w in self.workers}) != len(self.workers):
             raise ValueError("worker URLs must be distinct")
         ttl = cfg.routed_ttl_s if cfg.routed_ttl_s is not None else (300.0 if cfg.policy == "prefix" else 10.0)
@@ -67,6 +74,7 @@ class Router:
         self.model_policies = {m: make_policy(p, self.index, cfg.cost, cfg.seed) for m, p in cfg.model_policies.items()}
         self.uses_prefix = bool({cfg.policy, *cfg.model_policies.values()} & {"prefix", "kv_aware"})
         self.tokens = PromptTokenizer(cfg.tokenizers)
+        self.traffic = TrafficSplit({m: parse_weights(spec) for m, spec in cfg.traffic.items()})
         self.hold = ColdStartHold(cfg.hold_max_waiting, cfg.hold_timeout_s)
         self.secret = worker_secret()  # presented to workers; also opens the admin endpoints to the fleet
         self.gate = KeyGate(KeyStore(cfg.keys_file), KeyLimiter(), self.metrics.registry) if cfg.keys_file else None
@@ -96,8 +104,8 @@ class Router:
         )
         self.app = BodyLimit(self.app, max_body_bytes)
 
-    def _add_state(self, url: str, zone: str, role: str, model: str | None) -> WorkerState:
-        w = WorkerState(_name(url), url, zone, role=role, model=model,
+    def _add_state(self, url: str, zone: str, role: str, model: str | None, variant: str = "") -> WorkerState:
+        w = WorkerState(_name(url), url, zone, role=role, model=model, variant=variant,
                         breaker=Breaker(self.cfg.breaker_threshold, self.cfg.breaker_cooldown_s))
         self.workers.append(w)
         self.metrics.healthy.labels(worker=w.name, zone=w.zone).set(0)
@@ -105,11 +113,12 @@ class Router:
         return w
 
     # ---- membership: the fleet controller adds, drains and removes copies while the router runs -----
-    def add_worker(self, url: str, zone: str = "", role: str = "both", model: str | None = None) -> WorkerState:
+    def add_worker(self, url: str, zone: str = "", role: str = "both", model: str | None = None,
+                   variant: str = "") -> WorkerState:
         url = url.rstrip("/")
         if any(w.url == url for w in self.workers):
             raise APIError(400, f"worker {url} is already known", "url")
-        w = self._add_state(url, zone, role, model)
+        w = self._add_state(url, zone, role, model, variant)
         if self.monitor is not None:
             self.monitor.watch(w)
         return w
@@ -155,8 +164,12 @@ class Router:
         self.monitor = WorkerMonitor(self.workers, self.events_index, self.client, self.cfg.health_interval_s,
                                      on_change=self._on_worker_change)
         self.monitor.start()
+        if self.capture is not None:
+            self.capture.start()
         yield
         await self.monitor.stop()
+        if self.capture is not None:
+            await asyncio.to_thread(self.capture.close)  # SIGTERM flushes the capture spool
         await self.client.aclose()
 
     def _on_worker_change(self, w: WorkerState) -> None:
@@ -217,7 +230,18 @@ class Router:
         return req
 
     async def completion(self, request: Request) -> Response:
-        """``/v1/chat/completions`` and ``/v1/completions``: admit, route, forward, relay."""
+        """``/v1/chat/completions`` and ``/v1/completions``: admit, route, forward, relay (and capture)."""
+        fid = mint()
+        tap = open_tap(self.capture, request, fid)
+        if tap is None:
+            return await self._complete(request, fid, None)
+        try:
+            response = await self._complete(request, fid, tap)
+        except APIError as e:
+            response = JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+        return await tap.finish(response)
+
+    async def _complete(self, request: Request, fid: str, tap: RequestTap | None) -> Response:
         t0 = time.perf_counter()
         key = None
         try:
@@ -235,21 +259,33 @@ class Router:
             if key is not None:
                 self.gate.done(key, 0, 0)
             return error_response(self.metrics, e)
+        if tap is not None and key is not None:
+            tap.key_id = key.id
         if name is not None and body.get("model") != name:  # an alias: workers know the served name
             body["model"] = name
             raw = json.dumps(body).encode()
         self.metrics.model_requests.labels(model=name or "").inc()
-        return await self._forward(request, raw, body, name, group, t0, key, held)
+        return await self._forward(request, raw, body, name, group, t0, key, held, fid, tap)
 
     async def _forward(self, request: Request, raw: bytes, body: dict[str, Any], name: str | None,
-                       group: list[WorkerState], t0: float, key: KeyRecord | None, held: float | None) -> Response:
+                       group: list[WorkerState], t0: float, key: KeyRecord | None, held: float | None,
+                       fid: str, tap: RequestTap | None) -> Response:
         prefill_pool = [w for w in group if w.role == "prefill"]
         group = [w for w in group if w.role != "prefill"]
         # tokenising (and a tokenizer's first load) takes a thread: a long prompt never stalls the relayed streams
         req = await asyncio.to_thread(self.route_request, request.url.path, body, request.headers, group,
                                       bool(prefill_pool))
-        rid = mint()
-        fwd = Forward(request.url.path, raw, body, upstream_headers(request.headers, rid, self.secret), rid, req, t0)
+        variant, group = self._variant(name, group, req.session_key or fid)
+        # the router's own id (minted at arrival) keys the request; the client's x-request-id travels beside it
+        fwd = Forward(request.url.path, raw, body, upstream_headers(request.headers, fid, self.secret), fid, req, t0)
+        if variant is not None:
+            fwd.variant = (name, variant)
+            fwd.response_headers["x-fleetllm-variant"] = variant
+        fwd.response_headers[REQUEST_ID_HEADER] = fid  # the client can find its request in captures and logs
+        if tap is not None:
+            tap.fwd = fwd
+            # a stream without usage is captured with the prompt's tokens counted here, only when needed
+            tap.count_prompt = lambda: len(self.tokens.token_ids(name, request.url.path, body) or ()) if name else 0
         if held is not None:
             fwd.response_headers["x-fleetllm-cold-start-ms"] = f"{held * 1000:.0f}"
         if key is not None:
@@ -260,6 +296,18 @@ class Router:
         prepare = (lambda d: pd.maybe_disaggregate(d, fwd, prefill_pool)) if prefill_pool else None
         policy = self.model_policies.get(name, self.policy) if name else self.policy
         return await self.forwarder.forward(fwd, group, policy, prepare)
+
+    def _variant(self, name: str | None, group: list[WorkerState], key: str) -> tuple[str | None, list[WorkerState]]:
+        """A split model's variant for this request and its copies; with no weighted variant up, any copy
+        serves (a canary being down must not fail requests)."""
+        if name is None or name not in self.traffic.splits:
+            return None, group
+        now = time.monotonic()
+        variant = self.traffic.choose(name, key, {w.variant for w in group if w.routable(now)})
+        if variant is None:
+            return None, group
+        self.metrics.variant_requests.labels(model=name, variant=variant).inc()
+        return variant, [w for w in group if w.variant == variant]
 
     # ---- other endpoints --------------------------------------------------------------------------
     async def models(self, request: Request) -> Response:
@@ -323,7 +371,7 @@ class Router:
             exact = self.events_index.exact.get(w.name, set())
             row = {"name": w.name, "url": w.url, "zone": w.zone, "role": w.role, "healthy": w.healthy, "inflight": w.inflight,
                    "pending_prefill_tokens": w.pending_prefill_tokens, "decoding": w.decoding, "running": w.running,
-                   "waiting": w.waiting, "kv_usage": w.kv_usage, "model": w.model, "instance": w.instance,
+                   "waiting": w.waiting, "kv_usage": w.kv_usage, "model": w.model, "variant": w.variant, "instance": w.instance,
                    "events_connected": w.events_connected, "breaker": w.breaker.state, "draining": w.draining,
                    "index_blocks": self.index.size(w.name), "exact_blocks": len(exact)}
             if with_hashes:
@@ -331,7 +379,7 @@ class Router:
             workers.append(row)
         held = {m: n for m, n in self.hold.waiting.items() if n}
         return JSONResponse({"policy": self.policy.name, "workers": workers, "held": held,
-                             "models": sorted(self.served_models())})
+                             "models": sorted(self.served_models()), "traffic": self.traffic.splits})
 
 
 def _name(url: str) -> str:

@@ -47,6 +47,12 @@ class RouterMetrics:
                                      "tokenization).", registry=r)
         self.model_requests = Counter("fleetllm_router_model_requests", "Requests routed per served model.",
                                       ["model"], registry=r)
+        self.variant_requests = Counter("fleetllm_router_variant_requests", "Requests sent to each variant of a "
+                                        "split model (canary).", ["model", "variant"], registry=r)
+        self.variant_responses = Counter("fleetllm_router_variant_responses", "Answers of each variant of a split "
+                                         "model, by HTTP status.", ["model", "variant", "status"], registry=r)
+        self.variant_ttfb = Histogram("fleetllm_router_variant_time_to_first_byte_seconds", "Arrival to first byte "
+                                      "per variant of a split model.", ["model", "variant"], buckets=_TTFB, registry=r)
         self.held = Gauge("fleetllm_router_held_requests", "Requests held while a copy of their model starts "
                           "(scale from zero).", ["model"], registry=r)
         self.cold_start = Histogram("fleetllm_router_cold_start_seconds", "How long a request was held for a copy "

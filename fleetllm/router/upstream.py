@@ -85,6 +85,7 @@ class WorkerState:
     waiting: int = 0
     kv_usage: float = 0.0
     model: str | None = None
+    variant: str = ""  # which of its model's variants (canary, stable, ...) this copy runs; "" when unsplit
     block_size: int | None = None
     num_blocks: int | None = None
     instance: str | None = None

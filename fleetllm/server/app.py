@@ -33,6 +33,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from fleetllm.capture.recorder import Capture
+from fleetllm.capture.worker_tap import open_worker_tap
 from fleetllm.disagg.routes import pd_routes
 from fleetllm.engine.async_engine import AsyncEngine, EngineFailed
 from fleetllm.engine.outputs import RequestOutput
@@ -72,8 +74,9 @@ class Worker:
     """Request handling for one engine; ``app`` is the ASGI application."""
 
     def __init__(self, engine: LLMEngine, obs: ObservabilityConfig | None = None, role: str = "both",
-                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> None:
+                 capture: Capture | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> None:
         self.engine = engine
+        self.capture = capture  # the worker tier (fleetllm/capture/)
         self.role = role  # prefill | decode | both (disaggregated serving; routers read it from /kv/events)
         self.async_engine = AsyncEngine(engine, on_failure=self._engine_failed)
         self.ready = False  # warm and serving (set at the end of start-up)
@@ -87,6 +90,10 @@ class Worker:
             m.registry.register(ProcessHostCollector(m.labels, gpu=engine.device.startswith("cuda")))
         self.cold_start = ColdStart(m.registry, m.labels)
         self.cold_start.set("weight_load", engine.loaded.load_seconds)
+        if engine.loaded.revision:  # a model from the store: its resolve / download / verify / load phases
+            for phase, seconds in engine.loaded.phases.items():
+                self.cold_start.set(phase, seconds)
+            self.cold_start.model_info(engine.loaded.root, engine.loaded.revision)
         self.tracer = self.otlp_metrics = None
         if obs.otlp_endpoint:
             from fleetllm.observability.otlp import OTLPMetricsPusher, resource_for
@@ -127,6 +134,8 @@ class Worker:
     async def _lifespan(self, app: Starlette) -> AsyncIterator[None]:
         self.cold_start.set("warm_up", self.engine.warm_up())
         self.async_engine.start()
+        if self.capture:
+            self.capture.start()
         if self.otlp_metrics:
             self.otlp_metrics.start()
         logging.getLogger("fleetllm").info("worker ready %.1fs after process start", self.cold_start.ready_now())
@@ -134,6 +143,8 @@ class Worker:
         yield
         self.ready = False
         self.async_engine.shutdown()
+        if self.capture:
+            await asyncio.to_thread(self.capture.close)  # SIGTERM flushes the capture spool
         if self.otlp_metrics:
             self.otlp_metrics.stop()
         if self.tracer:
@@ -188,6 +199,8 @@ class Worker:
                 sub = replace(params, n=1, seed=None if params.seed is None else _wrap_seed(params.seed + k))
                 subs.append((p_i * params.n + k, f"{rid}-{p_i}-{k}", ids, sub))
         merged: asyncio.Queue[tuple[int, RequestOutput] | BaseException | None] = asyncio.Queue()
+        tap = open_worker_tap(self.capture, request.headers, rid, kind, self.model_name, prompts, params.n,
+                              self.engine.tokenizer.decode)
 
         async def pump(index: int, sub_id: str, ids: list[int], sp: SamplingParams) -> None:
             try:
@@ -212,10 +225,14 @@ class Worker:
                 else:
                     if item[1].finished:
                         finals.append(item[1])
+                    if tap:
+                        tap.output(*item)
                     yield item
         finally:
             for t in tasks:
                 t.cancel()  # a disconnect or error: cancelled generators abort their requests
+            if tap:
+                tap.end(status)
             self._request_done(request, rid, kind, start, finals, status)
 
     def _request_done(self, request: Request, rid: str, kind: str, start: float, finals: list[RequestOutput], status: int) -> None:
@@ -339,8 +356,10 @@ class Worker:
         return self.engine.tokenizer.decode([token_id], skip_special_tokens=False)
 
     async def models(self, request: Request) -> Response:
+        loaded = self.engine.loaded  # root: where the weights came from; revision: its commit (store models)
         return JSONResponse({"object": "list", "data": [
             {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "fleetllm",
+             "root": loaded.root or loaded.name, "revision": loaded.revision,
              "max_model_len": self.engine.max_model_len}]})
 
     async def tokenize(self, request: Request) -> Response:

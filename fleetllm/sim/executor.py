@@ -30,6 +30,8 @@ class SimulatedModel:
     config: ModelConfig
     tokenizer: TokenizerWrapper
     load_seconds: float = 0.0
+    root: str = ""  # as LoadedModel: where it came from, and the commit of a store model
+    revision: str | None = None
 
 
 class TimingExecutor:

@@ -9,7 +9,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import signal
-from collections.abc import Generator
+from collections.abc import Callable, Generator
+from typing import Any
 
 import uvicorn
 
@@ -26,18 +27,22 @@ class _Server(uvicorn.Server):
 
 
 def build_workers(model: str, count: int, cfg: SimConfig, profile: TimingProfile | None,
-                  identities: list[dict[str, str]] | None = None, obs: ObservabilityConfig | None = None) -> list[Worker]:
+                  identities: list[dict[str, str]] | None = None, obs: ObservabilityConfig | None = None,
+                  captures: Callable[[int, Any], Any] | None = None) -> list[Worker]:
+    """``captures(i, engine)``: worker ``i``'s capture (fleetllm/capture/), when capture is on."""
     model_config, tokenizer = load_tokenizer(model)
     ids = identities or [None] * count
-    return [Worker(sim_engine(cfg, tokenizer, model_config, profile, ids[i]), obs) for i in range(count)]
+    engines = [sim_engine(cfg, tokenizer, model_config, profile, ids[i]) for i in range(count)]
+    return [Worker(e, obs, capture=captures(i, e) if captures else None) for i, e in enumerate(engines)]
 
 
 def serve_simulated(model: str, host: str, port: int, count: int, cfg: SimConfig, profile: TimingProfile | None,
                     log_level: str = "warning", identities: list[dict[str, str]] | None = None,
-                    obs: ObservabilityConfig | None = None, drain_timeout_s: float = 30.0) -> bool:
+                    obs: ObservabilityConfig | None = None, captures: Callable[[int, Any], Any] | None = None,
+                    drain_timeout_s: float = 30.0) -> bool:
     """Serve until SIGINT (stop now) or SIGTERM (drain every worker, then stop), or until an engine
     fails (then every worker stops); return whether one failed."""
-    workers = build_workers(model, count, cfg, profile, identities, obs)
+    workers = build_workers(model, count, cfg, profile, identities, obs, captures)
     servers = [_Server(uvicorn.Config(w.app, host=host, port=port + i, log_level=log_level, access_log=False,
                                       timeout_graceful_shutdown=30)) for i, w in enumerate(workers)]
 

@@ -22,21 +22,13 @@ PROMPTS = [
     "What is the capital of France?",
     "Write a Python function that reverses a string.",
     "Explain photosynthesis to a child.",
-    "List three prime numbers greater than 50.",
-    "Translate 'good morning' into Spanish.",
-    "What is 17 times 23?",
-    "Give me a haiku about the sea.",
     "def quicksort(arr):",
     "Summarise the plot of Romeo and Juliet in one sentence.",
     "Why is the sky blue?",
     "Name a famous physicist and one discovery.",
     "SELECT name FROM users WHERE",
-    "Write a short email declining a meeting.",
-    "What does HTTP stand for?",
-    "Count from one to ten in French.",
-    "The mitochondria is",
 ]
-MAX_TOKENS = 24
+MAX_TOKENS = 16
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +72,7 @@ def assert_hf_agrees(hf_model, prompt_ids: list[list[int]], outputs: list[list[i
 
 @pytest.fixture(scope="module")
 def reference(loaded, prompt_ids, hf_model):
-    """All 16 prompts batched together, each checked against HF: the outputs every other regime must give."""
+    """All prompts batched together, each checked against HF: the outputs every other regime must give."""
     outs = greedy(LLM(loaded=loaded, max_num_seqs=16), prompt_ids)
     assert_hf_agrees(hf_model, prompt_ids, outs)
     return outs
@@ -91,12 +83,12 @@ def test_concurrent_batch_matches_hf(reference):
 
 
 def test_one_at_a_time_matches(loaded, prompt_ids, reference):
-    some = [0, 5, 10, 15]
+    some = [0, 3, 7]
     assert greedy(LLM(loaded=loaded, max_num_seqs=1), [prompt_ids[i] for i in some]) == [reference[i] for i in some]
 
 
 def test_literal_hf_generate_matches(hf_model, prompt_ids, reference):
-    for i in (0, 7):
+    for i in (0, 3):
         ids = torch.tensor([prompt_ids[i]])
         hf = hf_model.generate(ids, max_new_tokens=MAX_TOKENS, do_sample=False, attention_mask=torch.ones_like(ids))
         expected = hf[0, len(prompt_ids[i]) :].tolist()
@@ -109,7 +101,7 @@ def test_tiny_prefill_chunks_match(loaded, prompt_ids, reference):
 
 
 def test_preemption_by_tiny_block_pool_matches(loaded, prompt_ids, reference):
-    llm = LLM(loaded=loaded, max_num_seqs=16, num_blocks=12, block_size=8)
+    llm = LLM(loaded=loaded, max_num_seqs=16, num_blocks=8, block_size=8)
     assert greedy(llm, prompt_ids) == reference
     assert llm.engine.scheduler.num_preemptions > 0, "the pool was meant to force preemption"
     assert llm.engine.pool.num_free == llm.engine.pool.num_blocks

@@ -121,3 +121,39 @@ def test_simulated_copies_of_a_model_share_processes_per_zone(tmp_path):
     f = Fleet(cfg)
     assert [len(p.urls) for p in f.workers] == [2, 2]
     assert f.zones == ["zone-a", "zone-a", "zone-b", "zone-b"]
+
+
+def test_variants_of_one_model_are_placed_apart_and_the_router_gets_their_split(tmp_path):
+    cfg = fleet([{"source": "smollm2-135m", "name": "m", "variant": "stable", "traffic": 95, "replicas": 2},
+                 {"source": "smollm2-135m", "name": "m", "variant": "canary", "traffic": 5, "replicas": 1}],
+                port=9000, log_dir=str(tmp_path))
+    assert [m.unit for m in cfg.models] == ["m@stable", "m@canary"]
+    f = Fleet(cfg)
+    rcmd = f.router.cmd
+    assert rcmd[rcmd.index("--worker-variants") + 1] == "stable,stable,canary"
+    assert rcmd[rcmd.index("--traffic") + 1] == "m=stable:95,canary:5"
+    assert [len(f.procs_of(m)) for m in cfg.models] == [2, 1]
+
+
+def test_a_model_listed_twice_needs_a_variant_on_every_entry_and_a_positive_weight():
+    one = {"source": "smollm2-135m", "name": "m"}
+    with pytest.raises(ValueError, match="listed twice"):
+        fleet([one, one])
+    with pytest.raises(ValueError, match="every entry names its `variant`"):
+        fleet([{**one, "variant": "a"}, {**one, "role": "prefill"}])
+    with pytest.raises(ValueError, match="one positive"):
+        fleet([{**one, "variant": "a", "traffic": 0}, {**one, "variant": "b", "traffic": 0}])
+
+
+def test_a_traffic_split_is_a_stable_weighted_choice_among_the_variants_that_are_up():
+    from fleetllm.router.traffic import TrafficSplit, parse_weights
+
+    split = TrafficSplit({"m": parse_weights("stable:3,canary:1")})
+    picks = [split.choose("m", f"user-{i}", {"stable", "canary"}) for i in range(4000)]
+    assert 800 <= picks.count("canary") <= 1200  # 1000 expected, sd 27
+    assert picks == [split.choose("m", f"user-{i}", {"stable", "canary"}) for i in range(4000)]
+    assert {split.choose("m", f"user-{i}", {"stable"}) for i in range(50)} == {"stable"}  # canary down
+    assert split.choose("m", "u", set()) is None and split.choose("other", "u", {"stable"}) is None
+    for bad in ("stable", "stable:x", "a:-1", "a:0"):
+        with pytest.raises(ValueError):
+            parse_weights(bad)

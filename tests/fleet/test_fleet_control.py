@@ -172,3 +172,37 @@ def test_a_fleet_of_smollm2_and_gemma3_routes_each_model_to_its_own_workers(serv
             if s.name == "vllm:request_success_total":
                 finished[s.labels["model_name"]] = finished.get(s.labels["model_name"], 0) + s.value
     assert finished == {"smollm2": 2, "gemma": 2}
+
+
+def test_a_canary_gets_its_share_sticky_per_user_on_its_own_copies_and_is_promoted_at_run_time(serve):
+    fleet = serve({"policy": "round_robin", "models": [
+        {**SIM, "name": "m", "variant": "stable", "traffic": 80, "replicas": 2},
+        {**SIM, "name": "m", "variant": "canary", "traffic": 20, "replicas": 1}]})
+    url = fleet.url
+    state = httpx.get(url + "/router/state").json()
+    copies = {v: {w["name"] for w in state["workers"] if w["variant"] == v} for v in ("stable", "canary")}
+    assert len(copies["stable"]) == 2 and len(copies["canary"]) == 1
+    assert state["traffic"] == {"m": {"stable": 80.0, "canary": 20.0}}
+
+    async def send(users: list[str]) -> list[httpx.Response]:
+        async with httpx.AsyncClient(timeout=60) as c:
+            return await asyncio.gather(*[c.post(url + "/v1/completions", json={
+                "model": "m", "prompt": "hi", "max_tokens": 2, "user": u}) for u in users])
+
+    users = [f"user-{i}" for i in range(200)]
+    answers = asyncio.run(send(users))
+    assert all(r.status_code == 200 for r in answers)
+    chosen = {u: r.headers["x-fleetllm-variant"] for u, r in zip(users, answers, strict=True)}
+    assert all(r.headers["x-fleetllm-worker"] in copies[chosen[u]] for u, r in zip(users, answers, strict=True))
+    canary = sum(v == "canary" for v in chosen.values())
+    assert 16 <= canary <= 64  # 20% of 200 = 40, sd 5.7: 4 sd either side
+    again = asyncio.run(send(users[:40]))  # sticky: a user stays on its variant
+    assert [r.headers["x-fleetllm-variant"] for r in again] == [chosen[u] for u in users[:40]]
+    metrics = httpx.get(url + "/metrics", params={"federate": "0"}).text
+    assert f'fleetllm_router_variant_requests_total{{model="m",variant="canary"}} {canary + sum(chosen[u] == "canary" for u in users[:40])}.0' in metrics
+    assert 'fleetllm_router_variant_responses_total{model="m",status="200",variant="stable"}' in metrics
+    # promote: every request to the canary, without a restart; a bad weight is refused by name
+    bad = httpx.post(url + "/admin/traffic", json={"model": "m", "weights": {"canary": -1}})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "weights"
+    assert httpx.post(url + "/admin/traffic", json={"model": "m", "weights": {"stable": 0, "canary": 1}}).status_code == 200
+    assert {r.headers["x-fleetllm-variant"] for r in asyncio.run(send(users[:20]))} == {"canary"}

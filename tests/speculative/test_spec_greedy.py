@@ -1,6 +1,6 @@
 """Greedy outputs with speculation are token-identical to greedy outputs without it.
 
-32 prompts (chat, code, long-context copy) on the embedded model, batched, through an engine tight
+13 prompts (chat, code, long-context copy) on the embedded model, batched, through an engine tight
 enough that prefills are chunked and sequences are preempted, run twice so the second pass starts from
 prefix-cache hits. Every method, fixed K (adaptive off) so drafts are verified on every step they exist.
 """
@@ -43,8 +43,9 @@ COPY = [
     "Translate to uppercase: the quick brown fox jumps over the lazy dog",
     "Continue the sequence: 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11,",
 ]
-PROMPTS = CHAT + CODE + COPY
-MAX_TOKENS = 24
+# a third of each kind: every regime below still happens (asserted), at a third of the cost
+PROMPTS = CHAT[::3] + CODE[::3] + COPY[::2]
+MAX_TOKENS = 16
 METHODS = ["ngram", "suffix", "eagle", "peagle"]
 
 
@@ -74,8 +75,8 @@ def reference(loaded: LoadedModel, prompt_ids: list[list[int]]) -> list[list[int
 
 
 def tight_llm(loaded: LoadedModel, method: str) -> LLM:
-    # 128-token budget: long prompts are chunked; 40 blocks of 16 cannot hold the sequences as they grow
-    return LLM(loaded=loaded, num_blocks=40, max_num_batched_tokens=128, speculative=f"method={method},k=4,adaptive=0")
+    # 128-token budget: long prompts are chunked; 20 blocks of 16 cannot hold the sequences as they grow
+    return LLM(loaded=loaded, num_blocks=20, max_num_batched_tokens=128, speculative=f"method={method},k=4,adaptive=0")
 
 
 def available(method: str) -> bool:
@@ -117,13 +118,13 @@ def test_no_block_leaks_after_speculation(spec_run) -> None:
 @pytest.mark.slow
 def test_one_request_at_a_time_equals_greedy_without(loaded: LoadedModel, prompt_ids, reference) -> None:
     llm = LLM(loaded=loaded, num_blocks=256, speculative="method=suffix,k=6,adaptive=0")
-    for ids, ref in list(zip(prompt_ids, reference, strict=True))[::4]:
+    for ids, ref in list(zip(prompt_ids, reference, strict=True))[::6]:
         assert llm.generate([ids], greedy())[0].outputs[0].token_ids == ref
 
 
 def test_logprobs_of_verified_tokens_match_plain_decoding(loaded: LoadedModel, prompt_ids) -> None:
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
-    ids = prompt_ids[len(CHAT) + len(CODE)]  # a copy prompt: drafts are accepted
+    ids = prompt_ids[len(CHAT[::3]) + len(CODE[::3])]  # a copy prompt: drafts are accepted
     plain = LLM(loaded=loaded, num_blocks=64).generate([ids], params)[0].outputs[0].logprobs
     llm = LLM(loaded=loaded, num_blocks=64, speculative="method=ngram,k=4,adaptive=0")
     spec = llm.generate([ids], params)[0].outputs[0].logprobs

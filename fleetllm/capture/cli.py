@@ -1,0 +1,96 @@
+"""``fleetllm capture ls|show|decrypt|forget``: list, read, filter, decrypt and delete captures.
+
+LOCATION is a capture directory (or one object file) or ``s3://bucket/prefix``; envelope-encrypted
+objects are decrypted through KMS (the caller needs ``kms:Decrypt`` on the key).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from fleetllm.capture.config import TIERS
+from fleetllm.capture.reader import CaptureSource, forget
+from fleetllm.capture.records import record_id, record_status, record_time
+
+
+def _when(text: str) -> float:
+    return datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
+
+
+def matches(args: argparse.Namespace, tier: str, record: dict[str, Any]) -> bool:
+    """Whether a record passes the ``show`` filters (tier, request id, status, time range)."""
+    if args.tier and tier != args.tier:
+        return False
+    if args.id and record_id(tier, record) != args.id:
+        return False
+    if args.status is not None and record_status(tier, record) != args.status:
+        return False
+    t = record_time(tier, record)
+    return not ((args.since and t < _when(args.since)) or (args.until and t >= _when(args.until)))
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    src = CaptureSource(args.location, args.s3_endpoint_url)
+    for key in src.keys():
+        print(key)
+    return 0
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    src = CaptureSource(args.location, args.s3_endpoint_url)
+    shown = 0
+    for _, tier, rec in src.records():
+        if matches(args, tier, rec):
+            print(json.dumps(rec, ensure_ascii=False))
+            shown += 1
+            if args.limit and shown >= args.limit:
+                break
+    return 0
+
+
+def cmd_decrypt(args: argparse.Namespace) -> int:
+    """Every object's plaintext: to stdout, or mirrored under ``--output`` (``.enc`` dropped)."""
+    src = CaptureSource(args.location, args.s3_endpoint_url)
+    for key in src.keys():
+        data = src.read(key)
+        if args.output is None:
+            sys.stdout.buffer.write(data)
+            continue
+        path = Path(args.output) / key.removesuffix(".enc")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(data)
+    return 0
+
+
+def cmd_forget(args: argparse.Namespace) -> int:
+    n = forget(CaptureSource(args.location, args.s3_endpoint_url), args.id)
+    print(f"deleted {n} record(s) of request {args.id}")
+    return 0
+
+
+def add_capture_parser(sub: argparse._SubParsersAction) -> None:
+    c = sub.add_parser("capture", help="list, show, decrypt and forget captured requests")
+    cs = c.add_subparsers(dest="capture_command", required=True)
+    for name, func, doc in (("ls", cmd_ls, "every object key"), ("show", cmd_show, "records as JSON lines"),
+                            ("decrypt", cmd_decrypt, "objects' plaintext"),
+                            ("forget", cmd_forget, "delete every record of one request (by id)")):
+        p = cs.add_parser(name, help=doc)
+        p.add_argument("location", help="capture directory or file, or s3://bucket/prefix")
+        p.add_argument("--s3-endpoint-url", default=None, help="S3 / KMS endpoint (default: boto3's)")
+        p.set_defaults(func=func)
+        if name == "show":
+            p.add_argument("--tier", choices=TIERS, default=None)
+            p.add_argument("--id", default=None, help="one request (the x-fleetllm-request-id)")
+            p.add_argument("--status", type=int, default=None, help="HTTP status the client got")
+            p.add_argument("--since", default=None, help="ISO time: requests that arrived at or after it")
+            p.add_argument("--until", default=None, help="ISO time: requests that arrived before it")
+            p.add_argument("--limit", type=int, default=0, help="stop after this many records")
+        elif name == "decrypt":
+            p.add_argument("--output", default=None, help="directory for the plaintext objects (default: stdout)")
+        elif name == "forget":
+            p.add_argument("--id", required=True, help="the request's x-fleetllm-request-id")
