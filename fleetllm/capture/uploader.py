@@ -38,6 +38,7 @@ class Uploader:
         self._thread = threading.Thread(target=self._run, name="capture-uploader", daemon=True)
         self.backoff = 0.0
         self._next_expiry = 0.0
+        self._shipping = threading.Lock()  # one drain at a time: the thread's, or a flush / close from another
 
     def start(self) -> None:
         self._thread.start()
@@ -74,13 +75,14 @@ class Uploader:
 
     def drain(self, deadline: float | None = None) -> bool:
         """Ship every ready segment; False at the first failure (the rest wait for the retry)."""
-        for seg in self.spool.ready():
-            if deadline is not None and time.monotonic() > deadline:
-                return False
-            if not self._ship(seg):
-                return False
-        self._gauges()
-        return True
+        with self._shipping:
+            for seg in self.spool.ready():
+                if deadline is not None and time.monotonic() > deadline:
+                    return False
+                if not self._ship(seg):
+                    return False
+            self._gauges()
+            return True
 
     def _ship(self, seg: Segment) -> bool:
         t = time.perf_counter()

@@ -14,7 +14,7 @@ def test_a_fleet_pins_hub_sources_and_hides_other_models_tokens(hub, hub_repos, 
                       log_dir=str(tmp_path))
     fleet = Fleet(cfg)  # plans the processes, starts none
     commit = hub_repos["test/tiny"].branches["main"]
-    tiny, chat = fleet.procs_of("tiny")[0], fleet.procs_of("chat")[0]
+    tiny, chat = (fleet.procs_of(m)[0] for m in cfg.models)
     assert tiny.cmd[tiny.cmd.index("--model") + 1] == f"hf://test/tiny@{commit}"
     tokenizer = next(a for a in fleet.router.cmd if a.startswith("tiny="))  # the router's: that commit's files
     assert tokenizer == f"tiny={store_cfg.cache_dir}/hf--test--tiny/{commit}/files"
