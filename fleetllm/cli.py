@@ -19,6 +19,7 @@ from fleetllm.capture.config import CaptureConfig
 from fleetllm.cli_options import add_options, cli_fields, from_args, opt
 from fleetllm.engine.config import EngineConfig
 from fleetllm.router.config import RouterConfig
+from fleetllm.server.body_limit import DEFAULT_MAX_BODY_BYTES
 from fleetllm.server.config import ObservabilityConfig
 from fleetllm.sim.config import SimConfig
 from fleetllm.store.config import StoreConfig
@@ -31,6 +32,7 @@ class ListenOptions:
     host: str = opt("127.0.0.1", "address to listen on")
     port: int = opt(8000, "port to listen on")
     log_level: str = opt("info", "uvicorn log level")
+    max_body_bytes: int = opt(DEFAULT_MAX_BODY_BYTES, "largest request body accepted (413 above)")
 
 
 @dataclass
@@ -43,6 +45,8 @@ class WorkerOptions:
     worker_id: str | None = opt(None, "label `worker` on every metric (default: HOST:PORT)")
     zone: str = opt("local", "label `zone`: where this worker runs")
     instance_type: str | None = opt(None, "label `instance_type` (default: cpu, or the GPU's name)")
+    drain_timeout_s: float = opt(30.0, "on SIGTERM: seconds to let in-flight requests finish (/ready answers "
+                                       "503 draining meanwhile) before exiting")
 
 
 @dataclass
@@ -72,7 +76,7 @@ class ServeOptions:
     prefill: int = opt(0, "disaggregated fleet: prefill-role workers")
     decode: int = opt(0, "disaggregated fleet: decode-role workers")
     num_threads: int | None = opt(None, "torch threads per worker (default: cores / replicas)")
-    restart: bool = opt(False, "restart worker processes that die")
+    restart: bool = opt(True, "restart worker processes that die")
     log_dir: str | None = opt(None, "where worker and router logs go (default: a temp dir)")
     host: str | None = opt(None, "router address (default: the config's, else 127.0.0.1)")
     port: int | None = opt(None, "router port (default: the config's, else 8000); workers use the next ones")
@@ -136,7 +140,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
         return cmd_sim_worker(args)
     from fleetllm.engine.engine import LLMEngine
     from fleetllm.server.app import Worker
-    from fleetllm.server.uvicorn_runner import run_app
+    from fleetllm.server.uvicorn_runner import make_server
     from fleetllm.store.errors import StoreError
 
     try:
@@ -149,9 +153,14 @@ def cmd_worker(args: argparse.Namespace) -> int:
         engine.pool.num_blocks, engine.pool.block_size,
     )
     capture = capture_for(args, "worker-" + worker_identity(args)["worker"], ("worker",), engine.metrics.registry)
-    worker = Worker(engine, observability_config(args), role=args.role, capture=capture)
-    run_app(worker.app, args.host, args.port, args.log_level, on_exit=lambda: setattr(worker, "closing", True))
-    return 0
+    worker = Worker(engine, observability_config(args), role=args.role, capture=capture,
+                    max_body_bytes=args.max_body_bytes)
+    server = make_server(worker.app, args.host, args.port, args.log_level,
+                         on_exit=lambda: setattr(worker, "closing", True),
+                         drain=lambda: worker.drain(args.drain_timeout_s))
+    worker.on_fatal = server.exit_now
+    server.run()
+    return 1 if worker.async_engine.failure else 0  # non-zero: the supervisor restarts this worker
 
 
 def cmd_sim_worker(args: argparse.Namespace) -> int:
@@ -165,9 +174,10 @@ def cmd_sim_worker(args: argparse.Namespace) -> int:
     if args.destination:  # capture: one per simulated worker (passed only when on)
         extra["captures"] = lambda i, e: capture_for(args, "worker-" + identities[i]["worker"], ("worker",),
                                                      e.metrics.registry)
-    serve_simulated(args.model, args.host, args.port, args.count, cfg, load_profile(args), args.log_level,
-                    identities=identities, obs=observability_config(args), **extra)
-    return 0
+    failed = serve_simulated(args.model, args.host, args.port, args.count, cfg, load_profile(args), args.log_level,
+                             identities=identities, obs=observability_config(args),
+                             drain_timeout_s=args.drain_timeout_s, **extra)
+    return 1 if failed else 0
 
 
 def sim_config(args: argparse.Namespace) -> SimConfig:
@@ -193,7 +203,7 @@ def cmd_router(args: argparse.Namespace) -> int:
     from fleetllm.server.uvicorn_runner import run_app
 
     # Rates of the shipped SmolLM2-on-CPU profile unless a measured one is given (fleetllm calibrate).
-    router = Router(router_config(args))
+    router = Router(router_config(args), max_body_bytes=args.max_body_bytes)
     router.capture = capture_for(args, "router", ("endpoint", "access"), router.metrics.registry)
     logging.getLogger("fleetllm").info("router on %s:%d over %d workers, policy %s", args.host, args.port,
                                        len(args.workers), args.policy)
@@ -213,8 +223,14 @@ def cmd_router(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from fleetllm.fleet.config import FleetConfig
     from fleetllm.fleet.launcher import run_fleet
+
+    return run_fleet(fleet_config(args))
+
+
+def fleet_config(args: argparse.Namespace):  # -> FleetConfig
+    """The fleet a ``fleetllm serve`` command line describes: its YAML, with the flags given overriding it."""
+    from fleetllm.fleet.config import FleetConfig
 
     if args.config:
         cfg = FleetConfig.from_yaml(args.config)
@@ -225,13 +241,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
         cfg.pd_threshold = args.pd_threshold
     cfg.host, cfg.port = args.host or cfg.host, args.port or cfg.port
     cfg.policy = args.policy or cfg.policy
-    cfg.restart = cfg.restart or args.restart
+    cfg.restart = cfg.restart and args.restart  # on unless the YAML or --no-restart turns it off
     if args.log_dir:
         cfg.log_dir = args.log_dir
     cfg.otlp_endpoint = args.otlp_endpoint or cfg.otlp_endpoint
     given = {f.name: getattr(args, f.name) for f in cli_fields(CaptureConfig) if getattr(args, f.name) is not None}
     cfg.capture = CaptureConfig(**{**vars(cfg.capture), **given})
-    return run_fleet(cfg)
+    return cfg
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:

@@ -3,7 +3,9 @@
 Both run on the engine's own thread (:meth:`AsyncEngine.call`), between steps. Import writes each
 block into a fresh pool block, registers it under its hash (a ``stored`` KV event) and releases it:
 the block sits in the prefix cache like a block this engine computed and freed, so the decode request
-that follows takes it as a prefix hit and continues exactly as after a local prefill. Nothing is left
+that follows takes it as a prefix hit and continues exactly as after a local prefill. Blocks already
+cached are pinned (a reference taken) while the missing ones are allocated, so the allocation's LRU
+eviction can never take the head of the chain being imported. Nothing is left
 allocated — an imported block nobody claims is simply reused later (LRU), which is also how blocks of
 an abandoned transfer are cleaned up.
 """
@@ -15,7 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from fleetllm.disagg.frame import FrameError, FrameHeader
-from fleetllm.engine.block_pool import hash_block
+from fleetllm.engine.block_pool import BlockPool, hash_block
 
 if TYPE_CHECKING:
     from fleetllm.engine.engine import LLMEngine
@@ -46,28 +48,49 @@ def import_blocks(engine: LLMEngine, header: FrameHeader, layers: list[tuple[tor
     got = (header.model, header.num_layers, header.num_kv_heads, header.head_dim, header.dtype, header.block_size)
     if got != expect:
         raise FrameError(f"frame for {got} does not fit this engine {expect}")
-    bs, pool = header.block_size, engine.pool
-    extra = engine.kv.extra_key
+    pool = engine.pool
+    missing, pinned = _walk(header, pool, engine.kv.extra_key)
+    for bid in pinned:  # a reference on what is cached: allocating below must not evict the chain's head
+        pool.touch(bid)
+    try:
+        # keep the scheduler's headroom: never take more than the free blocks beyond the watermark
+        room = pool.num_free - engine.scheduler.watermark_blocks
+        todo = missing[: max(0, room)]
+        if todo:
+            _write_blocks(pool, views, layers, todo)
+    finally:
+        pool.release(pinned)
+    return {"imported": len(todo), "already_cached": header.num_blocks - len(missing), "dropped": len(missing) - len(todo)}
+
+
+def _walk(header: FrameHeader, pool: BlockPool, extra: bytes) -> tuple[list[tuple[int, int, list[int]]], list[int]]:
+    """The frame's blocks not cached here as (frame index, hash, tokens), and the pool ids of those that
+    are; FrameError if a hash does not match its tokens."""
+    bs = header.block_size
     parent = None
-    missing = []  # (frame index, hash, tokens) of blocks not cached here yet
+    missing, cached = [], []
     for i, h in enumerate(header.block_hashes):
         chunk = header.token_ids[i * bs : (i + 1) * bs]
         parent = hash_block(parent, chunk, extra)
         if parent != h:
             raise FrameError(f"block {i}: hash does not match its tokens")
-        if pool.lookup(h, chunk) is None:
+        bid = pool.lookup(h, chunk)
+        if bid is None:
             missing.append((i, h, chunk))
-    # keep the scheduler's headroom: never take more than the free blocks beyond the watermark
-    room = pool.num_free - engine.scheduler.watermark_blocks
-    todo = missing[: max(0, room)]
-    if todo:
-        new = pool.allocate(len(todo))
-        src = torch.tensor([i for i, _, _ in todo], dtype=torch.long)
-        dst = torch.tensor(new, dtype=torch.long, device=views[0][0].device)
-        for (kc, vc), (k, v) in zip(views, layers, strict=True):
-            kc.index_copy_(0, dst, k.index_select(0, src).to(kc.device, kc.dtype))
-            vc.index_copy_(0, dst, v.index_select(0, src).to(vc.device, vc.dtype))
-        for bid, (_, h, chunk) in zip(new, todo, strict=True):
-            pool.register(bid, h, chunk)
-        pool.release(new)
-    return {"imported": len(todo), "already_cached": header.num_blocks - len(missing), "dropped": len(missing) - len(todo)}
+        else:
+            cached.append(bid)
+    return missing, cached
+
+
+def _write_blocks(pool: BlockPool, views: list[tuple[torch.Tensor, torch.Tensor]],
+                  layers: list[tuple[torch.Tensor, torch.Tensor]], todo: list[tuple[int, int, list[int]]]) -> None:
+    """Copy the ``todo`` blocks of the frame into fresh pool blocks, register them and release them."""
+    new = pool.allocate(len(todo))
+    src = torch.tensor([i for i, _, _ in todo], dtype=torch.long)
+    dst = torch.tensor(new, dtype=torch.long, device=views[0][0].device)
+    for (kc, vc), (k, v) in zip(views, layers, strict=True):
+        kc.index_copy_(0, dst, k.index_select(0, src).to(kc.device, kc.dtype))
+        vc.index_copy_(0, dst, v.index_select(0, src).to(vc.device, vc.dtype))
+    for bid, (_, h, chunk) in zip(new, todo, strict=True):
+        pool.register(bid, h, chunk)
+    pool.release(new)

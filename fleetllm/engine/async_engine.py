@@ -4,11 +4,19 @@ The engine's step loop stays plain and synchronous; adds and aborts travel to it
 queue and are applied between steps, so the engine is only ever touched by its own thread. Outputs
 come back to the event loop with ``call_soon_threadsafe``. PyTorch releases the GIL in its kernels,
 so the HTTP side stays responsive while a step runs.
+
+Engine request ids are minted here, unique per call: a caller's id (a client's ``x-request-id``,
+which clients reuse) is only a label, so two calls with the same label never share a stream.
+
+If the engine thread itself fails (an exception outside the per-step guard: scheduling,
+detokenising, updating from an output), it is dead: every waiting caller gets :class:`EngineFailed`
+at once, later calls too, and ``on_failure`` runs (the worker stops taking requests and exits).
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import queue
 import threading
@@ -26,11 +34,18 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
+class EngineFailed(RuntimeError):
+    """The engine thread died; no request can run on this engine any more."""
+
+
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(self, engine: LLMEngine, on_failure: Callable[[BaseException], None] | None = None) -> None:
         self.engine = engine
+        self.on_failure = on_failure  # called on the event loop once, when the engine thread dies
+        self.failure: EngineFailed | None = None
         self._cmds: queue.Queue[tuple[str, Any]] = queue.Queue()
-        self._streams: dict[str, asyncio.Queue[RequestOutput]] = {}
+        self._streams: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
+        self._ids = itertools.count()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
@@ -59,21 +74,30 @@ class AsyncEngine:
     def num_active(self) -> int:
         return len(self._streams)
 
-    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+    async def generate(self, label: str, prompt_token_ids: list[int], params: SamplingParams,
                        arrival_time: float | None = None) -> AsyncIterator[RequestOutput]:
-        """Add a request and yield its outputs; the request is aborted if the caller stops iterating early."""
+        """Add a request and yield its outputs; the request is aborted if the caller stops iterating early.
+
+        ``label`` names the request in the engine's id (``label#n``); it need not be unique.
+        Raises :class:`EngineFailed` if the engine thread is dead or dies meanwhile."""
         assert self._loop is not None, "start() the engine first"
+        if self.failure is not None:
+            raise self.failure
+        request_id = f"{label}#{next(self._ids)}"
         added: asyncio.Future[None] = self._loop.create_future()
-        stream: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        stream: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._streams[request_id] = stream
         # the request arrives now, not when the engine thread next takes commands (after a running step)
         arrival = time.monotonic() if arrival_time is None else arrival_time
-        self._cmds.put(("add", (request_id, prompt_token_ids, params, added, arrival)))
+        self._cmds.put(("add", (request_id, prompt_token_ids, params, arrival, added)))
         finished = False
         try:
             await added  # raises the engine's validation error (bad params, too long, queue full)
             while True:
                 out = await stream.get()
+                if isinstance(out, BaseException):
+                    finished = True  # the engine is gone: nothing to abort
+                    raise out
                 finished = out.finished
                 yield out
                 if finished:
@@ -83,15 +107,14 @@ class AsyncEngine:
             if not finished:
                 self._cmds.put(("abort", request_id))
 
-    def abort(self, request_id: str) -> None:
-        self._cmds.put(("abort", request_id))
-
     async def subscribe_kv_events(self) -> tuple[asyncio.Queue[tuple[str, list[int]]], list[int]]:
         """A queue of ("stored" | "removed", block hashes) events and the snapshot of cached hashes they
         follow. The snapshot is taken on the engine thread between steps, and the queue is registered in
         the same FIFO as event deliveries, so snapshot + events is exactly the cache's state. Call
         :meth:`unsubscribe_kv_events` when done."""
         assert self._loop is not None, "start() the engine first"
+        if self.failure is not None:
+            raise self.failure
         q: asyncio.Queue[tuple[str, list[int]]] = asyncio.Queue()
         fut: asyncio.Future[list[int]] = self._loop.create_future()
         self._cmds.put(("kv_snapshot", (q, fut)))
@@ -102,6 +125,8 @@ class AsyncEngine:
 
         For work that must see a consistent engine (exporting or importing KV blocks)."""
         assert self._loop is not None, "start() the engine first"
+        if self.failure is not None:
+            raise self.failure
         fut: asyncio.Future[T] = self._loop.create_future()
         self._cmds.put(("call", (fn, fut)))
         return await fut
@@ -109,8 +134,21 @@ class AsyncEngine:
     def unsubscribe_kv_events(self, q: asyncio.Queue[tuple[str, list[int]]]) -> None:
         self._kv_subscribers.discard(q)
 
+    def announce(self, kind: str) -> int:
+        """Send a ``kind`` event (no hashes) to every KV-event subscriber now; return how many there are.
+        On the event loop (e.g. "draining", which routers act on at once)."""
+        self._fanout_kv(kind, [])
+        return len(self._kv_subscribers)
+
     # ---- engine thread -------------------------------------------------------------------------------
     def _run(self) -> None:
+        try:
+            self._loop_steps()
+        except BaseException as e:  # noqa: BLE001 - the thread dies; every caller must hear of it
+            log.exception("engine thread failed; failing every request")
+            self._loop.call_soon_threadsafe(self._fail_all, EngineFailed(f"engine failed: {type(e).__name__}: {e}"))
+
+    def _loop_steps(self) -> None:
         eng = self.engine
         while not self._stop.is_set():
             try:
@@ -132,7 +170,7 @@ class AsyncEngine:
     def _apply(self, cmd: tuple[str, Any]) -> None:
         kind, arg = cmd
         if kind == "add":
-            rid, ids, params, fut, arrival = arg
+            rid, ids, params, arrival, fut = arg
             try:
                 self.engine.add_request(rid, ids, params, arrival)
                 err = None
@@ -165,6 +203,22 @@ class AsyncEngine:
     def _fanout_kv(self, kind: str, hashes: list[int]) -> None:
         for q in self._kv_subscribers:
             q.put_nowait((kind, hashes))
+
+    def _fail_all(self, err: EngineFailed) -> None:
+        """On the event loop, after the engine thread died: fail every stream and every pending command."""
+        self.failure = err
+        for stream in self._streams.values():
+            stream.put_nowait(err)
+        while True:
+            try:
+                kind, arg = self._cmds.get_nowait()
+            except queue.Empty:
+                break
+            fut = arg[-1] if kind in ("add", "call", "kv_snapshot") else None
+            if fut is not None:
+                _resolve(fut, None, err)
+        if self.on_failure is not None:
+            self.on_failure(err)
 
     def _deliver(self, outs: list[RequestOutput]) -> None:
         for out in outs:

@@ -17,8 +17,12 @@ class InvalidParameter(ValueError):
 class PromptTooLong(InvalidParameter):
     """The prompt (plus the tokens asked for) does not fit the context."""
 
-    def __init__(self, message: str) -> None:
-        super().__init__("messages", message)
+    def __init__(self, message: str, param: str = "messages") -> None:
+        super().__init__(param, message)
+
+
+MAX_STOP = 64  # stop strings per request: each is checked against every new token's text
+MAX_STOP_CHARS = 512
 
 
 @dataclass
@@ -61,10 +65,13 @@ class SamplingParams:
             ("repetition_penalty", 0.0 < self.repetition_penalty <= 10.0, "must be in (0, 10]"),
             ("logprobs", self.logprobs is None or 0 <= self.logprobs <= 20, "must be in [0, 20]"),
             ("n", 1 <= self.n <= 16, "must be in [1, 16]"),
+            ("seed", self.seed is None or -(2**63) <= self.seed < 2**63, "must fit in a signed 64-bit integer"),
+            ("stop", len(self.stop) <= MAX_STOP and all(len(x) <= MAX_STOP_CHARS for x in self.stop),
+             f"must be at most {MAX_STOP} strings of at most {MAX_STOP_CHARS} characters"),
         ]
         for name, ok, msg in checks:
             if not ok:
-                raise InvalidParameter(name, f"{name} {msg}, got {getattr(self, name)!r}")
+                raise InvalidParameter(name, f"{name} {msg}, got {_short(getattr(self, name))}")
 
     @property
     def greedy(self) -> bool:
@@ -96,5 +103,11 @@ def check_prompt(prompt_token_ids: list[int], params: SamplingParams, max_model_
         max_tokens = room if default_max_tokens is None else min(room, default_max_tokens)
     if max_tokens > room:
         raise PromptTooLong(f"This model's maximum context length is {max_model_len} tokens. However, you requested "
-                            f"{n + max_tokens} tokens ({n} in the messages, {max_tokens} in the completion).")
+                            f"{n + max_tokens} tokens ({n} in the messages, {max_tokens} in the completion).",
+                            "max_tokens")
     return max_tokens
+
+
+def _short(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."

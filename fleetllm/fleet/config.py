@@ -8,7 +8,7 @@ is optional; the smallest config is ``models: [{source: smollm2-135m}]``. Exampl
     host: 127.0.0.1
     port: 8000
     policy: kv_aware                  # the default routing policy; a model may set its own
-    restart: true                     # restart a worker process that dies
+    restart: true                     # restart a worker process that dies (the default)
     machines:                         # default: this machine, all its cores and memory, zone "local"
       - {name: a, cores: 1, memory_gb: 8, zone: zone-a}
       - {name: b, cores: 1, memory_gb: 8, zone: zone-b}
@@ -159,7 +159,7 @@ class FleetConfig:
     machines: list[Machine] = field(default_factory=lambda: [Machine()])
     external: list[str] = field(default_factory=list)
     router_args: list[str] = field(default_factory=list)
-    restart: bool = False
+    restart: bool = True  # restart worker processes that die (a dead engine exits non-zero)
     keys_file: str | None = None  # API keys on: the router admits only keys of this file (fleetllm keys)
     pd_threshold: int | None = None  # router: disaggregate above this many uncached prompt tokens (default 4096)
     log_dir: str | None = None

@@ -135,7 +135,7 @@ class FleetController:
         """Tell the router of a new copy once it is healthy (and so warm); remove it if it never is."""
         try:
             for u in proc.urls:
-                self.fleet.wait_healthy(proc, u + "/health", time.monotonic() + self.fleet.cfg.startup_timeout_s)
+                self.fleet.wait_healthy(proc, u + "/ready", time.monotonic() + self.fleet.cfg.startup_timeout_s)
                 m = proc.copies[0].model
                 self.admin.add_worker(u, proc.zone, proc.role, m.served_name, m.variant or "")
         except (RuntimeError, TimeoutError, httpx.HTTPError) as e:

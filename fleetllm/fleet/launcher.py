@@ -4,8 +4,13 @@ Start order: workers (one process per placed copy, pinned to its reserved cores;
 per process), wait until each answers /health, then the router, then wait until the router sees
 every worker healthy. On SIGINT/SIGTERM the router stops first (no new requests), then the workers;
 anything still alive after a grace period is killed, so no process outlives the fleet. With
-``restart`` a worker process that dies is started again on the same port; the router notices the
-new instance through its KV-event stream and re-syncs its prefix index.
+``restart`` (the default) a worker process that dies is started again on the same port; the router
+notices the new instance through its KV-event stream and re-syncs its prefix index.
+
+SIGHUP rolls a restart through the workers, one process at a time: SIGTERM (the worker drains: the
+router stops routing to it at its "draining" event, in-flight requests finish), start it again, wait
+until it is ready and the router routes to it, then the next. No request fails when the fleet has
+more than one worker process.
 """
 
 from __future__ import annotations
@@ -223,7 +228,7 @@ class Fleet:
                 p.start()
             for p in self.workers:
                 for u in p.urls:
-                    self.wait_healthy(p, u + "/health", deadline)
+                    self.wait_healthy(p, u + "/ready", deadline)  # loaded and warm
             assert self.router is not None
             self.router.start()
             self.wait_healthy(self.router, self.url + "/health", deadline)
@@ -262,12 +267,32 @@ class Fleet:
         _terminate([self.router] if self.router else [], grace_s)
         _terminate(self.workers, grace_s)
 
+    def rolling_restart(self, drain_grace_s: float = 60.0) -> None:
+        """Restart every worker process in turn, each back and routed to before the next one stops."""
+        for p in list(self.workers):
+            if p not in self.workers:  # removed meanwhile (autoscaler)
+                continue
+            log.info("rolling restart: %s", p.name)
+            _terminate([p], drain_grace_s)
+            p.restarts += 1
+            p.start()
+            deadline = time.monotonic() + self.cfg.startup_timeout_s
+            for u in p.urls:
+                self.wait_healthy(p, u + "/ready", deadline)
+            self._wait_router_sees_all(deadline)
+        log.info("rolling restart done: %d worker process(es)", len(self.workers))
+
     def supervise(self, should_stop: Callable[[], bool], tick: Callable[[], object] | None = None,
-                  tick_s: float = 2.0) -> None:
-        """Block until ``should_stop()``; restart dead workers when configured to; call ``tick`` (the fleet
-        controller) every ``tick_s``."""
+                  tick_s: float = 2.0, restart_requested: Callable[[], bool] = lambda: False) -> None:
+        """Block until ``should_stop()``; restart dead workers when configured to; roll a restart through
+        the workers when ``restart_requested()``; call ``tick`` (the fleet controller) every ``tick_s``."""
         next_tick = time.monotonic() + tick_s
         while not should_stop():
+            if restart_requested():
+                try:
+                    self.rolling_restart()
+                except (RuntimeError, TimeoutError) as e:
+                    log.error("rolling restart stopped: %s", e)
             for p in list(self.workers):
                 if not p.alive and self.cfg.restart:
                     p.restarts += 1
@@ -303,13 +328,21 @@ def _terminate(procs: list[Proc], grace_s: float) -> None:
 def run_fleet(cfg: FleetConfig) -> int:
     """``fleetllm serve``: start the fleet, serve until SIGINT/SIGTERM, stop it cleanly."""
     fleet = Fleet(cfg)
-    stop = {"now": False}
+    stop = {"now": False, "restart": False}
 
     def on_signal(sig: int, frame: object) -> None:
         stop["now"] = True
 
+    def on_hup(sig: int, frame: object) -> None:
+        stop["restart"] = True
+
+    def restart_requested() -> bool:
+        requested, stop["restart"] = stop["restart"], False
+        return requested
+
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGHUP, on_hup)
     n = cfg.num_workers
     print(f"starting {n} worker(s) and the router (logs in {fleet.log_dir}) ...", flush=True)
     t0 = time.monotonic()
@@ -326,7 +359,7 @@ def run_fleet(cfg: FleetConfig) -> int:
 
         tick = FleetController(fleet, RouterAdmin(fleet.url, fleet.secret)).tick
     try:
-        fleet.supervise(lambda: stop["now"], tick)
+        fleet.supervise(lambda: stop["now"], tick, restart_requested=restart_requested)
     finally:
         fleet.stop()
     return 0

@@ -1,9 +1,28 @@
-"""Architecture description of a decoder (Llama family, Gemma 3), read from HF config.json or GGUF metadata."""
+"""Architecture description of a decoder (Llama family, Gemma 3), read from HF config.json or GGUF metadata.
+
+Anything fleetllm cannot run exactly — another architecture, a RoPE scaling it does not apply — raises
+:class:`UnsupportedModel` naming it, here at load: a model that ran as a near-Llama would answer, wrongly.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
+
+HF_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}  # besides gemma3 / gemma3_text
+GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")
+ROPE_SCALINGS = ("default", "linear", "llama3")  # what models/llama.py rope_inv_freq applies
+
+
+class UnsupportedModel(ValueError):
+    """The model's architecture or one of its settings is not implemented by fleetllm."""
+
+
+def _check_rope_scaling(scaling: dict[str, Any] | None) -> dict[str, Any] | None:
+    kind = (scaling or {}).get("rope_type") or (scaling or {}).get("type") or "default"
+    if kind not in ROPE_SCALINGS:
+        raise UnsupportedModel(f"RoPE scaling {kind!r} is not supported (supported: {', '.join(ROPE_SCALINGS)})")
+    return scaling
 
 
 @dataclass
@@ -44,10 +63,14 @@ class ModelConfig:
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> ModelConfig:
         """Build from a HF ``config.json`` dictionary."""
-        model_type = cfg.get("model_type", "llama")
+        model_type = cfg.get("model_type")
         if model_type in ("gemma3_text", "gemma3"):
             return _gemma3_from_hf(cfg.get("text_config") or cfg)
-        arch = {"qwen2": "qwen2", "qwen3": "qwen3"}.get(model_type, "llama")
+        if model_type not in HF_MODEL_TYPES:
+            named = f"model_type {model_type!r}" if model_type else "a config.json without model_type"
+            raise UnsupportedModel(f"{named} (architectures {cfg.get('architectures')}) is not supported; fleetllm "
+                                   f"runs {', '.join([*HF_MODEL_TYPES, 'gemma3'])}")
+        arch = HF_MODEL_TYPES[model_type]
         heads = cfg["num_attention_heads"]
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
         eos = cfg.get("eos_token_id")
@@ -69,7 +92,7 @@ class ModelConfig:
             head_dim=head_dim,
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             rope_theta=float(theta),
-            rope_scaling=scaling,
+            rope_scaling=_check_rope_scaling(scaling),
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
             attention_bias=cfg.get("attention_bias", arch == "qwen2"),
@@ -82,6 +105,9 @@ class ModelConfig:
     def from_gguf(cls, meta: dict[str, Any], vocab_size: int, tied: bool) -> ModelConfig:
         """Build from GGUF key/value metadata (``{arch}.block_count`` and friends)."""
         arch = meta["general.architecture"]
+        if arch not in GGUF_ARCHITECTURES:
+            raise UnsupportedModel(f"GGUF architecture {arch!r} is not supported; fleetllm runs "
+                                   f"{', '.join(GGUF_ARCHITECTURES)}")
 
         def get(key: str, default: Any = None) -> Any:
             return meta.get(f"{arch}.{key}", default)
@@ -90,12 +116,12 @@ class ModelConfig:
         hidden = get("embedding_length")
         head_dim = get("attention.key_length") or hidden // heads
         rope_scaling = None
-        if get("rope.scaling.type") in ("linear", "yarn"):
+        if get("rope.scaling.type") not in (None, "none"):
             rope_scaling = {"rope_type": get("rope.scaling.type"), "factor": get("rope.scaling.factor", 1.0)}
         eos = meta.get("tokenizer.ggml.eos_token_id")
         gemma = _gemma3_from_gguf(get, hidden, heads, head_dim) if arch == "gemma3" else {}
         return cls(
-            architecture=arch if arch in ("llama", "qwen2", "qwen3", "gemma3") else "llama",
+            architecture=arch,
             vocab_size=vocab_size,
             hidden_size=hidden,
             intermediate_size=get("feed_forward_length"),
@@ -105,7 +131,7 @@ class ModelConfig:
             head_dim=head_dim,
             rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
             rope_theta=float(get("rope.freq_base", 10000.0)),
-            rope_scaling=rope_scaling,
+            rope_scaling=_check_rope_scaling(rope_scaling),
             max_position_embeddings=get("context_length", 4096),
             tie_word_embeddings=tied,
             attention_bias=arch == "qwen2",
@@ -163,7 +189,7 @@ def _gemma3_from_hf(cfg: dict[str, Any]) -> ModelConfig:
         head_dim=cfg.get("head_dim", 256),
         rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
         rope_theta=float(full.get("rope_theta") or cfg.get("rope_theta", 1_000_000.0)),
-        rope_scaling=scaling,
+        rope_scaling=_check_rope_scaling(scaling),
         max_position_embeddings=cfg.get("max_position_embeddings", 131_072),
         tie_word_embeddings=cfg.get("tie_word_embeddings", True),
         attention_bias=cfg.get("attention_bias", False),

@@ -4,7 +4,10 @@ A request's load (in flight, pending prefill tokens, then decoding) is put on it
 is dispatched and taken off exactly once, when its response ends however it ends. A failure before
 the first byte — connection refused, a 5xx status, a stream that ends before any byte — counts
 against the worker's circuit breaker and is retried on another worker (reason ``retry``), up to
-``max_retries`` times; after the first byte the client owns the stream, and a client that goes away
+``max_retries`` times. A 503 is back-pressure, not failure (a full queue, a draining worker): it is
+retried elsewhere the same way but never counts against the breaker, which would otherwise take
+capacity away exactly when load peaks; when every worker tried is full the client gets 503 with
+``Retry-After``; after the first byte the client owns the stream, and a client that goes away
 closes the upstream request, which aborts it on the worker and frees its KV blocks. The response is
 relayed byte for byte as the worker sends it.
 """
@@ -25,6 +28,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from fleetllm.router.index import PrefixIndex
 from fleetllm.router.metrics import RouterMetrics
 from fleetllm.router.policies import Decision, Policy, RouteRequest
+from fleetllm.router.request_id import HEADER as FLEET_ID_HEADER
 from fleetllm.router.upstream import WorkerState
 from fleetllm.server.protocol import APIError
 
@@ -33,8 +37,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-_FORWARD_HEADERS = ("content-type", "authorization", "accept", "traceparent", "tracestate")
-_RESPONSE_HEADERS = ("content-type", "x-request-id")
+_FORWARD_HEADERS = ("content-type", "authorization", "accept", "traceparent", "tracestate", "x-request-timeout")
+_RESPONSE_HEADERS = ("content-type", "x-request-id", FLEET_ID_HEADER)
 
 
 @dataclass
@@ -45,7 +49,7 @@ class Forward:
     raw: bytes  # the body as the client sent it: forwarded unchanged
     body: dict[str, Any]  # the same body parsed
     headers: dict[str, str]  # what goes upstream
-    rid: str
+    rid: str  # the router's own id (request_id.mint()): unique, unlike the client's x-request-id
     route: RouteRequest
     t0: float  # perf_counter at arrival
     response_headers: dict[str, str] = field(default_factory=dict)  # added to the client's answer
@@ -106,15 +110,20 @@ class TokenCount:
 
 
 def upstream_headers(client_headers: Mapping[str, str], rid: str, secret: str | None = None) -> dict[str, str]:
-    """The client's headers a worker needs, plus the request id that ties their logs together.
+    """The client's headers a worker needs, plus the ids that tie their logs together: the router's own
+    ``rid`` as ``x-fleetllm-request-id`` and the client's ``x-request-id`` (``rid`` when it sent none).
 
     With a worker secret the router presents it instead of the client's credentials, which never leave
     the router."""
     headers = {k: v for k, v in client_headers.items() if k.lower() in _FORWARD_HEADERS}
-    headers["x-request-id"] = rid
+    headers["x-request-id"] = client_headers.get("x-request-id") or rid
+    headers[FLEET_ID_HEADER] = rid
     if secret:
         headers["authorization"] = f"Bearer {secret}"
     return headers
+
+
+RETRY_AFTER_S = "1"  # what a client is told to wait when no worker has room
 
 
 def error_response(metrics: RouterMetrics, e: APIError, kind: str | None = None) -> JSONResponse:
@@ -181,11 +190,14 @@ class Forwarder:
         return resp
 
     def _give_up(self, last: AttemptFailed | None) -> Response:
+        busy = {"Retry-After": RETRY_AFTER_S}
         if last is None:
-            return error_response(self.metrics, APIError(503, "no healthy worker is available; retry later"), "no_worker")
+            return error_response(self.metrics, APIError(503, "no healthy worker is available; retry later",
+                                                         headers=busy), "no_worker")
         if last.body is not None and last.status < 600:
             self.metrics.requests.labels(status=str(last.status)).inc()
-            return Response(last.body, status_code=last.status, media_type="application/json")
+            return Response(last.body, status_code=last.status, media_type="application/json",
+                            headers=busy if last.status == 503 else None)
         return error_response(self.metrics, APIError(last.status if last.status in (502, 503, 504) else 502,
                                                      f"every worker tried failed; last error: {last}"), "all_failed")
 
@@ -239,7 +251,10 @@ class Forwarder:
         if resp.status_code >= 500:
             body = await _read_quietly(resp)
             load.release()
-            self.failed(w)
+            if resp.status_code == 503:  # full or draining: try elsewhere, but the worker is not failing
+                w.breaker.busy()
+            else:
+                self.failed(w)
             raise AttemptFailed(f"upstream_{resp.status_code}", body[:200].decode(errors="replace"), resp.status_code,
                                 body)
         chunks = resp.aiter_raw()

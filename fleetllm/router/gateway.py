@@ -14,7 +14,6 @@ import asyncio
 import contextlib
 import json
 import time
-import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 from urllib.parse import urlparse
@@ -45,6 +44,8 @@ from fleetllm.router.request_id import mint
 from fleetllm.router.tokens import PromptTokenizer, block_hashes
 from fleetllm.router.traffic import TrafficSplit, parse_weights
 from fleetllm.router.upstream import Breaker, WorkerMonitor, WorkerState
+from fleetllm.server.body_limit import DEFAULT_MAX_BODY_BYTES, BodyLimit
+from fleetllm.server.openapi import openapi_schema
 from fleetllm.server.protocol import APIError, json_object
 from fleetllm.server.worker_secret import worker_secret
 
@@ -52,7 +53,8 @@ from fleetllm.server.worker_secret import worker_secret
 class Router:
     """The gateway over ``cfg.workers``; ``app`` is the ASGI application."""
 
-    def __init__(self, cfg: RouterConfig, capture: Capture | None = None) -> None:
+    def __init__(self, cfg: RouterConfig, capture: Capture | None = None,
+                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> None:
         self.cfg = cfg
         self.capture = capture  # the endpoint and access tiers (fleetllm/capture/)
         urls = [(u if "://" in u else "http://" + u).rstrip("/") for u in cfg.workers]
@@ -92,6 +94,7 @@ class Router:
                 Route("/health", self.health, methods=["GET"]),
                 Route("/metrics", self.metrics_endpoint, methods=["GET"]),
                 Route("/router/state", self.state, methods=["GET"]),
+                Route("/openapi.json", self.openapi, methods=["GET"]),
                 *admin_routes(self),
                 *dashboard_routes(),
             ],
@@ -99,6 +102,7 @@ class Router:
             exception_handlers={APIError: lambda r, e: JSONResponse(e.body(), status_code=e.status, headers=e.headers),
                                 404: self._not_found, 405: self._not_found},
         )
+        self.app = BodyLimit(self.app, max_body_bytes)
 
     def _add_state(self, url: str, zone: str, role: str, model: str | None, variant: str = "") -> WorkerState:
         w = WorkerState(_name(url), url, zone, role=role, model=model, variant=variant,
@@ -268,14 +272,15 @@ class Router:
                        fid: str, tap: RequestTap | None) -> Response:
         prefill_pool = [w for w in group if w.role == "prefill"]
         group = [w for w in group if w.role != "prefill"]
-        req = self.route_request(request.url.path, body, request.headers, group, tokenize=bool(prefill_pool))
-        rid = request.headers.get("x-request-id") or uuid.uuid4().hex
+        # tokenising (and a tokenizer's first load) takes a thread: a long prompt never stalls the relayed streams
+        req = await asyncio.to_thread(self.route_request, request.url.path, body, request.headers, group,
+                                      bool(prefill_pool))
         variant, group = self._variant(name, group, req.session_key or fid)
-        fwd = Forward(request.url.path, raw, body, upstream_headers(request.headers, rid, self.secret), rid, req, t0)
+        # the router's own id (minted at arrival) keys the request; the client's x-request-id travels beside it
+        fwd = Forward(request.url.path, raw, body, upstream_headers(request.headers, fid, self.secret), fid, req, t0)
         if variant is not None:
             fwd.variant = (name, variant)
             fwd.response_headers["x-fleetllm-variant"] = variant
-        fwd.headers[REQUEST_ID_HEADER] = fid
         fwd.response_headers[REQUEST_ID_HEADER] = fid  # the client can find its request in captures and logs
         if tap is not None:
             tap.fwd = fwd
@@ -338,6 +343,9 @@ class Router:
             if r.status_code < 500:
                 return Response(r.content, status_code=r.status_code, media_type="application/json")
         return error_response(self.metrics, APIError(503, "no healthy worker is available; retry later"), "no_worker")
+
+    async def openapi(self, request: Request) -> Response:
+        return JSONResponse(openapi_schema("fleetllm router", ("/health", "/metrics", "/router/state")))
 
     async def health(self, request: Request) -> Response:
         body = {"status": "ok" if any(w.healthy for w in self.workers) else "no healthy worker",

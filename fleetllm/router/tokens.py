@@ -8,6 +8,7 @@ Tokenizers load without weights or PyTorch (:func:`fleetllm.models.source.load_t
 from __future__ import annotations
 
 import logging
+import threading
 from typing import Any
 
 from fleetllm.engine.block_pool import hash_prefix_blocks
@@ -24,8 +25,13 @@ class PromptTokenizer:
     def __init__(self, refs: dict[str, str] | None = None) -> None:
         self.refs = refs or {}
         self._cache: dict[str, TokenizerWrapper | None] = {}
+        self._loading = threading.Lock()  # requests tokenise on worker threads: load each tokenizer once
 
     def tokenizer(self, model: str) -> TokenizerWrapper | None:
+        with self._loading:
+            return self._load(model)
+
+    def _load(self, model: str) -> TokenizerWrapper | None:
         if model not in self._cache:
             from fleetllm.models.source import load_tokenizer
 
@@ -51,8 +57,8 @@ class PromptTokenizer:
                 prompt = prompt[0]  # a batch: route by its first prompt
             if isinstance(prompt, str):
                 return tok.encode(prompt)
-            if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
-                return list(prompt)
+            if isinstance(prompt, list) and all(isinstance(t, int) and 0 <= t < 2**31 for t in prompt):
+                return list(prompt)  # ids no vocabulary has are the worker's to refuse
         except (APIError, Exception):  # the worker will answer the bad request with its own error
             return None
         return None

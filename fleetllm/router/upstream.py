@@ -2,7 +2,8 @@
 
 Load is counted the moment a request is dispatched (not when its first byte comes back), so a burst
 of arrivals spreads instead of piling onto the worker that looked idle a moment ago. Each worker has
-two background tasks: a health check, and a subscription to its ``/kv/events`` stream that keeps the
+two background tasks: a readiness check (``/ready``: a worker that is alive but warming up or draining
+gets no requests; ``/health`` for upstreams without ``/ready``), and a subscription to its ``/kv/events`` stream that keeps the
 exact prefix index and the worker-reported load (running, waiting, KV usage) current. A worker whose
 health check fails is out of rotation and its index entries are dropped at once; when it comes back
 (possibly restarted, with an empty cache) the event stream's snapshot re-syncs the index.
@@ -47,6 +48,11 @@ class Breaker:
     def on_dispatch(self) -> None:
         if self.state == "half_open":
             self.probe_in_flight = True
+
+    def busy(self) -> None:
+        """The worker answered but had no room (503): neither a failure nor a success; a half-open
+        breaker may send its probe again."""
+        self.probe_in_flight = False
 
     def success(self) -> None:
         self.failures, self.state, self.probe_in_flight = 0, "closed", False
@@ -135,16 +141,25 @@ class WorkerMonitor:
         self.on_change(w)
 
     async def check(self, w: WorkerState) -> bool:
+        """One readiness check; a worker that answers "not ready" is out of rotation at once."""
+        not_ready = False
         try:
-            r = await self.client.get(w.url + "/health", timeout=self.health_timeout_s)
-            ok = r.status_code == 200
+            r = await self.client.get(w.url + "/ready", timeout=self.health_timeout_s)
+            if r.status_code == 404:  # an upstream with no readiness probe (another server): liveness it is
+                r = await self.client.get(w.url + "/health", timeout=self.health_timeout_s)
+            ok, not_ready = r.status_code == 200, r.status_code == 503
         except httpx.HTTPError:
             ok = False
+        if not_ready and w.healthy:
+            w.health_failures = self.failures_to_down
+            self.mark_down(w, f"not ready ({r.text[:80]})")
+            return False
         if ok:
             w.health_failures = 0
             if not w.healthy:
                 log.info("worker %s healthy", w.name)
                 w.healthy = True
+                w.breaker.success()  # back (often a new process): failures from before it went down are moot
                 self.on_change(w)
         else:
             w.health_failures += 1
@@ -192,6 +207,8 @@ class WorkerMonitor:
             self.index.stored(w.name, ev["hashes"])
         elif kind == "removed":
             self.index.removed(w.name, ev["hashes"])
+        elif kind == "draining":
+            self.mark_down(w, "draining")
         if "kv_usage" in ev:
             w.running, w.waiting, w.kv_usage = ev["running"], ev["waiting"], ev["kv_usage"]
 

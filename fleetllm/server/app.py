@@ -1,8 +1,15 @@
 """The worker: an OpenAI-compatible HTTP server around one engine (``fleetllm worker``).
 
 Endpoints: /v1/chat/completions, /v1/completions (SSE streaming or not), /v1/models, /tokenize,
-/detokenize, /health, /metrics. Every failure is an OpenAI-style JSON error; a client that goes away
+/detokenize, /health, /ready, /metrics. Every failure is an OpenAI-style JSON error; a client that goes away
 aborts its request, which frees its KV blocks at the engine's next step.
+
+Probes: ``/health`` is liveness (the process and its engine thread are alive: restart me if not);
+``/ready`` is readiness (loaded, warm, not draining, engine alive: route to me). A worker whose engine
+thread dies fails every in-flight request with a 500 (streams: an error event, then ``[DONE]``),
+fails both probes, and calls ``on_fatal`` (``fleetllm worker`` exits non-zero, to be restarted).
+On SIGTERM it drains: ``/ready`` answers 503 "draining", new requests get 503 (a router retries them
+elsewhere), in-flight ones finish, then it exits.
 
 Handlers parse (:mod:`.protocol`), call the engine (through :class:`AsyncEngine`) and format
 (:mod:`.openai_format`). ``request_body``, ``prompt_ids`` and ``until_disconnect`` are public: the
@@ -16,7 +23,7 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -29,20 +36,25 @@ from starlette.routing import Route
 from fleetllm.capture.recorder import Capture
 from fleetllm.capture.worker_tap import open_worker_tap
 from fleetllm.disagg.routes import pd_routes
-from fleetllm.engine.async_engine import AsyncEngine
+from fleetllm.engine.async_engine import AsyncEngine, EngineFailed
 from fleetllm.engine.outputs import RequestOutput
 from fleetllm.engine.params import InvalidParameter, SamplingParams
 from fleetllm.engine.scheduler import QueueFull
 from fleetllm.observability.dashboard import dashboard_routes
 from fleetllm.observability.process import ColdStart, ProcessHostCollector
 from fleetllm.observability.tracing import trace_id_of
+from fleetllm.router import request_id
 from fleetllm.server import openai_format as fmt
+from fleetllm.server.body_limit import DEFAULT_MAX_BODY_BYTES, BodyLimit
 from fleetllm.server.config import ObservabilityConfig
+from fleetllm.server.inflight import InFlight
+from fleetllm.server.openapi import openapi_schema
 from fleetllm.server.protocol import (
     APIError,
     chat_messages,
     completion_prompts,
     json_object,
+    request_timeout,
     sampling_from_body,
 )
 from fleetllm.server.worker_secret import RequireSecret, worker_secret
@@ -55,18 +67,21 @@ request_log = logging.getLogger("fleetllm.requests")
 
 
 def error_response(e: APIError) -> JSONResponse:
-    return JSONResponse(e.body(), status_code=e.status)
+    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
 
 class Worker:
     """Request handling for one engine; ``app`` is the ASGI application."""
 
     def __init__(self, engine: LLMEngine, obs: ObservabilityConfig | None = None, role: str = "both",
-                 capture: Capture | None = None) -> None:
+                 capture: Capture | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> None:
         self.engine = engine
         self.capture = capture  # the worker tier (fleetllm/capture/)
         self.role = role  # prefill | decode | both (disaggregated serving; routers read it from /kv/events)
-        self.async_engine = AsyncEngine(engine)
+        self.async_engine = AsyncEngine(engine, on_failure=self._engine_failed)
+        self.ready = False  # warm and serving (set at the end of start-up)
+        self.draining = False  # SIGTERM: finishing in-flight requests, taking no new ones
+        self.on_fatal: Callable[[], None] | None = None  # the engine died: the process should exit non-zero
         self.model_name = engine.model_name
         self.created = int(time.time())
         self.obs = obs = obs or ObservabilityConfig()
@@ -98,6 +113,8 @@ class Worker:
                 Route("/tokenize", self.tokenize, methods=["POST"]),
                 Route("/detokenize", self.detokenize, methods=["POST"]),
                 Route("/health", self.health, methods=["GET"]),
+                Route("/ready", self.readiness, methods=["GET"]),
+                Route("/openapi.json", self.openapi, methods=["GET"]),
                 Route("/metrics", self.metrics, methods=["GET"]),
                 *dashboard_routes(),
                 Route("/kv/events", self.kv_events, methods=["GET"]),
@@ -107,6 +124,8 @@ class Worker:
             exception_handlers={APIError: lambda r, e: error_response(e), 404: self._not_found,
                                 405: self._not_found, 500: self._internal},
         )
+        self.app = self.inflight = InFlight(self.app)
+        self.app = BodyLimit(self.app, max_body_bytes)
         secret = worker_secret()
         if secret:  # a fleet with API keys: only the router may call this worker
             self.app = RequireSecret(self.app, secret)
@@ -120,7 +139,9 @@ class Worker:
         if self.otlp_metrics:
             self.otlp_metrics.start()
         logging.getLogger("fleetllm").info("worker ready %.1fs after process start", self.cold_start.ready_now())
+        self.ready = True
         yield
+        self.ready = False
         self.async_engine.shutdown()
         if self.capture:
             await asyncio.to_thread(self.capture.close)  # SIGTERM flushes the capture spool
@@ -128,6 +149,24 @@ class Worker:
             self.otlp_metrics.stop()
         if self.tracer:
             self.tracer.shutdown()
+
+    def _engine_failed(self, err: BaseException) -> None:
+        logging.getLogger("fleetllm").error("worker unusable (%s): failing readiness and exiting", err)
+        self.closing = True  # ends the /kv/events streams: routers drop this worker's cache at once
+        if self.on_fatal is not None:
+            self.on_fatal()
+
+    async def drain(self, timeout_s: float) -> bool:
+        """Take no new requests and wait up to ``timeout_s`` for in-flight ones; True if all finished."""
+        self.draining = True
+        logging.getLogger("fleetllm").info("draining: %d request(s) in flight", self.inflight.count)
+        if self.async_engine.announce("draining"):  # routers stop sending here on this event, not a poll later
+            await asyncio.sleep(0.1)
+        idle = await self.inflight.wait_idle(timeout_s)
+        if not idle:
+            logging.getLogger("fleetllm").warning("drain timed out with %d request(s) in flight", self.inflight.count)
+        self.closing = True
+        return idle
 
     async def _not_found(self, request: Request, exc: Exception) -> JSONResponse:
         return error_response(APIError(404, f"no route {request.method} {request.url.path}"))
@@ -157,7 +196,7 @@ class Worker:
         subs = []
         for p_i, ids in enumerate(prompts):
             for k in range(params.n):
-                sub = replace(params, n=1, seed=None if params.seed is None else params.seed + k)
+                sub = replace(params, n=1, seed=None if params.seed is None else _wrap_seed(params.seed + k))
                 subs.append((p_i * params.n + k, f"{rid}-{p_i}-{k}", ids, sub))
         merged: asyncio.Queue[tuple[int, RequestOutput] | BaseException | None] = asyncio.Queue()
         tap = open_worker_tap(self.capture, request.headers, rid, kind, self.model_name, prompts, params.n,
@@ -205,8 +244,8 @@ class Worker:
             t = finals[0].timing if finals else None
             ttft = f"{t.first_token - t.arrival:.3f}s" if t and t.first_token is not None else "-"
             request_log.info(
-                "request %s %s: status=%d finish=%s prompt_tokens=%d output_tokens=%d cached_tokens=%d ttft=%s e2e=%.3fs trace=%s",
-                rid, operation, status, ",".join(f.finish_reason or "-" for f in finals) or "-",
+                "request %s id=%s %s: status=%d finish=%s prompt_tokens=%d output_tokens=%d cached_tokens=%d ttft=%s e2e=%.3fs trace=%s",
+                rid, getattr(request.state, "fleet_id", "-"), operation, status, ",".join(f.finish_reason or "-" for f in finals) or "-",
                 finals[0].num_prompt_tokens if finals else 0, sum(f.num_output_tokens for f in finals),
                 finals[0].num_cached_tokens if finals else 0, ttft, time.monotonic() - start,
                 trace_id_of(request.headers) or "-")
@@ -261,10 +300,18 @@ class Worker:
 
     async def _respond(self, request: Request, kind: str, body: dict[str, Any], prompts: list[list[int]],
                        params: SamplingParams) -> Response:
-        rid = request.headers.get("x-request-id") or uuid.uuid4().hex
-        cid = ("chatcmpl-" if kind == "chat" else "cmpl-") + rid
-        headers = {"x-request-id": rid}
+        if self.draining:
+            raise APIError(503, "this worker is draining; retry on another", headers={"Retry-After": "1"})
+        # the fleet's id (minted by the router, else here) is unique; the client's id is its own label
+        fid = request.headers.get(request_id.HEADER) or request_id.mint()
+        rid = request.headers.get("x-request-id") or fid
+        cid = ("chatcmpl-" if kind == "chat" else "cmpl-") + fid
+        headers = {"x-request-id": rid, request_id.HEADER: fid}
+        request.state.fleet_id = fid  # for the request's log line
+        timeout = request_timeout(body, request.headers)
         gen = self._run(request, rid, kind, prompts, params)
+        if timeout is not None:
+            gen = _until(gen, time.monotonic() + timeout, timeout)
         try:
             if not body.get("stream"):
                 outs = await self.until_disconnect(request, self._collect(gen))
@@ -297,6 +344,9 @@ class Worker:
                     yield fmt.chunk_event(kind, cid, self.model_name, created, [choice])
             if include_usage:
                 yield fmt.chunk_event(kind, cid, self.model_name, created, [], fmt.total_usage(counts, n))
+            yield fmt.SSE_DONE
+        except (APIError, EngineFailed) as e:  # after the 200: the stream ends with an error event
+            yield fmt.error_event(str(e), e.status if isinstance(e, APIError) else 500)
             yield fmt.SSE_DONE
         finally:
             await gen.aclose()
@@ -334,9 +384,25 @@ class Worker:
         return JSONResponse({"prompt": self.engine.tokenizer.decode(toks, skip_special_tokens=False)})
 
     async def health(self, request: Request) -> Response:
+        """Liveness: the engine thread runs (a draining or warming worker is alive)."""
         if not self.async_engine.is_running:
             return JSONResponse({"status": "engine loop is not running"}, status_code=503)
         return JSONResponse({"status": "ok"})
+
+    async def openapi(self, request: Request) -> Response:
+        return JSONResponse(openapi_schema("fleetllm worker", ("/health", "/ready", "/metrics")))
+
+    async def readiness(self, request: Request) -> Response:
+        """Readiness: loaded, warm, not draining and the engine alive; 503 with the reason otherwise."""
+        if self.async_engine.failure is not None or not self.async_engine.is_running:
+            why = "engine failed" if self.async_engine.failure else "engine loop is not running"
+        elif self.draining:
+            why = "draining"
+        elif not self.ready:
+            why = "warming up"
+        else:
+            return JSONResponse({"status": "ready"})
+        return JSONResponse({"status": why}, status_code=503)
 
     async def metrics(self, request: Request) -> Response:
         return Response(generate_latest(self.engine.metrics.registry), media_type=CONTENT_TYPE_LATEST)
@@ -351,7 +417,7 @@ class Worker:
 
         First a ``snapshot`` (instance id, model, block size, pool size and every cached block hash),
         then ``stored`` / ``removed`` events with the hashes of blocks entering or leaving the prefix
-        cache, and a ``load`` event (running, waiting, KV usage) at least every ``interval`` seconds.
+        cache, ``draining`` once the worker takes no new requests, and a ``load`` event (running, waiting, KV usage) at least every ``interval`` seconds.
         Hashes are :func:`fleetllm.engine.block_pool.hash_block` chains keyed by the served model name.
         """
         interval = float(request.query_params.get("interval", "0.5"))
@@ -386,11 +452,34 @@ async def _prepend(first: T, rest: AsyncIterator[T]) -> AsyncIterator[T]:
         yield it
 
 
+def _wrap_seed(seed: int) -> int:
+    """``seed`` folded into the signed 64-bit range (the n-th choice's seed is the request's + n)."""
+    return (seed + 2**63) % 2**64 - 2**63
+
+
+async def _until(gen: AsyncIterator[T], deadline: float, timeout: float) -> AsyncIterator[T]:
+    """``gen``'s items until ``deadline`` (monotonic); past it ``gen`` is cancelled (its requests abort and
+    free their blocks) and APIError 408 is raised."""
+    try:
+        while True:
+            try:
+                item = await asyncio.wait_for(gen.__anext__(), max(0.0, deadline - time.monotonic()))
+            except StopAsyncIteration:
+                return
+            yield item
+    except TimeoutError:
+        raise APIError(408, f"the request passed its timeout of {timeout:g}s and was aborted", "timeout") from None
+    finally:
+        await gen.aclose()  # type: ignore[attr-defined]
+
+
 def _as_api_error(e: BaseException) -> BaseException:
     if isinstance(e, APIError):
         return e
     if isinstance(e, QueueFull):
-        return APIError(503, f"server overloaded: {e}; retry later")
+        return APIError(503, f"server overloaded: {e}; retry later", headers={"Retry-After": "1"})
+    if isinstance(e, EngineFailed):
+        return APIError(500, str(e))
     if isinstance(e, InvalidParameter):
         return APIError(400, str(e), e.param)
     return e

@@ -28,9 +28,9 @@ def sse_event(obj: Any, ensure_ascii: bool = True) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=ensure_ascii)}\n\n"
 
 
-def error_event(message: str) -> str:
-    """The event a stream carries when a request fails after its first byte (status 500 in the body)."""
-    return sse_event(APIError(500, message).body())
+def error_event(message: str, status: int = 500) -> str:
+    """The event a stream carries when a request fails after its first byte (``status`` in the body)."""
+    return sse_event(APIError(status, message).body())
 
 
 def finish_reason(out: RequestOutput) -> str | None:

@@ -1,11 +1,14 @@
 """OpenAI request parsing and error bodies, shared by the worker and the router.
 
 Parsing is explicit (no schema library) so every bad field gets a precise 400 naming the parameter.
+A parameter fleetllm does not implement is refused by name, never silently ignored: a client that
+asks for JSON output or tool calls must learn it gets neither.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from typing import Any
 
 from fleetllm.engine.params import InvalidParameter, SamplingParams
@@ -15,7 +18,7 @@ class APIError(Exception):
     """An error answered to the client as ``{"error": {...}}`` with ``status``."""
 
     TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-             404: "not_found_error", 413: "invalid_request_error", 429: "rate_limit_error",
+             404: "not_found_error", 408: "timeout_error", 413: "invalid_request_error", 429: "rate_limit_error",
              500: "internal_server_error", 503: "service_unavailable"}
 
     def __init__(self, status: int, message: str, param: str | None = None,
@@ -35,6 +38,8 @@ def json_object(raw: bytes) -> dict[str, Any]:
         body = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise APIError(400, f"malformed JSON body: {e}") from None
+    except RecursionError:
+        raise APIError(400, "malformed JSON body: nested too deeply") from None
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object")
     return body
@@ -45,14 +50,56 @@ def _num(body: dict[str, Any], key: str, kind: type, default: Any) -> Any:
     if v is None:
         return default
     if kind is float and isinstance(v, int) and not isinstance(v, bool):
-        v = float(v)
+        try:
+            v = float(v)
+        except OverflowError:
+            raise APIError(400, f"{key} is out of range", key) from None
     if not isinstance(v, kind) or isinstance(v, bool):
         raise APIError(400, f"{key} must be a {kind.__name__}, got {type(v).__name__}", key)
     return v
 
 
+# Parameters of the OpenAI API that fleetllm does not implement, with the values that ask for nothing
+# (a client library's defaults): any other value is refused with a 400 naming the parameter.
+UNSUPPORTED: dict[str, tuple[Any, ...]] = {
+    "tools": (None, []), "tool_choice": (None, "none", "auto"), "functions": (None, []), "function_call": (None, "none"),
+    "response_format": (None, {"type": "text"}), "logit_bias": (None, {}), "best_of": (None, 1),
+    "prompt_logprobs": (None,), "suffix": (None, ""), "audio": (None,), "modalities": (None, ["text"]),
+    "prediction": (None,), "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,),
+    "guided_grammar": (None,), "structured_outputs": (None,),
+}
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+MAX_TIMEOUT_S = 24 * 3600.0
+
+
+def reject_unsupported(body: dict[str, Any]) -> None:
+    """APIError 400 naming the first parameter fleetllm would otherwise have to ignore."""
+    for name, harmless in UNSUPPORTED.items():
+        if name in body and not any(body[name] == h and type(body[name]) is type(h) for h in harmless):
+            raise APIError(400, f"{name} is not supported by fleetllm", name)
+
+
+def request_timeout(body: Mapping[str, Any], headers: Mapping[str, str]) -> float | None:
+    """The request's deadline in seconds from now: ``timeout`` in the body, else the ``x-request-timeout``
+    header; None when neither is given. APIError 400 (param ``timeout``) unless a positive number."""
+    value: Any = body.get("timeout")
+    if value is None and headers.get("x-request-timeout") is not None:
+        try:
+            value = float(headers["x-request-timeout"])
+        except ValueError:
+            raise APIError(400, "the x-request-timeout header must be a number of seconds", "timeout") from None
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value <= MAX_TIMEOUT_S:
+        raise APIError(400, f"timeout must be a number of seconds in (0, {MAX_TIMEOUT_S:.0f}]", "timeout")
+    return float(value)
+
+
 def sampling_from_body(body: dict[str, Any], chat: bool) -> SamplingParams:
     """Build :class:`SamplingParams` from an OpenAI request body (chat or completions)."""
+    reject_unsupported(body)
+    if body.get("stream_options") is not None and not isinstance(body["stream_options"], dict):
+        raise APIError(400, "stream_options must be an object", "stream_options")
     max_tokens = _num(body, "max_completion_tokens", int, None) if chat else None
     if max_tokens is None:
         max_tokens = _num(body, "max_tokens", int, None if chat else 16)
@@ -105,6 +152,9 @@ def chat_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
     for i, m in enumerate(msgs):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise APIError(400, f"messages[{i}] must be an object with a role", "messages")
+        if m["role"] not in CHAT_ROLES:
+            raise APIError(400, f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}, got {m['role'][:40]!r}",
+                           "messages")
         content = m.get("content")
         if isinstance(content, list):
             parts = []

@@ -1,28 +1,61 @@
-"""Run an ASGI app with uvicorn, telling the app when shutdown starts.
+"""Run an ASGI app with uvicorn, telling the app when shutdown starts, draining first on SIGTERM.
 
 Endless streams (a worker's /kv/events, a router's upstream subscriptions) must end when the server
-is asked to stop, or uvicorn would wait for them forever; ``on_exit`` runs at the first SIGINT/SIGTERM.
+is asked to stop, or uvicorn would wait for them forever; ``on_exit`` runs when shutdown starts.
+With ``drain``, the first SIGTERM does not stop the server at once: the server keeps answering (a
+draining worker's ``/ready`` says so, new requests get 503) while ``drain()`` lets in-flight requests
+finish, then it stops. A second SIGTERM, or SIGINT, stops it at once.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import asyncio
+import signal
+from collections.abc import Awaitable, Callable
 from types import FrameType
 from typing import Any
 
 import uvicorn
 
 
-def run_app(app: Any, host: str, port: int, log_level: str = "info", on_exit: Callable[[], None] | None = None) -> None:
+class _Server(uvicorn.Server):
+    def __init__(self, config: uvicorn.Config, on_exit: Callable[[], None] | None,
+                 drain: Callable[[], Awaitable[object]] | None) -> None:
+        super().__init__(config)
+        self.on_exit, self.drain = on_exit, drain
+        self.drain_requested = False
+        self._drain_task: asyncio.Task[object] | None = None
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if sig == signal.SIGTERM and self.drain is not None and not self.drain_requested:
+            self.drain_requested = True  # on_tick starts the drain on the event loop
+            return
+        if self.on_exit is not None:
+            self.on_exit()
+        super().handle_exit(sig, frame)
+
+    async def on_tick(self, counter: int) -> bool:
+        if self.drain_requested and self._drain_task is None and self.drain is not None:
+            self._drain_task = asyncio.ensure_future(self.drain())
+        if self._drain_task is not None and self._drain_task.done() and not self.should_exit:
+            if self.on_exit is not None:
+                self.on_exit()
+            self.should_exit = True
+        return await super().on_tick(counter)
+
+    def exit_now(self) -> None:
+        """Stop as on SIGINT (from a thread or the loop: uvicorn polls the flag)."""
+        self.handle_exit(signal.SIGINT, None)
+
+
+def make_server(app: Any, host: str, port: int, log_level: str = "info", on_exit: Callable[[], None] | None = None,
+                drain: Callable[[], Awaitable[object]] | None = None) -> _Server:
+    """A uvicorn server for ``app``; ``server.run()`` serves until stopped (see the module's doc)."""
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False,
                             timeout_graceful_shutdown=30)
-    server = uvicorn.Server(config)
-    if on_exit is not None:
-        original = server.handle_exit
+    return _Server(config, on_exit, drain)
 
-        def handle_exit(sig: int, frame: FrameType | None) -> None:
-            on_exit()
-            original(sig, frame)
 
-        server.handle_exit = handle_exit  # type: ignore[method-assign]
-    server.run()
+def run_app(app: Any, host: str, port: int, log_level: str = "info", on_exit: Callable[[], None] | None = None,
+            drain: Callable[[], Awaitable[object]] | None = None) -> None:
+    make_server(app, host, port, log_level, on_exit, drain).run()

@@ -38,13 +38,17 @@ def build_workers(model: str, count: int, cfg: SimConfig, profile: TimingProfile
 
 def serve_simulated(model: str, host: str, port: int, count: int, cfg: SimConfig, profile: TimingProfile | None,
                     log_level: str = "warning", identities: list[dict[str, str]] | None = None,
-                    obs: ObservabilityConfig | None = None, captures: Callable[[int, Any], Any] | None = None) -> None:
+                    obs: ObservabilityConfig | None = None, captures: Callable[[int, Any], Any] | None = None,
+                    drain_timeout_s: float = 30.0) -> bool:
+    """Serve until SIGINT (stop now) or SIGTERM (drain every worker, then stop), or until an engine
+    fails (then every worker stops); return whether one failed."""
     workers = build_workers(model, count, cfg, profile, identities, obs, captures)
     servers = [_Server(uvicorn.Config(w.app, host=host, port=port + i, log_level=log_level, access_log=False,
                                       timeout_graceful_shutdown=30)) for i, w in enumerate(workers)]
 
     async def main() -> None:
         loop = asyncio.get_running_loop()
+        draining: list[asyncio.Task[None]] = []
 
         def stop() -> None:
             for w in workers:
@@ -52,8 +56,21 @@ def serve_simulated(model: str, host: str, port: int, count: int, cfg: SimConfig
             for s in servers:
                 s.should_exit = True
 
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop)
+        async def drain_then_stop() -> None:
+            await asyncio.gather(*(w.drain(drain_timeout_s) for w in workers))
+            stop()
+
+        def on_term() -> None:
+            if draining:  # a second SIGTERM: stop now
+                stop()
+            else:
+                draining.append(asyncio.ensure_future(drain_then_stop()))
+
+        loop.add_signal_handler(signal.SIGINT, stop)
+        loop.add_signal_handler(signal.SIGTERM, on_term)
+        for w in workers:
+            w.on_fatal = stop
         await asyncio.gather(*(s.serve() for s in servers))
 
     asyncio.run(main())
+    return any(w.async_engine.failure is not None for w in workers)

@@ -51,7 +51,7 @@ def no_load(ws: list[WorkerState]) -> bool:
 
 def test_a_5xx_before_the_first_byte_is_retried_on_another_worker_and_counted_against_the_first() -> None:
     def handler(r: httpx.Request) -> httpx.Response:
-        return httpx.Response(503, json={"error": "busy"}) if r.url.host == "a" else httpx.Response(200, stream=Chunks(b'{"ok": 1}'))
+        return httpx.Response(500, json={"error": "broken"}) if r.url.host == "a" else httpx.Response(200, stream=Chunks(b'{"ok": 1}'))
 
     ws = workers("a", "b")
     resp = asyncio.run(forwarder(handler).forward(request(prompt_tokens=40), ws, RoundRobin()))
