@@ -20,6 +20,7 @@ from fleetllm.engine.config import EngineConfig
 from fleetllm.router.config import RouterConfig
 from fleetllm.server.config import ObservabilityConfig
 from fleetllm.sim.config import SimConfig
+from fleetllm.tools.config import ToolConfig
 
 
 @dataclass
@@ -131,7 +132,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
         "model %s loaded in %.1fs; %d KV blocks of %d tokens", engine.model_name, engine.loaded.load_seconds,
         engine.pool.num_blocks, engine.pool.block_size,
     )
-    worker = Worker(engine, observability_config(args), role=args.role)
+    worker = Worker(engine, observability_config(args), role=args.role, tools=from_args(ToolConfig, args))
     run_app(worker.app, args.host, args.port, args.log_level, on_exit=lambda: setattr(worker, "closing", True))
     return 0
 
@@ -238,6 +239,7 @@ def add_worker_parser(sub: argparse._SubParsersAction) -> None:
     add_options(w, ListenOptions, defaults={"port": 8001}, title="server")
     add_options(w, WorkerOptions, title="worker identity (labels on every metric)")
     add_options(w, ObservabilityConfig, title="observability")
+    add_options(w, ToolConfig, title="tool calling")
     sim = w.add_argument_group("simulated worker")
     add_options(sim, SimulateOptions)
     add_options(sim, ProfileOption)

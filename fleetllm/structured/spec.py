@@ -28,7 +28,7 @@ class GrammarSpec:
 
     @classmethod
     def json_schema(cls, schema: dict[str, Any] | bool) -> GrammarSpec:
-        return cls("json", json.dumps(schema, sort_keys=True))
+        return cls("json", json.dumps(schema))  # key order kept: properties are generated in it
 
     @classmethod
     def choice(cls, options: list[str]) -> GrammarSpec:
