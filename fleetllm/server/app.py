@@ -35,6 +35,7 @@ from fleetllm.observability.dashboard import dashboard_routes
 from fleetllm.observability.process import ColdStart, ProcessHostCollector
 from fleetllm.observability.tracing import trace_id_of
 from fleetllm.server import openai_format as fmt
+from fleetllm.server.anthropic import messages_route
 from fleetllm.server.config import ObservabilityConfig
 from fleetllm.server.protocol import (
     APIError,
@@ -101,6 +102,7 @@ class Worker:
                 *dashboard_routes(),
                 Route("/kv/events", self.kv_events, methods=["GET"]),
                 *pd_routes(self),
+                messages_route(self),
             ],
             lifespan=self._lifespan,
             exception_handlers={APIError: lambda r, e: error_response(e), 404: self._not_found,
@@ -185,6 +187,11 @@ class Worker:
                 t.cancel()  # a disconnect or error: cancelled generators abort their requests
             self._request_done(request, rid, kind, start, finals, status)
 
+    def run_request(self, request: Request, rid: str, kind: str, prompts: list[list[int]],
+                    params: SamplingParams) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Every (choice index, output) of a request as it arrives (the Messages endpoint builds on it)."""
+        return self._run(request, rid, kind, prompts, params)
+
     def _request_done(self, request: Request, rid: str, kind: str, start: float, finals: list[RequestOutput], status: int) -> None:
         """The request's log line and span (the request id ties them to the caller's)."""
         operation = "chat" if kind == "chat" else "text_completion"
@@ -238,10 +245,10 @@ class Worker:
         body = await self.request_body(request)
         ids = self.prompt_ids("chat", body)
         tools = tool_request(body, self.tool_parser)
-        params = await self._constrained(sampling_from_body(body, chat=True), body, tools.grammar)
+        params = await self.constrained(sampling_from_body(body, chat=True), body, tools.grammar)
         return await self._respond(request, "chat", body, ids, params, tools if tools.parses_calls else None)
 
-    async def _constrained(self, params: SamplingParams, body: dict[str, Any], forced: Any = None) -> SamplingParams:
+    async def constrained(self, params: SamplingParams, body: dict[str, Any], forced: Any = None) -> SamplingParams:
         """``params`` with the request's output constraint, compiled off the event loop (a new schema takes
         milliseconds; the tokenizer's first grammar build, a fraction of a second)."""
         return await asyncio.to_thread(constrain, params, body, self.engine.grammars, forced)
@@ -251,7 +258,7 @@ class Worker:
         if body.get("echo"):
             raise APIError(400, "echo is not supported", "echo")
         prompts = self.prompt_ids("text", body)
-        params = await self._constrained(sampling_from_body(body, chat=False), body)
+        params = await self.constrained(sampling_from_body(body, chat=False), body)
         return await self._respond(request, "text", body, prompts, params)
 
     async def _respond(self, request: Request, kind: str, body: dict[str, Any], prompts: list[list[int]],
