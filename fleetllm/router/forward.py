@@ -96,6 +96,12 @@ class TokenCount:
     def _take_usage(self, usage: Any) -> bool:
         if not isinstance(usage, dict):
             return False
+        if "input_tokens" in usage:  # the Messages API's usage (cached input counted apart)
+            self.prompt = int(usage["input_tokens"]) + int(usage.get("cache_read_input_tokens") or 0)
+            self.completion, self._usage = int(usage.get("output_tokens", 0)), True
+            return True
+        if "prompt_tokens" not in usage:
+            return False
         self.prompt, self.completion, self._usage = int(usage["prompt_tokens"]), int(usage["completion_tokens"]), True
         return True
 

@@ -176,12 +176,12 @@ class MessageStream:
             out.append(event("content_block_stop", {"index": self.index}))
             self.open = None
 
-    def finish(self, choice: dict[str, Any], output_tokens: int) -> list[str]:
+    def finish(self, choice: dict[str, Any], usage: dict[str, int]) -> list[str]:
         out: list[str] = []
         self._close(out)
         reason, seq = _stop(choice)
         out.append(event("message_delta", {"delta": {"stop_reason": reason, "stop_sequence": seq},
-                                           "usage": {"output_tokens": output_tokens}}))
+                                           "usage": usage}))
         return [*out, event("message_stop", {})]
 
 
@@ -231,7 +231,10 @@ async def _stream(worker: Worker, rid: str, first: Any, gen: AsyncIterator[Any],
                 for raw in fmt.stream_choices("chat", 0, out, False, worker.token_text):
                     for choice in tools.rewrite(raw):
                         if choice.get("finish_reason"):
-                            for e in ms.finish(choice, out.num_output_tokens):
+                            usage = {"input_tokens": out.num_prompt_tokens - out.num_cached_tokens,
+                                     "cache_read_input_tokens": out.num_cached_tokens,
+                                     "output_tokens": out.num_output_tokens}
+                            for e in ms.finish(choice, usage):
                                 yield e
                         else:
                             for e in ms.events(choice):

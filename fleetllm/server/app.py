@@ -44,6 +44,7 @@ from fleetllm.server.protocol import (
     json_object,
     sampling_from_body,
 )
+from fleetllm.server.responses import ConversationStore, responses_route
 from fleetllm.server.structured_fields import constrain
 from fleetllm.server.worker_secret import RequireSecret, worker_secret
 from fleetllm.tools.config import ToolConfig
@@ -103,6 +104,7 @@ class Worker:
                 Route("/kv/events", self.kv_events, methods=["GET"]),
                 *pd_routes(self),
                 messages_route(self),
+                responses_route(self, ConversationStore()),
             ],
             lifespan=self._lifespan,
             exception_handlers={APIError: lambda r, e: error_response(e), 404: self._not_found,

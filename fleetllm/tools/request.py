@@ -1,6 +1,7 @@
 """The tool fields of a chat request: ``tools``, ``tool_choice``, ``parallel_tool_calls``, and the prompt.
 
-``tool_choice``: ``none`` (tools are not offered, nothing is parsed), ``auto`` (offered; calls in the
+``tool_choice``: ``none`` (tools stay in the prompt, so an agent's turns share their KV prefix, but
+nothing is parsed), ``auto`` (offered; calls in the
 text are parsed out), ``required`` or ``{"type": "function", "function": {"name": ...}}`` (offered and
 enforced: the output is constrained to calls by the parser's grammar). Errors are APIError 400 naming
 the field.
@@ -82,14 +83,14 @@ def _tools(raw: Any) -> list[dict[str, Any]]:
 
 def needs_tool_template(messages: list[dict[str, Any]], tools: ToolRequest) -> bool:
     """Whether the prompt involves tools: offered tools, or calls and results in the history."""
-    return tools.parses_calls or any(m.get("tool_calls") or m.get("role") == "tool" for m in messages)
+    return bool(tools.tools) or any(m.get("tool_calls") or m.get("role") == "tool" for m in messages)
 
 
 def render_prompt(tokenizer: TokenizerWrapper, messages: list[dict[str, Any]], tools: ToolRequest,
                   add_generation_prompt: bool, **kwargs: Any) -> str:
     """The prompt text: the model's template (given the tools when it renders them), or the shipped
     Hermes template when tools are involved and the model's template cannot show them."""
-    offered = tools.tools if tools.parses_calls else []
+    offered = tools.tools
     if not needs_tool_template(messages, tools):
         return tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, **kwargs)
     if template_has_tools(tokenizer.chat_template) or not tools.parser.uses_shipped_template:
