@@ -2,12 +2,13 @@
 
 The bitmask is llguidance's: int32 words, bit ``t % 32`` of word ``t // 32`` set when token ``t`` is
 allowed. :func:`apply_masks` turns rows of it into ``-inf`` logits without llguidance's torch.compile'd
-kernel (a compile on first use would stall the step loop; the plain version costs microseconds per row).
+kernel (a compile on first use would stall the step loop).
 """
 
 from __future__ import annotations
 
 import llguidance
+import numpy as np
 import torch
 
 
@@ -53,14 +54,15 @@ def allocate_masks(rows: int, vocab_size: int) -> torch.Tensor:
     return torch.full((rows, (vocab_size + 31) // 32), -1, dtype=torch.int32)
 
 
-_BITS = torch.arange(32, dtype=torch.int32)
-
-
 def apply_masks(logits: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """``logits`` with the tokens a row's mask forbids (and those past its width) at ``-inf``; out of place
-    (the runner's logits are inference tensors)."""
-    allowed = ((mask.unsqueeze(-1) >> _BITS) & 1).view(mask.shape[0], -1).bool()
+    (the runner's logits are inference tensors). On host logits the work is two NumPy passes: a handful of
+    small torch ops costs more in thread hand-offs than in arithmetic (tens of ms on a busy 2-core host)."""
     vocab = logits.shape[-1]
-    if allowed.shape[1] < vocab:
-        allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]), value=False)
-    return logits.masked_fill(~allowed[:, :vocab].to(logits.device), float("-inf"))
+    bits = np.unpackbits(mask.numpy().view(np.uint8), axis=-1, bitorder="little")
+    if bits.shape[1] < vocab:
+        bits = np.pad(bits, ((0, 0), (0, vocab - bits.shape[1])))
+    allowed = bits[:, :vocab].view(np.bool_)
+    if logits.device.type != "cpu":
+        return logits.masked_fill(~torch.from_numpy(allowed).to(logits.device), float("-inf"))
+    return torch.from_numpy(np.where(allowed, logits.numpy(), np.float32(-np.inf)).astype(np.float32, copy=False))
