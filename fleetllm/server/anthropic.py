@@ -199,7 +199,7 @@ def messages_route(worker: Worker) -> Route:
         rid = request.headers.get("x-request-id") or uuid.uuid4().hex
         gen = worker.run_request(request, rid, "chat", ids, params)
         if not body.get("stream"):
-            outs = await worker.until_disconnect(request, _collect(gen))
+            outs = await worker.collect(request, gen)
             chat = fmt.completion_response("chat", "chatcmpl-" + rid, worker.model_name, int(time.time()), outs, 1, 1,
                                            worker.token_text)
             chat["choices"] = [rewrite_message(c, tools.parser) for c in chat["choices"]]
@@ -209,10 +209,6 @@ def messages_route(worker: Worker) -> Route:
                                  media_type="text/event-stream", headers={"x-request-id": rid})
 
     return Route("/v1/messages", messages, methods=["POST"])
-
-
-async def _collect(gen: AsyncIterator[Any]) -> list[Any]:
-    return [x async for x in gen]
 
 
 async def _stream(worker: Worker, rid: str, first: Any, gen: AsyncIterator[Any], tools: ToolStream,

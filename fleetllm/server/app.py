@@ -228,6 +228,10 @@ class Worker:
     async def _collect(self, agen: AsyncIterator[Any]) -> list[Any]:
         return [it async for it in agen]
 
+    async def collect(self, request: Request, gen: AsyncIterator[tuple[int, RequestOutput]]) -> list[tuple[int, RequestOutput]]:
+        """Every output of ``gen`` (from :meth:`run_request`), or APIError 499 if the client leaves first."""
+        return await self.until_disconnect(request, self._collect(gen))
+
     # ---- endpoints ---------------------------------------------------------------------------------
     def prompt_ids(self, kind: str, body: dict[str, Any]) -> list[list[int]]:
         """The token ids of a chat (``kind="chat"``: template applied) or completions request's prompts."""

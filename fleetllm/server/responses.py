@@ -248,7 +248,7 @@ def responses_route(worker: Worker, store: ConversationStore) -> Route:
         rid = uuid.uuid4().hex
         gen = worker.run_request(request, rid, "chat", ids, params)
         if not body.get("stream"):
-            outs = await worker.until_disconnect(request, _collect(gen))
+            outs = await worker.collect(request, gen)
             resp = fmt.completion_response("chat", rid, worker.model_name, int(time.time()), outs, 1, 1,
                                            worker.token_text)
             choice = rewrite_message(resp["choices"][0], tools.parser)
@@ -262,10 +262,6 @@ def responses_route(worker: Worker, store: ConversationStore) -> Route:
                                  media_type="text/event-stream", headers={"x-request-id": rid})
 
     return Route("/v1/responses", responses, methods=["POST"])
-
-
-async def _collect(gen: AsyncIterator[Any]) -> list[Any]:
-    return [x async for x in gen]
 
 
 async def _stream(worker: Worker, store: ConversationStore, body: dict[str, Any], chat: dict[str, Any], rid: str,
