@@ -94,14 +94,14 @@ class ModelExecutor:
         for i, s in enumerate(batch):
             if not s.draft_token_ids:
                 continue
-            rows = logits[first[i] : first[i] + s.num_logits]
+            raw = rows = logits[first[i] : first[i] + s.num_logits]
             if s.seq.grammar is not None:  # each row masked by the grammar's state after the drafts before it
                 masks = allocate_masks(len(rows), rows.shape[-1])
                 s.seq.grammar.fill_masks_through(masks, 0, s.draft_token_ids)
                 rows = apply_masks(rows, masks)
             toks = self.spec.verify(s.seq, rows, s.draft_token_ids)
-            k = s.seq.params.logprobs
-            out.sampled[s.seq.request_id] = Sampled(toks, None if k is None else _logprobs(rows, toks, k))
+            k = s.seq.params.logprobs  # reported from the raw logits, as the sampler does
+            out.sampled[s.seq.request_id] = Sampled(toks, None if k is None else _logprobs(raw, toks, k))
 
     def _observe(self, batch: list[Scheduled], aux: torch.Tensor, out: ModelOutput) -> None:
         """Hand the drafter the target's features of the positions that stay computed (not rejected drafts)."""

@@ -32,9 +32,8 @@ def client(worker) -> openai.OpenAI:
 
 
 @pytest.fixture(scope="module")
-def spec_client(worker_factory) -> openai.OpenAI:
-    w = worker_factory("--speculative", "method=ngram,k=4,adaptive=0")
-    return openai.OpenAI(base_url=w.openai_base_url, api_key="x", max_retries=0)
+def spec_worker(worker_factory):
+    return worker_factory("--speculative", "method=ngram,k=4,adaptive=0")
 
 
 def _ask(client: openai.OpenAI, prompt: str, stream: bool, **kw) -> list[str]:
@@ -105,7 +104,8 @@ def test_an_invalid_constraint_is_a_400_naming_the_problem(client, extra, field,
     assert err["param"] == field and words in err["message"], err
 
 
-def test_greedy_output_is_identical_with_and_without_ngram_speculation(client, spec_client):
+def test_greedy_output_is_identical_with_and_without_ngram_speculation(client, spec_worker):
+    spec_client = openai.OpenAI(base_url=spec_worker.openai_base_url, api_key="x", max_retries=0)
     # a repetitive prompt: the ngram drafter finds matches, and drafts pass through the grammar check
     prompt = "Repeat exactly: {\"name\": \"Bob\", \"age\": 7, \"mood\": \"calm\"} {\"name\": \"Bob\", \"age\": 7"
     texts = [c.chat.completions.create(model="smollm2-135m", max_tokens=40, temperature=0.0,
@@ -114,6 +114,7 @@ def test_greedy_output_is_identical_with_and_without_ngram_speculation(client, s
              for c in (client, spec_client)]
     assert texts[0] == texts[1]
     jsonschema.validate(json.loads(texts[0]), SCHEMA)
+    assert spec_worker.metrics()["vllm:spec_decode_num_accepted_tokens_total"] > 0  # drafts passed the grammar
 
 
 def test_a_prefix_cache_hit_gives_the_same_constrained_output(client):
