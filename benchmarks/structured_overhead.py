@@ -44,13 +44,14 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])
     args = ap.parse_args()
     llm = LLM(args.model, num_threads=args.threads)
     spec = GrammarSpec.json_schema(SCHEMA)
     tok_s(llm, 2, 4, spec)  # warm: the grammar's tokenizer and first masks, the engine's first steps
     print("| concurrency | unconstrained tok/s | JSON schema tok/s | ratio | unconstrained tok/CPU-s "
           "| JSON schema tok/CPU-s | ratio |\n|---:|---:|---:|---:|---:|---:|---:|")
-    for c in (1, 16):
+    for c in args.concurrency:
         rounds = [(tok_s(llm, c, args.max_tokens, None), tok_s(llm, c, args.max_tokens, spec))
                   for _ in range(args.repeat)]  # interleaved: a burst of load elsewhere hits both alike
         free = [max(r[0][k] for r in rounds) for k in (0, 1)]
