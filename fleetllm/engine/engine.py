@@ -208,8 +208,17 @@ class LLMEngine:
             drafts = self.executor.propose(decoding, self.max_model_len)
         except Exception:  # a failing drafter costs speculation for one step, never a request
             logger.exception("drafter failed; this step runs without drafts")
-            return {}
-        return {rid: d for rid, d in map(self._grammar_valid, drafts.items()) if d}
+            drafts = {}
+        drafts = {rid: d for rid, d in map(self._grammar_valid, drafts.items()) if d}
+        for seq in decoding:
+            forced = seq.grammar.forced_tokens() if seq.grammar is not None else []
+            room = min(seq.max_tokens - len(seq.output_token_ids), self.max_model_len - seq.num_tokens) - 1
+            if forced and room > 0:
+                # Tokens the grammar forces (a call's fixed keys, a schema's property names) are drafts that
+                # verify checks like any other: taken when the model agrees, so output is unchanged (greedy
+                # identical), in one step instead of one each.
+                drafts[seq.request_id] = forced[:room]
+        return drafts
 
     def _grammar_valid(self, item: tuple[str, list[int]]) -> tuple[str, list[int]]:
         """A structured request's drafts cut at the first its grammar forbids: a forbidden draft can never

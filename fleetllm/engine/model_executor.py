@@ -24,6 +24,7 @@ from fleetllm.models.loader import LoadedModel, load_model
 from fleetllm.models.quant import quantize_model
 from fleetllm.speculative.config import SpeculativeConfig
 from fleetllm.speculative.decoder import SpecDecoder
+from fleetllm.speculative.verify import verify
 from fleetllm.structured.matcher import allocate_masks, apply_masks
 
 if TYPE_CHECKING:
@@ -60,7 +61,7 @@ class ModelExecutor:
         t0 = time.perf_counter()
         logits, aux = self.runner.execute(batch, rows, self.spec.aux_layers if self.spec else None)
         logits = logits.float().cpu()  # sampling runs on the host
-        if verifying:
+        if verifying and self.spec:
             self.spec.verify_seconds += time.perf_counter() - t0
         out = ModelOutput()
         self._sample(batch, logits, first, out)
@@ -99,7 +100,10 @@ class ModelExecutor:
                 masks = allocate_masks(len(rows), rows.shape[-1])
                 s.seq.grammar.fill_masks_through(masks, 0, s.draft_token_ids)
                 rows = apply_masks(rows, masks)
-            toks = self.spec.verify(s.seq, rows, s.draft_token_ids)
+            if self.spec:
+                toks = self.spec.verify(s.seq, rows, s.draft_token_ids)
+            else:  # a grammar's forced tokens, drafted without a speculative decoder
+                toks = verify(rows, s.draft_token_ids, s.seq.params, s.seq.generator)
             k = s.seq.params.logprobs  # reported from the raw logits, as the sampler does
             out.sampled[s.seq.request_id] = Sampled(toks, None if k is None else _logprobs(raw, toks, k))
 

@@ -35,6 +35,10 @@ class GrammarState:
         """Advance by a sampled token; False when the grammar forbids it (the state is then in error)."""
         return bool(self._m.consume_token(token_id))
 
+    def forced_tokens(self) -> list[int]:
+        """The tokens the grammar allows as the only way on from here (e.g. a tool call's fixed keys)."""
+        return self._m.compute_ff_tokens()
+
     def valid_prefix(self, tokens: list[int]) -> int:
         """How many of ``tokens``, in order from here, the grammar allows."""
         return self._m.validate_tokens(tokens)

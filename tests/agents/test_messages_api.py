@@ -35,7 +35,7 @@ def test_a_streamed_text_answer_matches_the_whole_one(client):
 
 def test_a_tool_round_trip_streamed_and_not(client):
     messages = [{"role": "user", "content": "What's the weather in Lima?"}]
-    kw = dict(model="smollm2-135m", max_tokens=40, tools=TOOLS, tool_choice={"type": "any"})
+    kw = dict(model="smollm2-135m", max_tokens=40, tools=TOOLS, tool_choice={"type": "any", "disable_parallel_tool_use": True})
     msg = client.messages.create(messages=messages, **kw)
     with client.messages.stream(messages=messages, **kw) as stream:
         streamed = stream.get_final_message()
