@@ -210,9 +210,11 @@ class LLMEngine:
             logger.exception("drafter failed; this step runs without drafts")
             drafts = {}
         drafts = {rid: d for rid, d in map(self._grammar_valid, drafts.items()) if d}
+        most = self.spec.max_k if self.spec else None  # a speculative decoder counts acceptance per position
         for seq in decoding:
             forced = seq.grammar.forced_tokens() if seq.grammar is not None else []
             room = min(seq.max_tokens - len(seq.output_token_ids), self.max_model_len - seq.num_tokens) - 1
+            room = room if most is None else min(room, most)
             if forced and room > 0:
                 # Tokens the grammar forces (a call's fixed keys, a schema's property names) are drafts that
                 # verify checks like any other: taken when the model agrees, so output is unchanged (greedy
