@@ -1,10 +1,13 @@
-"""POST /v1/messages through the official anthropic client: text and a tool round trip, streamed and not."""
+"""POST /v1/messages through the official anthropic client: text and a tool round trip, streamed and not;
+the router forwarding /v1/messages and /v1/responses."""
 
 from __future__ import annotations
 
 import anthropic
 import jsonschema
+import openai
 import pytest
+from fleet_helpers import router, wait_state
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "pattern": "^[A-Za-z]{1,8}$"}},
            "required": ["city"], "additionalProperties": False}
@@ -54,3 +57,15 @@ def test_a_missing_max_tokens_is_a_400(client):
     with pytest.raises(anthropic.BadRequestError):
         client.post("/v1/messages", body={"model": "smollm2-135m", "messages": [{"role": "user", "content": "x"}]},
                     cast_to=object)
+
+
+def test_the_router_serves_messages_and_responses_from_its_worker(worker, procs):
+    r = router([worker.url], "kv_aware")
+    procs.append(r)
+    wait_state(r.url, lambda s: any(w["healthy"] for w in s["workers"]))
+    msg = anthropic.Anthropic(base_url=r.url, api_key="x", max_retries=0).messages.create(
+        model="smollm2-135m", max_tokens=4, messages=[{"role": "user", "content": "Hi"}])
+    assert msg.content[0].text
+    resp = openai.OpenAI(base_url=r.url + "/v1", api_key="x", max_retries=0).responses.create(
+        model="smollm2-135m", input="Hi", max_output_tokens=4)
+    assert resp.output_text
