@@ -23,6 +23,7 @@ from fleetllm.server.body_limit import DEFAULT_MAX_BODY_BYTES
 from fleetllm.server.config import ObservabilityConfig
 from fleetllm.sim.config import SimConfig
 from fleetllm.store.config import StoreConfig
+from fleetllm.tools.config import ToolConfig
 
 
 @dataclass
@@ -154,7 +155,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
     )
     capture = capture_for(args, "worker-" + worker_identity(args)["worker"], ("worker",), engine.metrics.registry)
     worker = Worker(engine, observability_config(args), role=args.role, capture=capture,
-                    max_body_bytes=args.max_body_bytes)
+                    max_body_bytes=args.max_body_bytes, tools=from_args(ToolConfig, args))
     server = make_server(worker.app, args.host, args.port, args.log_level,
                          on_exit=lambda: setattr(worker, "closing", True),
                          drain=lambda: worker.drain(args.drain_timeout_s))
@@ -281,6 +282,7 @@ def add_worker_parser(sub: argparse._SubParsersAction) -> None:
     add_options(w, WorkerOptions, title="worker identity (labels on every metric)")
     add_options(w, ObservabilityConfig, title="observability")
     add_options(w, CaptureConfig, title="capture (worker tier)")
+    add_options(w, ToolConfig, title="tool calling")
     sim = w.add_argument_group("simulated worker")
     add_options(sim, SimulateOptions)
     add_options(sim, ProfileOption)

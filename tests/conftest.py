@@ -100,8 +100,10 @@ class InProcessWorker:
         from prometheus_client import disable_created_metrics
 
         from fleetllm.cli import build_parser, engine_config, observability_config
+        from fleetllm.cli_options import from_args
         from fleetllm.engine.engine import LLMEngine
         from fleetllm.server.app import Worker
+        from fleetllm.tools.config import ToolConfig
 
         disable_created_metrics()  # as `fleetllm worker` does
         port = free_port()
@@ -110,7 +112,7 @@ class InProcessWorker:
         # quantization rewrites the weights in place: such an engine loads its own
         engine = LLMEngine(engine_config(args), loaded=loaded if args.quantization == "none" else None)
         torch.set_num_threads(threads)  # --num-threads sizes a worker process; the test process keeps its own
-        self.worker = Worker(engine, observability_config(args), role=args.role)
+        self.worker = Worker(engine, observability_config(args), role=args.role, tools=from_args(ToolConfig, args))
         self.base_url = f"http://127.0.0.1:{port}"  # the OpenAI base URL is base_url + "/v1"
         self.server = ThreadServer(self.worker.app, port, on_exit=lambda: setattr(self.worker, "closing", True),
                                    startup_timeout=STARTUP_TIMEOUT_S)

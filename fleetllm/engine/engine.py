@@ -32,6 +32,7 @@ if TYPE_CHECKING:
 
     from fleetllm.models.loader import LoadedModel
     from fleetllm.speculative.decoder import SpecDecoder
+    from fleetllm.structured.compiler import GrammarCompiler
 
 __all__ = ["EngineConfig", "LLMEngine", "PromptTooLong", "RequestOutput", "TokenLogprob"]
 
@@ -72,6 +73,17 @@ class LLMEngine:
         self._pending: list[RequestOutput] = []  # outputs produced outside step() (aborts)
         self._drafts: dict[str, list[int]] = {}  # proposed after the last step, verified in the next
         self._eos = set(mcfg.eos_token_ids)
+        self._grammars: GrammarCompiler | None = None
+
+    @property
+    def grammars(self) -> GrammarCompiler:
+        """The structured-output compiler for this model's tokenizer (built on first use)."""
+        if self._grammars is None:
+            from fleetllm.structured.compiler import GrammarCompiler
+
+            eos = self.tokenizer.eos_token_id
+            self._grammars = GrammarCompiler(self.tokenizer, eos if eos is not None else min(self._eos))
+        return self._grammars
 
     @property
     def spec(self) -> SpecDecoder | None:
@@ -91,6 +103,8 @@ class LLMEngine:
         max_tokens = check_prompt(prompt_token_ids, params, self.max_model_len, self.loaded.config.vocab_size,
                                   self.default_max_tokens)
         seq = Sequence(request_id, list(prompt_token_ids), params, max_tokens)
+        if params.structured is not None:
+            seq.grammar = self._grammar_state(params)
         if arrival_time is not None:  # when the server received it: queueing before this call counts
             seq.arrival_time = arrival_time
         self.scheduler.add(seq)
@@ -98,6 +112,14 @@ class LLMEngine:
         self.detok[request_id] = IncrementalDetokenizer(
             self.tokenizer, params.stop, params.include_stop_str_in_output, params.skip_special_tokens
         )
+
+    def _grammar_state(self, params: SamplingParams) -> object:
+        from fleetllm.structured.compiler import InvalidGrammar
+
+        try:
+            return self.grammars.state(params.structured)
+        except InvalidGrammar as e:
+            raise InvalidParameter("response_format", f"invalid {params.structured.kind} constraint: {e}") from None
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request now and free its blocks; a final output with reason 'abort' follows."""
@@ -172,6 +194,10 @@ class LLMEngine:
             self.metrics.token(seq, now)
             seq.append_output(tok, now)
             status = seq.stop_status(tok, detok.push(tok), self._eos, self.max_model_len)
+            if status is None and seq.grammar is not None and (not seq.grammar.accept(tok) or seq.grammar.finished):
+                # masks keep sampled tokens valid; a token the grammar refuses (an executor that ignores
+                # masks) or a complete grammar ends the output here
+                status = Status.FINISHED_STOPPED
             if status is not None:
                 return status, n
         return None, len(sampled.token_ids)
@@ -179,10 +205,29 @@ class LLMEngine:
     def _propose(self) -> dict[str, list[int]]:
         decoding = [q for q in self.scheduler.running if q.num_uncomputed == 1]
         try:
-            return self.executor.propose(decoding, self.max_model_len)
+            drafts = self.executor.propose(decoding, self.max_model_len)
         except Exception:  # a failing drafter costs speculation for one step, never a request
             logger.exception("drafter failed; this step runs without drafts")
-            return {}
+            drafts = {}
+        drafts = {rid: d for rid, d in map(self._grammar_valid, drafts.items()) if d}
+        most = self.spec.max_k if self.spec else None  # a speculative decoder counts acceptance per position
+        for seq in decoding:
+            forced = seq.grammar.forced_tokens() if seq.grammar is not None else []
+            room = min(seq.max_tokens - len(seq.output_token_ids), self.max_model_len - seq.num_tokens) - 1
+            room = room if most is None else min(room, most)
+            if forced and room > 0:
+                # Tokens the grammar forces (a call's fixed keys, a schema's property names) are drafts that
+                # verify checks like any other: taken when the model agrees, so output is unchanged (greedy
+                # identical), in one step instead of one each.
+                drafts[seq.request_id] = forced[:room]
+        return drafts
+
+    def _grammar_valid(self, item: tuple[str, list[int]]) -> tuple[str, list[int]]:
+        """A structured request's drafts cut at the first its grammar forbids: a forbidden draft can never
+        be accepted (its masked probability is 0), and the masks of the rows after it would be undefined."""
+        rid, drafts = item
+        grammar = self.seqs[rid].grammar
+        return rid, drafts if grammar is None else drafts[: grammar.valid_prefix(drafts)]
 
     def _fail(self, sched: SchedulerOutput, error: str) -> list[RequestOutput]:
         outputs = []

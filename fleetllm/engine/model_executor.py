@@ -24,6 +24,8 @@ from fleetllm.models.loader import LoadedModel, load_model
 from fleetllm.models.quant import quantize_model
 from fleetllm.speculative.config import SpeculativeConfig
 from fleetllm.speculative.decoder import SpecDecoder
+from fleetllm.speculative.verify import verify
+from fleetllm.structured.matcher import allocate_masks, apply_masks
 
 if TYPE_CHECKING:
     from fleetllm.engine.engine import EngineConfig
@@ -60,7 +62,7 @@ class ModelExecutor:
         t0 = time.perf_counter()
         logits, aux = self.runner.execute(batch, rows, self.spec.aux_layers if self.spec else None)
         logits = logits.float().cpu()  # sampling runs on the host
-        if verifying:
+        if verifying and self.spec:
             self.spec.verify_seconds += time.perf_counter() - t0
         out = ModelOutput()
         self._sample(batch, logits, first, out)
@@ -82,6 +84,7 @@ class ModelExecutor:
             [q.generator for q in seqs],
             [q.prompt_token_ids for q in seqs],
             [q.output_token_ids for q in seqs],
+            _grammar_masks(seqs, logits.shape[-1]),
         )
         for j, seq in enumerate(seqs):
             tok = res.token_ids[j]
@@ -93,10 +96,17 @@ class ModelExecutor:
         for i, s in enumerate(batch):
             if not s.draft_token_ids:
                 continue
-            rows = logits[first[i] : first[i] + s.num_logits]
-            toks = self.spec.verify(s.seq, rows, s.draft_token_ids)
-            k = s.seq.params.logprobs
-            out.sampled[s.seq.request_id] = Sampled(toks, None if k is None else _logprobs(rows, toks, k))
+            raw = rows = logits[first[i] : first[i] + s.num_logits]
+            if s.seq.grammar is not None:  # each row masked by the grammar's state after the drafts before it
+                masks = allocate_masks(len(rows), rows.shape[-1])
+                s.seq.grammar.fill_masks_through(masks, 0, s.draft_token_ids)
+                rows = apply_masks(rows, masks)
+            if self.spec:
+                toks = self.spec.verify(s.seq, rows, s.draft_token_ids)
+            else:  # a grammar's forced tokens, drafted without a speculative decoder
+                toks = verify(rows, s.draft_token_ids, s.seq.params, s.seq.generator)
+            k = s.seq.params.logprobs  # reported from the raw logits, as the sampler does
+            out.sampled[s.seq.request_id] = Sampled(toks, None if k is None else _logprobs(raw, toks, k))
 
     def _observe(self, batch: list[Scheduled], aux: torch.Tensor, out: ModelOutput) -> None:
         """Hand the drafter the target's features of the positions that stay computed (not rejected drafts)."""
@@ -119,6 +129,17 @@ class ModelExecutor:
         bs = self.runner.block_size
         return [(k.view(self.num_blocks, bs, *k.shape[1:]), v.view(self.num_blocks, bs, *v.shape[1:]))
                 for k, v in self.runner.kv_cache]
+
+
+def _grammar_masks(seqs: list[Sequence], vocab_size: int) -> torch.Tensor | None:
+    """One bitmask row per sequence (all allowed for unconstrained ones), None when none is constrained."""
+    if all(q.grammar is None for q in seqs):
+        return None
+    masks = allocate_masks(len(seqs), vocab_size)
+    for row, q in enumerate(seqs):
+        if q.grammar is not None:
+            q.grammar.fill_mask(masks, row)
+    return masks
 
 
 def _logit_rows(batch: list[Scheduled]) -> tuple[list[int], list[int]]:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from fleetllm.structured.spec import GrammarSpec
+
 
 class InvalidParameter(ValueError):
     """A request parameter is out of range; ``param`` names it for the API error."""
@@ -45,6 +47,7 @@ class SamplingParams:
     logprobs: int | None = None  # number of top alternatives per token; 0 = only the chosen token
     skip_special_tokens: bool = True
     n: int = 1
+    structured: GrammarSpec | None = None  # constrain the output (JSON schema, regex, choice, grammar)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -1,7 +1,8 @@
 """Per-request sampling parameters and the batched sampler.
 
-Order of logit processing (as in vLLM): repetition / presence / frequency penalties, temperature,
-min_p, top_k, top_p, then sampling. Log-probabilities are reported from the raw model logits.
+Order of logit processing (as in vLLM): the structured-output token masks, repetition / presence /
+frequency penalties, temperature, min_p, top_k, top_p, then sampling. Log-probabilities are reported
+from the raw model logits.
 """
 
 from __future__ import annotations
@@ -32,10 +33,16 @@ class Sampler:
         generators: list[torch.Generator | None],
         prompt_ids: list[list[int]],
         output_ids: list[list[int]],
+        masks: torch.Tensor | None = None,
     ) -> SampleResult:
+        """``masks``: a structured-output bitmask per row (:mod:`fleetllm.structured.matcher`), or None."""
         want_lp = [p.logprobs is not None for p in params]
         raw_logprobs = torch.log_softmax(logits.float(), dim=-1) if any(want_lp) else None
         logits = logits.float()
+        if masks is not None:
+            from fleetllm.structured.matcher import apply_masks
+
+            logits = apply_masks(logits, masks)
         if any(p.needs_penalties for p in params):
             logits = self._apply_penalties(logits.clone(), params, prompt_ids, output_ids)
 

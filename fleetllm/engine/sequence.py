@@ -63,6 +63,7 @@ class Sequence:
     num_preemptions: int = 0
     generator: torch.Generator | None = None  # a seeded request's sampling RNG (made by the executor)
     spec_state: Any = None  # the speculative decoder's per-request state (acceptance, drafter index)
+    grammar: Any = None  # a structured request's GrammarState, advanced by every appended token
     stop_reason: str | int | None = None
     # timing (monotonic seconds)
     first_scheduled_time: float | None = None

@@ -94,16 +94,25 @@ class TokenCount:
         """One relayed chunk of an SSE stream (events may span chunks)."""
         *events, self._rest = (self._rest + chunk).split(b"\n\n")
         for ev in events:
-            if not ev.startswith(b"data: {"):
+            at = ev.find(b"data: {")  # Messages API events carry an "event:" line first
+            if at < 0:
                 continue
             with contextlib.suppress(ValueError, AttributeError, TypeError):
-                obj = json.loads(ev[6:])
-                if not self._take_usage(obj.get("usage")) and not self._usage:
+                obj = json.loads(ev[at + 6 :])
+                # usage at the top (chat, Messages deltas) or in the object an event carries (Responses)
+                usage = obj.get("usage") or (obj.get("response") or obj.get("message") or {}).get("usage")
+                if not self._take_usage(usage) and not self._usage:
                     self.completion += sum(1 for c in obj.get("choices", [])
                                            if c.get("text") or (c.get("delta") or {}).get("content"))
 
     def _take_usage(self, usage: Any) -> bool:
         if not isinstance(usage, dict):
+            return False
+        if "input_tokens" in usage:  # Messages (cache reads counted apart) and Responses usage
+            self.prompt = int(usage["input_tokens"]) + int(usage.get("cache_read_input_tokens") or 0)
+            self.completion, self._usage = int(usage.get("output_tokens", 0)), True
+            return True
+        if "prompt_tokens" not in usage:
             return False
         self.prompt, self.completion, self._usage = int(usage["prompt_tokens"]), int(usage["completion_tokens"]), True
         return True

@@ -88,6 +88,8 @@ class Router:
             routes=[
                 Route("/v1/chat/completions", self.completion, methods=["POST"]),
                 Route("/v1/completions", self.completion, methods=["POST"]),
+                Route("/v1/messages", self.completion, methods=["POST"]),
+                Route("/v1/responses", self.completion, methods=["POST"]),
                 Route("/v1/models", self.models, methods=["GET"]),
                 Route("/tokenize", self.forward_any, methods=["POST"]),
                 Route("/detokenize", self.forward_any, methods=["POST"]),

@@ -13,7 +13,10 @@ from typing import Any
 
 from fleetllm.engine.block_pool import hash_prefix_blocks
 from fleetllm.models.tokenizer import TokenizerWrapper
+from fleetllm.server.anthropic import chat_body as anthropic_chat_body
 from fleetllm.server.protocol import APIError, chat_messages
+from fleetllm.tools.parsers import parser_for
+from fleetllm.tools.request import render_prompt, tool_request
 
 log = logging.getLogger(__name__)
 
@@ -48,10 +51,8 @@ class PromptTokenizer:
         if tok is None:
             return None
         try:
-            if path.endswith("/chat/completions"):
-                text = tok.apply_chat_template(chat_messages(body), add_generation_prompt=body.get("add_generation_prompt", True),
-                                               **(body.get("chat_template_kwargs") or {}))
-                return tok.encode(text, add_special_tokens=False)
+            if path.endswith(("/chat/completions", "/messages")):
+                return tok.encode(chat_prompt(tok, path, body), add_special_tokens=False)
             prompt = body.get("prompt")
             if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
                 prompt = prompt[0]  # a batch: route by its first prompt
@@ -62,6 +63,15 @@ class PromptTokenizer:
         except (APIError, Exception):  # the worker will answer the bad request with its own error
             return None
         return None
+
+
+def chat_prompt(tok: TokenizerWrapper, path: str, body: dict[str, Any]) -> str:
+    """The prompt text a worker renders for a chat (or Messages) request, tools included."""
+    if path.endswith("/messages"):
+        body = anthropic_chat_body(body)
+    tools = tool_request(body, parser_for("auto", tok.chat_template))
+    return render_prompt(tok, chat_messages(body), tools, body.get("add_generation_prompt", True),
+                         **(body.get("chat_template_kwargs") or {}))
 
 
 def block_hashes(token_ids: list[int], block_size: int, model: str) -> list[int]:

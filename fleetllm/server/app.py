@@ -45,6 +45,7 @@ from fleetllm.observability.process import ColdStart, ProcessHostCollector
 from fleetllm.observability.tracing import trace_id_of
 from fleetllm.router import request_id
 from fleetllm.server import openai_format as fmt
+from fleetllm.server.anthropic import messages_route
 from fleetllm.server.body_limit import DEFAULT_MAX_BODY_BYTES, BodyLimit
 from fleetllm.server.config import ObservabilityConfig
 from fleetllm.server.inflight import InFlight
@@ -57,7 +58,13 @@ from fleetllm.server.protocol import (
     request_timeout,
     sampling_from_body,
 )
+from fleetllm.server.responses import ConversationStore, responses_route
+from fleetllm.server.structured_fields import constrain
 from fleetllm.server.worker_secret import RequireSecret, worker_secret
+from fleetllm.tools.config import ToolConfig
+from fleetllm.tools.parsers import parser_for
+from fleetllm.tools.request import ToolRequest, render_prompt, tool_request
+from fleetllm.tools.stream import ToolStream, rewrite_message
 
 if TYPE_CHECKING:
     from fleetllm.engine.engine import LLMEngine
@@ -74,9 +81,11 @@ class Worker:
     """Request handling for one engine; ``app`` is the ASGI application."""
 
     def __init__(self, engine: LLMEngine, obs: ObservabilityConfig | None = None, role: str = "both",
-                 capture: Capture | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> None:
+                 capture: Capture | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+                 tools: ToolConfig | None = None) -> None:
         self.engine = engine
         self.capture = capture  # the worker tier (fleetllm/capture/)
+        self.tool_parser = parser_for((tools or ToolConfig()).tool_call_parser, engine.tokenizer.chat_template)
         self.role = role  # prefill | decode | both (disaggregated serving; routers read it from /kv/events)
         self.async_engine = AsyncEngine(engine, on_failure=self._engine_failed)
         self.ready = False  # warm and serving (set at the end of start-up)
@@ -119,6 +128,8 @@ class Worker:
                 *dashboard_routes(),
                 Route("/kv/events", self.kv_events, methods=["GET"]),
                 *pd_routes(self),
+                messages_route(self),
+                responses_route(self, ConversationStore()),
             ],
             lifespan=self._lifespan,
             exception_handlers={APIError: lambda r, e: error_response(e), 404: self._not_found,
@@ -235,6 +246,11 @@ class Worker:
                 tap.end(status)
             self._request_done(request, rid, kind, start, finals, status)
 
+    def run_request(self, request: Request, rid: str, kind: str, prompts: list[list[int]],
+                    params: SamplingParams) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Every (choice index, output) of a request as it arrives (the Messages endpoint builds on it)."""
+        return self._run(request, rid, kind, prompts, params)
+
     def _request_done(self, request: Request, rid: str, kind: str, start: float, finals: list[RequestOutput], status: int) -> None:
         """The request's log line and span (the request id ties them to the caller's)."""
         operation = "chat" if kind == "chat" else "text_completion"
@@ -269,17 +285,21 @@ class Worker:
     async def _collect(self, agen: AsyncIterator[Any]) -> list[Any]:
         return [it async for it in agen]
 
+    async def collect(self, request: Request, gen: AsyncIterator[tuple[int, RequestOutput]]) -> list[tuple[int, RequestOutput]]:
+        """Every output of ``gen`` (from :meth:`run_request`), or APIError 499 if the client leaves first."""
+        return await self.until_disconnect(request, self._collect(gen))
+
     # ---- endpoints ---------------------------------------------------------------------------------
     def prompt_ids(self, kind: str, body: dict[str, Any]) -> list[list[int]]:
         """The token ids of a chat (``kind="chat"``: template applied) or completions request's prompts."""
         if kind != "chat":
             return [self._encode(p) for p in completion_prompts(body)]
         messages = chat_messages(body)
+        tools = tool_request(body, self.tool_parser)
         try:
             kwargs = body.get("chat_template_kwargs") or {}
-            text = self.engine.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=body.get("add_generation_prompt", True), **kwargs
-            )
+            text = render_prompt(self.engine.tokenizer, messages, tools, body.get("add_generation_prompt", True),
+                                 **kwargs)
         except Exception as e:
             raise APIError(400, f"chat template failed: {e}", "messages") from None
         return [self.engine.tokenizer.encode(text, add_special_tokens=False)]
@@ -287,19 +307,27 @@ class Worker:
     async def chat(self, request: Request) -> Response:
         body = await self.request_body(request)
         ids = self.prompt_ids("chat", body)
-        params = sampling_from_body(body, chat=True)
-        return await self._respond(request, "chat", body, ids, params)
+        tools = tool_request(body, self.tool_parser)
+        params = await self.constrained(sampling_from_body(body, chat=True), body, tools.grammar)
+        return await self._respond(request, "chat", body, ids, params, tools if tools.parses_calls else None)
+
+    async def constrained(self, params: SamplingParams, body: dict[str, Any], forced: Any = None) -> SamplingParams:
+        """``params`` with the request's output constraint, compiled off the event loop (a new schema takes
+        milliseconds; the tokenizer's first grammar build, a fraction of a second)."""
+        return await asyncio.to_thread(constrain, params, body, self.engine.grammars, forced)
 
     async def completions(self, request: Request) -> Response:
         body = await self.request_body(request)
         if body.get("echo"):
             raise APIError(400, "echo is not supported", "echo")
         prompts = self.prompt_ids("text", body)
-        params = sampling_from_body(body, chat=False)
+        params = await self.constrained(sampling_from_body(body, chat=False), body)
         return await self._respond(request, "text", body, prompts, params)
 
     async def _respond(self, request: Request, kind: str, body: dict[str, Any], prompts: list[list[int]],
-                       params: SamplingParams) -> Response:
+                       params: SamplingParams, tools: ToolRequest | None = None) -> Response:
+        """Run the request and answer it whole or as a stream; with ``tools``, calls in the text become
+        ``tool_calls``."""
         if self.draining:
             raise APIError(503, "this worker is draining; retry on another", headers={"Retry-After": "1"})
         # the fleet's id (minted by the router, else here) is unique; the client's id is its own label
@@ -315,9 +343,11 @@ class Worker:
         try:
             if not body.get("stream"):
                 outs = await self.until_disconnect(request, self._collect(gen))
-                return JSONResponse(fmt.completion_response(kind, cid, self.model_name, int(time.time()), outs,
-                                                            len(prompts) * params.n, params.n, self.token_text),
-                                    headers=headers)
+                resp = fmt.completion_response(kind, cid, self.model_name, int(time.time()), outs,
+                                               len(prompts) * params.n, params.n, self.token_text)
+                if tools is not None:
+                    resp["choices"] = [rewrite_message(c, tools.parser) for c in resp["choices"]]
+                return JSONResponse(resp, headers=headers)
             # Start the first request before answering 200 so validation errors are still proper JSON errors.
             first = await self.until_disconnect(request, gen.__anext__())
         except APIError as e:
@@ -326,11 +356,13 @@ class Worker:
                 return Response(status_code=499)
             raise
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-        return StreamingResponse(self._sse(kind, cid, first, gen, include_usage, params.n),
+        rewrite = ToolStream(tools.parser).rewrite if tools is not None else None
+        return StreamingResponse(self._sse(kind, cid, first, gen, include_usage, params.n, rewrite),
                                  media_type="text/event-stream", headers=headers)
 
     async def _sse(self, kind: str, cid: str, first: tuple[int, RequestOutput],
-                   gen: AsyncIterator[tuple[int, RequestOutput]], include_usage: bool, n: int) -> AsyncIterator[str]:
+                   gen: AsyncIterator[tuple[int, RequestOutput]], include_usage: bool, n: int,
+                   rewrite: Callable[[dict[str, Any]], list[dict[str, Any]]] | None = None) -> AsyncIterator[str]:
         created = int(time.time())
         counts: dict[int, fmt.TokenCounts] = {}
         try:
@@ -341,7 +373,8 @@ class Worker:
                 opened = index in counts
                 counts[index] = fmt.token_counts(out)
                 for choice in fmt.stream_choices(kind, index, out, not opened, self.token_text):
-                    yield fmt.chunk_event(kind, cid, self.model_name, created, [choice])
+                    for c in rewrite(choice) if rewrite else [choice]:
+                        yield fmt.chunk_event(kind, cid, self.model_name, created, [c])
             if include_usage:
                 yield fmt.chunk_event(kind, cid, self.model_name, created, [], fmt.total_usage(counts, n))
             yield fmt.SSE_DONE
