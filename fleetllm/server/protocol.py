@@ -61,12 +61,12 @@ def _num(body: dict[str, Any], key: str, kind: type, default: Any) -> Any:
 
 # Parameters of the OpenAI API that fleetllm does not implement, with the values that ask for nothing
 # (a client library's defaults): any other value is refused with a 400 naming the parameter.
-UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-    "tools": (None, []), "tool_choice": (None, "none", "auto"), "functions": (None, []), "function_call": (None, "none"),
-    "response_format": (None, {"type": "text"}), "logit_bias": (None, {}), "best_of": (None, 1),
+UNSUPPORTED: dict[str, tuple[Any, ...]] = {  # tools, response_format and guided_* are implemented (fleetllm/tools,
+    # fleetllm/structured): parsed in server/structured_fields.py and tools/request.py
+    "functions": (None, []), "function_call": (None, "none"),
+    "logit_bias": (None, {}), "best_of": (None, 1),
     "prompt_logprobs": (None,), "suffix": (None, ""), "audio": (None,), "modalities": (None, ["text"]),
-    "prediction": (None,), "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,),
-    "guided_grammar": (None,), "structured_outputs": (None,),
+    "prediction": (None,),
 }
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_TIMEOUT_S = 24 * 3600.0

@@ -19,8 +19,10 @@ BAD = [  # (path, body, the field the 400 must name)
     ("/v1/chat/completions", {**CHAT, "messages": [{"role": "wizard", "content": "Hi"}]}, "messages"),
     ("/v1/completions", {**TEXT, "best_of": 3}, "best_of"),
     ("/v1/completions", {**TEXT, "prompt_logprobs": 1}, "prompt_logprobs"),
-    ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-    ("/v1/chat/completions", {**CHAT, "response_format": {"type": "json_object"}}, "response_format"),
+    ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function", "function": {}}]}, "tools"),  # no name
+    ("/v1/chat/completions", {**CHAT, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "no-such-type"}}}}, "response_format"),
+    ("/v1/chat/completions", {**CHAT, "functions": [{"name": "f"}]}, "functions"),  # legacy: not implemented
     ("/v1/completions", {**TEXT, "stop": [f"s{i}" for i in range(5000)]}, "stop"),
     ("/v1/completions", {**TEXT, "stream": True, "stream_options": "yes"}, "stream_options"),
     ("/v1/completions", {**TEXT, "timeout": -1}, "timeout"),
