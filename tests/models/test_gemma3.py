@@ -1,19 +1,19 @@
 """Gemma 3 generates exactly what HF transformers generates, token for token, in every scheduling regime.
 
-Two models: a tiny randomly initialised Gemma 3 (HF ``save_pretrained``) whose sliding window is 6 tokens,
-so every prompt crosses it in prefill, chunked prefill, prefix-cache hits and decode, in a second; and the
-real Gemma-3-270M (Q4_K_M GGUF), against HF's own load of the same GGUF (slow: HF parses the 262k-token
-vocabulary for minutes). HF checks our tokens by teacher forcing: one HF forward over prompt + our output
-must predict, at every position, the token we generated, which by induction is greedy equality.
+A tiny randomly initialised Gemma 3 (HF ``save_pretrained``) whose sliding window is 6 tokens, so every
+prompt crosses it in prefill, chunked prefill, prefix-cache hits and decode, checked against HF in a second:
+HF checks our tokens by teacher forcing (one HF forward over prompt + our output must predict, at every
+position, the token we generated, which by induction is greedy equality). The real Gemma-3-270M (Q4_K_M
+GGUF) must give its batched output in every regime here; its HF comparison is benchmarks/gemma3_vs_hf.py.
 """
 
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 import pytest
 import torch
+from gemma3_prompts import CAPS, PROMPTS_WITH_LONG
 from tokenizers import Tokenizer, models
 
 from fleetllm import LLM, SamplingParams
@@ -104,20 +104,10 @@ def test_missing_gemma_package_says_how_to_install(monkeypatch, tmp_path):
         resolve("gemma3-270m")
 
 
-# ---- the real Gemma-3-270M ---------------------------------------------------------------------------------
-PROMPTS = [
-    "The capital of France is",
-    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
-    "Photosynthesis is the process by which",
-    "Once upon a time, in a small village by the sea,",
-    "The three primary colours are",
-    "SELECT name, email FROM users WHERE",
-    "In 1969, the first humans to walk on the Moon",
-    "Water boils at 100 degrees Celsius because",
-]
-# Longer than the 512-token sliding window: its later tokens must not see its first ones in local layers.
-LONG = "Here is a list of numbered facts.\n" + "".join(f"Fact {i}: the number {i} squared is {i * i}.\n" for i in range(1, 52))
-MAX_TOKENS, LONG_TOKENS = 24, 6
+# ---- the real Gemma-3-270M: every regime gives the batched output ----------------------------------------
+# Its equality with HF transformers (teacher forcing on these prompts, and the tokenizer) is checked by
+# `python benchmarks/gemma3_vs_hf.py`: HF's own load of the GGUF takes over a minute here, a heavy peer
+# kept out of the suite like llama.cpp's server. The tiny model above checks the architecture against HF.
 
 
 @pytest.fixture(scope="module")
@@ -126,49 +116,21 @@ def gemma():
 
 
 @pytest.fixture(scope="module")
-def hf_gemma():
-    path = Path(resolve("gemma3-270m"))
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
-    return model.eval()
-
-
-@pytest.fixture(scope="module")
-def hf_tokenizer():
-    path = Path(resolve("gemma3-270m"))
-    return transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-
-
-@pytest.fixture(scope="module")
 def prompt_ids(gemma) -> list[list[int]]:
-    ids = [gemma.tokenizer.encode(p) for p in [*PROMPTS, LONG]]
+    ids = [gemma.tokenizer.encode(p) for p in PROMPTS_WITH_LONG]
     assert len(ids[-1]) > 600 > gemma.config.sliding_window
     return ids
 
 
-CAPS = [MAX_TOKENS] * len(PROMPTS) + [LONG_TOKENS]
-
-
 @pytest.fixture(scope="module")
-def batched(gemma, hf_gemma, prompt_ids) -> tuple[LLM, list[list[int]]]:
-    """All prompts batched together, each checked against HF: the outputs every other regime must give."""
+def batched(gemma, prompt_ids) -> tuple[LLM, list[list[int]]]:
+    """All prompts batched together: the outputs every other regime must give."""
     llm = LLM(loaded=gemma)
-    outs = greedy(llm, prompt_ids, CAPS)
-    assert_hf_agrees(hf_gemma, prompt_ids, outs)
-    return llm, outs
+    return llm, greedy(llm, prompt_ids, CAPS)
 
 
 @pytest.mark.slow
-def test_tokenizer_matches_transformers(gemma, hf_tokenizer):
-    texts = [*PROMPTS, LONG, "  two  spaces,\ttab\n\n\nnewlines   ", "naïve café — 東京 🚀 <0x41>",
-             "<start_of_turn>user\nHi<end_of_turn>\n<start_of_turn>model\n", "x" * 40 + " ünïcödé"]
-    for text in texts:
-        ids = gemma.tokenizer.encode(text)
-        assert ids == hf_tokenizer(text).input_ids, text
-        assert gemma.tokenizer.decode(ids) == hf_tokenizer.decode(ids, skip_special_tokens=True), text
-
-
-@pytest.mark.slow
-def test_batch_with_a_prompt_past_the_window_matches_transformers(batched):
+def test_batch_with_a_prompt_past_the_window_generates_every_token(batched):
     assert [len(out) for out in batched[1]] == CAPS
 
 
