@@ -11,7 +11,7 @@ PROMPTS = [
     "Water boils at 100 degrees Celsius because",
 ]
 # Longer than the 512-token sliding window: its later tokens must not see its first ones in local layers.
-LONG = "Here is a list of numbered facts.\n" + "".join(f"Fact {i}: the number {i} squared is {i * i}.\n" for i in range(1, 52))
+LONG = "Here is a list of numbered facts.\n" + "".join(f"Fact {i}: the number {i} squared is {i * i}.\n" for i in range(1, 37))
 PROMPTS_WITH_LONG = [*PROMPTS, LONG]
 MAX_TOKENS, LONG_TOKENS = 24, 6
 CAPS = [MAX_TOKENS] * len(PROMPTS) + [LONG_TOKENS]
