@@ -20,7 +20,6 @@ Run:  python benchmarks/capture_overhead.py [--concurrency 4 --requests 32 --isl
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import os
 import shlex
@@ -34,7 +33,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import cpu_model, stop_process, tail  # noqa: E402
+from common import append_run, stop_process, tail  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 AWS = {"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench", "AWS_DEFAULT_REGION": "us-east-1"}
@@ -190,17 +189,10 @@ def record(args: argparse.Namespace, runs: dict[str, list[tuple[float, float]]],
         ["--concurrency", str(args.concurrency), "--requests", str(args.requests), "--isl", str(args.isl),
          "--osl", str(args.osl), "--rounds", str(args.rounds)])
     per = " / ".join(f"{n}: " + ", ".join(f"{t:.2f} tok/s @ {f:.0f} ms" for t, f in v) for n, v in runs.items())
-    text = (f"\n### {dt.datetime.now(dt.UTC):%Y-%m-%d %H:%M} UTC, {cpu_model()}, {os.cpu_count()} cores, "
-            f"load average {os.getloadavg()[0]:.2f}\n\n`{cmd}`\n\n- per run (output tok/s @ TTFT p50): {per}\n"
-            f"- {summary}\n")
-    path = ROOT / "BENCHMARKS.md"
-    body = path.read_text()
-    head = "## Capture overhead"
-    if head not in body:
-        body += (f"\n{head}\n\n`fleetllm serve` (router + one SmolLM2 worker) with every capture tier at 100% to S3 "
-                 "(moto on 127.0.0.1, its own core; SSE-KMS and client-side envelope encryption) against the same "
-                 "fleet with capture off, driven alternately by `fleetllm bench` (streaming chat).\n")
-    path.write_text(body + text)
+    append_run("## Capture overhead", "`fleetllm serve` (router + one SmolLM2 worker) with every capture tier at 100% "
+               "to S3 (moto on 127.0.0.1, its own core; SSE-KMS and client-side envelope encryption) against the same "
+               "fleet with capture off, driven alternately by `fleetllm bench` (streaming chat).", cmd,
+               f"- per run (output tok/s @ TTFT p50): {per}\n- {summary}\n")
 
 
 if __name__ == "__main__":

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import datetime as dt
+import os
 import platform
 import subprocess
 from pathlib import Path
@@ -33,3 +35,15 @@ def cpu_model() -> str:
     except OSError:
         pass
     return platform.processor() or "unknown CPU"
+
+
+def append_run(heading: str, intro: str, cmd: str, lines: str) -> None:
+    """Append one dated run (its machine, ``cmd`` and result ``lines``) to BENCHMARKS.md, first adding the
+    section ``heading`` with its ``intro`` if the file has none."""
+    path = Path(__file__).resolve().parents[1] / "BENCHMARKS.md"
+    body = path.read_text()
+    if heading not in body:
+        body += f"\n{heading}\n\n{intro}\n"
+    stamp = (f"\n### {dt.datetime.now(dt.UTC):%Y-%m-%d %H:%M} UTC, {cpu_model()}, {os.cpu_count()} cores, "
+             f"load average {os.getloadavg()[0]:.2f}\n\n`{cmd}`\n\n")
+    path.write_text(body + stamp + lines)

@@ -19,9 +19,7 @@ Run:  python benchmarks/observability_overhead.py [--concurrency 4 --requests 24
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
-import os
 import shlex
 import statistics
 import subprocess
@@ -35,7 +33,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import cpu_model, stop_process, tail  # noqa: E402
+from common import append_run, stop_process, tail  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -155,16 +153,10 @@ def record(args: argparse.Namespace, tput: dict[str, list[float]], summary: str)
         ["--concurrency", str(args.concurrency), "--requests", str(args.requests), "--isl", str(args.isl),
          "--osl", str(args.osl), "--rounds", str(args.rounds)])
     runs = " / ".join(f"{n}: " + ", ".join(f"{v:.2f}" for v in vs) for n, vs in tput.items())
-    text = (f"\n### {dt.datetime.now(dt.UTC):%Y-%m-%d %H:%M} UTC, {cpu_model()}, {os.cpu_count()} cores, "
-            f"load average {os.getloadavg()[0]:.2f}\n\n`{cmd}`\n\n- per run (output tok/s): {runs}\n- {summary}\n")
-    path = ROOT / "BENCHMARKS.md"
-    body = path.read_text()
-    head = "## Observability overhead"
-    if head not in body:
-        body += (f"\n{head}\n\nA worker with metrics, request log lines and OTLP export (metrics every 5 s and "
-                 "one span per request, to a local sink) against the same worker with all of it off "
-                 "(`--disable-metrics --disable-log-requests`), driven alternately by `fleetllm bench`.\n")
-    path.write_text(body + text)
+    append_run("## Observability overhead", "A worker with metrics, request log lines and OTLP export (metrics every "
+               "5 s and one span per request, to a local sink) against the same worker with all of it off "
+               "(`--disable-metrics --disable-log-requests`), driven alternately by `fleetllm bench`.", cmd,
+               f"- per run (output tok/s): {runs}\n- {summary}\n")
 
 
 if __name__ == "__main__":
