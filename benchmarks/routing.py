@@ -33,7 +33,7 @@ from rich.table import Table
 sys.path.insert(0, str(Path(__file__).parent))
 from common import cpu_model  # noqa: E402
 
-from fleetllm.fleet.config import FleetConfig, WorkerGroup  # noqa: E402
+from fleetllm.fleet.config import FleetConfig  # noqa: E402
 from fleetllm.fleet.launcher import Fleet  # noqa: E402
 
 POLICIES = ("round_robin", "least_load", "session", "prefix", "kv_aware")
@@ -85,12 +85,22 @@ def scale(flags: list[str], quick: bool) -> list[str]:
     return out
 
 
+def with_users(flags: list[str], users: int | None, requests_per_user: float) -> list[str]:
+    """``flags`` with ``users`` closed-loop users, each sending about ``requests_per_user`` requests."""
+    if users is None:
+        return flags
+    out = list(flags)
+    out[out.index("--concurrency") + 1] = str(users)
+    out[out.index("--requests") + 1] = str(max(users, round(users * requests_per_user)))
+    return out
+
+
 def run_one(fleet_kind: str, n_workers: int, policy: str, workloads: dict[str, list[str]], out_dir: Path,
-            quick: bool, seed: int) -> list[dict]:
+            quick: bool, seed: int, users: int | None = None, requests_per_user: float = 2.0) -> list[dict]:
     port = 18000 + (os.getpid() % 500) * 40
-    groups = [WorkerGroup(replicas=n_workers, simulate=fleet_kind == "sim", threads=1)]
-    cfg = FleetConfig(port=port, policy=policy, workers=groups, log_dir=str(out_dir / "logs" / f"{fleet_kind}-{policy}"),
-                      router_args=["--seed", str(seed)])
+    cfg = FleetConfig.single_model("smollm2-135m", n_workers, simulate=fleet_kind == "sim", threads=1)
+    cfg.port, cfg.policy, cfg.router_args = port, policy, ["--seed", str(seed)]
+    cfg.log_dir = str(out_dir / "logs" / f"{fleet_kind}-{policy}")
     fleet = Fleet(cfg)
     fleet.start()
     rows = []
@@ -99,7 +109,8 @@ def run_one(fleet_kind: str, n_workers: int, policy: str, workloads: dict[str, l
             before = {u: scrape(u) for u in fleet.worker_urls}
             out = out_dir / f"{fleet_kind}-{policy}-{wname}.json"
             cmd = [sys.executable, "-m", "fleetllm.cli", "bench", "--url", fleet.url, "--model", "smollm2-135m",
-                   "--seed", str(seed), "--no-progress", "--timeout", "600", "--output", str(out), *scale(flags, quick)]
+                   "--seed", str(seed), "--no-progress", "--timeout", "600", "--output", str(out),
+                   *with_users(scale(flags, quick), users, requests_per_user)]
             t0 = time.monotonic()
             subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
             wall = time.monotonic() - t0
@@ -170,6 +181,10 @@ def main() -> int:
     ap.add_argument("--policies", default=",".join(POLICIES))
     ap.add_argument("--workloads", default="multi-turn,agentic,zipf")
     ap.add_argument("--quick", action="store_true", help="a quarter of the requests, half the concurrency")
+    ap.add_argument("--users-per-worker", type=float, default=None,
+                    help="closed-loop users per worker (overrides the workloads' concurrency; e.g. 0.5 or 6)")
+    ap.add_argument("--requests-per-user", type=float, default=2.0,
+                    help="with --users-per-worker: measured requests per user")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--out", default="results/routing")
     args = ap.parse_args()
@@ -187,7 +202,8 @@ def main() -> int:
         for kind, n, policy in plan:
             bar.update(task, description=f"{kind} x{n} {policy}")
             wl = {k: v for k, v in WORKLOADS[kind].items() if k in wanted}
-            rows += run_one(kind, n, policy, wl, out_dir, args.quick, args.seed)
+            users = max(1, round(args.users_per_worker * n)) if args.users_per_worker else None
+            rows += run_one(kind, n, policy, wl, out_dir, args.quick, args.seed, users, args.requests_per_user)
             bar.advance(task)
     verdicts = report(rows, console)
     summary = {"command": " ".join(sys.argv), "cpu": cpu_model(), "cores": os.cpu_count(), "rows": rows,
