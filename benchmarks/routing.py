@@ -69,7 +69,8 @@ def scrape(url: str) -> dict[str, float]:
     for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
         m = _SAMPLE.match(line)
         if m and m.group(1) in ("vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total",
-                                "vllm:request_success_total", "vllm:generation_tokens_total"):
+                                "vllm:request_success_total", "vllm:generation_tokens_total",
+                                "vllm:time_to_first_token_seconds_sum", "vllm:time_to_first_token_seconds_count"):
             out[m.group(1)] = out.get(m.group(1), 0.0) + float(m.group(2))
     return out
 
@@ -127,10 +128,14 @@ def run_one(fleet_kind: str, n_workers: int, policy: str, workloads: dict[str, l
             work = [delta(u, "vllm:prefix_cache_queries_total") - delta(u, "vllm:prefix_cache_hits_total")
                     + delta(u, "vllm:generation_tokens_total") for u in fleet.worker_urls]
             mean_work = sum(work) / len(work)
+            # the workers' own TTFT (arrival at the worker to first token): the rest of the client's is the router's
+            n_first = sum(delta(u, "vllm:time_to_first_token_seconds_count") for u in fleet.worker_urls)
+            worker_ttft = sum(delta(u, "vllm:time_to_first_token_seconds_sum") for u in fleet.worker_urls) / max(n_first, 1)
             s = json.loads(out.read_text())["runs"][0]["summary"]
             rows.append({
                 "fleet": fleet_kind, "workers": n_workers, "policy": policy, "workload": wname,
                 "ttft_p50_ms": s["metrics"]["ttft_ms"]["p50"], "ttft_p99_ms": s["metrics"]["ttft_ms"]["p99"],
+                "ttft_mean_ms": s["metrics"]["ttft_ms"].get("mean"), "worker_ttft_mean_ms": worker_ttft * 1000,
                 "req_per_s": s["request_throughput"], "out_tok_per_s": s["output_token_throughput"],
                 "errors": s["requests"]["errors"], "hit_rate": h / q if q else 0.0,
                 "imbalance": max(per_worker) / mean if mean else 0.0, "per_worker_requests": per_worker,
