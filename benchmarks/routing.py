@@ -33,7 +33,7 @@ from rich.table import Table
 sys.path.insert(0, str(Path(__file__).parent))
 from common import cpu_model  # noqa: E402
 
-from fleetllm.fleet.config import FleetConfig, WorkerGroup  # noqa: E402
+from fleetllm.fleet.config import FleetConfig  # noqa: E402
 from fleetllm.fleet.launcher import Fleet  # noqa: E402
 
 POLICIES = ("round_robin", "least_load", "session", "prefix", "kv_aware")
@@ -69,7 +69,8 @@ def scrape(url: str) -> dict[str, float]:
     for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
         m = _SAMPLE.match(line)
         if m and m.group(1) in ("vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total",
-                                "vllm:request_success_total", "vllm:generation_tokens_total"):
+                                "vllm:request_success_total", "vllm:generation_tokens_total",
+                                "vllm:time_to_first_token_seconds_sum", "vllm:time_to_first_token_seconds_count"):
             out[m.group(1)] = out.get(m.group(1), 0.0) + float(m.group(2))
     return out
 
@@ -85,12 +86,22 @@ def scale(flags: list[str], quick: bool) -> list[str]:
     return out
 
 
+def with_users(flags: list[str], users: int | None, requests_per_user: float) -> list[str]:
+    """``flags`` with ``users`` closed-loop users, each sending about ``requests_per_user`` requests."""
+    if users is None:
+        return flags
+    out = list(flags)
+    out[out.index("--concurrency") + 1] = str(users)
+    out[out.index("--requests") + 1] = str(max(users, round(users * requests_per_user)))
+    return out
+
+
 def run_one(fleet_kind: str, n_workers: int, policy: str, workloads: dict[str, list[str]], out_dir: Path,
-            quick: bool, seed: int) -> list[dict]:
+            quick: bool, seed: int, users: int | None = None, requests_per_user: float = 2.0) -> list[dict]:
     port = 18000 + (os.getpid() % 500) * 40
-    groups = [WorkerGroup(replicas=n_workers, simulate=fleet_kind == "sim", threads=1)]
-    cfg = FleetConfig(port=port, policy=policy, workers=groups, log_dir=str(out_dir / "logs" / f"{fleet_kind}-{policy}"),
-                      router_args=["--seed", str(seed)])
+    cfg = FleetConfig.single_model("smollm2-135m", n_workers, simulate=fleet_kind == "sim", threads=1)
+    cfg.port, cfg.policy, cfg.router_args = port, policy, ["--seed", str(seed)]
+    cfg.log_dir = str(out_dir / "logs" / f"{fleet_kind}-{policy}")
     fleet = Fleet(cfg)
     fleet.start()
     rows = []
@@ -99,7 +110,8 @@ def run_one(fleet_kind: str, n_workers: int, policy: str, workloads: dict[str, l
             before = {u: scrape(u) for u in fleet.worker_urls}
             out = out_dir / f"{fleet_kind}-{policy}-{wname}.json"
             cmd = [sys.executable, "-m", "fleetllm.cli", "bench", "--url", fleet.url, "--model", "smollm2-135m",
-                   "--seed", str(seed), "--no-progress", "--timeout", "600", "--output", str(out), *scale(flags, quick)]
+                   "--seed", str(seed), "--no-progress", "--timeout", "600", "--output", str(out),
+                   *with_users(scale(flags, quick), users, requests_per_user)]
             t0 = time.monotonic()
             subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
             wall = time.monotonic() - t0
@@ -116,10 +128,14 @@ def run_one(fleet_kind: str, n_workers: int, policy: str, workloads: dict[str, l
             work = [delta(u, "vllm:prefix_cache_queries_total") - delta(u, "vllm:prefix_cache_hits_total")
                     + delta(u, "vllm:generation_tokens_total") for u in fleet.worker_urls]
             mean_work = sum(work) / len(work)
+            # the workers' own TTFT (arrival at the worker to first token): the rest of the client's is the router's
+            n_first = sum(delta(u, "vllm:time_to_first_token_seconds_count") for u in fleet.worker_urls)
+            worker_ttft = sum(delta(u, "vllm:time_to_first_token_seconds_sum") for u in fleet.worker_urls) / max(n_first, 1)
             s = json.loads(out.read_text())["runs"][0]["summary"]
             rows.append({
                 "fleet": fleet_kind, "workers": n_workers, "policy": policy, "workload": wname,
                 "ttft_p50_ms": s["metrics"]["ttft_ms"]["p50"], "ttft_p99_ms": s["metrics"]["ttft_ms"]["p99"],
+                "ttft_mean_ms": s["metrics"]["ttft_ms"].get("mean"), "worker_ttft_mean_ms": worker_ttft * 1000,
                 "req_per_s": s["request_throughput"], "out_tok_per_s": s["output_token_throughput"],
                 "errors": s["requests"]["errors"], "hit_rate": h / q if q else 0.0,
                 "imbalance": max(per_worker) / mean if mean else 0.0, "per_worker_requests": per_worker,
@@ -170,6 +186,10 @@ def main() -> int:
     ap.add_argument("--policies", default=",".join(POLICIES))
     ap.add_argument("--workloads", default="multi-turn,agentic,zipf")
     ap.add_argument("--quick", action="store_true", help="a quarter of the requests, half the concurrency")
+    ap.add_argument("--users-per-worker", type=float, default=None,
+                    help="closed-loop users per worker (overrides the workloads' concurrency; e.g. 0.5 or 6)")
+    ap.add_argument("--requests-per-user", type=float, default=2.0,
+                    help="with --users-per-worker: measured requests per user")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--out", default="results/routing")
     args = ap.parse_args()
@@ -187,7 +207,8 @@ def main() -> int:
         for kind, n, policy in plan:
             bar.update(task, description=f"{kind} x{n} {policy}")
             wl = {k: v for k, v in WORKLOADS[kind].items() if k in wanted}
-            rows += run_one(kind, n, policy, wl, out_dir, args.quick, args.seed)
+            users = max(1, round(args.users_per_worker * n)) if args.users_per_worker else None
+            rows += run_one(kind, n, policy, wl, out_dir, args.quick, args.seed, users, args.requests_per_user)
             bar.advance(task)
     verdicts = report(rows, console)
     summary = {"command": " ".join(sys.argv), "cpu": cpu_model(), "cores": os.cpu_count(), "rows": rows,

@@ -12,9 +12,13 @@ Every policy implements :class:`Policy` and is registered by name in ``POLICIES`
 - ``retry``     a second or later attempt after a failure before the first byte (set by the gateway)
 
 The cost used by ``prefix`` and ``kv_aware`` is in estimated seconds (DESIGN.md §4):
-``(queued prefill tokens + this request's uncached tokens) / prefill_rate + γ · decoding / decode_rate
-+ KV-pressure penalty``, ties broken at random, over the workers whose in-flight count stays within
-``balance`` times the mean (bounded load, as in the session policy).
+``queue + this request's uncached tokens / prefill_rate + γ · decoding / decode_rate + KV-pressure
+penalty``, ties broken at random, over the workers whose in-flight count stays within ``balance`` times
+the mean (bounded load, as in the session policy). The queue is the time before this request's prefill
+would start: the prompt tokens queued ahead of it at the prefill rate, plus a step's share for each
+request queued ahead (:meth:`CostModel.queue_s`). Because a holder's queue is weighed against the
+prefix it saves, a new session of a hot prefix spills to another worker (which then computes and
+caches the prefix: a second replica) as soon as waiting at the holders costs more than recomputing.
 """
 
 from __future__ import annotations
@@ -62,10 +66,22 @@ class CostModel:
     kv_penalty_s: float = 2.0
 
     def cost(self, w: WorkerState, uncached: int) -> float:
-        prefill = (w.pending_prefill_tokens + uncached) / self.prefill_tokens_per_s
+        """Seconds until ``w`` would have computed a request's ``uncached`` prompt tokens."""
+        prefill = uncached / self.prefill_tokens_per_s
         decode = self.gamma * max(w.decoding, w.running - _pending(w)) / self.decode_tokens_per_s
         pressure = self.kv_penalty_s * max(0.0, w.kv_usage - self.kv_high) / (1.0 - self.kv_high)
-        return prefill + decode + pressure
+        return self.queue_s(w) + prefill + decode + pressure
+
+    def queue_s(self, w: WorkerState) -> float:
+        """Seconds before a request sent to ``w`` now would start its prefill.
+
+        The router's own counts (what it dispatched and has no first byte for) and the worker's report
+        (refreshed every event interval, and covering requests other routers sent) describe mostly the same
+        requests, so the larger of each is taken rather than their sum. Each queued request also costs a
+        step's per-sequence share while it is admitted ahead of this one."""
+        tokens = max(w.pending_prefill_tokens, w.queued_prefill_tokens)
+        requests = max(_pending(w), w.waiting)
+        return tokens / self.prefill_tokens_per_s + requests / self.decode_tokens_per_s
 
 
 def _pending(w: WorkerState) -> int:

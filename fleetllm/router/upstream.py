@@ -4,7 +4,8 @@ Load is counted the moment a request is dispatched (not when its first byte come
 of arrivals spreads instead of piling onto the worker that looked idle a moment ago. Each worker has
 two background tasks: a readiness check (``/ready``: a worker that is alive but warming up or draining
 gets no requests; ``/health`` for upstreams without ``/ready``), and a subscription to its ``/kv/events`` stream that keeps the
-exact prefix index and the worker-reported load (running, waiting, KV usage) current. A worker whose
+exact prefix index and the worker-reported load (running, waiting, queued prefill tokens, KV usage)
+current. A worker whose
 health check fails is out of rotation and its index entries are dropped at once; when it comes back
 (possibly restarted, with an empty cache) the event stream's snapshot re-syncs the index.
 """
@@ -83,6 +84,7 @@ class WorkerState:
     # reported by the worker (KV events stream)
     running: int = 0
     waiting: int = 0
+    queued_prefill_tokens: int = 0  # prompt tokens not yet computed of its waiting and prefilling requests
     kv_usage: float = 0.0
     model: str | None = None
     variant: str = ""  # which of its model's variants (canary, stable, ...) this copy runs; "" when unsplit
@@ -211,6 +213,7 @@ class WorkerMonitor:
             self.mark_down(w, "draining")
         if "kv_usage" in ev:
             w.running, w.waiting, w.kv_usage = ev["running"], ev["waiting"], ev["kv_usage"]
+            w.queued_prefill_tokens = ev.get("queued_prefill_tokens", 0)  # absent from older workers
 
 
 

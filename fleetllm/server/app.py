@@ -443,14 +443,19 @@ class Worker:
     def load(self) -> dict[str, Any]:
         """The worker's load as routers see it (read without locking: a slightly stale view is fine)."""
         sched = self.engine.scheduler
-        return {"running": len(sched.running), "waiting": len(sched.waiting), "kv_usage": self.engine.pool.usage}
+        # Prompt tokens still to prefill: a router weighs this queue against the prefix a worker holds.
+        # Waiting requests count whole (their cache hit is known only at admission).
+        queued = sum(len(s.prompt_token_ids) - s.num_computed_tokens for s in [*sched.waiting, *sched.running]
+                     if s.num_computed_tokens < len(s.prompt_token_ids))
+        return {"running": len(sched.running), "waiting": len(sched.waiting), "queued_prefill_tokens": queued,
+                "kv_usage": self.engine.pool.usage}
 
     async def kv_events(self, request: Request) -> Response:
         """KV events as a server-sent event stream, for KV-aware routers.
 
         First a ``snapshot`` (instance id, model, block size, pool size and every cached block hash),
         then ``stored`` / ``removed`` events with the hashes of blocks entering or leaving the prefix
-        cache, ``draining`` once the worker takes no new requests, and a ``load`` event (running, waiting, KV usage) at least every ``interval`` seconds.
+        cache, ``draining`` once the worker takes no new requests, and a ``load`` event (running, waiting, queued prefill tokens, KV usage) at least every ``interval`` seconds.
         Hashes are :func:`fleetllm.engine.block_pool.hash_block` chains keyed by the served model name.
         """
         interval = float(request.query_params.get("interval", "0.5"))

@@ -16,7 +16,7 @@ from fleetllm.router.policies import (
     Session,
     make_policy,
 )
-from fleetllm.router.upstream import WorkerState
+from fleetllm.router.upstream import WorkerMonitor, WorkerState
 
 
 def workers(n: int) -> list[WorkerState]:
@@ -140,3 +140,53 @@ def test_prefix_aware_never_piles_onto_a_worker_far_above_the_mean_load():
     ws[0].inflight = 6  # the others are idle: 6 + 1 > ceil(1.25 * 7 / 4)
     d = make_policy("kv_aware", idx, CostModel(prefill_tokens_per_s=1e9), seed=0).choose(_req([1, 2, 3]), ws)
     assert d.worker.name != "w0" and d.reason == "spill"
+
+
+# Saturation (issue 13 item 5): a worker's queue is part of its cost, whoever filled it.
+_SYSTEM = list(range(100, 164))  # a hot 1024-token system prompt: 64 blocks of 16 tokens
+
+
+def _holder_and_cold(waiting: int, queued_tokens: int) -> list[WorkerState]:
+    """w0 holds the system prompt and reports a queue (filled by another router: this one's counts are zero);
+    w1 is idle and holds nothing."""
+    ws = workers(2)
+    ws[0].waiting, ws[0].queued_prefill_tokens = waiting, queued_tokens
+    return ws
+
+
+def _choose_new_session(ws: list[WorkerState]):
+    idx = PrefixIndex(routed_ttl_s=0)
+    idx.reset("w0", _SYSTEM, capacity=1000)
+    policy = make_policy("kv_aware", idx, CostModel(prefill_tokens_per_s=1000, decode_tokens_per_s=50), seed=0)
+    return policy.choose(_req([*_SYSTEM, 999]), ws)
+
+
+def test_kv_aware_spills_a_new_session_when_the_holders_queue_costs_more_than_recomputing_the_prefix():
+    # 3 s of queued prefill on w0 against 1.024 s to recompute the system prompt on w1: replicate it
+    d = _choose_new_session(_holder_and_cold(waiting=3, queued_tokens=3000))
+    assert (d.worker.name, d.reason, d.cached_tokens) == ("w1", "spill", 0)
+
+
+def test_kv_aware_spills_on_waiting_requests_alone():
+    # a worker that reports waiting requests but no token count (an older worker) still has a queue
+    d = _choose_new_session(_holder_and_cold(waiting=60, queued_tokens=0))
+    assert (d.worker.name, d.reason) == ("w1", "spill")
+
+
+def test_kv_aware_stays_on_the_holder_while_its_queue_is_shorter_than_recomputing():
+    d = _choose_new_session(_holder_and_cold(waiting=1, queued_tokens=300))
+    assert (d.worker.name, d.reason, d.cached_tokens) == ("w0", "affinity", 1024)
+
+
+def test_router_and_worker_counts_of_one_queue_are_not_added_twice():
+    # the router's own pending tokens and the worker's report describe the same requests: the larger counts
+    w = workers(1)[0]
+    w.pending_prefill_tokens, w.queued_prefill_tokens = 2000, 1500
+    assert CostModel(prefill_tokens_per_s=1000, decode_tokens_per_s=1e9).queue_s(w) == pytest.approx(2.0)
+
+
+def test_the_workers_load_events_carry_its_queued_prefill_tokens():
+    w = workers(1)[0]
+    WorkerMonitor([w], PrefixIndex(1.0), client=None)._apply(  # type: ignore[arg-type]
+        w, {"type": "load", "running": 4, "waiting": 2, "kv_usage": 0.5, "queued_prefill_tokens": 700})
+    assert (w.running, w.waiting, w.queued_prefill_tokens) == (4, 2, 700)
