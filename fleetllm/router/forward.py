@@ -193,10 +193,17 @@ class Forwarder:
                 log.warning("request %s failed on %s before its first byte (%s): %s", fwd.rid, d.worker.name, f.kind, f)
         fwd.ended(None)
         resp = self._give_up(last)
-        if fwd.variant is not None:
-            model, variant = fwd.variant
-            self.metrics.variant_responses.labels(model=model, variant=variant, status=str(resp.status_code)).inc()
+        self._count_variant(fwd, resp.status_code)
         return resp
+
+    def _count_variant(self, fwd: Forward, status: int, ttfb: float | None = None) -> None:
+        """A split model's per-variant answer count (and time to first byte, when a worker answered)."""
+        if fwd.variant is None:
+            return
+        model, variant = fwd.variant
+        if ttfb is not None:
+            self.metrics.variant_ttfb.labels(model=model, variant=variant).observe(ttfb)
+        self.metrics.variant_responses.labels(model=model, variant=variant, status=str(status)).inc()
 
     def _give_up(self, last: AttemptFailed | None) -> Response:
         busy = {"Retry-After": RETRY_AFTER_S}
@@ -221,10 +228,7 @@ class Forwarder:
         w.breaker.success()
         self._sync_breaker(w)
         self.metrics.ttfb.observe(time.perf_counter() - fwd.t0)
-        if fwd.variant is not None:
-            model, variant = fwd.variant
-            self.metrics.variant_ttfb.labels(model=model, variant=variant).observe(time.perf_counter() - fwd.t0)
-            self.metrics.variant_responses.labels(model=model, variant=variant, status=str(resp.status_code)).inc()
+        self._count_variant(fwd, resp.status_code, time.perf_counter() - fwd.t0)
         out_headers = {k: v for k, v in resp.headers.items() if k.lower() in _RESPONSE_HEADERS}
         out_headers.update(fwd.response_headers, **{"x-fleetllm-worker": w.name})
         status = resp.status_code
