@@ -373,7 +373,7 @@ class Router:
             exact = self.events_index.exact.get(w.name, set())
             row = {"name": w.name, "url": w.url, "zone": w.zone, "role": w.role, "healthy": w.healthy, "inflight": w.inflight,
                    "pending_prefill_tokens": w.pending_prefill_tokens, "decoding": w.decoding, "running": w.running,
-                   "waiting": w.waiting, "kv_usage": w.kv_usage, "model": w.model, "variant": w.variant, "instance": w.instance,
+                   "waiting": w.waiting, "queued_prefill_tokens": w.queued_prefill_tokens, "kv_usage": w.kv_usage, "model": w.model, "variant": w.variant, "instance": w.instance,
                    "events_connected": w.events_connected, "breaker": w.breaker.state, "draining": w.draining,
                    "index_blocks": self.index.size(w.name), "exact_blocks": len(exact)}
             if with_hashes:

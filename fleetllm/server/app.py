@@ -455,7 +455,8 @@ class Worker:
 
         First a ``snapshot`` (instance id, model, block size, pool size and every cached block hash),
         then ``stored`` / ``removed`` events with the hashes of blocks entering or leaving the prefix
-        cache, ``draining`` once the worker takes no new requests, and a ``load`` event (running, waiting, queued prefill tokens, KV usage) at least every ``interval`` seconds.
+        cache, ``draining`` once the worker takes no new requests, and a ``load`` event (running, waiting, queued prefill tokens, KV usage) within 50 ms of a change and at least
+        every ``interval`` seconds.
         Hashes are :func:`fleetllm.engine.block_pool.hash_block` chains keyed by the served model name.
         """
         interval = float(request.query_params.get("interval", "0.5"))
@@ -467,17 +468,22 @@ class Worker:
                              "block_size": self.engine.pool.block_size, "num_blocks": self.engine.pool.num_blocks,
                              "role": self.role,
                              "hashes": snapshot, **self.load()})
-                next_load = time.monotonic() + interval
+                # Load goes out as soon as it changes (checked every `poll` s), else every `interval` s: a
+                # report left standing after a request ends would make its worker look busy for that long.
+                poll, last = min(interval, 0.05), self.load()
+                next_check, next_load = time.monotonic() + poll, time.monotonic() + interval
                 while not self.closing:
-                    timeout = max(0.0, next_load - time.monotonic())
                     try:
-                        kind, hashes = await asyncio.wait_for(q.get(), timeout)
+                        kind, hashes = await asyncio.wait_for(q.get(), max(0.0, next_check - time.monotonic()))
                         yield fmt.sse_event({"type": kind, "hashes": hashes})
                     except TimeoutError:
                         pass
-                    if time.monotonic() >= next_load:
-                        yield fmt.sse_event({"type": "load", **self.load()})
-                        next_load = time.monotonic() + interval
+                    now = time.monotonic()
+                    if now >= next_check:
+                        load, next_check = self.load(), now + poll
+                        if load != last or now >= next_load:
+                            yield fmt.sse_event({"type": "load", **load})
+                            last, next_load = load, now + interval
             finally:
                 self.async_engine.unsubscribe_kv_events(q)
 

@@ -18,6 +18,10 @@ def _exact(url: str) -> dict[str, list[int]]:
     return {w["name"]: w["exact_hashes"] for w in state["workers"]}
 
 
+def _idle(state: dict) -> bool:
+    return all(w["running"] == w["waiting"] == w["queued_prefill_tokens"] == 0 for w in state["workers"])
+
+
 def test_a_second_router_sees_the_same_cache_and_takes_over(procs) -> None:
     sims = sim_workers(2)
     procs.append(sims)
@@ -29,6 +33,7 @@ def test_a_second_router_sees_the_same_cache_and_takes_over(procs) -> None:
     home = first.headers["x-fleetllm-worker"]
     wait_state(b.url, lambda s: any(w["name"] == home and w["exact_blocks"] > 0 for w in s["workers"]))
     wait_state(a.url, lambda s: _exact(a.url) == _exact(b.url))
+    wait_state(b.url, _idle)  # the workers' load reports no longer show the first request
     a.stop()
     procs.remove(a)
     for i in range(1, 4):
