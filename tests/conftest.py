@@ -21,6 +21,10 @@ import os
 # Before torch loads its OpenMP runtime (as `fleetllm worker` does): spinning OpenMP threads would
 # starve the in-process HTTP threads that share the cores with each engine step.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# Under pytest-xdist the cores are shared by the test processes: each takes its share of torch threads
+# (worker processes the tests start size themselves with --num-threads).
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))))
 
 import logging  # noqa: E402
 import threading  # noqa: E402

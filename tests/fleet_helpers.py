@@ -102,22 +102,31 @@ def start_cli(args: list[str], urls: list[str], timeout: float = 120.0, ready: t
 
 
 def sim_worker_processes(count: int, *extra: str, port: int | None = None) -> Proc:
-    """``fleetllm worker --simulate --count COUNT`` as a process (for tests that kill or restart it)."""
+    """``fleetllm worker --simulate --count COUNT`` as a process (for tests that kill or restart it), at
+    ``SIM_SPEED`` unless EXTRA sets ``--sim-speed``."""
     port = port or free_ports(count)
     urls = [f"http://127.0.0.1:{port + i}" for i in range(count)]
     return start_cli(["worker", "--simulate", "--count", str(count), "--port", str(port), "--log-level", "warning",
-                      *extra], urls)
+                      *_sim_flags(extra)], urls)
+
+
+SIM_SPEED = "10"  # simulated workers run their timing model this much faster unless a test asks otherwise
+
+
+def _sim_flags(extra: tuple[str, ...]) -> tuple[str, ...]:
+    return extra if "--sim-speed" in extra else (*extra, "--sim-speed", SIM_SPEED)
 
 
 def sim_workers(count: int, *extra: str) -> ThreadServers:
     """What ``fleetllm worker --simulate --count COUNT EXTRA`` serves, in-process: the CLI maps the flags
-    (its call to ``serve_simulated`` is caught), the apps run on one thread of the test process."""
+    (its call to ``serve_simulated`` is caught), the apps run on one thread of the test process. The timing
+    model runs ``SIM_SPEED`` times faster than real time unless EXTRA sets ``--sim-speed``."""
     from fleetllm.cli import build_parser
     from fleetllm.sim.server import build_workers
 
     port = free_ports(count)
     args = build_parser().parse_args(["worker", "--simulate", "--count", str(count), "--host", "127.0.0.1",
-                                      "--port", str(port), *extra])
+                                      "--port", str(port), *_sim_flags(extra)])
     caught: dict[str, Any] = {}
 
     def serve_simulated(model, host, port, count, cfg, profile, log_level="warning", identities=None, obs=None,

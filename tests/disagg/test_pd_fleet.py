@@ -141,20 +141,17 @@ def test_a_transfer_timeout_falls_back_to_a_local_prefill(fleet):
     assert_no_blocks_held(p, d)
 
 
-def test_a_decode_worker_dying_under_the_p_d_path_costs_no_request(fleet):
-    d2 = real_worker("--role", "decode")
+def test_a_decode_worker_dying_under_the_p_d_path_costs_no_request(fleet, worker_factory):
+    d2 = worker_factory("--role", "decode")  # in-process: its port closes as a killed process's would
+    r = router([fleet["prefill"].url, fleet["decode"].url, d2.url], "round_robin", "--pd-threshold", "32")
     try:
-        r = router([fleet["prefill"].url, fleet["decode"].url, d2.url], "round_robin", "--pd-threshold", "32")
-        try:
-            wait_state(r.url, lambda s: all(w["healthy"] and w["events_connected"] for w in s["workers"]), 60)
-            d2.kill()  # the router has not noticed yet: KV gets pushed to a dead worker, then a retry
-            qs = [f"In one sentence: what is failover number {i}?" for i in range(4)]
-            assert answers(r.url, qs) == answers(fleet["colocated"].url, qs)
-            assert_no_blocks_held(fleet["prefill"].url, fleet["decode"].url)
-        finally:
-            r.stop()
+        wait_state(r.url, lambda s: all(w["healthy"] and w["events_connected"] for w in s["workers"]), 60)
+        d2.stop()  # the router has not noticed yet: KV gets pushed to a dead worker, then a retry
+        qs = [f"In one sentence: what is failover number {i}?" for i in range(4)]
+        assert answers(r.url, qs) == answers(fleet["colocated"].url, qs)
+        assert_no_blocks_held(fleet["prefill"].url, fleet["decode"].url)
     finally:
-        d2.stop()
+        r.stop()
 
 
 def test_a_prefill_worker_killed_mid_prefill_costs_no_request(fleet):

@@ -16,7 +16,7 @@ def seq_in(status: Status) -> Sequence:
     return s
 
 
-ALLOWED = [(a, b) for a, targets in TRANSITIONS.items() for b in targets]
+ALLOWED = [(a, b) for a, targets in TRANSITIONS.items() for b in sorted(targets, key=lambda s: s.name)]  # a set: fixed order
 FORBIDDEN = [(a, b) for a in Status for b in Status if (a, b) not in ALLOWED]
 
 
