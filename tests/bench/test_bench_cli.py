@@ -130,7 +130,7 @@ def test_find_max_load_stops_early_on_over_saturation():
 
 
 def test_measurer_samples_kv_usage_during_the_run_and_keeps_whole_sessions(fake):
-    fake.state.token_delay_s = 0.01
+    fake.state.token_delay_s = 0.05  # three sequential turns of 5 tokens: >= 0.75 s, some 15 samples' worth
     w = MultiTurnWorkload(PromptBuilder(), turns_mean=3, user_isl=5, osl=5)
     measure = Measurer(ClientConfig(fake.url, "fake"), w, [], sample_interval_s=0.05)
     run = measure(LoadConfig(request_rate=20.0, max_requests=6))

@@ -1,6 +1,7 @@
 """A real `fleetllm serve` of several models: routing by model, API keys, scale from zero, autoscaling.
 
-Simulated copies (no weights) keep these fast; the processes, router, controller and HTTP are all real.
+Simulated copies (no weights) keep most of these fast; one fleet of real workers (two models, speculation,
+KV-aware routing, a clean stop) covers what only weights show. Processes, router, controller and HTTP are real.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import openai
 import pytest
 import yaml
 from fleet_helpers import free_ports, stop_process
@@ -153,25 +155,63 @@ def test_a_model_scales_from_zero_for_a_held_request_and_back_to_zero_when_idle(
     assert complete(url, "a").status_code == 200  # the other model never noticed
 
 
+def _listening(url: str) -> bool:
+    try:
+        httpx.get(url + "/health", timeout=1)
+        return True
+    except httpx.TransportError:
+        return False
+
+
+def _federated(url: str, name: str, label: str) -> dict[str, float]:
+    """The router's /metrics samples called ``name`` (the workers' ones, federated), summed by ``label``."""
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(httpx.get(url + "/metrics").text):
+        for s in family.samples:
+            if s.name == name:
+                out[s.labels[label]] = out.get(s.labels[label], 0) + s.value
+    return out
+
+
 @pytest.mark.slow
-def test_a_fleet_of_smollm2_and_gemma3_routes_each_model_to_its_own_workers(serve):
-    fleet = serve({"models": [{"name": "smollm2", "source": "smollm2-135m", "engine": {"num_threads": 1}},
-                              {"name": "gemma", "source": "gemma3-270m", "engine": {"num_threads": 1}}]})
+def test_a_real_fleet_of_smollm2_and_gemma3_routes_each_model_to_its_own_workers_and_stops_cleanly(serve):
+    """Real workers: two SmolLM2 copies with n-gram speculation behind the KV-aware router, one Gemma 3."""
+    fleet = serve({"policy": "kv_aware", "models": [
+        # adaptive K off: on a loaded machine the measured step times may turn drafting off
+        {"name": "smollm2", "source": "smollm2-135m", "replicas": 2, "speculative": "method=ngram,adaptive=0",
+         "engine": {"num_threads": 1}},
+        {"name": "gemma", "source": "gemma3-270m", "engine": {"num_threads": 1}}]})
     state = httpx.get(fleet.url + "/router/state").json()
     workers = {m: {w["name"] for w in state["workers"] if w["model"] == m} for m in ("smollm2", "gemma")}
-    assert all(len(v) == 1 for v in workers.values())
+    assert (len(workers["smollm2"]), len(workers["gemma"])) == (2, 1)
     assert {m["id"] for m in httpx.get(fleet.url + "/v1/models").json()["data"]} == {"smollm2", "gemma"}
-    for model in ("smollm2", "gemma", "smollm2", "gemma"):
+    for model in ("smollm2", "gemma", "gemma"):
         r = complete(fleet.url, model, prompt="The capital of France is", temperature=0)
         assert r.status_code == 200 and r.json()["model"] == model
         assert r.headers["x-fleetllm-worker"] in workers[model]
     assert complete(fleet.url, "llama").json()["error"]["message"].endswith("Served: gemma, smollm2")
-    finished: dict[str, float] = {}
-    for family in text_string_to_metric_families(httpx.get(fleet.url + "/metrics").text):
-        for s in family.samples:  # the workers' series, federated by the router, carry their model
-            if s.name == "vllm:request_success_total":
-                finished[s.labels["model_name"]] = finished.get(s.labels["model_name"], 0) + s.value
-    assert finished == {"smollm2": 2, "gemma": 2}
+
+    client = openai.OpenAI(base_url=fleet.url + "/v1", api_key="none")
+    messages = [{"role": "system", "content": "You are a terse assistant for a team of site reliability "
+                 "engineers; answer in one short sentence with no preamble at all."},
+                {"role": "user", "content": "What does a load balancer do?"}]
+    stream = client.chat.completions.create(model="smollm2", messages=messages, max_tokens=12, temperature=0,
+                                            stream=True)
+    text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    assert text.strip()
+    again = client.chat.completions.create(model="smollm2", messages=messages, max_tokens=12, temperature=0)
+    assert again.choices[0].message.content == text  # greedy, and routed to the worker that cached it
+    assert again.usage.prompt_tokens_details.cached_tokens > 0
+    # the fleet's `speculative` reached the workers: a copying prompt gets n-gram drafts verified
+    copy = "Repeat exactly: red green blue red green blue red green blue red green blue"
+    client.completions.create(model="smollm2", prompt=copy, max_tokens=16, temperature=0)
+    assert _federated(fleet.url, "vllm:spec_decode_num_drafts_total", "model_name")["smollm2"] > 0
+    # the workers' series, federated by the router, carry their model
+    assert _federated(fleet.url, "vllm:request_success_total", "model_name") == {"smollm2": 4, "gemma": 2}
+
+    fleet.popen.send_signal(signal.SIGTERM)
+    assert fleet.popen.wait(timeout=60) == 0
+    assert not any(_listening(u) for u in [fleet.url, *(w["url"] for w in state["workers"])]), fleet.logs()
 
 
 def test_a_canary_gets_its_share_sticky_per_user_on_its_own_copies_and_is_promoted_at_run_time(serve):

@@ -11,7 +11,6 @@ import time
 from pathlib import Path
 
 import httpx
-import openai
 import pytest
 from fleet_helpers import free_ports
 
@@ -44,33 +43,6 @@ def listening(port: int) -> bool:
 def spec_drafts(metrics: str) -> float:
     return sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
                if line.startswith("vllm:spec_decode_num_drafts_total{"))
-
-
-@pytest.mark.slow
-def test_serve_runs_real_workers_behind_the_router_and_stops_them_all():
-    port = free_ports(3)
-    p, log = start_serve("--replicas", "2", "--num-threads", "1", "--speculative", "method=ngram", port=port)
-    try:
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none")
-        messages = [{"role": "system", "content": "You are a terse assistant for a team of site reliability "
-                     "engineers; answer in one short sentence with no preamble at all."},
-                    {"role": "user", "content": "What does a load balancer do?"}]
-        stream = client.chat.completions.create(model="smollm2-135m", messages=messages, max_tokens=12,
-                                                temperature=0, stream=True)
-        text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
-        assert text.strip()
-        again = client.chat.completions.create(model="smollm2-135m", messages=messages, max_tokens=12, temperature=0)
-        assert again.choices[0].message.content == text  # greedy, and routed to the worker that cached it
-        assert again.usage.prompt_tokens_details.cached_tokens > 0
-        # `--speculative` reached the workers: a copying prompt gets n-gram drafts verified
-        copy = "Repeat exactly: red green blue red green blue red green blue red green blue"
-        client.completions.create(model="smollm2-135m", prompt=copy, max_tokens=16, temperature=0)
-        assert spec_drafts(httpx.get(f"http://127.0.0.1:{port}/metrics").text) > 0
-    finally:
-        p.send_signal(signal.SIGTERM)
-        assert p.wait(timeout=60) == 0
-    assert not any(listening(port + i) for i in range(3)), log.read_text()
-    log.unlink()
 
 
 @pytest.mark.slow
