@@ -149,7 +149,7 @@ def real_worker(*extra: str) -> Proc:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     return start_cli(["worker", "--model", "smollm2-135m", "--port", str(port), "--num-threads", "1",
-                      "--log-level", "warning", *extra], [url], timeout=240)
+                      "--kv-cache-gb", "0.25", "--log-level", "warning", *extra], [url], timeout=240)
 
 
 def router(workers: list[str], policy: str = "kv_aware", *extra: str) -> ThreadServers:

@@ -73,7 +73,7 @@ def assert_hf_agrees(hf_model, prompt_ids: list[list[int]], outputs: list[list[i
 @pytest.fixture(scope="module")
 def reference(loaded, prompt_ids, hf_model):
     """All prompts batched together, each checked against HF: the outputs every other regime must give."""
-    outs = greedy(LLM(loaded=loaded, max_num_seqs=16), prompt_ids)
+    outs = greedy(LLM(loaded=loaded, max_num_seqs=16, kv_cache_gb=0.25), prompt_ids)
     assert_hf_agrees(hf_model, prompt_ids, outs)
     return outs
 
@@ -84,7 +84,7 @@ def test_concurrent_batch_matches_hf(reference):
 
 def test_one_at_a_time_matches(loaded, prompt_ids, reference):
     some = [0, 3, 7]
-    assert greedy(LLM(loaded=loaded, max_num_seqs=1), [prompt_ids[i] for i in some]) == [reference[i] for i in some]
+    assert greedy(LLM(loaded=loaded, max_num_seqs=1, kv_cache_gb=0.25), [prompt_ids[i] for i in some]) == [reference[i] for i in some]
 
 
 def test_literal_hf_generate_matches(hf_model, prompt_ids, reference):
@@ -96,7 +96,7 @@ def test_literal_hf_generate_matches(hf_model, prompt_ids, reference):
 
 
 def test_tiny_prefill_chunks_match(loaded, prompt_ids, reference):
-    llm = LLM(loaded=loaded, max_num_seqs=16, max_num_batched_tokens=8)
+    llm = LLM(loaded=loaded, max_num_seqs=16, max_num_batched_tokens=8, kv_cache_gb=0.25)
     assert greedy(llm, prompt_ids) == reference
 
 
@@ -108,7 +108,7 @@ def test_preemption_by_tiny_block_pool_matches(loaded, prompt_ids, reference):
 
 
 def test_prefix_cache_hit_matches(loaded, prompt_ids, reference):
-    llm = LLM(loaded=loaded, max_num_seqs=16)
+    llm = LLM(loaded=loaded, max_num_seqs=16, kv_cache_gb=0.25)
     assert greedy(llm, prompt_ids) == reference
     res = llm.generate(prompt_ids, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0))
     assert [r.outputs[0].token_ids for r in res] == reference

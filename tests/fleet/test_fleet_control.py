@@ -179,8 +179,8 @@ def test_a_real_fleet_of_smollm2_and_gemma3_routes_each_model_to_its_own_workers
     fleet = serve({"policy": "kv_aware", "models": [
         # adaptive K off: on a loaded machine the measured step times may turn drafting off
         {"name": "smollm2", "source": "smollm2-135m", "replicas": 2, "speculative": "method=ngram,adaptive=0",
-         "engine": {"num_threads": 1}},
-        {"name": "gemma", "source": "gemma3-270m", "engine": {"num_threads": 1}}]})
+         "engine": {"num_threads": 1, "kv_cache_gb": 0.25}},
+        {"name": "gemma", "source": "gemma3-270m", "engine": {"num_threads": 1, "kv_cache_gb": 0.25}}]})
     state = httpx.get(fleet.url + "/router/state").json()
     workers = {m: {w["name"] for w in state["workers"] if w["model"] == m} for m in ("smollm2", "gemma")}
     assert (len(workers["smollm2"]), len(workers["gemma"])) == (2, 1)

@@ -88,6 +88,6 @@ def test_hf_directory_gives_the_same_greedy_output_as_the_gguf(tmp_path: Path, l
         {"chat_template": tok.chat_template, "bos_token": "<|im_start|>", "eos_token": "<|im_end|>"}))
     params = SamplingParams(max_tokens=12, temperature=0.0)
     prompt = "The three primary colours are"
-    a = LLM(loaded=loaded_model).generate([prompt], params)[0].outputs[0].token_ids
-    b = LLM(str(tmp_path)).generate([prompt], params)[0].outputs[0].token_ids
+    a = LLM(loaded=loaded_model, kv_cache_gb=0.25).generate([prompt], params)[0].outputs[0].token_ids
+    b = LLM(str(tmp_path), kv_cache_gb=0.25).generate([prompt], params)[0].outputs[0].token_ids
     assert a == b
