@@ -68,7 +68,7 @@ class Roofline:
 
     @cached_property
     def kv_bytes_per_token(self) -> float:
-        return self.shape.kv_bytes_per_token(1.0 if self.fmt.compute in ("fp8", "fp4") else 2.0)
+        return self.shape.kv_bytes_per_token(2.0)  # vLLM keeps a bf16 KV cache unless told otherwise
 
     @cached_property
     def _peak_flops(self) -> float:

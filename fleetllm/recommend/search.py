@@ -103,7 +103,8 @@ def search(shape: ModelShape, w: WorkloadShape, rate: float, slos: dict[str, flo
     """Every candidate for serving ``shape`` at ``rate`` requests/s of ``w``, predicted and ranked by cost."""
     t0 = time.perf_counter()
     pruned = {"format (quality or hardware)": 0, "memory fit": 0, "roofline bound": 0, "P/D has no long prompts": 0,
-              "more replicas than needed": 0, "latency floor": 0}
+              "more replicas than needed": 0, "latency floor": 0,
+              "routing (one replica)": 0}
     scored: list[Scored] = []
     steps: dict[tuple[str, int, str], StepModel] = {}
     considered = 0
@@ -146,6 +147,9 @@ def _configs(inst: Instance, tp: int, fmt: Format, batch: int, chunk: int, step:
                 pruned["roofline bound"] += min(first - 1, space.max_replicas)
                 kept = 0
                 for total in range(first, space.max_replicas + 1):
+                    if total == 1 and routing != space.routings[0]:
+                        pruned["routing (one replica)"] += 1
+                        continue
                     if kept >= space.keep_per_config:
                         pruned["more replicas than needed"] += 1
                         continue
