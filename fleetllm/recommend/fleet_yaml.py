@@ -54,6 +54,8 @@ def fleet_yaml(c: Candidate, shape: ModelShape, simulate: bool = False, port: in
     notes = [f"# fleetllm recommend: {c.label()}",
              f"# {c.instances} x {c.instance.name} at ${c.instance.price_per_hour}/h ({c.instance.price_date})"]
     if not c.instance.local:
-        notes.append(f"# weights: {c.fmt.name} (serve a checkpoint in that format); tensor parallel {c.tp} needs an "
-                     "engine that shards (fleetllm's runs one accelerator per copy)")
+        notes.append(f"# weights: {c.fmt.name} (serve a checkpoint in that format)")
+    if c.tp > 1:
+        notes.append(f"# tensor parallel {c.tp}: needs an engine that shards a copy (fleetllm's runs one accelerator "
+                     "per copy)")
     return "\n".join(notes) + "\n" + yaml.safe_dump(fleet_dict(c, shape, simulate, port), sort_keys=False)
