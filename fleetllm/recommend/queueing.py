@@ -45,6 +45,15 @@ def wait_quantile(c: int, lam: float, service_s: float, q: float) -> float:
     return math.log(p_wait / (1 - q)) / (c / service_s - lam)
 
 
+def prefill_wait(rho: float, prefill_s: float, q: float) -> float:
+    """The ``q`` quantile of the wait behind other prompts' prefills (M/D/1: mean ρ·P / 2(1−ρ), waiting with
+    probability ρ, exponential past it)."""
+    if rho <= 1 - q:
+        return 0.0
+    mean = rho * prefill_s / (2 * (1 - rho))
+    return mean / rho * math.log(rho / (1 - q))
+
+
 def _decode_point(c: Candidate, step: StepModel, w: WorkloadShape, lam: float, uncached: float,
                   local: float, batch: float) -> tuple[float, ...]:
     """Fixed point of one decode replica: (n, decode step, prefill time, prefill steps, extra, ρ_prefill, S)."""
@@ -89,7 +98,7 @@ def predict(c: Candidate, step: StepModel, w: WorkloadShape, rate: float, kv_tok
     m = max(1, round(n))
     ctx = int(m * (w.isl_mean + w.osl_mean / 2))
     width = c.spec.k + 1 if c.spec.on else 1
-    ttft = {q: wait_quantile(slots, arrivals, service, q / 100)
+    ttft = {q: wait_quantile(slots, arrivals, service, q / 100) + prefill_wait(rho_p, pf, q / 100)
             + prefill_seconds(step, int(w.isl_pct(q) * (1 - hit)), c.chunk, m * width, ctx)[0] for q in (50, 90)}
     util = max(rho, rho_p)
     if c.prefill_replicas and remote > 0:
