@@ -58,3 +58,21 @@ def test_a_moe_config_json_gives_active_parameters() -> None:
 def test_an_unknown_model_name_is_refused_with_the_known_ones() -> None:
     with pytest.raises(ValueError, match="llama-3.1-8b"):
         load_shape("no-such-model")
+
+
+def test_a_capture_directory_gives_real_lengths_and_shared_system_prompts(tmp_path) -> None:
+    from fleetllm.capture.records import endpoint_record, payload
+    from fleetllm.recommend.workload import load_workload
+
+    system = "You are a careful assistant. " * 40
+    lines = []
+    for i in range(6):
+        body = {"model": "m", "messages": [{"role": "system", "content": system},
+                                           {"role": "user", "content": f"question {i} " * 10}]}
+        out = {"usage": {"prompt_tokens": 300, "completion_tokens": 20 + i}}
+        lines.append(json.dumps(endpoint_record(f"r{i}", 1.7e9 + i, payload(json.dumps(body), "application/json", "INPUT"),
+                                                payload(json.dumps(out), "application/json", "OUTPUT"), {"status": 200})))
+    (tmp_path / "part-0.jsonl").write_text("\n".join(lines) + "\n")
+    w = load_workload(str(tmp_path))
+    assert len(w.isl) == 6 and list(w.osl) == [20, 21, 22, 23, 24, 25]
+    assert 0.5 < w.shared_prefix < 1.0  # the system prompt is most of each prompt, and all share it

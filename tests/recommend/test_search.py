@@ -51,3 +51,14 @@ def test_formats_beyond_the_quality_limit_are_never_candidates() -> None:
     assert {s.candidate.fmt.name for s in strict.scored} <= {"bf16", "fp8"}
     loose = search(CATALOGUE["llama-3.1-8b"], w, 1.0, SLOS, CAT, instances=["g6e.xlarge"], max_quality_loss=2.0)
     assert "int4" in {s.candidate.fmt.name for s in loose.scored}
+
+
+def test_each_objective_ranks_the_candidates_meeting_the_slos_its_own_way() -> None:
+    w = from_bench("synthetic", isl=128, osl=32)
+    result = search(CATALOGUE["smollm2-135m"], w, 0.3, SLOS, CAT, instances=["local-cpu"])
+    by_cost = [s for s in rank(result, "cost", w, 0.3, SLOS, headroom_for=0) if s.meets_slos]
+    assert [s.candidate.price_per_hour for s in by_cost] == sorted(s.candidate.price_per_hour for s in by_cost)
+    by_latency = [s for s in rank(result, "latency", w, 0.3, SLOS, headroom_for=0) if s.meets_slos]
+    assert [s.prediction.e2e_p90_s for s in by_latency] == sorted(s.prediction.e2e_p90_s for s in by_latency)
+    best = rank(result, "throughput", w, 0.3, SLOS, headroom_for=10)[0]
+    assert best.meets_slos and best.prediction.capacity_rps
