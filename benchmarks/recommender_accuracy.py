@@ -25,6 +25,7 @@ from pathlib import Path
 
 from rich.console import Console
 
+from fleetllm.recommend.calibration import Calibration
 from fleetllm.recommend.candidate import Candidate
 from fleetllm.recommend.catalogue import load_catalogue
 from fleetllm.recommend.config import RecommendConfig
@@ -39,6 +40,7 @@ from fleetllm.recommend.workload import from_bench
 KEYS = ("ttft_p50_ms", "ttft_p90_ms", "itl_p50_ms", "output_tps")
 SATURATION = {"ttft_p90_ms": 8000, "e2e_p90_s": 30}  # "capacity" = where latency runs away
 CAT = load_catalogue()
+CALIBRATION = [Calibration()]  # --calibration: the predictions' correction from an earlier --validate
 CPU = CAT.instance("local-cpu")
 FP32 = CAT.formats["fp32"]
 SMOL = CATALOGUE["smollm2-135m"]
@@ -68,7 +70,7 @@ def configs(real: bool) -> list[tuple[str, Candidate, dict, bool]]:
 
 
 def predicted(c: Candidate, w, rate: float, requests: int) -> dict[str, float]:  # type: ignore[no-untyped-def]
-    step = step_model(SMOL, CPU, FP32, 1, None)  # type: ignore[arg-type]
+    step = step_model(SMOL, CPU, FP32, 1, None, CALIBRATION[0])  # type: ignore[arg-type]
     p = simulate(c, step, w, rate, step.kv_capacity_tokens(), requests=max(200, requests * 4))
     if p is None:  # P/D: analytic
         from fleetllm.recommend.queueing import predict
@@ -85,7 +87,7 @@ def kendall_tau(a: list[float], b: list[float]) -> float:
 
 def run_one(name: str, c: Candidate, wp: dict, real: bool, args: argparse.Namespace, out: Path, i: int) -> dict:
     w = from_bench(**wp)
-    step = step_model(SMOL, CPU, FP32, 1, None)  # type: ignore[arg-type]
+    step = step_model(SMOL, CPU, FP32, 1, None, CALIBRATION[0])  # type: ignore[arg-type]
     cap = capacity(c, step, w, step.kv_capacity_tokens(), SATURATION, 0.2)
     rate = round(args.load * cap, 3)
     pred = predicted(c, w, rate, args.requests)
@@ -108,8 +110,10 @@ def main() -> None:
     ap.add_argument("--load", type=float, default=0.6, help="fraction of the predicted capacity")
     ap.add_argument("--real", action="store_true", help="add real-worker rows (speculation, P/D)")
     ap.add_argument("--only", default="", help="comma-separated indices of configurations")
+    ap.add_argument("--calibration", help="calibration.json of an earlier `fleetllm recommend --validate`")
     ap.add_argument("--output", type=Path, default=Path("results/recommender_accuracy.json"))
     args = ap.parse_args()
+    CALIBRATION[0] = Calibration.load(args.calibration)
     out = args.output.parent / (args.output.stem + "-runs")
     out.mkdir(parents=True, exist_ok=True)
     chosen = configs(args.real)
@@ -118,7 +122,7 @@ def main() -> None:
     rows = [run_one(*cfg, args, out, i) for i, cfg in enumerate(chosen)]
     errors = [abs(e) for r in rows for e in r["relative_error"].values()]
     tau = kendall_tau([r["predicted"]["e2e_p90_s"] for r in rows], [r["measured"]["e2e_p90_s"] for r in rows])
-    doc = {"rows": rows, "median_error": statistics.median(errors), "max_error": max(errors), "kendall_tau": tau,
+    doc = {"calibration": vars(CALIBRATION[0]), "rows": rows, "median_error": statistics.median(errors), "max_error": max(errors), "kendall_tau": tau,
            "args": {k: str(v) for k, v in vars(args).items()}}
     args.output.write_text(json.dumps(doc, indent=2) + "\n")
     print_table(rows, doc)

@@ -44,6 +44,8 @@ class RecommendConfig:
     validate_top: int = opt(2, "--validate: local candidates to deploy")
     validate_simulated: bool = opt(False, "--validate with simulated workers (the calibrated profile) instead of real ones")
     validate_requests: int = opt(40, "--validate: measured requests per candidate")
+    calibration: str | None = opt(None, "calibration.json of an earlier --validate: scales this machine's step "
+                                        "times and adds its serving overhead")
     json: bool = opt(False, "print the result as JSON (machines)")
     out: str = opt("recommend-out", "directory for recommend.json, pareto.png and fleet.yaml")
     seed: int = opt(0, "seed of the workload samples and the simulations")

@@ -176,6 +176,8 @@ def _run(engines: list[LLMEngine], clocks: list[float], router: _Router, reqs: l
 
 def _summary(reqs: list[_Request], step: StepModel, al: float, count: int) -> Prediction:
     warm = reqs[count // 10:]  # the first tenth fills the fleet
+    for r in warm:  # the serving path's time before the engine sees a request (calibrated; 0 by default)
+        r.arrival -= step.request_overhead_s
     done = [r for r in warm if r.done is not None and r.first is not None]
     ttft = np.array([r.first - r.arrival for r in done])
     itl = np.array([(r.done - r.first) / (r.tokens - 1) for r in done if r.tokens > 1])

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Protocol
 
+from fleetllm.recommend.calibration import Calibration
 from fleetllm.recommend.catalogue import Format, Instance
 from fleetllm.recommend.model_shape import ModelShape
 from fleetllm.sim.profile import TimingProfile
@@ -30,6 +31,7 @@ from fleetllm.sim.profile import TimingProfile
 
 class StepModel(Protocol):
     measured: bool  # step times from a measured profile (True) or the roofline (False)
+    request_overhead_s: float  # the serving path's time before a request's first step (calibrated)
 
     def step_seconds(self, num_decode: int, prefill_tokens: int, decode_context_tokens: int = 0) -> float: ...
 
@@ -61,6 +63,7 @@ class Roofline:
     tp: int = 1
     eff: Efficiency = DEFAULT_EFFICIENCY
     measured: bool = False
+    request_overhead_s: float = 0.0
 
     @cached_property
     def weight_bytes(self) -> float:
@@ -121,6 +124,11 @@ class Measured:
     shape: ModelShape
     fmt: Format
     profiled: ModelShape | None = None  # the model the profile measured
+    calibration: Calibration = Calibration()  # the serving path's share, from --validate
+
+    @property
+    def request_overhead_s(self) -> float:
+        return self.calibration.request_overhead_s
 
     @property
     def measured(self) -> bool:
@@ -145,6 +153,7 @@ class Measured:
 
     def step_seconds(self, num_decode: int, prefill_tokens: int, decode_context_tokens: int = 0) -> float:
         t = self.profile.step_seconds(num_decode, prefill_tokens, decode_context_tokens) * self.scale
+        t *= self.calibration.step_scale
         if self.fmt.bytes < 4.0 and num_decode and not prefill_tokens:
             t *= 0.6  # int4 weights: the decode-step gain measured in docs/quantization.md, roughly
         return t

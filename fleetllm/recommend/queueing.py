@@ -98,7 +98,7 @@ def predict(c: Candidate, step: StepModel, w: WorkloadShape, rate: float, kv_tok
     m = max(1, round(n))
     ctx = int(m * (w.isl_mean + w.osl_mean / 2))
     width = c.spec.k + 1 if c.spec.on else 1
-    ttft = {q: wait_quantile(slots, arrivals, service, q / 100) + prefill_wait(rho_p, pf, q / 100)
+    ttft = {q: step.request_overhead_s + wait_quantile(slots, arrivals, service, q / 100) + prefill_wait(rho_p, pf, q / 100)
             + prefill_seconds(step, int(w.isl_pct(q) * (1 - hit)), c.chunk, m * width, ctx)[0] for q in (50, 90)}
     util = max(rho, rho_p)
     if c.prefill_replicas and remote > 0:

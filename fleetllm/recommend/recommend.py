@@ -9,6 +9,7 @@ from typing import Any
 
 from rich.console import Console
 
+from fleetllm.recommend.calibration import Calibration
 from fleetllm.recommend.candidate import LATENCY_KEYS
 from fleetllm.recommend.catalogue import load_catalogue
 from fleetllm.recommend.config import RecommendConfig
@@ -71,11 +72,14 @@ def run_recommend(cfg: RecommendConfig, console: Console | None = None) -> dict[
     console = console or Console(stderr=cfg.json, width=200)
     shape, w, slos, cat = load_shape(cfg.model), workload_of(cfg), parse_slo(cfg.slo), load_catalogue(cfg.catalogue)
     rate = rate_for(cfg, w)
-    result = search(shape, w, rate, slos, cat, max_quality_loss=cfg.max_quality_loss, instances=cfg.instances or None)
+    calibration = Calibration.load(cfg.calibration)
+    result = search(shape, w, rate, slos, cat, max_quality_loss=cfg.max_quality_loss, instances=cfg.instances or None,
+                    calibration=calibration)
     ranked = rank(result, cfg.objective, w, rate, slos)
     if cfg.users and ranked and ranked[0].meets_slos:  # closed loop: users / (E2E) with the best one's E2E
         rate = cfg.users / max(1e-3, ranked[0].prediction.e2e_p90_s / 1.3)
-        result = search(shape, w, rate, slos, cat, max_quality_loss=cfg.max_quality_loss, instances=cfg.instances or None)
+        result = search(shape, w, rate, slos, cat, max_quality_loss=cfg.max_quality_loss, instances=cfg.instances or None,
+                    calibration=calibration)
         ranked = rank(result, cfg.objective, w, rate, slos)
     if cfg.simulate_top:
         ranked = refine(ranked, result, w, rate, slos, cfg.simulate_top, cfg.sim_requests, cfg.seed)

@@ -15,6 +15,7 @@ import math
 import time
 from dataclasses import dataclass, field
 
+from fleetllm.recommend.calibration import Calibration
 from fleetllm.recommend.candidate import Candidate, Prediction
 from fleetllm.recommend.catalogue import Catalogue, Format, Instance
 from fleetllm.recommend.model_shape import CATALOGUE as MODELS
@@ -61,11 +62,12 @@ class SearchResult:
     steps: dict[tuple[str, int, str], StepModel] = field(default_factory=dict)
 
 
-def step_model(shape: ModelShape, inst: Instance, fmt: Format, tp: int, eff: Efficiency) -> StepModel:
-    """The measured profile on a machine that has one, the roofline elsewhere."""
+def step_model(shape: ModelShape, inst: Instance, fmt: Format, tp: int, eff: Efficiency,
+               calibration: Calibration = Calibration()) -> StepModel:
+    """The measured profile (and the validation's calibration) on a machine that has one, the roofline elsewhere."""
     if inst.profile:
         profile = TimingProfile.load(inst.profile)
-        return Measured(profile, shape, fmt, MODELS.get(profile.model))
+        return Measured(profile, shape, fmt, MODELS.get(profile.model), calibration)
     return Roofline(shape, inst, fmt, tp, eff)
 
 
@@ -99,7 +101,7 @@ def _upper_rate(c: Candidate, step: StepModel, w: WorkloadShape, kv: int) -> flo
 
 def search(shape: ModelShape, w: WorkloadShape, rate: float, slos: dict[str, float], cat: Catalogue,
            space: SearchSpace = SearchSpace(), max_quality_loss: float = 1.0, eff: Efficiency = Efficiency(),
-           instances: list[str] | None = None) -> SearchResult:
+           instances: list[str] | None = None, calibration: Calibration = Calibration()) -> SearchResult:
     """Every candidate for serving ``shape`` at ``rate`` requests/s of ``w``, predicted and ranked by cost."""
     t0 = time.perf_counter()
     pruned = {"format (quality or hardware)": 0, "memory fit": 0, "roofline bound": 0, "P/D has no long prompts": 0,
@@ -116,7 +118,7 @@ def search(shape: ModelShape, w: WorkloadShape, rate: float, slos: dict[str, flo
             for tp in (1,) if inst.is_cpu else [t for t in space.tensor_parallel if t <= inst.count]:
                 if tp > 1 and not inst.interconnect_gbs:
                     continue
-                step = step_model(shape, inst, fmt, tp, eff)
+                step = step_model(shape, inst, fmt, tp, eff, calibration)
                 batches, chunks = (space.cpu_batches, space.cpu_chunks) if inst.is_cpu else (space.batches, space.chunks)
                 n = len(batches) * len(chunks) * per_config
                 considered += n

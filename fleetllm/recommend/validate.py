@@ -23,6 +23,7 @@ from typing import Any
 import httpx
 from rich.console import Console
 
+from fleetllm.recommend.calibration import Calibration, fit
 from fleetllm.recommend.candidate import Candidate
 from fleetllm.recommend.config import RecommendConfig
 from fleetllm.recommend.fleet_yaml import fleet_yaml
@@ -142,7 +143,5 @@ def validate(ranked: list[Scored], shape: ModelShape, w: WorkloadShape, rate: fl
                      "predicted": predicted, "measured": got, "relative_error": errors})
         console.print(f"validate {s.candidate.label()}: " + ", ".join(
             f"{k} {predicted[k]:.3g} vs {got[k]:.3g} ({errors.get(k, 0):+.0%})" for k in predicted))
-    ratios = {k: sorted(r["measured"][k] / r["predicted"][k] for r in rows if r["predicted"][k])[len(rows) // 2]
-              for k in rows[0]["predicted"]}
-    (out / "calibration.json").write_text(json.dumps({"measured_over_predicted": ratios, "rows": rows}, indent=2) + "\n")
+    (out / "calibration.json").write_text(json.dumps({**fit(rows, Calibration.load(cfg.calibration)), "rows": rows}, indent=2) + "\n")
     return rows

@@ -54,3 +54,18 @@ def test_the_measured_profile_is_used_as_is_for_its_own_model() -> None:
     assert m.measured and m.step_seconds(8, 0, 512) == profile.step_seconds(8, 0, 512)
     scaled = Measured(profile, L8, CAT.formats["fp32"], CATALOGUE["smollm2-135m"])
     assert not scaled.measured and scaled.step_seconds(8, 0, 512) > 10 * m.step_seconds(8, 0, 512)
+
+
+def test_a_validation_calibration_scales_the_measured_steps_and_adds_the_serving_overhead() -> None:
+    from fleetllm.recommend.calibration import Calibration, fit
+
+    rows = [{"predicted": {"itl_p50_ms": 100.0, "ttft_p50_ms": 400.0}, "measured": {"itl_p50_ms": 120.0, "ttft_p50_ms": 580.0}}]
+    cal = Calibration(**{k: v for k, v in fit(rows).items() if k != "source"})
+    assert cal.step_scale == pytest.approx(1.2) and cal.request_overhead_s == pytest.approx(0.1)
+    smol = CATALOGUE["smollm2-135m"]
+    plain = Measured(TimingProfile.default(), smol, CAT.formats["fp32"], smol)
+    tuned = Measured(TimingProfile.default(), smol, CAT.formats["fp32"], smol, cal)
+    assert tuned.step_seconds(4, 0, 256) == pytest.approx(1.2 * plain.step_seconds(4, 0, 256))
+    assert tuned.request_overhead_s == pytest.approx(0.1) and plain.request_overhead_s == 0.0
+    again = fit(rows, cal)  # predictions already calibrated: the correction compounds, it does not restart
+    assert again["step_scale"] == pytest.approx(1.44)
