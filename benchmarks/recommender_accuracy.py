@@ -119,7 +119,10 @@ def main() -> None:
     chosen = configs(args.real)
     if args.only:
         chosen = [chosen[int(i)] for i in args.only.split(",")]
-    rows = [run_one(*cfg, args, out, i) for i, cfg in enumerate(chosen)]
+    rows = []
+    for i, cfg in enumerate(chosen):
+        rows.append(run_one(*cfg, args, out, i))
+        args.output.write_text(json.dumps({"partial": True, "rows": rows}, indent=2) + "\n")  # a later failure keeps these
     errors = [abs(e) for r in rows for e in r["relative_error"].values()]
     tau = kendall_tau([r["predicted"]["e2e_p90_s"] for r in rows], [r["measured"]["e2e_p90_s"] for r in rows])
     doc = {"calibration": vars(CALIBRATION[0]), "rows": rows, "median_error": statistics.median(errors), "max_error": max(errors), "kendall_tau": tau,

@@ -101,15 +101,26 @@ def bench_argv(w: WorkloadShape, url: str, model: str, rate: float, requests: in
     return argv + ["--slo", ",".join(slos)] if slos else argv
 
 
+def start_fleet(c: Candidate, shape: ModelShape, simulate: bool, out: Path, i: int, tries: int = 3) -> Fleet:
+    """Candidate ``c``'s fleet on free ports; another port on failure (another process may take one first)."""
+    for attempt in range(tries):
+        port = free_port(c.replicas + c.prefill_replicas + 1)
+        path = out / f"validate-{i}.yaml"
+        path.write_text(fleet_yaml(c, shape, simulate=simulate, port=port))
+        try:
+            return Fleet(path, port, out / f"validate-{i}.log")
+        except RuntimeError:
+            if attempt == tries - 1:
+                raise
+    raise AssertionError("unreachable")
+
+
 def measure(c: Candidate, shape: ModelShape, w: WorkloadShape, rate: float, cfg: RecommendConfig, out: Path,
             i: int, slo: dict[str, float]) -> dict[str, Any]:
     """Start candidate ``c``'s fleet, bench it at ``rate``, stop it; the bench's summary, reduced."""
     from fleetllm.bench.cli import add_bench_arguments, run_bench
 
-    port = free_port(c.replicas + c.prefill_replicas + 1)
-    path = out / f"validate-{i}.yaml"
-    path.write_text(fleet_yaml(c, shape, simulate=cfg.validate_simulated, port=port))
-    fleet = Fleet(path, port, out / f"validate-{i}.log")
+    fleet = start_fleet(c, shape, cfg.validate_simulated, out, i)
     try:
         parser = argparse.ArgumentParser()
         add_bench_arguments(parser)
