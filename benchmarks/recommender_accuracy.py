@@ -35,7 +35,7 @@ from fleetllm.recommend.queueing import capacity
 from fleetllm.recommend.search import step_model
 from fleetllm.recommend.speculation import Speculation
 from fleetllm.recommend.validate import measure
-from fleetllm.recommend.workload import from_bench
+from fleetllm.recommend.workload import from_bench, with_template
 
 KEYS = ("ttft_p50_ms", "ttft_p90_ms", "itl_p50_ms", "output_tps")
 SATURATION = {"ttft_p90_ms": 8000, "e2e_p90_s": 30}  # "capacity" = where latency runs away
@@ -69,14 +69,28 @@ def configs(real: bool) -> list[tuple[str, Candidate, dict, bool]]:
     return out
 
 
-def predicted(c: Candidate, w, rate: float, requests: int) -> dict[str, float]:  # type: ignore[no-untyped-def]
+def predicted(c: Candidate, w, rate: float, requests: int, mode: str) -> dict[str, float]:  # type: ignore[no-untyped-def]
+    """``warm``: 200 simulated requests, the first tenth left out (what `recommend` does); ``matched``: the
+    measured run's own shape (its requests after its 2 warm-up ones, so its cold prefix caches too), median
+    of 5 seeds."""
     step = step_model(SMOL, CPU, FP32, 1, None, CALIBRATION[0])  # type: ignore[arg-type]
-    p = simulate(c, step, w, rate, step.kv_capacity_tokens(), requests=max(200, requests * 4))
-    if p is None:  # P/D: analytic
+    if mode == "warm":
+        sims = [simulate(c, step, w, rate, step.kv_capacity_tokens(), requests=max(200, requests * 4))]
+    else:
+        sims = [simulate(c, step, w, rate, step.kv_capacity_tokens(), requests=requests + 2, seed=s, warmup=2)
+                for s in range(5)]
+    if sims[0] is None:  # P/D: analytic
         from fleetllm.recommend.queueing import predict
 
         p = predict(c, step, w, rate, step.kv_capacity_tokens())
-    return {k: getattr(p, k) for k in (*KEYS, "e2e_p90_s")} | {"queueing": p.queueing}
+        return {k: getattr(p, k) for k in (*KEYS, "e2e_p90_s")} | {"queueing": p.queueing}
+    return {k: statistics.median(getattr(p, k) for p in sims) for k in (*KEYS, "e2e_p90_s")} | {"queueing": "simulated"}
+
+
+def template_tokens(wp: dict) -> int:
+    """What SmolLM2-Instruct's chat template adds: 30 tokens, 14 when the request has a system prompt of its
+    own (the template's default system prompt is then left out); measured from the fleet's prompt_tokens."""
+    return 14 if wp["name"] in ("shared-prefix", "agentic") or wp.get("system_len") else 30
 
 
 def kendall_tau(a: list[float], b: list[float]) -> float:
@@ -86,16 +100,21 @@ def kendall_tau(a: list[float], b: list[float]) -> float:
 
 
 def run_one(name: str, c: Candidate, wp: dict, real: bool, args: argparse.Namespace, out: Path, i: int) -> dict:
-    w = from_bench(**wp)
+    sent = from_bench(**wp)  # what the bench is asked to send
+    w = with_template(sent, template_tokens(wp)) if args.prediction == "matched" else sent
     step = step_model(SMOL, CPU, FP32, 1, None, CALIBRATION[0])  # type: ignore[arg-type]
-    cap = capacity(c, step, w, step.kv_capacity_tokens(), SATURATION, 0.2)
-    rate = round(args.load * cap, 3)
-    pred = predicted(c, w, rate, args.requests)
+    if args.measured:  # re-predict an earlier run's measurements at its rates
+        old = next(r for r in args.measured["rows"] if r["config"] == name)
+        rate, cap = old["rate_rps"], old["capacity_rps"]
+    else:
+        cap = capacity(c, step, sent, step.kv_capacity_tokens(), SATURATION, 0.2)
+        rate = round(args.load * cap, 3)
+    pred = predicted(c, w, rate, args.requests, args.prediction)
     cfg = replace(RecommendConfig(), validate_simulated=not real, validate_requests=args.requests, seed=i)
-    runs = []
-    for r in range(args.runs):
+    runs = old["runs"] if args.measured else []
+    for r in range(0 if args.measured else args.runs):
         t0 = time.monotonic()
-        runs.append(measure(c, SMOL, w, rate, cfg, out, i * 10 + r, {}))
+        runs.append(measure(c, SMOL, sent, rate, cfg, out, i * 10 + r, {}))
         print(f"  {name} run {r + 1}: {time.monotonic() - t0:.0f}s {runs[-1]}", flush=True)
     meas = {k: statistics.median(run[k] for run in runs) for k in (*KEYS, "e2e_p90_s")}
     err = {k: (pred[k] - meas[k]) / meas[k] for k in KEYS if meas[k]}
@@ -111,9 +130,14 @@ def main() -> None:
     ap.add_argument("--real", action="store_true", help="add real-worker rows (speculation, P/D)")
     ap.add_argument("--only", default="", help="comma-separated indices of configurations")
     ap.add_argument("--calibration", help="calibration.json of an earlier `fleetllm recommend --validate`")
+    ap.add_argument("--prediction", choices=("warm", "matched"), default="matched",
+                    help="warm: as `recommend` predicts (long run, warm caches, prompts as sent); matched: the "
+                         "measured run's own length and warm-up, and the chat template's tokens")
+    ap.add_argument("--measured", type=Path, help="re-predict the measurements of an earlier output (no runs)")
     ap.add_argument("--output", type=Path, default=Path("results/recommender_accuracy.json"))
     args = ap.parse_args()
     CALIBRATION[0] = Calibration.load(args.calibration)
+    args.measured = json.loads(args.measured.read_text()) if args.measured else None
     out = args.output.parent / (args.output.stem + "-runs")
     out.mkdir(parents=True, exist_ok=True)
     chosen = configs(args.real)
@@ -126,7 +150,7 @@ def main() -> None:
     errors = [abs(e) for r in rows for e in r["relative_error"].values()]
     tau = kendall_tau([r["predicted"]["e2e_p90_s"] for r in rows], [r["measured"]["e2e_p90_s"] for r in rows])
     doc = {"calibration": vars(CALIBRATION[0]), "rows": rows, "median_error": statistics.median(errors), "max_error": max(errors), "kendall_tau": tau,
-           "args": {k: str(v) for k, v in vars(args).items()}}
+           "args": {k: str(v) for k, v in vars(args).items() if k != "measured"}}
     args.output.write_text(json.dumps(doc, indent=2) + "\n")
     print_table(rows, doc)
 

@@ -25,6 +25,8 @@ class RecommendConfig:
     system_len: int = opt(0, "multi-turn: system prompt tokens")
     context_len: int = opt(4096, "agentic: initial context tokens")
     step_len: int = opt(256, "agentic: tool output tokens per turn")
+    template_tokens: int = opt(0, "tokens the chat template adds to every prompt (SmolLM2-Instruct: 30, or 14 "
+                                  "with a system prompt of its own)")
     slo: str = opt("ttft_p90_ms=2000,itl_p99_ms=200,e2e_p90_s=60",
                    "targets: ttft_p50_ms, ttft_p90_ms, itl_p50_ms, itl_p99_ms, e2e_p90_s (KEY=VALUE,...)")
     traffic: float | None = opt(None, "requests per second (open loop, Poisson)")

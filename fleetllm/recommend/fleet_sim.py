@@ -116,8 +116,11 @@ class _Router:
 
 
 def simulate(c: Candidate, step: StepModel, w: WorkloadShape, rate: float, kv_tokens: int,
-             requests: int = 300, seed: int = 0) -> Prediction | None:
-    """The candidate's latencies with the real scheduler in virtual time (None for a P/D candidate)."""
+             requests: int = 300, seed: int = 0, warmup: int | None = None) -> Prediction | None:
+    """The candidate's latencies with the real scheduler in virtual time (None for a P/D candidate).
+
+    ``warmup``: requests left out of the statistics (default: the first tenth, which fills the caches); a
+    short measured run is matched by simulating its own count and warm-up, cold caches included."""
     if c.prefill_replicas:
         return None
     from fleetllm.models.source import load_tokenizer
@@ -136,7 +139,7 @@ def simulate(c: Candidate, step: StepModel, w: WorkloadShape, rate: float, kv_to
                            max_waiting=10 * requests, disable_metrics=True)
         engines.append(LLMEngine(cfg, executor=ex))
     _run(engines, clocks, _Router(c.routing, engines), reqs)
-    return _summary(reqs, step, al, requests)
+    return _summary(reqs, step, al, requests // 10 if warmup is None else warmup)
 
 
 def _with_context(config, tokens: int):  # type: ignore[no-untyped-def]
@@ -174,8 +177,8 @@ def _run(engines: list[LLMEngine], clocks: list[float], router: _Router, reqs: l
                 r.done = clocks[i]
 
 
-def _summary(reqs: list[_Request], step: StepModel, al: float, count: int) -> Prediction:
-    warm = reqs[count // 10:]  # the first tenth fills the fleet
+def _summary(reqs: list[_Request], step: StepModel, al: float, warmup: int) -> Prediction:
+    warm = reqs[warmup:]
     for r in warm:  # the serving path's time before the engine sees a request (calibrated; 0 by default)
         r.arrival -= step.request_overhead_s
     done = [r for r in warm if r.done is not None and r.first is not None]

@@ -36,7 +36,7 @@ def parse_slo(text: str) -> dict[str, float]:
 
 
 def workload_of(cfg: RecommendConfig) -> WorkloadShape:
-    return load_workload(cfg.workload, isl=cfg.isl, osl=cfg.osl, isl_std=cfg.isl_std, osl_std=cfg.osl_std,
+    return load_workload(cfg.workload, cfg.template_tokens, isl=cfg.isl, osl=cfg.osl, isl_std=cfg.isl_std, osl_std=cfg.osl_std,
                          prefix_len=cfg.prefix_len, turns=cfg.turns, system_len=cfg.system_len,
                          context_len=cfg.context_len, step_len=cfg.step_len, seed=cfg.seed)
 

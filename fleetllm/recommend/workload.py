@@ -143,10 +143,22 @@ def from_capture(path: str) -> WorkloadShape:
     return WorkloadShape(Path(path).name or path, np.array(isl), np.array(osl), shared_prefix=min(0.95, shared / sum(isl)))
 
 
-def load_workload(spec: str, **bench_params: float) -> WorkloadShape:
-    """A bench workload name, an ``isl=...,osl=...`` distribution, or a capture directory (local or s3://)."""
+def load_workload(spec: str, template_tokens: int = 0, **bench_params: float) -> WorkloadShape:
+    """A bench workload name, an ``isl=...,osl=...`` distribution, or a capture directory (local or s3://);
+    ``template_tokens``: what the chat template adds to every prompt (not in bench's or a capture's counts)."""
     if spec.startswith("isl="):
-        return from_distribution(spec)
-    if spec.startswith("s3://") or Path(spec).is_dir():
-        return from_capture(spec)
-    return from_bench(spec, **bench_params)
+        w = from_distribution(spec)
+    elif spec.startswith("s3://") or Path(spec).is_dir():
+        w = from_capture(spec)
+    else:
+        w = from_bench(spec, **bench_params)
+    return with_template(w, template_tokens)
+
+
+def with_template(w: WorkloadShape, tokens: int) -> WorkloadShape:
+    """``w`` with ``tokens`` more in every prompt (the chat template's, a shared prefix of every request)."""
+    if not tokens:
+        return w
+    isl = w.isl + tokens
+    scale = w.isl.mean() / isl.mean()
+    return WorkloadShape(w.name, isl, w.osl, w.shared_prefix * scale, w.private_prefix * scale, w.category, w.params)
