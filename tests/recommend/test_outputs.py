@@ -77,3 +77,18 @@ def test_recommend_end_to_end_prints_json_and_writes_table_png_and_yaml(tmp_path
     assert doc["search"]["considered"] > 0 and doc["pareto_front"]
     assert (tmp_path / "pareto.png").stat().st_size > 1000
     assert FleetConfig.from_yaml(tmp_path / "fleet.yaml").models[0].source == "smollm2-135m"
+
+
+def test_validation_benches_the_same_workload_at_the_same_rate_and_slos(tmp_path) -> None:
+    import argparse
+
+    from fleetllm.bench.cli import add_bench_arguments
+    from fleetllm.recommend.validate import bench_argv
+
+    parser = argparse.ArgumentParser()
+    add_bench_arguments(parser)
+    w = from_bench("shared-prefix", isl=32, osl=16, prefix_len=256)
+    args = parser.parse_args(bench_argv(w, "http://127.0.0.1:9", "smollm2-135m", 1.5, 20,
+                                        {"ttft_p90_ms": 900, "e2e_p90_s": 4}, tmp_path / "b.json", 0))
+    assert (args.workload, args.isl, args.osl, args.prefix_len) == ("shared-prefix", 32, 16, 256)
+    assert (args.request_rate, args.requests, args.slo) == ("1.5", 20, "ttft_p90_ms=900,e2e_p90_ms=4000")
