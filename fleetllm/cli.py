@@ -388,6 +388,26 @@ def add_keys_parser(sub: argparse._SubParsersAction) -> None:
     k.set_defaults(func=cmd_keys)
 
 
+def cmd_recommend(args: argparse.Namespace) -> int:
+    import json as json_module
+
+    from fleetllm.recommend.recommend import RecommendConfig, run_recommend
+
+    doc = run_recommend(from_args(RecommendConfig, args))
+    if args.json:
+        print(json_module.dumps(doc, indent=2, default=str))
+    return 0
+
+
+def add_recommend_parser(sub: argparse._SubParsersAction) -> None:
+    from fleetllm.recommend.config import RecommendConfig
+
+    r = sub.add_parser("recommend", help="the deployment that meets the SLOs at the lowest cost (predicted, "
+                                         "checked by measurement with --validate)")
+    add_options(r, RecommendConfig)
+    r.set_defaults(func=cmd_recommend)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fleetllm", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -395,7 +415,8 @@ def build_parser() -> argparse.ArgumentParser:
     from fleetllm.store.cli import add_models_parser
 
     for add in (add_worker_parser, add_router_parser, add_serve_parser, add_calibrate_parser,
-                add_generate_parser, add_spec_parser, add_keys_parser, add_capture_parser, add_models_parser):
+                add_generate_parser, add_spec_parser, add_keys_parser, add_capture_parser, add_models_parser,
+                add_recommend_parser):
         add(sub)
     try:
         from fleetllm.bench.cli import add_bench_parser

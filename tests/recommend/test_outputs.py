@@ -1,0 +1,94 @@
+"""The fleet simulation of the best candidates, the fleet YAML, and the command end to end."""
+
+from __future__ import annotations
+
+import json
+
+from fleetllm.cli import main
+from fleetllm.fleet.config import FleetConfig
+from fleetllm.recommend.candidate import Candidate
+from fleetllm.recommend.catalogue import load_catalogue
+from fleetllm.recommend.fleet_sim import simulate
+from fleetllm.recommend.fleet_yaml import fleet_yaml
+from fleetllm.recommend.model_shape import CATALOGUE
+from fleetllm.recommend.report import pareto
+from fleetllm.recommend.search import step_model
+from fleetllm.recommend.speculation import Speculation
+from fleetllm.recommend.workload import from_bench
+
+CAT = load_catalogue()
+CPU = CAT.instance("local-cpu")
+SMOL = CATALOGUE["smollm2-135m"]
+
+
+def cpu_candidate(**kw) -> Candidate:  # type: ignore[no-untyped-def]
+    return Candidate(**{"instance": CPU, "tp": 1, "fmt": CAT.formats["fp32"], "replicas": 2, "max_batch": 8,
+                        "chunk": 256, **kw})
+
+
+def test_the_fleet_simulation_runs_the_real_prefix_cache_and_routing() -> None:
+    w = from_bench("shared-prefix", isl=32, osl=8, prefix_len=256)
+    step = step_model(SMOL, CPU, CAT.formats["fp32"], 1, None)  # type: ignore[arg-type]
+    p = simulate(cpu_candidate(routing="kv_aware"), step, w, 0.5, step.kv_capacity_tokens(), requests=40)
+    assert p is not None and p.queueing == "simulated" and p.measured
+    assert p.extra["requests"] >= 30 and 0 < p.ttft_p50_ms <= p.ttft_p90_ms and p.itl_p50_ms > 0
+    cold = simulate(cpu_candidate(routing="kv_aware"), step, from_bench("synthetic", isl=288, osl=8), 0.5,
+                    step.kv_capacity_tokens(), requests=40)
+    assert cold is not None and p.ttft_p50_ms < cold.ttft_p50_ms  # prefix hits: less to prefill
+
+
+def test_a_pd_candidate_is_not_simulated() -> None:
+    step = step_model(SMOL, CPU, CAT.formats["fp32"], 1, None)  # type: ignore[arg-type]
+    w = from_bench("synthetic", isl=64, osl=8)
+    assert simulate(cpu_candidate(prefill_replicas=1), step, w, 0.5, step.kv_capacity_tokens()) is None
+
+
+def test_the_fleet_yaml_is_a_fleet_config_fleetllm_serve_reads(tmp_path) -> None:
+    c = cpu_candidate(spec=Speculation("ngram", 4), routing="least_load")
+    path = tmp_path / "fleet.yaml"
+    path.write_text(fleet_yaml(c, SMOL))
+    fleet = FleetConfig.from_yaml(path)
+    assert fleet.policy == "least_load" and fleet.num_workers == 2
+    assert fleet.models[0].worker_args() == ["--max-num-seqs", "8", "--max-num-batched-tokens", "256",
+                                             "--num-threads", "1", "--speculative", "method=ngram,k=4,adaptive=0"]
+
+
+def test_a_pd_candidate_becomes_prefill_and_decode_entries(tmp_path) -> None:
+    path = tmp_path / "fleet.yaml"
+    path.write_text(fleet_yaml(cpu_candidate(prefill_replicas=1, pd_threshold=1024), SMOL))
+    fleet = FleetConfig.from_yaml(path)
+    assert [m.role for m in fleet.models] == ["prefill", "decode"] and fleet.pd_threshold == 1024
+
+
+def test_the_pareto_front_keeps_only_undominated_points() -> None:
+    points = [(1, 10), (2, 8), (1.5, 5), (3, 1), (0.5, 9)]
+    assert sorted(pareto(points)) == [0, 1, 3]
+
+
+def test_recommend_end_to_end_prints_json_and_writes_table_png_and_yaml(tmp_path, capsys) -> None:
+    rc = main(["recommend", "--model", "smollm2-135m", "--workload", "isl=96:16,osl=16", "--traffic", "0.4",
+               "--slo", "ttft_p90_ms=4000,itl_p99_ms=500,e2e_p90_s=20", "--instances", "local-cpu,g6.xlarge",
+               "--simulate-top", "1", "--sim-requests", "40", "--json", "--out", str(tmp_path)])
+    assert rc == 0
+    doc = json.loads(capsys.readouterr().out)
+    best = doc["ranked"][0]
+    assert best["meets_slos"] and best["instance"] == "local-cpu" and best["queueing"] == "simulated"
+    assert best["interval"]["ttft_p90_ms"][0] <= best["predicted"]["ttft_p90_ms"] <= best["interval"]["ttft_p90_ms"][1]
+    assert doc["search"]["considered"] > 0 and doc["pareto_front"]
+    assert (tmp_path / "pareto.png").stat().st_size > 1000
+    assert FleetConfig.from_yaml(tmp_path / "fleet.yaml").models[0].source == "smollm2-135m"
+
+
+def test_validation_benches_the_same_workload_at_the_same_rate_and_slos(tmp_path) -> None:
+    import argparse
+
+    from fleetllm.bench.cli import add_bench_arguments
+    from fleetllm.recommend.validate import bench_argv
+
+    parser = argparse.ArgumentParser()
+    add_bench_arguments(parser)
+    w = from_bench("shared-prefix", isl=32, osl=16, prefix_len=256)
+    args = parser.parse_args(bench_argv(w, "http://127.0.0.1:9", "smollm2-135m", 1.5, 20,
+                                        {"ttft_p90_ms": 900, "e2e_p90_s": 4}, tmp_path / "b.json", 0))
+    assert (args.workload, args.isl, args.osl, args.prefix_len) == ("shared-prefix", 32, 16, 256)
+    assert (args.request_rate, args.requests, args.slo) == ("1.5", 20, "ttft_p90_ms=900,e2e_p90_ms=4000")
