@@ -95,21 +95,26 @@ def test_literal_hf_generate_matches(hf_model, prompt_ids, reference):
         assert reference[i] == expected[: len(reference[i])]
 
 
+# The regimes below run on every other prompt (chat and raw, short and long): a step per 8 tokens of
+# prefill and a pool of 8 blocks are slow ways to generate, and each half still crosses every boundary.
+HALF = slice(0, None, 2)
+
+
 def test_tiny_prefill_chunks_match(loaded, prompt_ids, reference):
     llm = LLM(loaded=loaded, max_num_seqs=16, max_num_batched_tokens=8, kv_cache_gb=0.25)
-    assert greedy(llm, prompt_ids) == reference
+    assert greedy(llm, prompt_ids[HALF]) == reference[HALF]
 
 
 def test_preemption_by_tiny_block_pool_matches(loaded, prompt_ids, reference):
     llm = LLM(loaded=loaded, max_num_seqs=16, num_blocks=8, block_size=8)
-    assert greedy(llm, prompt_ids) == reference
+    assert greedy(llm, prompt_ids[1::2]) == reference[1::2]
     assert llm.engine.scheduler.num_preemptions > 0, "the pool was meant to force preemption"
     assert llm.engine.pool.num_free == llm.engine.pool.num_blocks
 
 
 def test_prefix_cache_hit_matches(loaded, prompt_ids, reference):
     llm = LLM(loaded=loaded, max_num_seqs=16, kv_cache_gb=0.25)
-    assert greedy(llm, prompt_ids) == reference
-    res = llm.generate(prompt_ids, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0))
-    assert [r.outputs[0].token_ids for r in res] == reference
-    assert all(r.num_cached_tokens > 0 for r, p in zip(res, prompt_ids, strict=True) if len(p) > 16)
+    assert greedy(llm, prompt_ids[HALF]) == reference[HALF]
+    res = llm.generate(prompt_ids[HALF], SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0))
+    assert [r.outputs[0].token_ids for r in res] == reference[HALF]
+    assert all(r.num_cached_tokens > 0 for r, p in zip(res, prompt_ids[HALF], strict=True) if len(p) > 16)
