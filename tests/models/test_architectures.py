@@ -52,7 +52,7 @@ def test_architecture_matches_transformers(case: str, tmp_path: Path, tokenizer_
     shutil.copy(tokenizer_dir / "tokenizer.json", tmp_path / "tokenizer.json")
 
     prompts = [[5, 17, 99, 3, 42, 42, 7], list(range(10, 90, 3)), [200, 201]]
-    llm = LLM(str(tmp_path), max_num_batched_tokens=16)  # 16: long prompts are chunked
+    llm = LLM(str(tmp_path), max_num_batched_tokens=16, num_blocks=64)  # 16: long prompts are chunked
     res = llm.generate(prompts, SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True))
     for p, r in zip(prompts, res, strict=True):
         out = r.outputs[0].token_ids

@@ -66,7 +66,7 @@ def tiny(tmp_path_factory: pytest.TempPathFactory):
 @pytest.fixture(scope="module")
 def tiny_reference(tiny) -> list[list[int]]:
     hf, loaded = tiny
-    outs = greedy(LLM(loaded=loaded), TINY_PROMPTS, 12)
+    outs = greedy(LLM(loaded=loaded, num_blocks=64), TINY_PROMPTS, 12)
     assert_hf_agrees(hf, TINY_PROMPTS, outs)
     return outs
 
@@ -76,12 +76,12 @@ def test_tiny_gemma3_batch_matches_transformers(tiny_reference):
 
 
 def test_tiny_gemma3_chunked_prefill_across_the_window_matches(tiny, tiny_reference):
-    llm = LLM(loaded=tiny[1], max_num_batched_tokens=4)  # chunks of 4 in a window of 6: context before every chunk
+    llm = LLM(loaded=tiny[1], max_num_batched_tokens=4, num_blocks=64)  # chunks of 4 in a window of 6: context before every chunk
     assert greedy(llm, TINY_PROMPTS, 12) == tiny_reference
 
 
 def test_tiny_gemma3_prefix_cache_hit_matches(tiny, tiny_reference):
-    llm = LLM(loaded=tiny[1], block_size=4)
+    llm = LLM(loaded=tiny[1], block_size=4, num_blocks=128)
     assert greedy(llm, TINY_PROMPTS, 12) == tiny_reference
     res = llm.generate(TINY_PROMPTS, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
     assert [r.outputs[0].token_ids for r in res] == tiny_reference
