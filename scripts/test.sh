@@ -5,9 +5,9 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh 2>&1 | grep -v "^WARNING: Location" || true
 . .venv/bin/activate
 ruff check . || exit 1
-# two test processes (pytest-xdist), each module whole on one: the suite waits on servers and child
+# three test processes (pytest-xdist) on two cores, each module whole on one: the suite waits on servers and child
 # processes about half the time
-python -m pytest -q -p no:cacheprovider -n 2 --dist loadfile "$@"
+python -m pytest -q -p no:cacheprovider -n 3 --dist loadfile "$@"
 rc=$?
 if [ $rc -eq 5 ]; then echo "pytest collected no tests: failing" >&2; exit 1; fi
 exit $rc
