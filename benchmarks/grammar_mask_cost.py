@@ -59,17 +59,25 @@ def bench_llguidance(tok_json: str, eos: int, ids: list[int], vocab: int) -> Non
           f"over {len(ids)} tokens")
 
 
-def _decode_llg(m, mask, ids: list[int]) -> list[float]:
-    import llguidance.torch as lgt
-
+def _per_token(ids: list[int], step) -> list[float]:  # noqa: ANN001 - step(token) -> error or None
+    """Seconds of each ``step`` (fill the next-token mask, then take the token) over ``ids``."""
     times = []
     for t in ids:
         t0 = time.perf_counter()
-        lgt.fill_next_token_bitmask(m, mask, 0)
-        ok = m.consume_token(t)
+        error = step(t)
         times.append(time.perf_counter() - t0)
-        assert ok, m.get_error()
+        assert error is None, error
     return times
+
+
+def _decode_llg(m, mask, ids: list[int]) -> list[float]:
+    import llguidance.torch as lgt
+
+    def step(t: int) -> str | None:
+        lgt.fill_next_token_bitmask(m, mask, 0)
+        return None if m.consume_token(t) else m.get_error()
+
+    return _per_token(ids, step)
 
 
 def bench_xgrammar(tok_json: str, eos: int, ids: list[int], vocab: int) -> None:
@@ -97,14 +105,11 @@ def bench_xgrammar(tok_json: str, eos: int, ids: list[int], vocab: int) -> None:
 
 
 def _decode_xg(m, mask, ids: list[int]) -> list[float]:
-    times = []
-    for t in ids:
-        t0 = time.perf_counter()
+    def step(t: int) -> str | None:
         m.fill_next_token_bitmask(mask, 0)
-        ok = m.accept_token(t)
-        times.append(time.perf_counter() - t0)
-        assert ok
-    return times
+        return None if m.accept_token(t) else f"token {t} refused"
+
+    return _per_token(ids, step)
 
 
 def main() -> None:
