@@ -34,20 +34,12 @@ from typing import TYPE_CHECKING  # noqa: E402
 
 import httpx  # noqa: E402
 import pytest  # noqa: E402
-from fleet_helpers import ThreadServer, free_port  # noqa: E402
+from fleet_helpers import ThreadServer, free_port, kv_sized  # noqa: E402
 
 if TYPE_CHECKING:
     from fleetllm.models.loader import LoadedModel
 
 MODEL = "smollm2-135m"
-# Workers in tests get a quarter GiB of KV cache (5.8k tokens) unless their flags size it: the default GiB is
-# zeroed page by page at every start, which on a busy machine costs more than the tests' requests.
-TEST_KV_FLAGS = ("--kv-cache-gb", "0.25")
-
-
-def kv_sized(flags: tuple[str, ...]) -> tuple[str, ...]:
-    """``flags`` with the tests' KV cache size unless they give one."""
-    return flags if {"--kv-cache-gb", "--num-blocks"} & set(flags) else (*TEST_KV_FLAGS, *flags)
 STARTUP_TIMEOUT_S = 120.0
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"  # as `fleetllm` logs
 

@@ -20,7 +20,7 @@ import httpx
 import openai
 import pytest
 import yaml
-from fleet_helpers import free_ports, stop_process
+from fleet_helpers import TEST_KV_GB, free_ports, listening, stop_process
 from prometheus_client.parser import text_string_to_metric_families
 
 SIM = {"source": "smollm2-135m", "simulate": True, "engine": {"sim_speed": 20}}
@@ -155,14 +155,6 @@ def test_a_model_scales_from_zero_for_a_held_request_and_back_to_zero_when_idle(
     assert complete(url, "a").status_code == 200  # the other model never noticed
 
 
-def _listening(url: str) -> bool:
-    try:
-        httpx.get(url + "/health", timeout=1)
-        return True
-    except httpx.TransportError:
-        return False
-
-
 def _federated(url: str, name: str, label: str) -> dict[str, float]:
     """The router's /metrics samples called ``name`` (the workers' ones, federated), summed by ``label``."""
     out: dict[str, float] = {}
@@ -179,8 +171,8 @@ def test_a_real_fleet_of_smollm2_and_gemma3_routes_each_model_to_its_own_workers
     fleet = serve({"policy": "kv_aware", "models": [
         # adaptive K off: on a loaded machine the measured step times may turn drafting off
         {"name": "smollm2", "source": "smollm2-135m", "replicas": 2, "speculative": "method=ngram,adaptive=0",
-         "engine": {"num_threads": 1, "kv_cache_gb": 0.25}},
-        {"name": "gemma", "source": "gemma3-270m", "engine": {"num_threads": 1, "kv_cache_gb": 0.25}}]})
+         "engine": {"num_threads": 1, "kv_cache_gb": TEST_KV_GB}},
+        {"name": "gemma", "source": "gemma3-270m", "engine": {"num_threads": 1, "kv_cache_gb": TEST_KV_GB}}]})
     state = httpx.get(fleet.url + "/router/state").json()
     workers = {m: {w["name"] for w in state["workers"] if w["model"] == m} for m in ("smollm2", "gemma")}
     assert (len(workers["smollm2"]), len(workers["gemma"])) == (2, 1)
@@ -211,7 +203,7 @@ def test_a_real_fleet_of_smollm2_and_gemma3_routes_each_model_to_its_own_workers
 
     fleet.popen.send_signal(signal.SIGTERM)
     assert fleet.popen.wait(timeout=60) == 0
-    assert not any(_listening(u) for u in [fleet.url, *(w["url"] for w in state["workers"])]), fleet.logs()
+    assert not any(listening(u) for u in [fleet.url, *(w["url"] for w in state["workers"])]), fleet.logs()
 
 
 def test_a_canary_gets_its_share_sticky_per_user_on_its_own_copies_and_is_promoted_at_run_time(serve):

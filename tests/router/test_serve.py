@@ -12,7 +12,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from fleet_helpers import free_ports
+from fleet_helpers import free_ports, listening
 
 from fleetllm.fleet.config import FleetConfig
 
@@ -30,19 +30,6 @@ def start_serve(*args: str, port: int) -> tuple[subprocess.Popen[bytes], Path]:
             raise RuntimeError(f"serve did not become ready:\n{log.read_text(errors='replace')}")
         time.sleep(0.2)
     return p, log
-
-
-def listening(port: int) -> bool:
-    try:
-        httpx.get(f"http://127.0.0.1:{port}/health", timeout=1)
-        return True
-    except httpx.TransportError:
-        return False
-
-
-def spec_drafts(metrics: str) -> float:
-    return sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
-               if line.startswith("vllm:spec_decode_num_drafts_total{"))
 
 
 @pytest.mark.slow
@@ -66,7 +53,7 @@ def test_serve_from_a_yaml_config_with_zones_and_simulated_workers(tmp_path):
     finally:
         p.send_signal(signal.SIGINT)
         assert p.wait(timeout=60) == 0
-    assert not any(listening(port + i) for i in range(5))
+    assert not any(listening(f"http://127.0.0.1:{port + i}") for i in range(5))
     log.unlink()
 
 
