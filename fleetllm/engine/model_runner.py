@@ -6,6 +6,8 @@ over cached context; the caller asks for logits at each of its rows.
 
 from __future__ import annotations
 
+import mmap
+
 import torch
 
 from fleetllm.engine.scheduler import Scheduled
@@ -22,10 +24,9 @@ class ModelRunner:
         self.device = device
         dtype = next(model.parameters()).dtype
         shape = (num_blocks * block_size, cfg.num_kv_heads, cfg.head_dim)
-        self.kv_cache = [
-            (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-            for _ in range(cfg.num_layers)
-        ]
+        pool = _zeroed(2 * cfg.num_layers * shape[0] * shape[1] * shape[2], dtype, device)
+        per = pool.view(2 * cfg.num_layers, *shape)
+        self.kv_cache = [(per[2 * i], per[2 * i + 1]) for i in range(cfg.num_layers)]
 
     @staticmethod
     def kv_bytes_per_block(model: LlamaModel, block_size: int) -> int:
@@ -96,3 +97,15 @@ class ModelRunner:
         mask.masked_fill_(torch.arange(max_len).unsqueeze(0) >= lens_t, float("-inf"))
         dtype = next(self.model.parameters()).dtype
         return slots.to(self.device), mask.view(len(tables), 1, 1, max_len).to(self.device, dtype)
+
+
+def _zeroed(numel: int, dtype: torch.dtype, device: str) -> torch.Tensor:
+    """A zero-filled flat tensor; on the host, one anonymous mapping whose pages the kernel zeroes on first touch.
+
+    Writing zeros into a GiB of fresh memory costs seconds of page faults (far more on a VM) before a worker
+    can serve; the mapping makes a worker pay only for the KV blocks it fills.
+    """
+    if torch.device(device).type != "cpu":
+        return torch.zeros(numel, dtype=dtype, device=device)
+    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    return torch.frombuffer(mmap.mmap(-1, max(nbytes, 1)), dtype=dtype, count=numel)
