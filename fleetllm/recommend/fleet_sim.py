@@ -6,14 +6,17 @@ Each replica is an :class:`fleetllm.engine.engine.LLMEngine` over a :class:`Virt
 simulated worker's timing executor whose step reports its duration instead of sleeping). Events run
 in time order: an arrival is routed and queued at its time; otherwise the replica whose step ends
 first takes its next step. Prompts are token ids built so that shared system prompts and a session's
-history really are common prefixes: the prefix cache's hits are the engine's own.
-P/D splits are not simulated (their prediction stays analytic).
+history really are common prefixes: the prefix cache's hits are the engine's own. A session's next
+turn is sent when its last one ends (as ``fleetllm bench`` sends them), its prompt the whole history
+including the tokens the engine generated. P/D splits are not simulated (their prediction stays analytic).
 """
 
 from __future__ import annotations
 
+import heapq
 import math
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -69,33 +72,48 @@ class _Request:
     first: float | None = None
     done: float | None = None
     tokens: int = 0
+    output: list[int] = field(default_factory=list)
+    follow: _Request | None = None  # the session's next turn: sent when this one ends, after its history
 
 
-def make_requests(w: WorkloadShape, rate: float, count: int, vocab: int, seed: int = 0) -> list[_Request]:
-    """``count`` Poisson arrivals at ``rate``/s with the workload's lengths and reusable prefixes."""
+def make_requests(w: WorkloadShape, rate: float, count: int, vocab: int, seed: int = 0,
+                  arrivals: Sequence[float] | None = None) -> list[_Request]:
+    """``count`` requests at ``rate``/s with the workload's lengths and reusable prefixes, as bench sends them.
+
+    Sessions (multi-turn, agentic) arrive at ``rate / turns`` and send each next turn when the last one
+    ends, its prompt the whole history (earlier prompt and answer) plus the new user tokens, so a later
+    turn hits the history only where the previous turn ran. ``arrivals``: the times at which sessions (or
+    single requests) start, e.g. a bench run's own (:func:`fleetllm.bench.load.arrival_offsets`); default
+    a Poisson sample of ``seed``."""
     rng = np.random.default_rng(seed)
-    times = np.cumsum(rng.exponential(1.0 / rate, count))
+    turns = w.turns
+    sessions = math.ceil(count / turns)
+    times = list(arrivals[:sessions]) if arrivals is not None else np.cumsum(rng.exponential(turns / rate, sessions))
     span = vocab - VOCAB_FLOOR
     shared = max(1, int(w.params.get("num_prefixes", 8)))
-    sessions = max(1, int(w.params.get("turns", 1)))
-    out = []
-    for i, t in enumerate(times):
-        isl = int(w.isl[i % len(w.isl)])
-        osl = int(w.osl[i % len(w.osl)])
-        if w.shared_prefix:
-            k = int(rng.integers(shared))
-            head = int(isl * w.shared_prefix)
-            prefix = (np.random.default_rng(10_000 + k).integers(0, span, head) + VOCAB_FLOOR).tolist()
-            key = f"p{k}"
-        elif w.private_prefix:
-            key = f"s{i // sessions}"  # consecutive requests are turns of one session
-            head = int(isl * w.private_prefix)
-            prefix = (np.random.default_rng(20_000 + i // sessions).integers(0, span, head) + VOCAB_FLOOR).tolist()
-        else:
-            key, prefix = f"r{i}", []
-        rest = (rng.integers(0, span, max(1, isl - len(prefix))) + VOCAB_FLOOR).tolist()
-        out.append(_Request(f"r{i}", float(t), prefix + rest, max(1, osl), key))
+    out: list[_Request] = []
+    for k, t in enumerate(times):
+        prev = None
+        for _ in range(min(turns, count - len(out))):
+            i = len(out)
+            isl, osl = int(w.isl[i % len(w.isl)]), max(1, int(w.osl[i % len(w.osl)]))
+            if prev is not None:  # the history is prev.prompt + prev.output, known when prev ends
+                new = max(1, isl - int(w.isl[(i - 1) % len(w.isl)]) - prev.max_tokens)
+                req = _Request(f"r{i}", math.inf, _tokens(rng, span, new), osl, f"s{k}")
+                prev.follow = req
+            elif w.shared_prefix:
+                p = int(rng.integers(shared))
+                head = (np.random.default_rng(10_000 + p).integers(0, span, int(isl * w.shared_prefix)) + VOCAB_FLOOR).tolist()
+                req = _Request(f"r{i}", float(t), head + _tokens(rng, span, isl - len(head)), osl, f"p{p}")
+            else:
+                req = _Request(f"r{i}", float(t), _tokens(rng, span, isl), osl, f"s{k}" if turns > 1 else f"r{i}")
+            out.append(req)
+            prev = req
     return out
+
+
+def _tokens(rng: np.random.Generator, span: int, n: int) -> list[int]:
+    return (rng.integers(0, span, max(1, n)) + VOCAB_FLOOR).tolist()
 
 
 class _Router:
@@ -116,18 +134,19 @@ class _Router:
 
 
 def simulate(c: Candidate, step: StepModel, w: WorkloadShape, rate: float, kv_tokens: int,
-             requests: int = 300, seed: int = 0, warmup: int | None = None) -> Prediction | None:
+             requests: int = 300, seed: int = 0, warmup: int | None = None,
+             arrivals: Sequence[float] | None = None) -> Prediction | None:
     """The candidate's latencies with the real scheduler in virtual time (None for a P/D candidate).
 
     ``warmup``: requests left out of the statistics (default: the first tenth, which fills the caches); a
-    short measured run is matched by simulating its own count and warm-up, cold caches included."""
+    short measured run is matched by simulating its own count and arrivals, cold caches included."""
     if c.prefill_replicas:
         return None
     from fleetllm.models.source import load_tokenizer
 
     config, tokenizer = load_tokenizer("smollm2-135m")  # a stand-in: the simulation needs token ids, not text
-    reqs = make_requests(w, rate, requests, config.vocab_size, seed)
-    longest = max(len(r.prompt) + r.max_tokens for r in reqs)
+    reqs = make_requests(w, rate, requests, config.vocab_size, seed, arrivals)
+    longest = int(max(w.isl.max(), max(len(r.prompt) for r in reqs)) + w.osl.max()) + BLOCK
     config = _with_context(config, longest + BLOCK)
     al = c.spec.acceptance_length(w.category)
     blocks = min(MAX_BLOCKS, max(kv_tokens // BLOCK, longest // BLOCK + 8))
@@ -150,13 +169,15 @@ def _with_context(config, tokens: int):  # type: ignore[no-untyped-def]
 
 def _run(engines: list[LLMEngine], clocks: list[float], router: _Router, reqs: list[_Request]) -> None:
     by_id = {r.rid: r for r in reqs}
-    pending = list(reversed(reqs))
+    pending = [(r.arrival, n, r) for n, r in enumerate(reqs) if math.isfinite(r.arrival)]
+    heapq.heapify(pending)
+    order = len(reqs)
     params = {}
     while pending or any(e.has_unfinished() for e in engines):
         busy = [i for i, e in enumerate(engines) if e.has_unfinished()]
         t_step = min((clocks[i] for i in busy), default=math.inf)
-        if pending and pending[-1].arrival <= t_step:
-            req = pending.pop()
+        if pending and pending[0][0] <= t_step:
+            req = heapq.heappop(pending)[2]
             i = router.pick(req)
             if not engines[i].has_unfinished():
                 clocks[i] = max(clocks[i], req.arrival)
@@ -173,8 +194,14 @@ def _run(engines: list[LLMEngine], clocks: list[float], router: _Router, reqs: l
             if out.new_token_ids and r.first is None:
                 r.first = clocks[i]
             r.tokens += len(out.new_token_ids)
+            r.output += out.new_token_ids
             if out.finished:
                 r.done = clocks[i]
+                if r.follow is not None:  # the session's next turn resends the history
+                    nxt = r.follow
+                    nxt.arrival, nxt.prompt = r.done, r.prompt + r.output + nxt.prompt
+                    heapq.heappush(pending, (nxt.arrival, order, nxt))
+                    order += 1
 
 
 def _summary(reqs: list[_Request], step: StepModel, al: float, warmup: int) -> Prediction:

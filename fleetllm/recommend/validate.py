@@ -80,7 +80,8 @@ class Fleet:
 
 def bench_argv(w: WorkloadShape, url: str, model: str, rate: float, requests: int, slo: dict[str, float],
                output: Path, seed: int) -> list[str]:
-    """The ``fleetllm bench`` flags that send workload ``w`` at ``rate`` requests/s."""
+    """The ``fleetllm bench`` flags that send workload ``w`` at ``rate`` requests/s (bench's rate is of sessions:
+    ``rate / turns`` of them for a multi-turn or agentic workload)."""
     p = w.params
     if w.name in ("synthetic", "shared-prefix", "multi-turn", "agentic", "long-short"):
         kind = w.name
@@ -88,7 +89,7 @@ def bench_argv(w: WorkloadShape, url: str, model: str, rate: float, requests: in
         kind = "synthetic"
     else:
         kind = "trace"
-    argv = ["--url", url, "--model", model, "--workload", kind, "--request-rate", f"{rate:.6g}",
+    argv = ["--url", url, "--model", model, "--workload", kind, "--request-rate", f"{rate / w.turns:.6g}",
             "--requests", str(requests), "--warmup-requests", "2", "--seed", str(seed), "--no-progress",
             "--output", str(output)]
     for key in ("isl", "osl", "isl_std", "osl_std", "prefix_len", "turns", "system_len", "context_len", "step_len",

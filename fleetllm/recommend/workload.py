@@ -39,6 +39,11 @@ class WorkloadShape:
     def osl_mean(self) -> float:
         return self._means[1]
 
+    @property
+    def turns(self) -> int:
+        """Requests per session: a session's next turn is sent when its last one ends, with the history."""
+        return max(1, int(self.params.get("turns", 1))) if self.name in ("multi-turn", "agentic") else 1
+
     def __post_init__(self) -> None:
         self._pct: dict[tuple, Any] = {}
         self._means = (float(self.isl.mean()), float(self.osl.mean()))

@@ -37,6 +37,20 @@ def test_the_fleet_simulation_runs_the_real_prefix_cache_and_routing() -> None:
     assert cold is not None and p.ttft_p50_ms < cold.ttft_p50_ms  # prefix hits: less to prefill
 
 
+def test_a_sessions_next_turn_follows_its_answer_and_resends_the_history() -> None:
+    from fleetllm.models.source import load_tokenizer
+    from fleetllm.recommend.fleet_sim import make_requests
+
+    w = from_bench("multi-turn", isl=48, osl=8, turns=3)
+    reqs = make_requests(w, 1.0, 6, load_tokenizer("smollm2-135m")[0].vocab_size, arrivals=[0.0, 5.0])
+    assert [r.arrival for r in reqs][::3] == [0.0, 5.0] and reqs[0].follow is reqs[1] and reqs[2].follow is None
+    step = step_model(SMOL, CPU, CAT.formats["fp32"], 1, None)  # type: ignore[arg-type]
+    aware = simulate(cpu_candidate(replicas=3, routing="kv_aware"), step, w, 1.0, step.kv_capacity_tokens(), requests=30)
+    spread = simulate(cpu_candidate(replicas=3, routing="round_robin"), step, w, 1.0, step.kv_capacity_tokens(), requests=30)
+    assert aware is not None and spread is not None and aware.extra["requests"] >= 27
+    assert aware.ttft_p90_ms < spread.ttft_p90_ms  # the turn after an answer hits its history where it ran
+
+
 def test_a_pd_candidate_is_not_simulated() -> None:
     step = step_model(SMOL, CPU, CAT.formats["fp32"], 1, None)  # type: ignore[arg-type]
     w = from_bench("synthetic", isl=64, osl=8)
