@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import heapq
 import math
+import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -29,6 +30,7 @@ from fleetllm.recommend.candidate import Candidate, Prediction
 from fleetllm.recommend.perf_model import StepModel
 from fleetllm.recommend.speculation import Speculation
 from fleetllm.recommend.workload import WorkloadShape
+from fleetllm.router.policies import CostModel
 from fleetllm.sim.executor import SimulatedModel, TimingExecutor
 
 BLOCK = 16
@@ -91,6 +93,8 @@ def make_requests(w: WorkloadShape, rate: float, count: int, vocab: int, seed: i
     times = list(arrivals[:sessions]) if arrivals is not None else np.cumsum(rng.exponential(turns / rate, sessions))
     span = vocab - VOCAB_FLOOR
     shared = max(1, int(w.params.get("num_prefixes", 8)))
+    popularity = 1.0 / np.arange(1, shared + 1) ** w.params.get("zipf", 1.0)  # bench's Zipf choice of a prefix
+    popularity /= popularity.sum()
     out: list[_Request] = []
     for k, t in enumerate(times):
         prev = None
@@ -102,7 +106,7 @@ def make_requests(w: WorkloadShape, rate: float, count: int, vocab: int, seed: i
                 req = _Request(f"r{i}", math.inf, _tokens(rng, span, new), osl, f"s{k}")
                 prev.follow = req
             elif w.shared_prefix:
-                p = int(rng.integers(shared))
+                p = int(rng.choice(shared, p=popularity))
                 head = (np.random.default_rng(10_000 + p).integers(0, span, int(isl * w.shared_prefix)) + VOCAB_FLOOR).tolist()
                 req = _Request(f"r{i}", float(t), head + _tokens(rng, span, isl - len(head)), osl, f"p{p}")
             else:
@@ -117,8 +121,13 @@ def _tokens(rng: np.random.Generator, span: int, n: int) -> list[int]:
 
 
 class _Router:
-    def __init__(self, policy: str, engines: list[LLMEngine]) -> None:
+    """The router's policies over the simulated replicas: round robin, least load, session affinity, and
+    ``prefix``/``kv_aware`` as :class:`fleetllm.router.policies.PrefixAware` decides (bounded load, then the
+    cost model's cheapest replica counting the prefix each one really holds)."""
+
+    def __init__(self, policy: str, engines: list[LLMEngine], seed: int = 0, balance: float = 1.25) -> None:
         self.policy, self.engines, self.turn, self.home = policy, engines, 0, {}
+        self.cost, self.balance, self.rng = CostModel(), balance, random.Random(seed)
 
     def pick(self, req: _Request) -> int:
         loads = [len(e.seqs) for e in self.engines]
@@ -126,11 +135,27 @@ class _Router:
             self.turn += 1
             return self.turn % len(self.engines)
         least = min(range(len(loads)), key=loads.__getitem__)
-        if self.policy in ("kv_aware", "prefix", "session"):
+        if self.policy in ("kv_aware", "prefix"):
+            return self._cheapest(req, loads)
+        if self.policy == "session":
             home = self.home.setdefault(req.key, least)
             if loads[home] <= loads[least] + 4:  # spill a hot key only when its home is clearly busier
                 return home
         return least
+
+    def _cheapest(self, req: _Request, loads: list[int]) -> int:
+        bound = math.ceil(self.balance * (sum(loads) + 1) / len(loads))
+        eligible = [i for i, n in enumerate(loads) if n + 1 <= bound] or list(range(len(loads)))
+        costs = []
+        for i in eligible:
+            sched = self.engines[i].scheduler
+            cached = min(len(self.engines[i].kv.cached_prefix(req.prompt)[0]) * BLOCK, len(req.prompt) - 1)
+            queued = sum(s.num_uncomputed for s in sched.waiting)
+            queue = queued / self.cost.prefill_tokens_per_s + len(sched.waiting) / self.cost.decode_tokens_per_s
+            decode = self.cost.gamma * len(sched.running) / self.cost.decode_tokens_per_s
+            costs.append((queue + (len(req.prompt) - cached) / self.cost.prefill_tokens_per_s + decode, i))
+        low = min(c for c, _ in costs)
+        return self.rng.choice([i for c, i in costs if c <= low + 1e-9])
 
 
 def simulate(c: Candidate, step: StepModel, w: WorkloadShape, rate: float, kv_tokens: int,
@@ -157,7 +182,7 @@ def simulate(c: Candidate, step: StepModel, w: WorkloadShape, rate: float, kv_to
                            max_num_seqs=c.max_batch, max_num_batched_tokens=max(c.chunk, c.max_batch),
                            max_waiting=10 * requests, disable_metrics=True)
         engines.append(LLMEngine(cfg, executor=ex))
-    _run(engines, clocks, _Router(c.routing, engines), reqs)
+    _run(engines, clocks, _Router(c.routing, engines, seed), reqs)
     return _summary(reqs, step, al, requests // 10 if warmup is None else warmup)
 
 
