@@ -7,8 +7,7 @@ simulated worker's timing executor whose step reports its duration instead of sl
 in time order: an arrival is routed and queued at its time; otherwise the replica whose step ends
 first takes its next step. Prompts are token ids built so that shared system prompts and a session's
 history really are common prefixes: the prefix cache's hits are the engine's own. A session's next
-turn is sent when its last one ends (as ``fleetllm bench`` sends them), its prompt the whole history
-including the tokens the engine generated. P/D splits are not simulated (their prediction stays analytic).
+turn is sent when its last one ends (as ``fleetllm bench`` sends them), its prompt the whole history. P/D splits are not simulated (their prediction stays analytic).
 """
 
 from __future__ import annotations
@@ -17,7 +16,7 @@ import heapq
 import math
 import random
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -74,7 +73,6 @@ class _Request:
     first: float | None = None
     done: float | None = None
     tokens: int = 0
-    output: list[int] = field(default_factory=list)
     follow: _Request | None = None  # the session's next turn: sent when this one ends, after its history
 
 
@@ -84,7 +82,9 @@ def make_requests(w: WorkloadShape, rate: float, count: int, vocab: int, seed: i
 
     Sessions (multi-turn, agentic) arrive at ``rate / turns`` and send each next turn when the last one
     ends, its prompt the whole history (earlier prompt and answer) plus the new user tokens, so a later
-    turn hits the history only where the previous turn ran. ``arrivals``: the times at which sessions (or
+    turn hits the history only where the previous turn ran. The answer comes back as text, re-tokenized
+    inside the chat template: the fleet's logs show the hit ending with the previous prompt, so the
+    re-sent answer is new tokens here. ``arrivals``: the times at which sessions (or
     single requests) start, e.g. a bench run's own (:func:`fleetllm.bench.load.arrival_offsets`); default
     a Poisson sample of ``seed``."""
     rng = np.random.default_rng(seed)
@@ -101,9 +101,9 @@ def make_requests(w: WorkloadShape, rate: float, count: int, vocab: int, seed: i
         for _ in range(min(turns, count - len(out))):
             i = len(out)
             isl, osl = int(w.isl[i % len(w.isl)]), max(1, int(w.osl[i % len(w.osl)]))
-            if prev is not None:  # the history is prev.prompt + prev.output, known when prev ends
+            if prev is not None:  # prev's prompt, then its answer as re-sent and the new user tokens
                 new = max(1, isl - int(w.isl[(i - 1) % len(w.isl)]) - prev.max_tokens)
-                req = _Request(f"r{i}", math.inf, _tokens(rng, span, new), osl, f"s{k}")
+                req = _Request(f"r{i}", math.inf, _tokens(rng, span, prev.max_tokens + new), osl, f"s{k}")
                 prev.follow = req
             elif w.shared_prefix:
                 p = int(rng.choice(shared, p=popularity))
@@ -219,12 +219,11 @@ def _run(engines: list[LLMEngine], clocks: list[float], router: _Router, reqs: l
             if out.new_token_ids and r.first is None:
                 r.first = clocks[i]
             r.tokens += len(out.new_token_ids)
-            r.output += out.new_token_ids
             if out.finished:
                 r.done = clocks[i]
                 if r.follow is not None:  # the session's next turn resends the history
                     nxt = r.follow
-                    nxt.arrival, nxt.prompt = r.done, r.prompt + r.output + nxt.prompt
+                    nxt.arrival, nxt.prompt = r.done, r.prompt + nxt.prompt
                     heapq.heappush(pending, (nxt.arrival, order, nxt))
                     order += 1
 
