@@ -60,13 +60,17 @@ class Fleet:
                                           "--log-dir", str(log.parent / f"{log.stem}-logs")],
                                          stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
         end = time.monotonic() + timeout_s
-        while "fleet ready" not in log.read_text():
+        while "fleet ready" not in log.read_text() or not self._healthy():
             if self.proc.poll() is not None or time.monotonic() > end:
-                self.stop()
+                self.stop()  # never leave a half-started fleet behind
                 raise RuntimeError(f"fleet did not start:\n{log.read_text()[-2000:]}")
             time.sleep(0.2)
-        while httpx.get(self.url + "/health", timeout=5).status_code != 200:
-            time.sleep(0.2)
+
+    def _healthy(self) -> bool:
+        try:
+            return httpx.get(self.url + "/health", timeout=5).status_code == 200
+        except httpx.HTTPError:
+            return False
 
     def stop(self) -> None:
         if self.proc.poll() is None:
