@@ -105,7 +105,9 @@ def from_bench(name: str, isl: float = 512, osl: float = 128, isl_std: float = 0
         n, user, base, out = (int(turns), isl, system_len, osl) if name == "multi-turn" else (int(turns), step_len, context_len, osl)
         t = np.arange(n)
         prompt = base + (t + 1) * user + t * out  # turn t resends the history
-        history = base + t * (user + out)
+        # what turn t finds cached where turn t-1 ran: turn t-1's prompt; the answer comes back as text,
+        # re-tokenized inside the chat template, and misses (the fleet's cached_tokens end there)
+        history = np.concatenate([[0], prompt[:-1]])
         reps = SAMPLES // n + 1
         return WorkloadShape(name, np.tile(prompt, reps)[:SAMPLES].astype(float), np.full(SAMPLES, float(out)),
                              private_prefix=float(history.sum() / prompt.sum()),
