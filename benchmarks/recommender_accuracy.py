@@ -83,11 +83,6 @@ def predicted(c: Candidate, w, rate: float, requests: int, mode: str, seeds: lis
         sessions = -(-requests // w.turns)
         sims = [simulate(c, step, w, rate, kv, requests=requests, seed=s, warmup=0,
                          arrivals=list(islice(arrival_offsets(rate / w.turns, s), sessions))) for s in seeds]
-    if sims[0] is None:  # P/D: analytic
-        from fleetllm.recommend.queueing import predict
-
-        p = predict(c, step, w, rate, kv)
-        return {k: getattr(p, k) for k in (*KEYS, "e2e_p90_s")} | {"queueing": p.queueing}
     return {k: statistics.median(getattr(p, k) for p in sims) for k in (*KEYS, "e2e_p90_s")} | {"queueing": "simulated"}
 
 

@@ -7,7 +7,8 @@ simulated worker's timing executor whose step reports its duration instead of sl
 in time order: an arrival is routed and queued at its time; otherwise the replica whose step ends
 first takes its next step. Prompts are token ids built so that shared system prompts and a session's
 history really are common prefixes: the prefix cache's hits are the engine's own. A session's next
-turn is sent when its last one ends (as ``fleetllm bench`` sends them), its prompt the whole history. P/D splits are not simulated (their prediction stays analytic).
+turn is sent when its last one ends (as ``fleetllm bench`` sends them), its prompt the whole history. A P/D
+split prefills long prompts on its prefill replicas and pays the KV transfer (:class:`_Fleet`).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from __future__ import annotations
 import heapq
 import math
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -27,6 +28,7 @@ from fleetllm.engine.params import SamplingParams
 from fleetllm.engine.scheduler import SchedulerOutput
 from fleetllm.recommend.candidate import Candidate, Prediction
 from fleetllm.recommend.perf_model import StepModel
+from fleetllm.recommend.queueing import kv_transfer_seconds
 from fleetllm.recommend.speculation import Speculation
 from fleetllm.recommend.workload import WorkloadShape
 from fleetllm.router.policies import CostModel
@@ -49,12 +51,16 @@ class VirtualExecutor(TimingExecutor):
         self.draft = spec.draft_cost()
         self.acceptance = acceptance
         self.last_step_s = 0.0
+        self.imported: set[str] = set()  # P/D: requests whose prompt KV arrived from a prefill replica
+
+    def _imported_tokens(self, batch: list, decode: list) -> int:  # type: ignore[type-arg]
+        return sum(s.num_new_tokens for s in batch if s.seq.request_id in self.imported and s not in decode)
 
     def execute(self, sched: SchedulerOutput) -> ModelOutput:
         batch = sched.scheduled
         decode = [s for s in batch if s.seq.output_token_ids and s.num_new_tokens == 1]
         context = sum(s.seq.num_computed_tokens for s in decode)
-        prefill = sched.num_tokens - len(decode)
+        prefill = sched.num_tokens - len(decode) - (self._imported_tokens(batch, decode) if self.imported else 0)
         n = len(decode) * self.width
         dt = self.profile.step_seconds(n, prefill, context) * (1 + self.draft)
         if decode and self.acceptance != 1.0:
@@ -160,13 +166,11 @@ class _Router:
 
 def simulate(c: Candidate, step: StepModel, w: WorkloadShape, rate: float, kv_tokens: int,
              requests: int = 300, seed: int = 0, warmup: int | None = None,
-             arrivals: Sequence[float] | None = None) -> Prediction | None:
-    """The candidate's latencies with the real scheduler in virtual time (None for a P/D candidate).
+             arrivals: Sequence[float] | None = None) -> Prediction:
+    """The candidate's latencies with the real scheduler in virtual time.
 
     ``warmup``: requests left out of the statistics (default: the first tenth, which fills the caches); a
     short measured run is matched by simulating its own count and arrivals, cold caches included."""
-    if c.prefill_replicas:
-        return None
     from fleetllm.models.source import load_tokenizer
 
     config, tokenizer = load_tokenizer("smollm2-135m")  # a stand-in: the simulation needs token ids, not text
@@ -175,14 +179,16 @@ def simulate(c: Candidate, step: StepModel, w: WorkloadShape, rate: float, kv_to
     config = _with_context(config, longest + BLOCK)
     al = c.spec.acceptance_length(w.category)
     blocks = min(MAX_BLOCKS, max(kv_tokens // BLOCK, longest // BLOCK + 8))
-    engines, clocks = [], [0.0] * c.replicas
-    for _ in range(c.replicas):
+    engines = []
+    for _ in range(c.replicas + c.prefill_replicas):
         ex = VirtualExecutor(SimulatedModel("sim", config, tokenizer), step, blocks, c.spec, al)
         cfg = EngineConfig(model="sim", device="cpu", block_size=BLOCK, num_blocks=blocks, max_model_len=longest + BLOCK,
                            max_num_seqs=c.max_batch, max_num_batched_tokens=max(c.chunk, c.max_batch),
                            max_waiting=10 * requests, disable_metrics=True)
         engines.append(LLMEngine(cfg, executor=ex))
-    _run(engines, clocks, _Router(c.routing, engines, seed), reqs)
+    decode = engines[:c.replicas]
+    _Fleet(decode, engines[c.replicas:], _Router(c.routing, decode, seed), c.pd_threshold,
+           lambda tokens: kv_transfer_seconds(c, step, tokens)).run(reqs)
     return _summary(reqs, step, al, requests // 10 if warmup is None else warmup)
 
 
@@ -192,40 +198,77 @@ def _with_context(config, tokens: int):  # type: ignore[no-untyped-def]
     return replace(config, max_position_embeddings=max(config.max_position_embeddings, tokens))
 
 
-def _run(engines: list[LLMEngine], clocks: list[float], router: _Router, reqs: list[_Request]) -> None:
-    by_id = {r.rid: r for r in reqs}
-    pending = [(r.arrival, n, r) for n, r in enumerate(reqs) if math.isfinite(r.arrival)]
-    heapq.heapify(pending)
-    order = len(reqs)
-    params = {}
-    while pending or any(e.has_unfinished() for e in engines):
-        busy = [i for i, e in enumerate(engines) if e.has_unfinished()]
-        t_step = min((clocks[i] for i in busy), default=math.inf)
-        if pending and pending[0][0] <= t_step:
-            req = heapq.heappop(pending)[2]
-            i = router.pick(req)
-            if not engines[i].has_unfinished():
-                clocks[i] = max(clocks[i], req.arrival)
-            p = params.setdefault(req.max_tokens, SamplingParams(max_tokens=req.max_tokens, ignore_eos=True, temperature=0))
-            engines[i].add_request(req.rid, req.prompt, p)
-            continue
-        i = min(busy, key=clocks.__getitem__)
-        ex = engines[i].executor
+class _Fleet:
+    """Decode replicas (routed by the policy) and an optional prefill pool, stepped in time order.
+
+    P/D as the router does it (DESIGN.md §5): the decode replica is chosen first; a prompt whose tokens
+    not cached there reach the threshold is prefilled on the least loaded prefill replica, its KV crosses
+    the link, and the decode replica then runs it without computing the prompt again."""
+
+    def __init__(self, decode: list[LLMEngine], prefill: list[LLMEngine], router: _Router, threshold: int,
+                 transfer_s: Callable[[int], float]) -> None:
+        self.engines, self.n_decode, self.router = decode + prefill, len(decode), router
+        self.threshold, self.transfer_s = threshold, transfer_s
+        self.clocks = [0.0] * len(self.engines)
+        self.pending: list[tuple[float, int, _Request, int]] = []  # (time, order, request, engine or -1)
+        self.order = 0
+        self.target: dict[str, int] = {}  # a request in its prefill leg -> its decode replica
+        self.by_id: dict[str, _Request] = {}
+
+    def push(self, t: float, req: _Request, engine: int = -1) -> None:
+        heapq.heappush(self.pending, (t, self.order, req, engine))
+        self.order += 1
+
+    def run(self, reqs: list[_Request]) -> None:
+        self.by_id = {r.rid: r for r in reqs}
+        for r in reqs:
+            if math.isfinite(r.arrival):
+                self.push(r.arrival, r)
+        while self.pending or any(e.has_unfinished() for e in self.engines):
+            busy = [i for i, e in enumerate(self.engines) if e.has_unfinished()]
+            t_step = min((self.clocks[i] for i in busy), default=math.inf)
+            if self.pending and self.pending[0][0] <= t_step:
+                t, _, req, engine = heapq.heappop(self.pending)
+                self._dispatch(t, req, engine)
+            else:
+                self._step(min(busy, key=self.clocks.__getitem__))
+
+    def _dispatch(self, t: float, req: _Request, engine: int) -> None:
+        tokens = req.max_tokens
+        if engine < 0:
+            engine = self.router.pick(req)
+            hit = len(self.engines[engine].kv.cached_prefix(req.prompt)[0]) * BLOCK
+            if self.n_decode < len(self.engines) and len(req.prompt) - hit >= self.threshold:
+                self.target[req.rid] = engine
+                engine = min(range(self.n_decode, len(self.engines)), key=lambda k: len(self.engines[k].seqs))
+                tokens = 1  # the prefill leg computes the KV (and one token, not streamed)
+        else:
+            self.engines[engine].executor.imported.add(req.rid)
+        if not self.engines[engine].has_unfinished():
+            self.clocks[engine] = max(self.clocks[engine], t)
+        params = SamplingParams(max_tokens=tokens, ignore_eos=True, temperature=0)
+        self.engines[engine].add_request(req.rid, req.prompt, params)
+
+    def _step(self, i: int) -> None:
+        ex = self.engines[i].executor
         ex.last_step_s = 0.0
-        outs = engines[i].step()
-        clocks[i] += ex.last_step_s or 1e-3  # a step that scheduled nothing still lets time pass
+        outs = self.engines[i].step()
+        self.clocks[i] += ex.last_step_s or 1e-3  # a step that scheduled nothing still lets time pass
         for out in outs:
-            r = by_id[out.request_id]
+            r = self.by_id[out.request_id]
+            if i >= self.n_decode:  # the prefill leg ended: the KV crosses to the decode replica
+                if out.finished:
+                    self.push(self.clocks[i] + self.transfer_s(len(r.prompt)), r, self.target.pop(r.rid))
+                continue
             if out.new_token_ids and r.first is None:
-                r.first = clocks[i]
+                r.first = self.clocks[i]
             r.tokens += len(out.new_token_ids)
             if out.finished:
-                r.done = clocks[i]
+                r.done = self.clocks[i]
                 if r.follow is not None:  # the session's next turn resends the history
                     nxt = r.follow
                     nxt.arrival, nxt.prompt = r.done, r.prompt + nxt.prompt
-                    heapq.heappush(pending, (nxt.arrival, order, nxt))
-                    order += 1
+                    self.push(nxt.arrival, nxt)
 
 
 def _summary(reqs: list[_Request], step: StepModel, al: float, warmup: int) -> Prediction:

@@ -50,12 +50,11 @@ def refine(ranked: list[Scored], result: SearchResult, w: WorkloadShape, rate: f
     for s in head:
         step = result.steps[s.candidate.instance.name, s.candidate.tp, s.candidate.fmt.name]
         sim = simulate(s.candidate, step, w, rate, step.kv_capacity_tokens(), requests, seed)
-        if sim is not None:
-            sim.capacity_rps, sim.utilization = s.prediction.capacity_rps, s.prediction.utilization
-            sim.output_tps = s.prediction.output_tps  # the offered load: below capacity, a window's count is noise
-            sim.rel_error += 0.5 * max(0.0, sim.utilization - 0.7)  # as the analytic interval widens near saturation
-            sim.extra = {**s.prediction.extra, **sim.extra, "analytic_ttft_p90_ms": s.prediction.ttft_p90_ms}
-            s.prediction, s.meets_slos = sim, meets(sim, slos)
+        sim.capacity_rps, sim.utilization = s.prediction.capacity_rps, s.prediction.utilization
+        sim.output_tps = s.prediction.output_tps  # the offered load: below capacity, a window's count is noise
+        sim.rel_error += 0.5 * max(0.0, sim.utilization - 0.7)  # as the analytic interval widens near saturation
+        sim.extra = {**s.prediction.extra, **sim.extra, "analytic_ttft_p90_ms": s.prediction.ttft_p90_ms}
+        s.prediction, s.meets_slos = sim, meets(sim, slos)
     passed = [s for s in head if s.meets_slos]
     return passed + [s for s in ranked if s not in passed]
 

@@ -51,10 +51,14 @@ def test_a_sessions_next_turn_follows_its_answer_and_resends_the_history() -> No
     assert aware.ttft_p90_ms < spread.ttft_p90_ms  # the turn after an answer hits its history where it ran
 
 
-def test_a_pd_candidate_is_not_simulated() -> None:
+def test_a_pd_split_prefills_long_prompts_on_the_prefill_pool_and_pays_the_transfer() -> None:
     step = step_model(SMOL, CPU, CAT.formats["fp32"], 1, None)  # type: ignore[arg-type]
-    w = from_bench("synthetic", isl=64, osl=8)
-    assert simulate(cpu_candidate(prefill_replicas=1), step, w, 0.5, step.kv_capacity_tokens()) is None
+    w = from_bench("long-short", isl=16, osl=8, long_isl=512, long_osl=8, long_fraction=0.5)
+    kv = step.kv_capacity_tokens()
+    alone = simulate(cpu_candidate(replicas=1), step, w, 0.8, kv, requests=30)
+    split = simulate(cpu_candidate(replicas=1, prefill_replicas=1, pd_threshold=256), step, w, 0.8, kv, requests=30)
+    assert split.extra["requests"] >= 27
+    assert split.itl_p50_ms < alone.itl_p50_ms  # the decode replica no longer runs the long prefills
 
 
 def test_the_fleet_yaml_is_a_fleet_config_fleetllm_serve_reads(tmp_path) -> None:
