@@ -277,11 +277,14 @@ def _summary(reqs: list[_Request], step: StepModel, al: float, warmup: int) -> P
         r.arrival -= step.request_overhead_s
     done = [r for r in warm if r.done is not None and r.first is not None]
     ttft = np.array([r.first - r.arrival for r in done])
-    itl = np.array([(r.done - r.first) / (r.tokens - 1) for r in done if r.tokens > 1])
+    per_token = np.array([(r.done - r.first) / (r.tokens - 1) for r in done if r.tokens > 1])
+    # ITL is bench's and the analytic model's: the gap between streamed chunks, one per verify step, which
+    # carries AL tokens with speculation (the simulated request gets one token per 1/AL of a step)
+    itl = per_token * al
     e2e = np.array([r.done - r.arrival for r in done])
     span = max(r.done for r in done) - min(r.arrival for r in done)
     tokens = sum(r.tokens for r in done)
-    tpot = float(itl.mean()) if len(itl) else 0.0
+    tpot = float(per_token.mean()) if len(per_token) else 0.0
     return Prediction(
         ttft_p50_ms=float(np.percentile(ttft, 50)) * 1e3, ttft_p90_ms=float(np.percentile(ttft, 90)) * 1e3,
         itl_p50_ms=float(np.percentile(itl, 50)) * 1e3 if len(itl) else 0.0,
