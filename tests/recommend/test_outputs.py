@@ -110,3 +110,6 @@ def test_validation_benches_the_same_workload_at_the_same_rate_and_slos(tmp_path
                                         {"ttft_p90_ms": 900, "e2e_p90_s": 4}, tmp_path / "b.json", 0))
     assert (args.workload, args.isl, args.osl, args.prefix_len) == ("shared-prefix", 32, 16, 256)
     assert (args.request_rate, args.requests, args.slo) == ("1.5", 20, "ttft_p90_ms=900,e2e_p90_ms=4000")
+    turns = parser.parse_args(bench_argv(from_bench("multi-turn", isl=48, osl=16, turns=3), "http://127.0.0.1:9",
+                                         "smollm2-135m", 1.5, 20, {}, tmp_path / "m.json", 0))
+    assert float(turns.request_rate) == 0.5  # bench's rate is of sessions: 1.5 requests/s are 0.5 sessions of 3 turns
