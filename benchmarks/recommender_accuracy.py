@@ -21,10 +21,12 @@ import json
 import statistics
 import time
 from dataclasses import replace
+from itertools import islice
 from pathlib import Path
 
 from rich.console import Console
 
+from fleetllm.bench.load import arrival_offsets
 from fleetllm.recommend.calibration import Calibration
 from fleetllm.recommend.candidate import Candidate
 from fleetllm.recommend.catalogue import load_catalogue
@@ -69,21 +71,18 @@ def configs(real: bool) -> list[tuple[str, Candidate, dict, bool]]:
     return out
 
 
-def predicted(c: Candidate, w, rate: float, requests: int, mode: str) -> dict[str, float]:  # type: ignore[no-untyped-def]
-    """``warm``: 200 simulated requests, the first tenth left out (what `recommend` does); ``matched``: the
-    measured run's own shape (its requests after its 2 warm-up ones, so its cold prefix caches too), median
-    of 5 seeds."""
+def predicted(c: Candidate, w, rate: float, requests: int, mode: str, seeds: list[int]) -> dict[str, float]:  # type: ignore[no-untyped-def]
+    """``warm``: 200 simulated requests, the first tenth left out (what `recommend` does); ``matched``: each
+    measured run replayed (its own arrival times, from the bench's seed, and its cold caches), the median
+    over the runs as the measurement takes it."""
     step = step_model(SMOL, CPU, FP32, 1, None, CALIBRATION[0])  # type: ignore[arg-type]
+    kv = step.kv_capacity_tokens()
     if mode == "warm":
-        sims = [simulate(c, step, w, rate, step.kv_capacity_tokens(), requests=max(200, requests * 4))]
+        sims = [simulate(c, step, w, rate, kv, requests=max(200, requests * 4))]
     else:
-        sims = [simulate(c, step, w, rate, step.kv_capacity_tokens(), requests=requests + 2, seed=s, warmup=2)
-                for s in range(5)]
-    if sims[0] is None:  # P/D: analytic
-        from fleetllm.recommend.queueing import predict
-
-        p = predict(c, step, w, rate, step.kv_capacity_tokens())
-        return {k: getattr(p, k) for k in (*KEYS, "e2e_p90_s")} | {"queueing": p.queueing}
+        sessions = -(-requests // w.turns)
+        sims = [simulate(c, step, w, rate, kv, requests=requests, seed=s, warmup=0,
+                         arrivals=list(islice(arrival_offsets(rate / w.turns, s), sessions))) for s in seeds]
     return {k: statistics.median(getattr(p, k) for p in sims) for k in (*KEYS, "e2e_p90_s")} | {"queueing": "simulated"}
 
 
@@ -109,16 +108,20 @@ def run_one(name: str, c: Candidate, wp: dict, real: bool, args: argparse.Namesp
     else:
         cap = capacity(c, step, sent, step.kv_capacity_tokens(), SATURATION, 0.2)
         rate = round(args.load * cap, 3)
-    pred = predicted(c, w, rate, args.requests, args.prediction)
-    cfg = replace(RecommendConfig(), validate_simulated=not real, validate_requests=args.requests, seed=i)
+    # each run its own arrival sample (bench's seed); earlier outputs without "seeds" ran one seed 3 times
+    seeds = (old.get("seeds") or [i] * len(old["runs"])) if args.measured else [100 * i + r for r in range(args.runs)]
+    # outputs without "seeds" also predate bench_argv's sessions/s: their bench sent `rate` sessions/s
+    replayed = rate * w.turns if args.measured and "seeds" not in old else rate
+    pred = predicted(c, w, replayed, args.requests, args.prediction, seeds)
     runs = old["runs"] if args.measured else []
     for r in range(0 if args.measured else args.runs):
+        cfg = replace(RecommendConfig(), validate_simulated=not real, validate_requests=args.requests, seed=seeds[r])
         t0 = time.monotonic()
         runs.append(measure(c, SMOL, sent, rate, cfg, out, i * 10 + r, {}))
         print(f"  {name} run {r + 1}: {time.monotonic() - t0:.0f}s {runs[-1]}", flush=True)
     meas = {k: statistics.median(run[k] for run in runs) for k in (*KEYS, "e2e_p90_s")}
     err = {k: (pred[k] - meas[k]) / meas[k] for k in KEYS if meas[k]}
-    return {"config": name, "workers": "real" if real else "simulated", "rate_rps": rate, "capacity_rps": cap,
+    return {"config": name, "workers": "real" if real else "simulated", "rate_rps": rate, "capacity_rps": cap, "seeds": seeds,
             "predicted": pred, "measured": meas, "runs": runs, "relative_error": err}
 
 

@@ -75,6 +75,17 @@ def arrival_gaps(rng: np.random.Generator, rate: float, arrival: str, burstiness
             yield float(rng.gamma(burstiness, 1.0 / (rate * burstiness)))
 
 
+def arrival_offsets(rate: float, seed: int, arrival: str = "poisson", burstiness: float = 1.0,
+                    ramp_up_s: float = 0.0) -> Iterator[float]:
+    """Seconds after the measured phase starts at which an open loop sends each session: the same times for
+    the same seed, so a simulation can replay the very arrivals a run had."""
+    gaps = arrival_gaps(np.random.default_rng(seed + 104729), rate, arrival, burstiness)
+    tau = 0.0
+    for gap in gaps:
+        yield ramped_time(tau, ramp_up_s)
+        tau += gap
+
+
 def ramped_time(tau: float, ramp_up_s: float) -> float:
     """Real time of an arrival scheduled at ``tau`` under full rate, when the rate ramps linearly
     from 0 to full over ``ramp_up_s`` (inverse of the cumulative intensity)."""
@@ -162,13 +173,9 @@ class LoadRunner:
         return RunResult(load, phase.records, warm.records, start, end)
 
     def _rate_offsets(self) -> Iterator[float]:
-        assert self.load.request_rate is not None
-        gaps = arrival_gaps(np.random.default_rng(self.load.seed + 104729), self.load.request_rate,
-                            self.load.arrival, self.load.burstiness)
-        tau = 0.0
-        for gap in gaps:
-            yield ramped_time(tau, self.load.ramp_up_s)
-            tau += gap
+        load = self.load
+        assert load.request_rate is not None
+        return arrival_offsets(load.request_rate, load.seed, load.arrival, load.burstiness, load.ramp_up_s)
 
     async def _closed_loop(self, phase: _Phase, sessions: Iterator[Session], users: int, ramp: bool) -> None:
         async def user(i: int) -> None:

@@ -34,6 +34,8 @@ class RecommendConfig:
     objective: Literal["cost", "throughput", "latency"] = opt(
         "cost", "cost: cheapest $/h meeting the SLOs; throughput: most tokens/s per GPU within them; latency: "
                 "lowest E2E p90")
+    kv_cache: Literal["bf16", "fp8"] = opt("bf16", "KV cache type on accelerators: bf16 (vLLM's default) or fp8 "
+                                                   "(twice the tokens; TensorRT-LLM and NIM with FP8 checkpoints)")
     max_quality_loss: float = opt(1.0, "largest published or measured quality loss (%) of a weight format")
     catalogue: str | None = opt(None, "hardware catalogue YAML (default: fleetllm/recommend/hardware.yaml)")
     instances: list[str] = opt(doc="only these instance types (comma-separated)", factory=list)

@@ -6,13 +6,17 @@ Each replica is an :class:`fleetllm.engine.engine.LLMEngine` over a :class:`Virt
 simulated worker's timing executor whose step reports its duration instead of sleeping). Events run
 in time order: an arrival is routed and queued at its time; otherwise the replica whose step ends
 first takes its next step. Prompts are token ids built so that shared system prompts and a session's
-history really are common prefixes: the prefix cache's hits are the engine's own.
-P/D splits are not simulated (their prediction stays analytic).
+history really are common prefixes: the prefix cache's hits are the engine's own. A session's next
+turn is sent when its last one ends (as ``fleetllm bench`` sends them), its prompt the whole history. A P/D
+split prefills long prompts on its prefill replicas and pays the KV transfer (:class:`_Fleet`).
 """
 
 from __future__ import annotations
 
+import heapq
 import math
+import random
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -24,8 +28,10 @@ from fleetllm.engine.params import SamplingParams
 from fleetllm.engine.scheduler import SchedulerOutput
 from fleetllm.recommend.candidate import Candidate, Prediction
 from fleetllm.recommend.perf_model import StepModel
+from fleetllm.recommend.queueing import kv_transfer_seconds
 from fleetllm.recommend.speculation import Speculation
 from fleetllm.recommend.workload import WorkloadShape
+from fleetllm.router.policies import CostModel
 from fleetllm.sim.executor import SimulatedModel, TimingExecutor
 
 BLOCK = 16
@@ -45,12 +51,16 @@ class VirtualExecutor(TimingExecutor):
         self.draft = spec.draft_cost()
         self.acceptance = acceptance
         self.last_step_s = 0.0
+        self.imported: set[str] = set()  # P/D: requests whose prompt KV arrived from a prefill replica
+
+    def _imported_tokens(self, batch: list, decode: list) -> int:  # type: ignore[type-arg]
+        return sum(s.num_new_tokens for s in batch if s.seq.request_id in self.imported and s not in decode)
 
     def execute(self, sched: SchedulerOutput) -> ModelOutput:
         batch = sched.scheduled
         decode = [s for s in batch if s.seq.output_token_ids and s.num_new_tokens == 1]
         context = sum(s.seq.num_computed_tokens for s in decode)
-        prefill = sched.num_tokens - len(decode)
+        prefill = sched.num_tokens - len(decode) - (self._imported_tokens(batch, decode) if self.imported else 0)
         n = len(decode) * self.width
         dt = self.profile.step_seconds(n, prefill, context) * (1 + self.draft)
         if decode and self.acceptance != 1.0:
@@ -69,38 +79,61 @@ class _Request:
     first: float | None = None
     done: float | None = None
     tokens: int = 0
+    follow: _Request | None = None  # the session's next turn: sent when this one ends, after its history
 
 
-def make_requests(w: WorkloadShape, rate: float, count: int, vocab: int, seed: int = 0) -> list[_Request]:
-    """``count`` Poisson arrivals at ``rate``/s with the workload's lengths and reusable prefixes."""
+def make_requests(w: WorkloadShape, rate: float, count: int, vocab: int, seed: int = 0,
+                  arrivals: Sequence[float] | None = None) -> list[_Request]:
+    """``count`` requests at ``rate``/s with the workload's lengths and reusable prefixes, as bench sends them.
+
+    Sessions (multi-turn, agentic) arrive at ``rate / turns`` and send each next turn when the last one
+    ends, its prompt the whole history (earlier prompt and answer) plus the new user tokens, so a later
+    turn hits the history only where the previous turn ran. The answer comes back as text, re-tokenized
+    inside the chat template: the fleet's logs show the hit ending with the previous prompt, so the
+    re-sent answer is new tokens here. ``arrivals``: the times at which sessions (or
+    single requests) start, e.g. a bench run's own (:func:`fleetllm.bench.load.arrival_offsets`); default
+    a Poisson sample of ``seed``."""
     rng = np.random.default_rng(seed)
-    times = np.cumsum(rng.exponential(1.0 / rate, count))
+    turns = w.turns
+    sessions = math.ceil(count / turns)
+    times = list(arrivals[:sessions]) if arrivals is not None else np.cumsum(rng.exponential(turns / rate, sessions))
     span = vocab - VOCAB_FLOOR
     shared = max(1, int(w.params.get("num_prefixes", 8)))
-    sessions = max(1, int(w.params.get("turns", 1)))
-    out = []
-    for i, t in enumerate(times):
-        isl = int(w.isl[i % len(w.isl)])
-        osl = int(w.osl[i % len(w.osl)])
-        if w.shared_prefix:
-            k = int(rng.integers(shared))
-            head = int(isl * w.shared_prefix)
-            prefix = (np.random.default_rng(10_000 + k).integers(0, span, head) + VOCAB_FLOOR).tolist()
-            key = f"p{k}"
-        elif w.private_prefix:
-            key = f"s{i // sessions}"  # consecutive requests are turns of one session
-            head = int(isl * w.private_prefix)
-            prefix = (np.random.default_rng(20_000 + i // sessions).integers(0, span, head) + VOCAB_FLOOR).tolist()
-        else:
-            key, prefix = f"r{i}", []
-        rest = (rng.integers(0, span, max(1, isl - len(prefix))) + VOCAB_FLOOR).tolist()
-        out.append(_Request(f"r{i}", float(t), prefix + rest, max(1, osl), key))
+    popularity = 1.0 / np.arange(1, shared + 1) ** w.params.get("zipf", 1.0)  # bench's Zipf choice of a prefix
+    popularity /= popularity.sum()
+    out: list[_Request] = []
+    for k, t in enumerate(times):
+        prev = None
+        for _ in range(min(turns, count - len(out))):
+            i = len(out)
+            isl, osl = int(w.isl[i % len(w.isl)]), max(1, int(w.osl[i % len(w.osl)]))
+            if prev is not None:  # prev's prompt, then its answer as re-sent and the new user tokens
+                new = max(1, isl - int(w.isl[(i - 1) % len(w.isl)]) - prev.max_tokens)
+                req = _Request(f"r{i}", math.inf, _tokens(rng, span, prev.max_tokens + new), osl, f"s{k}")
+                prev.follow = req
+            elif w.shared_prefix:
+                p = int(rng.choice(shared, p=popularity))
+                head = (np.random.default_rng(10_000 + p).integers(0, span, int(isl * w.shared_prefix)) + VOCAB_FLOOR).tolist()
+                req = _Request(f"r{i}", float(t), head + _tokens(rng, span, isl - len(head)), osl, f"p{p}")
+            else:
+                req = _Request(f"r{i}", float(t), _tokens(rng, span, isl), osl, f"s{k}" if turns > 1 else f"r{i}")
+            out.append(req)
+            prev = req
     return out
 
 
+def _tokens(rng: np.random.Generator, span: int, n: int) -> list[int]:
+    return (rng.integers(0, span, max(1, n)) + VOCAB_FLOOR).tolist()
+
+
 class _Router:
-    def __init__(self, policy: str, engines: list[LLMEngine]) -> None:
+    """The router's policies over the simulated replicas: round robin, least load, session affinity, and
+    ``prefix``/``kv_aware`` as :class:`fleetllm.router.policies.PrefixAware` decides (bounded load, then the
+    cost model's cheapest replica counting the prefix each one really holds)."""
+
+    def __init__(self, policy: str, engines: list[LLMEngine], seed: int = 0, balance: float = 1.25) -> None:
         self.policy, self.engines, self.turn, self.home = policy, engines, 0, {}
+        self.cost, self.balance, self.rng = CostModel(), balance, random.Random(seed)
 
     def pick(self, req: _Request) -> int:
         loads = [len(e.seqs) for e in self.engines]
@@ -108,37 +141,54 @@ class _Router:
             self.turn += 1
             return self.turn % len(self.engines)
         least = min(range(len(loads)), key=loads.__getitem__)
-        if self.policy in ("kv_aware", "prefix", "session"):
+        if self.policy in ("kv_aware", "prefix"):
+            return self._cheapest(req, loads)
+        if self.policy == "session":
             home = self.home.setdefault(req.key, least)
             if loads[home] <= loads[least] + 4:  # spill a hot key only when its home is clearly busier
                 return home
         return least
 
+    def _cheapest(self, req: _Request, loads: list[int]) -> int:
+        bound = math.ceil(self.balance * (sum(loads) + 1) / len(loads))
+        eligible = [i for i, n in enumerate(loads) if n + 1 <= bound] or list(range(len(loads)))
+        costs = []
+        for i in eligible:
+            sched = self.engines[i].scheduler
+            cached = min(len(self.engines[i].kv.cached_prefix(req.prompt)[0]) * BLOCK, len(req.prompt) - 1)
+            queued = sum(s.num_uncomputed for s in sched.waiting)
+            queue = queued / self.cost.prefill_tokens_per_s + len(sched.waiting) / self.cost.decode_tokens_per_s
+            decode = self.cost.gamma * len(sched.running) / self.cost.decode_tokens_per_s
+            costs.append((queue + (len(req.prompt) - cached) / self.cost.prefill_tokens_per_s + decode, i))
+        low = min(c for c, _ in costs)
+        return self.rng.choice([i for c, i in costs if c <= low + 1e-9])
+
 
 def simulate(c: Candidate, step: StepModel, w: WorkloadShape, rate: float, kv_tokens: int,
-             requests: int = 300, seed: int = 0, warmup: int | None = None) -> Prediction | None:
-    """The candidate's latencies with the real scheduler in virtual time (None for a P/D candidate).
+             requests: int = 300, seed: int = 0, warmup: int | None = None,
+             arrivals: Sequence[float] | None = None) -> Prediction:
+    """The candidate's latencies with the real scheduler in virtual time.
 
     ``warmup``: requests left out of the statistics (default: the first tenth, which fills the caches); a
-    short measured run is matched by simulating its own count and warm-up, cold caches included."""
-    if c.prefill_replicas:
-        return None
+    short measured run is matched by simulating its own count and arrivals, cold caches included."""
     from fleetllm.models.source import load_tokenizer
 
     config, tokenizer = load_tokenizer("smollm2-135m")  # a stand-in: the simulation needs token ids, not text
-    reqs = make_requests(w, rate, requests, config.vocab_size, seed)
-    longest = max(len(r.prompt) + r.max_tokens for r in reqs)
+    reqs = make_requests(w, rate, requests, config.vocab_size, seed, arrivals)
+    longest = int(max(w.isl.max(), max(len(r.prompt) for r in reqs)) + w.osl.max()) + BLOCK
     config = _with_context(config, longest + BLOCK)
     al = c.spec.acceptance_length(w.category)
     blocks = min(MAX_BLOCKS, max(kv_tokens // BLOCK, longest // BLOCK + 8))
-    engines, clocks = [], [0.0] * c.replicas
-    for _ in range(c.replicas):
+    engines = []
+    for _ in range(c.replicas + c.prefill_replicas):
         ex = VirtualExecutor(SimulatedModel("sim", config, tokenizer), step, blocks, c.spec, al)
         cfg = EngineConfig(model="sim", device="cpu", block_size=BLOCK, num_blocks=blocks, max_model_len=longest + BLOCK,
                            max_num_seqs=c.max_batch, max_num_batched_tokens=max(c.chunk, c.max_batch),
                            max_waiting=10 * requests, disable_metrics=True)
         engines.append(LLMEngine(cfg, executor=ex))
-    _run(engines, clocks, _Router(c.routing, engines), reqs)
+    decode = engines[:c.replicas]
+    _Fleet(decode, engines[c.replicas:], _Router(c.routing, decode, seed), c.pd_threshold,
+           lambda tokens: kv_transfer_seconds(c, step, tokens)).run(reqs)
     return _summary(reqs, step, al, requests // 10 if warmup is None else warmup)
 
 
@@ -148,33 +198,77 @@ def _with_context(config, tokens: int):  # type: ignore[no-untyped-def]
     return replace(config, max_position_embeddings=max(config.max_position_embeddings, tokens))
 
 
-def _run(engines: list[LLMEngine], clocks: list[float], router: _Router, reqs: list[_Request]) -> None:
-    by_id = {r.rid: r for r in reqs}
-    pending = list(reversed(reqs))
-    params = {}
-    while pending or any(e.has_unfinished() for e in engines):
-        busy = [i for i, e in enumerate(engines) if e.has_unfinished()]
-        t_step = min((clocks[i] for i in busy), default=math.inf)
-        if pending and pending[-1].arrival <= t_step:
-            req = pending.pop()
-            i = router.pick(req)
-            if not engines[i].has_unfinished():
-                clocks[i] = max(clocks[i], req.arrival)
-            p = params.setdefault(req.max_tokens, SamplingParams(max_tokens=req.max_tokens, ignore_eos=True, temperature=0))
-            engines[i].add_request(req.rid, req.prompt, p)
-            continue
-        i = min(busy, key=clocks.__getitem__)
-        ex = engines[i].executor
+class _Fleet:
+    """Decode replicas (routed by the policy) and an optional prefill pool, stepped in time order.
+
+    P/D as the router does it (DESIGN.md §5): the decode replica is chosen first; a prompt whose tokens
+    not cached there reach the threshold is prefilled on the least loaded prefill replica, its KV crosses
+    the link, and the decode replica then runs it without computing the prompt again."""
+
+    def __init__(self, decode: list[LLMEngine], prefill: list[LLMEngine], router: _Router, threshold: int,
+                 transfer_s: Callable[[int], float]) -> None:
+        self.engines, self.n_decode, self.router = decode + prefill, len(decode), router
+        self.threshold, self.transfer_s = threshold, transfer_s
+        self.clocks = [0.0] * len(self.engines)
+        self.pending: list[tuple[float, int, _Request, int]] = []  # (time, order, request, engine or -1)
+        self.order = 0
+        self.target: dict[str, int] = {}  # a request in its prefill leg -> its decode replica
+        self.by_id: dict[str, _Request] = {}
+
+    def push(self, t: float, req: _Request, engine: int = -1) -> None:
+        heapq.heappush(self.pending, (t, self.order, req, engine))
+        self.order += 1
+
+    def run(self, reqs: list[_Request]) -> None:
+        self.by_id = {r.rid: r for r in reqs}
+        for r in reqs:
+            if math.isfinite(r.arrival):
+                self.push(r.arrival, r)
+        while self.pending or any(e.has_unfinished() for e in self.engines):
+            busy = [i for i, e in enumerate(self.engines) if e.has_unfinished()]
+            t_step = min((self.clocks[i] for i in busy), default=math.inf)
+            if self.pending and self.pending[0][0] <= t_step:
+                t, _, req, engine = heapq.heappop(self.pending)
+                self._dispatch(t, req, engine)
+            else:
+                self._step(min(busy, key=self.clocks.__getitem__))
+
+    def _dispatch(self, t: float, req: _Request, engine: int) -> None:
+        tokens = req.max_tokens
+        if engine < 0:
+            engine = self.router.pick(req)
+            hit = len(self.engines[engine].kv.cached_prefix(req.prompt)[0]) * BLOCK
+            if self.n_decode < len(self.engines) and len(req.prompt) - hit >= self.threshold:
+                self.target[req.rid] = engine
+                engine = min(range(self.n_decode, len(self.engines)), key=lambda k: len(self.engines[k].seqs))
+                tokens = 1  # the prefill leg computes the KV (and one token, not streamed)
+        else:
+            self.engines[engine].executor.imported.add(req.rid)
+        if not self.engines[engine].has_unfinished():
+            self.clocks[engine] = max(self.clocks[engine], t)
+        params = SamplingParams(max_tokens=tokens, ignore_eos=True, temperature=0)
+        self.engines[engine].add_request(req.rid, req.prompt, params)
+
+    def _step(self, i: int) -> None:
+        ex = self.engines[i].executor
         ex.last_step_s = 0.0
-        outs = engines[i].step()
-        clocks[i] += ex.last_step_s or 1e-3  # a step that scheduled nothing still lets time pass
+        outs = self.engines[i].step()
+        self.clocks[i] += ex.last_step_s or 1e-3  # a step that scheduled nothing still lets time pass
         for out in outs:
-            r = by_id[out.request_id]
+            r = self.by_id[out.request_id]
+            if i >= self.n_decode:  # the prefill leg ended: the KV crosses to the decode replica
+                if out.finished:
+                    self.push(self.clocks[i] + self.transfer_s(len(r.prompt)), r, self.target.pop(r.rid))
+                continue
             if out.new_token_ids and r.first is None:
-                r.first = clocks[i]
+                r.first = self.clocks[i]
             r.tokens += len(out.new_token_ids)
             if out.finished:
-                r.done = clocks[i]
+                r.done = self.clocks[i]
+                if r.follow is not None:  # the session's next turn resends the history
+                    nxt = r.follow
+                    nxt.arrival, nxt.prompt = r.done, r.prompt + nxt.prompt
+                    self.push(nxt.arrival, nxt)
 
 
 def _summary(reqs: list[_Request], step: StepModel, al: float, warmup: int) -> Prediction:
@@ -183,11 +277,14 @@ def _summary(reqs: list[_Request], step: StepModel, al: float, warmup: int) -> P
         r.arrival -= step.request_overhead_s
     done = [r for r in warm if r.done is not None and r.first is not None]
     ttft = np.array([r.first - r.arrival for r in done])
-    itl = np.array([(r.done - r.first) / (r.tokens - 1) for r in done if r.tokens > 1])
+    per_token = np.array([(r.done - r.first) / (r.tokens - 1) for r in done if r.tokens > 1])
+    # ITL is bench's and the analytic model's: the gap between streamed chunks, one per verify step, which
+    # carries AL tokens with speculation (the simulated request gets one token per 1/AL of a step)
+    itl = per_token * al
     e2e = np.array([r.done - r.arrival for r in done])
     span = max(r.done for r in done) - min(r.arrival for r in done)
     tokens = sum(r.tokens for r in done)
-    tpot = float(itl.mean()) if len(itl) else 0.0
+    tpot = float(per_token.mean()) if len(per_token) else 0.0
     return Prediction(
         ttft_p50_ms=float(np.percentile(ttft, 50)) * 1e3, ttft_p90_ms=float(np.percentile(ttft, 90)) * 1e3,
         itl_p50_ms=float(np.percentile(itl, 50)) * 1e3 if len(itl) else 0.0,

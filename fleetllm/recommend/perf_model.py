@@ -3,11 +3,15 @@
 A step computes ``B`` decode tokens (each attending over its context) and ``P`` prompt tokens of
 prefill chunks in one forward pass (fleetllm's token-budget scheduler). On an accelerator it takes
 
-    max(FLOPs / (peak · compute_eff), bytes / (bandwidth · bandwidth_eff)) + all-reduces + overhead
+    linear + attention + all-reduces + overhead, per tensor-parallel rank, where
+    linear    = max(2 · active params · tokens / (peak · compute_eff), weights read / (bandwidth · bandwidth_eff))
+    attention = max(attention FLOPs / (peak · compute_eff), KV read / (bandwidth · bandwidth_eff))
 
-per tensor-parallel rank: prefill is compute-bound, decode at small batch reads every weight once per
-step and is bandwidth-bound, the KV of every decoding sequence is read each step, and a mixture of
-experts reads only the experts its tokens touch. The efficiency factors are what a vLLM-like engine
+The weight matrix multiplies and the attention are separate kernels that run one after the other, so
+their times add; each is bound by compute or by memory on its own. Prefill is compute-bound, decode at
+small batch reads every weight once per step and is bandwidth-bound, at large batch the KV of every
+decoding sequence (read each step) dominates, and a mixture of experts reads only the experts its
+tokens touch. The efficiency factors are what a vLLM-like engine
 reaches (see docs/recommend.md for the published figures they were checked against). On this machine
 the step time is the *measured* one, :class:`fleetllm.sim.profile.TimingProfile` from ``fleetllm
 calibrate`` (the same model the simulated worker runs), scaled by weight size for another model.
@@ -47,6 +51,7 @@ class Efficiency:
     allreduce_latency_s: float = 8e-6  # NVLink; PCIe pays PCIE_LATENCY_S
     memory_utilization: float = 0.9  # of accelerator memory given to weights + KV (vLLM's default)
     activation_gb: float = 2.0  # per accelerator, kept free for activations and the CUDA context
+    kv_cache_bytes: float = 2.0  # per KV value: bf16 is vLLM's default; 1.0 for an FP8 KV cache
 
 
 PCIE_LATENCY_S = 25e-6
@@ -71,7 +76,7 @@ class Roofline:
 
     @cached_property
     def kv_bytes_per_token(self) -> float:
-        return self.shape.kv_bytes_per_token(2.0)  # vLLM keeps a bf16 KV cache unless told otherwise
+        return self.shape.kv_bytes_per_token(self.eff.kv_cache_bytes)
 
     @cached_property
     def _peak_flops(self) -> float:
@@ -104,13 +109,13 @@ class Roofline:
         if tokens <= 0:
             return 0.0
         s = self.shape
-        attention = s.attention_flops(decode_context_tokens) + prefill_tokens * s.attention_flops(prefill_tokens / 2)
-        flops = 2.0 * s.active_params * tokens + attention
-        peak = self._peak_flops
-        moved = self._weights_read(tokens) + decode_context_tokens * self.kv_bytes_per_token
-        bandwidth = self.instance.bandwidth_gbs * 1e9 * self.eff.bandwidth
-        roof = max(flops / self.tp / peak, moved / self.tp / bandwidth)
-        return roof + self._allreduce_seconds(tokens) + self.eff.step_overhead_s
+        peak = self._peak_flops * self.tp
+        bandwidth = self.instance.bandwidth_gbs * 1e9 * self.eff.bandwidth * self.tp
+        linear = max(2.0 * s.active_params * tokens / peak, self._weights_read(tokens) / bandwidth)
+        attn_flops = s.attention_flops(decode_context_tokens) + prefill_tokens * s.attention_flops(prefill_tokens / 2)
+        kv_read = (decode_context_tokens + prefill_tokens) * self.kv_bytes_per_token
+        attention = max(attn_flops / peak, kv_read / bandwidth)
+        return linear + attention + self._allreduce_seconds(tokens) + self.eff.step_overhead_s
 
 
 @dataclass(frozen=True)

@@ -123,15 +123,20 @@ def _with_prefill_pool(c: Candidate, step: StepModel, w: WorkloadShape, rate: fl
     """TTFT of the long prompts sent to the prefill pool (queue, prefill alone, KV transfer, first decode)."""
     isl = w.mean_isl_at_least(c.pd_threshold, hit)
     service = prefill_seconds(step, int(isl * (1 - hit)), c.chunk)[0]
-    kv_bytes = getattr(step, "kv_bytes_per_token", 0.0) * isl
-    gbs = c.instance.network_gbps / 8 if c.instances > 1 else (c.instance.interconnect_gbs or LOOPBACK_GBS)
-    transfer = kv_bytes / (gbs * 1e9)
+    transfer = kv_transfer_seconds(c, step, isl)
     rho = rate * service / c.prefill_replicas
     out = {}
     for q in (50, 90):
         long = wait_quantile(c.prefill_replicas, rate, service, q / 100) + service + transfer + dec
         out[q] = max(ttft[q], long) if q == 90 else ttft[q]
     return out, max(util, rho)
+
+
+def kv_transfer_seconds(c: Candidate, step: StepModel, tokens: float) -> float:
+    """Seconds to move ``tokens`` of KV from a prefill to a decode replica: EFA between instances,
+    NVLink/PCIe within one, loopback HTTP on this machine."""
+    gbs = c.instance.network_gbps / 8 if c.instances > 1 else (c.instance.interconnect_gbs or LOOPBACK_GBS)
+    return getattr(step, "kv_bytes_per_token", 0.0) * tokens / (gbs * 1e9)
 
 
 def _infeasible(step: StepModel, util: float) -> Prediction:

@@ -16,6 +16,7 @@ from fleetllm.recommend.config import RecommendConfig
 from fleetllm.recommend.fleet_sim import simulate
 from fleetllm.recommend.fleet_yaml import fleet_yaml
 from fleetllm.recommend.model_shape import load_shape
+from fleetllm.recommend.perf_model import Efficiency
 from fleetllm.recommend.queueing import meets
 from fleetllm.recommend.report import entry, print_table, write_pareto_png
 from fleetllm.recommend.search import Scored, SearchResult, rank, search
@@ -49,12 +50,11 @@ def refine(ranked: list[Scored], result: SearchResult, w: WorkloadShape, rate: f
     for s in head:
         step = result.steps[s.candidate.instance.name, s.candidate.tp, s.candidate.fmt.name]
         sim = simulate(s.candidate, step, w, rate, step.kv_capacity_tokens(), requests, seed)
-        if sim is not None:
-            sim.capacity_rps, sim.utilization = s.prediction.capacity_rps, s.prediction.utilization
-            sim.output_tps = s.prediction.output_tps  # the offered load: below capacity, a window's count is noise
-            sim.rel_error += 0.5 * max(0.0, sim.utilization - 0.7)  # as the analytic interval widens near saturation
-            sim.extra = {**s.prediction.extra, **sim.extra, "analytic_ttft_p90_ms": s.prediction.ttft_p90_ms}
-            s.prediction, s.meets_slos = sim, meets(sim, slos)
+        sim.capacity_rps, sim.utilization = s.prediction.capacity_rps, s.prediction.utilization
+        sim.output_tps = s.prediction.output_tps  # the offered load: below capacity, a window's count is noise
+        sim.rel_error += 0.5 * max(0.0, sim.utilization - 0.7)  # as the analytic interval widens near saturation
+        sim.extra = {**s.prediction.extra, **sim.extra, "analytic_ttft_p90_ms": s.prediction.ttft_p90_ms}
+        s.prediction, s.meets_slos = sim, meets(sim, slos)
     passed = [s for s in head if s.meets_slos]
     return passed + [s for s in ranked if s not in passed]
 
@@ -75,13 +75,14 @@ def run_recommend(cfg: RecommendConfig, console: Console | None = None) -> dict[
     shape, w, slos, cat = load_shape(cfg.model), workload_of(cfg), parse_slo(cfg.slo), load_catalogue(cfg.catalogue)
     rate = rate_for(cfg, w)
     calibration = Calibration.load(cfg.calibration)
-    result = search(shape, w, rate, slos, cat, max_quality_loss=cfg.max_quality_loss, instances=cfg.instances or None,
-                    calibration=calibration)
+    eff = Efficiency(kv_cache_bytes=1.0 if cfg.kv_cache == "fp8" else 2.0)
+    result = search(shape, w, rate, slos, cat, max_quality_loss=cfg.max_quality_loss, eff=eff,
+                    instances=cfg.instances or None, calibration=calibration)
     ranked = rank(result, cfg.objective, w, rate, slos)
     if cfg.users and ranked and ranked[0].meets_slos:  # closed loop: users / (E2E) with the best one's E2E
         rate = cfg.users / max(1e-3, ranked[0].prediction.e2e_p90_s / 1.3)
-        result = search(shape, w, rate, slos, cat, max_quality_loss=cfg.max_quality_loss, instances=cfg.instances or None,
-                    calibration=calibration)
+        result = search(shape, w, rate, slos, cat, max_quality_loss=cfg.max_quality_loss, eff=eff,
+                        instances=cfg.instances or None, calibration=calibration)
         ranked = rank(result, cfg.objective, w, rate, slos)
     if cfg.simulate_top:
         ranked = refine(ranked, result, w, rate, slos, cfg.simulate_top, cfg.sim_requests, cfg.seed)

@@ -60,13 +60,17 @@ class Fleet:
                                           "--log-dir", str(log.parent / f"{log.stem}-logs")],
                                          stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
         end = time.monotonic() + timeout_s
-        while "fleet ready" not in log.read_text():
+        while "fleet ready" not in log.read_text() or not self._healthy():
             if self.proc.poll() is not None or time.monotonic() > end:
-                self.stop()
+                self.stop()  # never leave a half-started fleet behind
                 raise RuntimeError(f"fleet did not start:\n{log.read_text()[-2000:]}")
             time.sleep(0.2)
-        while httpx.get(self.url + "/health", timeout=5).status_code != 200:
-            time.sleep(0.2)
+
+    def _healthy(self) -> bool:
+        try:
+            return httpx.get(self.url + "/health", timeout=5).status_code == 200
+        except httpx.HTTPError:
+            return False
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -80,7 +84,8 @@ class Fleet:
 
 def bench_argv(w: WorkloadShape, url: str, model: str, rate: float, requests: int, slo: dict[str, float],
                output: Path, seed: int) -> list[str]:
-    """The ``fleetllm bench`` flags that send workload ``w`` at ``rate`` requests/s."""
+    """The ``fleetllm bench`` flags that send workload ``w`` at ``rate`` requests/s (bench's rate is of sessions:
+    ``rate / turns`` of them for a multi-turn or agentic workload)."""
     p = w.params
     if w.name in ("synthetic", "shared-prefix", "multi-turn", "agentic", "long-short"):
         kind = w.name
@@ -88,7 +93,7 @@ def bench_argv(w: WorkloadShape, url: str, model: str, rate: float, requests: in
         kind = "synthetic"
     else:
         kind = "trace"
-    argv = ["--url", url, "--model", model, "--workload", kind, "--request-rate", f"{rate:.6g}",
+    argv = ["--url", url, "--model", model, "--workload", kind, "--request-rate", f"{rate / w.turns:.6g}",
             "--requests", str(requests), "--warmup-requests", "2", "--seed", str(seed), "--no-progress",
             "--output", str(output)]
     for key in ("isl", "osl", "isl_std", "osl_std", "prefix_len", "turns", "system_len", "context_len", "step_len",

@@ -39,6 +39,11 @@ class WorkloadShape:
     def osl_mean(self) -> float:
         return self._means[1]
 
+    @property
+    def turns(self) -> int:
+        """Requests per session: a session's next turn is sent when its last one ends, with the history."""
+        return max(1, int(self.params.get("turns", 1))) if self.name in ("multi-turn", "agentic") else 1
+
     def __post_init__(self) -> None:
         self._pct: dict[tuple, Any] = {}
         self._means = (float(self.isl.mean()), float(self.osl.mean()))
@@ -100,7 +105,9 @@ def from_bench(name: str, isl: float = 512, osl: float = 128, isl_std: float = 0
         n, user, base, out = (int(turns), isl, system_len, osl) if name == "multi-turn" else (int(turns), step_len, context_len, osl)
         t = np.arange(n)
         prompt = base + (t + 1) * user + t * out  # turn t resends the history
-        history = base + t * (user + out)
+        # what turn t finds cached where turn t-1 ran: turn t-1's prompt; the answer comes back as text,
+        # re-tokenized inside the chat template, and misses (the fleet's cached_tokens end there)
+        history = np.concatenate([[0], prompt[:-1]])
         reps = SAMPLES // n + 1
         return WorkloadShape(name, np.tile(prompt, reps)[:SAMPLES].astype(float), np.full(SAMPLES, float(out)),
                              private_prefix=float(history.sum() / prompt.sum()),

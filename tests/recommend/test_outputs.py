@@ -37,10 +37,28 @@ def test_the_fleet_simulation_runs_the_real_prefix_cache_and_routing() -> None:
     assert cold is not None and p.ttft_p50_ms < cold.ttft_p50_ms  # prefix hits: less to prefill
 
 
-def test_a_pd_candidate_is_not_simulated() -> None:
+def test_a_sessions_next_turn_follows_its_answer_and_resends_the_history() -> None:
+    from fleetllm.models.source import load_tokenizer
+    from fleetllm.recommend.fleet_sim import make_requests
+
+    w = from_bench("multi-turn", isl=48, osl=8, turns=3)
+    reqs = make_requests(w, 1.0, 6, load_tokenizer("smollm2-135m")[0].vocab_size, arrivals=[0.0, 5.0])
+    assert [r.arrival for r in reqs][::3] == [0.0, 5.0] and reqs[0].follow is reqs[1] and reqs[2].follow is None
     step = step_model(SMOL, CPU, CAT.formats["fp32"], 1, None)  # type: ignore[arg-type]
-    w = from_bench("synthetic", isl=64, osl=8)
-    assert simulate(cpu_candidate(prefill_replicas=1), step, w, 0.5, step.kv_capacity_tokens()) is None
+    aware = simulate(cpu_candidate(replicas=3, routing="kv_aware"), step, w, 1.0, step.kv_capacity_tokens(), requests=30)
+    spread = simulate(cpu_candidate(replicas=3, routing="round_robin"), step, w, 1.0, step.kv_capacity_tokens(), requests=30)
+    assert aware is not None and spread is not None and aware.extra["requests"] >= 27
+    assert aware.ttft_p90_ms < spread.ttft_p90_ms  # the turn after an answer hits its history where it ran
+
+
+def test_a_pd_split_prefills_long_prompts_on_the_prefill_pool_and_pays_the_transfer() -> None:
+    step = step_model(SMOL, CPU, CAT.formats["fp32"], 1, None)  # type: ignore[arg-type]
+    w = from_bench("long-short", isl=16, osl=8, long_isl=512, long_osl=8, long_fraction=0.5)
+    kv = step.kv_capacity_tokens()
+    alone = simulate(cpu_candidate(replicas=1), step, w, 0.8, kv, requests=30)
+    split = simulate(cpu_candidate(replicas=1, prefill_replicas=1, pd_threshold=256), step, w, 0.8, kv, requests=30)
+    assert split.extra["requests"] >= 27
+    assert split.itl_p50_ms < alone.itl_p50_ms  # the decode replica no longer runs the long prefills
 
 
 def test_the_fleet_yaml_is_a_fleet_config_fleetllm_serve_reads(tmp_path) -> None:
@@ -92,3 +110,6 @@ def test_validation_benches_the_same_workload_at_the_same_rate_and_slos(tmp_path
                                         {"ttft_p90_ms": 900, "e2e_p90_s": 4}, tmp_path / "b.json", 0))
     assert (args.workload, args.isl, args.osl, args.prefix_len) == ("shared-prefix", 32, 16, 256)
     assert (args.request_rate, args.requests, args.slo) == ("1.5", 20, "ttft_p90_ms=900,e2e_p90_ms=4000")
+    turns = parser.parse_args(bench_argv(from_bench("multi-turn", isl=48, osl=16, turns=3), "http://127.0.0.1:9",
+                                         "smollm2-135m", 1.5, 20, {}, tmp_path / "m.json", 0))
+    assert float(turns.request_rate) == 0.5  # bench's rate is of sessions: 1.5 requests/s are 0.5 sessions of 3 turns

@@ -69,3 +69,18 @@ def test_a_validation_calibration_scales_the_measured_steps_and_adds_the_serving
     assert tuned.request_overhead_s == pytest.approx(0.1) and plain.request_overhead_s == 0.0
     again = fit(rows, cal)  # predictions already calibrated: the correction compounds, it does not restart
     assert again["step_scale"] == pytest.approx(1.44)
+
+
+def test_an_fp8_kv_cache_holds_twice_the_tokens_and_halves_the_kv_read() -> None:
+    from fleetllm.recommend.perf_model import Efficiency
+
+    bf16, fp8 = roofline(fmt="fp8"), Roofline(L8, CAT.instance("p5.48xlarge"), CAT.formats["fp8"], 1, Efficiency(kv_cache_bytes=1.0))
+    assert fp8.kv_capacity_tokens() == pytest.approx(2 * bf16.kv_capacity_tokens(), rel=1e-6)
+    assert fp8.step_seconds(256, 0, 256 * 2000) < bf16.step_seconds(256, 0, 256 * 2000)
+
+
+def test_attention_adds_to_the_weight_multiplies_rather_than_hiding_behind_them() -> None:
+    r = roofline(fmt="fp8")
+    linear_only, with_context = r.step_seconds(512, 0, 0), r.step_seconds(512, 0, 512 * 1000)
+    kv_read = 512 * 1000 * r.kv_bytes_per_token / (CAT.instance("p5.48xlarge").bandwidth_gbs * 1e9 * r.eff.bandwidth)
+    assert with_context == pytest.approx(linear_only + kv_read, rel=0.02)  # compute-bound GEMMs + a KV-bound attention
