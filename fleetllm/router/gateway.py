@@ -45,6 +45,7 @@ from fleetllm.router.sessions import ResponseSessions, resend_body
 from fleetllm.router.tokens import PromptTokenizer, block_hashes
 from fleetllm.router.traffic import TrafficSplit, parse_weights
 from fleetllm.router.upstream import Breaker, WorkerMonitor, WorkerState
+from fleetllm.server.anthropic_errors import reshape
 from fleetllm.server.body_limit import DEFAULT_MAX_BODY_BYTES, BodyLimit
 from fleetllm.server.openapi import openapi_schema
 from fleetllm.server.protocol import APIError, json_object
@@ -238,12 +239,14 @@ class Router:
         fid = mint()
         tap = open_tap(self.capture, request, fid)
         if tap is None:
-            return await self._complete(request, fid, None)
-        try:
-            response = await self._complete(request, fid, tap)
-        except APIError as e:
-            response = JSONResponse(e.body(), status_code=e.status, headers=e.headers)
-        return await tap.finish(response)
+            response = await self._complete(request, fid, None)
+        else:
+            try:
+                response = await self._complete(request, fid, tap)
+            except APIError as e:
+                response = JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+            response = await tap.finish(response)
+        return reshape(response) if request.url.path == "/v1/messages" else response
 
     async def _complete(self, request: Request, fid: str, tap: RequestTap | None) -> Response:
         t0 = time.perf_counter()
