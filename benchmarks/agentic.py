@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import socket
 import subprocess
 import sys
 import tempfile
@@ -35,7 +36,19 @@ CONFIGS = [("kv_aware", "kv_aware", None), ("round_robin", "round_robin", None),
            ("kv_aware+suffix", "kv_aware", "method=suffix")]
 # sized for a shared 2-core machine: contexts grow to 4k of the model's 8k (--max-context 8000 on a quiet one)
 WORKLOAD = ["--workload", "agentic", "--system-len", "512", "--context-len", "128", "--step-len", "100",
-            "--step-len-max", "600", "--turns", "40", "--osl", "24", "--think-time", "1"]
+            "--step-len-max", "600", "--turns", "40", "--osl", "16", "--think-time", "1"]
+
+
+def free_ports(n: int) -> list[int]:
+    """``n`` ports free now (bound to port 0 and released): never a port another job's servers listen on."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for sk in socks:
+            sk.bind(("127.0.0.1", 0))
+        return [sk.getsockname()[1] for sk in socks]
+    finally:
+        for sk in socks:
+            sk.close()
 
 
 def start(args: list[str], log: Path) -> subprocess.Popen[bytes]:
@@ -49,7 +62,8 @@ def wait_ready(url: str, procs: list[subprocess.Popen[bytes]], logs: list[Path],
             if p.poll() is not None:
                 raise RuntimeError(f"a fleet process exited:\n{tail(log)}")
         try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
+            # ready only while every process of ours is alive: a port taken meanwhile makes ours exit
+            if httpx.get(url + "/health", timeout=2).status_code == 200 and all(p.poll() is None for p in procs):
                 return
         except httpx.HTTPError:
             pass
@@ -59,8 +73,8 @@ def wait_ready(url: str, procs: list[subprocess.Popen[bytes]], logs: list[Path],
 
 def run_config(label: str, policy: str, spec: str | None, args: argparse.Namespace, out_dir: Path) -> dict:
     """A fresh fleet for one configuration, the session sweep through its router, the bench result."""
-    base = args.port
-    workers = [f"http://127.0.0.1:{base + 1 + i}" for i in range(2)]
+    base, *ports = free_ports(3)
+    workers = [f"http://127.0.0.1:{port}" for port in ports]
     procs: list[subprocess.Popen[bytes]] = []
     logs: list[Path] = []
     tmp = Path(tempfile.mkdtemp(prefix="agentic-"))
@@ -146,12 +160,11 @@ def plot(all_rows: list[dict], floor: float, path: Path) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sessions", default="1,2,4", help="concurrent sessions to measure (comma list)")
-    p.add_argument("--duration", type=float, default=75.0, help="seconds per point (turns in flight finish)")
+    p.add_argument("--duration", type=float, default=90.0, help="seconds per point (turns in flight finish)")
     p.add_argument("--max-context", type=int, default=4096, help="tokens a session grows to (SmolLM2: 8192)")
     p.add_argument("--floor-tps", type=float, default=5.0, help="per-user tok/s floor: reading speed (docs/agents.md)")
     p.add_argument("--configs", default=",".join(c[0] for c in CONFIGS))
     p.add_argument("--kv-cache-gb", type=float, default=1.5)
-    p.add_argument("--port", type=int, default=18400)
     p.add_argument("--out", type=Path, default=ROOT / "results" / "agentic")
     p.add_argument("--no-append", action="store_true", help="do not append to BENCHMARKS.md")
     args = p.parse_args()
