@@ -17,11 +17,12 @@ from typing import Any
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from fleetllm.bench.agent import floor_search
 from fleetllm.bench.client import CHAT, COMPLETIONS, ClientConfig
 from fleetllm.bench.load import ARRIVALS, LoadConfig
 from fleetllm.bench.metrics import parse_slos
 from fleetllm.bench.report import build_result, compare, print_compare, print_run, write_outputs
-from fleetllm.bench.search import Measurer, find_max_load, sweep
+from fleetllm.bench.search import Measurer, find_max_load, sweep, with_value
 from fleetllm.bench.tokens import CODE_WORDS, PROSE_WORDS, TokenCounter
 from fleetllm.bench.workloads import (
     AgenticWorkload,
@@ -91,11 +92,9 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--turns", type=float, default=4, help="turns per session (multi-turn, agentic)")
     g.add_argument("--turns-std", type=float, default=0)
     g.add_argument("--think-time", type=float, default=0.0, help="seconds between turns")
-    g.add_argument("--system-len", type=int, default=0, help="system prompt tokens (multi-turn)")
+    g.add_argument("--system-len", type=int, default=0, help="system prompt tokens (multi-turn; agentic: shared)")
     g.add_argument("--shared-systems", type=int, default=0,
                    help="multi-turn: draw system prompts from this many shared ones (0: one per session)")
-    g.add_argument("--context-len", type=int, default=4096, help="initial context tokens (agentic)")
-    g.add_argument("--step-len", type=int, default=256, help="tool output tokens added per turn (agentic)")
     g.add_argument("--long-isl", type=int, default=4096)
     g.add_argument("--long-osl", type=int, default=64)
     g.add_argument("--long-fraction", type=float, default=0.2)
@@ -107,10 +106,24 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--slo", default="", help="'ttft_ms=500,tpot_ms=50' (goodput) and/or 'ttft_p99_ms=800,itl_p99_ms=100'")
     g.add_argument("--find-max-load", action="store_true", help="search the highest load meeting the SLOs")
     g.add_argument("--max-load", type=float, default=256, help="upper bound of the search")
+    add_agent_arguments(p)
     g = p.add_argument_group("output")
     g.add_argument("--output", type=Path, default=Path("results/run.json"))
     g.add_argument("--plots", action="store_true", help="write PNG plots and an HTML report next to the JSON")
     g.add_argument("--no-progress", action="store_true")
+
+
+def add_agent_arguments(p: argparse.ArgumentParser) -> None:
+    """The agent-session options of the ``agentic`` workload (docs/agents.md)."""
+    g = p.add_argument_group("agent sessions (agentic)")
+    g.add_argument("--context-len", type=int, default=4096, help="each session's own context tokens")
+    g.add_argument("--step-len", type=int, default=256, help="tool output tokens added per turn")
+    g.add_argument("--step-len-max", type=int, default=0, help="tool outputs uniform in [--step-len, --step-len-max] tokens")
+    g.add_argument("--max-context", type=int, default=0,
+                   help="a session ends before its context would pass this many tokens (0: no limit)")
+    g.add_argument("--floor-tps", type=float,
+                   help="per-user output tok/s every session must keep; with --find-max-load, search the most "
+                        "concurrent sessions that keep it")
 
 
 def build_workload(args: argparse.Namespace, builder: PromptBuilder) -> Workload:
@@ -126,7 +139,8 @@ def build_workload(args: argparse.Namespace, builder: PromptBuilder) -> Workload
         return MultiTurnWorkload(builder, args.turns, args.turns_std, int(args.isl), int(args.osl), args.think_time,
                                  args.system_len, args.shared_systems)
     if w == "agentic":
-        return AgenticWorkload(builder, args.context_len, int(args.turns), args.step_len, int(args.osl), args.think_time)
+        return AgenticWorkload(builder, args.context_len, int(args.turns), args.step_len, int(args.osl), args.think_time,
+                               args.system_len, args.step_len_max, args.max_context)
     if w == "long-short":
         return long_short_workload(builder, args.long_isl, args.long_osl, int(args.isl), int(args.osl),
                                    args.long_fraction)
@@ -178,19 +192,10 @@ def run_bench(args: argparse.Namespace, console: Console | None = None) -> dict[
     task = progress.add_task("bench", total=requests)
     measure = Measurer(client, workload, slos,
                        on_record=lambda _rec: progress.advance(task),
-                       on_start=lambda load: progress.reset(task, description=load.label(), total=requests))
-    extra: dict[str, Any] = {}
+                       on_start=lambda load: progress.reset(task, description=load.label(), total=requests),
+                       agent=args.workload == "agentic", floor_tps=args.floor_tps)
     with progress:
-        if args.find_max_load:
-            if not any(s.stat for s in slos):
-                raise SystemExit("--find-max-load needs aggregate SLOs, e.g. --slo ttft_p99_ms=800")
-            start = (int(values[0]) if kind == "concurrency" else values[0]) if values else 1
-            report, runs = find_max_load(measure, base, kind, start=start, max_value=args.max_load)
-            extra["find_max_load"] = report
-        elif len(values) > 1:
-            runs = sweep(measure, base, kind, values)
-        else:
-            runs = [measure(base)]
+        runs, extra = _measure_points(args, measure, base, kind, values, slos)
     config = {"client": {k: v for k, v in vars(client).items() if k != "api_key"}, "workload": args.workload,
               "workload_params": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(workload).items()
                                   if k != "builder"},
@@ -204,12 +209,56 @@ def run_bench(args: argparse.Namespace, console: Console | None = None) -> dict[
         paths += pngs + [write_html(result, pngs, args.output.with_suffix(".html"))]
     for run in runs:
         print_run(console, run)
+        if "agent" in run:
+            console.print(agent_line(run["agent"]))
+    for k in ("floor_search", "floor_sweep"):
+        if k in extra:
+            console.print(f"max sessions with every user at >= {args.floor_tps:g} tok/s: {extra[k]['best']}")
     if "find_max_load" in extra:
         r = extra["find_max_load"]
         console.print(f"max {kind} meeting SLOs: {r['best']} (first failing: {r['first_failing']}"
                       f"{', stopped on saturation' if r['stopped_on_saturation'] else ''})")
     console.print("wrote " + ", ".join(str(p) for p in paths))
     return result
+
+
+def _measure_points(args: argparse.Namespace, measure: Measurer, base: LoadConfig, kind: str, values: list[float],
+                    slos: list[Any]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """The load points the flags ask for (one, a sweep, an SLO search or a floor search) and the search report."""
+    extra: dict[str, Any] = {}
+    if args.find_max_load and args.floor_tps is not None:
+        runs: list[dict[str, Any]] = []
+        start = int(values[0]) if values and kind == "concurrency" else 1
+        extra["floor_search"] = floor_search(lambda n: _floor_met(measure, base, n, runs), start, int(args.max_load))
+        return runs, extra
+    if args.find_max_load:
+        if not any(s.stat for s in slos):
+            raise SystemExit("--find-max-load needs aggregate SLOs, e.g. --slo ttft_p99_ms=800")
+        start = (int(values[0]) if kind == "concurrency" else values[0]) if values else 1
+        report, runs = find_max_load(measure, base, kind, start=start, max_value=args.max_load)
+        return runs, {"find_max_load": report}
+    runs = sweep(measure, base, kind, values) if len(values) > 1 else [measure(base)]
+    if args.floor_tps is not None and kind == "concurrency":
+        met = [r["load"]["concurrency"] for r in runs if r.get("agent", {}).get("floor_met")]
+        extra["floor_sweep"] = {"floor_tps": args.floor_tps, "best": max(met) if met else None}
+    return runs, extra
+
+
+def _floor_met(measure: Measurer, base: LoadConfig, sessions: int, runs: list[dict[str, Any]]) -> bool:
+    run = measure(with_value(base, "concurrency", sessions))
+    runs.append(run)
+    return bool(run["agent"]["floor_met"])
+
+
+def agent_line(agent: dict[str, Any]) -> str:
+    """One console line of a run's agent view."""
+    tps = agent["user_tps"]
+    fmt = lambda v: "-" if v is None else f"{v:.1f}"  # noqa: E731
+    turns = " ".join(f"{t['turn']}:{t['ttft_p50_ms']:.0f}ms/{fmt(100 * t['cache_hit_rate']) if t['cache_hit_rate'] is not None else '-'}%"
+                     for t in agent["by_turn"])
+    floor = "" if agent["floor_tps"] is None else f", floor {agent['floor_tps']:g} {'met' if agent['floor_met'] else 'missed'}"
+    return (f"agent: {agent['users']} users, per-user tok/s p10 {fmt(tps['p10'])} p50 {fmt(tps['p50'])}{floor}; "
+            f"per turn TTFT p50 / cache hit: {turns}")
 
 
 def run_compare(files: list[str], console: Console | None = None) -> list[dict[str, Any]]:

@@ -49,6 +49,7 @@ class RequestRecord:
     chunk_ns: list[int] = field(default_factory=list)
     input_tokens: int | None = None
     output_tokens: int | None = None
+    cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens: the server's prefix hit
     output_tokens_from_usage: bool = False
     output_text: str = ""
     finish_reason: str | None = None
@@ -204,6 +205,7 @@ async def _stream(
                 rec.input_tokens = usage.get("prompt_tokens")
                 rec.output_tokens = usage.get("completion_tokens")
                 rec.output_tokens_from_usage = rec.output_tokens is not None
+                rec.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
             for choice in chunk.get("choices") or []:
                 text = _chunk_text(choice, cfg.endpoint)
                 if choice.get("finish_reason"):

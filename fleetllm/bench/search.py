@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from fleetllm.bench import server_metrics
+from fleetllm.bench.agent import agent_summary
 from fleetllm.bench.client import ClientConfig, RequestRecord
 from fleetllm.bench.load import LoadConfig, RunResult, run_load
 from fleetllm.bench.metrics import SloLimit, summarize
@@ -34,6 +35,8 @@ class Measurer:
     sample_interval_s: float = 1.0
     on_record: Callable[[RequestRecord], None] | None = None
     on_start: Callable[[LoadConfig], None] | None = None
+    agent: bool = False  # add the agent-session view (per-user speed, per-turn TTFT and hits) to each run
+    floor_tps: float | None = None  # the per-user speed floor the agent view checks
 
     def __post_init__(self) -> None:
         self.results: list[RunResult] = []
@@ -57,7 +60,10 @@ class Measurer:
             kv = server["during_run"].get("vllm:kv_cache_usage_perc")
             server["derived"]["kv_cache_usage_max"] = kv["max"] if kv else None
             server["derived"]["kv_cache_usage_mean"] = kv["mean"] if kv else None
-        return run_entry(result, summary, server)
+        entry = run_entry(result, summary, server)
+        if self.agent:
+            entry["agent"] = agent_summary(result.records, self.floor_tps)
+        return entry
 
 
 def with_value(load: LoadConfig, kind: str, value: float) -> LoadConfig:

@@ -170,9 +170,29 @@ class MultiTurnWorkload:
             i += 1
 
 
+# the agent's tools, as a coding agent's system prompt lists them (their schema is part of the shared prefix)
+AGENT_TOOLS = [
+    {"name": name, "description": desc, "parameters": {"type": "object", "properties": props,
+                                                        "required": list(props)}}
+    for name, desc, props in [
+        ("read_file", "Read a file of the repository", {"path": {"type": "string"}}),
+        ("grep", "Search the repository for a pattern", {"pattern": {"type": "string"}, "path": {"type": "string"}}),
+        ("run_tests", "Run the test suite, or one test file", {"target": {"type": "string"}}),
+        ("edit_file", "Replace text in a file", {"path": {"type": "string"}, "old": {"type": "string"},
+                                                 "new": {"type": "string"}}),
+        ("shell", "Run a shell command", {"command": {"type": "string"}, "timeout_s": {"type": "integer"}}),
+    ]
+]
+
+
 @dataclass
 class AgenticWorkload:
-    """Agent loops: a long codebase context, many turns each adding a tool result, short outputs."""
+    """Agent sessions: a system prompt shared by every session (instructions and the tool schema,
+    ``system_len`` tokens), the session's own task context (``context_len`` tokens of code), then turns
+    each appending a tool output of ``step_len`` tokens (uniform up to ``step_len_max`` when larger), with
+    ``think_time_s`` between a reply and the next turn. A session ends after ``turns`` turns or before its
+    context (prompt and outputs so far, plus the next turn) would pass ``max_context`` tokens (0: no limit).
+    """
 
     builder: PromptBuilder
     context_len: int = 4096
@@ -180,23 +200,38 @@ class AgenticWorkload:
     step_len: int = 256  # tokens of tool output appended each turn
     osl: int = 32
     think_time_s: float = 0.0
+    system_len: int = 0  # the shared system prompt (0: none, the session's context alone)
+    step_len_max: int = 0
+    max_context: int = 0
     name: str = "agentic"
+
+    def shared_system(self) -> str:
+        """The same for every seed and session: what a fleet can keep cached for all its agents."""
+        if not self.system_len:
+            return ""
+        schema = json.dumps(AGENT_TOOLS)
+        intro = "You are a coding agent. Call one tool per turn as JSON. Tools: " + schema + "\n"
+        pad = self.system_len - len(schema) // 4  # about 4 characters per token of JSON
+        return intro + (self.builder.text(np.random.default_rng(0), pad) if pad > 0 else "")
 
     def sessions(self, seed: int) -> Iterator[Session]:
         rng = np.random.default_rng(seed)
+        shared = self.shared_system()
         i = 0
         while True:
             context = self.builder.text(rng, self.context_len, code=True)
-            turns = [
-                Turn(
-                    "tool result: " + self.builder.text(rng, self.step_len, code=True),
-                    self.osl,
-                    self.step_len,
-                    self.think_time_s if t else 0.0,
-                )
-                for t in range(self.turns)
-            ]
-            yield Session(f"s{i}", turns, system=context, system_tokens=self.context_len)
+            system = shared + "\n\n" + context if shared else context
+            size = self.system_len + self.context_len
+            turns: list[Turn] = []
+            for t in range(self.turns):
+                step = int(rng.integers(self.step_len, self.step_len_max + 1)) if self.step_len_max > self.step_len \
+                    else self.step_len
+                if self.max_context and turns and size + step + self.osl > self.max_context:
+                    break
+                size += step + self.osl
+                text = f"tool result: call_{t} " + self.builder.text(rng, step, code=True)
+                turns.append(Turn(text, self.osl, step, self.think_time_s if t else 0.0))
+            yield Session(f"s{i}", turns, system=system, system_tokens=self.system_len + self.context_len)
             i += 1
 
 

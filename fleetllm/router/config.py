@@ -56,4 +56,6 @@ class RouterConfig:
                                      factory=list)
     hold_max_waiting: int = opt(64, "requests held per model while a copy starts; beyond, 503 + Retry-After")
     hold_timeout_s: float = opt(120.0, "seconds a request is held at most")
+    responses_store: int = opt(4096, "Responses API turns remembered (previous_response_id -> the worker "
+                                     "holding it, and the turn's items to re-send if it is gone)")
     keys_file: str | None = opt(None, "API keys file (fleetllm keys): only its keys may call /v1/*")

@@ -29,6 +29,7 @@ from fleetllm.router.index import PrefixIndex
 from fleetllm.router.metrics import RouterMetrics
 from fleetllm.router.policies import Decision, Policy, RouteRequest
 from fleetllm.router.request_id import HEADER as FLEET_ID_HEADER
+from fleetllm.router.sessions import ResponseWatch
 from fleetllm.router.upstream import WorkerState
 from fleetllm.server.protocol import APIError
 
@@ -55,6 +56,11 @@ class Forward:
     response_headers: dict[str, str] = field(default_factory=dict)  # added to the client's answer
     on_end: Callable[[int, int], None] | None = None  # (prompt, completion tokens) once the answer has ended
     variant: tuple[str, str] | None = None  # (model, variant) of a split model: its own metrics
+    # a Responses follow-up turn (fleetllm/router/sessions.py): the worker holding its previous turn, the
+    # body to send anywhere else instead (the conversation inline), and what records the answer's turn
+    pinned: str | None = None
+    resend: Callable[[], bytes] | None = None
+    watch: ResponseWatch | None = None
     # where and when it went (the access capture tier): chosen worker, routing reason, perf_counter times
     worker: str = ""
     reason: str = ""
@@ -177,7 +183,7 @@ class Forwarder:
             candidates = [w for w in group if w.name not in tried and w.routable(now)]
             if not candidates:
                 break
-            d = policy.choose(fwd.route, candidates)
+            d = _pinned(fwd, candidates) or policy.choose(fwd.route, candidates)
             reason = "retry" if attempt else d.reason
             self.metrics.decisions.labels(policy=policy.name, reason=reason, worker=d.worker.name).inc()
             tried.add(d.worker.name)
@@ -245,6 +251,9 @@ class Forwarder:
                 load.release()
             body = first + b"".join(rest)
             fwd.ended(TokenCount.of_body(body) if fwd.on_end else None)
+            if fwd.watch is not None:
+                fwd.watch.body(body)
+                fwd.watch.finish(w.name, status)
             return Response(body, status_code=status, headers=out_headers)
         return StreamingResponse(self._relay(fwd, first, chunks, resp, load), status_code=status, headers=out_headers)
 
@@ -283,14 +292,19 @@ class Forwarder:
     async def _relay(self, fwd: Forward, first: bytes, chunks: AsyncIterator[bytes], resp: httpx.Response,
                      load: _Load) -> AsyncIterator[bytes]:
         count = TokenCount() if fwd.on_end else None  # parsed only when someone meters tokens
+        watch = fwd.watch
         try:
             yield first
             if count:
                 count.feed(first)
+            if watch:
+                watch.feed(first)
             async for c in chunks:
                 yield c
                 if count:
                     count.feed(c)
+                if watch:
+                    watch.feed(c)
         except httpx.HTTPError as e:
             self.metrics.errors.labels(kind="stream_broken").inc()
             err = APIError(502, f"the worker's stream broke: {type(e).__name__}").body()
@@ -299,6 +313,8 @@ class Forwarder:
             await resp.aclose()  # on a client disconnect this closes the upstream request: the worker aborts
             load.release()
             fwd.ended(count)
+            if watch:
+                watch.finish(load.worker.name, resp.status_code)
 
     def _dispatch(self, w: WorkerState, uncached: int, req: RouteRequest) -> None:
         w.inflight += 1
@@ -348,6 +364,22 @@ class _Load:
         else:
             w.pending_prefill_tokens -= self.uncached
         self.forwarder.load_changed(w)
+
+
+def _pinned(fwd: Forward, candidates: list[WorkerState]) -> Decision | None:
+    """A Responses follow-up goes to the worker holding its previous turn while that one is routable and
+    untried; otherwise it becomes a self-contained request (conversation inline) for the policy to place."""
+    if fwd.pinned is None:
+        return None
+    w = next((w for w in candidates if w.name == fwd.pinned), None)
+    if w is not None:
+        return Decision(w, "affinity")
+    log.info("request %s: worker %s of its previous response is gone; re-sending the conversation",
+             fwd.rid, fwd.pinned)
+    fwd.pinned = None
+    if fwd.resend is not None:
+        fwd.raw, fwd.resend = fwd.resend(), None
+    return None
 
 
 async def _read_quietly(resp: httpx.Response) -> bytes:

@@ -41,9 +41,11 @@ from fleetllm.router.metrics import RouterMetrics
 from fleetllm.router.policies import RouteRequest, make_policy
 from fleetllm.router.request_id import HEADER as REQUEST_ID_HEADER
 from fleetllm.router.request_id import mint
+from fleetllm.router.sessions import ResponseSessions, resend_body
 from fleetllm.router.tokens import PromptTokenizer, block_hashes
 from fleetllm.router.traffic import TrafficSplit, parse_weights
 from fleetllm.router.upstream import Breaker, WorkerMonitor, WorkerState
+from fleetllm.server.anthropic_errors import reshape
 from fleetllm.server.body_limit import DEFAULT_MAX_BODY_BYTES, BodyLimit
 from fleetllm.server.openapi import openapi_schema
 from fleetllm.server.protocol import APIError, json_object
@@ -75,6 +77,7 @@ class Router:
         self.uses_prefix = bool({cfg.policy, *cfg.model_policies.values()} & {"prefix", "kv_aware"})
         self.tokens = PromptTokenizer(cfg.tokenizers)
         self.traffic = TrafficSplit({m: parse_weights(spec) for m, spec in cfg.traffic.items()})
+        self.sessions = ResponseSessions(cfg.responses_store)  # previous_response_id -> worker
         self.hold = ColdStartHold(cfg.hold_max_waiting, cfg.hold_timeout_s)
         self.secret = worker_secret()  # presented to workers; also opens the admin endpoints to the fleet
         self.gate = KeyGate(KeyStore(cfg.keys_file), KeyLimiter(), self.metrics.registry) if cfg.keys_file else None
@@ -236,12 +239,14 @@ class Router:
         fid = mint()
         tap = open_tap(self.capture, request, fid)
         if tap is None:
-            return await self._complete(request, fid, None)
-        try:
-            response = await self._complete(request, fid, tap)
-        except APIError as e:
-            response = JSONResponse(e.body(), status_code=e.status, headers=e.headers)
-        return await tap.finish(response)
+            response = await self._complete(request, fid, None)
+        else:
+            try:
+                response = await self._complete(request, fid, tap)
+            except APIError as e:
+                response = JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+            response = await tap.finish(response)
+        return reshape(response) if request.url.path == "/v1/messages" else response
 
     async def _complete(self, request: Request, fid: str, tap: RequestTap | None) -> Response:
         t0 = time.perf_counter()
@@ -288,6 +293,8 @@ class Router:
             tap.fwd = fwd
             # a stream without usage is captured with the prompt's tokens counted here, only when needed
             tap.count_prompt = lambda: len(self.tokens.token_ids(name, request.url.path, body) or ()) if name else 0
+        if request.url.path == "/v1/responses":
+            self._follow_session(fwd)
         if held is not None:
             fwd.response_headers["x-fleetllm-cold-start-ms"] = f"{held * 1000:.0f}"
         if key is not None:
@@ -298,6 +305,14 @@ class Router:
         prepare = (lambda d: pd.maybe_disaggregate(d, fwd, prefill_pool)) if prefill_pool else None
         policy = self.model_policies.get(name, self.policy) if name else self.policy
         return await self.forwarder.forward(fwd, group, policy, prepare)
+
+    def _follow_session(self, fwd: Forward) -> None:
+        """A Responses turn: recorded when answered; a follow-up pinned to its previous turn's worker."""
+        fwd.watch = self.sessions.watch(fwd.body)
+        prev = self.sessions.get(fwd.body.get("previous_response_id"))
+        if prev is not None:
+            body = fwd.body
+            fwd.pinned, fwd.resend = prev.worker, lambda: resend_body(body, prev)
 
     def _variant(self, name: str | None, group: list[WorkerState], key: str) -> tuple[str | None, list[WorkerState]]:
         """A split model's variant for this request and its copies; with no weighted variant up, any copy

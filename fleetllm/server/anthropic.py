@@ -20,6 +20,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from fleetllm.server import anthropic_errors
 from fleetllm.server import openai_format as fmt
 from fleetllm.server.protocol import APIError, sampling_from_body
 from fleetllm.tools.request import tool_request
@@ -190,6 +191,12 @@ def messages_route(worker: Worker) -> Route:
     """``POST /v1/messages`` on ``worker``."""
 
     async def messages(request: Request) -> Response:
+        try:
+            return await answer(request)
+        except APIError as e:  # refused before the answer started: in Anthropic's error shape
+            return anthropic_errors.error_response(e)
+
+    async def answer(request: Request) -> Response:
         body = chat_body(await worker.request_body(request))
         ids = worker.prompt_ids("chat", body)
         tools = tool_request(body, worker.tool_parser)

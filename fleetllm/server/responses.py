@@ -6,8 +6,8 @@ A request's ``input`` (a string, or message / ``function_call`` / ``function_cal
 ``max_output_tokens`` become a chat request; the answer becomes a Response whose ``output`` holds a
 ``message`` item and ``function_call`` items, or the stream of ``response.*`` events. With ``store``
 (default true) a response's conversation is kept, so the next turn sends only its new items and
-``previous_response_id``. The store is per worker: a fleet routes a session's turns to one worker by the
-same prefix affinity that keeps its KV there.
+``previous_response_id``. The store is per worker: a fleet's router pins a follow-up turn to the worker
+that answered the previous one (``fleetllm/router/sessions.py``), where its KV is too.
 """
 
 from __future__ import annotations
