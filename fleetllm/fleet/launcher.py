@@ -30,6 +30,7 @@ from pathlib import Path
 import httpx
 
 from fleetllm.cli_options import to_argv
+from fleetllm.fleet import runfile
 from fleetllm.fleet.config import FleetConfig, ModelSpec
 from fleetllm.fleet.placement import Copy, Placer, place
 from fleetllm.server.worker_secret import ENV as SECRET_ENV
@@ -283,16 +284,21 @@ class Fleet:
         log.info("rolling restart done: %d worker process(es)", len(self.workers))
 
     def supervise(self, should_stop: Callable[[], bool], tick: Callable[[], object] | None = None,
-                  tick_s: float = 2.0, restart_requested: Callable[[], bool] = lambda: False) -> None:
+                  tick_s: float = 2.0, restart_requested: Callable[[], bool] = lambda: False,
+                  rolled: Callable[[str], object] = lambda error: None) -> None:
         """Block until ``should_stop()``; restart dead workers when configured to; roll a restart through
-        the workers when ``restart_requested()``; call ``tick`` (the fleet controller) every ``tick_s``."""
+        the workers when ``restart_requested()``, then call ``rolled`` with why it stopped ("" if it went
+        through); call ``tick`` (the fleet controller) every ``tick_s``."""
         next_tick = time.monotonic() + tick_s
         while not should_stop():
             if restart_requested():
+                error = ""
                 try:
                     self.rolling_restart()
                 except (RuntimeError, TimeoutError) as e:
+                    error = str(e).splitlines()[0]
                     log.error("rolling restart stopped: %s", e)
+                rolled(error)
             for p in list(self.workers):
                 if not p.alive and self.cfg.restart:
                     p.restarts += 1
@@ -325,8 +331,9 @@ def _terminate(procs: list[Proc], grace_s: float) -> None:
             p.popen.wait()  # type: ignore[union-attr]
 
 
-def run_fleet(cfg: FleetConfig) -> int:
-    """``fleetllm serve``: start the fleet, serve until SIGINT/SIGTERM, stop it cleanly."""
+def run_fleet(cfg: FleetConfig, state_file: Path | None = None) -> int:
+    """``fleetllm serve``: start the fleet, serve until SIGINT/SIGTERM, stop it cleanly. Once ready it
+    leaves ``state_file`` (:mod:`fleetllm.fleet.runfile`) for ``fleetllm fleet restart`` and removes it on exit."""
     fleet = Fleet(cfg)
     stop = {"now": False, "restart": False}
 
@@ -358,8 +365,19 @@ def run_fleet(cfg: FleetConfig) -> int:
         from fleetllm.fleet.controller import FleetController, RouterAdmin
 
         tick = FleetController(fleet, RouterAdmin(fleet.url, fleet.secret)).tick
+    state = runfile.RunState(os.getpid(), fleet.url, str(fleet.log_dir))
+
+    def rolled(error: str) -> None:
+        state.rolls, state.roll_error = state.rolls + 1, error
+        if state_file is not None:
+            runfile.write(state_file, state)
+
     try:
-        fleet.supervise(lambda: stop["now"], tick, restart_requested=restart_requested)
+        if state_file is not None:
+            runfile.write(state_file, state)
+        fleet.supervise(lambda: stop["now"], tick, restart_requested=restart_requested, rolled=rolled)
     finally:
+        if state_file is not None:
+            state_file.unlink(missing_ok=True)
         fleet.stop()
     return 0

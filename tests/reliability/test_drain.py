@@ -1,4 +1,5 @@
-"""Graceful drain (SIGTERM on a worker) and a rolling restart of a fleet (SIGHUP to ``fleetllm serve``)."""
+"""Graceful drain (SIGTERM on a worker) and a rolling restart of a fleet (``fleetllm fleet restart`` from
+another process, which SIGHUPs ``fleetllm serve``)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ from pathlib import Path
 import httpx
 import pytest
 from fleet_helpers import free_ports, sim_worker_processes
+
+from fleetllm.cli import build_parser
 
 pytestmark = pytest.mark.slow  # processes: signals, exits, restarts
 
@@ -62,7 +65,8 @@ router_args: ["--health-interval", "0.25"]
 
 def _serve(config: Path, port: int) -> tuple[subprocess.Popen[bytes], Path]:
     fd, name = tempfile.mkstemp(prefix="fleetllm-roll-", suffix=".log")
-    p = subprocess.Popen([sys.executable, "-m", "fleetllm.cli", "serve", "--config", str(config), "--port", str(port)],
+    p = subprocess.Popen([sys.executable, "-m", "fleetllm.cli", "serve", "--config", str(config), "--port", str(port),
+                          "--run-dir", str(config.parent)],
                          stdout=fd, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     os.close(fd)
     return p, Path(name)
@@ -87,7 +91,7 @@ def _load(url: str, stop: threading.Event, results: list[int], i: int) -> None:
                 results.append(599)
 
 
-def test_a_rolling_restart_under_load_fails_no_request(tmp_path: Path) -> None:
+def test_a_rolling_restart_under_load_fails_no_request(tmp_path: Path, capsys) -> None:
     config = tmp_path / "fleet.yaml"
     config.write_text(FLEET)
     port = free_ports(3)
@@ -100,8 +104,10 @@ def test_a_rolling_restart_under_load_fails_no_request(tmp_path: Path) -> None:
             t.start()
         while len(results) < 4:
             time.sleep(0.1)
-        p.send_signal(signal.SIGHUP)
-        _wait_for(log, "rolling restart done", p)
+        # `fleetllm fleet restart` from this process, not the serve's: it finds the serve by its state file
+        args = build_parser().parse_args(["fleet", "restart", "--run-dir", str(tmp_path), "--timeout", "300"])
+        assert args.func(args) == 0
+        assert "rolling restart done" in capsys.readouterr().out
         stop.set()
         for t in clients:
             t.join(60)
@@ -116,3 +122,4 @@ def test_a_rolling_restart_under_load_fails_no_request(tmp_path: Path) -> None:
             p.kill()
             p.wait()
         log.unlink(missing_ok=True)
+    assert not (tmp_path / f"serve-{port}.json").exists()  # the serve removed its state file
