@@ -28,6 +28,7 @@ import json
 import os
 import random
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -54,6 +55,25 @@ class Outcomes:
     lost: list[str] = field(default_factory=list)  # what each lost non-streaming request got
     rss: list[tuple[float, str, int, int]] = field(default_factory=list)  # t, role:port, pid, bytes
     events: list[str] = field(default_factory=list)
+
+
+def free_ports(n: int) -> int:
+    """The first of ``n`` consecutive ports nothing listens on now."""
+    for _ in range(100):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = s.getsockname()[1]
+        socks = [socket.socket() for _ in range(n)]
+        try:
+            for i, s in enumerate(socks):
+                s.bind(("127.0.0.1", base + i))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError("no run of free ports")
 
 
 def fleet_yaml(port: int, workers: int) -> dict:
@@ -284,9 +304,10 @@ def main() -> int:
     ap.add_argument("--workers", type=int, default=2, help="real worker processes, one core each")
     ap.add_argument("--kill-every", type=float, default=120.0, help="seconds between SIGKILLs of a worker")
     ap.add_argument("--roll-at", type=float, default=30.0, help="when the rolling restart starts (s)")
-    ap.add_argument("--port", type=int, default=18400)
+    ap.add_argument("--port", type=int, default=None, help="the router's (workers take the next ones; default: free)")
     ap.add_argument("--no-record", action="store_true", help="do not append to BENCHMARKS.md")
     args = ap.parse_args()
+    args.port = args.port or free_ports(args.workers + 1)
     work = Path(tempfile.mkdtemp(prefix="fleetllm-soak-"))
     print(f"starting the fleet (logs in {work}) ...", flush=True)
     serve = start_fleet(args, work)
@@ -304,7 +325,11 @@ def main() -> int:
         out.rss += [(time.monotonic() - t0, k, p, rss(p)) for k, p in fleet_pids(serve.pid).items()]
     finally:
         stop.set()
-        stop_process(serve)
+        serve.terminate()  # the serve stops its router, then its workers (20 s grace each): wait for it
+        try:
+            serve.wait(120)
+        except subprocess.TimeoutExpired:
+            stop_process(serve)
     load = f"{load0[0]:.1f} at the start, {os.getloadavg()[0]:.1f} / {os.getloadavg()[1]:.1f} (1 / 5 min) at the end"
     text, ok = report(out, kv, growth(out, args.duration), args, load)
     print(text)

@@ -19,6 +19,7 @@ import logging
 import os
 import secrets
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -226,6 +227,8 @@ class Fleet:
         deadline = time.monotonic() + self.cfg.startup_timeout_s
         try:
             for p in self.workers:
+                _check_ports_free(p)
+            for p in self.workers:
                 p.start()
             for p in self.workers:
                 for u in p.urls:
@@ -275,6 +278,7 @@ class Fleet:
                 continue
             log.info("rolling restart: %s", p.name)
             _terminate([p], drain_grace_s)
+            _check_ports_free(p)  # else the next /ready could be another process's, and the roll a lie
             p.restarts += 1
             p.start()
             deadline = time.monotonic() + self.cfg.startup_timeout_s
@@ -315,6 +319,18 @@ class Fleet:
                 except Exception:  # a failed round of autoscaling must not take the fleet down
                     log.exception("fleet controller tick failed")
             time.sleep(0.5)
+
+
+def _check_ports_free(p: Proc) -> None:
+    """Raise if another process listens on one of ``p``'s ports (its health checks would answer for ``p``)."""
+    for u in p.urls:
+        host, port = u.removeprefix("http://").rsplit(":", 1)
+        with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: TIME_WAIT is no clash
+            try:
+                s.bind((host, int(port)))
+            except OSError as e:
+                raise RuntimeError(f"{p.name}: port {port} is in use by another process ({e.strerror})") from None
 
 
 def _terminate(procs: list[Proc], grace_s: float) -> None:

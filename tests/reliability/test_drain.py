@@ -53,6 +53,32 @@ def test_sigterm_drains_in_flight_requests_then_exits(procs) -> None:
     assert w.popen.wait(timeout=30) == 0
 
 
+def _post(url: str, body: dict, out: dict) -> None:
+    r = httpx.post(url + "/v1/completions", json=body, timeout=60)
+    out.update(status=r.status_code, body=r.json(), retry=r.headers.get("retry-after"))
+
+
+def test_a_drain_out_of_time_answers_what_is_left(procs) -> None:
+    """Past --drain-timeout the worker does not just stop (cutting connections): a request not yet answered
+    gets 503 + Retry-After (a router retries it elsewhere), a stream under way an error event then [DONE]."""
+    w = sim_worker_processes(1, "--sim-speed", "1", "--drain-timeout", "0.5", "--max-num-seqs", "1")
+    procs.append(w)
+    started, streamed, queued = threading.Event(), {}, {}
+    stream = threading.Thread(target=_stream, args=(w.url, 1000, started, streamed))
+    stream.start()
+    assert started.wait(30)
+    plain = threading.Thread(target=_post, args=(w.url, {"prompt": "Hi", "max_tokens": 5}, queued))
+    plain.start()  # waits behind the stream: one sequence at a time
+    time.sleep(0.3)
+    w.popen.send_signal(signal.SIGTERM)
+    stream.join(60)
+    plain.join(60)
+    assert streamed["status"] == 200 and streamed["lines"][-1] == "[DONE]"
+    assert json.loads(streamed["lines"][-2])["error"]["code"] == 503
+    assert queued["status"] == 503 and queued["retry"] and queued["body"]["error"]["message"]
+    assert w.popen.wait(timeout=30) == 0
+
+
 FLEET = """
 machines:
   - {name: a, cores: 1, memory_gb: 4, zone: za}
