@@ -13,7 +13,6 @@ from typing import Any
 
 from fleetllm.engine.block_pool import hash_prefix_blocks
 from fleetllm.models.tokenizer import TokenizerWrapper
-from fleetllm.router.segments import SegmentEncoder
 from fleetllm.server.anthropic import chat_body as anthropic_chat_body
 from fleetllm.server.protocol import APIError, chat_messages
 from fleetllm.tools.parsers import parser_for
@@ -29,7 +28,6 @@ class PromptTokenizer:
     def __init__(self, refs: dict[str, str] | None = None) -> None:
         self.refs = refs or {}
         self._cache: dict[str, TokenizerWrapper | None] = {}
-        self._segments: dict[str, SegmentEncoder] = {}  # per model: chat prompts encoded a turn at a time
         self._loading = threading.Lock()  # requests tokenise on worker threads: load each tokenizer once
 
     def tokenizer(self, model: str) -> TokenizerWrapper | None:
@@ -41,8 +39,7 @@ class PromptTokenizer:
             from fleetllm.models.source import load_tokenizer
 
             try:
-                self._cache[model] = tok = load_tokenizer(self.refs.get(model, model))[1]
-                self._segments[model] = SegmentEncoder(tok.tok)
+                self._cache[model] = load_tokenizer(self.refs.get(model, model))[1]
             except Exception as e:  # an unknown model only costs prefix affinity, never the request
                 log.warning("no tokenizer for model %r (%s): prefix-aware routing falls back to load", model, e)
                 self._cache[model] = None
@@ -55,7 +52,7 @@ class PromptTokenizer:
             return None
         try:
             if path.endswith(("/chat/completions", "/messages")):
-                return self._segments[model].encode(chat_prompt(tok, path, body))
+                return tok.encode_pieces(chat_prompt(tok, path, body))  # a returning chat: its new turn only
             prompt = body.get("prompt")
             if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
                 prompt = prompt[0]  # a batch: route by its first prompt

@@ -309,7 +309,7 @@ class Worker:
                                  **kwargs)
         except Exception as e:
             raise APIError(400, f"chat template failed: {e}", "messages") from None
-        return [self.engine.tokenizer.encode(text, add_special_tokens=False)]
+        return [self.engine.tokenizer.encode_pieces(text)]  # a resent history: only its new turn is encoded
 
     async def chat(self, request: Request) -> Response:
         body = await self.request_body(request)

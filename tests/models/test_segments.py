@@ -1,4 +1,4 @@
-"""The router's segment-cached encoding gives exactly the tokenizer's ids, cold and warm."""
+"""Segment-cached encoding (router and worker chats) gives exactly the tokenizer's ids, cold and warm."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import random
 import pytest
 from tokenizers import AddedToken, Tokenizer
 
+from fleetllm.models.segments import SegmentEncoder
 from fleetllm.models.source import load_tokenizer
-from fleetllm.router.segments import SegmentEncoder
 from fleetllm.router.tokens import chat_prompt
 
 PIECES = ["hello", " world", "  two spaces", "\n\n", "tab\there", "1234567", "ünïcödé", "日本語", "🙂", "<|im_start|>",

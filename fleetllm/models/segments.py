@@ -5,9 +5,9 @@ A HF tokenizer cuts the text at its added tokens (``<|im_start|>``, ``<|im_end|>
 pre-tokenizer and BPE run, and encodes each piece between them on its own: no merge crosses an added
 token. So the ids of a text are the ids of its pieces, each looked up or encoded once, with the added
 tokens' ids between them. A chat rendered by its template is mostly pieces seen before: the shared
-system prompt, and every earlier message of the conversation. Profiled under the saturated routing
-benchmark this was most of the router's time per request (a ~2.6k-token history: 77 ms of 100 on a busy
-core; see docs/reliability.md).
+system prompt, and every earlier message of the conversation. The router and the worker both encode
+every chat this way: profiled under the saturated routing benchmark, encoding the whole history was most
+of the router's time per request (a ~2.6k-token history: 77 ms of 100 on a busy core; docs/reliability.md).
 
 This holds only when an added token matches the same way wherever it occurs: one that strips whitespace
 around it (``lstrip``/``rstrip``), matches only as a single word, or matches the normalized text would
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import re
 import threading
+from array import array
 from collections import OrderedDict
 
 from tokenizers import Tokenizer
@@ -26,10 +27,10 @@ from tokenizers import Tokenizer
 class SegmentEncoder:
     """``encode(text)`` equal to ``tok.encode(text, add_special_tokens=False).ids``, pieces cached (LRU)."""
 
-    def __init__(self, tok: Tokenizer, max_ids: int = 1 << 20) -> None:
+    def __init__(self, tok: Tokenizer, max_ids: int = 1 << 19) -> None:
         self.tok = tok
-        self.max_ids = max_ids  # the cache's bound, in token ids held (about 40 MB at the default)
-        self._cache: OrderedDict[str, list[int]] = OrderedDict()
+        self.max_ids = max_ids  # the cache's bound in token ids held: ~2 MB of ids + ~2 MB of text at the default
+        self._cache: OrderedDict[str, array[int]] = OrderedDict()
         self._held = 0
         self._lock = threading.Lock()  # the router tokenizes on worker threads
         added = list(tok.get_added_tokens_decoder().items())
@@ -50,7 +51,7 @@ class SegmentEncoder:
                 ids += self._piece(piece)
         return ids
 
-    def _piece(self, piece: str) -> list[int]:
+    def _piece(self, piece: str) -> array[int] | list[int]:
         with self._lock:
             hit = self._cache.get(piece)
             if hit is not None:
@@ -59,7 +60,7 @@ class SegmentEncoder:
         ids = self.tok.encode(piece, add_special_tokens=False).ids
         with self._lock:
             if piece not in self._cache:
-                self._cache[piece] = ids
+                self._cache[piece] = array("i", ids)  # 4 bytes an id, not a list's 8 + an int object's 28
                 self._held += len(ids)
             while self._held > self.max_ids:
                 self._held -= len(self._cache.popitem(last=False)[1])
