@@ -7,7 +7,8 @@ anything still alive after a grace period is killed, so no process outlives the 
 ``restart`` (the default) a worker process that dies is started again on the same port; the router
 notices the new instance through its KV-event stream and re-syncs its prefix index.
 
-SIGHUP rolls a restart through the workers, one process at a time: SIGTERM (the worker drains: the
+SIGHUP (what ``fleetllm fleet restart`` sends, finding the serve by the state file it leaves, see
+:mod:`fleetllm.fleet.runfile`) rolls a restart through the workers, one process at a time: SIGTERM (the worker drains: the
 router stops routing to it at its "draining" event, in-flight requests finish), start it again, wait
 until it is ready and the router routes to it, then the next. No request fails when the fleet has
 more than one worker process.
