@@ -18,9 +18,11 @@ from typing import Literal
 from fleetllm.capture.config import CaptureConfig
 from fleetllm.cli_options import add_options, cli_fields, from_args, opt
 from fleetllm.engine.config import EngineConfig
+from fleetllm.fleet.runfile import RunDirOption
 from fleetllm.router.config import RouterConfig
 from fleetllm.server.body_limit import DEFAULT_MAX_BODY_BYTES
 from fleetllm.server.config import ObservabilityConfig
+from fleetllm.server.header_timeout import DEFAULT_HEADER_TIMEOUT_S
 from fleetllm.sim.config import SimConfig
 from fleetllm.store.config import StoreConfig
 from fleetllm.tools.config import ToolConfig
@@ -34,6 +36,8 @@ class ListenOptions:
     port: int = opt(8000, "port to listen on")
     log_level: str = opt("info", "uvicorn log level")
     max_body_bytes: int = opt(DEFAULT_MAX_BODY_BYTES, "largest request body accepted (413 above)")
+    header_timeout_s: float = opt(DEFAULT_HEADER_TIMEOUT_S, "seconds a client has to send a request's headers "
+                                                            "(then 408 and the connection is closed: slow-loris)")
 
 
 @dataclass
@@ -158,7 +162,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
                     max_body_bytes=args.max_body_bytes, tools=from_args(ToolConfig, args))
     server = make_server(worker.app, args.host, args.port, args.log_level,
                          on_exit=lambda: setattr(worker, "closing", True),
-                         drain=lambda: worker.drain(args.drain_timeout_s))
+                         drain=lambda: worker.drain(args.drain_timeout_s), header_timeout_s=args.header_timeout_s)
     worker.on_fatal = server.exit_now
     server.run()
     return 1 if worker.async_engine.failure else 0  # non-zero: the supervisor restarts this worker
@@ -177,7 +181,7 @@ def cmd_sim_worker(args: argparse.Namespace) -> int:
                                                      e.metrics.registry)
     failed = serve_simulated(args.model, args.host, args.port, args.count, cfg, load_profile(args), args.log_level,
                              identities=identities, obs=observability_config(args),
-                             drain_timeout_s=args.drain_timeout_s, **extra)
+                             drain_timeout_s=args.drain_timeout_s, header_timeout_s=args.header_timeout_s, **extra)
     return 1 if failed else 0
 
 
@@ -216,7 +220,8 @@ def cmd_router(args: argparse.Namespace) -> int:
                                    resource_for("fleetllm-router", {"router": f"{args.host}:{args.port}"}), args.otlp_interval_s)
         pusher.start()
     try:
-        run_app(router.app, args.host, args.port, args.log_level, on_exit=lambda: setattr(router, "closing", True))
+        run_app(router.app, args.host, args.port, args.log_level, on_exit=lambda: setattr(router, "closing", True),
+                header_timeout_s=args.header_timeout_s)
     finally:
         if pusher:
             pusher.stop()
@@ -225,8 +230,10 @@ def cmd_router(args: argparse.Namespace) -> int:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from fleetllm.fleet.launcher import run_fleet
+    from fleetllm.fleet.runfile import state_path
 
-    return run_fleet(fleet_config(args))
+    cfg = fleet_config(args)
+    return run_fleet(cfg, state_path(cfg.port, args.run_dir))
 
 
 def fleet_config(args: argparse.Namespace):  # -> FleetConfig
@@ -304,6 +311,7 @@ def add_router_parser(sub: argparse._SubParsersAction) -> None:
 def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     s = sub.add_parser("serve", help="start N workers and a router on this machine (a fleet)")
     add_options(s, ServeOptions)
+    add_options(s, RunDirOption)
     add_options(s, EngineConfig, only=["model", "speculative"], title="every real worker")
     # None: the fleet config's value stands unless the flag is given (the help shows the router's default).
     add_options(s, RouterConfig, only=["policy", "pd_threshold"], title="router",
@@ -412,11 +420,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fleetllm", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     from fleetllm.capture.cli import add_capture_parser
+    from fleetllm.fleet.cli import add_fleet_parser
     from fleetllm.store.cli import add_models_parser
 
     for add in (add_worker_parser, add_router_parser, add_serve_parser, add_calibrate_parser,
                 add_generate_parser, add_spec_parser, add_keys_parser, add_capture_parser, add_models_parser,
-                add_recommend_parser):
+                add_recommend_parser, add_fleet_parser):
         add(sub)
     try:
         from fleetllm.bench.cli import add_bench_parser

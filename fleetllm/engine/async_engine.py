@@ -96,7 +96,7 @@ class AsyncEngine:
             while True:
                 out = await stream.get()
                 if isinstance(out, BaseException):
-                    finished = True  # the engine is gone: nothing to abort
+                    finished = isinstance(out, EngineFailed)  # a dead engine has nothing to abort
                     raise out
                 finished = out.finished
                 yield out
@@ -203,6 +203,13 @@ class AsyncEngine:
     def _fanout_kv(self, kind: str, hashes: list[int]) -> None:
         for q in self._kv_subscribers:
             q.put_nowait((kind, hashes))
+
+    def end_all(self, err: BaseException) -> int:
+        """Raise ``err`` in every caller waiting on a request (on the event loop); their requests are aborted
+        as the callers unwind. A draining worker out of time ends its requests this way. Returns how many."""
+        for stream in self._streams.values():
+            stream.put_nowait(err)
+        return len(self._streams)
 
     def _fail_all(self, err: EngineFailed) -> None:
         """On the event loop, after the engine thread died: fail every stream and every pending command."""

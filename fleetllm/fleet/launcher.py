@@ -7,7 +7,8 @@ anything still alive after a grace period is killed, so no process outlives the 
 ``restart`` (the default) a worker process that dies is started again on the same port; the router
 notices the new instance through its KV-event stream and re-syncs its prefix index.
 
-SIGHUP rolls a restart through the workers, one process at a time: SIGTERM (the worker drains: the
+SIGHUP (what ``fleetllm fleet restart`` sends, finding the serve by the state file it leaves, see
+:mod:`fleetllm.fleet.runfile`) rolls a restart through the workers, one process at a time: SIGTERM (the worker drains: the
 router stops routing to it at its "draining" event, in-flight requests finish), start it again, wait
 until it is ready and the router routes to it, then the next. No request fails when the fleet has
 more than one worker process.
@@ -19,6 +20,7 @@ import logging
 import os
 import secrets
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -30,6 +32,7 @@ from pathlib import Path
 import httpx
 
 from fleetllm.cli_options import to_argv
+from fleetllm.fleet import runfile
 from fleetllm.fleet.config import FleetConfig, ModelSpec
 from fleetllm.fleet.placement import Copy, Placer, place
 from fleetllm.server.worker_secret import ENV as SECRET_ENV
@@ -225,6 +228,8 @@ class Fleet:
         deadline = time.monotonic() + self.cfg.startup_timeout_s
         try:
             for p in self.workers:
+                _check_ports_free(p)
+            for p in self.workers:
                 p.start()
             for p in self.workers:
                 for u in p.urls:
@@ -274,6 +279,7 @@ class Fleet:
                 continue
             log.info("rolling restart: %s", p.name)
             _terminate([p], drain_grace_s)
+            _check_ports_free(p)  # else the next /ready could be another process's, and the roll a lie
             p.restarts += 1
             p.start()
             deadline = time.monotonic() + self.cfg.startup_timeout_s
@@ -283,16 +289,21 @@ class Fleet:
         log.info("rolling restart done: %d worker process(es)", len(self.workers))
 
     def supervise(self, should_stop: Callable[[], bool], tick: Callable[[], object] | None = None,
-                  tick_s: float = 2.0, restart_requested: Callable[[], bool] = lambda: False) -> None:
+                  tick_s: float = 2.0, restart_requested: Callable[[], bool] = lambda: False,
+                  rolled: Callable[[str], object] = lambda error: None) -> None:
         """Block until ``should_stop()``; restart dead workers when configured to; roll a restart through
-        the workers when ``restart_requested()``; call ``tick`` (the fleet controller) every ``tick_s``."""
+        the workers when ``restart_requested()``, then call ``rolled`` with why it stopped ("" if it went
+        through); call ``tick`` (the fleet controller) every ``tick_s``."""
         next_tick = time.monotonic() + tick_s
         while not should_stop():
             if restart_requested():
+                error = ""
                 try:
                     self.rolling_restart()
                 except (RuntimeError, TimeoutError) as e:
+                    error = str(e).splitlines()[0]
                     log.error("rolling restart stopped: %s", e)
+                rolled(error)
             for p in list(self.workers):
                 if not p.alive and self.cfg.restart:
                     p.restarts += 1
@@ -311,6 +322,18 @@ class Fleet:
             time.sleep(0.5)
 
 
+def _check_ports_free(p: Proc) -> None:
+    """Raise if another process listens on one of ``p``'s ports (its health checks would answer for ``p``)."""
+    for u in p.urls:
+        host, port = u.removeprefix("http://").rsplit(":", 1)
+        with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: TIME_WAIT is no clash
+            try:
+                s.bind((host, int(port)))
+            except OSError as e:
+                raise RuntimeError(f"{p.name}: port {port} is in use by another process ({e.strerror})") from None
+
+
 def _terminate(procs: list[Proc], grace_s: float) -> None:
     live = [p for p in procs if p.alive]
     for p in live:
@@ -325,8 +348,9 @@ def _terminate(procs: list[Proc], grace_s: float) -> None:
             p.popen.wait()  # type: ignore[union-attr]
 
 
-def run_fleet(cfg: FleetConfig) -> int:
-    """``fleetllm serve``: start the fleet, serve until SIGINT/SIGTERM, stop it cleanly."""
+def run_fleet(cfg: FleetConfig, state_file: Path | None = None) -> int:
+    """``fleetllm serve``: start the fleet, serve until SIGINT/SIGTERM, stop it cleanly. Once ready it
+    leaves ``state_file`` (:mod:`fleetllm.fleet.runfile`) for ``fleetllm fleet restart`` and removes it on exit."""
     fleet = Fleet(cfg)
     stop = {"now": False, "restart": False}
 
@@ -358,8 +382,19 @@ def run_fleet(cfg: FleetConfig) -> int:
         from fleetllm.fleet.controller import FleetController, RouterAdmin
 
         tick = FleetController(fleet, RouterAdmin(fleet.url, fleet.secret)).tick
+    state = runfile.RunState(os.getpid(), fleet.url, str(fleet.log_dir))
+
+    def rolled(error: str) -> None:
+        state.rolls, state.roll_error = state.rolls + 1, error
+        if state_file is not None:
+            runfile.write(state_file, state)
+
     try:
-        fleet.supervise(lambda: stop["now"], tick, restart_requested=restart_requested)
+        if state_file is not None:
+            runfile.write(state_file, state)
+        fleet.supervise(lambda: stop["now"], tick, restart_requested=restart_requested, rolled=rolled)
     finally:
+        if state_file is not None:
+            state_file.unlink(missing_ok=True)
         fleet.stop()
     return 0

@@ -6,11 +6,17 @@ The router uses this same class, so the token ids it hashes are exactly the engi
 from __future__ import annotations
 
 import json
+import threading
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
+
+if TYPE_CHECKING:
+    from fleetllm.models.segments import SegmentEncoder
+
+_SEGMENTS_LOCK = threading.Lock()
 
 # llama.cpp's pre-tokenizer names -> the split regex that precedes byte-level BPE.
 _GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
@@ -98,6 +104,7 @@ class TokenizerWrapper:
         self.eos_token_id = tok.token_to_id(eos_token) if eos_token else None
         self.vocab_size = tok.get_vocab_size(with_added_tokens=True)
         self._template = None
+        self._segments: SegmentEncoder | None = None  # made on first use of encode_pieces
         if chat_template:
             env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
             env.globals["raise_exception"] = _raise
@@ -152,6 +159,16 @@ class TokenizerWrapper:
         if add_special_tokens and self.add_bos and self.bos_token_id is not None:
             ids = [self.bos_token_id, *ids]
         return ids
+
+    def encode_pieces(self, text: str) -> list[int]:
+        """``encode(text, add_special_tokens=False)``, remembering the pieces between added tokens: a chat
+        that resends its history encodes only what is new (:mod:`fleetllm.models.segments`)."""
+        with _SEGMENTS_LOCK:
+            if self._segments is None:
+                from fleetllm.models.segments import SegmentEncoder
+
+                self._segments = SegmentEncoder(self.tok)
+        return self._segments.encode(text)
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.tok.decode(ids, skip_special_tokens=skip_special_tokens)

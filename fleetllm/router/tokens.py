@@ -52,7 +52,7 @@ class PromptTokenizer:
             return None
         try:
             if path.endswith(("/chat/completions", "/messages")):
-                return tok.encode(chat_prompt(tok, path, body), add_special_tokens=False)
+                return tok.encode_pieces(chat_prompt(tok, path, body))  # a returning chat: its new turn only
             prompt = body.get("prompt")
             if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
                 prompt = prompt[0]  # a batch: route by its first prompt

@@ -175,7 +175,14 @@ class Worker:
             await asyncio.sleep(0.1)
         idle = await self.inflight.wait_idle(timeout_s)
         if not idle:
-            logging.getLogger("fleetllm").warning("drain timed out with %d request(s) in flight", self.inflight.count)
+            # Out of time: end what is left with an answer rather than a cut connection when the server
+            # stops. Not yet answered (queued, or a stream before its first token): a 503 the router retries
+            # on another worker; a stream under way ends with that error event and [DONE].
+            n = self.async_engine.end_all(APIError(503, "this worker stopped (drain timed out); retry on another",
+                                                   headers={"Retry-After": "1"}))
+            logging.getLogger("fleetllm").warning("drain timed out with %d request(s) in flight: ended %d",
+                                                  self.inflight.count, n)
+            await self.inflight.wait_idle(5.0)
         self.closing = True
         return idle
 
@@ -302,7 +309,7 @@ class Worker:
                                  **kwargs)
         except Exception as e:
             raise APIError(400, f"chat template failed: {e}", "messages") from None
-        return [self.engine.tokenizer.encode(text, add_special_tokens=False)]
+        return [self.engine.tokenizer.encode_pieces(text)]  # a resent history: only its new turn is encoded
 
     async def chat(self, request: Request) -> Response:
         body = await self.request_body(request)

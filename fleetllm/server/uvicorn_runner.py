@@ -17,6 +17,8 @@ from typing import Any
 
 import uvicorn
 
+from fleetllm.server.header_timeout import DEFAULT_HEADER_TIMEOUT_S, header_timeout_protocol
+
 
 class _Server(uvicorn.Server):
     def __init__(self, config: uvicorn.Config, on_exit: Callable[[], None] | None,
@@ -48,14 +50,22 @@ class _Server(uvicorn.Server):
         self.handle_exit(signal.SIGINT, None)
 
 
+def server_config(app: Any, host: str, port: int, log_level: str = "info",
+                  header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S) -> uvicorn.Config:
+    """How every fleetllm server (worker, simulated worker, router) is served: no access log, 30 s to
+    finish streams on shutdown, clients that are slow to send headers cut off (:mod:`.header_timeout`)."""
+    return uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False,
+                          timeout_graceful_shutdown=30, http=header_timeout_protocol(header_timeout_s))
+
+
 def make_server(app: Any, host: str, port: int, log_level: str = "info", on_exit: Callable[[], None] | None = None,
-                drain: Callable[[], Awaitable[object]] | None = None) -> _Server:
+                drain: Callable[[], Awaitable[object]] | None = None,
+                header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S) -> _Server:
     """A uvicorn server for ``app``; ``server.run()`` serves until stopped (see the module's doc)."""
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False,
-                            timeout_graceful_shutdown=30)
-    return _Server(config, on_exit, drain)
+    return _Server(server_config(app, host, port, log_level, header_timeout_s), on_exit, drain)
 
 
 def run_app(app: Any, host: str, port: int, log_level: str = "info", on_exit: Callable[[], None] | None = None,
-            drain: Callable[[], Awaitable[object]] | None = None) -> None:
-    make_server(app, host, port, log_level, on_exit, drain).run()
+            drain: Callable[[], Awaitable[object]] | None = None,
+            header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S) -> None:
+    make_server(app, host, port, log_level, on_exit, drain, header_timeout_s).run()

@@ -16,6 +16,8 @@ import uvicorn
 
 from fleetllm.models.source import load_tokenizer
 from fleetllm.server.app import ObservabilityConfig, Worker
+from fleetllm.server.header_timeout import DEFAULT_HEADER_TIMEOUT_S
+from fleetllm.server.uvicorn_runner import server_config
 from fleetllm.sim.engine import SimConfig, sim_engine
 from fleetllm.sim.profile import TimingProfile
 
@@ -39,12 +41,12 @@ def build_workers(model: str, count: int, cfg: SimConfig, profile: TimingProfile
 def serve_simulated(model: str, host: str, port: int, count: int, cfg: SimConfig, profile: TimingProfile | None,
                     log_level: str = "warning", identities: list[dict[str, str]] | None = None,
                     obs: ObservabilityConfig | None = None, captures: Callable[[int, Any], Any] | None = None,
-                    drain_timeout_s: float = 30.0) -> bool:
+                    drain_timeout_s: float = 30.0, header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S) -> bool:
     """Serve until SIGINT (stop now) or SIGTERM (drain every worker, then stop), or until an engine
     fails (then every worker stops); return whether one failed."""
     workers = build_workers(model, count, cfg, profile, identities, obs, captures)
-    servers = [_Server(uvicorn.Config(w.app, host=host, port=port + i, log_level=log_level, access_log=False,
-                                      timeout_graceful_shutdown=30)) for i, w in enumerate(workers)]
+    servers = [_Server(server_config(w.app, host, port + i, log_level, header_timeout_s))
+               for i, w in enumerate(workers)]
 
     async def main() -> None:
         loop = asyncio.get_running_loop()

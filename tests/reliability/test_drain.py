@@ -1,4 +1,5 @@
-"""Graceful drain (SIGTERM on a worker) and a rolling restart of a fleet (SIGHUP to ``fleetllm serve``)."""
+"""Graceful drain (SIGTERM on a worker) and a rolling restart of a fleet (``fleetllm fleet restart`` from
+another process, which SIGHUPs ``fleetllm serve``)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ from pathlib import Path
 import httpx
 import pytest
 from fleet_helpers import free_ports, sim_worker_processes
+
+from fleetllm.cli import build_parser
 
 pytestmark = pytest.mark.slow  # processes: signals, exits, restarts
 
@@ -50,6 +53,32 @@ def test_sigterm_drains_in_flight_requests_then_exits(procs) -> None:
     assert w.popen.wait(timeout=30) == 0
 
 
+def _post(url: str, body: dict, out: dict) -> None:
+    r = httpx.post(url + "/v1/completions", json=body, timeout=60)
+    out.update(status=r.status_code, body=r.json(), retry=r.headers.get("retry-after"))
+
+
+def test_a_drain_out_of_time_answers_what_is_left(procs) -> None:
+    """Past --drain-timeout the worker does not just stop (cutting connections): a request not yet answered
+    gets 503 + Retry-After (a router retries it elsewhere), a stream under way an error event then [DONE]."""
+    w = sim_worker_processes(1, "--sim-speed", "1", "--drain-timeout", "0.5", "--max-num-seqs", "1")
+    procs.append(w)
+    started, streamed, queued = threading.Event(), {}, {}
+    stream = threading.Thread(target=_stream, args=(w.url, 1000, started, streamed))
+    stream.start()
+    assert started.wait(30)
+    plain = threading.Thread(target=_post, args=(w.url, {"prompt": "Hi", "max_tokens": 5}, queued))
+    plain.start()  # waits behind the stream: one sequence at a time
+    time.sleep(0.3)
+    w.popen.send_signal(signal.SIGTERM)
+    stream.join(60)
+    plain.join(60)
+    assert streamed["status"] == 200 and streamed["lines"][-1] == "[DONE]"
+    assert json.loads(streamed["lines"][-2])["error"]["code"] == 503
+    assert queued["status"] == 503 and queued["retry"] and queued["body"]["error"]["message"]
+    assert w.popen.wait(timeout=30) == 0
+
+
 FLEET = """
 machines:
   - {name: a, cores: 1, memory_gb: 4, zone: za}
@@ -62,7 +91,8 @@ router_args: ["--health-interval", "0.25"]
 
 def _serve(config: Path, port: int) -> tuple[subprocess.Popen[bytes], Path]:
     fd, name = tempfile.mkstemp(prefix="fleetllm-roll-", suffix=".log")
-    p = subprocess.Popen([sys.executable, "-m", "fleetllm.cli", "serve", "--config", str(config), "--port", str(port)],
+    p = subprocess.Popen([sys.executable, "-m", "fleetllm.cli", "serve", "--config", str(config), "--port", str(port),
+                          "--run-dir", str(config.parent)],
                          stdout=fd, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     os.close(fd)
     return p, Path(name)
@@ -87,7 +117,7 @@ def _load(url: str, stop: threading.Event, results: list[int], i: int) -> None:
                 results.append(599)
 
 
-def test_a_rolling_restart_under_load_fails_no_request(tmp_path: Path) -> None:
+def test_a_rolling_restart_under_load_fails_no_request(tmp_path: Path, capsys) -> None:
     config = tmp_path / "fleet.yaml"
     config.write_text(FLEET)
     port = free_ports(3)
@@ -100,8 +130,10 @@ def test_a_rolling_restart_under_load_fails_no_request(tmp_path: Path) -> None:
             t.start()
         while len(results) < 4:
             time.sleep(0.1)
-        p.send_signal(signal.SIGHUP)
-        _wait_for(log, "rolling restart done", p)
+        # `fleetllm fleet restart` from this process, not the serve's: it finds the serve by its state file
+        args = build_parser().parse_args(["fleet", "restart", "--run-dir", str(tmp_path), "--timeout", "300"])
+        assert args.func(args) == 0
+        assert "rolling restart done" in capsys.readouterr().out
         stop.set()
         for t in clients:
             t.join(60)
@@ -116,3 +148,4 @@ def test_a_rolling_restart_under_load_fails_no_request(tmp_path: Path) -> None:
             p.kill()
             p.wait()
         log.unlink(missing_ok=True)
+    assert not (tmp_path / f"serve-{port}.json").exists()  # the serve removed its state file
