@@ -139,6 +139,9 @@ def cmd_worker(args: argparse.Namespace) -> int:
     disable_created_metrics()  # *_created series: half the /metrics page, read by nothing here
     if args.simulate:
         return cmd_sim_worker(args)
+    from fleetllm.store import prefetch
+
+    prefetch.start(args.model, from_args(StoreConfig, args))  # the store's part of a cold start overlaps the imports
     from fleetllm.engine.engine import LLMEngine
     from fleetllm.server.app import Worker
     from fleetllm.server.uvicorn_runner import make_server
