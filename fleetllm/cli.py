@@ -411,9 +411,14 @@ def add_recommend_parser(sub: argparse._SubParsersAction) -> None:
     r.set_defaults(func=cmd_recommend)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(worker_only: bool = False) -> argparse.ArgumentParser:
+    """The CLI; ``worker_only``: just ``fleetllm worker``, whose cold start then skips importing the other
+    commands' modules (bench's httpx and rich, capture's cryptography: a tenth of a second or more)."""
     parser = argparse.ArgumentParser(prog="fleetllm", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
+    if worker_only:
+        add_worker_parser(sub)
+        return parser
     from fleetllm.capture.cli import add_capture_parser
     from fleetllm.store.cli import add_models_parser
 
@@ -433,7 +438,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per health check otherwise
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(worker_only=argv[:1] == ["worker"]).parse_args(argv)
     return args.func(args) or 0
 
 

@@ -51,7 +51,8 @@ class _Server(uvicorn.Server):
 def make_server(app: Any, host: str, port: int, log_level: str = "info", on_exit: Callable[[], None] | None = None,
                 drain: Callable[[], Awaitable[object]] | None = None) -> _Server:
     """A uvicorn server for ``app``; ``server.run()`` serves until stopped (see the module's doc)."""
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False,
+    # ws="none": no route speaks WebSocket, and loading uvicorn's WebSocket protocol costs a worker's cold start
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False, ws="none",
                             timeout_graceful_shutdown=30)
     return _Server(config, on_exit, drain)
 
