@@ -180,7 +180,7 @@ def cmd_sim_worker(args: argparse.Namespace) -> int:
                                                      e.metrics.registry)
     failed = serve_simulated(args.model, args.host, args.port, args.count, cfg, load_profile(args), args.log_level,
                              identities=identities, obs=observability_config(args),
-                             drain_timeout_s=args.drain_timeout_s, **extra)
+                             drain_timeout_s=args.drain_timeout_s, store=from_args(StoreConfig, args), **extra)
     return 1 if failed else 0
 
 
