@@ -44,7 +44,7 @@ class LoadedModel:
     config: ModelConfig
     model: LlamaModel | Gemma3Model
     tokenizer: TokenizerWrapper
-    load_seconds: float  # everything: resolve, download and verify for a store URI, then load
+    load_seconds: float  # from this call: the store's fetch (or the wait for one a worker began first), then load
     root: str = ""  # where the weights came from: the pinned URI (hf://org/name@<commit>) or the local path
     revision: str | None = None  # the commit of a store URI
     phases: dict[str, float] = field(default_factory=dict)  # cold-start phases: resolve, download, verify, load
