@@ -143,6 +143,9 @@ def cmd_worker(args: argparse.Namespace) -> int:
     disable_created_metrics()  # *_created series: half the /metrics page, read by nothing here
     if args.simulate:
         return cmd_sim_worker(args)
+    from fleetllm.store import prefetch
+
+    prefetch.start(args.model, from_args(StoreConfig, args))  # the store's part of a cold start overlaps the imports
     from fleetllm.engine.engine import LLMEngine
     from fleetllm.server.app import Worker
     from fleetllm.server.uvicorn_runner import make_server
@@ -181,7 +184,8 @@ def cmd_sim_worker(args: argparse.Namespace) -> int:
                                                      e.metrics.registry)
     failed = serve_simulated(args.model, args.host, args.port, args.count, cfg, load_profile(args), args.log_level,
                              identities=identities, obs=observability_config(args),
-                             drain_timeout_s=args.drain_timeout_s, header_timeout_s=args.header_timeout_s, **extra)
+                             drain_timeout_s=args.drain_timeout_s, header_timeout_s=args.header_timeout_s,
+                             store=from_args(StoreConfig, args), **extra)
     return 1 if failed else 0
 
 
@@ -416,9 +420,14 @@ def add_recommend_parser(sub: argparse._SubParsersAction) -> None:
     r.set_defaults(func=cmd_recommend)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(worker_only: bool = False) -> argparse.ArgumentParser:
+    """The CLI; ``worker_only``: just ``fleetllm worker``, whose cold start then skips importing the other
+    commands' modules (bench's httpx and rich, capture's cryptography: a tenth of a second or more)."""
     parser = argparse.ArgumentParser(prog="fleetllm", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
+    if worker_only:
+        add_worker_parser(sub)
+        return parser
     from fleetllm.capture.cli import add_capture_parser
     from fleetllm.fleet.cli import add_fleet_parser
     from fleetllm.store.cli import add_models_parser
@@ -439,7 +448,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per health check otherwise
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(worker_only=argv[:1] == ["worker"]).parse_args(argv)
     return args.func(args) or 0
 
 

@@ -26,7 +26,9 @@ from fleetllm.models.llama import (
     check_all_used,
     load_attention_and_mlp,
     load_embeddings,
+    set_weight,
     state_taker,
+    uninitialised_embedding,
 )
 
 
@@ -49,7 +51,7 @@ class Gemma3Model(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.cfg = cfg
-        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed = uninitialised_embedding(cfg)
         self.layers = nn.ModuleList(Gemma3Layer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
@@ -104,5 +106,5 @@ class Gemma3Model(nn.Module):
                 for norm, name in ((layer.input_norm, "input_layernorm"), (layer.post_attn_norm, "post_attention_layernorm"),
                                    (layer.pre_mlp_norm, "pre_feedforward_layernorm"),
                                    (layer.post_mlp_norm, "post_feedforward_layernorm")):
-                    norm.weight.copy_(take(f"{p}{name}.weight") + 1.0)
+                    set_weight(norm, take(f"{p}{name}.weight") + 1.0)
         check_all_used(sd)

@@ -24,6 +24,7 @@ import torch
 from fleetllm.models.config import ModelConfig
 from fleetllm.models.gemma3 import Gemma3Model
 from fleetllm.models.llama import LlamaModel
+from fleetllm.models.safetensors_mmap import map_safetensors
 from fleetllm.models.source import ALIASES, cache_dir, dequant_cache_dir, read_cached_tokenizer, resolve
 from fleetllm.models.source import fetch as fetch_remote
 from fleetllm.models.tokenizer import TokenizerWrapper
@@ -43,7 +44,7 @@ class LoadedModel:
     config: ModelConfig
     model: LlamaModel | Gemma3Model
     tokenizer: TokenizerWrapper
-    load_seconds: float  # everything: resolve, download and verify for a store URI, then load
+    load_seconds: float  # from this call: the store's fetch (or the wait for one a worker began first), then load
     root: str = ""  # where the weights came from: the pinned URI (hf://org/name@<commit>) or the local path
     revision: str | None = None  # the commit of a store URI
     phases: dict[str, float] = field(default_factory=dict)  # cold-start phases: resolve, download, verify, load
@@ -62,13 +63,7 @@ def load_model(ref: str, device: str = "cpu", dtype: torch.dtype = torch.float32
         cfg, sd, tok = read_hf_dir(path)
     else:
         raise ValueError(f"{path}: expected a .gguf file or a directory with config.json")
-    with torch.device("meta"):
-        model = (Gemma3Model if cfg.architecture == "gemma3" else LlamaModel)(cfg)
-    model = model.to_empty(device=device)
-    model.load_hf_state_dict(sd)
-    model = model.to(dtype)
-    model.init_rotary(device)  # after the cast: the tables stay fp32 for accuracy
-    model.eval()
+    model = build_model(cfg, sd, device, dtype)
     if not cfg.eos_token_ids and tok.eos_token_id is not None:
         cfg.eos_token_ids = [tok.eos_token_id]
     t1 = time.perf_counter()
@@ -77,17 +72,38 @@ def load_model(ref: str, device: str = "cpu", dtype: torch.dtype = torch.float32
     return LoadedModel(name or ref, cfg, model, tok, t1 - t0, root, fetched.revision if fetched else None, phases)
 
 
+def build_model(cfg: ModelConfig, sd: dict[str, torch.Tensor], device: str, dtype: torch.dtype) -> LlamaModel | Gemma3Model:
+    """The model of ``cfg`` whose parameters are the tensors of ``sd`` (taken out of it), on ``device`` in ``dtype``.
+
+    Built on the meta device, so nothing is allocated or initialised before the weights replace the placeholders:
+    fp32 weights memory-mapped from a safetensors file stay mapped, not copied (see ``LlamaModel.load_hf_state_dict``).
+    """
+    with torch.device("meta"):
+        model = (Gemma3Model if cfg.architecture == "gemma3" else LlamaModel)(cfg)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # copies are memory-bound; a 2nd thread descheduled on a busy node stalls them 10x
+    try:
+        model.load_hf_state_dict(sd)
+        unset = [n for n, p in model.named_parameters() if p.is_meta]
+        if unset:
+            raise ValueError(f"no weights for {unset[:5]}")
+        model = model.to(device=device, dtype=dtype)  # a no-op for fp32 on the CPU: the mapping stays
+    finally:
+        torch.set_num_threads(threads)
+    model.init_rotary(device)  # after the cast: the tables stay fp32 for accuracy
+    return model.eval()
+
+
 # ---- HF directory -------------------------------------------------------------------------------------
 def read_hf_dir(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], TokenizerWrapper]:
-    from safetensors.torch import load_file
-
+    """Config, weights (memory-mapped, read on first use) and tokenizer of a HF directory."""
     cfg = ModelConfig.from_hf(json.loads((path / "config.json").read_text()))
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"{path}: no *.safetensors files")
     sd: dict[str, torch.Tensor] = {}
     for f in files:
-        sd.update(load_file(str(f)))
+        sd.update(map_safetensors(f))
     tok = TokenizerWrapper.from_hf_dir(path)
     return cfg, sd, tok
 
@@ -205,7 +221,5 @@ def _write_cache(target: Path, cfg: ModelConfig, sd: dict[str, torch.Tensor], to
 
 
 def _read_cache(entry: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], TokenizerWrapper]:
-    from safetensors.torch import load_file
-
     cfg, tok = read_cached_tokenizer(entry)
-    return cfg, load_file(str(entry / "model.safetensors")), tok
+    return cfg, map_safetensors(entry / "model.safetensors"), tok

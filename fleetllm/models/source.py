@@ -78,8 +78,15 @@ def resolve(ref: str, store: StoreConfig | None = None) -> Path:
 
 
 def fetch(ref: str, store: StoreConfig | None = None, weights: bool = True) -> Fetched:
-    """A store URI's files in the node's cache, verified (``weights=False``: config and tokenizer only)."""
+    """A store URI's files in the node's cache, verified (``weights=False``: config and tokenizer only).
+
+    Takes over a fetch of the same model that ``fleetllm worker`` started before its imports, if any.
+    """
+    from fleetllm.store import prefetch
     from fleetllm.store.store import ModelStore
+
+    if weights and (started := prefetch.take(ref, store)) is not None:
+        return started
 
     return ModelStore(store).fetch(ref, weights=weights)
 

@@ -28,10 +28,12 @@ import hashlib
 import math
 import random
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from fleetllm.router.index import PrefixIndex
-from fleetllm.router.upstream import WorkerState
+
+if TYPE_CHECKING:  # httpx, which upstream imports, is no part of a worker's start (the CLI imports this module)
+    from fleetllm.router.upstream import WorkerState
 
 
 @dataclass

@@ -54,7 +54,8 @@ def server_config(app: Any, host: str, port: int, log_level: str = "info",
                   header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S) -> uvicorn.Config:
     """How every fleetllm server (worker, simulated worker, router) is served: no access log, 30 s to
     finish streams on shutdown, clients that are slow to send headers cut off (:mod:`.header_timeout`)."""
-    return uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False,
+    # ws="none": no route speaks WebSocket, and loading uvicorn's WebSocket protocol costs a worker's cold start
+    return uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False, ws="none",
                           timeout_graceful_shutdown=30, http=header_timeout_protocol(header_timeout_s))
 
 

@@ -20,6 +20,7 @@ from fleetllm.server.header_timeout import DEFAULT_HEADER_TIMEOUT_S
 from fleetllm.server.uvicorn_runner import server_config
 from fleetllm.sim.engine import SimConfig, sim_engine
 from fleetllm.sim.profile import TimingProfile
+from fleetllm.store.config import StoreConfig
 
 
 class _Server(uvicorn.Server):
@@ -30,9 +31,10 @@ class _Server(uvicorn.Server):
 
 def build_workers(model: str, count: int, cfg: SimConfig, profile: TimingProfile | None,
                   identities: list[dict[str, str]] | None = None, obs: ObservabilityConfig | None = None,
-                  captures: Callable[[int, Any], Any] | None = None) -> list[Worker]:
-    """``captures(i, engine)``: worker ``i``'s capture (fleetllm/capture/), when capture is on."""
-    model_config, tokenizer = load_tokenizer(model)
+                  captures: Callable[[int, Any], Any] | None = None, store: StoreConfig | None = None) -> list[Worker]:
+    """``captures(i, engine)``: worker ``i``'s capture (fleetllm/capture/), when capture is on; ``store``: where a
+    store URI's config and tokenizer come from (its weights are never fetched)."""
+    model_config, tokenizer = load_tokenizer(model, store)
     ids = identities or [None] * count
     engines = [sim_engine(cfg, tokenizer, model_config, profile, ids[i]) for i in range(count)]
     return [Worker(e, obs, capture=captures(i, e) if captures else None) for i, e in enumerate(engines)]
@@ -41,10 +43,11 @@ def build_workers(model: str, count: int, cfg: SimConfig, profile: TimingProfile
 def serve_simulated(model: str, host: str, port: int, count: int, cfg: SimConfig, profile: TimingProfile | None,
                     log_level: str = "warning", identities: list[dict[str, str]] | None = None,
                     obs: ObservabilityConfig | None = None, captures: Callable[[int, Any], Any] | None = None,
-                    drain_timeout_s: float = 30.0, header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S) -> bool:
+                    drain_timeout_s: float = 30.0, header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S,
+                    store: StoreConfig | None = None) -> bool:
     """Serve until SIGINT (stop now) or SIGTERM (drain every worker, then stop), or until an engine
     fails (then every worker stops); return whether one failed."""
-    workers = build_workers(model, count, cfg, profile, identities, obs, captures)
+    workers = build_workers(model, count, cfg, profile, identities, obs, captures, store)
     servers = [_Server(server_config(w.app, host, port + i, log_level, header_timeout_s))
                for i, w in enumerate(workers)]
 

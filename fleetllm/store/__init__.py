@@ -9,7 +9,8 @@ matched; every load checks them again against the cache's manifest.
 Modules: ``uri`` (parsing), ``config`` (settings), ``secret`` (per-model tokens), ``errors``, ``checksum``,
 ``selection`` (which files a loader needs), ``cache`` (layout, manifest, locks, LRU), ``remote`` (what a source
 is), ``hub`` and ``s3`` (the sources), ``store`` (resolve -> download -> verify, with fallbacks), ``pin`` (a
-fleet's sources pinned at deploy), ``phases`` (cold-start timing), ``cli`` (``fleetllm models``).
+fleet's sources pinned at deploy), ``phases`` (cold-start timing), ``prefetch`` (a worker's fetch overlapping its imports), ``cli``
+(``fleetllm models``).
 """
 
 from fleetllm.store.config import StoreConfig

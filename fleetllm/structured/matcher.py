@@ -7,9 +7,13 @@ kernel (a compile on first use would stall the step loop).
 
 from __future__ import annotations
 
-import llguidance
+from typing import TYPE_CHECKING
+
 import numpy as np
 import torch
+
+if TYPE_CHECKING:  # imported by whoever builds matchers (the grammar compiler), not on every worker's start
+    import llguidance
 
 
 class GrammarState:

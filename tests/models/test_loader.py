@@ -91,3 +91,23 @@ def test_hf_directory_gives_the_same_greedy_output_as_the_gguf(tmp_path: Path, l
     a = LLM(loaded=loaded_model, kv_cache_gb=0.25).generate([prompt], params)[0].outputs[0].token_ids
     b = LLM(str(tmp_path), kv_cache_gb=0.25).generate([prompt], params)[0].outputs[0].token_ids
     assert a == b
+
+
+def test_safetensors_map_gives_the_file_tensors_and_fuses_adjacent_ones_without_a_copy(tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+
+    from fleetllm.models.llama import fuse
+    from fleetllm.models.safetensors_mmap import map_safetensors
+
+    g = torch.Generator().manual_seed(0)
+    names = ("mlp.gate_proj", "mlp.up_proj", "self_attn.k_proj", "self_attn.q_proj", "self_attn.v_proj")
+    save_file({n + ".weight": torch.randn(4, 3, generator=g) for n in names}
+              | {"bf16": torch.ones(2, dtype=torch.bfloat16)}, str(tmp_path / "m.safetensors"))
+    mapped, read = map_safetensors(tmp_path / "m.safetensors"), load_file(str(tmp_path / "m.safetensors"))
+    assert {k: (v.dtype, v.tolist()) for k, v in mapped.items()} == {k: (v.dtype, v.tolist()) for k, v in read.items()}
+    gate, up = mapped["mlp.gate_proj.weight"], mapped["mlp.up_proj.weight"]
+    gate_up = fuse([gate, up])  # back to back in the file (sorted by name): a view of the map
+    assert gate_up.data_ptr() == gate.data_ptr() and torch.equal(gate_up, torch.cat([gate, up]))
+    qkv = fuse([mapped[f"self_attn.{n}_proj.weight"] for n in "qkv"])  # k, q, v in the file: one copy
+    assert qkv.data_ptr() != mapped["self_attn.q_proj.weight"].data_ptr()
+    assert torch.equal(qkv, torch.cat([read[f"self_attn.{n}_proj.weight"] for n in "qkv"]))

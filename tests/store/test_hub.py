@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import subprocess
 import sys
+from pathlib import Path
 
 import httpx
 import pytest
@@ -115,3 +116,14 @@ def test_a_gated_repo_without_a_token_fails_naming_the_model(hub, store_cfg, cap
     assert "hf://test/tiny-gated: the hub answered 401: the repository is gated or private and give its token" \
         in caplog.text
     assert "Traceback" not in caplog.text
+
+
+def test_a_simulated_worker_takes_its_tokenizer_through_the_store_flags(hub, store_cfg):
+    from fleetllm.models.tokenizer import TokenizerWrapper
+    from fleetllm.sim.config import SimConfig
+    from fleetllm.sim.server import build_workers
+
+    (worker,) = build_workers("hf://test/tiny", 1, SimConfig(speed=1000.0), None, store=store_cfg)
+    (files,) = Path(store_cfg.cache_dir).glob("hf--test--tiny/*/files")  # this test's own cache: the flag held
+    assert sorted(p.name for p in files.iterdir()) == ["config.json", "tokenizer.json", "tokenizer_config.json"]
+    assert worker.engine.tokenizer.encode("Hello") == TokenizerWrapper.from_hf_dir(files).encode("Hello")

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import subprocess
+import sys
 from pathlib import Path
 
 import httpx
@@ -68,3 +70,14 @@ def test_a_secret_cannot_be_pickled():
 
     with pytest.raises(TypeError):
         pickle.dumps(Secret(GATED_TOKEN))
+
+
+@pytest.mark.slow
+def test_a_worker_on_a_gated_repo_without_a_token_exits_2_naming_the_model(hub, store_cfg):
+    """A real ``fleetllm worker`` process (its fetch runs on the thread that starts before its imports)."""
+    cmd = [sys.executable, "-m", "fleetllm.cli", "worker", "--model", "hf://test/tiny-gated", "--cache-dir",
+           store_cfg.cache_dir, "--hf-endpoint", hub.endpoint, "--host", "127.0.0.1", "--port", "1"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert "cannot start: model hf://test/tiny-gated: the hub answered 401" in done.stderr
+    assert "Traceback" not in done.stderr + done.stdout
