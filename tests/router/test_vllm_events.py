@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import functools
 import json
 import threading
 from pathlib import Path
@@ -15,7 +16,7 @@ from unittest import mock
 import httpx
 import pytest
 import zmq
-from fleet_helpers import ThreadServers, free_port, free_ports, router, wait_state
+from fleet_helpers import ThreadServers, free_ports, router, wait_state
 
 from fleetllm.router.backends.vllm_events import EventSource, VllmEventSubscriber
 from fleetllm.router.backends.vllm_hash import external_hash
@@ -168,8 +169,19 @@ def _run(vllm_events: bool, procs: list) -> tuple[float, list[Any], dict]:
     return _hit_rate(workers), workers, state
 
 
+@pytest.fixture
+def one_tokenizer_load() -> Any:
+    """The four loads of the model's tokenizer (two fleets, two routers) share one."""
+    from fleetllm.models import source
+
+    cached = functools.lru_cache(maxsize=None)(source.load_tokenizer)
+    with mock.patch("fleetllm.models.source.load_tokenizer", cached), \
+            mock.patch("fleetllm.sim.server.load_tokenizer", cached):
+        yield
+
+
 @pytest.mark.slow
-def test_kv_aware_over_vllm_events_hits_as_over_native_events(procs: list) -> None:
+def test_kv_aware_over_vllm_events_hits_as_over_native_events(procs: list, one_tokenizer_load: Any) -> None:
     native, _, _ = _run(False, procs)
     vllm_mode, workers, state = _run(True, procs)
     assert native > 0.5  # turns 2 and 3 of each conversation find their prefix
