@@ -186,8 +186,9 @@ class WorkerMonitor:
             await asyncio.sleep(self.health_interval_s)
 
     async def _engine_loop(self, w: WorkerState) -> None:
-        """A fleetllm worker's event stream; another engine's load poll (and vLLM's KV events)."""
-        if w.kind in (None, "fleetllm"):
+        """A fleetllm worker's event stream; another engine's load poll (and its vLLM-format KV events: also a
+        fleetllm worker's when it publishes those)."""
+        if w.kv_source is None and w.kind in (None, "fleetllm"):
             await self._events_loop(w)
         if w.kind is None:  # a plain URL without /kv/events: some other engine
             w.kind = await detect(self.client, w.url, self.health_timeout_s)

@@ -15,7 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 @dataclass(frozen=True)
 class Backend:
-    """One engine kind: its load series and whether it publishes KV events of its own."""
+    """One engine kind: its load series and how to recognise it."""
 
     kind: str
     running: tuple[str, ...] = ()
@@ -23,7 +23,6 @@ class Backend:
     kv_usage: tuple[str, ...] = ()
     owned_by: str | None = None  # what its /v1/models says in `owned_by` (detection)
     metric_prefix: str | None = None  # what its /metrics series start with (detection)
-    native_events: bool = False  # fleetllm's /kv/events (SSE) stream
 
     def load(self, metrics_text: str) -> dict[str, Any]:
         """Running and waiting requests and KV usage from the engine's ``/metrics`` page (absent ones left out)."""
