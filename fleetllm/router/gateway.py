@@ -112,7 +112,7 @@ class Router:
         kind, url = parse_worker(spec)
         w = WorkerState(_name(url), url, zone, role=role, model=model, variant=variant, kind=kind,
                         breaker=Breaker(self.cfg.breaker_threshold, self.cfg.breaker_cooldown_s))
-        self.engines.configure(w, spec)
+        self.engines.configure(w)
         self.workers.append(w)
         self.metrics.healthy.labels(worker=w.name, zone=w.zone).set(0)
         self.metrics.breaker_open.labels(worker=w.name).set(0)

@@ -32,7 +32,7 @@ class EngineSetup:
         self.hasher = VllmHasher(cfg.prefix_caching_hash_algo, seed, cfg.engine_block_size) if seed else None
         self.hashers = {self.hasher.key: self.hasher} if self.hasher else {}
 
-    def configure(self, w: WorkerState, spec: str) -> None:
+    def configure(self, w: WorkerState) -> None:
         """Give ``w`` its KV-event source and hash scheme when it publishes vLLM's events."""
         source = self._source(w)
         if source is None:
