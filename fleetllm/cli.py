@@ -21,7 +21,7 @@ from fleetllm.engine.config import EngineConfig
 from fleetllm.fleet.runfile import RunDirOption
 from fleetllm.router.config import RouterConfig
 from fleetllm.server.body_limit import DEFAULT_MAX_BODY_BYTES
-from fleetllm.server.config import ObservabilityConfig
+from fleetllm.server.config import KVEventsOptions, ObservabilityConfig
 from fleetllm.server.header_timeout import DEFAULT_HEADER_TIMEOUT_S
 from fleetllm.sim.config import SimConfig
 from fleetllm.store.config import StoreConfig
@@ -162,7 +162,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
     )
     capture = capture_for(args, "worker-" + worker_identity(args)["worker"], ("worker",), engine.metrics.registry)
     worker = Worker(engine, observability_config(args), role=args.role, capture=capture,
-                    max_body_bytes=args.max_body_bytes, tools=from_args(ToolConfig, args))
+                    max_body_bytes=args.max_body_bytes, tools=from_args(ToolConfig, args),
+                    kv_events=from_args(KVEventsOptions, args))
     server = make_server(worker.app, args.host, args.port, args.log_level,
                          on_exit=lambda: setattr(worker, "closing", True),
                          drain=lambda: worker.drain(args.drain_timeout_s), header_timeout_s=args.header_timeout_s)
@@ -182,6 +183,8 @@ def cmd_sim_worker(args: argparse.Namespace) -> int:
     if args.destination:  # capture: one per simulated worker (passed only when on)
         extra["captures"] = lambda i, e: capture_for(args, "worker-" + identities[i]["worker"], ("worker",),
                                                      e.metrics.registry)
+    if args.kv_events_config:  # vLLM-format KV events: one publisher per simulated worker, ports counted up
+        extra["kv_events"] = from_args(KVEventsOptions, args)
     failed = serve_simulated(args.model, args.host, args.port, args.count, cfg, load_profile(args), args.log_level,
                              identities=identities, obs=observability_config(args),
                              drain_timeout_s=args.drain_timeout_s, header_timeout_s=args.header_timeout_s,
@@ -294,6 +297,7 @@ def add_worker_parser(sub: argparse._SubParsersAction) -> None:
     add_options(w, ObservabilityConfig, title="observability")
     add_options(w, CaptureConfig, title="capture (worker tier)")
     add_options(w, ToolConfig, title="tool calling")
+    add_options(w, KVEventsOptions, title="KV events in vLLM's format (ZMQ)")
     sim = w.add_argument_group("simulated worker")
     add_options(sim, SimulateOptions)
     add_options(sim, ProfileOption)

@@ -63,34 +63,37 @@ def import_blocks(engine: LLMEngine, header: FrameHeader, layers: list[tuple[tor
     return {"imported": len(todo), "already_cached": header.num_blocks - len(missing), "dropped": len(missing) - len(todo)}
 
 
-def _walk(header: FrameHeader, pool: BlockPool, extra: bytes) -> tuple[list[tuple[int, int, list[int]]], list[int]]:
-    """The frame's blocks not cached here as (frame index, hash, tokens), and the pool ids of those that
-    are; FrameError if a hash does not match its tokens."""
+Missing = tuple[int, int, list[int], int | None]  # frame index, hash, tokens, the previous block's hash
+
+
+def _walk(header: FrameHeader, pool: BlockPool, extra: bytes) -> tuple[list[Missing], list[int]]:
+    """The frame's blocks not cached here as (frame index, hash, tokens, previous block's hash), and the pool
+    ids of those that are; FrameError if a hash does not match its tokens."""
     bs = header.block_size
     parent = None
     missing, cached = [], []
     for i, h in enumerate(header.block_hashes):
         chunk = header.token_ids[i * bs : (i + 1) * bs]
-        parent = hash_block(parent, chunk, extra)
+        prev, parent = parent, hash_block(parent, chunk, extra)
         if parent != h:
             raise FrameError(f"block {i}: hash does not match its tokens")
         bid = pool.lookup(h, chunk)
         if bid is None:
-            missing.append((i, h, chunk))
+            missing.append((i, h, chunk, prev))
         else:
             cached.append(bid)
     return missing, cached
 
 
 def _write_blocks(pool: BlockPool, views: list[tuple[torch.Tensor, torch.Tensor]],
-                  layers: list[tuple[torch.Tensor, torch.Tensor]], todo: list[tuple[int, int, list[int]]]) -> None:
+                  layers: list[tuple[torch.Tensor, torch.Tensor]], todo: list[Missing]) -> None:
     """Copy the ``todo`` blocks of the frame into fresh pool blocks, register them and release them."""
     new = pool.allocate(len(todo))
-    src = torch.tensor([i for i, _, _ in todo], dtype=torch.long)
+    src = torch.tensor([t[0] for t in todo], dtype=torch.long)
     dst = torch.tensor(new, dtype=torch.long, device=views[0][0].device)
     for (kc, vc), (k, v) in zip(views, layers, strict=True):
         kc.index_copy_(0, dst, k.index_select(0, src).to(kc.device, kc.dtype))
         vc.index_copy_(0, dst, v.index_select(0, src).to(vc.device, vc.dtype))
-    for bid, (_, h, chunk) in zip(new, todo, strict=True):
-        pool.register(bid, h, chunk)
+    for bid, (_, h, chunk, prev) in zip(new, todo, strict=True):
+        pool.register(bid, h, chunk, prev)
     pool.release(new)

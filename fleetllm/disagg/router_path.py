@@ -75,7 +75,7 @@ class RemotePrefill:
 
     def _with_reported_blocks(self, d: Decision, req: RouteRequest) -> Decision:
         """``d``, crediting what the decode worker reported caching when the policy's view knew less."""
-        held = self.events_index.match(req.block_hashes, [d.worker.name])[d.worker.name] * req.block_size
+        held = self.events_index.match(req.hashes_for(d.worker), [d.worker.name])[d.worker.name] * req.block_size
         if held > d.cached_tokens:
             return Decision(d.worker, d.reason, min(held, max(req.num_prompt_tokens - 1, 0)))
         return d

@@ -49,6 +49,7 @@ class Block:
     ref_count: int = 0
     hash: int | None = None
     token_ids: tuple[int, ...] | None = None  # re-checked on a hit so a hash collision is never a wrong hit
+    parent: int | None = None  # the previous block's hash (None: the first block), for KV events in vLLM's format
 
 
 class BlockPool:
@@ -117,12 +118,13 @@ class BlockPool:
             del self.free[bid]
         b.ref_count += 1
 
-    def register(self, bid: int, block_hash: int, token_ids: Sequence[int]) -> None:
-        """Mark a full, computed block as reusable by hash (first writer wins on duplicates)."""
+    def register(self, bid: int, block_hash: int, token_ids: Sequence[int], parent: int | None = None) -> None:
+        """Mark a full, computed block as reusable by hash (first writer wins on duplicates); ``parent`` is the
+        hash of the block before it in its sequence."""
         b = self.blocks[bid]
         if b.hash is not None or block_hash in self.cached:
             return
-        b.hash, b.token_ids = block_hash, tuple(token_ids)
+        b.hash, b.token_ids, b.parent = block_hash, tuple(token_ids), parent
         self.cached[block_hash] = bid
         if self.on_event:
             self.on_event("stored", [block_hash])

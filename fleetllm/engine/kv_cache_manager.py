@@ -89,8 +89,8 @@ class KVCacheManager:
         parent = seq.block_hashes[-1] if seq.block_hashes else None
         for j, i in enumerate(range(len(seq.block_hashes), full)):
             chunk = tokens[j * bs : (j + 1) * bs]
-            parent = hash_block(parent, chunk, self.extra_key)
-            self.pool.register(seq.block_table[i], parent, chunk)
+            prev, parent = parent, hash_block(parent, chunk, self.extra_key)
+            self.pool.register(seq.block_table[i], parent, chunk, prev)
             seq.block_hashes.append(parent)
 
     def _blocks_for(self, num_tokens: int) -> int:

@@ -16,7 +16,9 @@ from fleetllm.router.policies import POLICY_NAMES, CostModel
 class RouterConfig:
     """Routing, retries, health checks and the disaggregated (P/D) path."""
 
-    workers: list[str] = opt(doc="comma-separated worker base URLs, e.g. http://127.0.0.1:8001")
+    workers: list[str] = opt(doc="comma-separated worker base URLs, e.g. http://127.0.0.1:8001; another engine as "
+                                 "KIND+http://host:port, KIND one of fleetllm, vllm, sglang, tgi, llamacpp, openai "
+                                 "(a plain URL's kind is detected)")
     policy: str = opt("kv_aware", "routing policy", choices=POLICY_NAMES)
     zones: list[str] = opt(doc="comma-separated zone of each worker (metrics label; empty when unset)",
                            factory=list)
@@ -59,3 +61,13 @@ class RouterConfig:
     responses_store: int = opt(4096, "Responses API turns remembered (previous_response_id -> the worker "
                                      "holding it, and the turn's items to re-send if it is gone)")
     keys_file: str | None = opt(None, "API keys file (fleetllm keys): only its keys may call /v1/*")
+    kv_events_config: str | None = opt(None, "the vLLM workers' --kv-events-config JSON: the router subscribes to "
+                                             "each vllm+ worker's publisher (a * bind address becomes its host)")
+    kv_events_endpoints: dict[str, str] = opt(doc="one worker's KV-event endpoint in vLLM's format (overrides "
+                                                  "--kv-events-config's; also a fleetllm worker publishing them)",
+                                              factory=dict, flag="--kv-events-endpoint", metavar="URL=ENDPOINT")
+    prefix_caching_hash_algo: str = opt("sha256", "the vLLM workers' --prefix-caching-hash-algo",
+                                        choices=("sha256", "sha256_cbor"))
+    hash_seed: str | None = opt(None, "the vLLM workers' PYTHONHASHSEED (default: this router's own); without one "
+                                      "their block hashes cannot be reproduced")
+    engine_block_size: int = opt(16, "the vLLM workers' --block-size")

@@ -160,6 +160,9 @@ class AttemptFailed(Exception):
 Prepare = Callable[[Decision], Awaitable[Decision]]
 
 
+NO_EVENTS_TTL_S = 300.0  # the prefix policy's TTL
+
+
 class Forwarder:
     """Sends requests to workers over one shared client and keeps their load, breakers and metrics."""
 
@@ -320,10 +323,12 @@ class Forwarder:
         w.inflight += 1
         w.pending_prefill_tokens += uncached
         w.breaker.on_dispatch()
-        if self.records_routed and req.block_hashes:
+        hashes = req.hashes_for(w)
+        if self.records_routed and hashes:
             if w.num_blocks:
                 self.index.capacity.setdefault(w.name, w.num_blocks)
-            self.index.record_routed(w.name, req.block_hashes)
+            # an engine without KV events never confirms: remember its prefixes as long as the prefix policy does
+            self.index.record_routed(w.name, hashes, None if w.reports_kv else NO_EVENTS_TTL_S)
         self.metrics.cached_tokens.inc(max(0, req.num_prompt_tokens - uncached))
         self.metrics.zone_requests.labels(zone=w.zone).inc()
         self.load_changed(w)

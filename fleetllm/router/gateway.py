@@ -32,6 +32,8 @@ from fleetllm.observability.dashboard import dashboard_routes
 from fleetllm.observability.federate import fleet_metrics
 from fleetllm.router.admin import admin_routes
 from fleetllm.router.auth import KeyGate
+from fleetllm.router.backends import parse_worker
+from fleetllm.router.backends.setup import EngineSetup
 from fleetllm.router.config import RouterConfig
 from fleetllm.router.forward import Forward, Forwarder, error_response, upstream_headers
 from fleetllm.router.hold import ColdStartHold
@@ -59,11 +61,11 @@ class Router:
                  max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> None:
         self.cfg = cfg
         self.capture = capture  # the endpoint and access tiers (fleetllm/capture/)
-        urls = [(u if "://" in u else "http://" + u).rstrip("/") for u in cfg.workers]
         self.metrics = RouterMetrics()
         self.workers: list[WorkerState] = []
-        for i, u in enumerate(urls):
-            self._add_state(u, _at(cfg.zones, i, ""), _at(cfg.roles, i, "both"), _at(cfg.models, i, "") or None,
+        self.engines = EngineSetup(cfg)  # other engines' kinds, vLLM block hashes and KV-event sources
+        for i, spec in enumerate(cfg.workers):
+            self._add_state(spec, _at(cfg.zones, i, ""), _at(cfg.roles, i, "both"), _at(cfg.models, i, "") or None,
                             _at(cfg.variants, i, ""))
         if len({w.name for w in self.workers}) != len(self.workers):
             raise ValueError("worker URLs must be distinct")
@@ -109,9 +111,11 @@ class Router:
         )
         self.app = BodyLimit(self.app, max_body_bytes)
 
-    def _add_state(self, url: str, zone: str, role: str, model: str | None, variant: str = "") -> WorkerState:
-        w = WorkerState(_name(url), url, zone, role=role, model=model, variant=variant,
+    def _add_state(self, spec: str, zone: str, role: str, model: str | None, variant: str = "") -> WorkerState:
+        kind, url = parse_worker(spec)
+        w = WorkerState(_name(url), url, zone, role=role, model=model, variant=variant, kind=kind,
                         breaker=Breaker(self.cfg.breaker_threshold, self.cfg.breaker_cooldown_s))
+        self.engines.configure(w)
         self.workers.append(w)
         self.metrics.healthy.labels(worker=w.name, zone=w.zone).set(0)
         self.metrics.breaker_open.labels(worker=w.name).set(0)
@@ -120,8 +124,9 @@ class Router:
     # ---- membership: the fleet controller adds, drains and removes copies while the router runs -----
     def add_worker(self, url: str, zone: str = "", role: str = "both", model: str | None = None,
                    variant: str = "") -> WorkerState:
+        """Add a worker while the router runs; ``url`` may name its engine (``vllm+http://...``)."""
         url = url.rstrip("/")
-        if any(w.url == url for w in self.workers):
+        if any(w.url == parse_worker(url)[1] for w in self.workers):
             raise APIError(400, f"worker {url} is already known", "url")
         w = self._add_state(url, zone, role, model, variant)
         if self.monitor is not None:
@@ -223,14 +228,17 @@ class Router:
         if not (self.uses_prefix or tokenize):
             return req
         model = body.get("model") or next((w.model for w in group if w.model), None)
-        bs = next((w.block_size for w in group if w.block_size), None)
+        # fleetllm's hashes at a fleetllm worker's block size (vLLM's hashers have their own)
+        bs = next((w.block_size for w in sorted(group, key=lambda w: bool(w.hash_scheme)) if w.block_size), None)
         if model is None or bs is None:
             return req
         ids = self.tokens.token_ids(model, path, body)
         if ids is None:
             return req
         req.num_prompt_tokens, req.block_size = len(ids), bs
-        req.block_hashes = block_hashes(ids, bs, model)
+        if any(not w.hash_scheme for w in group):
+            req.block_hashes = block_hashes(ids, bs, model)
+        req.scheme_hashes = self.engines.hashes(ids, {w.hash_scheme for w in group if w.hash_scheme})
         self.metrics.prompt_tokens.inc(len(ids))
         return req
 
@@ -389,7 +397,7 @@ class Router:
             row = {"name": w.name, "url": w.url, "zone": w.zone, "role": w.role, "healthy": w.healthy, "inflight": w.inflight,
                    "pending_prefill_tokens": w.pending_prefill_tokens, "decoding": w.decoding, "running": w.running,
                    "waiting": w.waiting, "queued_prefill_tokens": w.queued_prefill_tokens, "kv_usage": w.kv_usage, "model": w.model, "variant": w.variant, "instance": w.instance,
-                   "events_connected": w.events_connected, "breaker": w.breaker.state, "draining": w.draining,
+                   "events_connected": w.events_connected, "kind": w.kind, "breaker": w.breaker.state, "draining": w.draining,
                    "index_blocks": self.index.size(w.name), "exact_blocks": len(exact)}
             if with_hashes:
                 row["exact_hashes"] = sorted(exact)

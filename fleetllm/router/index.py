@@ -46,11 +46,13 @@ class PrefixIndex:
             if routed is not None:
                 routed.pop(h, None)  # evicted for real: a hint would now be a lie
 
-    def record_routed(self, worker: str, hashes: Sequence[int]) -> None:
-        if not hashes or self.routed_ttl_s <= 0:
+    def record_routed(self, worker: str, hashes: Sequence[int], ttl_s: float | None = None) -> None:
+        """Remember that ``hashes`` went to ``worker`` for ``ttl_s`` (default: the index's TTL)."""
+        ttl = self.routed_ttl_s if ttl_s is None else ttl_s
+        if not hashes or ttl <= 0 or self.routed_ttl_s <= 0:
             return
         entries = self.routed.setdefault(worker, OrderedDict())
-        expiry = self.clock() + self.routed_ttl_s
+        expiry = self.clock() + ttl
         for h in hashes:
             entries[h] = expiry
             entries.move_to_end(h)

@@ -45,6 +45,11 @@ class RouteRequest:
     block_hashes: list[int] = field(default_factory=list)
     block_size: int = 16
     session_key: str | None = None
+    scheme_hashes: dict[str, list[int]] = field(default_factory=dict)  # other engines' hashes (vLLM's), by scheme
+
+    def hashes_for(self, w: WorkerState) -> list[int]:
+        """The prompt's block hashes as ``w``'s index entries are keyed."""
+        return self.scheme_hashes.get(w.hash_scheme, []) if w.hash_scheme else self.block_hashes
 
 
 @dataclass
@@ -183,9 +188,12 @@ class PrefixAware:
         self.balance = balance
 
     def choose(self, req: RouteRequest, workers: list[WorkerState]) -> Decision:
-        if not req.block_hashes and req.num_prompt_tokens == 0:
+        if not req.block_hashes and not req.scheme_hashes and req.num_prompt_tokens == 0:
             return Decision(_least_loaded(workers, self.rng), "fallback")
-        depth = self.index.match(req.block_hashes, [w.name for w in workers])
+        depth: dict[str, int] = {}
+        for scheme in {w.hash_scheme for w in workers}:  # one lookup per way of hashing (fleetllm's, vLLM's)
+            same = [w for w in workers if w.hash_scheme == scheme]
+            depth.update(self.index.match(req.hashes_for(same[0]), [w.name for w in same]))
         best_depth = max(depth.values(), default=0)
         # Bounded load: a worker already above `balance` x the mean in-flight count takes no more until
         # the others catch up, however much of the prefix it holds (a hot prefix spills instead of
@@ -194,7 +202,7 @@ class PrefixAware:
         eligible = [w for w in workers if w.inflight + 1 <= bound] or workers
         costs = []
         for w in eligible:
-            cached = min(depth[w.name] * req.block_size, max(req.num_prompt_tokens - 1, 0))
+            cached = min(depth[w.name] * (w.block_size or req.block_size), max(req.num_prompt_tokens - 1, 0))
             costs.append((self.cost.cost(w, req.num_prompt_tokens - cached), w, cached))
         low = min(c for c, _, _ in costs)
         ties = [(w, cached) for c, w, cached in costs if c <= low + 1e-9]

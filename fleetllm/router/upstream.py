@@ -18,9 +18,12 @@ import json
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import httpx
 
+from fleetllm.router.backends import detect
+from fleetllm.router.backends.watch import watch_engine
 from fleetllm.router.index import PrefixIndex
 
 log = logging.getLogger(__name__)
@@ -95,6 +98,11 @@ class WorkerState:
     health_failures: int = 0
     draining: bool = False  # being removed: no new requests, in-flight ones finish
     breaker: Breaker = field(default_factory=Breaker)
+    # the engine behind it (fleetllm/router/backends): None until a plain URL shows what it serves
+    kind: str | None = None
+    hash_scheme: str = ""  # whose block hashes key its index entries: "" fleetllm's, else a VllmHasher.key
+    kv_source: Any = None  # a vLLM worker's KV-event source (backends.vllm_events.EventSource)
+    reports_kv: bool = True  # False: no KV events, routed prefixes are remembered longer instead
 
     def routable(self, now: float) -> bool:
         return self.healthy and not self.draining and self.breaker.allows(now)
@@ -114,6 +122,7 @@ class WorkerMonitor:
         self.failures_to_down = failures_to_down
         self.on_change = on_change or (lambda w: None)
         self._tasks: dict[str, list[asyncio.Task[None]]] = {}
+        self.subscribers: dict[str, Any] = {}  # vLLM workers' KV-event subscribers, by worker name
         self.stopping = False
 
     def start(self) -> None:
@@ -123,7 +132,7 @@ class WorkerMonitor:
     def watch(self, w: WorkerState) -> None:
         """Start ``w``'s health checks and KV-event subscription (also for a worker added later)."""
         self._tasks[w.name] = [asyncio.create_task(self._health_loop(w), name=f"health-{w.name}"),
-                               asyncio.create_task(self._events_loop(w), name=f"events-{w.name}")]
+                               asyncio.create_task(self._engine_loop(w), name=f"events-{w.name}")]
 
     async def unwatch(self, w: WorkerState) -> None:
         """Stop watching a removed worker and forget what it had cached."""
@@ -140,6 +149,8 @@ class WorkerMonitor:
             log.warning("worker %s down: %s", w.name, why)
         w.healthy = False
         self.index.drop(w.name)
+        if w.name in self.subscribers:
+            self.subscribers[w.name].forget()  # its entries come back from the worker's replay buffer
         self.on_change(w)
 
     async def check(self, w: WorkerState) -> bool:
@@ -174,11 +185,25 @@ class WorkerMonitor:
             await self.check(w)
             await asyncio.sleep(self.health_interval_s)
 
+    async def _engine_loop(self, w: WorkerState) -> None:
+        """A fleetllm worker's event stream; another engine's load poll (and its vLLM-format KV events: also a
+        fleetllm worker's when it publishes those)."""
+        if w.kv_source is None and w.kind in (None, "fleetllm"):
+            await self._events_loop(w)
+        if w.kind is None:  # a plain URL without /kv/events: some other engine
+            w.kind = await detect(self.client, w.url, self.health_timeout_s)
+            log.info("worker %s is a %s server", w.name, w.kind)
+        if not self.stopping:
+            await watch_engine(self, w)
+
     async def _events_loop(self, w: WorkerState) -> None:
+        """Follow a fleetllm worker's /kv/events; return if a plain URL's server has none (another engine)."""
         backoff = 0.2
         while not self.stopping:
             try:
                 async with self.client.stream("GET", w.url + "/kv/events", timeout=httpx.Timeout(5.0, read=10.0)) as r:
+                    if r.status_code in (404, 405) and w.kind is None:
+                        return
                     if r.status_code != 200:
                         raise httpx.HTTPError(f"/kv/events answered {r.status_code}")
                     async for line in r.aiter_lines():
@@ -197,6 +222,7 @@ class WorkerMonitor:
     def _apply(self, w: WorkerState, ev: dict) -> None:
         kind = ev["type"]
         if kind == "snapshot":
+            w.kind = "fleetllm"
             if w.instance is not None and ev["instance"] != w.instance:
                 log.info("worker %s restarted (instance %s): index re-synced", w.name, ev["instance"][:8])
                 self.index.drop(w.name)

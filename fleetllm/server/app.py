@@ -47,7 +47,7 @@ from fleetllm.router import request_id
 from fleetllm.server import openai_format as fmt
 from fleetllm.server.anthropic import messages_route
 from fleetllm.server.body_limit import DEFAULT_MAX_BODY_BYTES, BodyLimit
-from fleetllm.server.config import ObservabilityConfig
+from fleetllm.server.config import KVEventsOptions, ObservabilityConfig
 from fleetllm.server.inflight import InFlight
 from fleetllm.server.openapi import openapi_schema
 from fleetllm.server.protocol import (
@@ -82,12 +82,19 @@ class Worker:
 
     def __init__(self, engine: LLMEngine, obs: ObservabilityConfig | None = None, role: str = "both",
                  capture: Capture | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-                 tools: ToolConfig | None = None) -> None:
+                 tools: ToolConfig | None = None, kv_events: KVEventsOptions | None = None,
+                 kv_events_index: int = 0) -> None:
         self.engine = engine
         self.capture = capture  # the worker tier (fleetllm/capture/)
         self.tool_parser = parser_for((tools or ToolConfig()).tool_call_parser, engine.tokenizer.chat_template)
         self.role = role  # prefill | decode | both (disaggregated serving; routers read it from /kv/events)
         self.async_engine = AsyncEngine(engine, on_failure=self._engine_failed)
+        self.kv_publisher = None  # KV events in vLLM's format, over ZMQ (after the engine hooked the pool)
+        if kv_events is not None and kv_events.kv_events_config:
+            from fleetllm.server.kv_publish import VllmEventPublisher
+
+            self.kv_publisher = VllmEventPublisher(engine.pool, kv_events.kv_events_config,
+                                                   kv_events.prefix_caching_hash_algo, index=kv_events_index).attach()
         self.ready = False  # warm and serving (set at the end of start-up)
         self.draining = False  # SIGTERM: finishing in-flight requests, taking no new ones
         self.on_fatal: Callable[[], None] | None = None  # the engine died: the process should exit non-zero
@@ -154,6 +161,8 @@ class Worker:
         yield
         self.ready = False
         self.async_engine.shutdown()
+        if self.kv_publisher is not None:
+            self.kv_publisher.close()
         if self.capture:
             await asyncio.to_thread(self.capture.close)  # SIGTERM flushes the capture spool
         if self.otlp_metrics:
