@@ -199,12 +199,25 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_router(args: argparse.Namespace) -> int:
+def build_router(args: argparse.Namespace):  # -> Router
+    """The router a ``fleetllm router`` command line describes, with its discovery source if any."""
     from fleetllm.router.gateway import Router
-    from fleetllm.server.uvicorn_runner import run_app
 
+    if not args.workers and not args.discover:
+        raise SystemExit("fleetllm router: give --workers, or --discover to find them")
     # Rates of the shipped SmolLM2-on-CPU profile unless a measured one is given (fleetllm calibrate).
     router = Router(router_config(args), max_body_bytes=args.max_body_bytes)
+    if args.discover == "kubernetes":
+        from fleetllm.router.discovery.kubernetes import KubernetesDiscovery, KubernetesDiscoveryConfig
+
+        router.background.append(KubernetesDiscovery(from_args(KubernetesDiscoveryConfig, args)).run)
+    return router
+
+
+def cmd_router(args: argparse.Namespace) -> int:
+    from fleetllm.server.uvicorn_runner import run_app
+
+    router = build_router(args)
     router.capture = capture_for(args, "router", ("endpoint", "access"), router.metrics.registry)
     logging.getLogger("fleetllm").info("router on %s:%d over %d workers, policy %s", args.host, args.port,
                                        len(args.workers), args.policy)
@@ -295,6 +308,9 @@ def add_router_parser(sub: argparse._SubParsersAction) -> None:
     routing = r.add_argument_group("routing")
     add_options(routing, RouterConfig)
     add_options(routing, ProfileOption)
+    from fleetllm.router.discovery.kubernetes import KubernetesDiscoveryConfig
+
+    add_options(r, KubernetesDiscoveryConfig, title="--discover kubernetes")
     add_options(r, ListenOptions, title="server")
     add_options(r, ObservabilityConfig, only=["otlp_endpoint", "otlp_interval_s"], title="observability")
     add_options(r, CaptureConfig, title="capture (endpoint and access tiers)")
@@ -412,11 +428,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fleetllm", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     from fleetllm.capture.cli import add_capture_parser
+    from fleetllm.deploy.cli import add_deploy_parser
     from fleetllm.store.cli import add_models_parser
 
     for add in (add_worker_parser, add_router_parser, add_serve_parser, add_calibrate_parser,
                 add_generate_parser, add_spec_parser, add_keys_parser, add_capture_parser, add_models_parser,
-                add_recommend_parser):
+                add_recommend_parser, add_deploy_parser):
         add(sub)
     try:
         from fleetllm.bench.cli import add_bench_parser
