@@ -3,8 +3,9 @@
 ``tests/data/kubernetes/`` holds an EndpointSlice list and a sequence of watch events in the API
 server's format (two Services of one model, ``coder``'s stable and canary variants); ``kube_api`` serves
 them on 127.0.0.1 the way the API server does (list, then a chunked watch stream). The recorded pods'
-port (8001) is pointed at two simulated workers of the test, so the router really routes to what it
-discovers: pods appear (added), stop being ready (drained), disappear (removed).
+port (8001) is pointed at two in-process workers of the test (answering the router's probes), so the router health-checks what it
+discovers for real: pods appear (added, then routable), stop being ready (drained: not routable),
+disappear (removed).
 """
 
 from __future__ import annotations
@@ -16,10 +17,12 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
-from fleet_helpers import ThreadServer, free_port, sim_workers
+from fleet_helpers import ThreadServer, ThreadServers, free_port
 from kube_api import FakeKubeAPI, gone_event
+from starlette.applications import Starlette
+from starlette.responses import JSONResponse
+from starlette.routing import Route
 
 from fleetllm.router.discovery import DiscoveredWorker
 from fleetllm.router.discovery.kubernetes import endpoints
@@ -41,11 +44,18 @@ def wait_for(ok: Callable[[], bool], what: str, deadline_s: float = 10.0) -> Non
         time.sleep(0.02)
 
 
+def probed_worker() -> Starlette:
+    """A worker as far as the router's checks go: ready and alive (a KV-event stream it has not)."""
+    ok = lambda request: JSONResponse({"status": "ready"})  # noqa: E731
+    return Starlette(routes=[Route("/ready", ok), Route("/health", ok)])
+
+
 class Cluster:
-    """The fake API server, two simulated workers behind the recorded pods, a router discovering them."""
+    """The fake API server, two workers behind the recorded pods, a router discovering them."""
 
     def __init__(self, tmp: Path) -> None:
-        self.sims = sim_workers(2, "--served-model-name", "coder")
+        self.sims = ThreadServers([probed_worker(), probed_worker()])
+        self.sims.start()
         answer, self.events = recorded()
         self.listed = answer["items"]
         self.ports = {"fleetllm-coder-stable": int(self.sims.urls[0].rsplit(":", 1)[1]),
@@ -71,10 +81,6 @@ class Cluster:
     def workers(self) -> dict[str, Any]:
         return {w.url: w for w in self.router.workers}
 
-    def ask(self) -> httpx.Response:
-        return httpx.post(self.server.url + "/v1/chat/completions", timeout=30,
-                          json={"model": "coder", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
-
     def stop(self) -> None:
         self.server.stop()
         self.api.stop()
@@ -95,8 +101,7 @@ def test_pods_appearing_not_ready_and_gone_are_added_drained_and_removed(cluster
     wait_for(lambda: set(cluster.workers()) == {stable}, "the listed pod is a worker")
     w = cluster.workers()[stable]
     assert (w.model, w.variant, w.zone, w.role) == ("coder", "stable", "eu-west-1a", "both")
-    wait_for(lambda: cluster.workers()[stable].healthy, "the listed worker is healthy")
-    assert cluster.ask().headers["x-fleetllm-variant"] == "stable"
+    wait_for(lambda: cluster.workers()[stable].routable(time.monotonic()), "the listed worker passes its checks")
     # the canary's Service appears with one ready pod and one still starting: only the ready one is added
     cluster.api.send(cluster.events[0])
     wait_for(lambda: set(cluster.workers()) == {stable, canary}, "the ready canary pod is added")
@@ -105,7 +110,8 @@ def test_pods_appearing_not_ready_and_gone_are_added_drained_and_removed(cluster
     # stable's pod is terminating (not ready): drained, the canary takes every request
     cluster.api.send(cluster.events[2])
     wait_for(lambda: cluster.workers()[stable].draining, "the not-ready pod is draining")
-    assert cluster.ask().headers["x-fleetllm-variant"] == "canary"
+    assert not cluster.workers()[stable].routable(time.monotonic())
+    wait_for(lambda: cluster.workers()[canary].routable(time.monotonic()), "the canary worker passes its checks")
     # stable's pod is gone, then the canary's Service is deleted: their workers are removed
     cluster.api.send(cluster.events[3])
     wait_for(lambda: set(cluster.workers()) == {canary, starting}, "the gone pod is removed")
