@@ -80,6 +80,8 @@ def router_args(cfg: FleetConfig, opts: KubernetesOptions) -> list[str]:
     args = ["router", "--discover", "kubernetes", "--k8s-namespace", opts.namespace,
             "--k8s-selector", names.worker_selector(opts), "--policy", cfg.policy, "--host", "0.0.0.0",
             "--port", str(cfg.port), *model_router_args(cfg)]
+    if cfg.external:  # workers run outside the cluster's pods: given by hand, never removed by discovery
+        args += ["--workers", ",".join(cfg.external)]
     if cfg.pd_threshold is not None:
         args += ["--pd-threshold", str(cfg.pd_threshold)]
     if cfg.keys_file:
