@@ -210,7 +210,10 @@ def build_router(args: argparse.Namespace):  # -> Router
     if args.discover == "kubernetes":
         from fleetllm.router.discovery.kubernetes import KubernetesDiscovery, KubernetesDiscoveryConfig
 
-        router.background.append(KubernetesDiscovery(from_args(KubernetesDiscoveryConfig, args)).run)
+        try:
+            router.background.append(KubernetesDiscovery(from_args(KubernetesDiscoveryConfig, args)).run)
+        except ValueError as e:
+            raise SystemExit(f"fleetllm router: {e}") from None
     return router
 
 

@@ -29,7 +29,7 @@ class FakeKubeAPI:
         self.requests: list[tuple[str, dict[str, list[str]]]] = []  # (path, query) of every request
         self.fail_lists = 0
         self.watching = threading.Event()  # a watch stream is open
-        self._events: queue.Queue[Any] = queue.Queue()
+        self._stream: queue.Queue[Any] = queue.Queue()  # the open watch stream's events to send
         self._lock = threading.Lock()
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), _handler(self))
         self.server.daemon_threads = True
@@ -44,7 +44,7 @@ class FakeKubeAPI:
         return self
 
     def stop(self) -> None:
-        self._events.put(CLOSE)
+        self._stream.put(CLOSE)
         self.server.shutdown()
         self.server.server_close()
 
@@ -58,7 +58,6 @@ class FakeKubeAPI:
 
     def send(self, event: dict[str, Any]) -> None:
         """Apply a watch event to the stored slices and stream it to the open watch (waits for one)."""
-        assert self.watching.wait(10), "the client never opened a watch"
         obj = event["object"]
         with self._lock:
             if event["type"] == "DELETED":
@@ -67,12 +66,30 @@ class FakeKubeAPI:
                 self.slices[obj["metadata"]["name"]] = obj
             if "resourceVersion" in obj.get("metadata", {}):
                 self.version = obj["metadata"]["resourceVersion"]
-        self._events.put(event)
+        self._open_stream().put(event)
 
     def end_watch(self) -> None:
-        """End the open watch stream, as the server does when its timeout is up."""
+        """End the open watch stream, as the server does when its timeout is up (waits for one)."""
+        stream = self._open_stream()
         self.watching.clear()
-        self._events.put(CLOSE)
+        stream.put(CLOSE)
+
+    def _open_stream(self) -> queue.Queue[Any]:
+        assert self.watching.wait(10), "the client never opened a watch"
+        with self._lock:
+            return self._stream
+
+    def open_stream(self) -> queue.Queue[Any]:
+        """A new watch stream's queue: events sent from now on go to it (an ended stream's never do)."""
+        with self._lock:
+            self._stream = queue.Queue()
+            self.watching.set()
+            return self._stream
+
+    def close_stream(self, stream: queue.Queue[Any]) -> None:
+        with self._lock:
+            if stream is self._stream:
+                self.watching.clear()
 
     def list_answer(self) -> dict[str, Any]:
         with self._lock:
@@ -114,14 +131,12 @@ def _handler(api: FakeKubeAPI) -> type[BaseHTTPRequestHandler]:
             self.send_header("Transfer-Encoding", "chunked")
             self.end_headers()
             self.wfile.flush()
-            while not api._events.empty():  # events of an earlier stream are not this one's
-                api._events.get_nowait()
-            api.watching.set()
+            events = api.open_stream()
             end = time.monotonic() + timeout_s
             try:
                 while time.monotonic() < end:
                     try:
-                        ev = api._events.get(timeout=0.05)
+                        ev = events.get(timeout=0.05)
                     except queue.Empty:
                         continue
                     if ev is CLOSE:
@@ -134,7 +149,7 @@ def _handler(api: FakeKubeAPI) -> type[BaseHTTPRequestHandler]:
             except OSError:  # the client went away (stopped, or reconnecting)
                 pass
             finally:
-                api.watching.clear()
+                api.close_stream(events)
             self.close_connection = True
 
     return Handler

@@ -155,3 +155,10 @@ def test_endpoints_reads_ports_by_name_ipv6_and_unknown_readiness() -> None:
     assert endpoints(slices, "http") == {
         "http://[fd00::7]:8001": (DiscoveredWorker("http://[fd00::7]:8001", zone="z1", role="decode"), True),
         "http://[fd00::8]:8001": (DiscoveredWorker("http://[fd00::8]:8001", role="decode"), False)}
+
+
+def test_a_router_without_api_access_refuses_to_start(tmp_path: Path) -> None:
+    from fleetllm.cli import main
+
+    with pytest.raises(SystemExit, match="no Kubernetes API access"):
+        main(["router", "--discover", "kubernetes", "--kubeconfig", str(tmp_path / "missing")])

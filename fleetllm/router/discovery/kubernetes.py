@@ -57,16 +57,22 @@ class KubernetesDiscoveryConfig:
                                      "in between)")
 
 
-def api_client(kubeconfig: str | None) -> Any:  # -> kubernetes.client.ApiClient
-    """An API client from the pod's service account (in a cluster) or a kubeconfig file."""
+def discovery_api(kubeconfig: str | None) -> Any:  # -> kubernetes.client.DiscoveryV1Api
+    """The EndpointSlice API with the pod's service account (in a cluster) or a kubeconfig file's credentials.
+
+    Raises ValueError, naming the file, when neither is usable: a router that cannot discover must not start."""
     from kubernetes import client, config
 
     configuration = client.Configuration()
-    if kubeconfig is None and os.environ.get("KUBERNETES_SERVICE_HOST"):
-        config.load_incluster_config(client_configuration=configuration)
-    else:
-        config.load_kube_config(config_file=kubeconfig, client_configuration=configuration)
-    return client.ApiClient(configuration)
+    try:
+        if kubeconfig is None and os.environ.get("KUBERNETES_SERVICE_HOST"):
+            config.load_incluster_config(client_configuration=configuration)
+        else:
+            config.load_kube_config(config_file=kubeconfig, client_configuration=configuration)
+    except (config.ConfigException, OSError) as e:
+        raise ValueError(f"no Kubernetes API access (kubeconfig {kubeconfig or '~/.kube/config'}, not in a "
+                         f"cluster): {e}") from None
+    return client.DiscoveryV1Api(client.ApiClient(configuration))
 
 
 def default_namespace() -> str:
@@ -174,15 +180,11 @@ class KubernetesDiscovery:
 
     def __init__(self, cfg: KubernetesDiscoveryConfig, api: Any = None) -> None:
         self.cfg = cfg
-        self.api = api  # a kubernetes.client.DiscoveryV1Api (default: from the kubeconfig / service account)
+        self.api = api if api is not None else discovery_api(cfg.kubeconfig)  # a kubernetes DiscoveryV1Api
         self.owned: set[str] = set()  # the workers this source added
 
     async def run(self, router: Router) -> None:
         """Watch and apply until cancelled (a background task of the router's app)."""
-        if self.api is None:
-            from kubernetes import client
-
-            self.api = client.DiscoveryV1Api(await asyncio.to_thread(api_client, self.cfg.kubeconfig))
         loop, changed = asyncio.get_running_loop(), asyncio.Event()
         latest: dict[str, Any] = {}
 
