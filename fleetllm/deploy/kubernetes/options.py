@@ -31,7 +31,7 @@ class KubernetesOptions:
     autoscaler: Literal["keda", "hpa", "none"] = opt(
         "keda", "per autoscaled model: a KEDA ScaledObject on the Prometheus queue metric, or an HPA on the "
                 "same metric through prometheus-adapter")
-    prometheus_url: str = opt("http://prometheus-operated.monitoring.svc:9090", "Prometheus KEDA queries")
+    prometheus_url: str = opt("http://prometheus-operated.monitoring.svc:9090", "the Prometheus KEDA asks")
     monitor: Literal["servicemonitor", "podmonitor", "none"] = opt("servicemonitor",
                                                                    "Prometheus operator scrape objects")
     accelerator_resource: str = opt("nvidia.com/gpu", "extended resource a model's `accelerators` request")

@@ -53,8 +53,7 @@ class KubernetesDiscoveryConfig:
     k8s_port: str = opt("http", "name of the EndpointSlice port the workers serve on")
     kubeconfig: str | None = opt(None, "kubeconfig file (default: the pod's service account in a cluster, else "
                                        "~/.kube/config)")
-    k8s_resync_s: float = opt(300.0, "seconds between full lists of the EndpointSlices (the watch resumes "
-                                     "in between)")
+    k8s_resync_s: float = opt(300.0, "seconds a watch runs before the EndpointSlices are listed afresh")
 
 
 def discovery_api(kubeconfig: str | None) -> Any:  # -> kubernetes.client.DiscoveryV1Api
