@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from dataclasses import dataclass
 
 from fleetllm.cli_options import add_options, from_args, opt
@@ -21,8 +22,12 @@ def cmd_kubernetes(args: argparse.Namespace) -> int:
     from fleetllm.deploy.kubernetes.render import write
     from fleetllm.fleet.config import FleetConfig
 
-    opts = from_args(KubernetesOptions, args)
-    paths = write(FleetConfig.from_yaml(args.config), opts, args.out)
+    try:
+        opts = from_args(KubernetesOptions, args)
+        paths = write(FleetConfig.from_yaml(args.config), opts, args.out)
+    except (ValueError, OSError) as e:  # a config the cluster cannot take: say which, no traceback
+        print(f"fleetllm deploy kubernetes: {e}", file=sys.stderr)
+        return 2
     for p in paths:
         print(p)
     print(f"create the Secrets of {paths[-1]} first, then: kubectl apply -f {args.out}")

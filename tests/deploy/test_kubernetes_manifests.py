@@ -141,3 +141,12 @@ def test_names_that_are_no_dns_labels_get_a_hash_and_bad_variants_are_refused() 
     cfg = FleetConfig.from_dict({"models": [{"name": "m", "variant": "v 2"}, {"name": "m", "variant": "v1"}]})
     with pytest.raises(ValueError, match="label value"):
         render(cfg, KubernetesOptions())
+
+
+def test_deploy_refuses_a_fleet_the_cluster_cannot_take_by_name(tmp_path: Path, capsys) -> None:
+    from fleetllm.cli import main
+
+    bad = tmp_path / "fleet.yaml"
+    bad.write_text("models: [{name: m, variant: 'v 2'}, {name: m, variant: v1}]\n")
+    assert main(["deploy", "kubernetes", "--config", str(bad), "--out", str(tmp_path / "out")]) == 2
+    assert "variant 'v 2' must be a Kubernetes label value" in capsys.readouterr().err

@@ -44,6 +44,8 @@ class KubernetesOptions:
         if not re.fullmatch(r"[a-z]([-a-z0-9]*[a-z0-9])?", self.name) or len(self.name) > MAX_NAME:
             raise ValueError(f"fleet name {self.name!r}: lowercase letters, digits and '-', starting with a "
                              f"letter, at most {MAX_NAME} characters")
+        if not re.fullmatch(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?", self.namespace) or len(self.namespace) > 63:
+            raise ValueError(f"namespace {self.namespace!r} is not a DNS label")
         if self.worker_secret is None:
             self.worker_secret = f"{self.name}-worker-secret"
 
