@@ -3,9 +3,9 @@
 ``tests/data/kubernetes/`` holds an EndpointSlice list and a sequence of watch events in the API
 server's format (two Services of one model, ``coder``'s stable and canary variants); ``kube_api`` serves
 them on 127.0.0.1 the way the API server does (list, then a chunked watch stream). The recorded pods'
-port (8001) is pointed at two in-process workers of the test (answering the router's probes), so the router health-checks what it
-discovers for real: pods appear (added, then routable), stop being ready (drained: not routable),
-disappear (removed).
+port (8001) is pointed at two in-process workers of the test (answering the router's probes), so the
+router health-checks what it discovers for real: pods appear (added, then routable), stop being ready
+(drained: not routable), disappear (removed).
 """
 
 from __future__ import annotations
@@ -54,12 +54,12 @@ class Cluster:
     """The fake API server, two workers behind the recorded pods, a router discovering them."""
 
     def __init__(self, tmp: Path) -> None:
-        self.sims = ThreadServers([probed_worker(), probed_worker()])
-        self.sims.start()
+        self.workers_up = ThreadServers([probed_worker(), probed_worker()])
+        self.workers_up.start()
         answer, self.events = recorded()
         self.listed = answer["items"]
-        self.ports = {"fleetllm-coder-stable": int(self.sims.urls[0].rsplit(":", 1)[1]),
-                      "fleetllm-coder-canary": int(self.sims.urls[1].rsplit(":", 1)[1])}
+        self.ports = {"fleetllm-coder-stable": int(self.workers_up.urls[0].rsplit(":", 1)[1]),
+                      "fleetllm-coder-canary": int(self.workers_up.urls[1].rsplit(":", 1)[1])}
         for s in [*answer["items"], *(e["object"] for e in self.events)]:
             s["ports"][0]["port"] = self.ports[s["metadata"]["labels"]["kubernetes.io/service-name"]]
         self.api = FakeKubeAPI(answer["items"], answer["metadata"]["resourceVersion"]).start()
@@ -84,7 +84,7 @@ class Cluster:
     def stop(self) -> None:
         self.server.stop()
         self.api.stop()
-        self.sims.stop()
+        self.workers_up.stop()
 
 
 @pytest.fixture(scope="module")
