@@ -126,8 +126,8 @@ def test_deploy_kubernetes_writes_the_manifests_and_the_secrets_to_create(tmp_pa
 
     assert main(["deploy", "kubernetes", "--config", str(DATA / "fleet-2-models.yaml"), "--out", str(tmp_path),
                  "--namespace", "llm", "--ray"]) == 0
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["README.md", "config.yaml", "monitoring.yaml", "ray.yaml"]
-    ray = list(yaml.safe_load_all((tmp_path / "ray.yaml").read_text()))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["00-config.yaml", "10-ray.yaml", "30-monitoring.yaml", "README.md"]
+    ray = list(yaml.safe_load_all((tmp_path / "10-ray.yaml").read_text()))
     controller = ray[1]["spec"]["template"]["spec"]["containers"][0]["args"]
     assert controller[:4] == ["serve", "--config", "/etc/fleetllm/fleet.yaml", "--ray"]
     readme = (tmp_path / "README.md").read_text()
@@ -136,8 +136,8 @@ def test_deploy_kubernetes_writes_the_manifests_and_the_secrets_to_create(tmp_pa
 
 def test_names_that_are_no_dns_labels_get_a_hash_and_bad_variants_are_refused() -> None:
     cfg = FleetConfig.from_dict({"models": [{"name": "Org/Big_Model", "source": "hf://org/m@v1"}]})
-    (name,) = [n for n in render(cfg, KubernetesOptions()) if n.startswith("worker-")]
-    assert name.startswith("worker-org-big-model-") and len(name) == len("worker-org-big-model-") + 6 + 5
+    (name,) = [n for n in render(cfg, KubernetesOptions()) if n.startswith("20-worker-")]
+    assert name.startswith("20-worker-org-big-model-") and len(name) == len("20-worker-org-big-model-") + 6 + 5
     cfg = FleetConfig.from_dict({"models": [{"name": "m", "variant": "v 2"}, {"name": "m", "variant": "v1"}]})
     with pytest.raises(ValueError, match="label value"):
         render(cfg, KubernetesOptions())

@@ -25,23 +25,24 @@ from fleetllm.store.pin import token_envs
 
 
 def render(cfg: FleetConfig, opts: KubernetesOptions) -> dict[str, list[dict[str, Any]]]:
-    """The fleet's objects by file name (``router.yaml``, ``worker-<unit>.yaml``, ...)."""
+    """The fleet's objects by file name, numbered in apply order (``kubectl apply -f`` takes a directory's
+    files by name): ``00-config.yaml``, ``10-router.yaml``, ``20-worker-<unit>.yaml``, ...."""
     units = [names.unit_name(opts, m) for m in cfg.models]
     dup = next((u for u in units if units.count(u) > 1), None)
     if dup is not None:
         raise ValueError(f"two models map onto the object name {dup!r}: rename one")
-    files: dict[str, list[dict[str, Any]]] = {"config.yaml": [fleet_config_map(cfg, opts)]}
+    files: dict[str, list[dict[str, Any]]] = {"00-config.yaml": [fleet_config_map(cfg, opts)]}
     if opts.ray:
         labels = names.fleet_labels(opts, "router")
-        files["ray.yaml"] = [ray_service(cfg, opts), controller_deployment(cfg, opts),
+        files["10-ray.yaml"] = [ray_service(cfg, opts), controller_deployment(cfg, opts),
                              router_service(cfg, opts, labels)]
-        files["monitoring.yaml"] = monitor_objects(opts, workers=False)
+        files["30-monitoring.yaml"] = monitor_objects(opts, workers=False)
     else:
-        files["router.yaml"] = router_objects(cfg, opts)
+        files["10-router.yaml"] = router_objects(cfg, opts)
         for m, unit in zip(cfg.models, units, strict=True):
-            files[f"worker-{unit.removeprefix(opts.name + '-')}.yaml"] = worker_objects(cfg, m, opts)
-        files["monitoring.yaml"] = monitor_objects(opts, workers=True)
-        files["autoscaling.yaml"] = scaler_objects(cfg.models, opts)
+            files[f"20-worker-{unit.removeprefix(opts.name + '-')}.yaml"] = worker_objects(cfg, m, opts)
+        files["30-monitoring.yaml"] = monitor_objects(opts, workers=True)
+        files["40-autoscaling.yaml"] = scaler_objects(cfg.models, opts)
     return {name: docs for name, docs in files.items() if docs}
 
 
