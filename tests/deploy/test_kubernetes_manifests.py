@@ -150,3 +150,17 @@ def test_deploy_refuses_a_fleet_the_cluster_cannot_take_by_name(tmp_path: Path, 
     bad.write_text("models: [{name: m, variant: 'v 2'}, {name: m, variant: v1}]\n")
     assert main(["deploy", "kubernetes", "--config", str(bad), "--out", str(tmp_path / "out")]) == 2
     assert "variant 'v 2' must be a Kubernetes label value" in capsys.readouterr().err
+
+
+def test_every_container_command_line_is_one_fleetllm_accepts(fleet: FleetConfig) -> None:
+    from fleetllm.cli import build_parser
+
+    parser = build_parser()
+    docs = kubernetes_manifests(fleet)
+    pods = [d["spec"]["template"]["spec"] for d in docs if d["kind"] in ("Deployment", "StatefulSet")]
+    for pod in pods:
+        container = pod["containers"][0]
+        assert container["command"] == ["fleetllm"]
+        args = parser.parse_args(container["args"])
+        assert args.port == next(p["containerPort"] for p in container["ports"] if p["name"] == "http")
+    assert len(pods) == 5
