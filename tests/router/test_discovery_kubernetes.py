@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import json
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -85,6 +86,8 @@ class Cluster:
         self.server.stop()
         self.api.stop()
         self.workers_up.stop()
+        # the router's shutdown ends the discovery's watch thread
+        assert not [t for t in threading.enumerate() if t.name == "k8s-endpointslices"]
 
 
 @pytest.fixture(scope="module")

@@ -200,7 +200,10 @@ class KubernetesDiscovery:
             while True:
                 await changed.wait()
                 changed.clear()
-                await self.apply(router, latest["found"])
+                try:
+                    await self.apply(router, latest["found"])
+                except Exception:  # noqa: BLE001 - one bad change must not end discovery; the next one retries
+                    log.exception("applying the discovered workers failed")
         finally:
             watch.stop()
             await asyncio.to_thread(thread.join, 5.0)
