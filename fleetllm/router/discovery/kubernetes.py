@@ -157,21 +157,25 @@ class EndpointSliceWatch:
         from kubernetes import watch
 
         self._watch = watch.Watch()
+        # with a timeout the client does not resume a watch itself: the next round lists afresh
         events = self._watch.stream(self.api.list_namespaced_endpoint_slice, self.namespace,
                                     label_selector=self.selector, resource_version=version,
-                                    allow_watch_bookmarks=True, timeout_seconds=max(1, int(self.resync_s)),
+                                    timeout_seconds=max(1, int(self.resync_s)),
                                     _request_timeout=(10, self.resync_s + 30))
-        for ev in events:
-            if self.stopped.is_set():
-                return
-            obj = ev["raw_object"]
-            if ev["type"] in ("ADDED", "MODIFIED"):
-                self.slices[obj["metadata"]["name"]] = obj
-            elif ev["type"] == "DELETED":
-                self.slices.pop(obj["metadata"]["name"], None)
-            else:  # BOOKMARK: only a newer version, which the client keeps
-                continue
-            self.on_change(list(self.slices.values()))
+        try:
+            for ev in events:
+                if self.stopped.is_set():
+                    return
+                obj = ev["raw_object"]
+                if ev["type"] in ("ADDED", "MODIFIED"):
+                    self.slices[obj["metadata"]["name"]] = obj
+                elif ev["type"] == "DELETED":
+                    self.slices.pop(obj["metadata"]["name"], None)
+                else:
+                    continue
+                self.on_change(list(self.slices.values()))
+        finally:
+            events.close()  # the connection goes now, not when the generator is collected
 
 
 class KubernetesDiscovery:
