@@ -54,7 +54,9 @@ def worker_group(m: ModelSpec, opts: KubernetesOptions) -> dict[str, Any]:
            "terminationGracePeriodSeconds": opts.grace_period_s}
     return {"groupName": names.unit_slug(m), "replicas": m.replicas.initial, "minReplicas": m.replicas.min,
             "maxReplicas": m.replicas.max, "rayStartParams": params,
-            "template": {"metadata": {"labels": names.unit_labels(opts, m)}, "spec": pod}}
+            # not the plain mode's worker labels: these pods are Ray nodes, whatever actors they end up holding
+            "template": {"metadata": {"labels": {**names.fleet_labels(opts, "ray-worker"),
+                                                 names.UNIT: names.unit_slug(m)}}, "spec": pod}}
 
 
 def controller_deployment(cfg: FleetConfig, opts: KubernetesOptions) -> dict[str, Any]:
