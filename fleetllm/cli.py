@@ -203,8 +203,6 @@ def build_router(args: argparse.Namespace):  # -> Router
     """The router a ``fleetllm router`` command line describes, with its discovery source if any."""
     from fleetllm.router.gateway import Router
 
-    if not args.workers and not args.discover:
-        raise SystemExit("fleetllm router: give --workers, or --discover to find them")
     # Rates of the shipped SmolLM2-on-CPU profile unless a measured one is given (fleetllm calibrate).
     router = Router(router_config(args), max_body_bytes=args.max_body_bytes)
     if args.discover == "kubernetes":

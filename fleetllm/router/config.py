@@ -16,7 +16,8 @@ from fleetllm.router.policies import POLICY_NAMES, CostModel
 class RouterConfig:
     """Routing, retries, health checks and the disaggregated (P/D) path."""
 
-    workers: list[str] = opt(doc="comma-separated worker base URLs, e.g. http://127.0.0.1:8001", factory=list)
+    workers: list[str] = opt(doc="comma-separated worker base URLs, e.g. http://127.0.0.1:8001 (none: workers come "
+                                 "from --discover or POST /admin/workers)", factory=list)
     discover: Literal["kubernetes"] | None = opt(None, "find workers while running: kubernetes (EndpointSlices; "
                                                        "the --k8s-* flags)")
     policy: str = opt("kv_aware", "routing policy", choices=POLICY_NAMES)
