@@ -210,12 +210,26 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_router(args: argparse.Namespace) -> int:
+def build_router(args: argparse.Namespace):  # -> Router
+    """The router a ``fleetllm router`` command line describes, with its discovery source if any."""
     from fleetllm.router.gateway import Router
-    from fleetllm.server.uvicorn_runner import run_app
 
     # Rates of the shipped SmolLM2-on-CPU profile unless a measured one is given (fleetllm calibrate).
     router = Router(router_config(args), max_body_bytes=args.max_body_bytes)
+    if args.discover == "kubernetes":
+        from fleetllm.router.discovery.kubernetes import KubernetesDiscovery, KubernetesDiscoveryConfig
+
+        try:
+            router.background.append(KubernetesDiscovery(from_args(KubernetesDiscoveryConfig, args)).run)
+        except ValueError as e:
+            raise SystemExit(f"fleetllm router: {e}") from None
+    return router
+
+
+def cmd_router(args: argparse.Namespace) -> int:
+    from fleetllm.server.uvicorn_runner import run_app
+
+    router = build_router(args)
     router.capture = capture_for(args, "router", ("endpoint", "access"), router.metrics.registry)
     logging.getLogger("fleetllm").info("router on %s:%d over %d workers, policy %s", args.host, args.port,
                                        len(args.workers), args.policy)
@@ -310,6 +324,9 @@ def add_router_parser(sub: argparse._SubParsersAction) -> None:
     routing = r.add_argument_group("routing")
     add_options(routing, RouterConfig)
     add_options(routing, ProfileOption)
+    from fleetllm.router.discovery.kubernetes import KubernetesDiscoveryConfig
+
+    add_options(r, KubernetesDiscoveryConfig, title="--discover kubernetes")
     add_options(r, ListenOptions, title="server")
     add_options(r, ObservabilityConfig, only=["otlp_endpoint", "otlp_interval_s"], title="observability")
     add_options(r, CaptureConfig, title="capture (endpoint and access tiers)")
@@ -433,12 +450,13 @@ def build_parser(worker_only: bool = False) -> argparse.ArgumentParser:
         add_worker_parser(sub)
         return parser
     from fleetllm.capture.cli import add_capture_parser
+    from fleetllm.deploy.cli import add_deploy_parser
     from fleetllm.fleet.cli import add_fleet_parser
     from fleetllm.store.cli import add_models_parser
 
     for add in (add_worker_parser, add_router_parser, add_serve_parser, add_calibrate_parser,
                 add_generate_parser, add_spec_parser, add_keys_parser, add_capture_parser, add_models_parser,
-                add_recommend_parser, add_fleet_parser):
+                add_recommend_parser, add_fleet_parser, add_deploy_parser):
         add(sub)
     try:
         from fleetllm.bench.cli import add_bench_parser

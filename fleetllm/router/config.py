@@ -18,7 +18,10 @@ class RouterConfig:
 
     workers: list[str] = opt(doc="comma-separated worker base URLs, e.g. http://127.0.0.1:8001; another engine as "
                                  "KIND+http://host:port, KIND one of fleetllm, vllm, sglang, tgi, llamacpp, openai "
-                                 "(a plain URL's kind is detected)")
+                                 "(a plain URL's kind is detected; none: workers come from --discover or "
+                                 "POST /admin/workers)", factory=list)
+    discover: Literal["kubernetes"] | None = opt(None, "find workers while running: kubernetes (EndpointSlices; "
+                                                       "the --k8s-* flags)")
     policy: str = opt("kv_aware", "routing policy", choices=POLICY_NAMES)
     zones: list[str] = opt(doc="comma-separated zone of each worker (metrics label; empty when unset)",
                            factory=list)

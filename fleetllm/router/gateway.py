@@ -14,7 +14,7 @@ import asyncio
 import contextlib
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 from urllib.parse import urlparse
 
@@ -88,6 +88,8 @@ class Router:
         self.forwarder: Forwarder | None = None
         self.remote_prefill: RemotePrefill | None = None
         self.monitor: WorkerMonitor | None = None
+        # discovery sources (fleetllm/router/discovery/): each runs as a task while the app runs
+        self.background: list[Callable[[Router], Awaitable[None]]] = []
         self.closing = False
         self.app = Starlette(
             routes=[
@@ -176,7 +178,11 @@ class Router:
         self.monitor.start()
         if self.capture is not None:
             self.capture.start()
+        tasks = [asyncio.create_task(run(self), name=f"background-{i}") for i, run in enumerate(self.background)]
         yield
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
         await self.monitor.stop()
         if self.capture is not None:
             await asyncio.to_thread(self.capture.close)  # SIGTERM flushes the capture spool

@@ -1,0 +1,4 @@
+"""Deploying a fleet somewhere other than this machine: manifests generated from the fleet YAML.
+
+``kubernetes/``: Kubernetes manifests (``fleetllm deploy kubernetes``), plain or as a KubeRay RayService.
+"""

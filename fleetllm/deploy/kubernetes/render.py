@@ -1,0 +1,100 @@
+"""All of a fleet's manifests, and the directory ``fleetllm deploy kubernetes`` writes them to.
+
+Plain mode: ConfigMap, router (RBAC, Deployment, Service), per unit a Service, workload and
+PodDisruptionBudget, the Prometheus operator monitors, per autoscaled unit a ScaledObject or HPA. Ray
+mode: ConfigMap, RayService, the controller's Deployment and Service, the router's monitor.
+Secrets are referenced, never written: the directory's README.md says which to create.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from fleetllm.deploy.kubernetes import names
+from fleetllm.deploy.kubernetes.monitoring import monitor_objects
+from fleetllm.deploy.kubernetes.options import KubernetesOptions
+from fleetllm.deploy.kubernetes.ray import controller_deployment, ray_service
+from fleetllm.deploy.kubernetes.router import fleet_config_map, router_objects, router_service
+from fleetllm.deploy.kubernetes.scaling import scaler_objects
+from fleetllm.deploy.kubernetes.workers import worker_objects
+from fleetllm.fleet.config import FleetConfig
+from fleetllm.store.pin import token_envs
+
+
+def render(cfg: FleetConfig, opts: KubernetesOptions) -> dict[str, list[dict[str, Any]]]:
+    """The fleet's objects by file name, numbered in apply order (``kubectl apply -f`` takes a directory's
+    files by name): ``00-config.yaml``, ``10-router.yaml``, ``20-worker-<unit>.yaml``, ...."""
+    units = [names.unit_name(opts, m) for m in cfg.models]
+    dup = next((u for u in units if units.count(u) > 1), None)
+    if dup is not None:
+        raise ValueError(f"two models map onto the object name {dup!r}: rename one")
+    files: dict[str, list[dict[str, Any]]] = {"00-config.yaml": [fleet_config_map(cfg, opts)]}
+    if opts.ray:
+        labels = names.fleet_labels(opts, "router")
+        files["10-ray.yaml"] = [ray_service(cfg, opts), controller_deployment(cfg, opts),
+                             router_service(cfg, opts, labels)]
+        files["30-monitoring.yaml"] = monitor_objects(opts, workers=False)
+    else:
+        files["10-router.yaml"] = router_objects(cfg, opts)
+        for m, unit in zip(cfg.models, units, strict=True):
+            files[f"20-worker-{unit.removeprefix(opts.name + '-')}.yaml"] = worker_objects(cfg, m, opts)
+        files["30-monitoring.yaml"] = monitor_objects(opts, workers=True)
+        files["40-autoscaling.yaml"] = scaler_objects(cfg.models, opts)
+    return {name: docs for name, docs in files.items() if docs}
+
+
+class _Dumper(yaml.SafeDumper):
+    """No anchors and aliases: objects sharing a label dict are written out in full, as people write them."""
+
+    def ignore_aliases(self, data: Any) -> bool:
+        return True
+
+
+def to_yaml(docs: list[dict[str, Any]]) -> str:
+    return yaml.dump_all(docs, Dumper=_Dumper, sort_keys=False)
+
+
+def kubernetes_manifests(cfg: FleetConfig, **options: Any) -> list[dict[str, Any]]:
+    """Every object of the fleet, in apply order; ``options`` are :class:`KubernetesOptions` fields.
+
+    What ``fleetllm recommend`` calls for its top choice:
+    ``kubernetes_manifests(FleetConfig.from_dict(fleet_dict(...)), namespace="llm", image="...")``."""
+    return [doc for docs in render(cfg, KubernetesOptions(**options)).values() for doc in docs]
+
+
+def write(cfg: FleetConfig, opts: KubernetesOptions, out: str | Path) -> list[Path]:
+    """Write the manifests (one multi-document YAML per file of :func:`render`) and README.md into ``out``."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for name, docs in render(cfg, opts).items():
+        path = out / name
+        path.write_text(to_yaml(docs))
+        paths.append(path)
+    readme = out / "README.md"
+    readme.write_text(secrets_readme(cfg, opts))
+    return [*paths, readme]
+
+
+def secrets_readme(cfg: FleetConfig, opts: KubernetesOptions) -> str:
+    """What to create before ``kubectl apply -f``: the Secrets the manifests reference."""
+    ns = opts.namespace
+    lines = [f"# fleet {opts.name}: Secrets to create first (namespace {ns})", "",
+             "The router and workers share a random secret (workers answer only the router; Prometheus reads",
+             "`/metrics` with it):", "",
+             f"    kubectl -n {ns} create secret generic {opts.worker_secret} "
+             "--from-literal=secret=\"$(openssl rand -base64 32)\""]
+    if cfg.keys_file:
+        lines += ["", "API keys (`fleetllm keys create --file keys.yaml ...`; re-apply after every change):", "",
+                  f"    kubectl -n {ns} create secret generic {opts.name}-api-keys --from-file=keys.yaml="
+                  f"{cfg.keys_file} --dry-run=client -o yaml | kubectl apply -f -"]
+    tokens = sorted({v for m in cfg.models for v in token_envs(m.engine)})
+    if tokens:
+        lines += ["", "Hub tokens of gated models:", "",
+                  f"    kubectl -n {ns} create secret generic {opts.name}-model-tokens "
+                  + " ".join(f"--from-literal={v}=\"${v}\"" for v in tokens)]
+    lines += ["", "Then: `kubectl apply -f .`", ""]
+    return "\n".join(lines)
