@@ -57,3 +57,6 @@ class RouterConfig:
     hold_max_waiting: int = opt(64, "requests held per model while a copy starts; beyond, 503 + Retry-After")
     hold_timeout_s: float = opt(120.0, "seconds a request is held at most")
     keys_file: str | None = opt(None, "API keys file (fleetllm keys): only its keys may call /v1/*")
+    ray_address: str | None = opt(None, "also route to the fleet actors of this Ray cluster, found by name "
+                                        "(auto or HOST:PORT; fleetllm serve --ray sets it)")
+    ray_namespace: str = opt("fleetllm", "the Ray namespace of the fleet's actors")

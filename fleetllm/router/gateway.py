@@ -166,9 +166,16 @@ class Router:
         self.monitor = WorkerMonitor(self.workers, self.events_index, self.client, self.cfg.health_interval_s,
                                      on_change=self._on_worker_change)
         self.monitor.start()
+        discovery = None
+        if self.cfg.ray_address:  # the fleet's copies are Ray actors: the router finds them itself
+            from fleetllm.router.discovery.ray import RayDiscovery
+
+            discovery = asyncio.create_task(RayDiscovery(self.cfg.ray_address, self.cfg.ray_namespace).run(self))
         if self.capture is not None:
             self.capture.start()
         yield
+        if discovery is not None:
+            discovery.cancel()
         await self.monitor.stop()
         if self.capture is not None:
             await asyncio.to_thread(self.capture.close)  # SIGTERM flushes the capture spool
