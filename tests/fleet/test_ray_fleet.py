@@ -109,9 +109,12 @@ def test_a_lost_node_costs_no_request_and_its_copies_come_back_on_the_survivor(
         t.start()
     try:
         os.kill(ray_cluster.raylet_pid(1), signal.SIGKILL)
+        t0 = time.monotonic()
         # the router stops routing to the lost node's copies (its health checks), then Ray starts them again
         wait_state(ray_fleet, lambda s: not any("127.0.0.3" in w["url"] for w in healthy(s)), deadline_s=30)
-        state = wait_state(ray_fleet, lambda s: len(healthy(s)) == 4 and len(s["workers"]) == 4, deadline_s=60)
+        t_unrouted = time.monotonic() - t0
+        state = wait_state(ray_fleet, lambda s: len(healthy(s)) == 4 and len(s["workers"]) == 4, deadline_s=90)
+        print(f"lost node: unrouted after {t_unrouted:.1f}s, 4 copies back after {time.monotonic() - t0:.1f}s")
         sent_before = len(statuses)
         wait_state(ray_fleet, lambda s: len(statuses) > sent_before + 4)  # the replacements answer too
     finally:
