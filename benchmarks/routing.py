@@ -118,7 +118,7 @@ def run_one(fleet_kind: str, n_workers: int, policy: str, workloads: dict[str, l
     try:
         for wname, flags in workloads.items():
             before = {u: scrape(u) for u in fleet.worker_urls}
-            out = out_dir / f"{fleet_kind}-{policy}-{wname}.json"
+            out = out_dir / f"{label}-{policy}-{wname}.json"
             cmd = [sys.executable, "-m", "fleetllm.cli", "bench", "--url", fleet.url, "--model", "smollm2-135m",
                    "--seed", str(seed), "--no-progress", "--timeout", "600", "--output", str(out),
                    *with_users(scale(flags, quick), users, requests_per_user)]
