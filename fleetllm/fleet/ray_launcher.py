@@ -62,9 +62,13 @@ class ActorProc:
             except ray.exceptions.GetTimeoutError:
                 raise TimeoutError(f"{self.name}: no node with room for it in time "
                                    f"({_wants(self._options)})") from None
-            if info["url"] != other_than or time.monotonic() > deadline:
+            except ray.exceptions.ActorUnavailableError:  # being restarted: ask again
+                info = {"url": other_than}
+            if info["url"] != other_than:
                 self._info = info
                 return info
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{self.name} did not come back in time")
             time.sleep(0.2)
 
     @property
