@@ -10,6 +10,7 @@ restart through the copies (Ray restarts each actor, at a new address). Prints w
 
 from __future__ import annotations
 
+import shutil
 import signal
 import subprocess
 import sys
@@ -74,6 +75,7 @@ def main() -> int:
         print(f"serve exited with {serve.wait(60)}")
         cluster.stop()
         print(f"cluster processes left: {len(cluster.processes())}")
+        shutil.rmtree(tmp, ignore_errors=True)
     return 0
 
 
