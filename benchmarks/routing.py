@@ -97,18 +97,28 @@ def with_users(flags: list[str], users: int | None, requests_per_user: float) ->
 
 
 def run_one(fleet_kind: str, n_workers: int, policy: str, workloads: dict[str, list[str]], out_dir: Path,
-            quick: bool, seed: int, users: int | None = None, requests_per_user: float = 2.0) -> list[dict]:
+            quick: bool, seed: int, users: int | None = None, requests_per_user: float = 2.0,
+            ray_address: str | None = None) -> list[dict]:
+    """``ray_address``: the same fleet with its copies as actors of that Ray cluster (benchmarks/ray_fleet.py)."""
     port = 18000 + (os.getpid() % 500) * 40
     cfg = FleetConfig.single_model("smollm2-135m", n_workers, simulate=fleet_kind == "sim", threads=1)
     cfg.port, cfg.policy, cfg.router_args = port, policy, ["--seed", str(seed)]
-    cfg.log_dir = str(out_dir / "logs" / f"{fleet_kind}-{policy}")
-    fleet = Fleet(cfg)
+    label = f"ray-{fleet_kind}" if ray_address else fleet_kind
+    cfg.log_dir = str(out_dir / "logs" / f"{label}-{policy}")
+    if ray_address:
+        from fleetllm.fleet.config import RaySettings
+        from fleetllm.fleet.ray_launcher import RayFleet
+
+        cfg.ray = RaySettings(address=ray_address, namespace=f"bench-{os.getpid()}")
+        fleet: Fleet = RayFleet(cfg)
+    else:
+        fleet = Fleet(cfg)
     fleet.start()
     rows = []
     try:
         for wname, flags in workloads.items():
             before = {u: scrape(u) for u in fleet.worker_urls}
-            out = out_dir / f"{fleet_kind}-{policy}-{wname}.json"
+            out = out_dir / f"{label}-{policy}-{wname}.json"
             cmd = [sys.executable, "-m", "fleetllm.cli", "bench", "--url", fleet.url, "--model", "smollm2-135m",
                    "--seed", str(seed), "--no-progress", "--timeout", "600", "--output", str(out),
                    *with_users(scale(flags, quick), users, requests_per_user)]
@@ -133,7 +143,7 @@ def run_one(fleet_kind: str, n_workers: int, policy: str, workloads: dict[str, l
             worker_ttft = sum(delta(u, "vllm:time_to_first_token_seconds_sum") for u in fleet.worker_urls) / max(n_first, 1)
             s = json.loads(out.read_text())["runs"][0]["summary"]
             rows.append({
-                "fleet": fleet_kind, "workers": n_workers, "policy": policy, "workload": wname,
+                "fleet": label, "workers": n_workers, "policy": policy, "workload": wname,
                 "ttft_p50_ms": s["metrics"]["ttft_ms"]["p50"], "ttft_p99_ms": s["metrics"]["ttft_ms"]["p99"],
                 "ttft_mean_ms": s["metrics"]["ttft_ms"].get("mean"), "worker_ttft_mean_ms": worker_ttft * 1000,
                 "req_per_s": s["request_throughput"], "out_tok_per_s": s["output_token_throughput"],

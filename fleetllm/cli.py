@@ -85,6 +85,8 @@ class ServeOptions:
     log_dir: str | None = opt(None, "where worker and router logs go (default: a temp dir)")
     host: str | None = opt(None, "router address (default: the config's, else 127.0.0.1)")
     port: int | None = opt(None, "router port (default: the config's, else 8000); workers use the next ones")
+    ray: str | None = opt(None, "run every copy as an actor on this Ray cluster (auto or HOST:PORT); the "
+                                "config's `ray:` block gives the rest")
 
 
 def load_profile(args: argparse.Namespace):  # -> TimingProfile
@@ -274,6 +276,10 @@ def fleet_config(args: argparse.Namespace):  # -> FleetConfig
     if args.log_dir:
         cfg.log_dir = args.log_dir
     cfg.otlp_endpoint = args.otlp_endpoint or cfg.otlp_endpoint
+    if args.ray:
+        from fleetllm.fleet.config import RaySettings
+
+        cfg.ray = RaySettings(**{**vars(cfg.ray or RaySettings()), "address": args.ray})
     given = {f.name: getattr(args, f.name) for f in cli_fields(CaptureConfig) if getattr(args, f.name) is not None}
     cfg.capture = CaptureConfig(**{**vars(cfg.capture), **given})
     return cfg

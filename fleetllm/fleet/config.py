@@ -36,6 +36,7 @@ is optional; the smallest config is ``models: [{source: smollm2-135m}]``. Exampl
         simulate: true                # timing-model copies (no weights), many per process
         replicas: 30
     external: [http://10.0.0.5:8001]  # workers started elsewhere (a cluster)
+    ray: {address: auto}              # copies as actors on a Ray cluster (fleetllm/fleet/ray_launcher.py)
     keys_file: keys.yaml              # API keys on (fleetllm keys create --file keys.yaml ...)
     pd_threshold: 2048                # with prefill copies: disaggregate long uncached prompts
     capture:                          # inference data capture (docs/capture.md; --capture-* flags)
@@ -76,6 +77,20 @@ class Resources:
     cores: int | None = None
     memory_gb: float | None = None  # default: 2 GiB for a real copy (weights + 1 GiB of KV), 0.05 for a simulated one
     accelerators: int = 0
+    custom: dict[str, float] = field(default_factory=dict)  # Ray custom resources, e.g. {"instance:m7i": 1}
+
+
+@dataclass
+class RaySettings:
+    """``ray:``: run every copy as an actor on a Ray cluster instead of as a process of this machine.
+
+    ``machines`` are then ignored: the cluster's nodes are the machines, and Ray places each copy on one with
+    the copy's ``resources`` free (cores -> CPUs, memory, accelerators -> GPUs, ``custom`` as they are)."""
+
+    address: str = "auto"  # "auto" (the cluster this machine belongs to) or the head's HOST:PORT
+    namespace: str = "fleetllm"  # the router finds the fleet's actors by name in this Ray namespace
+    strategy: str = "SPREAD"  # Ray scheduling strategy: SPREAD (copies over as many nodes as possible) or DEFAULT
+    zone_label: str = "zone"  # the node label that names a node's zone (`ray start --labels`)
 
 
 @dataclass
@@ -166,6 +181,7 @@ class FleetConfig:
     otlp_endpoint: str | None = None  # OTLP/HTTP collector: the router and every worker push to it
     startup_timeout_s: float = 300.0
     capture: CaptureConfig = field(default_factory=CaptureConfig)  # the router's and every worker's
+    ray: RaySettings | None = None  # copies as Ray actors (``fleetllm serve --ray``)
 
     def __post_init__(self) -> None:
         names: dict[str, str] = {}
@@ -203,6 +219,9 @@ class FleetConfig:
         d["router_args"] = [str(a) for a in d.get("router_args", [])]
         if "capture" in d:
             d["capture"] = CaptureConfig.from_dict(d["capture"])
+        if d.get("ray") is not None:  # `ray: auto` or `ray: {address: ..., namespace: ...}`
+            r = d["ray"]
+            d["ray"] = RaySettings(address=r) if isinstance(r, str) else RaySettings(**_checked(RaySettings, r, "ray"))
         return cls(**d)
 
     @classmethod

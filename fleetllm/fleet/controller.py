@@ -133,6 +133,8 @@ class FleetController:
 
     def _admit(self, proc: Proc) -> None:
         """Tell the router of a new copy once it is healthy (and so warm); remove it if it never is."""
+        if self.fleet.discovers:
+            return  # the router finds it itself once it answers (a Ray fleet)
         try:
             for u in proc.urls:
                 self.fleet.wait_healthy(proc, u + "/ready", time.monotonic() + self.fleet.cfg.startup_timeout_s)
@@ -150,8 +152,9 @@ class FleetController:
             end = time.monotonic() + self.drain_timeout_s
             while time.monotonic() < end and self._inflight(proc.urls):
                 time.sleep(0.2)
-            for u in proc.urls:
-                self.admin.remove_worker(u)
+            if not self.fleet.discovers:  # a discovering router drops it once it is gone, and not before
+                for u in proc.urls:
+                    self.admin.remove_worker(u)
             self.fleet.remove(proc)
         except httpx.HTTPError as e:
             log.error("autoscaler: draining %s failed: %s", proc.name, e)

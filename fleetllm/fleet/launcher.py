@@ -81,6 +81,8 @@ class Proc:
 
 
 class Fleet:
+    discovers = False  # the router is told of copies (a Ray fleet's router finds them itself)
+
     def __init__(self, cfg: FleetConfig) -> None:
         self.cfg = cfg
         self.log_dir = Path(cfg.log_dir or tempfile.mkdtemp(prefix="fleetllm-fleet-"))
@@ -179,28 +181,29 @@ class Fleet:
         self.workers.append(proc)
         return proc
 
+    def _worker_list_args(self) -> list[str]:
+        """The router's worker list: every copy's URL and labels (a Ray fleet's router discovers its own)."""
+        args = ["--workers", ",".join(self.worker_urls)]
+        if self.worker_urls:
+            args += ["--worker-models", ",".join(self.models)]
+        if any(self.variants):
+            args += ["--worker-variants", ",".join(self.variants)]
+        return args
+
     def _router_args(self) -> list[str]:
         cfg = self.cfg
-        args = ["--workers", ",".join(self.worker_urls), "--policy", cfg.policy, "--host", cfg.host,
+        args = [*self._worker_list_args(), "--policy", cfg.policy, "--host", cfg.host,
                 "--port", str(cfg.port), "--log-level", "warning", *self._otlp, *self._capture]
         for m in {m.served_name: m for m in cfg.models}.values():
             args += ["--tokenizer", f"{m.served_name}={self._tokenizers.get(id(m), m.source)}"]
             args += [a for alias in m.aliases for a in ("--alias", f"{alias}={m.served_name}")]
             if m.policy:
                 args += ["--model-policy", f"{m.served_name}={m.policy}"]
-        if self.worker_urls:
-            args += ["--worker-models", ",".join(self.models)]
-        if any(self.variants):
-            args += ["--worker-variants", ",".join(self.variants)]
         for name, split in cfg.traffic_splits().items():
             args += ["--traffic", f"{name}={split}"]
         zero = [m.served_name for m in cfg.models if m.replicas.min == 0]
         if zero:
             args += ["--scale-from-zero", ",".join(dict.fromkeys(zero))]
-        if any(self.zones):
-            args += ["--zones", ",".join(self.zones)]
-        if any(r != "both" for r in self.roles):
-            args += ["--roles", ",".join(self.roles)]
         if cfg.pd_threshold is not None:
             args += ["--pd-threshold", str(cfg.pd_threshold)]
         if cfg.keys_file:
@@ -351,7 +354,12 @@ def _terminate(procs: list[Proc], grace_s: float) -> None:
 def run_fleet(cfg: FleetConfig, state_file: Path | None = None) -> int:
     """``fleetllm serve``: start the fleet, serve until SIGINT/SIGTERM, stop it cleanly. Once ready it
     leaves ``state_file`` (:mod:`fleetllm.fleet.runfile`) for ``fleetllm fleet restart`` and removes it on exit."""
-    fleet = Fleet(cfg)
+    if cfg.ray is not None:
+        from fleetllm.fleet.ray_launcher import RayFleet
+
+        fleet: Fleet = RayFleet(cfg)
+    else:
+        fleet = Fleet(cfg)
     stop = {"now": False, "restart": False}
 
     def on_signal(sig: int, frame: object) -> None:

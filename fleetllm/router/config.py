@@ -74,3 +74,6 @@ class RouterConfig:
     hash_seed: str | None = opt(None, "the vLLM workers' PYTHONHASHSEED (default: this router's own); without one "
                                       "their block hashes cannot be reproduced")
     engine_block_size: int = opt(16, "the vLLM workers' --block-size")
+    ray_address: str | None = opt(None, "also route to the fleet actors of this Ray cluster, found by name "
+                                        "(auto or HOST:PORT; fleetllm serve --ray sets it)")
+    ray_namespace: str = opt("fleetllm", "the Ray namespace of the fleet's actors")
