@@ -100,25 +100,8 @@ class Worker:
         self.on_fatal: Callable[[], None] | None = None  # the engine died: the process should exit non-zero
         self.model_name = engine.model_name
         self.created = int(time.time())
-        self.obs = obs = obs or ObservabilityConfig()
-        m = engine.metrics
-        if m.enabled:
-            m.registry.register(ProcessHostCollector(m.labels, gpu=engine.device.startswith("cuda")))
-        self.cold_start = ColdStart(m.registry, m.labels)
-        self.cold_start.set("weight_load", engine.loaded.load_seconds)
-        if engine.loaded.revision:  # a model from the store: its resolve / download / verify / load phases
-            for phase, seconds in engine.loaded.phases.items():
-                self.cold_start.set(phase, seconds)
-            self.cold_start.model_info(engine.loaded.root, engine.loaded.revision)
-        self.tracer = self.otlp_metrics = None
-        if obs.otlp_endpoint:
-            from fleetllm.observability.otlp import OTLPMetricsPusher, resource_for
-            from fleetllm.observability.tracing import RequestTracer
-
-            resource = resource_for("fleetllm-worker", m.labels)
-            self.tracer = RequestTracer(obs.otlp_endpoint, resource)
-            if m.enabled:
-                self.otlp_metrics = OTLPMetricsPusher(m.registry, obs.otlp_endpoint, resource, obs.otlp_interval_s)
+        self.obs = obs or ObservabilityConfig()
+        self._observe(engine)
         self.instance_id = uuid.uuid4().hex  # a restarted worker has a new one: routers re-sync their index
         self.closing = False  # set when the server shuts down: ends the endless /kv/events streams
         self.app = Starlette(
@@ -147,6 +130,27 @@ class Worker:
         secret = worker_secret()
         if secret:  # a fleet with API keys: only the router may call this worker
             self.app = RequireSecret(self.app, secret)
+
+    def _observe(self, engine: LLMEngine) -> None:
+        """Host metrics, the cold-start phases and, with an OTLP endpoint, request spans and pushed metrics."""
+        m, obs = engine.metrics, self.obs
+        if m.enabled:
+            m.registry.register(ProcessHostCollector(m.labels, gpu=engine.device.startswith("cuda")))
+        self.cold_start = ColdStart(m.registry, m.labels)
+        self.cold_start.set("weight_load", engine.loaded.load_seconds)
+        if engine.loaded.revision:  # a model from the store: its resolve / download / verify / load phases
+            for phase, seconds in engine.loaded.phases.items():
+                self.cold_start.set(phase, seconds)
+            self.cold_start.model_info(engine.loaded.root, engine.loaded.revision)
+        self.tracer = self.otlp_metrics = None
+        if obs.otlp_endpoint:
+            from fleetllm.observability.otlp import OTLPMetricsPusher, resource_for
+            from fleetllm.observability.tracing import RequestTracer
+
+            resource = resource_for("fleetllm-worker", m.labels)
+            self.tracer = RequestTracer(obs.otlp_endpoint, resource)
+            if m.enabled:
+                self.otlp_metrics = OTLPMetricsPusher(m.registry, obs.otlp_endpoint, resource, obs.otlp_interval_s)
 
     @contextlib.asynccontextmanager
     async def _lifespan(self, app: Starlette) -> AsyncIterator[None]:

@@ -1,7 +1,7 @@
 """Worker discovery: sources (a Ray cluster, Kubernetes EndpointSlices) that keep the router's worker set current.
 
 A source produces the set of workers that should be routable; :func:`reconcile` applies the difference to a
-running :class:`~fleetllm.router.gateway.Gateway` (new workers added and health-checked, vanished ones
+running :class:`~fleetllm.router.gateway.Router` (new workers added and health-checked, vanished ones
 removed). Each source lives in its own module here and runs as a background task of the router.
 """
 
@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from fleetllm.router.gateway import Gateway
+    from fleetllm.router.gateway import Router
 
 
 @dataclass(frozen=True)
@@ -25,7 +25,7 @@ class DiscoveredWorker:
     variant: str = ""
 
 
-async def reconcile(gateway: Gateway, wanted: set[DiscoveredWorker], owned: set[str]) -> set[str]:
+async def reconcile(gateway: Router, wanted: set[DiscoveredWorker], owned: set[str]) -> set[str]:
     """Add the wanted workers the gateway lacks and remove the ones this source added that are gone.
 
     ``owned`` is the set of URLs this source added earlier (workers given by hand are never removed);
