@@ -168,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
         append_run("## Other engines behind the router: llama.cpp's llama-server and a fleetllm worker",
                    "`benchmarks/engines_behind_router.py`: the router fronting a real `llama-server` "
                    "(`llamacpp+http://`) and a real fleetllm worker at once, fresh engines per policy "
-                   "(see docs/scale-out-engines.md).",
+                   "(see docs/scale-out.md (other engines)).",
                    "python benchmarks/engines_behind_router.py " + " ".join(argv or sys.argv[1:]), text)
     return 0
 

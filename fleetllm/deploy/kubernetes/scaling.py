@@ -6,7 +6,7 @@ model's ``up_window_s`` / ``down_window_s`` as the HPA's stabilisation windows a
 its bounds. A model with ``min: 0`` scales from zero with KEDA: requests the router holds for it
 (``fleetllm_router_held_requests``) activate the scaler while no copy exists. An HPA cannot go below
 one copy (without the alpha HPAScaleToZero gate), so its minimum is at least 1, and it reads the metric
-through prometheus-adapter as ``vllm_num_requests_waiting`` (the rule is in docs/scale-out-kubernetes.md).
+through prometheus-adapter as ``vllm_num_requests_waiting`` (the rule is in docs/scale-out.md (Kubernetes)).
 Units with a fixed count (``min == max``) get no scaler.
 """
 
