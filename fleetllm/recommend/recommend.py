@@ -98,7 +98,8 @@ def run_recommend(cfg: RecommendConfig, console: Console | None = None) -> dict[
         print_table(console, ranked, rate, cfg.top)
         console.print(f"{result.considered} candidates considered, {result.predicted} predicted in "
                       f"{result.seconds:.1f} s; pruned: {result.pruned}")
-        console.print(f"wrote {out / 'recommend.json'}, {out / 'pareto.png'}" + (f", {out / 'fleet.yaml'}" if doc["fleet_yaml"] else ""))
+        console.print(f"wrote {out / 'recommend.json'}, {out / 'pareto.png'}" + (f", {out / 'fleet.yaml'}" if doc["fleet_yaml"] else "")
+                      + (f", {doc['kubernetes']}/ (fleetllm deploy kubernetes)" if doc["kubernetes"] else ""))
     return doc
 
 
@@ -106,10 +107,11 @@ def _document(cfg: RecommendConfig, model: str, w: WorkloadShape, rate: float, s
               result: SearchResult, ranked: list[Scored], out: Path) -> dict[str, Any]:
     front = write_pareto_png(result, out / "pareto.png")
     best = ranked[0] if ranked and ranked[0].meets_slos else None
-    yaml_path = None
+    yaml_path = k8s_dir = None
     if best is not None:
         yaml_path = out / "fleet.yaml"
         yaml_path.write_text(fleet_yaml(best.candidate, load_shape(cfg.model)))
+        k8s_dir = write_kubernetes(yaml_path, out / "kubernetes")
     return {
         "model": model, "workload": {"name": w.name, "isl_mean": w.isl_mean, "osl_mean": w.osl_mean,
                                      "shared_prefix": w.shared_prefix, "private_prefix": w.private_prefix},
@@ -119,5 +121,22 @@ def _document(cfg: RecommendConfig, model: str, w: WorkloadShape, rate: float, s
         "ranked": [entry(s, rate) for s in ranked[:cfg.top]],
         "pareto_front": front, "pareto_png": str(out / "pareto.png"),
         "fleet_yaml": str(yaml_path) if yaml_path else None,
+        "kubernetes": str(k8s_dir) if k8s_dir else None,
         "note": None if best else "no candidate meets the SLOs at this traffic: the table shows the closest",
     }
+
+
+def write_kubernetes(fleet_yaml_path: Path, out: Path) -> Path | None:
+    """The top choice as Kubernetes manifests (what ``fleetllm deploy kubernetes --config`` writes), or None
+    with the reason logged when its fleet YAML does not map onto a cluster."""
+    import yaml
+
+    from fleetllm.deploy.kubernetes import KubernetesOptions, write
+    from fleetllm.fleet.config import FleetConfig
+
+    try:
+        write(FleetConfig.from_dict(yaml.safe_load(fleet_yaml_path.read_text())), KubernetesOptions(), out)
+    except ValueError as e:
+        logging.getLogger("fleetllm.recommend").warning("no Kubernetes manifests for the top choice: %s", e)
+        return None
+    return out

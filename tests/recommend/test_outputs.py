@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import yaml
+
 from fleetllm.cli import main
 from fleetllm.fleet.config import FleetConfig
 from fleetllm.recommend.candidate import Candidate
@@ -95,6 +97,10 @@ def test_recommend_end_to_end_prints_json_and_writes_table_png_and_yaml(tmp_path
     assert doc["search"]["considered"] > 0 and doc["pareto_front"]
     assert (tmp_path / "pareto.png").stat().st_size > 1000
     assert FleetConfig.from_yaml(tmp_path / "fleet.yaml").models[0].source == "smollm2-135m"
+    # the same choice as Kubernetes manifests: a worker Deployment of the chosen copies
+    docs = [d for f in sorted((tmp_path / "kubernetes").glob("*.yaml")) for d in yaml.safe_load_all(f.read_text()) if d]
+    workers = [d for d in docs if d["kind"] in ("Deployment", "StatefulSet") and "smollm2" in d["metadata"]["name"]]
+    assert doc["kubernetes"] and workers and workers[0]["spec"]["replicas"] == best["replicas"]
 
 
 def test_validation_benches_the_same_workload_at_the_same_rate_and_slos(tmp_path) -> None:
