@@ -188,6 +188,10 @@ class Fleet:
             args += ["--worker-models", ",".join(self.models)]
         if any(self.variants):
             args += ["--worker-variants", ",".join(self.variants)]
+        if any(self.zones):
+            args += ["--zones", ",".join(self.zones)]
+        if any(r != "both" for r in self.roles):
+            args += ["--roles", ",".join(self.roles)]
         return args
 
     def _router_args(self) -> list[str]:
