@@ -82,6 +82,7 @@ class Proc:
 
 class Fleet:
     discovers = False  # the router is told of copies (a Ray fleet's router finds them itself)
+    picks_ports = True  # copies listen where the fleet says (a Ray actor picks a free port on its node)
 
     def __init__(self, cfg: FleetConfig) -> None:
         self.cfg = cfg
@@ -230,12 +231,16 @@ class Fleet:
             self.placer.release(c)
 
     # ---- lifecycle --------------------------------------------------------------------------------
+    def _check_ports_free(self, p: Proc) -> None:
+        if self.picks_ports:
+            _check_ports_free(p)
+
     def start(self) -> None:
         """Start everything and return once the router sees every worker healthy (raises otherwise)."""
         deadline = time.monotonic() + self.cfg.startup_timeout_s
         try:
             for p in self.workers:
-                _check_ports_free(p)
+                self._check_ports_free(p)
             for p in self.workers:
                 p.start()
             for p in self.workers:
@@ -286,7 +291,7 @@ class Fleet:
                 continue
             log.info("rolling restart: %s", p.name)
             _terminate([p], drain_grace_s)
-            _check_ports_free(p)  # else the next /ready could be another process's, and the roll a lie
+            self._check_ports_free(p)  # else the next /ready could be another process's, and the roll a lie
             p.restarts += 1
             p.start()
             deadline = time.monotonic() + self.cfg.startup_timeout_s

@@ -110,6 +110,7 @@ class RayFleet(Fleet):
     """The fleet with its copies as Ray actors; the router runs here and discovers them through Ray."""
 
     discovers = True
+    picks_ports = False
 
     def __init__(self, cfg: FleetConfig) -> None:
         assert cfg.ray is not None
