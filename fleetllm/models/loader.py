@@ -10,10 +10,13 @@ sources give the HF layout the model code expects.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
 import shutil
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -165,13 +168,48 @@ def _unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
 
 
 def read_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], TokenizerWrapper]:
-    """Config, fp32 HF-named weights and tokenizer of a GGUF file, from the dequantised cache when present."""
+    """Config, fp32 HF-named weights and tokenizer of a GGUF file, from the dequantised cache when present.
+
+    Processes of one node that load the same file together dequantise it once: the others wait on the
+    entry's lock (tens of seconds of CPU for a large vocabulary), then map what the first one wrote.
+    """
     cached = dequant_cache_dir(path)
-    if (cached / "done").exists():
+    hit = _try_cache(cached)
+    if hit is not None:
+        return hit
+    with _entry_lock(cached):
+        hit = _try_cache(cached)  # written by the process we waited for
+        if hit is not None:
+            return hit
+        cfg, sd, tok = _dequantise_gguf(path)
+        _write_cache(cached, cfg, sd, tok)
+    return cfg, sd, tok
+
+
+def _try_cache(entry: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], TokenizerWrapper] | None:
+    if (entry / "done").exists():
         try:
-            return _read_cache(cached)
+            return _read_cache(entry)
         except (OSError, ValueError, KeyError):
-            pass  # a damaged cache entry is rebuilt below
+            pass  # a damaged cache entry is rebuilt
+    return None
+
+
+@contextlib.contextmanager
+def _entry_lock(entry: Path) -> Iterator[None]:
+    """Exclusive across this node's processes (flock); without a writable cache, no lock (and no cache)."""
+    try:
+        entry.parent.mkdir(parents=True, exist_ok=True)
+        f = open(entry.with_name(entry.name + ".lock"), "a")  # noqa: SIM115  (held for the block)
+    except OSError:
+        yield
+        return
+    with f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        yield
+
+
+def _dequantise_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], TokenizerWrapper]:
     from gguf import GGUFReader
 
     reader = GGUFReader(str(path))  # parses every metadata string: seconds for a 49k-token vocabulary
@@ -198,7 +236,6 @@ def read_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokeniz
         elif cfg.architecture == "gemma3" and t.name.endswith("norm.weight"):
             w = w - 1.0  # llama.cpp's converter stores Gemma's 1 + weight; HF checkpoints (our names) store weight
         sd[hf] = w
-    _write_cache(cached, cfg, sd, tok)
     return cfg, sd, tok
 
 

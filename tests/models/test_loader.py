@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -69,6 +71,23 @@ def test_dequantised_cache_round_trips(tmp_path: Path, monkeypatch: pytest.Monke
     assert sd1.keys() == sd2.keys() and all(torch.equal(sd1[k], sd2[k]) for k in sd1)
     text = "<|im_start|>user\nWhat is 12+30?<|im_end|>"
     assert tok1.encode(text) == tok2.encode(text) and tok1.chat_template == tok2.chat_template
+
+
+def test_loads_of_one_gguf_at_the_same_time_dequantise_it_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                 loaded_model: LoadedModel) -> None:
+    monkeypatch.setenv("FLEETLLM_CACHE_DIR", str(tmp_path))
+    calls = []
+
+    def slow_dequantise(path: Path):  # stands in for tens of seconds of NumPy; the others must wait, not redo it
+        calls.append(path)
+        time.sleep(0.5)
+        return loaded_model.config, {"w": torch.arange(4.0)}, loaded_model.tokenizer
+
+    monkeypatch.setattr(loader, "_dequantise_gguf", slow_dequantise)
+    with ThreadPoolExecutor(3) as pool:
+        results = list(pool.map(lambda _: loader.read_gguf(resolve("smollm2-135m")), range(3)))
+    assert len(calls) == 1
+    assert all(torch.equal(sd["w"], torch.arange(4.0)) for _, sd, _ in results)
 
 
 @pytest.mark.slow
