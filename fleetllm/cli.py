@@ -13,7 +13,7 @@ import logging
 import os
 import sys
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from fleetllm.capture.config import CaptureConfig
 from fleetllm.cli_options import add_options, cli_fields, from_args, opt
@@ -27,6 +27,9 @@ from fleetllm.sim.config import SimConfig
 from fleetllm.store.config import StoreConfig
 from fleetllm.tools.config import ToolConfig
 
+if TYPE_CHECKING:
+    from fleetllm.server.uvicorn_runner import TLSFiles
+
 
 @dataclass
 class ListenOptions:
@@ -38,6 +41,17 @@ class ListenOptions:
     max_body_bytes: int = opt(DEFAULT_MAX_BODY_BYTES, "largest request body accepted (413 above)")
     header_timeout_s: float = opt(DEFAULT_HEADER_TIMEOUT_S, "seconds a client has to send a request's headers "
                                                             "(then 408 and the connection is closed: slow-loris)")
+    tls_certfile: str | None = opt(None, "serve HTTPS with this certificate chain (PEM; with --tls-keyfile)")
+    tls_keyfile: str | None = opt(None, "the private key of --tls-certfile (PEM)")
+
+
+def tls_files(args: argparse.Namespace) -> TLSFiles | None:
+    """The server's certificate and key when both are given (HTTPS); one without the other is an error."""
+    from fleetllm.server.uvicorn_runner import TLSFiles
+
+    if bool(args.tls_certfile) != bool(args.tls_keyfile):
+        raise SystemExit("fleetllm: --tls-certfile and --tls-keyfile go together")
+    return TLSFiles(args.tls_certfile, args.tls_keyfile) if args.tls_certfile else None
 
 
 @dataclass
@@ -168,7 +182,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
                     kv_events=from_args(KVEventsOptions, args))
     server = make_server(worker.app, args.host, args.port, args.log_level,
                          on_exit=lambda: setattr(worker, "closing", True),
-                         drain=lambda: worker.drain(args.drain_timeout_s), header_timeout_s=args.header_timeout_s)
+                         drain=lambda: worker.drain(args.drain_timeout_s), header_timeout_s=args.header_timeout_s,
+                         tls=tls_files(args))
     worker.on_fatal = server.exit_now
     server.run()
     return 1 if worker.async_engine.failure else 0  # non-zero: the supervisor restarts this worker
@@ -190,7 +205,7 @@ def cmd_sim_worker(args: argparse.Namespace) -> int:
     failed = serve_simulated(args.model, args.host, args.port, args.count, cfg, load_profile(args), args.log_level,
                              identities=identities, obs=observability_config(args),
                              drain_timeout_s=args.drain_timeout_s, header_timeout_s=args.header_timeout_s,
-                             store=from_args(StoreConfig, args), **extra)
+                             store=from_args(StoreConfig, args), tls=tls_files(args), **extra)
     return 1 if failed else 0
 
 
@@ -244,7 +259,7 @@ def cmd_router(args: argparse.Namespace) -> int:
         pusher.start()
     try:
         run_app(router.app, args.host, args.port, args.log_level, on_exit=lambda: setattr(router, "closing", True),
-                header_timeout_s=args.header_timeout_s)
+                header_timeout_s=args.header_timeout_s, tls=tls_files(args))
     finally:
         if pusher:
             pusher.stop()

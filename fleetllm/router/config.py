@@ -64,6 +64,8 @@ class RouterConfig:
     responses_store: int = opt(4096, "Responses API turns remembered (previous_response_id -> the worker "
                                      "holding it, and the turn's items to re-send if it is gone)")
     keys_file: str | None = opt(None, "API keys file (fleetllm keys): only its keys may call /v1/*")
+    worker_ca_file: str | None = opt(None, "CA bundle (PEM) that signed the workers' certificates: https:// worker "
+                                           "URLs are verified against it (default: the system's CAs)")
     kv_events_config: str | None = opt(None, "the vLLM workers' --kv-events-config JSON: the router subscribes to "
                                              "each vllm+ worker's publisher (a * bind address becomes its host)")
     kv_events_endpoints: dict[str, str] = opt(doc="one worker's KV-event endpoint in vLLM's format (overrides "

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import ssl
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -168,7 +169,8 @@ class Router:
     async def _lifespan(self, app: Starlette) -> AsyncIterator[None]:
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
         headers = {"authorization": f"Bearer {self.secret}"} if self.secret else None  # workers answer only us
-        self.client = httpx.AsyncClient(limits=limits, timeout=None, headers=headers)
+        verify = ssl.create_default_context(cafile=self.cfg.worker_ca_file) if self.cfg.worker_ca_file else True
+        self.client = httpx.AsyncClient(limits=limits, timeout=None, headers=headers, verify=verify)
         self.forwarder = Forwarder(self.client, self.cfg, self.metrics, self.index, self.uses_prefix)
         self.remote_prefill = RemotePrefill(self.client, self.cfg, self.metrics, self.events_index,
                                             on_failure=self.forwarder.failed)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import signal
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from types import FrameType
 from typing import Any
 
@@ -50,23 +51,33 @@ class _Server(uvicorn.Server):
         self.handle_exit(signal.SIGINT, None)
 
 
+@dataclass(frozen=True)
+class TLSFiles:
+    """A server's certificate chain and private key (PEM files): it then serves HTTPS."""
+
+    certfile: str
+    keyfile: str
+
+
 def server_config(app: Any, host: str, port: int, log_level: str = "info",
-                  header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S) -> uvicorn.Config:
+                  header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S, tls: TLSFiles | None = None) -> uvicorn.Config:
     """How every fleetllm server (worker, simulated worker, router) is served: no access log, 30 s to
-    finish streams on shutdown, clients that are slow to send headers cut off (:mod:`.header_timeout`)."""
+    finish streams on shutdown, clients that are slow to send headers cut off (:mod:`.header_timeout`),
+    HTTPS when ``tls`` names a certificate and its key."""
     # ws="none": no route speaks WebSocket, and loading uvicorn's WebSocket protocol costs a worker's cold start
     return uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False, ws="none",
-                          timeout_graceful_shutdown=30, http=header_timeout_protocol(header_timeout_s))
+                          timeout_graceful_shutdown=30, http=header_timeout_protocol(header_timeout_s),
+                          ssl_certfile=tls.certfile if tls else None, ssl_keyfile=tls.keyfile if tls else None)
 
 
 def make_server(app: Any, host: str, port: int, log_level: str = "info", on_exit: Callable[[], None] | None = None,
                 drain: Callable[[], Awaitable[object]] | None = None,
-                header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S) -> _Server:
+                header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S, tls: TLSFiles | None = None) -> _Server:
     """A uvicorn server for ``app``; ``server.run()`` serves until stopped (see the module's doc)."""
-    return _Server(server_config(app, host, port, log_level, header_timeout_s), on_exit, drain)
+    return _Server(server_config(app, host, port, log_level, header_timeout_s, tls), on_exit, drain)
 
 
 def run_app(app: Any, host: str, port: int, log_level: str = "info", on_exit: Callable[[], None] | None = None,
             drain: Callable[[], Awaitable[object]] | None = None,
-            header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S) -> None:
-    make_server(app, host, port, log_level, on_exit, drain, header_timeout_s).run()
+            header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S, tls: TLSFiles | None = None) -> None:
+    make_server(app, host, port, log_level, on_exit, drain, header_timeout_s, tls).run()

@@ -18,7 +18,7 @@ from fleetllm.models.source import load_tokenizer
 from fleetllm.server.app import ObservabilityConfig, Worker
 from fleetllm.server.config import KVEventsOptions
 from fleetllm.server.header_timeout import DEFAULT_HEADER_TIMEOUT_S
-from fleetllm.server.uvicorn_runner import server_config
+from fleetllm.server.uvicorn_runner import TLSFiles, server_config
 from fleetllm.sim.engine import SimConfig, sim_engine
 from fleetllm.sim.profile import TimingProfile
 from fleetllm.store.config import StoreConfig
@@ -48,11 +48,12 @@ def serve_simulated(model: str, host: str, port: int, count: int, cfg: SimConfig
                     log_level: str = "warning", identities: list[dict[str, str]] | None = None,
                     obs: ObservabilityConfig | None = None, captures: Callable[[int, Any], Any] | None = None,
                     drain_timeout_s: float = 30.0, header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S,
-                    store: StoreConfig | None = None, kv_events: KVEventsOptions | None = None) -> bool:
+                    store: StoreConfig | None = None, kv_events: KVEventsOptions | None = None,
+                    tls: TLSFiles | None = None) -> bool:
     """Serve until SIGINT (stop now) or SIGTERM (drain every worker, then stop), or until an engine
     fails (then every worker stops); return whether one failed."""
     workers = build_workers(model, count, cfg, profile, identities, obs, captures, store, kv_events)
-    servers = [_Server(server_config(w.app, host, port + i, log_level, header_timeout_s))
+    servers = [_Server(server_config(w.app, host, port + i, log_level, header_timeout_s, tls))
                for i, w in enumerate(workers)]
 
     async def main() -> None:
