@@ -35,6 +35,7 @@ from fleetllm.cli_options import to_argv
 from fleetllm.fleet import runfile
 from fleetllm.fleet.config import FleetConfig, ModelSpec
 from fleetllm.fleet.placement import Copy, Placer, place
+from fleetllm.fleet.router_args import model_router_args
 from fleetllm.server.worker_secret import ENV as SECRET_ENV
 from fleetllm.store.pin import pin, token_envs
 
@@ -198,17 +199,8 @@ class Fleet:
     def _router_args(self) -> list[str]:
         cfg = self.cfg
         args = [*self._worker_list_args(), "--policy", cfg.policy, "--host", cfg.host,
-                "--port", str(cfg.port), "--log-level", "warning", *self._otlp, *self._capture]
-        for m in {m.served_name: m for m in cfg.models}.values():
-            args += ["--tokenizer", f"{m.served_name}={self._tokenizers.get(id(m), m.source)}"]
-            args += [a for alias in m.aliases for a in ("--alias", f"{alias}={m.served_name}")]
-            if m.policy:
-                args += ["--model-policy", f"{m.served_name}={m.policy}"]
-        for name, split in cfg.traffic_splits().items():
-            args += ["--traffic", f"{name}={split}"]
-        zero = [m.served_name for m in cfg.models if m.replicas.min == 0]
-        if zero:
-            args += ["--scale-from-zero", ",".join(dict.fromkeys(zero))]
+                "--port", str(cfg.port), "--log-level", "warning", *self._otlp, *self._capture,
+                *model_router_args(cfg, self._tokenizers)]
         if cfg.pd_threshold is not None:
             args += ["--pd-threshold", str(cfg.pd_threshold)]
         if cfg.keys_file:
