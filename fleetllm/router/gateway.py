@@ -91,6 +91,10 @@ class Router:
         self.monitor: WorkerMonitor | None = None
         # discovery sources (fleetllm/router/discovery/): each runs as a task while the app runs
         self.background: list[Callable[[Router], Awaitable[None]]] = []
+        if self.cfg.ray_address:  # the fleet's copies are Ray actors: the router finds them itself
+            from fleetllm.router.discovery.ray import RayDiscovery
+
+            self.background.append(RayDiscovery(self.cfg.ray_address, self.cfg.ray_namespace).run)
         self.closing = False
         self.app = Starlette(
             routes=[
@@ -178,11 +182,6 @@ class Router:
         self.monitor = WorkerMonitor(self.workers, self.events_index, self.client, self.cfg.health_interval_s,
                                      on_change=self._on_worker_change)
         self.monitor.start()
-        discovery = None
-        if self.cfg.ray_address:  # the fleet's copies are Ray actors: the router finds them itself
-            from fleetllm.router.discovery.ray import RayDiscovery
-
-            discovery = asyncio.create_task(RayDiscovery(self.cfg.ray_address, self.cfg.ray_namespace).run(self))
         if self.capture is not None:
             self.capture.start()
         tasks = [asyncio.create_task(run(self), name=f"background-{i}") for i, run in enumerate(self.background)]
@@ -190,8 +189,6 @@ class Router:
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        if discovery is not None:
-            discovery.cancel()
         await self.monitor.stop()
         if self.capture is not None:
             await asyncio.to_thread(self.capture.close)  # SIGTERM flushes the capture spool
