@@ -8,6 +8,8 @@ import asyncio
 import base64
 import functools
 import json
+import random
+import socket
 import threading
 from pathlib import Path
 from typing import Any
@@ -148,8 +150,24 @@ def _hit_rate(workers: list[Any]) -> float:
     return sum(w.engine.kv.prefix_hits for w in workers) / sum(w.engine.kv.prefix_queries for w in workers)
 
 
+def _zmq_ports(n: int) -> int:
+    """``n`` consecutive free ports below the ephemeral range: the publishers bind them only when the workers
+    start, and an ephemeral port picked earlier can meanwhile be taken by another test process's connection."""
+    rng = random.Random()
+    for _ in range(200):
+        base = rng.randrange(20000, 30000 - n)
+        try:
+            socks = [socket.create_server(("127.0.0.1", base + i)) for i in range(n)]
+        except OSError:
+            continue
+        for sock in socks:
+            sock.close()
+        return base
+    raise RuntimeError("no free ports for the KV-event publishers")
+
+
 def _run(vllm_events: bool, procs: list) -> tuple[float, list[Any], dict]:
-    ports = free_ports(4) if vllm_events else 0
+    ports = _zmq_ports(4) if vllm_events else 0
     config = json.dumps({"publisher": "zmq", "endpoint": f"tcp://127.0.0.1:{ports}",
                          "replay_endpoint": f"tcp://127.0.0.1:{ports + 2}", "topic": "kv"}) if vllm_events else None
     with mock.patch.dict("os.environ", {"PYTHONHASHSEED": "0"}):
