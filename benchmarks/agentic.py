@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -27,7 +26,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import append_run, stop_process, tail  # noqa: E402
+from common import append_run, free_ports, stop_process, tail  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 CLI = [sys.executable, "-m", "fleetllm.cli"]
@@ -37,18 +36,6 @@ CONFIGS = [("kv_aware", "kv_aware", None), ("round_robin", "round_robin", None),
 # sized for a shared 2-core machine: contexts grow to 4k of the model's 8k (--max-context 8000 on a quiet one)
 WORKLOAD = ["--workload", "agentic", "--system-len", "512", "--context-len", "128", "--step-len", "100",
             "--step-len-max", "600", "--turns", "40", "--osl", "16", "--think-time", "1"]
-
-
-def free_ports(n: int) -> list[int]:
-    """``n`` ports free now (bound to port 0 and released): never a port another job's servers listen on."""
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for sk in socks:
-            sk.bind(("127.0.0.1", 0))
-        return [sk.getsockname()[1] for sk in socks]
-    finally:
-        for sk in socks:
-            sk.close()
 
 
 def start(args: list[str], log: Path) -> subprocess.Popen[bytes]:
@@ -73,7 +60,8 @@ def wait_ready(url: str, procs: list[subprocess.Popen[bytes]], logs: list[Path],
 
 def run_config(label: str, policy: str, spec: str | None, args: argparse.Namespace, out_dir: Path) -> dict:
     """A fresh fleet for one configuration, the session sweep through its router, the bench result."""
-    base, *ports = free_ports(3)
+    base = free_ports(3)  # the router, then one port per worker
+    ports = [base + 1, base + 2]
     workers = [f"http://127.0.0.1:{port}" for port in ports]
     procs: list[subprocess.Popen[bytes]] = []
     logs: list[Path] = []

@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime as dt
 import os
 import platform
+import socket
 import subprocess
 from pathlib import Path
 
@@ -47,3 +48,22 @@ def append_run(heading: str, intro: str, cmd: str, lines: str) -> None:
     stamp = (f"\n### {dt.datetime.now(dt.UTC):%Y-%m-%d %H:%M} UTC, {cpu_model()}, {os.cpu_count()} cores, "
              f"load average {os.getloadavg()[0]:.2f}\n\n`{cmd}`\n\n")
     path.write_text(body + stamp + lines)
+
+
+def free_ports(n: int) -> int:
+    """The first of ``n`` consecutive ports nothing listens on now."""
+    for _ in range(100):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = s.getsockname()[1]
+        socks = [socket.socket() for _ in range(n)]
+        try:
+            for i, s in enumerate(socks):
+                s.bind(("127.0.0.1", base + i))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError("no run of free ports")

@@ -28,7 +28,6 @@ import json
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -40,7 +39,7 @@ from pathlib import Path
 
 import httpx
 import yaml
-from common import append_run, stop_process, tail
+from common import append_run, free_ports, stop_process, tail
 
 HUNG_S = 300.0  # a request not ended after this long is a hung client
 SETTLE_S = 60.0  # RSS baselines are taken this long into a process's life (imports, arenas, caches settle)
@@ -55,25 +54,6 @@ class Outcomes:
     lost: list[str] = field(default_factory=list)  # what each lost non-streaming request got
     rss: list[tuple[float, str, int, int]] = field(default_factory=list)  # t, role:port, pid, bytes
     events: list[str] = field(default_factory=list)
-
-
-def free_ports(n: int) -> int:
-    """The first of ``n`` consecutive ports nothing listens on now."""
-    for _ in range(100):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        socks = [socket.socket() for _ in range(n)]
-        try:
-            for i, s in enumerate(socks):
-                s.bind(("127.0.0.1", base + i))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError("no run of free ports")
 
 
 def fleet_yaml(port: int, workers: int) -> dict:
