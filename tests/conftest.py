@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING  # noqa: E402
 import httpx  # noqa: E402
 import pytest  # noqa: E402
 from fleet_helpers import ThreadServer, free_port, kv_sized  # noqa: E402
+from hf_reference import HFReference  # noqa: E402
 
 if TYPE_CHECKING:
     from fleetllm.models.loader import LoadedModel
@@ -60,11 +61,35 @@ def child_processes() -> list[str]:
 
 @pytest.fixture(scope="session", autouse=True)
 def nothing_left_behind() -> Iterator[None]:
-    """The suite leaves no in-process server, engine thread or child process running."""
+    """The suite leaves no in-process server, engine thread or child process running (session fixtures
+    that start processes take this one, so they stop theirs before it checks)."""
     yield
     threads = [t.name for t in threading.enumerate() if t.name.startswith(("uvicorn-", "engine-loop"))]
     assert not threads, f"threads left running: {threads}"
     assert not child_processes(), f"processes left running: {child_processes()}"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def hf_reference_started_early(request: pytest.FixtureRequest, nothing_left_behind: None) -> Iterator[HFReference | None]:
+    """HF transformers' reference process, started with the session when a collected test uses
+    ``hf_reference``: its ~40 s of loading overlaps the tests before those that ask it."""
+    import importlib.util
+
+    needed = any("hf_reference" in item.fixturenames for item in request.session.items)
+    if not needed or importlib.util.find_spec("transformers") is None:
+        yield None
+        return
+    ref = HFReference()
+    yield ref
+    ref.stop()
+
+
+@pytest.fixture(scope="session")
+def hf_reference(hf_reference_started_early: HFReference | None) -> HFReference:
+    """HF transformers on the embedded model (tests/hf_reference.py): ``encode``, ``predict``, ``generate``."""
+    if hf_reference_started_early is None:
+        pytest.skip("transformers is not installed")
+    return hf_reference_started_early
 
 
 @pytest.fixture(scope="session")
