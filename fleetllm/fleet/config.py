@@ -230,12 +230,15 @@ class FleetConfig:
 
     @classmethod
     def single_model(cls, source: str, replicas: int, simulate: bool = False, prefill: int = 0, decode: int = 0,
-                     threads: int | None = None, speculative: str | None = None) -> FleetConfig:
+                     threads: int | None = None, speculative: str | None = None,
+                     cores: int | None = None) -> FleetConfig:
         """The fleet ``fleetllm serve`` flags describe: one model, ``replicas`` copies (or prefill + decode ones).
 
-        ``threads`` is torch threads per copy, not reserved cores: a laptop may run more copies than cores."""
+        ``threads`` is torch threads per copy, not reserved cores: a laptop may run more copies than cores.
+        ``cores`` reserves that many cores per copy, each copy pinned to its own."""
         engine = {"num_threads": threads} if threads and not simulate else {}
-        common = dict(source=source, engine=engine, speculative=None if simulate else speculative, simulate=simulate)
+        common = dict(source=source, engine=engine, speculative=None if simulate else speculative, simulate=simulate,
+                      resources=Resources(cores=cores))
         if prefill or decode:
             models = [ModelSpec(role="prefill", replicas=Replicas(min=prefill), **common),
                       ModelSpec(role="decode", replicas=Replicas(min=decode), **common)]
