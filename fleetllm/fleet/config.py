@@ -176,7 +176,8 @@ class FleetConfig:
     router_args: list[str] = field(default_factory=list)
     restart: bool = True  # restart worker processes that die (a dead engine exits non-zero)
     keys_file: str | None = None  # API keys on: the router admits only keys of this file (fleetllm keys)
-    pd_threshold: int | None = None  # router: disaggregate above this many uncached prompt tokens (default 4096)
+    pd_threshold: int | str | None = None  # router: disaggregate above this many uncached prompt tokens (default
+    # 4096), or "auto": when the router expects the P/D path to delay requests less (fleetllm/disagg/pd_auto.py)
     log_dir: str | None = None
     otlp_endpoint: str | None = None  # OTLP/HTTP collector: the router and every worker push to it
     startup_timeout_s: float = 300.0
