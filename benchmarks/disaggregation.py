@@ -6,7 +6,9 @@ torch thread: colocated, two ``both`` workers on cores 0 and 1; disaggregated, a
 auto``). Each round runs every fleet once, in alternating order, and there are ``--rounds`` of them:
 medians and ranges are reported. Traffic, the same for every fleet: ``--short-users`` streaming users
 (closed loop, short prompts) and a steady stream of long documents (``--long-isl`` tokens, constant
-arrivals at ``--long-rate``/s, at least 30 per fleet per round by default). Reported per fleet: the
+arrivals at ``--long-rate``/s: ~10 per fleet per round, 31 per fleet over the 3 rounds, by default: one
+quiet core prefills a 1,500-token document in ~4.7 s, so 30 per 75-s round would oversubscribe the
+disaggregated fleet's prefill core and measure an ever-growing queue). Reported per fleet: the
 short requests' ITL p99 over every gap between streamed chunks, and over only the gaps that overlapped
 a long prompt's prefill (sent .. first token); the short requests' output tokens/s; the long ones'
 TTFT; the router's P/D decisions.
@@ -257,7 +259,9 @@ def main() -> int:
     ap.add_argument("--short-osl", type=int, default=64)
     ap.add_argument("--long-isl", type=int, default=1500)
     ap.add_argument("--long-osl", type=int, default=8)
-    ap.add_argument("--long-rate", type=float, default=0.45, help="long documents per second (constant arrivals)")
+    # one quiet core prefills ~320 tokens/s (SmolLM2-135M, fp32): a 1,500-token document is ~4.7 s of it, so
+    # 0.14/s keeps the prefill core ~65% busy; 0.45/s would oversubscribe it (a queue that only grows)
+    ap.add_argument("--long-rate", type=float, default=0.14, help="long documents per second (constant arrivals)")
     ap.add_argument("--no-tokenize", action="store_true", help="assume one token per word (no /tokenize)")
     ap.add_argument("--transfer", action="store_true", help="also measure KV transfer GB/s")
     ap.add_argument("--quick", action="store_true", help="1 round of 30 s per fleet")

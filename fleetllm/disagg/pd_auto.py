@@ -8,8 +8,10 @@ still imports the frame (its streams wait out the transfer's import side, counte
 time: the conservative side). So, in request-seconds of delay added::
 
     local  = B · U / R_d
-    remote = B · transfer + max(0, (queue_p + U_p / R_p + transfer) − (queue_d + U / R_d))
+    remote = B · transfer + B_p · U_p / R_p + max(0, (queue_p + U_p / R_p + transfer) − (queue_d + U / R_d))
 
+(``B_p``: requests decoding on the prefill worker, 0 for a prefill-only one; with ``auto`` and no
+prefill workers, any other worker of the model may prefill for the chosen one, and an idle one wins)
 and the request goes the P/D way only when ``remote < local``: never with nobody decoding on the
 decode worker (``B = 0``), never when moving the KV takes longer than computing it there. Rates and
 bandwidth are measured from the remote prefills' answers (:class:`PdMeasurements`); until a first
@@ -39,6 +41,7 @@ class PdEstimate:
     decode_queue_s: float  # before a local prefill would start
     prefill_queue_s: float  # before a remote prefill would start
     transfer_s: float  # moving (and importing) the KV of ``uncached_tokens``
+    prefill_batch: int = 0  # requests decoding on the prefill worker (a peer that also decodes: it stalls too)
 
     @property
     def stall_s(self) -> float:
@@ -50,7 +53,8 @@ class PdEstimate:
         """Request-seconds of delay the P/D path adds: the import's stall, and this request's longer wait."""
         local_ttft = self.decode_queue_s + self.uncached_tokens / self.decode_rate
         remote_ttft = self.prefill_queue_s + self.prefill_tokens / self.prefill_rate + self.transfer_s
-        return self.decode_batch * self.transfer_s + max(0.0, remote_ttft - local_ttft)
+        peer_stall = self.prefill_batch * self.prefill_tokens / self.prefill_rate
+        return self.decode_batch * self.transfer_s + peer_stall + max(0.0, remote_ttft - local_ttft)
 
     @property
     def disaggregate(self) -> bool:

@@ -55,7 +55,7 @@ class RemotePrefill:
         if uncached < (fwd.route.block_size if auto else int(self.cfg.pd_threshold)):
             self.metrics.pd_decisions.labels(decision="local").inc()
             return d
-        choice = self._prefill_worker(prefill_pool, fwd.route)
+        choice = self._prefill_worker(prefill_pool, fwd.route, d.worker)
         if choice is None:
             self.metrics.pd_decisions.labels(decision="saturated").inc()
             return d
@@ -86,8 +86,8 @@ class RemotePrefill:
         """Both paths' costs for a prompt ``decode`` lacks ``uncached`` tokens of and ``p`` lacks ``computed``."""
         m = self.measured
         rate_d, rate_p = m.rate(decode.name), m.rate(p.name)
-        return PdEstimate(uncached_tokens=uncached, prefill_tokens=computed,
-                          decode_batch=max(decode.decoding, decode.running - (decode.inflight - decode.decoding)),
+        return PdEstimate(uncached_tokens=uncached, prefill_tokens=computed, decode_batch=_decoding(decode),
+                          prefill_batch=_decoding(p) if p.role != "prefill" else 0,
                           decode_rate=rate_d, prefill_rate=rate_p, decode_queue_s=_queued_tokens(decode) / rate_d,
                           prefill_queue_s=_queued_tokens(p) / rate_p, transfer_s=m.transfer_s(uncached))
 
@@ -113,11 +113,13 @@ class RemotePrefill:
             return Decision(d.worker, d.reason, min(held, max(req.num_prompt_tokens - 1, 0)))
         return d
 
-    def _prefill_worker(self, prefill_pool: list[WorkerState], req: RouteRequest) -> tuple[WorkerState, int] | None:
+    def _prefill_worker(self, prefill_pool: list[WorkerState], req: RouteRequest,
+                        decode: WorkerState) -> tuple[WorkerState, int] | None:
         """The prefill worker with room that would finish this prompt first, by its queue and what it already
         holds of the prompt (a shared document is not prefilled twice); and the tokens it would compute."""
         now = time.monotonic()
-        free = [w for w in prefill_pool if w.routable(now) and w.inflight < self.cfg.prefill_max_inflight]
+        free = [w for w in prefill_pool if w.routable(now) and w.inflight < self.cfg.prefill_max_inflight
+                and w is not decode]
         if not free:
             return None
         held = self.events_index.match(req.block_hashes, [w.name for w in free])
@@ -153,6 +155,11 @@ class RemotePrefill:
             decode.inflight -= 1
             p.inflight -= 1
             p.pending_prefill_tokens -= uncached
+
+
+def _decoding(w: WorkerState) -> int:
+    """Requests decoding on ``w``: the router's count, or the worker's report of those past their prefill."""
+    return max(w.decoding, w.running - (w.inflight - w.decoding))
 
 
 def _queued_tokens(w: WorkerState) -> int:

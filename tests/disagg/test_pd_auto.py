@@ -106,3 +106,24 @@ def test_the_router_disaggregates_in_auto_mode_only_when_it_wins_and_from_the_pr
     assert metrics.pd_auto.labels(decision="local")._value.get() == 1
     assert metrics.pd_auto.labels(decision="disaggregated")._value.get() == 1
     assert side.measured.bandwidth == pytest.approx(80e6)
+
+
+def test_a_peer_that_decodes_too_would_stall_its_own_requests_instead():
+    assert not dataclasses.replace(BUSY, prefill_batch=3).disaggregate
+    assert dataclasses.replace(BUSY, prefill_batch=1).disaggregate  # 1 stalled there instead of 3 here
+
+
+def test_without_prefill_workers_auto_prefills_on_an_idle_peer_never_on_the_decode_worker_itself():
+    asked: list[str] = []
+    side, metrics, _ = _router_side(asked)
+    route = RouteRequest(num_prompt_tokens=1600, block_hashes=list(range(1, 101)))
+    busy = _worker("a", "both", running=3, inflight=3, decoding=3)
+    idle, also_busy = _worker("b", "both"), _worker("c", "both", running=3, inflight=1, decoding=1)
+
+    async def run() -> None:
+        await side.maybe_disaggregate(Decision(busy, "cold"), _forward(route), [busy, idle])
+        await side.maybe_disaggregate(Decision(busy, "cold"), _forward(route), [busy, also_busy])
+
+    asyncio.run(run())
+    assert asked == ["b"]
+    assert metrics.pd_auto.labels(decision="local")._value.get() == 1
