@@ -2,8 +2,9 @@
 
 Two fleets on the same two cores, each worker pinned to its own (``fleetllm worker --cpus``) with one
 torch thread: colocated, two ``both`` workers on cores 0 and 1; disaggregated, a prefill worker on core
-0 and a decode worker on core 1 (and, with ``--fleets ...,auto``, the same fleet with ``--pd-threshold
-auto``). Each round runs every fleet once, in alternating order, and there are ``--rounds`` of them:
+0 and a decode worker on core 1. ``--fleets`` may add ``auto`` (that split with ``--pd-threshold auto``)
+and ``colocated-auto`` (the colocated fleet with ``--pd-threshold auto``: a long prompt is prefilled on
+the other worker when that costs its requests less than stalling the chosen one's). Each round runs every fleet once, in alternating order, and there are ``--rounds`` of them:
 medians and ranges are reported. Traffic, the same for every fleet: ``--short-users`` streaming users
 (closed loop, short prompts) and a steady stream of long documents (``--long-isl`` tokens, constant
 arrivals at ``--long-rate``/s: ~10 per fleet per round, 31 per fleet over the 3 rounds, by default: one
@@ -15,6 +16,8 @@ TTFT; the router's P/D decisions.
 
     python benchmarks/disaggregation.py                    # 3 rounds x 2 fleets x 75 s: ~10 min
     python benchmarks/disaggregation.py --quick            # 1 round x 2 fleets x 30 s: a smoke run
+    python benchmarks/disaggregation.py --fleets colocated,colocated-auto,auto --long-rate 0.02 --duration 60
+                                                           # auto when long prompts are rare (~4%): ~12 min
     python benchmarks/disaggregation.py --fleet sim        # the P/D model at 8-64 workers (seconds)
     python benchmarks/disaggregation.py --transfer         # also: KV transfer GB/s (HTTP, shm, memcpy)
 """
@@ -56,8 +59,8 @@ def fleet_config(kind: str, port: int, log_dir: Path) -> FleetConfig:
     def spec(role: str, n: int) -> ModelSpec:
         return ModelSpec(source=MODEL, role=role, replicas=Replicas(min=n), resources=Resources(cores=1))
 
-    models = [spec("both", 2)] if kind == "colocated" else [spec("prefill", 1), spec("decode", 1)]
-    threshold = {"colocated": None, "disaggregated": 1024, "auto": "auto"}[kind]
+    models = [spec("both", 2)] if kind.startswith("colocated") else [spec("prefill", 1), spec("decode", 1)]
+    threshold = {"colocated": None, "colocated-auto": "auto", "disaggregated": 1024, "auto": "auto"}[kind]
     return FleetConfig(port=port, policy="kv_aware", models=models, machines=[Machine(cores=2)],
                        pd_threshold=threshold, log_dir=str(log_dir), restart=False)
 
@@ -251,7 +254,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--fleet", choices=("real", "sim"), default="real",
                     help="real: pinned workers on this machine; sim: the P/D model at 8-64 workers")
-    ap.add_argument("--fleets", default="colocated,disaggregated", help="of colocated, disaggregated, auto")
+    ap.add_argument("--fleets", default="colocated,disaggregated",
+                    help="comma-separated, of colocated, disaggregated, auto, colocated-auto")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--duration", type=float, default=75.0, help="seconds of traffic per fleet per round")
     ap.add_argument("--short-users", type=int, default=3)
