@@ -9,6 +9,7 @@ import dataclasses
 import httpx
 import pytest
 
+from fleetllm.cli import build_parser
 from fleetllm.disagg.pd_auto import PdEstimate, PdMeasurements, pd_threshold_value
 from fleetllm.disagg.router_path import RemotePrefill
 from fleetllm.router.config import RouterConfig
@@ -66,6 +67,10 @@ def test_the_threshold_flag_takes_a_count_or_auto():
     assert pd_threshold_value("auto") == "auto" and pd_threshold_value("1024") == 1024
     with pytest.raises(ValueError):
         pd_threshold_value("often")
+    parser = build_parser()
+    assert parser.parse_args(["router", "--pd-threshold", "auto"]).pd_threshold == "auto"
+    assert parser.parse_args(["serve", "--pd-threshold", "2048"]).pd_threshold == 2048
+    assert parser.parse_args(["router"]).pd_threshold == 4096
 
 
 def _worker(name: str, role: str, **load: int) -> WorkerState:
