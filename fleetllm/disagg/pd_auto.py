@@ -12,7 +12,8 @@ time: the conservative side). So, in request-seconds of delay added::
 
 (``B_p``: requests decoding on the prefill worker, 0 for a prefill-only one; with ``auto`` and no
 prefill workers, any other worker of the model may prefill for the chosen one, and an idle one wins)
-and the request goes the P/D way only when ``remote < local``: never with nobody decoding on the
+(the remote leg's fixed overhead, measured too, added to its TTFT) and the request goes the P/D way only
+when ``remote < local``: never with nobody decoding on the
 decode worker (``B = 0``), never when moving the KV takes longer than computing it there. Rates and
 bandwidth are measured from the remote prefills' answers (:class:`PdMeasurements`); until a first
 transfer has been measured it counts as free, so the first long prompt shows what a transfer costs.
@@ -41,6 +42,7 @@ class PdEstimate:
     decode_queue_s: float  # before a local prefill would start
     prefill_queue_s: float  # before a remote prefill would start
     transfer_s: float  # moving (and importing) the KV of ``uncached_tokens``
+    overhead_s: float = 0.0  # the remote leg's fixed cost: the round trips and the bookkeeping around them
     prefill_batch: int = 0  # requests decoding on the prefill worker (a peer that also decodes: it stalls too)
 
     @property
@@ -52,7 +54,7 @@ class PdEstimate:
     def remote_s(self) -> float:
         """Request-seconds of delay the P/D path adds: the import's stall, and this request's longer wait."""
         local_ttft = self.decode_queue_s + self.uncached_tokens / self.decode_rate
-        remote_ttft = self.prefill_queue_s + self.prefill_tokens / self.prefill_rate + self.transfer_s
+        remote_ttft = self.prefill_queue_s + self.prefill_tokens / self.prefill_rate + self.transfer_s + self.overhead_s
         peer_stall = self.prefill_batch * self.prefill_tokens / self.prefill_rate
         return self.decode_batch * self.transfer_s + peer_stall + max(0.0, remote_ttft - local_ttft)
 
@@ -83,10 +85,13 @@ class PdMeasurements:
     rates: dict[str, float] = field(default_factory=dict)  # worker name -> measured prefill tokens/s
     bytes_per_token: float | None = None
     bandwidth: float | None = None  # bytes/s, prefill worker -> decode worker's pool
+    overhead_s: float = 0.0  # what a remote leg took beyond its prefill and transfer
 
-    def observe(self, prefill_worker: str, computed_tokens: int, answer: dict[str, Any]) -> None:
-        """Learn from a successful ``/pd/prefill`` answer; ``computed_tokens`` the ones not cached there."""
+    def observe(self, prefill_worker: str, computed_tokens: int, answer: dict[str, Any], elapsed_s: float) -> None:
+        """Learn from a successful ``/pd/prefill`` answer that took ``elapsed_s`` as the router waited for it;
+        ``computed_tokens`` the prompt tokens the prefill worker did not hold."""
         prefill_s, transfer_s = float(answer.get("prefill_s") or 0), float(answer.get("transfer_s") or 0)
+        self.overhead_s = _ewma(self.overhead_s or None, max(0.0, elapsed_s - prefill_s - transfer_s))
         nbytes, tokens = int(answer.get("bytes") or 0), int(answer.get("prompt_tokens") or 0)
         if computed_tokens >= MIN_SAMPLE_TOKENS and prefill_s > 0:
             self.rates[prefill_worker] = _ewma(self.rates.get(prefill_worker), computed_tokens / prefill_s)

@@ -74,7 +74,7 @@ class RemotePrefill:
                         d.worker.name)
             return d
         p.breaker.success()
-        self._learn(p, computed, detail)
+        self._learn(p, computed, detail, time.perf_counter() - t0)
         self.metrics.pd_decisions.labels(decision="disaggregated").inc()
         self.metrics.pd_seconds.observe(time.perf_counter() - t0)
         self.metrics.pd_bytes.inc(detail.get("bytes", 0))
@@ -89,7 +89,8 @@ class RemotePrefill:
         return PdEstimate(uncached_tokens=uncached, prefill_tokens=computed, decode_batch=_decoding(decode),
                           prefill_batch=_decoding(p) if p.role != "prefill" else 0,
                           decode_rate=rate_d, prefill_rate=rate_p, decode_queue_s=_queued_tokens(decode) / rate_d,
-                          prefill_queue_s=_queued_tokens(p) / rate_p, transfer_s=m.transfer_s(uncached))
+                          prefill_queue_s=_queued_tokens(p) / rate_p, transfer_s=m.transfer_s(uncached),
+                          overhead_s=m.overhead_s)
 
     def _wins(self, est: PdEstimate) -> bool:
         """Whether the P/D path wins for ``est``; the decision and both sides of it are exported."""
@@ -100,8 +101,8 @@ class RemotePrefill:
         self.metrics.pd_estimate.labels(side="transfer", decision=decision).observe(est.transfer_s)
         return est.disaggregate
 
-    def _learn(self, p: WorkerState, computed: int, detail: dict[str, Any]) -> None:
-        self.measured.observe(p.name, computed, detail)
+    def _learn(self, p: WorkerState, computed: int, detail: dict[str, Any], elapsed_s: float) -> None:
+        self.measured.observe(p.name, computed, detail, elapsed_s)
         self.metrics.pd_prefill_rate.labels(worker=p.name).set(self.measured.rate(p.name))
         if self.measured.bandwidth:
             self.metrics.pd_bandwidth.set(self.measured.bandwidth)

@@ -48,6 +48,11 @@ def test_a_queue_on_the_decode_worker_favours_the_remote_path():
     assert dataclasses.replace(slow_remote, decode_queue_s=2.5).disaggregate
 
 
+def test_the_remote_legs_fixed_overhead_counts_against_it():
+    short = dataclasses.replace(BUSY, uncached_tokens=64, prefill_tokens=64, decode_batch=1, transfer_s=0.002)
+    assert short.disaggregate and not dataclasses.replace(short, overhead_s=0.1).disaggregate
+
+
 def test_a_prefill_worker_holding_the_document_computes_only_the_rest():
     held = dataclasses.replace(BUSY, decode_batch=1, prefill_queue_s=1.0, prefill_tokens=160)
     assert held.disaggregate and not dataclasses.replace(held, prefill_tokens=1600).disaggregate
@@ -56,10 +61,10 @@ def test_a_prefill_worker_holding_the_document_computes_only_the_rest():
 def test_measurements_learn_rates_bytes_and_bandwidth_from_answers():
     m = PdMeasurements(default_rate=1000.0)
     assert m.rate("p") == 1000.0 and m.transfer_s(1000) == 0.0  # nothing measured: transfers count as free
-    m.observe("p", 2000, {"prefill_s": 1.0, "transfer_s": 0.5, "bytes": 4_000_000, "prompt_tokens": 2000})
+    m.observe("p", 2000, {"prefill_s": 1.0, "transfer_s": 0.5, "bytes": 4_000_000, "prompt_tokens": 2000}, 1.6)
     assert m.rate("p") == 2000.0 and m.rate("d") == 2000.0  # an unmeasured worker of the fleet: the measured mean
-    assert m.transfer_s(1000) == pytest.approx(0.25)
-    m.observe("p", 100, {"prefill_s": 1.0, "transfer_s": 0.5, "bytes": 200_000, "prompt_tokens": 100})
+    assert m.transfer_s(1000) == pytest.approx(0.25) and m.overhead_s == pytest.approx(0.1)
+    m.observe("p", 100, {"prefill_s": 1.0, "transfer_s": 0.5, "bytes": 200_000, "prompt_tokens": 100}, 1.6)
     assert m.rate("p") == 2000.0  # too short to say anything about the rate
 
 
