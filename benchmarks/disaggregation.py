@@ -195,7 +195,7 @@ def plot(summary: dict[str, dict[str, dict[str, float]]], path: Path) -> Path | 
         med = [summary[f].get(k, {}).get("median", 0) for f in fleets]
         lo = [m - summary[f].get(k, {}).get("min", m) for f, m in zip(fleets, med, strict=True)]
         hi = [summary[f].get(k, {}).get("max", m) - m for f, m in zip(fleets, med, strict=True)]
-        ax.bar(fleets, med, yerr=[lo, hi], capsize=4, color=["#888", "#3a7", "#37a"][:len(fleets)])
+        ax.bar(fleets, med, yerr=[lo, hi], capsize=4, color=["#888", "#3a7", "#37a", "#a73"][:len(fleets)])
         ax.set_title(label, fontsize=10)
     fig.suptitle("same 2 pinned cores: median and range over rounds")
     fig.tight_layout()
