@@ -44,14 +44,13 @@ from common import cpu_model, free_ports  # noqa: E402
 
 from fleetllm.bench.client import ClientConfig, RequestRecord  # noqa: E402
 from fleetllm.bench.load import LoadConfig, LoadRunner  # noqa: E402
-from fleetllm.bench.metrics import chunk_gaps_ms  # noqa: E402
+from fleetllm.bench.metrics import chunk_gaps_ms, stats  # noqa: E402
 from fleetllm.bench.tokens import CODE_WORDS, PROSE_WORDS, TokenCounter  # noqa: E402
 from fleetllm.bench.workloads import PromptBuilder, SyntheticWorkload  # noqa: E402
 from fleetllm.fleet.config import FleetConfig, Machine, ModelSpec, Replicas, Resources  # noqa: E402
 from fleetllm.fleet.launcher import Fleet  # noqa: E402
 
 MODEL = "smollm2-135m"
-PCT = 99
 
 
 def fleet_config(kind: str, port: int, log_dir: Path) -> FleetConfig:
@@ -63,15 +62,6 @@ def fleet_config(kind: str, port: int, log_dir: Path) -> FleetConfig:
     threshold = {"colocated": None, "colocated-auto": "auto", "disaggregated": 1024, "auto": "auto"}[kind]
     return FleetConfig(port=port, policy="kv_aware", models=models, machines=[Machine(cores=2)],
                        pd_threshold=threshold, log_dir=str(log_dir), restart=False)
-
-
-def percentile(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    s = sorted(values)
-    k = (len(s) - 1) * q / 100
-    lo = int(k)
-    return s[lo] + (s[min(lo + 1, len(s) - 1)] - s[lo]) * (k - lo)
 
 
 def overlapping_gaps(shorts: list[RequestRecord], longs: list[RequestRecord]) -> list[float]:
@@ -119,11 +109,11 @@ def run_fleet(kind: str, args: argparse.Namespace, builders: list[PromptBuilder]
     gaps = [g for r in ok_s for g in chunk_gaps_ms(r)]
     during = overlapping_gaps(ok_s, ok_l)
     ttft_long = [(r.chunk_ns[0] - r.start_ns) / 1e6 for r in ok_l if r.chunk_ns]
-    return {"fleet": kind, "round": tag, "short_itl_p99_ms": percentile(gaps, PCT),
-            "short_itl_p50_ms": percentile(gaps, 50), "short_itl_p99_during_long_prefill_ms": percentile(during, PCT),
+    return {"fleet": kind, "round": tag, "short_itl_p99_ms": stats(gaps)["p99"],
+            "short_itl_p50_ms": stats(gaps)["p50"], "short_itl_p99_during_long_prefill_ms": stats(during)["p99"],
             "gaps": len(gaps), "gaps_during_long_prefill": len(during),
             "short_out_tok_s": sum(r.output_tokens or 0 for r in ok_s) / seconds,
-            "short_requests": len(ok_s), "long_requests": len(ok_l), "long_ttft_p50_ms": percentile(ttft_long, 50),
+            "short_requests": len(ok_s), "long_requests": len(ok_l), "long_ttft_p50_ms": stats(ttft_long)["p50"],
             "errors": sum(not r.ok for r in shorts + longs), "pd_decisions": pd, "seconds": seconds}
 
 
