@@ -16,8 +16,8 @@ TTFT; the router's P/D decisions.
 
     python benchmarks/disaggregation.py                    # 3 rounds x 2 fleets x 75 s: ~10 min
     python benchmarks/disaggregation.py --quick            # 1 round x 2 fleets x 30 s: a smoke run
-    python benchmarks/disaggregation.py --fleets colocated,colocated-auto,auto --long-rate 0.02 --duration 60
-                                                           # auto when long prompts are rare (~4%): ~12 min
+    python benchmarks/disaggregation.py --fleets colocated,colocated-auto --long-rate 0.025 --out results/disaggregation-auto
+                                                           # auto when long prompts are rare (~4%): ~10 min
     python benchmarks/disaggregation.py --fleet sim        # the P/D model at 8-64 workers (seconds)
     python benchmarks/disaggregation.py --transfer         # also: KV transfer GB/s (HTTP, shm, memcpy)
 """
