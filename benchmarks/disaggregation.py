@@ -214,6 +214,9 @@ def run_real(args: argparse.Namespace, console: Console, out_dir: Path) -> int:
     summary = summarize(rows, fleets)
     print_table(console, summary, rows)
     lines = verdicts(summary)
+    for f in fleets:
+        n = sum(r["long_requests"] for r in rows if r["fleet"] == f)
+        lines.append(f"{f}: {n} long prompts over {args.rounds} round(s) (at least 30: {'yes' if n >= 30 else 'no'})")
     for v in lines:
         console.print(v)
     console.print(f"load average after: {' '.join(Path('/proc/loadavg').read_text().split()[:3])}")
