@@ -23,6 +23,7 @@ from fleetllm.router.config import RouterConfig
 from fleetllm.server.body_limit import DEFAULT_MAX_BODY_BYTES
 from fleetllm.server.config import KVEventsOptions, ObservabilityConfig
 from fleetllm.server.header_timeout import DEFAULT_HEADER_TIMEOUT_S
+from fleetllm.server.pinning import PinningOptions, pin_process
 from fleetllm.sim.config import SimConfig
 from fleetllm.store.config import StoreConfig
 from fleetllm.tools.config import ToolConfig
@@ -95,6 +96,8 @@ class ServeOptions:
     prefill: int = opt(0, "disaggregated fleet: prefill-role workers")
     decode: int = opt(0, "disaggregated fleet: decode-role workers")
     num_threads: int | None = opt(None, "torch threads per worker (default: cores / replicas)")
+    cores_per_worker: int | None = opt(None, "reserve this many cores for each worker and pin it to them "
+                                             "(fleetllm worker --cpus); default: the workers share the cores")
     restart: bool = opt(True, "restart worker processes that die")
     log_dir: str | None = opt(None, "where worker and router logs go (default: a temp dir)")
     host: str | None = opt(None, "router address (default: the config's, else 127.0.0.1)")
@@ -154,6 +157,12 @@ def cmd_worker(args: argparse.Namespace) -> int:
     # stall every step that waits on a descheduled thread (batch-1 decode 13 -> 19 tok/s when passive).
     # Must be set before torch loads its OpenMP runtime.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    if args.cpus:  # before torch starts its thread pool, which then fits the pinned cores
+        try:
+            cpus = pin_process(args.cpus)
+        except ValueError as e:
+            raise SystemExit(f"fleetllm worker: {e}") from None
+        args.num_threads = args.num_threads or len(cpus)
     from prometheus_client import disable_created_metrics
 
     disable_created_metrics()  # *_created series: half the /metrics page, read by nothing here
@@ -282,7 +291,7 @@ def fleet_config(args: argparse.Namespace):  # -> FleetConfig
         cfg = FleetConfig.from_yaml(args.config)
     else:
         cfg = FleetConfig.single_model(args.model, args.replicas, args.simulate, args.prefill, args.decode,
-                                       args.num_threads, args.speculative)
+                                       args.num_threads, args.speculative, args.cores_per_worker)
     if args.pd_threshold is not None:
         cfg.pd_threshold = args.pd_threshold
     cfg.host, cfg.port = args.host or cfg.host, args.port or cfg.port
@@ -329,6 +338,7 @@ def add_worker_parser(sub: argparse._SubParsersAction) -> None:
     add_options(w, StoreConfig, title="model store (hf:// and s3:// models)")
     add_options(w, ListenOptions, defaults={"port": 8001}, title="server")
     add_options(w, WorkerOptions, title="worker identity (labels on every metric)")
+    add_options(w, PinningOptions, title="cores")
     add_options(w, ObservabilityConfig, title="observability")
     add_options(w, CaptureConfig, title="capture (worker tier)")
     add_options(w, ToolConfig, title="tool calling")
