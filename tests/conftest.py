@@ -27,15 +27,17 @@ if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))))
 
 import logging  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
 import threading  # noqa: E402
 import time  # noqa: E402
 from collections.abc import Callable, Iterator  # noqa: E402
+from pathlib import Path  # noqa: E402
 from typing import TYPE_CHECKING  # noqa: E402
 
 import httpx  # noqa: E402
 import pytest  # noqa: E402
 from fleet_helpers import ThreadServer, free_port, kv_sized  # noqa: E402
-from hf_reference import HFReference  # noqa: E402
 
 if TYPE_CHECKING:
     from fleetllm.models.loader import LoadedModel
@@ -61,55 +63,46 @@ def child_processes() -> list[str]:
 
 @pytest.fixture(scope="session", autouse=True)
 def nothing_left_behind() -> Iterator[None]:
-    """The suite leaves no in-process server, engine thread or child process running (session fixtures
-    that start processes take this one, so they stop theirs before it checks)."""
+    """The suite leaves no in-process server, engine thread or child process running (but the
+    background preparations below, which pytest_sessionfinish stops)."""
     yield
     threads = [t.name for t in threading.enumerate() if t.name.startswith(("uvicorn-", "engine-loop"))]
     assert not threads, f"threads left running: {threads}"
-    assert not child_processes(), f"processes left running: {child_processes()}"
+    left = [p for p in child_processes() if int(p.split()[0]) not in {q.pid for q in _preparing}]
+    assert not left, f"processes left running: {left}"
 
 
-@pytest.fixture(scope="session", autouse=True)
-def hf_reference_started_early(request: pytest.FixtureRequest, nothing_left_behind: None) -> Iterator[HFReference | None]:
-    """HF transformers' reference process, started with the session when a collected test uses
-    ``hf_reference``: its ~40 s of loading overlaps the tests before those that ask it."""
-    import importlib.util
+# Slow preparations several test files wait on, each made once per machine into the cache (under a lock, so
+# a test that gets there first waits for it rather than doing it again): started, niced, from the session's
+# start (by the controlling process under pytest-xdist), when the run includes a file that needs it.
+_PREPARATIONS = {
+    # HF transformers' own conversion of SmolLM2's GGUF (~40 s of CPU), saved as a HF directory
+    "hf_reference.py": ("engine/test_hf_equivalence.py", "models/test_loader.py"),
+    # Gemma-3-270M's weights dequantised (~35 s of CPU)
+    "-c from pathlib import Path; from fleetllm.models.loader import read_gguf, resolve; read_gguf(Path(resolve('gemma3-270m')))":
+        ("models/test_gemma3.py", "fleet/test_fleet_control.py"),
+}
+_preparing: list[subprocess.Popen] = []
 
-    needed = any("hf_reference" in item.fixturenames for item in request.session.items)
-    if not needed or importlib.util.find_spec("transformers") is None:
-        yield None
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    if os.environ.get("PYTEST_XDIST_WORKER"):
         return
-    ref = HFReference()
-    yield ref
-    ref.stop()
+    here = Path(__file__).parent
+    asked = [(session.config.invocation_params.dir / a.split("::")[0]).resolve() for a in session.config.args]
+    for what, files in _PREPARATIONS.items():
+        needed = [(here / f).resolve() for f in files]
+        if any(f == a or a in f.parents for f in needed for a in asked):
+            cmd = [sys.executable, *what.split(" ", 1)] if what.startswith("-c") else [sys.executable, str(here / what)]
+            _preparing.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                               preexec_fn=lambda: os.nice(10)))
 
 
-@pytest.fixture(scope="session", autouse=True)
-def gemma3_weights_made_early(request: pytest.FixtureRequest, nothing_left_behind: None) -> Iterator[None]:
-    """Gemma-3-270M's first load dequantises 1 GB of weights (~35 s of CPU): when a collected test is
-    marked ``gemma3``, a niced process makes them from the session's start, overlapping other tests; the
-    loader's lock has a test that gets there first wait for it instead of doing it again."""
-    import subprocess
-    import sys
-
-    if not any(item.get_closest_marker("gemma3") for item in request.session.items):
-        yield
-        return
-    warm = "from pathlib import Path; from fleetllm.models.loader import read_gguf, resolve; read_gguf(Path(resolve('gemma3-270m')))"
-    proc = subprocess.Popen([sys.executable, "-c", warm], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            preexec_fn=lambda: os.nice(10))
-    yield
-    if proc.poll() is None:
-        proc.kill()
-    proc.wait()
-
-
-@pytest.fixture(scope="session")
-def hf_reference(hf_reference_started_early: HFReference | None) -> HFReference:
-    """HF transformers on the embedded model (tests/hf_reference.py): ``encode``, ``predict``, ``generate``."""
-    if hf_reference_started_early is None:
-        pytest.skip("transformers is not installed")
-    return hf_reference_started_early
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    for p in _preparing:
+        if p.poll() is None:
+            p.kill()
+        p.wait()
 
 
 @pytest.fixture(scope="session")

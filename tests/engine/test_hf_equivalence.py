@@ -8,6 +8,7 @@ literal ``generate`` comparison on two prompts. Each scheduling regime must give
 from __future__ import annotations
 
 import pytest
+import torch
 
 from fleetllm import LLM, SamplingParams
 
@@ -33,6 +34,14 @@ def loaded(loaded_model):
 
 
 @pytest.fixture(scope="module")
+def hf_model():
+    from hf_reference import hf_reference_dir
+
+    # transformers' own conversion of the GGUF, saved once per machine (tests/hf_reference.py)
+    return transformers.AutoModelForCausalLM.from_pretrained(str(hf_reference_dir()), dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
 def prompt_ids(loaded):
     tok = loaded.tokenizer
     ids = []
@@ -49,19 +58,21 @@ def greedy(llm: LLM, prompt_ids: list[list[int]]) -> list[list[int]]:
     return [r.outputs[0].token_ids for r in res]
 
 
-def assert_hf_agrees(hf_reference, prompt_ids: list[list[int]], outputs: list[list[int]]) -> None:
-    assert all(outputs), "no tokens generated"
-    seqs = [p + out for p, out in zip(prompt_ids, outputs, strict=True)]
-    predictions = hf_reference.call("predict", sequences=seqs, starts=[len(p) for p in prompt_ids])
-    for predicted, out in zip(predictions, outputs, strict=True):
+def assert_hf_agrees(hf_model, prompt_ids: list[list[int]], outputs: list[list[int]]) -> None:
+    for p, out in zip(prompt_ids, outputs, strict=True):
+        assert out, "no tokens generated"
+        seq = torch.tensor([p + out])
+        with torch.no_grad():
+            logits = hf_model(seq).logits[0]
+        predicted = logits[len(p) - 1 : len(p) - 1 + len(out)].argmax(-1).tolist()
         assert predicted == out, f"diverged from HF at token {next(i for i, (a, b) in enumerate(zip(predicted, out, strict=True)) if a != b)}"
 
 
 @pytest.fixture(scope="module")
-def reference(loaded, prompt_ids, hf_reference):
+def reference(loaded, prompt_ids, hf_model):
     """All prompts batched together, each checked against HF: the outputs every other regime must give."""
     outs = greedy(LLM(loaded=loaded, max_num_seqs=16, kv_cache_gb=0.25), prompt_ids)
-    assert_hf_agrees(hf_reference, prompt_ids, outs)
+    assert_hf_agrees(hf_model, prompt_ids, outs)
     return outs
 
 
@@ -74,9 +85,11 @@ def test_one_at_a_time_matches(loaded, prompt_ids, reference):
     assert greedy(LLM(loaded=loaded, max_num_seqs=1, kv_cache_gb=0.25), [prompt_ids[i] for i in some]) == [reference[i] for i in some]
 
 
-def test_literal_hf_generate_matches(hf_reference, prompt_ids, reference):
+def test_literal_hf_generate_matches(hf_model, prompt_ids, reference):
     for i in (0, 3):
-        expected = hf_reference.call("generate", prompt=prompt_ids[i], max_new_tokens=MAX_TOKENS)
+        ids = torch.tensor([prompt_ids[i]])
+        hf = hf_model.generate(ids, max_new_tokens=MAX_TOKENS, do_sample=False, attention_mask=torch.ones_like(ids))
+        expected = hf[0, len(prompt_ids[i]) :].tolist()
         assert reference[i] == expected[: len(reference[i])]
 
 

@@ -166,7 +166,6 @@ def _federated(url: str, name: str, label: str) -> dict[str, float]:
 
 
 @pytest.mark.slow
-@pytest.mark.gemma3
 def test_a_real_fleet_of_smollm2_and_gemma3_routes_each_model_to_its_own_workers_and_stops_cleanly(serve):
     """Real workers: two SmolLM2 copies with n-gram speculation behind the KV-aware router, one Gemma 3."""
     fleet = serve({"policy": "kv_aware", "models": [

@@ -130,13 +130,11 @@ def batched(gemma, prompt_ids) -> tuple[LLM, list[list[int]]]:
 
 
 @pytest.mark.slow
-@pytest.mark.gemma3
 def test_batch_with_a_prompt_past_the_window_generates_every_token(batched):
     assert [len(out) for out in batched[1]] == CAPS
 
 
 @pytest.mark.slow
-@pytest.mark.gemma3
 def test_chunked_prefill_matches(gemma, prompt_ids, batched):
     some = [0, 3, len(prompt_ids) - 1]
     llm = LLM(loaded=gemma, max_num_batched_tokens=64, kv_cache_gb=0.25)  # the long prompt in 10 chunks, crossing the window
@@ -144,7 +142,6 @@ def test_chunked_prefill_matches(gemma, prompt_ids, batched):
 
 
 @pytest.mark.slow
-@pytest.mark.gemma3
 def test_prefix_cache_hit_matches(prompt_ids, batched):
     llm, reference = batched  # its cache holds every prompt already
     some = [0, len(prompt_ids) - 1]  # a short prompt and the one past the window
