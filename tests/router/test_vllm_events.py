@@ -284,4 +284,4 @@ def test_kv_aware_over_vllm_events_hits_as_over_native_events(procs: list, one_t
         assert time.monotonic() < end, [(len(r["exact_hashes"]), len(w.kv_publisher.digests))
                                         for w, r in zip(workers, st["workers"], strict=True)]
         time.sleep(0.1)
-    assert all(w.kv_publisher.digests for w in workers)
+    assert any(w.kv_publisher.digests for w in workers)  # (under load kv_aware may send every turn to one)

@@ -77,7 +77,7 @@ class VllmEventSubscriber:
         self.name = name
         self.source = source
         self.index = index
-        self.on_event = on_event  # the first batch marks the worker's events as connected
+        self.on_event = on_event  # connected: the subscription's handshake, or a batch, marks the worker so
         self.last: int | None = None  # the last sequence number applied; -1: the worker had published none
         self.repeats: tuple[int, int] | None = None  # batches a replay brought that the live stream may repeat
         self.resync = True  # rebuild from the replay buffer before the next live batch
@@ -107,6 +107,7 @@ class VllmEventSubscriber:
                 if joins in ready:
                     await joins.recv_multipart()
                     self.unconfirmed = True
+                    self.on_event()  # connected even if the worker has published nothing yet
                 if sub in ready:
                     frames = await sub.recv_multipart()
                     if len(frames) == 3:
