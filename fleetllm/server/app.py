@@ -333,8 +333,9 @@ class Worker:
 
     async def constrained(self, params: SamplingParams, body: dict[str, Any], forced: Any = None) -> SamplingParams:
         """``params`` with the request's output constraint, compiled off the event loop (a new schema takes
-        milliseconds; the tokenizer's first grammar build, a fraction of a second)."""
-        return await asyncio.to_thread(constrain, params, body, self.engine.grammars, forced)
+        milliseconds; building the compiler, at the first constrained request, imports torch and llguidance:
+        seconds, tens on a busy host, which on the loop would stall every request and health check)."""
+        return await asyncio.to_thread(constrain, params, body, lambda: self.engine.grammars, forced)
 
     async def completions(self, request: Request) -> Response:
         body = await self.request_body(request)
