@@ -7,7 +7,7 @@ Two measurements, each eager and kernel back to back so the ratios share the mac
 * a whole decode step (``ModelRunner.execute``: 30 layers, LM head) at batch 1/8/32, every sequence at the same
   context length, for exact fp32 and for ``--quantization int4``.
 
-    python benchmarks/paged_attention.py [--context 512] [--steps 20]
+    python benchmarks/paged_attention.py [--context 512] [--steps 24] [--batches 1 8 32] [--quant none int4]
 """
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ def both(fn, repeats: int) -> tuple[float, float]:
     return statistics.median(eager), statistics.median(kernel)
 
 
-def attention_only(context: int, repeats: int) -> None:
+def attention_only(context: int, repeats: int, batches: list[int]) -> None:
     print(f"\n## attention of one layer (9 heads, 3 KV heads, d 64), ms per call; context {context}")
     print("| batch | context | eager gather | kernel | speed-up |\n|---|---|---|---|---|")
     from fleetllm.models.config import ModelConfig
@@ -86,7 +86,7 @@ def attention_only(context: int, repeats: int) -> None:
                       head_dim=64, vocab_size=100, rms_norm_eps=1e-5, rope_theta=1e4, max_position_embeddings=4096)
     attn = Attention(cfg)
     for ctx in (context // 2, context * 2):
-        for b in BATCHES:
+        for b in batches:
             runner_meta = decode_meta(b, ctx, b * (-(-ctx // BLOCK)))
             k = torch.randn(b * (-(-ctx // BLOCK)) * BLOCK, 3, 64)
             v = torch.randn_like(k)
@@ -118,14 +118,14 @@ def decode_meta(batch: int, ctx: int, num_blocks: int):
                              decode_lens=torch.full((batch,), ctx, dtype=torch.int32), block_size=BLOCK)
 
 
-def whole_steps(context: int, repeats: int, quant: str) -> None:
+def whole_steps(context: int, repeats: int, quant: str, batches: list[int]) -> None:
     loaded = load_model("smollm2-135m")
     quantize_model(loaded.model, quant)
     per = -(-(context + 1) // BLOCK)
-    runner = ModelRunner(loaded.model, num_blocks=max(BATCHES) * per + 1, block_size=BLOCK)
+    runner = ModelRunner(loaded.model, num_blocks=max(batches) * per + 1, block_size=BLOCK)
     print(f"\n## decode step of SmolLM2-135M ({quant}), ms per step (ModelRunner.execute); context {context}")
     print("| batch | eager gather | kernel | speed-up |\n|---|---|---|---|")
-    for b in BATCHES:
+    for b in batches:
         seqs = [FakeScheduled(FakeSeq(context, list(range(i * per, (i + 1) * per)))) for i in range(b)]
         e, k = both(lambda seqs=seqs: runner.execute(seqs, list(range(len(seqs)))), repeats)
         print(f"| {b} | {e:.1f} | {k:.1f} | {e / k:.2f}× |")
@@ -136,15 +136,19 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=512, help="tokens of context each sequence attends to")
     ap.add_argument("--steps", type=int, default=24, help="timed repeats of each measurement")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--batches", type=int, nargs="+", default=list(BATCHES))
+    ap.add_argument("--quant", nargs="+", default=["none", "int4"], help="whole-step runs: none and/or int4")
+    ap.add_argument("--no-attention-only", action="store_true", help="whole steps only")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     if not attention.kernel_ready(torch.zeros(1), torch.zeros(1), wait=True):
         sys.exit(f"C kernel unavailable: {attention.LIBRARY.error}")
     print(f"threads {args.threads}; kernel isa {'avx2' if attention.LIBRARY.lib.paged_attention_isa() else 'scalar'}; "
           f"load {os.getloadavg()[0]:.1f}; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
-    attention_only(args.context, args.steps * 4)
-    for quant in ("none", "int4"):
-        whole_steps(args.context, args.steps, quant)
+    if not args.no_attention_only:
+        attention_only(args.context, args.steps * 4, args.batches)
+    for quant in args.quant:
+        whole_steps(args.context, args.steps, quant, args.batches)
     print(f"\nload at the end {os.getloadavg()[0]:.1f}")
 
 
