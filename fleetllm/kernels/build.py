@@ -22,6 +22,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 from fleetllm.models.source import cache_dir
@@ -63,12 +64,10 @@ def build(source: Path, out_dir: Path | None = None) -> Path:
     cc = compiler()
     if cc is None:
         raise RuntimeError("no C compiler (cc, gcc or $CC) on the path")
-    target_dir = out_dir or cache_dir() / "kernels"
-    target = target_dir / f"{source.stem}-{cache_key(source, cc)}.so"
+    target = _target(f"{source.stem}-{cache_key(source, cc)}.so", out_dir)
     if target.exists():
         return target
-    target_dir.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=target_dir, prefix=f".{source.stem}-", suffix=".so")
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{source.stem}-", suffix=".so")
     os.close(fd)
     try:
         done = subprocess.run([cc, *FLAGS, str(source), "-o", tmp, "-lm"], capture_output=True, text=True, timeout=120)
@@ -81,13 +80,31 @@ def build(source: Path, out_dir: Path | None = None) -> Path:
     return target
 
 
+def _target(name: str, out_dir: Path | None) -> Path:
+    """Where ``name`` is cached: the first directory holding it, else the first writable one.
+
+    A read-only cache volume falls back to the temporary directory rather than to the eager path.
+    """
+    dirs = [out_dir] if out_dir else [cache_dir() / "kernels", Path(tempfile.gettempdir()) / "fleetllm-kernels"]
+    for d in dirs:
+        if (d / name).exists():
+            return d / name
+        try:
+            d.mkdir(parents=True, exist_ok=True)
+        except OSError:
+            continue
+        if os.access(d, os.W_OK):
+            return d / name
+    raise RuntimeError(f"no writable directory to build {name} in")
+
+
 class KernelLibrary:
     """One C source, built in the background on first :meth:`get` and loaded with ctypes.
 
     ``setup`` declares the library's functions (argtypes, restype) once it is loaded.
     """
 
-    def __init__(self, source: Path, setup: callable) -> None:
+    def __init__(self, source: Path, setup: Callable[[ctypes.CDLL], None]) -> None:
         self.source = source
         self.setup = setup
         self.lib: ctypes.CDLL | None = None
