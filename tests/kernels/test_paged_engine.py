@@ -23,9 +23,10 @@ def test_kernel_and_eager_generate_the_same_tokens(loaded_model, monkeypatch) ->
     prompts = [loaded_model.tokenizer.encode(p) for p in PROMPTS]
     prompts.append(prompts[1] + prompts[0])  # a prefix-cache hit: its chunk attends to cached blocks
     calls = []
-    monkeypatch.setattr(llama, "paged_attention", lambda *a, **kw: calls.append(1) or attention.paged_attention(*a, **kw))
-    # chunks of at most 12 tokens: every prompt past its first chunk is prefilled over cached context
-    llm = LLM(loaded=loaded_model, num_blocks=64, max_num_batched_tokens=12)
+    monkeypatch.setattr(llama, "paged_attention", lambda *a, **kw: calls.append("table_of" in kw)
+                        or attention.paged_attention(*a, **kw))
+    # chunks of at most 4 tokens: every prompt past its first chunk is prefilled over cached context, in place
+    llm = LLM(loaded=loaded_model, num_blocks=64, max_num_batched_tokens=4)
     attention.set_kernel_enabled(False)
     try:
         eager = greedy(llm, prompts)
@@ -33,4 +34,4 @@ def test_kernel_and_eager_generate_the_same_tokens(loaded_model, monkeypatch) ->
         attention.set_kernel_enabled(True)
     assert not calls
     assert greedy(llm, prompts) == eager
-    assert calls, "the kernel was never called"
+    assert False in calls and True in calls, "decode steps and chunks over cached context both through the kernel"
