@@ -4,6 +4,8 @@ Two measurements, each eager and kernel back to back so the ratios share the mac
 
 * attention alone, one layer of SmolLM2-135M's shape (9 heads, 3 KV heads, head_dim 64): the eager path's
   gather + matmul + softmax (``Attention._decode``) against the C kernel, at batch 1/8/32 and contexts 256/1024;
+* a chunk of 1-16 queries over 1,024 cached positions (speculative verification, chunked prefill): the kernel
+  against gather + SDPA, which sets ``KERNEL_MAX_CHUNK`` in fleetllm/models/llama.py;
 * a whole decode step (``ModelRunner.execute``: 30 layers, LM head) at batch 1/8/32, every sequence at the same
   context length, for exact fp32 and for ``--quantization int4``.
 
@@ -103,6 +105,32 @@ def attention_only(context: int, repeats: int, batches: list[int]) -> None:
             print(f"| {b} | {ctx} | {e:.3f} | {kk:.3f} | {e / kk:.2f}× |")
 
 
+def chunks(repeats: int) -> None:
+    import torch.nn.functional as F
+
+    n_ctx = 1024
+    k = torch.randn(n_ctx, 3, 64)
+    v = torch.randn_like(k)
+    table = torch.randperm(n_ctx // BLOCK).int()
+    slots = (table.long().unsqueeze(1) * BLOCK + torch.arange(BLOCK)).flatten()
+    print(f"\n## a chunk over {n_ctx} cached positions, ms per call (kernel always; eager = gather + SDPA)")
+    print("| queries | gather + SDPA | kernel | speed-up |\n|---|---|---|---|")
+    for n_q in (1, 2, 4, 8, 16):
+        q = torch.randn(n_q, 9, 64)
+        rows, lens = attention.chunk_rows(n_q, n_ctx)
+        mask = torch.arange(n_ctx).unsqueeze(0) <= torch.arange(n_ctx - n_q, n_ctx).unsqueeze(1)
+
+        def sdpa(q=q, mask=mask) -> torch.Tensor:
+            kt, vt = k[slots].transpose(0, 1).unsqueeze(0), v[slots].transpose(0, 1).unsqueeze(0)
+            return F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), kt, vt, attn_mask=mask, scale=0.125,
+                                                  enable_gqa=True)
+
+        e = timed(sdpa, repeats)
+        kk = timed(lambda q=q, rows=rows, lens=lens: attention.paged_attention(
+            q, k, v, table.view(1, -1), lens, 0.125, BLOCK, table_of=rows), repeats)
+        print(f"| {n_q} | {e:.3f} | {kk:.3f} | {e / kk:.2f}× |")
+
+
 def decode_meta(batch: int, ctx: int, num_blocks: int):
     """The metadata the runner builds for ``batch`` decode queries at context ``ctx`` (blocks in a shuffled order)."""
     from fleetllm.models.llama import AttentionMetadata
@@ -147,6 +175,7 @@ def main() -> None:
           f"load {os.getloadavg()[0]:.1f}; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
     if not args.no_attention_only:
         attention_only(args.context, args.steps * 4, args.batches)
+        chunks(args.steps * 2)
     for quant in args.quant:
         whole_steps(args.context, args.steps, quant, args.batches)
     print(f"\nload at the end {os.getloadavg()[0]:.1f}")

@@ -21,8 +21,8 @@ from fleetllm.models.config import ModelConfig
 
 # Chunks over cached context of at most this many queries (speculative verification of a few drafts) use the
 # paged kernel, which reads the keys once per query; longer ones gather once and run SDPA, whose blocked GEMMs
-# reuse each key across queries (measured on 256-1024 positions: the kernel wins at 1-2 queries, SDPA from 8).
-KERNEL_MAX_CHUNK = 4
+# reuse each key across queries (benchmarks/paged_attention.py, 1,024 positions: the kernel wins at 1-2 queries, SDPA from 4).
+KERNEL_MAX_CHUNK = 3
 
 
 @dataclass
