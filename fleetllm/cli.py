@@ -170,6 +170,9 @@ def cmd_worker(args: argparse.Namespace) -> int:
         return cmd_sim_worker(args)
     from fleetllm.store import prefetch
 
+    # The hub client's HTTP core imports trio when it is installed only to tell trio from asyncio; a worker
+    # runs asyncio alone, and that import (a third of the client's) holds the GIL that torch's import needs.
+    sys.modules.setdefault("trio", None)  # type: ignore[arg-type]  # ``import trio`` raises ImportError
     prefetch.start(args.model, from_args(StoreConfig, args))  # the store's part of a cold start overlaps the imports
     from fleetllm.engine.engine import LLMEngine
     from fleetllm.server.app import Worker
