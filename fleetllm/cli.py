@@ -8,6 +8,7 @@ component (where a server listens, a worker's labels, ``serve``'s fleet shape).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import logging
 import os
@@ -170,6 +171,12 @@ def cmd_worker(args: argparse.Namespace) -> int:
         return cmd_sim_worker(args)
     from fleetllm.store import prefetch
 
+    # The hub client's HTTP core imports trio when it is installed only to tell trio from asyncio; a worker
+    # runs asyncio alone, and that import (a third of the client's) holds the GIL that torch's import needs.
+    sys.modules.setdefault("trio", None)  # type: ignore[arg-type]  # ``import trio`` raises ImportError
+    # Imports and the model load make ~200k long-lived objects; the collector's passes over them were 12% of
+    # the imports' time. Off until the engine is up, then those objects are frozen out of every later pass.
+    gc.disable()
     prefetch.start(args.model, from_args(StoreConfig, args))  # the store's part of a cold start overlaps the imports
     from fleetllm.engine.engine import LLMEngine
     from fleetllm.server.app import Worker
@@ -181,6 +188,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
     except StoreError as e:  # no access, no such model, source down without a cached copy: say so, no traceback
         logging.getLogger("fleetllm").error("cannot start: %s", e)
         return 2
+    gc.freeze()
+    gc.enable()
     logging.getLogger("fleetllm").info(
         "model %s loaded in %.1fs; %d KV blocks of %d tokens", engine.model_name, engine.loaded.load_seconds,
         engine.pool.num_blocks, engine.pool.block_size,

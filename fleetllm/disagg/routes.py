@@ -27,7 +27,6 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import httpx
 from prometheus_client import Counter, Histogram
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -38,6 +37,8 @@ from fleetllm.server.protocol import APIError
 from fleetllm.server.worker_secret import worker_secret
 
 if TYPE_CHECKING:
+    import httpx
+
     from fleetllm.server.app import Worker
 
 SHM_DIR = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
@@ -111,6 +112,8 @@ class PDEndpoints:
 
     async def _ship(self, header: Any, layers: Any, decode_url: str, via: str, timeout: float) -> tuple[httpx.Response, int]:
         """POST the frame to the decode worker's ``/pd/kv``; its answer (200 only) and the bytes sent."""
+        import httpx  # only a prefill worker sends; httpx (with its CLI's rich/click) stays out of every start
+
         from fleetllm.disagg import frame
 
         shm_path: Path | None = None

@@ -33,7 +33,6 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from fleetllm.capture.recorder import Capture
 from fleetllm.capture.worker_tap import open_worker_tap
 from fleetllm.disagg.routes import pd_routes
 from fleetllm.engine.async_engine import AsyncEngine, EngineFailed
@@ -67,6 +66,7 @@ from fleetllm.tools.request import ToolRequest, render_prompt, tool_request
 from fleetllm.tools.stream import ToolStream, rewrite_message
 
 if TYPE_CHECKING:
+    from fleetllm.capture.recorder import Capture  # its envelope imports cryptography
     from fleetllm.engine.engine import LLMEngine
 
 T = TypeVar("T")
