@@ -44,6 +44,7 @@ def export_hf_dir(ref: str, out: Path) -> Path:
     if cached is not None and cached.exists():
         # the dequantised cache already is these tensors as fp32 safetensors: share it, don't rewrite 0.5 GB
         cfg, tok = load_tokenizer(str(path))
+        (out / "model.safetensors").unlink(missing_ok=True)  # an earlier export into ``out``: replace it
         try:
             os.link(cached, out / "model.safetensors")
         except OSError:

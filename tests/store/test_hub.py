@@ -127,3 +127,12 @@ def test_a_simulated_worker_takes_its_tokenizer_through_the_store_flags(hub, sto
     (files,) = Path(store_cfg.cache_dir).glob("hf--test--tiny/*/files")  # this test's own cache: the flag held
     assert sorted(p.name for p in files.iterdir()) == ["config.json", "tokenizer.json", "tokenizer_config.json"]
     assert worker.engine.tokenizer.encode("Hello") == TokenizerWrapper.from_hf_dir(files).encode("Hello")
+
+
+def test_exporting_twice_into_one_directory_replaces_the_first(tmp_path) -> None:
+    from fleetllm.models.export_hf import export_hf_dir
+
+    first = export_hf_dir("smollm2-135m", tmp_path / "out")
+    size = (first / "model.safetensors").stat().st_size
+    assert export_hf_dir("smollm2-135m", tmp_path / "out") == first
+    assert (first / "model.safetensors").stat().st_size == size and (first / "config.json").exists()
