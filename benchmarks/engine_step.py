@@ -24,6 +24,8 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+BREAKDOWN = ("step", "schedule", "prepare", "forward", "attention", "logits", "sampling", "update", "propose",
+             "other", "outside_forward")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -123,8 +125,7 @@ def baseline(rev: str, argv: list[str]) -> dict[str, dict[str, float]]:
 
 def print_table(name: str, results: dict[str, dict[str, float]]) -> None:
     print(f"\n{name}")
-    cols = ("step", "schedule", "prepare", "forward", "attention", "logits", "sampling", "update", "propose",
-            "other", "outside_forward")
+    cols = BREAKDOWN
     print("| batch | ms/step | tok/s | " + " | ".join(cols[1:]) + " |")
     print("|---:|---:|---:|" + "---:|" * (len(cols) - 1))
     for b, r in results.items():
