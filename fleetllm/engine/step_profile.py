@@ -2,8 +2,9 @@
 
 Phases, in step order: ``schedule`` (the scheduler), ``prepare`` (the runner turning the batch into
 tensors), ``forward`` (the decoder stack, ``attention`` included), ``attention`` (the attention modules'
-own time, part of ``forward``), ``logits`` (LM head over the sampling rows and the copy to the host),
-``sampling`` (sampler and draft verification), ``update`` (appends, detokenizing, stop checks, outputs,
+time, part of ``forward``: q/k/v/o projections, RoPE, the KV store, attention), ``logits`` (the LM head
+over the sampling rows),
+``sampling`` (sampler, draft verification, the copy to the host), ``update`` (appends, detokenizing, stop checks, outputs,
 metrics) and ``propose`` (drafting). ``other`` is the rest of the step's wall time.
 
 Torch-free; the executor that runs a model adds its own phases (and the attention timers) when one is set.
