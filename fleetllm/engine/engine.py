@@ -76,7 +76,7 @@ class LLMEngine:
         self._eos = set(mcfg.eos_token_ids)
         self._grammars: GrammarCompiler | None = None
         # --profile-steps: the executor's profile when it keeps one (it times its own phases), else the engine's
-        self.profile: StepProfile | None = getattr(executor, "profile", None) or (
+        self.profile: StepProfile | None = getattr(executor, "step_profile", None) or (
             StepProfile() if cfg.profile_steps else None)
 
     @property

@@ -47,14 +47,14 @@ class ModelExecutor:
                                              store=cfg.store)
         if cfg.quantization != "none" and self.device == "cpu":
             quantize_model(self.loaded.model, cfg.quantization)
-        self.profile = StepProfile() if cfg.profile_steps else None
+        self.step_profile = StepProfile() if cfg.profile_steps else None
         # hooks on the model: an engine sharing these weights with others removes them when done profiling
-        self.attention_hooks = time_attention(self.loaded.model, self.profile, self.device) if self.profile else []
+        self.attention_hooks = time_attention(self.loaded.model, self.step_profile, self.device) if self.step_profile else []
         kv_dtype = kv_dtype_of(cfg.kv_cache_dtype, self.loaded.model)
         per_block = ModelRunner.kv_bytes_per_block(self.loaded.model, cfg.block_size, kv_dtype)
         self.num_blocks = cfg.num_blocks or max(16, int(cfg.kv_cache_gb * 2**30 // per_block))
         self.runner = ModelRunner(self.loaded.model, self.num_blocks, cfg.block_size, self.device, kv_dtype,
-                                  self.profile)
+                                  self.step_profile)
         self.sampler = Sampler()
         spec_cfg = SpeculativeConfig.parse(cfg.speculative)
         self.spec = SpecDecoder(spec_cfg, self.loaded, self.runner.kv_cache, self.device) if spec_cfg else None
@@ -70,7 +70,7 @@ class ModelExecutor:
         t0 = time.perf_counter()
         logits, aux = self.runner.execute(batch, rows, self.spec.aux_layers if self.spec else None)
         out = ModelOutput()
-        with phase(self.profile, "sampling"):
+        with phase(self.step_profile, "sampling"):
             if not verifying and _all_plain_greedy(batch):
                 _argmax(batch, logits, out)  # no host copy of the logits: only the ids come back
                 return out
