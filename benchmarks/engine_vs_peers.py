@@ -299,6 +299,24 @@ def bench_hf(settings: Settings, prompts: dict[int, list[list[str]]]) -> list[Re
 # ---------------------------------------------------------------------------------------------------
 
 
+def step_breakdown(settings: Settings) -> list[str]:
+    """Where a fleetllm decode step's time goes at batch 1 and 32 (in-process, benchmarks/engine_step.py):
+    one note line per batch size, also printed."""
+    import engine_step
+
+    args = engine_step.parse_args(["--batch", "1,32", "--steps", "16", "--threads", str(settings.threads)])
+    try:
+        per_batch = engine_step.measure(args)
+    except Exception as e:  # the breakdown is an extra: a failure is noted, never fatal
+        return [f"per-step breakdown failed: {type(e).__name__}: {e}"]
+    lines = []
+    for b, r in per_batch.items():
+        parts = ", ".join(f"{k} {r['ms_' + k]:.1f}" for k in engine_step.BREAKDOWN if "ms_" + k in r)
+        lines.append(f"fleetllm fp32 per-step breakdown, batch {b} (in-process, ms/step): {parts}")
+        print(lines[-1], flush=True)
+    return lines
+
+
 def _guarded(name: str, notes: list[str], bench: Callable[..., list[Result]], *args: object) -> list[Result]:
     """Run one system's benchmark; a system that fails to start is reported, and the others still run."""
     try:
@@ -371,6 +389,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.skip_fleetllm:
         print("[fleetllm worker]", flush=True)
         results += _guarded("fleetllm", notes, bench_fleetllm, settings, prompts)
+        notes += step_breakdown(settings)
     if not args.skip_llamacpp:
         binary = find_llama_server(args.llama_server)
         if binary is None:

@@ -43,9 +43,9 @@ def import_blocks(engine: LLMEngine, header: FrameHeader, layers: list[tuple[tor
     Raises :class:`FrameError` if the frame does not fit this engine (model, layout, hashes)."""
     cfg = engine.loaded.config
     views = engine.kv_blocks()
-    dtype = str(views[0][0].dtype).removeprefix("torch.")
-    expect = (engine.model_name, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype, engine.pool.block_size)
-    got = (header.model, header.num_layers, header.num_kv_heads, header.head_dim, header.dtype, header.block_size)
+    # the dtype may differ (a bf16 KV pool sending to an fp32 one, or back): blocks are cast as they are written
+    expect = (engine.model_name, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, engine.pool.block_size)
+    got = (header.model, header.num_layers, header.num_kv_heads, header.head_dim, header.block_size)
     if got != expect:
         raise FrameError(f"frame for {got} does not fit this engine {expect}")
     pool = engine.pool

@@ -25,6 +25,9 @@ class EngineConfig:
     block_size: int = opt(16, "tokens per KV block")
     num_blocks: int | None = opt(None, "KV blocks (default: from --kv-cache-gb)")
     kv_cache_gb: float = opt(1.0, "GiB of KV cache, when --num-blocks is not given")
+    kv_cache_dtype: Literal["auto", "fp32", "bf16", "fp16"] = opt(
+        "auto", "dtype of the paged KV cache: auto (the model's), fp32, bf16 or fp16 (half the bytes per token, "
+                "twice the tokens in --kv-cache-gb; attention reads it back in the model's dtype)")
     max_model_len: int | None = opt(None, "most tokens of one sequence, prompt and output (default: "
                                           "min(the model's context, 8192), capped by the KV cache)")
     max_num_seqs: int = opt(SchedulerConfig.max_num_seqs, "most sequences running in one step")
@@ -43,6 +46,8 @@ class EngineConfig:
     metric_labels: dict[str, str] = opt(doc="worker identity on every metric: worker, role, zone, "
                                             "instance_type", factory=dict, cli=False)
     disable_metrics: bool = opt(False, "record no engine metrics (overhead baseline)")
+    profile_steps: bool = opt(False, "time each step's phases (schedule, forward, attention, sampling, ...): "
+                                     "LLMEngine.profile; a debugging aid, off costs nothing")
     store: StoreConfig = opt(doc="where hf:// and s3:// models are cached and how they are reached (its own flags)",
                              factory=StoreConfig, cli=False)
 

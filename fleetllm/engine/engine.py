@@ -27,6 +27,7 @@ from fleetllm.engine.outputs import RequestOutput, RequestTiming, TokenLogprob
 from fleetllm.engine.params import InvalidParameter, PromptTooLong, SamplingParams, check_prompt
 from fleetllm.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from fleetllm.engine.sequence import Sequence, Status
+from fleetllm.engine.step_profile import StepProfile, phase
 
 if TYPE_CHECKING:
     import torch
@@ -76,6 +77,9 @@ class LLMEngine:
         self._eos = set(mcfg.eos_token_ids)
         self._grammars: GrammarCompiler | None = None
         self._grammars_lock = threading.Lock()  # two requests' threads may ask for it first at once
+        # --profile-steps: the executor's profile when it keeps one (it times its own phases), else the engine's
+        self.profile: StepProfile | None = getattr(executor, "step_profile", None) or (
+            StepProfile() if cfg.profile_steps else None)
 
     @property
     def grammars(self) -> GrammarCompiler:
@@ -138,19 +142,26 @@ class LLMEngine:
     # ---- the step ----------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Schedule, execute, update from the output, draft for the next step; return this step's outputs."""
+        t0 = time.perf_counter()
         outputs, self._pending = self._pending, []
         drafts, self._drafts = self._drafts, {}
-        sched = self.scheduler.schedule(drafts)
-        self._note_scheduled(sched)
+        prof = self.profile
+        with phase(prof, "schedule"):
+            sched = self.scheduler.schedule(drafts)
+            self._note_scheduled(sched)
         if sched.scheduled:
             try:
                 result = self.executor.execute(sched)
             except Exception as e:  # a failed step fails its requests, never the engine
                 outputs += self._fail(sched, f"{type(e).__name__}: {e}")
             else:
-                outputs += self.update_from_output(sched, result)
-                self._drafts = self._propose()
+                with phase(prof, "update"):
+                    outputs += self.update_from_output(sched, result)
+                with phase(prof, "propose"):
+                    self._drafts = self._propose()
         self._update_gauges()
+        if prof is not None:
+            prof.step_done(time.perf_counter() - t0, sum(len(o.new_token_ids) for o in outputs))
         return outputs
 
     def _note_scheduled(self, sched: SchedulerOutput) -> None:

@@ -15,11 +15,12 @@ from typing import TYPE_CHECKING
 import torch
 
 from fleetllm.engine.executor import ModelOutput, Sampled
-from fleetllm.engine.model_runner import ModelRunner
+from fleetllm.engine.model_runner import ModelRunner, kv_dtype_of
 from fleetllm.engine.outputs import TokenLogprob
 from fleetllm.engine.sampling import Sampler
 from fleetllm.engine.scheduler import Scheduled, SchedulerOutput
 from fleetllm.engine.sequence import Sequence
+from fleetllm.engine.step_profile import StepProfile, phase
 from fleetllm.models.loader import LoadedModel, load_model
 from fleetllm.models.quant import quantize_model
 from fleetllm.speculative.config import SpeculativeConfig
@@ -28,6 +29,8 @@ from fleetllm.speculative.verify import verify
 from fleetllm.structured.matcher import allocate_masks, apply_masks
 
 if TYPE_CHECKING:
+    from torch.utils.hooks import RemovableHandle
+
     from fleetllm.engine.engine import EngineConfig
 
 
@@ -44,9 +47,14 @@ class ModelExecutor:
                                              store=cfg.store)
         if cfg.quantization != "none" and self.device == "cpu":
             quantize_model(self.loaded.model, cfg.quantization)
-        per_block = ModelRunner.kv_bytes_per_block(self.loaded.model, cfg.block_size)
+        self.step_profile = StepProfile() if cfg.profile_steps else None
+        # hooks on the model: an engine sharing these weights with others removes them when done profiling
+        self.attention_hooks = time_attention(self.loaded.model, self.step_profile, self.device) if self.step_profile else []
+        kv_dtype = kv_dtype_of(cfg.kv_cache_dtype, self.loaded.model)
+        per_block = ModelRunner.kv_bytes_per_block(self.loaded.model, cfg.block_size, kv_dtype)
         self.num_blocks = cfg.num_blocks or max(16, int(cfg.kv_cache_gb * 2**30 // per_block))
-        self.runner = ModelRunner(self.loaded.model, self.num_blocks, cfg.block_size, self.device)
+        self.runner = ModelRunner(self.loaded.model, self.num_blocks, cfg.block_size, self.device, kv_dtype,
+                                  self.step_profile)
         self.sampler = Sampler()
         spec_cfg = SpeculativeConfig.parse(cfg.speculative)
         self.spec = SpecDecoder(spec_cfg, self.loaded, self.runner.kv_cache, self.device) if spec_cfg else None
@@ -61,13 +69,17 @@ class ModelExecutor:
         verifying = any(s.draft_token_ids for s in batch)
         t0 = time.perf_counter()
         logits, aux = self.runner.execute(batch, rows, self.spec.aux_layers if self.spec else None)
-        logits = logits.float().cpu()  # sampling runs on the host
-        if verifying and self.spec:
-            self.spec.verify_seconds += time.perf_counter() - t0
         out = ModelOutput()
-        self._sample(batch, logits, first, out)
-        if verifying:
-            self._verify(batch, logits, first, out)
+        with phase(self.step_profile, "sampling"):
+            if not verifying and _all_plain_greedy(batch):
+                _argmax(batch, logits, out)  # no host copy of the logits: only the ids come back
+                return out
+            logits = logits.float().cpu()  # sampling runs on the host
+            if verifying and self.spec:
+                self.spec.verify_seconds += time.perf_counter() - t0
+            self._sample(batch, logits, first, out)
+            if verifying:
+                self._verify(batch, logits, first, out)
         if aux is not None:
             self._observe(batch, aux, out)
         return out
@@ -129,6 +141,38 @@ class ModelExecutor:
         bs = self.runner.block_size
         return [(k.view(self.num_blocks, bs, *k.shape[1:]), v.view(self.num_blocks, bs, *v.shape[1:]))
                 for k, v in self.runner.kv_cache]
+
+
+def _all_plain_greedy(batch: list[Scheduled]) -> bool:
+    """Every request samples greedily from raw logits: no logprobs, penalties or grammar to apply."""
+    return all(s.seq.params.greedy and s.seq.params.logprobs is None and not s.seq.params.needs_penalties
+               and s.seq.grammar is None for s in batch)
+
+
+def _argmax(batch: list[Scheduled], logits: torch.Tensor, out: ModelOutput) -> None:
+    """Greedy tokens for a batch whose logits rows are one per sampling request, in batch order; one
+    device->host copy for the whole batch."""
+    ids = logits.argmax(dim=-1).tolist()
+    for s, tok in zip((s for s in batch if s.num_logits), ids, strict=True):
+        out.sampled[s.seq.request_id] = Sampled([tok])
+
+
+def time_attention(model: torch.nn.Module, profile: StepProfile, device: str) -> list[RemovableHandle]:
+    """Add every attention module's time to ``profile`` (hooks; only with ``--profile-steps``). On an
+    accelerator each hook synchronizes, so the times are the kernels' and the step is slower."""
+    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
+    started: list[float] = []
+
+    def pre(*_: object) -> None:
+        sync()
+        started.append(time.perf_counter())
+
+    def post(*_: object) -> None:
+        sync()
+        profile.add("attention", time.perf_counter() - started.pop())
+
+    attns = [layer.attn for layer in getattr(model, "layers", [])]
+    return [a.register_forward_pre_hook(pre) for a in attns] + [a.register_forward_hook(post) for a in attns]
 
 
 def _grammar_masks(seqs: list[Sequence], vocab_size: int) -> torch.Tensor | None:

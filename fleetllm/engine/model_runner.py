@@ -11,27 +11,42 @@ import mmap
 import torch
 
 from fleetllm.engine.scheduler import Scheduled
+from fleetllm.engine.step_profile import StepProfile, phase
 from fleetllm.models.llama import AttentionMetadata, LlamaModel, PrefillChunk
+
+KV_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def kv_dtype_of(name: str, model: LlamaModel) -> torch.dtype:
+    """The KV cache's dtype for a ``--kv-cache-dtype`` name: ``auto`` is the model's own dtype."""
+    return next(model.parameters()).dtype if name == "auto" else KV_DTYPES[name]
 
 
 class ModelRunner:
-    """Owns the KV cache tensors (one flat ``[num_blocks * block_size, kv_heads, head_dim]`` K and V per layer)."""
+    """Owns the KV cache tensors (one flat ``[num_blocks * block_size, kv_heads, head_dim]`` K and V per layer).
 
-    def __init__(self, model: LlamaModel, num_blocks: int, block_size: int, device: str = "cpu") -> None:
+    The cache may be narrower than the model (``kv_dtype`` bf16/fp16 under fp32 weights): attention casts
+    what it stores and upcasts what it reads, so only the pool's bytes change.
+    """
+
+    def __init__(self, model: LlamaModel, num_blocks: int, block_size: int, device: str = "cpu",
+                 kv_dtype: torch.dtype | None = None, profile: StepProfile | None = None) -> None:
         cfg = model.cfg
         self.model = model
         self.block_size = block_size
         self.device = device
-        dtype = next(model.parameters()).dtype
+        self.profile = profile
+        self.kv_dtype = kv_dtype or next(model.parameters()).dtype
         shape = (num_blocks * block_size, cfg.num_kv_heads, cfg.head_dim)
-        pool = _zeroed(2 * cfg.num_layers * shape[0] * shape[1] * shape[2], dtype, device)
+        pool = _zeroed(2 * cfg.num_layers * shape[0] * shape[1] * shape[2], self.kv_dtype, device)
         per = pool.view(2 * cfg.num_layers, *shape)
         self.kv_cache = [(per[2 * i], per[2 * i + 1]) for i in range(cfg.num_layers)]
 
     @staticmethod
-    def kv_bytes_per_block(model: LlamaModel, block_size: int) -> int:
+    def kv_bytes_per_block(model: LlamaModel, block_size: int, kv_dtype: torch.dtype | None = None) -> int:
+        """Bytes of K and V, all layers, for one block of ``block_size`` tokens stored in ``kv_dtype``."""
         cfg = model.cfg
-        itemsize = next(model.parameters()).element_size()
+        itemsize = torch.empty((), dtype=kv_dtype or next(model.parameters()).dtype).element_size()
         return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * itemsize
 
     def _slots(self, block_table: list[int], start: int, end: int) -> torch.Tensor:
@@ -46,7 +61,20 @@ class ModelRunner:
         self, batch: list[Scheduled], logit_rows: list[int], aux_layers: tuple[int, ...] | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Run one step; return logits ``[len(logit_rows), vocab]`` for the given rows of the flat batch,
-        and with ``aux_layers`` the features of those decoder layers for every row (else None)."""
+        and with ``aux_layers`` the features of those decoder layers for every row (else None).
+
+        The LM head runs over those rows only (a decode step: one row per sequence, not the whole batch)."""
+        with phase(self.profile, "prepare"):
+            ids, positions, meta = self._inputs(batch)
+            rows = torch.tensor(logit_rows, dtype=torch.long, device=self.device)
+        with phase(self.profile, "forward"):
+            out = self.model(ids, positions, meta, self.kv_cache, aux_layers)
+            hidden, aux = out if aux_layers is not None else (out, None)
+        with phase(self.profile, "logits"):
+            return self.model.compute_logits(hidden[rows]), aux
+
+    def _inputs(self, batch: list[Scheduled]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """Token ids, positions and attention metadata of the flat batch."""
         ids: list[int] = []
         positions: list[int] = []
         slot_parts: list[torch.Tensor] = []
@@ -78,13 +106,7 @@ class ModelRunner:
             meta.decode_idx = torch.tensor(decode_idx, device=self.device)
             meta.decode_slots, meta.decode_mask, meta.decode_tables = self._decode_slots(decode_tables, decode_lens)
             meta.decode_lens = torch.tensor(decode_lens, dtype=torch.int32, device=self.device)
-        out = self.model(
-            torch.tensor(ids, device=self.device), torch.tensor(positions, device=self.device), meta, self.kv_cache,
-            aux_layers,
-        )
-        hidden, aux = out if aux_layers is not None else (out, None)
-        rows = torch.tensor(logit_rows, dtype=torch.long, device=self.device)
-        return self.model.compute_logits(hidden[rows]), aux
+        return torch.tensor(ids, device=self.device), torch.tensor(positions, device=self.device), meta
 
     def _decode_slots(self, tables: list[list[int]], lens: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Slots and padding mask of each decode query (the eager path), and its int32 block table (kernels)."""

@@ -156,8 +156,9 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rotary(q, k, positions)
-        k_cache.index_copy_(0, meta.slot_mapping, k)
-        v_cache.index_copy_(0, meta.slot_mapping, v)
+        # a narrower cache (--kv-cache-dtype) stores rounded K/V; reads upcast them (``.to`` is free when equal)
+        k_cache.index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
+        v_cache.index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
 
         out = torch.empty(t, self.h, self.d, dtype=x.dtype, device=x.device)
         if meta.decode_idx is None:
@@ -194,8 +195,10 @@ class Attention(nn.Module):
         # One query per sequence: group the query heads that share a KV head so K/V are never repeated.
         b = q.shape[0]
         g = self.h // self.hkv
-        keys = k_cache[meta.decode_slots].permute(0, 2, 3, 1)  # [B, Hkv, D, L]
-        vals = v_cache[meta.decode_slots].transpose(1, 2)  # [B, Hkv, L, D]
+        # index_select on the flat slots, not k_cache[decode_slots]: the same rows, several times faster on CPU
+        flat, shape = meta.decode_slots.flatten(), (b, meta.decode_slots.shape[1], self.hkv, self.d)
+        keys = k_cache.index_select(0, flat).view(shape).to(q.dtype).permute(0, 2, 3, 1)  # [B, Hkv, D, L]
+        vals = v_cache.index_select(0, flat).view(shape).to(q.dtype).transpose(1, 2)  # [B, Hkv, L, D]
         qg = q.view(b, self.hkv, g, self.d)
         scores = torch.matmul(qg, keys) * self.scale + meta.decode_mask  # [B, Hkv, G, L]
         probs = torch.softmax(scores, dim=-1)
@@ -210,8 +213,8 @@ class Attention(nn.Module):
             kt, vt = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
             o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=self.scale, enable_gqa=True)
         else:
-            kt = k_cache[c.ctx_slots].transpose(0, 1).unsqueeze(0)  # [1, Hkv, L, D]
-            vt = v_cache[c.ctx_slots].transpose(0, 1).unsqueeze(0)
+            kt = k_cache.index_select(0, c.ctx_slots).to(q.dtype).transpose(0, 1).unsqueeze(0)  # [1, Hkv, L, D]
+            vt = v_cache.index_select(0, c.ctx_slots).to(q.dtype).transpose(0, 1).unsqueeze(0)
             q_pos = torch.arange(n_ctx - n_q, n_ctx, device=q.device).unsqueeze(1)
             kv_pos = torch.arange(n_ctx, device=q.device).unsqueeze(0)
             mask = kv_pos <= q_pos  # [q, L]
