@@ -5,13 +5,19 @@
     {"path": "/v1/chat/completions", "body": {...the client's request...}, "decode_url": "http://...",
      "transfer": "shm" | "http", "request_id": "..."}
 
-computes the prompt's KV (one sampled token, then stop), exports its full blocks and pushes them to the
-decode worker's ``POST /pd/kv``, over shared memory (a file in /dev/shm, same host) or streamed over
-HTTP. It answers ``{"blocks", "bytes", "prefill_s", "transfer_s", ...}`` or an error status.
+computes the prompt's KV (one sampled token, then stop) and ships its full blocks to the decode worker's
+``POST /pd/kv``. The frame is built while the prefill runs: after each decoder layer, the blocks it has
+just written go straight from the pool into the frame (:mod:`.layer_stream`), and in the prompt's last
+step each layer is sealed (and, over HTTP, sent) while later layers still compute. Over shared memory
+(same host) the frame lives in a mapped file in /dev/shm that the decode worker maps in turn; over HTTP
+it is streamed. It answers ``{"blocks", "bytes", "prefill_s", "transfer_s", ...}`` or an error status:
+``prefill_s`` runs until the frame is complete, ``transfer_s`` from then to the decode worker's answer.
 
-``POST /pd/kv`` (decode side) takes a frame (``application/octet-stream``) or ``{"shm": path}``,
-verifies it completely, and imports its blocks into the prefix cache. A bad frame is a 400 and
-imports nothing. Transfer bytes, seconds and failures are metrics on both sides.
+``POST /pd/kv`` (decode side) takes a frame (``application/octet-stream``) or ``{"shm": path, "bytes": n,
+"keep": true}`` (keep: the sender reuses the file; else the receiver unlinks it), verifies it completely,
+and copies its blocks from the frame's bytes straight into pool blocks, off the engine thread (see
+:mod:`.kv_io`). A bad frame is a 400 and imports nothing. Transfer bytes, seconds and failures are
+metrics on both sides.
 
 Torch is imported lazily: simulated workers (no torch) serve the same app without these endpoints working.
 """
@@ -19,6 +25,7 @@ Torch is imported lazily: simulated workers (no torch) serve the same app withou
 from __future__ import annotations
 
 import asyncio
+import mmap
 import os
 import tempfile
 import time
@@ -33,11 +40,15 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from fleetllm.disagg.buffers import PREFIX, Buffer, FrameBuffers
+from fleetllm.disagg.config import TransferOptions
 from fleetllm.engine.params import SamplingParams
 from fleetllm.server.protocol import APIError
 from fleetllm.server.worker_secret import worker_secret
 
 if TYPE_CHECKING:
+    from fleetllm.disagg.frame import FrameBuffer
+    from fleetllm.disagg.layer_stream import LayerStream
     from fleetllm.server.app import Worker
 
 SHM_DIR = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
@@ -48,27 +59,30 @@ class TransferMetrics:
     def __init__(self, worker: Worker) -> None:
         r = worker.engine.metrics.registry
         self.bytes = Counter("fleetllm:kv_transfer_bytes", "KV frame bytes sent or received.", ["direction", "via"], registry=r)
-        self.seconds = Histogram("fleetllm:kv_transfer_seconds", "Time to ship (sent) or verify and import "
-                                 "(received) one KV frame.", ["direction"], buckets=_SECONDS, registry=r)
+        self.seconds = Histogram("fleetllm:kv_transfer_seconds", "Time to ship (sent: from the frame's completion "
+                                 "to the decode worker's answer) or verify and import (received) one KV frame.",
+                                 ["direction"], buckets=_SECONDS, registry=r)
         self.blocks = Counter("fleetllm:kv_transfer_blocks", "KV blocks sent, imported, or already cached on arrival.",
                               ["kind"], registry=r)
         self.failures = Counter("fleetllm:kv_transfer_failures", "Failed transfers by reason.", ["reason"], registry=r)
-        self.prefill_seconds = Histogram("fleetllm:pd_prefill_seconds", "Remote-prefill compute time on this worker.",
-                                         buckets=_SECONDS, registry=r)
+        self.prefill_seconds = Histogram("fleetllm:pd_prefill_seconds", "Remote-prefill time on this worker, until "
+                                         "its KV frame is complete.", buckets=_SECONDS, registry=r)
 
 
-def pd_routes(worker: Worker) -> list[Route]:
+def pd_routes(worker: Worker, options: TransferOptions | None = None) -> list[Route]:
     """The ``/pd/prefill`` and ``/pd/kv`` routes of ``worker``."""
-    ep = PDEndpoints(worker)
+    ep = PDEndpoints(worker, options)
     return [Route("/pd/prefill", ep.prefill, methods=["POST"]), Route("/pd/kv", ep.receive, methods=["POST"])]
 
 
 class PDEndpoints:
     """The two disaggregation endpoints of one worker, built on its public request helpers."""
 
-    def __init__(self, worker: Worker) -> None:
+    def __init__(self, worker: Worker, options: TransferOptions | None = None) -> None:
         self.worker = worker
+        self.options = options or TransferOptions()
         self._metrics: TransferMetrics | None = None
+        self._buffers: FrameBuffers | None = None
 
     @property
     def metrics(self) -> TransferMetrics:
@@ -77,11 +91,15 @@ class PDEndpoints:
             self._metrics = TransferMetrics(self.worker)
         return self._metrics
 
+    @property
+    def buffers(self) -> FrameBuffers:
+        if self._buffers is None:
+            self._buffers = FrameBuffers(SHM_DIR)
+        return self._buffers
+
     # ---- prefill side ----------------------------------------------------------------------------------
     async def prefill(self, request: Request) -> Response:
-        """Compute the prompt's KV, ship its full blocks to the decode worker, answer what was shipped."""
-        from fleetllm.disagg.kv_io import export_blocks
-
+        """Compute the prompt's KV into a frame, ship it to the decode worker, answer what was shipped."""
         req = await self.worker.request_body(request)
         path, body, decode_url = req.get("path", ""), req.get("body"), req.get("decode_url")
         if not isinstance(body, dict) or not isinstance(decode_url, str):
@@ -89,72 +107,101 @@ class PDEndpoints:
         kind = "chat" if path.endswith("/chat/completions") else "text"
         ids = self.worker.prompt_ids(kind, body)[0]
         rid = f"pd-{req.get('request_id') or uuid.uuid4().hex}"
+        via, timeout = req.get("transfer") or "http", float(req.get("timeout_s") or 60.0)
         t0 = time.perf_counter()
-        await self.worker.until_disconnect(request, self._compute(rid, ids))  # the router gave up: abort, free the blocks
-        header, layers = await self.worker.async_engine.call(lambda e: export_blocks(e, ids))
-        prefill_s = time.perf_counter() - t0
-        self.metrics.prefill_seconds.observe(prefill_s)
-        via = req.get("transfer") or "http"
-        t1 = time.perf_counter()
-        r, nbytes = await self._ship(header, layers, decode_url, via, float(req.get("timeout_s") or 60.0))
+        buf, stream, sealed = await self._stream(rid, ids, via)
+        shipped = False
+        try:
+            async with self._client(timeout) as client:
+                send = self._send(client, stream.frame, buf, decode_url, sealed)
+                sending = asyncio.create_task(send) if buf.path is None else None  # HTTP: layers go as sealed
+                try:
+                    await self.worker.until_disconnect(request, self._compute(rid, ids, stream))  # the router gave up: abort
+                    prefill_s = time.perf_counter() - t0
+                    t1 = time.perf_counter()
+                    r = await (sending or send)
+                finally:
+                    if sending and not sending.done():
+                        sending.cancel()
+            shipped = True
+        finally:
+            await self.worker.async_engine.call(lambda e: e.observe_layers(rid, None))
+            stream.close()
+            self.buffers.give_back(buf, reusable=shipped)
         transfer_s = time.perf_counter() - t1
-        self.metrics.bytes.labels(direction="sent", via=via).inc(nbytes)
+        n = stream.frame.size
+        self.metrics.prefill_seconds.observe(prefill_s)
+        self.metrics.bytes.labels(direction="sent", via=via).inc(n)
         self.metrics.seconds.labels(direction="sent").observe(transfer_s)
-        self.metrics.blocks.labels(kind="sent").inc(header.num_blocks)
-        return JSONResponse({"blocks": header.num_blocks, "bytes": nbytes, "prompt_tokens": len(ids),
+        self.metrics.blocks.labels(kind="sent").inc(stream.frame.header.num_blocks)
+        return JSONResponse({"blocks": stream.frame.header.num_blocks, "bytes": n, "prompt_tokens": len(ids),
                              "prefill_s": prefill_s, "transfer_s": transfer_s, "via": via, **r.json()})
 
-    async def _compute(self, rid: str, ids: list[int]) -> None:
-        # one greedy token: the prompt's blocks are then computed and sit in the prefix cache
+    async def _stream(self, rid: str, ids: list[int], via: str) -> tuple[Buffer, LayerStream, asyncio.Queue[int]]:
+        """A frame buffer for ``ids``' full blocks, filled by the forward passes of request ``rid`` from now on;
+        and the queue of the frame's layers as they are sealed (the trailer: ``num_layers``)."""
+        from fleetllm.disagg.frame import FrameBuffer
+        from fleetllm.disagg.kv_io import frame_header
+        from fleetllm.disagg.layer_stream import LayerStream
+        from fleetllm.engine.block_pool import hash_prefix_blocks
+
+        engine = self.worker.engine
+        hashes = hash_prefix_blocks(ids, engine.pool.block_size, engine.kv.extra_key)
+        dtype = self.options.kv_transfer_dtype
+        header = frame_header(engine, ids, hashes, None if dtype == "auto" else dtype)
+        buf = await asyncio.to_thread(self.buffers.take, via, header.frame_bytes())
+        loop, sealed = asyncio.get_running_loop(), asyncio.Queue()
+        stream = LayerStream(FrameBuffer(header, buf.memory), lambda i: loop.call_soon_threadsafe(sealed.put_nowait, i))
+        await self.worker.async_engine.call(lambda e: e.observe_layers(rid, stream))
+        return buf, stream, sealed
+
+    async def _compute(self, rid: str, ids: list[int], stream: LayerStream) -> None:
+        # one greedy token: every layer of the prompt's blocks then went through the stream
         async for _ in self.worker.async_engine.generate(rid, ids, SamplingParams(max_tokens=1, temperature=0.0)):
             pass
+        if not stream.final:
+            raise APIError(500, "the prefill ended before its KV was complete")
+        await asyncio.wrap_future(stream.done)  # the last layer sealed: the frame is complete
 
-    async def _ship(self, header: Any, layers: Any, decode_url: str, via: str, timeout: float) -> tuple[httpx.Response, int]:
-        """POST the frame to the decode worker's ``/pd/kv``; its answer (200 only) and the bytes sent."""
-        from fleetllm.disagg import frame
+    def _client(self, timeout: float) -> httpx.AsyncClient:
+        secret = worker_secret()  # a fleet with keys: the decode worker takes requests from its fleet only
+        auth = {"authorization": f"Bearer {secret}"} if secret else None
+        return httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=3.0), headers=auth)
 
-        shm_path: Path | None = None
+    async def _send(self, client: httpx.AsyncClient, f: FrameBuffer, buf: Buffer, decode_url: str,
+                    sealed: asyncio.Queue[int]) -> httpx.Response:
+        """POST the frame to the decode worker's ``/pd/kv`` (over HTTP: each layer as soon as it is sealed)."""
         try:
-            secret = worker_secret()  # a fleet with keys: the decode worker takes requests from its fleet only
-            auth = {"authorization": f"Bearer {secret}"} if secret else None
-            async with httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=3.0), headers=auth) as client:
-                if via == "shm":
-                    shm_path = SHM_DIR / f"fleetllm-kv-{uuid.uuid4().hex}"
-                    nbytes = await asyncio.to_thread(_write_frame, shm_path, frame.encode(header, layers))
-                    r = await client.post(decode_url + "/pd/kv", json={"shm": str(shm_path)})
-                else:
-                    sent = [0]
+            if buf.path is not None:
+                r = await client.post(decode_url + "/pd/kv", json={"shm": str(buf.path), "bytes": f.size, "keep": True})
+            else:
+                async def pieces() -> AsyncIterator[bytes]:
+                    yield f.head_piece()
+                    for i in range(f.header.num_layers + 1):
+                        await sealed.get()
+                        yield f.layer_piece(i) if i < f.header.num_layers else f.trailer_piece()
 
-                    async def pieces() -> AsyncIterator[bytes]:
-                        for piece in frame.encode(header, layers):  # one layer at a time on the wire
-                            sent[0] += len(piece)
-                            yield piece
-
-                    r = await client.post(decode_url + "/pd/kv", content=pieces(),
-                                          headers={"content-type": "application/octet-stream"})
-                    nbytes = sent[0]
+                r = await client.post(decode_url + "/pd/kv", content=pieces(),
+                                      headers={"content-type": "application/octet-stream"})
         except httpx.HTTPError as e:
             self.metrics.failures.labels(reason="send").inc()
             raise APIError(502, f"KV transfer to {decode_url} failed: {type(e).__name__}: {e}") from None
-        finally:
-            if shm_path is not None and shm_path.exists():
-                shm_path.unlink(missing_ok=True)  # never claimed: the receiver unlinks what it reads
         if r.status_code != 200:
             self.metrics.failures.labels(reason=f"rejected_{r.status_code}").inc()
             raise APIError(502, f"the decode worker refused the KV frame ({r.status_code}): {r.text[:200]}")
-        return r, nbytes
+        return r
 
     # ---- decode side -----------------------------------------------------------------------------------
     async def receive(self, request: Request) -> Response:
         """Verify a frame and import its blocks into this worker's prefix cache."""
         from fleetllm.disagg.frame import FrameError, decode
-        from fleetllm.disagg.kv_io import import_blocks
 
         t0 = time.perf_counter()
         data, via = await self._read_frame(request)
         try:
             header, layers = await asyncio.to_thread(decode, data)
-            result = await self.worker.async_engine.call(lambda e: import_blocks(e, header, layers))
+            # shielded: a client gone mid-import must not leave pool blocks reserved or half written
+            result = await asyncio.shield(asyncio.ensure_future(self._import(header, layers)))
         except FrameError as e:
             self.metrics.failures.labels(reason="bad_frame").inc()
             raise APIError(400, f"bad KV frame: {e}") from None
@@ -164,28 +211,42 @@ class PDEndpoints:
         self.metrics.blocks.labels(kind="already_cached").inc(result["already_cached"])
         return JSONResponse(result)
 
-    async def _read_frame(self, request: Request) -> tuple[bytes, str]:
-        """The frame's bytes, from the body or from the shared-memory file it names; and which way it came."""
+    async def _import(self, header: Any, layers: Any) -> dict[str, int]:
+        """Reserve pool blocks (engine thread), copy the frame into them (a worker thread: steps go on), commit."""
+        from fleetllm.disagg.kv_io import cancel, commit, reserve, write
+
+        engine = self.worker.async_engine
+        res = await engine.call(lambda e: reserve(e, header))
+        try:
+            await asyncio.to_thread(write, self.worker.engine.kv_blocks(), layers, res)
+        except BaseException:
+            await engine.call(lambda e: cancel(e, res))
+            raise
+        return await engine.call(lambda e: commit(e, res))
+
+    async def _read_frame(self, request: Request) -> tuple[bytes | mmap.mmap, str]:
+        """The frame: the body, or a read-only mapping of the shared-memory file it names; and which way it came."""
         if not request.headers.get("content-type", "").startswith("application/json"):
             return await request.body(), "http"
         spec = await self.worker.request_body(request)
         p = Path(str(spec.get("shm", "")))
-        if p.parent != SHM_DIR or not p.name.startswith("fleetllm-kv-"):
-            raise APIError(400, "shm must name a fleetllm-kv-* file in the shared-memory directory", "shm")
+        if p.parent != SHM_DIR or not p.name.startswith(PREFIX):
+            raise APIError(400, f"shm must name a {PREFIX}* file in the shared-memory directory", "shm")
         try:
-            return await asyncio.to_thread(p.read_bytes), "shm"
-        except OSError as e:
+            return await asyncio.to_thread(_map, p, spec.get("bytes")), "shm"
+        except (OSError, ValueError) as e:
             self.metrics.failures.labels(reason="shm_read").inc()
             raise APIError(400, f"cannot read {p}: {e}", "shm") from None
         finally:
-            p.unlink(missing_ok=True)
+            if not spec.get("keep"):  # handed over: the file is ours to remove
+                p.unlink(missing_ok=True)
 
 
-def _write_frame(path: Path, pieces: Any) -> int:
-    n = 0
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "wb") as f:
-        for piece in pieces:
-            f.write(piece)
-            n += len(piece)
-    return n
+def _map(path: Path, nbytes: Any) -> mmap.mmap:
+    """The first ``nbytes`` of ``path`` (default: all of it), mapped read-only with every page mapped at once."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        n = int(nbytes) if nbytes is not None else os.fstat(fd).st_size
+        return mmap.mmap(fd, n, mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0), mmap.PROT_READ)
+    finally:
+        os.close(fd)

@@ -6,12 +6,26 @@ over cached context; the caller asks for logits at each of its rows.
 
 from __future__ import annotations
 
+import contextlib
 import mmap
+from collections.abc import Callable
+from typing import Protocol
 
 import torch
 
 from fleetllm.engine.scheduler import Scheduled
+from fleetllm.engine.sequence import Sequence
 from fleetllm.models.llama import AttentionMetadata, LlamaModel, PrefillChunk
+
+LayerFn = Callable[[int, torch.Tensor, torch.Tensor], None]  # (layer, its K cache, its V cache)
+
+
+class LayerObserver(Protocol):
+    """Sees a request's KV as each decoder layer writes it (disaggregated prefill streams it out)."""
+
+    def begin(self, seq: Sequence, start: int, n: int, block_size: int) -> LayerFn | None:
+        """Before a forward computing ``seq``'s tokens ``[start, start + n)``: what to call after each layer."""
+        ...
 
 
 class ModelRunner:
@@ -27,6 +41,7 @@ class ModelRunner:
         pool = _zeroed(2 * cfg.num_layers * shape[0] * shape[1] * shape[2], dtype, device)
         per = pool.view(2 * cfg.num_layers, *shape)
         self.kv_cache = [(per[2 * i], per[2 * i + 1]) for i in range(cfg.num_layers)]
+        self.layer_observers: dict[str, LayerObserver] = {}  # by request label (the engine id before "#")
 
     @staticmethod
     def kv_bytes_per_block(model: LlamaModel, block_size: int) -> int:
@@ -75,13 +90,28 @@ class ModelRunner:
         if decode_idx:
             meta.decode_idx = torch.tensor(decode_idx, device=self.device)
             meta.decode_slots, meta.decode_mask = self._decode_slots(decode_tables, decode_lens)
-        out = self.model(
-            torch.tensor(ids, device=self.device), torch.tensor(positions, device=self.device), meta, self.kv_cache,
-            aux_layers,
-        )
+        with self._observed(batch):
+            out = self.model(
+                torch.tensor(ids, device=self.device), torch.tensor(positions, device=self.device), meta, self.kv_cache,
+                aux_layers,
+            )
         hidden, aux = out if aux_layers is not None else (out, None)
         rows = torch.tensor(logit_rows, dtype=torch.long, device=self.device)
         return self.model.compute_logits(hidden[rows]), aux
+
+    def _observed(self, batch: list[Scheduled]) -> contextlib.AbstractContextManager[None]:
+        """Hooks after each layer's attention for the observed requests of this step (none: no hooks at all)."""
+        calls = []
+        for s in batch if self.layer_observers else ():
+            o = self.layer_observers.get(s.seq.request_id.split("#", 1)[0])
+            fn = o.begin(s.seq, s.seq.num_computed_tokens, s.num_new_tokens, self.block_size) if o else None
+            if fn is not None:
+                calls.append(fn)
+        stack = contextlib.ExitStack()
+        for i, (layer, (kc, vc)) in enumerate(zip(self.model.layers, self.kv_cache, strict=True)):
+            if calls:  # a forward hook on the attention: it has just written this layer's K and V
+                stack.enter_context(layer.attn.register_forward_hook(_after(calls, i, kc, vc)))
+        return stack
 
     def _decode_slots(self, tables: list[list[int]], lens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         bs = self.block_size
@@ -97,6 +127,14 @@ class ModelRunner:
         mask.masked_fill_(torch.arange(max_len).unsqueeze(0) >= lens_t, float("-inf"))
         dtype = next(self.model.parameters()).dtype
         return slots.to(self.device), mask.view(len(tables), 1, 1, max_len).to(self.device, dtype)
+
+
+def _after(calls: list[LayerFn], i: int, kc: torch.Tensor, vc: torch.Tensor) -> Callable[..., None]:
+    def hook(*_: object) -> None:
+        for fn in calls:
+            fn(i, kc, vc)
+
+    return hook
 
 
 def _zeroed(numel: int, dtype: torch.dtype, device: str) -> torch.Tensor:

@@ -35,6 +35,7 @@ from starlette.routing import Route
 
 from fleetllm.capture.recorder import Capture
 from fleetllm.capture.worker_tap import open_worker_tap
+from fleetllm.disagg.config import TransferOptions
 from fleetllm.disagg.routes import pd_routes
 from fleetllm.engine.async_engine import AsyncEngine, EngineFailed
 from fleetllm.engine.outputs import RequestOutput
@@ -83,7 +84,7 @@ class Worker:
     def __init__(self, engine: LLMEngine, obs: ObservabilityConfig | None = None, role: str = "both",
                  capture: Capture | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
                  tools: ToolConfig | None = None, kv_events: KVEventsOptions | None = None,
-                 kv_events_index: int = 0) -> None:
+                 kv_events_index: int = 0, transfer: TransferOptions | None = None) -> None:
         self.engine = engine
         self.capture = capture  # the worker tier (fleetllm/capture/)
         self.tool_parser = parser_for((tools or ToolConfig()).tool_call_parser, engine.tokenizer.chat_template)
@@ -117,7 +118,7 @@ class Worker:
                 Route("/metrics", self.metrics, methods=["GET"]),
                 *dashboard_routes(),
                 Route("/kv/events", self.kv_events, methods=["GET"]),
-                *pd_routes(self),
+                *pd_routes(self, transfer),  # transfer: how this worker ships KV frames (P/D)
                 messages_route(self),
                 responses_route(self, ConversationStore()),
             ],
