@@ -62,7 +62,9 @@ def start(args: list[str], url: str, pythonpath: Path, log: Path) -> subprocess.
 
 
 def worker(port: int, role: str, pythonpath: Path, log_dir: Path) -> subprocess.Popen[bytes]:
-    return start(["worker", "--port", str(port), "--role", role, "--num-threads", "1", "--log-level", "warning"],
+    # main refuses request bodies over 16 MiB, KV frames too: raised so that its HTTP path can be measured
+    return start(["worker", "--port", str(port), "--role", role, "--num-threads", "1", "--log-level", "warning",
+                  "--max-body-bytes", str(1 << 30)],
                  f"http://127.0.0.1:{port}", pythonpath, log_dir / f"worker-{port}.log")
 
 

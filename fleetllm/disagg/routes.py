@@ -49,6 +49,7 @@ from fleetllm.server.worker_secret import worker_secret
 if TYPE_CHECKING:
     from fleetllm.disagg.frame import FrameBuffer
     from fleetllm.disagg.layer_stream import LayerStream
+    from fleetllm.engine.engine import LLMEngine
     from fleetllm.server.app import Worker
 
 SHM_DIR = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
@@ -67,6 +68,12 @@ class TransferMetrics:
         self.failures = Counter("fleetllm:kv_transfer_failures", "Failed transfers by reason.", ["reason"], registry=r)
         self.prefill_seconds = Histogram("fleetllm:pd_prefill_seconds", "Remote-prefill time on this worker, until "
                                          "its KV frame is complete.", buckets=_SECONDS, registry=r)
+
+
+def frame_body_cap(engine: LLMEngine) -> int:
+    """The largest KV frame worth reading (``POST /pd/kv``): the whole KV pool in fp32, its header included."""
+    cfg, tokens = engine.loaded.config, engine.pool.num_blocks * engine.pool.block_size
+    return tokens * (2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 4 + 8) + engine.pool.num_blocks * 24
 
 
 def pd_routes(worker: Worker, options: TransferOptions | None = None) -> list[Route]:

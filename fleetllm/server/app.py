@@ -36,7 +36,7 @@ from starlette.routing import Route
 from fleetllm.capture.recorder import Capture
 from fleetllm.capture.worker_tap import open_worker_tap
 from fleetllm.disagg.config import TransferOptions
-from fleetllm.disagg.routes import pd_routes
+from fleetllm.disagg.routes import frame_body_cap, pd_routes
 from fleetllm.engine.async_engine import AsyncEngine, EngineFailed
 from fleetllm.engine.outputs import RequestOutput
 from fleetllm.engine.params import InvalidParameter, SamplingParams
@@ -127,7 +127,7 @@ class Worker:
                                 405: self._not_found, 500: self._internal},
         )
         self.app = self.inflight = InFlight(self.app)
-        self.app = BodyLimit(self.app, max_body_bytes)
+        self.app = BodyLimit(self.app, max_body_bytes, {"/pd/kv": max_body_bytes + frame_body_cap(engine)})
         secret = worker_secret()
         if secret:  # a fleet with API keys: only the router may call this worker
             self.app = RequireSecret(self.app, secret)
