@@ -157,30 +157,65 @@ def _raw(t: torch.Tensor) -> bytes:
     return t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
 
 
+class FrameReader:
+    """A frame read in place as its bytes arrive: each layer verified on its own, then the trailer.
+
+    ``buf`` holds the frame at its offsets (a mapping, or memory an HTTP body is written into); only the
+    head need be there when the reader is made. :meth:`layer` returns views over ``buf`` (no copy)."""
+
+    def __init__(self, buf: memoryview | bytearray | bytes) -> None:
+        self.mv = memoryview(buf).cast("B")
+        self.header, self._head = parse_head(self.mv)
+        self._n, self._dtype = self.header.layer_bytes, DTYPES[self.header.dtype]
+        self.size = self.header.frame_bytes(self._head)
+        self._crcs: list[int] = []
+
+    def end_of(self, i: int) -> int:
+        """Where layer ``i`` ends in the frame (``num_layers``: where the trailer ends, the frame's size)."""
+        return self.size if i >= self.header.num_layers else self._head + (i + 1) * (4 + 2 * self._n)
+
+    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``i``'s K and V once its bytes are in, checksum verified (layers in order)."""
+        o = self._head + i * (4 + 2 * self._n)
+        (crc,) = struct.unpack_from("<I", self.mv, o)
+        if zlib.crc32(self.mv[o + 4 : o + 4 + 2 * self._n]) != crc:
+            raise FrameError(f"checksum mismatch in layer {i}")
+        self._crcs.append(crc)
+        return (_view(self.mv[o + 4 : o + 4 + self._n], self._dtype, self.header.shape),
+                _view(self.mv[o + 4 + self._n : o + 4 + 2 * self._n], self._dtype, self.header.shape))
+
+    def finish(self) -> None:
+        """Check the trailer, every layer read."""
+        if bytes(self.mv[self.size - 8 : self.size]) != _trailer(self._crcs):
+            raise FrameError("bad trailer (a frame cut short or damaged)")
+
+
 def decode(data: bytes | bytearray | memoryview) -> tuple[FrameHeader, list[tuple[torch.Tensor, torch.Tensor]]]:
     """Parse and verify a whole frame; raise :class:`FrameError` on any inconsistency.
 
     The layers are views over ``data`` (no copy), in the frame's dtype: keep ``data`` unchanged while they live."""
-    mv = memoryview(data).cast("B")
-    header, pos = _header(mv)
-    n, dtype = header.layer_bytes, DTYPES[header.dtype]
-    layers, crcs = [], []
-    for layer in range(header.num_layers):
-        if len(mv) < pos + 4 + 2 * n:
-            raise FrameError(f"truncated frame: layer {layer} of {header.num_layers} incomplete")
-        (crc,) = struct.unpack_from("<I", mv, pos)
-        kb, vb = mv[pos + 4 : pos + 4 + n], mv[pos + 4 + n : pos + 4 + 2 * n]
-        if zlib.crc32(mv[pos + 4 : pos + 4 + 2 * n]) != crc:
-            raise FrameError(f"checksum mismatch in layer {layer}")
-        crcs.append(crc)
-        layers.append((_view(kb, dtype, header.shape), _view(vb, dtype, header.shape)))
-        pos += 4 + 2 * n
-    if len(mv) != pos + 8 or bytes(mv[pos : pos + 8]) != _trailer(crcs):
-        raise FrameError("truncated or overlong frame, or a bad trailer")
-    return header, layers
+    r = FrameReader(data)
+    layers = []
+    for i in range(r.header.num_layers):
+        if len(r.mv) < r.end_of(i):
+            raise FrameError(f"truncated frame: layer {i} of {r.header.num_layers} incomplete")
+        layers.append(r.layer(i))
+    if len(r.mv) != r.size:
+        raise FrameError("truncated or overlong frame (no trailer where expected)")
+    r.finish()
+    return r.header, layers
 
 
-def _header(mv: memoryview) -> tuple[FrameHeader, int]:
+def head_size(prefix: bytes | memoryview) -> int | None:
+    """How many bytes the frame's head (magic to header) takes, from its first bytes (None: not enough yet)."""
+    if len(prefix) < _PREFIX:
+        return None
+    if bytes(prefix[:4]) != MAGIC:
+        raise FrameError("not a KV frame (bad magic)")
+    return _PREFIX + struct.unpack_from("<I", prefix, 6)[0]
+
+
+def parse_head(mv: memoryview) -> tuple[FrameHeader, int]:
     """The frame's header and where its first layer starts."""
     if len(mv) < _PREFIX or bytes(mv[:4]) != MAGIC:
         raise FrameError("not a KV frame (bad magic)")

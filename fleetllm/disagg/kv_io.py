@@ -73,14 +73,19 @@ class Reservation:
                 "dropped": self.missing - len(self.new)}
 
 
-def reserve(engine: LLMEngine, header: FrameHeader) -> Reservation:
-    """Engine thread: pin the frame's blocks cached here, allocate pool blocks for the missing ones (as many as
-    fit above the scheduler's watermark). Raises :class:`FrameError` if the frame does not fit this engine."""
+def check_fits(engine: LLMEngine, header: FrameHeader) -> None:
+    """Any thread: raise :class:`FrameError` unless the frame's model and layout are this engine's."""
     cfg = engine.loaded.config
     expect = (engine.model_name, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, engine.pool.block_size)
     got = (header.model, header.num_layers, header.num_kv_heads, header.head_dim, header.block_size)
     if got != expect or header.dtype not in DTYPES:
         raise FrameError(f"frame for {got} ({header.dtype}) does not fit this engine {expect}")
+
+
+def reserve(engine: LLMEngine, header: FrameHeader) -> Reservation:
+    """Engine thread: pin the frame's blocks cached here, allocate pool blocks for the missing ones (as many as
+    fit above the scheduler's watermark). Raises :class:`FrameError` if the frame does not fit this engine."""
+    check_fits(engine, header)
     pool = engine.pool
     missing, pinned = _walk(header, pool, engine.kv.extra_key)
     for bid in pinned:  # a reference on what is cached: allocating below must not evict the chain's head

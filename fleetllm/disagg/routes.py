@@ -25,8 +25,7 @@ Torch is imported lazily: simulated workers (no torch) serve the same app withou
 from __future__ import annotations
 
 import asyncio
-import mmap
-import os
+import json
 import tempfile
 import time
 import uuid
@@ -120,15 +119,15 @@ class PDEndpoints:
         shipped = False
         try:
             async with self._client(timeout) as client:
-                send = self._send(client, stream.frame, buf, decode_url, sealed)
-                sending = asyncio.create_task(send) if buf.path is None else None  # HTTP: layers go as sealed
+                # sent while the prefill computes: each layer as soon as it is sealed
+                sending = asyncio.create_task(self._send(client, stream.frame, buf, decode_url, sealed))
                 try:
                     await self.worker.until_disconnect(request, self._compute(rid, ids, stream))  # the router gave up: abort
                     prefill_s = time.perf_counter() - t0
                     t1 = time.perf_counter()
-                    r = await (sending or send)
+                    r = await sending
                 finally:
-                    if sending and not sending.done():
+                    if not sending.done():
                         sending.cancel()
             shipped = True
         finally:
@@ -177,19 +176,24 @@ class PDEndpoints:
 
     async def _send(self, client: httpx.AsyncClient, f: FrameBuffer, buf: Buffer, decode_url: str,
                     sealed: asyncio.Queue[int]) -> httpx.Response:
-        """POST the frame to the decode worker's ``/pd/kv`` (over HTTP: each layer as soon as it is sealed)."""
-        try:
-            if buf.path is not None:
-                r = await client.post(decode_url + "/pd/kv", json={"shm": str(buf.path), "bytes": f.size, "keep": True})
-            else:
-                async def pieces() -> AsyncIterator[bytes]:
-                    yield f.head_piece()
-                    for i in range(f.header.num_layers + 1):
-                        await sealed.get()
-                        yield f.layer_piece(i) if i < f.header.num_layers else f.trailer_piece()
+        """POST the frame to the decode worker's ``/pd/kv``, each layer as soon as it is sealed: its bytes (HTTP),
+        or one byte saying so (shared memory: the decode worker maps the file being filled)."""
+        from fleetllm.disagg.arrival import SHM_STREAM
 
-                r = await client.post(decode_url + "/pd/kv", content=pieces(),
-                                      headers={"content-type": "application/octet-stream"})
+        shm = buf.path is not None
+
+        async def pieces() -> AsyncIterator[bytes]:
+            if shm:
+                yield json.dumps({"shm": str(buf.path), "bytes": f.size, "keep": True}).encode() + b"\n"
+            else:
+                yield f.head_piece()
+            for i in range(f.header.num_layers + 1):
+                await sealed.get()
+                yield b"\x01" if shm else f.layer_piece(i) if i < f.header.num_layers else f.trailer_piece()
+
+        try:
+            r = await client.post(decode_url + "/pd/kv", content=pieces(),
+                                  headers={"content-type": SHM_STREAM if shm else "application/octet-stream"})
         except httpx.HTTPError as e:
             self.metrics.failures.labels(reason="send").inc()
             raise APIError(502, f"KV transfer to {decode_url} failed: {type(e).__name__}: {e}") from None
@@ -200,47 +204,66 @@ class PDEndpoints:
 
     # ---- decode side -----------------------------------------------------------------------------------
     async def receive(self, request: Request) -> Response:
-        """Verify a frame and import its blocks into this worker's prefix cache."""
-        from fleetllm.disagg.frame import FrameError, decode
+        """Verify a frame and import its blocks into this worker's prefix cache, each layer as soon as it is in."""
+        from fleetllm.disagg.frame import FrameError
 
         t0 = time.perf_counter()
-        data, via = await self._read_frame(request)
+        arrival = await self._arrival(request)
         try:
-            header, layers = await asyncio.to_thread(decode, data)
             # shielded: a client gone mid-import must not leave pool blocks reserved or half written
-            result = await asyncio.shield(asyncio.ensure_future(self._import(header, layers)))
+            result, nbytes = await asyncio.shield(asyncio.ensure_future(self._import(arrival)))
         except FrameError as e:
             self.metrics.failures.labels(reason="bad_frame").inc()
             raise APIError(400, f"bad KV frame: {e}") from None
-        self.metrics.bytes.labels(direction="received", via=via).inc(len(data))
+        except (OSError, ValueError) as e:  # the shared-memory file named could not be mapped
+            self.metrics.failures.labels(reason="shm_read").inc()
+            raise APIError(400, f"cannot read the frame: {e}", "shm") from None
+        self.metrics.bytes.labels(direction="received", via=arrival.via).inc(nbytes)
         self.metrics.seconds.labels(direction="received").observe(time.perf_counter() - t0)
         self.metrics.blocks.labels(kind="imported").inc(result["imported"])
         self.metrics.blocks.labels(kind="already_cached").inc(result["already_cached"])
         return JSONResponse(result)
 
-    async def _import(self, header: Any, layers: Any) -> dict[str, int]:
-        """Reserve pool blocks (engine thread), copy the frame into them (a worker thread: steps go on), commit."""
-        from fleetllm.disagg.kv_io import cancel, commit, reserve, write
+    async def _import(self, arrival: Any) -> tuple[dict[str, int], int]:
+        """Each layer verified and copied into reserved pool blocks as it arrives (a worker thread: the engine's
+        steps go on), then the blocks committed; a failure cancels: nothing imported, nothing held."""
+        from fleetllm.disagg.frame import FrameReader
+        from fleetllm.disagg.kv_io import cancel, check_fits, commit, reserve
 
-        engine = self.worker.async_engine
-        res = await engine.call(lambda e: reserve(e, header))
+        reader = FrameReader(await arrival.head())
+        check_fits(self.worker.engine, reader.header)  # refused before its layers are read
+        engine, views, res = self.worker.async_engine, self.worker.engine.kv_blocks(), None
         try:
-            await asyncio.to_thread(write, self.worker.engine.kv_blocks(), layers, res)
+            for i in range(reader.header.num_layers):
+                await arrival.until(i, reader.end_of(i))
+                if res is None:  # blocks held from the first layer on, not while the prefill computes
+                    res = await engine.call(lambda e: reserve(e, reader.header))
+                await asyncio.to_thread(_into_pool, reader, i, views, res)
+            await arrival.until(reader.header.num_layers, reader.size)
+            await arrival.end(reader.size)
+            reader.finish()
+            if res is None:
+                res = await engine.call(lambda e: reserve(e, reader.header))
         except BaseException:
-            await engine.call(lambda e: cancel(e, res))
+            if res is not None:
+                await engine.call(lambda e: cancel(e, res))
             raise
-        return await engine.call(lambda e: commit(e, res))
+        return await engine.call(lambda e: commit(e, res)), reader.size
 
-    async def _read_frame(self, request: Request) -> tuple[bytes | mmap.mmap, str]:
-        """The frame: the body, or a read-only mapping of the shared-memory file it names; and which way it came."""
-        if not request.headers.get("content-type", "").startswith("application/json"):
-            return await request.body(), "http"
+    async def _arrival(self, request: Request) -> Any:
+        """Where the frame's bytes come from: the body, or the shared-memory file it names (whole, or being filled)."""
+        from fleetllm.disagg.arrival import SHM_STREAM, Notified, Streamed, Whole, map_file
+
+        ctype = request.headers.get("content-type", "")
+        if ctype.startswith(SHM_STREAM):
+            return Notified(request.stream(), _check_shm)
+        if not ctype.startswith("application/json"):
+            return Streamed(request.stream())
         spec = await self.worker.request_body(request)
         p = Path(str(spec.get("shm", "")))
-        if p.parent != SHM_DIR or not p.name.startswith(PREFIX):
-            raise APIError(400, f"shm must name a {PREFIX}* file in the shared-memory directory", "shm")
+        _check_shm(p)
         try:
-            return await asyncio.to_thread(_map, p, spec.get("bytes")), "shm"
+            return Whole(await asyncio.to_thread(map_file, p, spec.get("bytes")), "shm")
         except (OSError, ValueError) as e:
             self.metrics.failures.labels(reason="shm_read").inc()
             raise APIError(400, f"cannot read {p}: {e}", "shm") from None
@@ -249,11 +272,12 @@ class PDEndpoints:
                 p.unlink(missing_ok=True)
 
 
-def _map(path: Path, nbytes: Any) -> mmap.mmap:
-    """The first ``nbytes`` of ``path`` (default: all of it), mapped read-only with every page mapped at once."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        n = int(nbytes) if nbytes is not None else os.fstat(fd).st_size
-        return mmap.mmap(fd, n, mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0), mmap.PROT_READ)
-    finally:
-        os.close(fd)
+def _check_shm(p: Path) -> None:
+    if p.parent != SHM_DIR or not p.name.startswith(PREFIX):
+        raise APIError(400, f"shm must name a {PREFIX}* file in the shared-memory directory", "shm")
+
+
+def _into_pool(reader: Any, i: int, views: Any, res: Any) -> None:
+    from fleetllm.disagg.kv_io import write
+
+    write([views[i]], [reader.layer(i)], res)
