@@ -118,7 +118,7 @@ def test_a_bad_frame_is_refused_and_leaves_no_block_behind(fleet, damage):
 @pytest.mark.parametrize("tokens", [48, 400])  # 400: a frame over the 16 MiB cap on request bodies
 def test_a_well_formed_frame_over_http_is_imported_into_the_prefix_cache(fleet, tokens):
     d = fleet["decode"].url
-    data = _frame_for(list(range(2000, 2000 + tokens)))
+    data = _frame_for(list(range(2000 * (tokens // 48), 2000 * (tokens // 48) + tokens)))  # blocks new to d
     r = httpx.post(d + "/pd/kv", content=data, headers={"content-type": "application/octet-stream"}, timeout=60)
     assert r.status_code == 200 and r.json()["imported"] == tokens // 16, (len(data), r.text[:200])
     assert_no_blocks_held(d)
