@@ -8,16 +8,19 @@
 computes the prompt's KV (one sampled token, then stop) and ships its full blocks to the decode worker's
 ``POST /pd/kv``. The frame is built while the prefill runs: after each decoder layer, the blocks it has
 just written go straight from the pool into the frame (:mod:`.layer_stream`), and in the prompt's last
-step each layer is sealed (and, over HTTP, sent) while later layers still compute. Over shared memory
-(same host) the frame lives in a mapped file in /dev/shm that the decode worker maps in turn; over HTTP
-it is streamed. It answers ``{"blocks", "bytes", "prefill_s", "transfer_s", ...}`` or an error status:
-``prefill_s`` runs until the frame is complete, ``transfer_s`` from then to the decode worker's answer.
+step each layer is sealed and announced while later layers still compute. Over shared memory (same host)
+the frame lives in a mapped file in /dev/shm that the decode worker maps too, the POST body saying
+which file and then one byte per layer made final; over HTTP the body is the frame, each layer sent
+as soon as it is sealed. It answers ``{"blocks", "bytes", "prefill_s", "transfer_s", ...}`` or an error
+status: ``prefill_s`` runs until the frame is complete, ``transfer_s`` from then to the decode
+worker's answer (what the overlap left exposed).
 
-``POST /pd/kv`` (decode side) takes a frame (``application/octet-stream``) or ``{"shm": path, "bytes": n,
-"keep": true}`` (keep: the sender reuses the file; else the receiver unlinks it), verifies it completely,
-and copies its blocks from the frame's bytes straight into pool blocks, off the engine thread (see
-:mod:`.kv_io`). A bad frame is a 400 and imports nothing. Transfer bytes, seconds and failures are
-metrics on both sides.
+``POST /pd/kv`` (decode side) takes a frame (``application/octet-stream``), a shared-memory file being
+filled (:data:`.arrival.SHM_STREAM`), or a finished one (``{"shm": path, "bytes": n, "keep": bool}``; without
+keep the receiver unlinks it). Each layer is verified (CRC) as soon as it is in and copied from the
+frame's bytes straight into pool blocks reserved for it, off the engine thread (see :mod:`.kv_io`); the
+blocks are registered only once the trailer checks out. A bad frame is a 400 and imports nothing.
+Transfer bytes, seconds and failures are metrics on both sides.
 
 Torch is imported lazily: simulated workers (no torch) serve the same app without these endpoints working.
 """
