@@ -47,8 +47,9 @@ MODEL = "smollm2-135m"
 def start(args: list[str], url: str, pythonpath: Path, log: Path) -> subprocess.Popen[bytes]:
     """``fleetllm ARGS`` with ``pythonpath``'s fleetllm, once ``url`` answers /health."""
     env = {**os.environ, "PYTHONPATH": str(pythonpath), "PYTHONUNBUFFERED": "1"}
+    # cwd too: ``python -m`` puts the working directory first on sys.path
     p = subprocess.Popen([sys.executable, "-m", "fleetllm.cli", *args], env=env, stdout=log.open("wb"),
-                         stderr=subprocess.STDOUT)
+                         stderr=subprocess.STDOUT, cwd=pythonpath)
     for _ in range(600):
         try:
             if httpx.get(url + "/health", timeout=2).status_code == 200:
