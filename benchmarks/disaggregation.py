@@ -1,185 +1,280 @@
-"""Colocated vs disaggregated prefill/decode on the same cores (issue #6).
+"""Colocated vs disaggregated prefill/decode on the same pinned cores (issue #21).
 
-A stream of short chat requests (closed loop) runs while long prompts keep arriving (a second closed
-loop). Colocated: 3 ``both`` workers behind the KV-aware router. Disaggregated: 1 prefill + 2 decode
-workers, the router sending prompts with at least ``--pd-threshold`` uncached tokens to the prefill
-worker and their KV to a decode worker. Every worker gets one torch thread; the fleets run one after
-the other on the same machine. Reported: the short requests' ITL p99 (vLLM ITL: every gap between
-tokens) and TTFT p99, both streams' throughput, and a threshold sweep (long prompts of mixed lengths)
-showing where disaggregation stops paying. Then the KV transfer itself: frame bytes per second over
-HTTP and over shared memory into a real decode worker, against a plain memory copy of the same bytes.
+Two fleets on the same two cores, each worker pinned to its own (``fleetllm worker --cpus``) with one
+torch thread: colocated, two ``both`` workers on cores 0 and 1; disaggregated, a prefill worker on core
+0 and a decode worker on core 1. ``--fleets`` may add ``auto`` (that split with ``--pd-threshold auto``)
+and ``colocated-auto`` (the colocated fleet with ``--pd-threshold auto``: a long prompt is prefilled on
+the other worker when that costs its requests less than stalling the chosen one's). Each round runs every fleet once, in alternating order, and there are ``--rounds`` of them:
+medians and ranges are reported. Traffic, the same for every fleet: ``--short-users`` streaming users
+(closed loop, short prompts) and a steady stream of long documents (``--long-isl`` tokens, constant
+arrivals at ``--long-rate``/s: ~10 per fleet per round, 31 per fleet over the 3 rounds, by default: one
+quiet core prefills a 1,500-token document in ~4.7 s, so 30 per 75-s round would oversubscribe the
+disaggregated fleet's prefill core and measure an ever-growing queue). Reported per fleet: the
+short requests' ITL p99 over every gap between streamed chunks, and over only the gaps that overlapped
+a long prompt's prefill (sent .. first token); the short requests' output tokens/s; the long ones'
+TTFT; the router's P/D decisions.
 
-    python benchmarks/disaggregation.py              # full run (BENCHMARKS.md)
-    python benchmarks/disaggregation.py --quick      # short smoke run
+    python benchmarks/disaggregation.py                    # 3 rounds x 2 fleets x 75 s: ~10 min
+    python benchmarks/disaggregation.py --quick            # 1 round x 2 fleets x 30 s: a smoke run
+    python benchmarks/disaggregation.py --fleets colocated,colocated-auto --long-rate 0.025 --out results/disaggregation-auto
+                                                           # auto when long prompts are rare (~4%): ~10 min
+    python benchmarks/disaggregation.py --fleet sim        # the P/D model at 8-64 workers (seconds)
+    python benchmarks/disaggregation.py --transfer         # also: KV transfer GB/s (HTTP, shm, memcpy)
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
+import logging
 import os
-import subprocess
+import statistics
 import sys
 import time
-import uuid
 from pathlib import Path
+from typing import Any
 
 import httpx
-import torch
 from rich.console import Console
 from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import cpu_model  # noqa: E402
+from common import cpu_model, free_ports  # noqa: E402
 
-from fleetllm.disagg import frame  # noqa: E402
-from fleetllm.disagg.routes import SHM_DIR  # noqa: E402
-from fleetllm.engine.block_pool import hash_prefix_blocks  # noqa: E402
-from fleetllm.fleet.config import FleetConfig, WorkerGroup  # noqa: E402
+from fleetllm.bench.client import ClientConfig, RequestRecord  # noqa: E402
+from fleetllm.bench.load import LoadConfig, LoadRunner  # noqa: E402
+from fleetllm.bench.metrics import chunk_gaps_ms, stats  # noqa: E402
+from fleetllm.bench.tokens import CODE_WORDS, PROSE_WORDS, TokenCounter  # noqa: E402
+from fleetllm.bench.workloads import PromptBuilder, SyntheticWorkload  # noqa: E402
+from fleetllm.fleet.config import FleetConfig, Machine, ModelSpec, Replicas, Resources  # noqa: E402
 from fleetllm.fleet.launcher import Fleet  # noqa: E402
 
-PORT = 19000 + (os.getpid() % 300) * 20
+MODEL = "smollm2-135m"
 
 
-def bench(url: str, out: Path, flags: list[str]) -> subprocess.Popen[bytes]:
-    cmd = [sys.executable, "-m", "fleetllm.cli", "bench", "--url", url, "--model", "smollm2-135m", "--no-progress",
-           "--timeout", "900", "--output", str(out), *flags]
-    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+def fleet_config(kind: str, port: int, log_dir: Path) -> FleetConfig:
+    """Two pinned one-core workers on this host's first two cores: both+both, or prefill+decode."""
+    def spec(role: str, n: int) -> ModelSpec:
+        return ModelSpec(source=MODEL, role=role, replicas=Replicas(min=n), resources=Resources(cores=1))
+
+    models = [spec("both", 2)] if kind.startswith("colocated") else [spec("prefill", 1), spec("decode", 1)]
+    threshold = {"colocated": None, "colocated-auto": "auto", "disaggregated": 1024, "auto": "auto"}[kind]
+    return FleetConfig(port=port, policy="kv_aware", models=models, machines=[Machine(cores=2)],
+                       pd_threshold=threshold, log_dir=str(log_dir), restart=False)
 
 
-def run_fleet(name: str, groups: list[WorkerGroup], threshold: int | None, args: argparse.Namespace,
-              long_flags: list[str], out_dir: Path) -> dict:
-    cfg = FleetConfig(port=PORT, policy="kv_aware", workers=groups, pd_threshold=threshold,
-                      log_dir=str(out_dir / "logs" / name))
-    fleet = Fleet(cfg)
+def overlapping_gaps(shorts: list[RequestRecord], longs: list[RequestRecord]) -> list[float]:
+    """The short requests' chunk gaps (ms) that overlapped some long prompt's prefill (sent .. first token)."""
+    spans = sorted((r.start_ns, r.chunk_ns[0]) for r in longs if r.chunk_ns)
+    gaps = []
+    for r in shorts:
+        for a, b in zip(r.chunk_ns, r.chunk_ns[1:], strict=False):
+            if any(s < b and a < e for s, e in spans):
+                gaps.append((b - a) / 1e6)
+    return gaps
+
+
+async def drive(url: str, args: argparse.Namespace, builder: PromptBuilder) -> tuple[list, list, float]:
+    """The short users and the long documents at once; both streams' records and the measured seconds."""
+    client = ClientConfig(url, MODEL, request_timeout_s=600.0)
+    short = LoadRunner(client, LoadConfig(concurrency=args.short_users, duration_s=args.duration,
+                                          warmup_requests=args.short_users, seed=3),
+                       SyntheticWorkload(builder, args.short_isl, 0, args.short_osl, 0))
+    long = LoadRunner(client, LoadConfig(request_rate=args.long_rate, arrival="constant", duration_s=args.duration,
+                                         warmup_requests=1, seed=4),
+                      SyntheticWorkload(builder, args.long_isl, 0, args.long_osl, 0))
+    t0 = time.perf_counter()
+    s, lg = await asyncio.gather(short.run(), long.run())
+    return s.records, lg.records, (s.end_ns - s.start_ns) / 1e9 if s.records else time.perf_counter() - t0
+
+
+def run_fleet(kind: str, args: argparse.Namespace, builders: list[PromptBuilder], out_dir: Path,
+              tag: str) -> dict[str, Any]:
+    """One fleet, one round: start it, run the traffic, stop it. ``builders`` caches the token calibration."""
+    port = free_ports(3)
+    fleet = Fleet(fleet_config(kind, port, out_dir / "logs" / f"{kind}-{tag}"))
     fleet.start()
     try:
-        short_out, long_out = out_dir / f"{name}-short.json", out_dir / f"{name}-long.json"
-        short = bench(fleet.url, short_out, ["--isl", "48", "--osl", str(args.short_osl), "--concurrency",
-                                             str(args.short_concurrency), "--duration", str(args.duration),
-                                             "--seed", "3"])
-        time.sleep(1.0)  # short traffic first, then the long prompts start arriving
-        long = bench(fleet.url, long_out, [*long_flags, "--concurrency", "1", "--duration", str(args.duration - 2),
-                                           "--seed", "4"])
-        for p in (short, long):
-            _, err = p.communicate()
-            if p.returncode:
-                raise RuntimeError(f"bench failed: {err.decode()[-2000:]}")
-        pd = {}
-        for line in httpx.get(fleet.url + "/metrics", timeout=10).text.splitlines():
-            if line.startswith("fleetllm_router_pd_decisions_total{"):
-                pd[line.split('"')[1]] = float(line.rsplit(" ", 1)[1])
+        if not builders:
+            builders.append(calibrated_builder(fleet.url, args.no_tokenize))
+        builder = builders[0]
+        shorts, longs, seconds = asyncio.run(drive(fleet.url, args, builder))
+        metrics = httpx.get(fleet.url + "/metrics", timeout=10).text
     finally:
         fleet.stop()
-    s = json.loads(short_out.read_text())["runs"][0]["summary"]
-    lg = json.loads(long_out.read_text())["runs"][0]["summary"]
-    return {"fleet": name, "threshold": threshold, "short_itl_p99_ms": s["metrics"]["chunk_gap_ms"]["p99"],
-            "short_itl_p50_ms": s["metrics"]["chunk_gap_ms"]["p50"], "short_ttft_p99_ms": s["metrics"]["ttft_ms"]["p99"],
-            "short_req_s": s["request_throughput"], "short_out_tok_s": s["output_token_throughput"],
-            "long_req_s": lg["request_throughput"], "long_ttft_p50_ms": lg["metrics"]["ttft_ms"]["p50"],
-            "total_out_tok_s": s["output_token_throughput"] + lg["output_token_throughput"],
-            "errors": s["requests"]["errors"] + lg["requests"]["errors"], "pd_decisions": pd}
+    pd = {line.split('"')[1]: float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+          if line.startswith("fleetllm_router_pd_decisions_total{")}
+    ok_s, ok_l = [r for r in shorts if r.ok], [r for r in longs if r.ok]
+    gaps = [g for r in ok_s for g in chunk_gaps_ms(r)]
+    during = overlapping_gaps(ok_s, ok_l)
+    ttft_long = [(r.chunk_ns[0] - r.start_ns) / 1e6 for r in ok_l if r.chunk_ns]
+    return {"fleet": kind, "round": tag, "short_itl_p99_ms": stats(gaps)["p99"],
+            "short_itl_p50_ms": stats(gaps)["p50"], "short_itl_p99_during_long_prefill_ms": stats(during)["p99"],
+            "gaps": len(gaps), "gaps_during_long_prefill": len(during),
+            "short_out_tok_s": sum(r.output_tokens or 0 for r in ok_s) / seconds,
+            "short_requests": len(ok_s), "long_requests": len(ok_l), "long_ttft_p50_ms": stats(ttft_long)["p50"],
+            "errors": sum(not r.ok for r in shorts + longs), "pd_decisions": pd, "seconds": seconds}
 
 
-def transfer_throughput(num_blocks: int, repeats: int, out_dir: Path) -> dict:
-    """Frame bytes/s into a real decode worker over HTTP and shm, and a memory copy of the same bytes."""
-    groups = [WorkerGroup(replicas=1, role="decode", threads=1)]
-    fleet = Fleet(FleetConfig(port=PORT, workers=groups, log_dir=str(out_dir / "logs" / "transfer")))
-    fleet.start()
-    url = fleet.worker_urls[0]
+KEYS = ("short_itl_p99_ms", "short_itl_p99_during_long_prefill_ms", "short_out_tok_s", "long_ttft_p50_ms")
+
+
+def summarize(rows: list[dict[str, Any]], fleets: list[str]) -> dict[str, dict[str, dict[str, float]]]:
+    """Per fleet and figure: median, min and max over the rounds."""
+    out: dict[str, dict[str, dict[str, float]]] = {}
+    for f in fleets:
+        out[f] = {}
+        for k in KEYS:
+            vals = [r[k] for r in rows if r["fleet"] == f and r[k] is not None]
+            if vals:
+                out[f][k] = {"median": statistics.median(vals), "min": min(vals), "max": max(vals)}
+    return out
+
+
+def verdicts(summary: dict[str, dict[str, dict[str, float]]]) -> list[str]:
+    co = summary.get("colocated", {})
+    lines = []
+    for f in [f for f in summary if f != "colocated"]:
+        di = summary[f]
+        if not co or not di:
+            continue
+        itl = co["short_itl_p99_ms"]["median"] / di["short_itl_p99_ms"]["median"]
+        thr = di["short_out_tok_s"]["median"] / co["short_out_tok_s"]["median"]
+        lines.append(f"{f}: short-request ITL p99 {itl:.2f}x lower than colocated (goal >= 2x: "
+                     f"{'met' if itl >= 2 else 'not met'}); short-request throughput x{thr:.2f} "
+                     f"(goal >= 0.9: {'met' if thr >= 0.9 else 'not met'})")
+        k = "short_itl_p99_during_long_prefill_ms"
+        if k in co and k in di:
+            lines.append(f"{f}: ITL p99 of the gaps overlapping a long prefill {co[k]['median']:.0f} -> "
+                         f"{di[k]['median']:.0f} ms ({co[k]['median'] / di[k]['median']:.2f}x)")
+    return lines
+
+
+def print_table(console: Console, summary: dict[str, dict[str, dict[str, float]]], rows: list[dict[str, Any]]) -> None:
+    t = Table(title=f"short requests while long documents arrive: median [min-max] over {len({r['round'] for r in rows})} "
+                    "round(s)")
+    for c in ("fleet", "ITL p99 ms", "ITL p99 ms, gaps during a long prefill", "short out tok/s", "long TTFT p50 ms",
+              "long prompts / round", "P/D decisions (last round)", "errors"):
+        t.add_column(c)
+
+    def cell(f: str, k: str, fmt: str) -> str:
+        s = summary[f].get(k)
+        return f"{s['median']:{fmt}} [{s['min']:{fmt}}-{s['max']:{fmt}}]" if s else "-"
+
+    for f in summary:
+        mine = [r for r in rows if r["fleet"] == f]
+        t.add_row(f, cell(f, KEYS[0], ".0f"), cell(f, KEYS[1], ".0f"), cell(f, KEYS[2], ".1f"), cell(f, KEYS[3], ".0f"),
+                  ",".join(str(r["long_requests"]) for r in mine), json.dumps(mine[-1]["pd_decisions"]),
+                  str(sum(r["errors"] for r in mine)))
+    console.print(t)
+
+
+def plot(summary: dict[str, dict[str, dict[str, float]]], path: Path) -> Path | None:
     try:
-        results: dict[str, list[float]] = {"http": [], "shm": [], "memcpy": [], "encode+decode": []}
-        nbytes = 0
-        for r in range(repeats):
-            tokens = [(r * 7919 + i * 31) % 40000 + 100 for i in range(num_blocks * 16)]  # fresh blocks each time
-            hashes = hash_prefix_blocks(tokens, 16, b"smollm2-135m")
-            header = frame.FrameHeader("smollm2-135m", 30, 3, 64, "float32", 16, tokens, hashes)
-            layers = [(torch.randn(num_blocks, 16, 3, 64), torch.randn(num_blocks, 16, 3, 64)) for _ in range(30)]
-            t0 = time.perf_counter()
-            data = b"".join(frame.encode(header, layers))
-            frame.decode(data)
-            results["encode+decode"].append(time.perf_counter() - t0)
-            nbytes = len(data)
-            src = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-            t0 = time.perf_counter()
-            src.clone()
-            results["memcpy"].append(time.perf_counter() - t0)
-            for via in ("http", "shm"):
-                if via == "shm":
-                    tokens2 = [t + 1 for t in tokens]
-                    header.token_ids, header.block_hashes = tokens2, hash_prefix_blocks(tokens2, 16, b"smollm2-135m")
-                    d = b"".join(frame.encode(header, layers))
-                    path = SHM_DIR / f"fleetllm-kv-{uuid.uuid4().hex}"
-                    t0 = time.perf_counter()
-                    path.write_bytes(d)
-                    resp = httpx.post(url + "/pd/kv", json={"shm": str(path)}, timeout=120)
-                else:
-                    t0 = time.perf_counter()
-                    resp = httpx.post(url + "/pd/kv", content=data, headers={"content-type": "application/octet-stream"},
-                                      timeout=120)
-                results[via].append(time.perf_counter() - t0)
-                assert resp.status_code == 200 and resp.json()["imported"] > 0, resp.text
-    finally:
-        fleet.stop()
-    best = {k: min(v) for k, v in results.items()}
-    return {"bytes": nbytes, "blocks": num_blocks, **{f"{k}_GBps": nbytes / v / 1e9 for k, v in best.items()}}
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    fig, axes = plt.subplots(1, 3, figsize=(12, 3.6))
+    fleets = list(summary)
+    for ax, (k, label) in zip(axes, [(KEYS[0], "short ITL p99 (ms)"), (KEYS[1], "ITL p99 during long prefill (ms)"),
+                                     (KEYS[2], "short output tok/s")], strict=True):
+        med = [summary[f].get(k, {}).get("median", 0) for f in fleets]
+        lo = [m - summary[f].get(k, {}).get("min", m) for f, m in zip(fleets, med, strict=True)]
+        hi = [summary[f].get(k, {}).get("max", m) - m for f, m in zip(fleets, med, strict=True)]
+        ax.bar(fleets, med, yerr=[lo, hi], capsize=4, color=["#888", "#3a7", "#37a", "#a73"][:len(fleets)])
+        ax.set_title(label, fontsize=10)
+    fig.suptitle("same 2 pinned cores: median and range over rounds")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def run_real(args: argparse.Namespace, console: Console, out_dir: Path) -> int:
+    fleets = args.fleets.split(",")
+    if len(os.sched_getaffinity(0)) < 2:
+        raise SystemExit("needs 2 cores to pin the two workers of each fleet to")
+    rows: list[dict[str, Any]] = []
+    builders: list[PromptBuilder] = []
+    load_before = Path("/proc/loadavg").read_text().split()[:3]
+    console.print(f"load average before: {' '.join(load_before)} ({os.cpu_count()} cores; a quiet machine reads < 0.5)")
+    for rnd in range(args.rounds):
+        order = fleets if rnd % 2 == 0 else fleets[::-1]  # alternate: neither fleet always runs first
+        for kind in order:
+            console.print(f"round {rnd + 1}/{args.rounds}: {kind}, {args.duration:.0f} s ...")
+            rows.append(run_fleet(kind, args, builders, out_dir, str(rnd + 1)))
+            r = rows[-1]
+            console.print(f"  ITL p99 {r['short_itl_p99_ms']:.0f} ms (during long prefill "
+                          f"{r['short_itl_p99_during_long_prefill_ms'] or 0:.0f}), short {r['short_out_tok_s']:.1f} "
+                          f"tok/s, {r['long_requests']} long, P/D {r['pd_decisions']}, {r['errors']} errors")
+    summary = summarize(rows, fleets)
+    print_table(console, summary, rows)
+    lines = verdicts(summary)
+    for f in fleets:
+        n = sum(r["long_requests"] for r in rows if r["fleet"] == f)
+        lines.append(f"{f}: {n} long prompts over {args.rounds} round(s) (at least 30: {'yes' if n >= 30 else 'no'})")
+    for v in lines:
+        console.print(v)
+    console.print(f"load average after: {' '.join(Path('/proc/loadavg').read_text().split()[:3])}")
+    doc = {"command": " ".join(sys.argv), "cpu": cpu_model(), "cores": os.cpu_count(), "date": time.strftime(
+        "%Y-%m-%d %H:%M UTC", time.gmtime()), "loadavg_before": load_before,
+        "loadavg_after": Path("/proc/loadavg").read_text().split()[:3], "args": vars(args), "rows": rows,
+        "summary": summary, "verdicts": lines}
+    if args.transfer:
+        from disaggregation_transfer import transfer_throughput
+
+        doc["transfer"] = transfer_throughput(128, 3, out_dir)
+        console.print(doc["transfer"])
+    (out_dir / "disaggregation.json").write_text(json.dumps(doc, indent=2))
+    png = plot(summary, out_dir / "disaggregation.png")
+    console.print(f"wrote {out_dir / 'disaggregation.json'}" + (f", {png}" if png else ""))
+    return 0
+
+
+def calibrated_builder(url: str, assume: bool) -> PromptBuilder:
+    """Prompt sizes in the server's tokens (its /tokenize), unless told to assume one token per word."""
+    if assume:
+        return PromptBuilder()
+    counter = TokenCounter(url, MODEL)
+    return PromptBuilder(counter.tokens_per_word(PROSE_WORDS), counter.tokens_per_word(CODE_WORDS))
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--duration", type=float, default=90.0, help="seconds of traffic per fleet")
-    ap.add_argument("--long-isl", type=int, default=2048)
-    ap.add_argument("--short-concurrency", type=int, default=4)
-    ap.add_argument("--short-osl", type=int, default=48)
-    ap.add_argument("--pd-threshold", type=int, default=1024)
-    ap.add_argument("--sweep", default="256,768,1536,4096", help="thresholds for the mixed-length sweep ('' skips)")
-    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--fleet", choices=("real", "sim"), default="real",
+                    help="real: pinned workers on this machine; sim: the P/D model at 8-64 workers")
+    ap.add_argument("--fleets", default="colocated,disaggregated",
+                    help="comma-separated, of colocated, disaggregated, auto, colocated-auto")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--duration", type=float, default=75.0, help="seconds of traffic per fleet per round")
+    ap.add_argument("--short-users", type=int, default=3)
+    ap.add_argument("--short-isl", type=int, default=48)
+    ap.add_argument("--short-osl", type=int, default=64)
+    ap.add_argument("--long-isl", type=int, default=1500)
+    ap.add_argument("--long-osl", type=int, default=8)
+    # one quiet core prefills ~320 tokens/s (SmolLM2-135M, fp32): a 1,500-token document is ~4.7 s of it, so
+    # 0.14/s keeps the prefill core ~65% busy; 0.45/s would oversubscribe it (a queue that only grows)
+    ap.add_argument("--long-rate", type=float, default=0.14, help="long documents per second (constant arrivals)")
+    ap.add_argument("--no-tokenize", action="store_true", help="assume one token per word (no /tokenize)")
+    ap.add_argument("--transfer", action="store_true", help="also measure KV transfer GB/s")
+    ap.add_argument("--quick", action="store_true", help="1 round of 30 s per fleet")
     ap.add_argument("--out", default="results/disaggregation")
     args = ap.parse_args()
-    if args.quick:
-        args.duration, args.long_isl, args.sweep = 40.0, 1024, ""
+    logging.getLogger("httpx").setLevel(logging.WARNING)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     console = Console(width=170)
-    long_flags = ["--isl", str(args.long_isl), "--osl", "8"]
-    colocated = [WorkerGroup(replicas=3, threads=1)]
-    disagg = [WorkerGroup(replicas=1, role="prefill", threads=1), WorkerGroup(replicas=2, role="decode", threads=1)]
-    rows = []
-    console.print(f"colocated (3 both) vs disaggregated (1 prefill + 2 decode), {args.duration:.0f}s each ...")
-    rows.append(run_fleet("colocated", colocated, None, args, long_flags, out_dir))
-    rows.append(run_fleet("disaggregated", disagg, args.pd_threshold, args, long_flags, out_dir))
-    mixed = ["--isl-osl-mix", f"{args.long_isl // 4}:8:1,{args.long_isl // 2}:8:1,{args.long_isl}:8:1"]
-    for t in [int(x) for x in args.sweep.split(",") if x]:
-        rows.append(run_fleet(f"sweep-{t}", disagg, t, args, mixed, out_dir))
-    transfer = transfer_throughput(128, 2 if args.quick else 3, out_dir)
+    if args.fleet == "sim":
+        from disaggregation_sim import run_sim
 
-    t = Table(title="short requests while long prompts arrive (ITL = every token gap, vLLM's definition)")
-    for c in ("fleet", "threshold", "ITL p50 ms", "ITL p99 ms", "TTFT p99 ms", "short req/s", "out tok/s (all)",
-              "long req/s", "P/D decisions", "errors"):
-        t.add_column(c)
-    for r in rows:
-        t.add_row(r["fleet"], str(r["threshold"] or "-"), f"{r['short_itl_p50_ms']:.0f}", f"{r['short_itl_p99_ms']:.0f}",
-                  f"{r['short_ttft_p99_ms']:.0f}", f"{r['short_req_s']:.2f}", f"{r['total_out_tok_s']:.1f}",
-                  f"{r['long_req_s']:.3f}", json.dumps(r["pd_decisions"]), str(r["errors"]))
-    console.print(t)
-    co, di = rows[0], rows[1]
-    itl_ratio = co["short_itl_p99_ms"] / di["short_itl_p99_ms"]
-    thr_ratio = di["total_out_tok_s"] / co["total_out_tok_s"]
-    verdicts = [
-        f"short-request ITL p99 {itl_ratio:.2f}x lower disaggregated (goal >= 2x: {'met' if itl_ratio >= 2 else 'not met'})",
-        f"output throughput disaggregated/colocated x{thr_ratio:.2f} (goal >= 1: {'met' if thr_ratio >= 0.98 else 'not met'})",
-        f"KV transfer of {transfer['bytes'] / 1e6:.0f} MB ({transfer['blocks']} blocks): HTTP {transfer['http_GBps']:.2f} GB/s, "
-        f"shm {transfer['shm_GBps']:.2f} GB/s, encode+decode {transfer['encode+decode_GBps']:.2f} GB/s, "
-        f"memcpy {transfer['memcpy_GBps']:.2f} GB/s (HTTP at {transfer['http_GBps'] / transfer['memcpy_GBps']:.1%} "
-        f"of memcpy, shm at {transfer['shm_GBps'] / transfer['memcpy_GBps']:.1%})",
-    ]
-    for v in verdicts:
-        console.print(v)
-    (out_dir / "disaggregation.json").write_text(json.dumps(
-        {"command": " ".join(sys.argv), "cpu": cpu_model(), "cores": os.cpu_count(), "rows": rows, "transfer": transfer,
-         "verdicts": verdicts, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}, indent=2))
-    console.print(f"wrote {out_dir / 'disaggregation.json'}")
-    return 0
+        return run_sim(console, out_dir)
+    if args.quick:
+        args.rounds, args.duration = 1, 30.0
+    return run_real(args, console, out_dir)
 
 
 if __name__ == "__main__":

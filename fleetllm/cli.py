@@ -8,6 +8,7 @@ component (where a server listens, a worker's labels, ``serve``'s fleet shape).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import logging
 import os
@@ -24,6 +25,7 @@ from fleetllm.router.config import RouterConfig
 from fleetllm.server.body_limit import DEFAULT_MAX_BODY_BYTES
 from fleetllm.server.config import KVEventsOptions, ObservabilityConfig
 from fleetllm.server.header_timeout import DEFAULT_HEADER_TIMEOUT_S
+from fleetllm.server.pinning import PinningOptions, pin_process
 from fleetllm.sim.config import SimConfig
 from fleetllm.store.config import StoreConfig
 from fleetllm.tools.config import ToolConfig
@@ -96,6 +98,8 @@ class ServeOptions:
     prefill: int = opt(0, "disaggregated fleet: prefill-role workers")
     decode: int = opt(0, "disaggregated fleet: decode-role workers")
     num_threads: int | None = opt(None, "torch threads per worker (default: cores / replicas)")
+    cores_per_worker: int | None = opt(None, "reserve this many cores for each worker and pin it to them "
+                                             "(fleetllm worker --cpus); default: the workers share the cores")
     restart: bool = opt(True, "restart worker processes that die")
     log_dir: str | None = opt(None, "where worker and router logs go (default: a temp dir)")
     host: str | None = opt(None, "router address (default: the config's, else 127.0.0.1)")
@@ -155,6 +159,12 @@ def cmd_worker(args: argparse.Namespace) -> int:
     # stall every step that waits on a descheduled thread (batch-1 decode 13 -> 19 tok/s when passive).
     # Must be set before torch loads its OpenMP runtime.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    if args.cpus:  # before torch starts its thread pool, which then fits the pinned cores
+        try:
+            cpus = pin_process(args.cpus)
+        except ValueError as e:
+            raise SystemExit(f"fleetllm worker: {e}") from None
+        args.num_threads = args.num_threads or len(cpus)
     from prometheus_client import disable_created_metrics
 
     disable_created_metrics()  # *_created series: half the /metrics page, read by nothing here
@@ -162,6 +172,12 @@ def cmd_worker(args: argparse.Namespace) -> int:
         return cmd_sim_worker(args)
     from fleetllm.store import prefetch
 
+    # The hub client's HTTP core imports trio when it is installed only to tell trio from asyncio; a worker
+    # runs asyncio alone, and that import (a third of the client's) holds the GIL that torch's import needs.
+    sys.modules.setdefault("trio", None)  # type: ignore[arg-type]  # ``import trio`` raises ImportError
+    # Imports and the model load make ~200k long-lived objects; the collector's passes over them were 12% of
+    # the imports' time. Off until the engine is up, then those objects are frozen out of every later pass.
+    gc.disable()
     prefetch.start(args.model, from_args(StoreConfig, args))  # the store's part of a cold start overlaps the imports
     from fleetllm.engine.engine import LLMEngine
     from fleetllm.server.app import Worker
@@ -173,6 +189,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
     except StoreError as e:  # no access, no such model, source down without a cached copy: say so, no traceback
         logging.getLogger("fleetllm").error("cannot start: %s", e)
         return 2
+    gc.freeze()
+    gc.enable()
     logging.getLogger("fleetllm").info(
         "model %s loaded in %.1fs; %d KV blocks of %d tokens", engine.model_name, engine.loaded.load_seconds,
         engine.pool.num_blocks, engine.pool.block_size,
@@ -283,7 +301,7 @@ def fleet_config(args: argparse.Namespace):  # -> FleetConfig
         cfg = FleetConfig.from_yaml(args.config)
     else:
         cfg = FleetConfig.single_model(args.model, args.replicas, args.simulate, args.prefill, args.decode,
-                                       args.num_threads, args.speculative)
+                                       args.num_threads, args.speculative, args.cores_per_worker)
     if args.pd_threshold is not None:
         cfg.pd_threshold = args.pd_threshold
     cfg.host, cfg.port = args.host or cfg.host, args.port or cfg.port
@@ -330,6 +348,7 @@ def add_worker_parser(sub: argparse._SubParsersAction) -> None:
     add_options(w, StoreConfig, title="model store (hf:// and s3:// models)")
     add_options(w, ListenOptions, defaults={"port": 8001}, title="server")
     add_options(w, WorkerOptions, title="worker identity (labels on every metric)")
+    add_options(w, PinningOptions, title="cores")
     add_options(w, ObservabilityConfig, title="observability")
     add_options(w, CaptureConfig, title="capture (worker tier)")
     add_options(w, ToolConfig, title="tool calling")

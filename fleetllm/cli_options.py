@@ -31,15 +31,16 @@ C = TypeVar("C")
 
 def opt(default: Any = dataclasses.MISSING, doc: str = "", *, factory: Any = dataclasses.MISSING,
         flag: str | None = None, metavar: str | None = None, choices: Iterable[Any] | None = None,
-        cli: bool = True) -> Any:
+        cli: bool = True, parse: Callable[[str], Any] | None = None) -> Any:
     """A dataclass field with its doc, e.g. ``max_num_seqs: int = opt(64, "most sequences per step")``.
 
     ``factory`` replaces ``default`` for mutable values (``opt(doc="...", factory=list)``); ``flag`` names
     the flag when the field's name is not the flag's; ``choices`` when they are not a ``Literal``;
-    ``cli=False`` for a field that is no flag.
+    ``cli=False`` for a field that is no flag; ``parse`` reads a value no annotation describes (a number or
+    a word, say).
     """
     meta = {"doc": doc, "flag": flag, "metavar": metavar, "cli": cli,
-            "choices": tuple(choices) if choices else None}
+            "choices": tuple(choices) if choices else None, "parse": parse}
     return dataclasses.field(default=default, default_factory=factory, metadata=meta)
 
 
@@ -133,6 +134,8 @@ def _argument(f: dataclasses.Field, annotation: Any, override: Any) -> dict[str,
 
 def _value(f: dataclasses.Field, kind: Any) -> dict[str, Any]:
     """How a flag's value is read (type and choices, or an action) and how ``--help`` names it."""
+    if f.metadata.get("parse"):
+        return {"type": f.metadata["parse"]}
     origin = typing.get_origin(kind)
     choices = f.metadata.get("choices") or (typing.get_args(kind) if origin is Literal else None)
     if choices:

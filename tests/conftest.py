@@ -27,9 +27,12 @@ if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))))
 
 import logging  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
 import threading  # noqa: E402
 import time  # noqa: E402
 from collections.abc import Callable, Iterator  # noqa: E402
+from pathlib import Path  # noqa: E402
 from typing import TYPE_CHECKING  # noqa: E402
 
 import httpx  # noqa: E402
@@ -60,11 +63,46 @@ def child_processes() -> list[str]:
 
 @pytest.fixture(scope="session", autouse=True)
 def nothing_left_behind() -> Iterator[None]:
-    """The suite leaves no in-process server, engine thread or child process running."""
+    """The suite leaves no in-process server, engine thread or child process running (but the
+    background preparations below, which pytest_sessionfinish stops)."""
     yield
     threads = [t.name for t in threading.enumerate() if t.name.startswith(("uvicorn-", "engine-loop"))]
     assert not threads, f"threads left running: {threads}"
-    assert not child_processes(), f"processes left running: {child_processes()}"
+    left = [p for p in child_processes() if int(p.split()[0]) not in {q.pid for q in _preparing}]
+    assert not left, f"processes left running: {left}"
+
+
+# Slow preparations several test files wait on, each made once per machine into the cache (under a lock, so
+# a test that gets there first waits for it rather than doing it again): started, niced, from the session's
+# start (by the controlling process under pytest-xdist), when the run includes a file that needs it.
+_PREPARATIONS = {
+    # HF transformers' own conversion of SmolLM2's GGUF (~40 s of CPU), saved as a HF directory
+    "hf_reference.py": ("engine/test_hf_equivalence.py", "models/test_loader.py"),
+    # Gemma-3-270M's weights dequantised (~35 s of CPU)
+    "-c from pathlib import Path; from fleetllm.models.loader import read_gguf, resolve; read_gguf(Path(resolve('gemma3-270m')))":
+        ("models/test_gemma3.py", "fleet/test_fleet_control.py"),
+}
+_preparing: list[subprocess.Popen] = []
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    here = Path(__file__).parent
+    asked = [(session.config.invocation_params.dir / a.split("::")[0]).resolve() for a in session.config.args]
+    for what, files in _PREPARATIONS.items():
+        needed = [(here / f).resolve() for f in files]
+        if any(f == a or a in f.parents for f in needed for a in asked):
+            cmd = [sys.executable, *what.split(" ", 1)] if what.startswith("-c") else [sys.executable, str(here / what)]
+            _preparing.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                               preexec_fn=lambda: os.nice(10)))
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    for p in _preparing:
+        if p.poll() is None:
+            p.kill()
+        p.wait()
 
 
 @pytest.fixture(scope="session")

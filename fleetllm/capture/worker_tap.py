@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from fleetllm.capture.recorder import Capture
 from fleetllm.capture.records import iso_time
 from fleetllm.engine.outputs import RequestOutput, RequestTiming
+
+if TYPE_CHECKING:
+    from fleetllm.capture.recorder import Capture  # its envelope imports cryptography
 
 REQUEST_ID_HEADER = "x-fleetllm-request-id"
 

@@ -9,4 +9,5 @@
 - :mod:`.routes`  the worker endpoints: ``POST /pd/prefill`` (prefill role) and ``POST /pd/kv`` (decode).
 - :mod:`.config`  the transfer's settings (``--kv-transfer-dtype``).
 - :mod:`.router_path`  the router's side: whether to prefill remotely, and on which prefill worker.
+- :mod:`.pd_auto`  ``--pd-threshold auto``: the per-request estimate of both paths, from measured rates.
 """

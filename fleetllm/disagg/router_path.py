@@ -1,8 +1,9 @@
 """The router's side of disaggregated serving: with the decode worker chosen, prefill elsewhere or not.
 
 The decode worker is chosen first (by the router's policy); the prompt is prefilled remotely only when
-that worker lacks at least ``pd_threshold`` of its tokens and some prefill worker has room
-(``prefill_max_inflight``). The prefill worker computes the KV and pushes it to the decode worker
+that worker lacks at least ``pd_threshold`` of its tokens (with ``auto``: when the P/D path is expected to
+cost less, see :mod:`fleetllm.disagg.pd_auto`) and some prefill worker has room (``prefill_max_inflight``);
+of those, the one that would finish first, counting what it already holds of the prompt. The prefill worker computes the KV and pushes it to the decode worker
 (``POST /pd/prefill``, see :mod:`fleetllm.disagg.routes`); the request then goes to the decode worker,
 which finds the blocks in its prefix cache. Whatever goes wrong on the remote leg (prefill worker down,
 transfer refused, timeout), the request goes on with a local prefill: counted, and invisible to the
@@ -19,6 +20,7 @@ from urllib.parse import urlparse
 
 import httpx
 
+from fleetllm.disagg.pd_auto import AUTO, PdEstimate, PdMeasurements
 from fleetllm.router.forward import Forward
 from fleetllm.router.index import PrefixIndex
 from fleetllm.router.metrics import RouterMetrics
@@ -41,6 +43,7 @@ class RemotePrefill:
         self.metrics = metrics
         self.events_index = events_index  # what each worker reported holding (KV events)
         self.on_failure = on_failure  # a prefill worker failed: its circuit breaker counts it
+        self.measured = PdMeasurements(cfg.cost.prefill_tokens_per_s)  # what --pd-threshold auto decides on
 
     async def maybe_disaggregate(self, d: Decision, fwd: Forward, prefill_pool: list[WorkerState]) -> Decision:
         """``d`` with the prompt tokens its worker will find cached once the remote prefill (if any) is done.
@@ -48,15 +51,20 @@ class RemotePrefill:
         The decode worker's load is counted from here on."""
         d = self._with_reported_blocks(d, fwd.route)
         uncached = d.uncached_tokens(fwd.route)
-        if uncached < self.cfg.pd_threshold:
+        auto = self.cfg.pd_threshold == AUTO
+        if uncached < (fwd.route.block_size if auto else int(self.cfg.pd_threshold)):
             self.metrics.pd_decisions.labels(decision="local").inc()
             return d
-        p = self._free_prefill_worker(prefill_pool)
-        if p is None:
+        choice = self._prefill_worker(prefill_pool, fwd.route, d.worker)
+        if choice is None:
             self.metrics.pd_decisions.labels(decision="saturated").inc()
             return d
+        p, computed = choice
+        if auto and not self._wins(self.estimate(d.worker, p, uncached, computed)):
+            self.metrics.pd_decisions.labels(decision="local").inc()
+            return d
         t0 = time.perf_counter()
-        ok, detail, prefill_at_fault = await self._prefill(p, d.worker, fwd, uncached)
+        ok, detail, prefill_at_fault = await self._prefill(p, d.worker, fwd, computed)
         if not ok:
             self.metrics.pd_decisions.labels(decision="fallback").inc()
             self.metrics.errors.labels(kind="pd_prefill_failed").inc()
@@ -66,12 +74,38 @@ class RemotePrefill:
                         d.worker.name)
             return d
         p.breaker.success()
+        self._learn(p, computed, detail, time.perf_counter() - t0)
         self.metrics.pd_decisions.labels(decision="disaggregated").inc()
         self.metrics.pd_seconds.observe(time.perf_counter() - t0)
         self.metrics.pd_bytes.inc(detail.get("bytes", 0))
         shipped = (detail.get("imported", 0) + detail.get("already_cached", 0)) * fwd.route.block_size
         cached = min(max(d.cached_tokens, shipped), max(fwd.route.num_prompt_tokens - 1, 0))
         return Decision(d.worker, d.reason, cached)
+
+    def estimate(self, decode: WorkerState, p: WorkerState, uncached: int, computed: int) -> PdEstimate:
+        """Both paths' costs for a prompt ``decode`` lacks ``uncached`` tokens of and ``p`` lacks ``computed``."""
+        m = self.measured
+        rate_d, rate_p = m.rate(decode.name), m.rate(p.name)
+        return PdEstimate(uncached_tokens=uncached, prefill_tokens=computed, decode_batch=_decoding(decode),
+                          prefill_batch=_decoding(p) if p.role != "prefill" else 0,
+                          decode_rate=rate_d, prefill_rate=rate_p, decode_queue_s=_queued_tokens(decode) / rate_d,
+                          prefill_queue_s=_queued_tokens(p) / rate_p, transfer_s=m.transfer_s(uncached),
+                          overhead_s=m.overhead_s)
+
+    def _wins(self, est: PdEstimate) -> bool:
+        """Whether the P/D path wins for ``est``; the decision and both sides of it are exported."""
+        decision = "disaggregated" if est.disaggregate else "local"
+        self.metrics.pd_auto.labels(decision=decision).inc()
+        self.metrics.pd_estimate.labels(side="local_stall", decision=decision).observe(est.stall_s)
+        self.metrics.pd_estimate.labels(side="remote", decision=decision).observe(est.remote_s)
+        self.metrics.pd_estimate.labels(side="transfer", decision=decision).observe(est.transfer_s)
+        return est.disaggregate
+
+    def _learn(self, p: WorkerState, computed: int, detail: dict[str, Any], elapsed_s: float) -> None:
+        self.measured.observe(p.name, computed, detail, elapsed_s)
+        self.metrics.pd_prefill_rate.labels(worker=p.name).set(self.measured.rate(p.name))
+        if self.measured.bandwidth:
+            self.metrics.pd_bandwidth.set(self.measured.bandwidth)
 
     def _with_reported_blocks(self, d: Decision, req: RouteRequest) -> Decision:
         """``d``, crediting what the decode worker reported caching when the policy's view knew less."""
@@ -80,10 +114,23 @@ class RemotePrefill:
             return Decision(d.worker, d.reason, min(held, max(req.num_prompt_tokens - 1, 0)))
         return d
 
-    def _free_prefill_worker(self, prefill_pool: list[WorkerState]) -> WorkerState | None:
+    def _prefill_worker(self, prefill_pool: list[WorkerState], req: RouteRequest,
+                        decode: WorkerState) -> tuple[WorkerState, int] | None:
+        """The prefill worker with room that would finish this prompt first, by its queue and what it already
+        holds of the prompt (a shared document is not prefilled twice); and the tokens it would compute."""
         now = time.monotonic()
-        free = [w for w in prefill_pool if w.routable(now) and w.inflight < self.cfg.prefill_max_inflight]
-        return min(free, key=lambda w: (w.inflight, w.pending_prefill_tokens)) if free else None
+        free = [w for w in prefill_pool if w.routable(now) and w.inflight < self.cfg.prefill_max_inflight
+                and w is not decode]
+        if not free:
+            return None
+        held = self.events_index.match(req.block_hashes, [w.name for w in free])
+        computed = {w.name: max(0, req.num_prompt_tokens - held[w.name] * req.block_size) for w in free}
+
+        def finish_s(w: WorkerState) -> tuple[float, int]:
+            return (_queued_tokens(w) + computed[w.name]) / self.measured.rate(w.name), w.inflight
+
+        p = min(free, key=finish_s)
+        return p, computed[p.name]
 
     async def _prefill(self, p: WorkerState, decode: WorkerState, fwd: Forward,
                        uncached: int) -> tuple[bool, Any, bool]:
@@ -109,6 +156,16 @@ class RemotePrefill:
             decode.inflight -= 1
             p.inflight -= 1
             p.pending_prefill_tokens -= uncached
+
+
+def _decoding(w: WorkerState) -> int:
+    """Requests decoding on ``w``: the router's count, or the worker's report of those past their prefill."""
+    return max(w.decoding, w.running - (w.inflight - w.decoding))
+
+
+def _queued_tokens(w: WorkerState) -> int:
+    """Prompt tokens ahead of a new request on ``w``: the router's count or the worker's report, the larger."""
+    return max(w.pending_prefill_tokens, w.queued_prefill_tokens)
 
 
 def _host(url: str) -> str:

@@ -36,7 +36,6 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import httpx
 from prometheus_client import Counter, Histogram
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -49,6 +48,8 @@ from fleetllm.server.protocol import APIError
 from fleetllm.server.worker_secret import worker_secret
 
 if TYPE_CHECKING:
+    import httpx
+
     from fleetllm.disagg.frame import FrameBuffer
     from fleetllm.disagg.layer_stream import LayerStream
     from fleetllm.engine.engine import LLMEngine
@@ -173,6 +174,8 @@ class PDEndpoints:
         await asyncio.wrap_future(stream.done)  # the last layer sealed: the frame is complete
 
     def _client(self, timeout: float) -> httpx.AsyncClient:
+        import httpx  # only a prefill worker sends; httpx (with its CLI's rich/click) stays out of every start
+
         secret = worker_secret()  # a fleet with keys: the decode worker takes requests from its fleet only
         auth = {"authorization": f"Bearer {secret}"} if secret else None
         return httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=3.0), headers=auth)
@@ -181,6 +184,8 @@ class PDEndpoints:
                     sealed: asyncio.Queue[int]) -> httpx.Response:
         """POST the frame to the decode worker's ``/pd/kv``, each layer as soon as it is sealed: its bytes (HTTP),
         or one byte saying so (shared memory: the decode worker maps the file being filled)."""
+        import httpx
+
         from fleetllm.disagg.arrival import SHM_STREAM
 
         shm = buf.path is not None

@@ -13,6 +13,7 @@ itself: only the real executor loads PyTorch.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from typing import TYPE_CHECKING
 
@@ -74,16 +75,18 @@ class LLMEngine:
         self._drafts: dict[str, list[int]] = {}  # proposed after the last step, verified in the next
         self._eos = set(mcfg.eos_token_ids)
         self._grammars: GrammarCompiler | None = None
+        self._grammars_lock = threading.Lock()  # two requests' threads may ask for it first at once
 
     @property
     def grammars(self) -> GrammarCompiler:
         """The structured-output compiler for this model's tokenizer (built on first use)."""
-        if self._grammars is None:
-            from fleetllm.structured.compiler import GrammarCompiler
+        with self._grammars_lock:
+            if self._grammars is None:
+                from fleetllm.structured.compiler import GrammarCompiler
 
-            eos = self.tokenizer.eos_token_id
-            self._grammars = GrammarCompiler(self.tokenizer, eos if eos is not None else min(self._eos))
-        return self._grammars
+                eos = self.tokenizer.eos_token_id
+                self._grammars = GrammarCompiler(self.tokenizer, eos if eos is not None else min(self._eos))
+            return self._grammars
 
     @property
     def spec(self) -> SpecDecoder | None:

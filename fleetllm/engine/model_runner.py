@@ -83,13 +83,16 @@ class ModelRunner:
             else:
                 ctx = self._slots(seq.block_table, 0, c + n)
                 slot_parts.append(ctx[c:])
-                prefills.append(PrefillChunk(t, t + n, ctx, fresh=(c == 0)))
+                table = torch.tensor(seq.block_table[: -(-(c + n) // self.block_size)], dtype=torch.int32)
+                prefills.append(PrefillChunk(t, t + n, ctx, fresh=(c == 0), block_table=table, context_len=c + n))
             t += n
 
-        meta = AttentionMetadata(slot_mapping=torch.cat(slot_parts).to(self.device), prefills=prefills)
+        meta = AttentionMetadata(slot_mapping=torch.cat(slot_parts).to(self.device), prefills=prefills,
+                                 block_size=self.block_size)
         if decode_idx:
             meta.decode_idx = torch.tensor(decode_idx, device=self.device)
-            meta.decode_slots, meta.decode_mask = self._decode_slots(decode_tables, decode_lens)
+            meta.decode_slots, meta.decode_mask, meta.decode_tables = self._decode_slots(decode_tables, decode_lens)
+            meta.decode_lens = torch.tensor(decode_lens, dtype=torch.int32, device=self.device)
         with self._observed(batch):
             out = self.model(
                 torch.tensor(ids, device=self.device), torch.tensor(positions, device=self.device), meta, self.kv_cache,
@@ -113,7 +116,8 @@ class ModelRunner:
                 stack.enter_context(layer.attn.register_forward_hook(_after(calls, i, kc, vc)))
         return stack
 
-    def _decode_slots(self, tables: list[list[int]], lens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _decode_slots(self, tables: list[list[int]], lens: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Slots and padding mask of each decode query (the eager path), and its int32 block table (kernels)."""
         bs = self.block_size
         max_len = max(lens)
         nblk = -(-max_len // bs)
@@ -126,7 +130,8 @@ class ModelRunner:
         mask = torch.zeros(len(tables), max_len)
         mask.masked_fill_(torch.arange(max_len).unsqueeze(0) >= lens_t, float("-inf"))
         dtype = next(self.model.parameters()).dtype
-        return slots.to(self.device), mask.view(len(tables), 1, 1, max_len).to(self.device, dtype)
+        mask = mask.view(len(tables), 1, 1, max_len).to(self.device, dtype)
+        return slots.to(self.device), mask, bt.to(self.device, torch.int32)
 
 
 def _after(calls: list[LayerFn], i: int, kc: torch.Tensor, vc: torch.Tensor) -> Callable[..., None]:

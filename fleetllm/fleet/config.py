@@ -176,7 +176,8 @@ class FleetConfig:
     router_args: list[str] = field(default_factory=list)
     restart: bool = True  # restart worker processes that die (a dead engine exits non-zero)
     keys_file: str | None = None  # API keys on: the router admits only keys of this file (fleetllm keys)
-    pd_threshold: int | None = None  # router: disaggregate above this many uncached prompt tokens (default 4096)
+    pd_threshold: int | str | None = None  # router: disaggregate above this many uncached prompt tokens (default
+    # 4096), or "auto": when the router expects the P/D path to delay requests less (fleetllm/disagg/pd_auto.py)
     log_dir: str | None = None
     otlp_endpoint: str | None = None  # OTLP/HTTP collector: the router and every worker push to it
     startup_timeout_s: float = 300.0
@@ -230,12 +231,15 @@ class FleetConfig:
 
     @classmethod
     def single_model(cls, source: str, replicas: int, simulate: bool = False, prefill: int = 0, decode: int = 0,
-                     threads: int | None = None, speculative: str | None = None) -> FleetConfig:
+                     threads: int | None = None, speculative: str | None = None,
+                     cores: int | None = None) -> FleetConfig:
         """The fleet ``fleetllm serve`` flags describe: one model, ``replicas`` copies (or prefill + decode ones).
 
-        ``threads`` is torch threads per copy, not reserved cores: a laptop may run more copies than cores."""
+        ``threads`` is torch threads per copy, not reserved cores: a laptop may run more copies than cores.
+        ``cores`` reserves that many cores per copy, each copy pinned to its own."""
         engine = {"num_threads": threads} if threads and not simulate else {}
-        common = dict(source=source, engine=engine, speculative=None if simulate else speculative, simulate=simulate)
+        common = dict(source=source, engine=engine, speculative=None if simulate else speculative, simulate=simulate,
+                      resources=Resources(cores=cores))
         if prefill or decode:
             models = [ModelSpec(role="prefill", replicas=Replicas(min=prefill), **common),
                       ModelSpec(role="decode", replicas=Replicas(min=decode), **common)]

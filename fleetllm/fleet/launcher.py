@@ -36,6 +36,7 @@ from fleetllm.fleet import runfile
 from fleetllm.fleet.config import FleetConfig, ModelSpec
 from fleetllm.fleet.placement import Copy, Placer, place
 from fleetllm.fleet.router_args import model_router_args
+from fleetllm.server.pinning import format_cpus
 from fleetllm.server.worker_secret import ENV as SECRET_ENV
 from fleetllm.store.pin import pin, token_envs
 
@@ -50,7 +51,7 @@ class Proc:
     cmd: list[str]
     urls: list[str]  # the base URLs this process serves
     log_path: Path
-    cpus: list[int] | None = None  # pinned to these cores (placement reserved them)
+    cpus: list[int] | None = None  # the cores placement reserved (the worker pins itself: --cpus)
     zone: str = ""
     role: str = "both"
     copies: list[Copy] = field(default_factory=list)  # the model copies it serves (empty for the router)
@@ -61,12 +62,10 @@ class Proc:
 
     def start(self) -> None:
         fd = os.open(self.log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-        cpus = self.cpus
-        pin = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
         env = {k: v for k, v in os.environ.items() if k not in self.hide}
         try:
             self.popen = subprocess.Popen(self.cmd, stdout=fd, stderr=subprocess.STDOUT, start_new_session=True,
-                                          env={**env, **self.env, "PYTHONUNBUFFERED": "1"}, preexec_fn=pin)
+                                          env={**env, **self.env, "PYTHONUNBUFFERED": "1"})
         finally:
             os.close(fd)
 
@@ -162,8 +161,10 @@ class Fleet:
 
     def _add_real(self, c: Copy) -> Proc:
         port, self._next_port = self._next_port, self._next_port + 1
+        # pinned by its own --cpus (before torch starts its threads); threads = its cores unless the model sets them
+        pin = ["--cpus", format_cpus(c.cpus)] if c.cpus else []
         threads = [] if "num_threads" in c.model.engine else ["--num-threads", str(c.threads)]
-        cmd = [*PY, "worker", *self._model_args(c.model), *threads, "--host", self.cfg.host, "--port", str(port),
+        cmd = [*PY, "worker", *self._model_args(c.model), *threads, *pin, "--host", self.cfg.host, "--port", str(port),
                "--role", c.model.role, "--zone", c.zone, "--log-level", "warning", *self._otlp, *self._capture]
         proc = Proc(f"worker-{port}", cmd, [f"http://{self.cfg.host}:{port}"], self.log_dir / f"worker-{port}.log",
                     cpus=c.cpus, zone=c.zone, role=c.model.role, copies=[c], env=self._env,

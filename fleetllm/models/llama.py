@@ -16,7 +16,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fleetllm.kernels import chunk_rows, kernel_ready, paged_attention
 from fleetllm.models.config import ModelConfig
+
+# Chunks over cached context of at most this many queries (speculative verification of a few drafts) use the
+# paged kernel, which reads the keys once per query; longer ones gather once and run SDPA, whose blocked GEMMs
+# reuse each key across queries (benchmarks/paged_attention.py, 1,024 positions: the kernel wins at 1-2 queries, SDPA from 4).
+KERNEL_MAX_CHUNK = 3
 
 
 @dataclass
@@ -28,6 +34,8 @@ class PrefillChunk:
     ctx_slots: torch.Tensor  # [context_len] flat cache slots, the chunk's own tokens last
     fresh: bool  # no cached context before the chunk: plain causal attention on the chunk itself
     window: int | None = None  # sliding-window layers: each query sees only its last ``window`` positions
+    block_table: torch.Tensor | None = None  # [blocks] int32, for kernels that read the cache blocks in place
+    context_len: int = 0  # positions before the chunk's end (``ctx_slots`` before a window cut them)
 
 
 @dataclass
@@ -39,6 +47,11 @@ class AttentionMetadata:
     decode_slots: torch.Tensor | None = None  # [Bd, Lmax] cache slots each decode query reads
     decode_mask: torch.Tensor | None = None  # [Bd, 1, 1, Lmax] additive mask (0 or -inf) over padding
     prefills: list[PrefillChunk] = field(default_factory=list)
+    # The same decode queries for kernels that read cache blocks in place (fleetllm.kernels), no slots needed:
+    decode_tables: torch.Tensor | None = None  # [Bd, max_blocks] int32 block table of each decode query
+    decode_lens: torch.Tensor | None = None  # [Bd] int32 context length of each decode query, its own token included
+    block_size: int = 0
+    window: int | None = None  # a sliding-window layer's view: decode queries see their last ``window`` positions
 
     def within_window(self, positions: torch.Tensor, window: int) -> AttentionMetadata:
         """The same step seen by a sliding-window layer: keys older than ``window`` positions are masked.
@@ -47,7 +60,7 @@ class AttentionMetadata:
         prefix cache and KV events are the same as without a window; only what a query reads changes.
         Context entirely out of every query's window is cut off, so long contexts cost these layers nothing.
         """
-        view = AttentionMetadata(self.slot_mapping, self.decode_idx, self.decode_slots, self.decode_mask)
+        view = replace(self, prefills=[], window=window)
         if self.decode_idx is not None:
             q_pos = positions[self.decode_idx].unsqueeze(1)  # [Bd, 1]; key column j holds position j
             first = max(0, int(q_pos.min()) - window + 1)
@@ -147,11 +160,35 @@ class Attention(nn.Module):
         v_cache.index_copy_(0, meta.slot_mapping, v)
 
         out = torch.empty(t, self.h, self.d, dtype=x.dtype, device=x.device)
-        if meta.decode_idx is not None:
+        if meta.decode_idx is None:
+            pass
+        elif meta.decode_tables is not None and kernel_ready(q, k_cache):
+            self._decode_paged(q, meta, k_cache, v_cache, out)
+        else:
             out[meta.decode_idx] = self._decode(q[meta.decode_idx], meta, k_cache, v_cache)
         for c in meta.prefills:
-            out[c.start : c.end] = self._prefill(q[c.start : c.end], k[c.start : c.end], v[c.start : c.end], c, k_cache, v_cache)
+            qc = q[c.start : c.end]
+            if self._chunk_in_place(c, qc, k_cache):
+                rows, lens = chunk_rows(c.end - c.start, c.context_len)
+                paged_attention(qc, k_cache, v_cache, c.block_table.view(1, -1), lens, self.scale, meta.block_size,
+                                c.window, table_of=rows, out=out[c.start : c.end])
+            else:
+                out[c.start : c.end] = self._prefill(qc, k[c.start : c.end], v[c.start : c.end], c, k_cache, v_cache)
         return self.o(out.view(t, self.h * self.d))
+
+    @staticmethod
+    def _chunk_in_place(c: PrefillChunk, q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+        """Whether a chunk reads cached context through the paged kernel (see ``KERNEL_MAX_CHUNK``)."""
+        short = c.end - c.start <= KERNEL_MAX_CHUNK and not c.fresh
+        return short and c.block_table is not None and kernel_ready(q, k_cache)
+
+    def _decode_paged(self, q: torch.Tensor, meta: AttentionMetadata, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      out: torch.Tensor) -> None:
+        args = (k_cache, v_cache, meta.decode_tables, meta.decode_lens, self.scale, meta.block_size, meta.window)
+        if meta.decode_idx.shape[0] == q.shape[0]:  # a pure decode step: read q and write out in place
+            paged_attention(q, *args, out=out)
+        else:
+            out[meta.decode_idx] = paged_attention(q[meta.decode_idx], *args)
 
     def _decode(self, q: torch.Tensor, meta: AttentionMetadata, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
         # One query per sequence: group the query heads that share a KV head so K/V are never repeated.

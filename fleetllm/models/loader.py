@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import json
+import math
 import os
 import shutil
 import time
@@ -27,7 +29,7 @@ import torch
 from fleetllm.models.config import ModelConfig
 from fleetllm.models.gemma3 import Gemma3Model
 from fleetllm.models.llama import LlamaModel
-from fleetllm.models.safetensors_mmap import map_safetensors
+from fleetllm.models.safetensors_mmap import LazyTensor, map_safetensors, write_safetensors
 from fleetllm.models.source import ALIASES, cache_dir, dequant_cache_dir, read_cached_tokenizer, resolve
 from fleetllm.models.source import fetch as fetch_remote
 from fleetllm.models.tokenizer import TokenizerWrapper
@@ -147,18 +149,20 @@ def gguf_metadata(reader: Any) -> dict[str, Any]:
     return {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}
 
 
-def dequantize_tensor(t: Any) -> np.ndarray:
-    """One GGUF tensor as an fp32 array in PyTorch (row-major, outermost first) shape."""
+def dequantize_tensor(t: Any, rows: slice = slice(None)) -> np.ndarray:
+    """One GGUF tensor (or a range of its outermost rows) as an fp32 array in PyTorch (row-major,
+    outermost first) shape."""
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
     shape = tuple(int(x) for x in reversed(t.shape))
+    data = np.asarray(t.data)[rows] if len(shape) > 1 else np.asarray(t.data)
+    shape = (data.shape[0], *shape[1:]) if len(shape) > 1 else shape
     if t.tensor_type in (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16):
-        arr = np.asarray(t.data)
         if t.tensor_type == GGMLQuantizationType.BF16:
-            arr = (arr.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
-        return arr.astype(np.float32).reshape(shape)
-    return dequantize(np.asarray(t.data), t.tensor_type).astype(np.float32, copy=False).reshape(shape)
+            data = (data.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+        return data.astype(np.float32).reshape(shape)
+    return dequantize(data, t.tensor_type).astype(np.float32, copy=False).reshape(shape)
 
 
 def _unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
@@ -181,9 +185,10 @@ def read_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokeniz
         hit = _try_cache(cached)  # written by the process we waited for
         if hit is not None:
             return hit
-        cfg, sd, tok = _dequantise_gguf(path)
-        _write_cache(cached, cfg, sd, tok)
-    return cfg, sd, tok
+        cfg, tensors, tok = _dequantise_gguf(path)
+        if _write_cache(cached, cfg, tensors, tok):
+            return _read_cache(cached)  # the page cache's pages: no second copy in this process
+    return cfg, {name: torch.cat(list(make())) for name, _, make in tensors}, tok
 
 
 def _try_cache(entry: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], TokenizerWrapper] | None:
@@ -193,6 +198,9 @@ def _try_cache(entry: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], Token
         except (OSError, ValueError, KeyError):
             pass  # a damaged cache entry is rebuilt
     return None
+
+
+_CHUNK_BYTES = 4 << 20
 
 
 @contextlib.contextmanager
@@ -209,7 +217,9 @@ def _entry_lock(entry: Path) -> Iterator[None]:
         yield
 
 
-def _dequantise_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], TokenizerWrapper]:
+def _dequantise_gguf(path: Path) -> tuple[ModelConfig, list[LazyTensor], TokenizerWrapper]:
+    """Config, tokenizer, and each HF-named fp32 weight as a recipe made only when asked for: the writer
+    makes and writes one at a time, so a 1 GB model never sits in memory twice (fresh pages are slow)."""
     from gguf import GGUFReader
 
     reader = GGUFReader(str(path))  # parses every metadata string: seconds for a 49k-token vocabulary
@@ -219,7 +229,7 @@ def _dequantise_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], 
     vocab = int(meta.get(f"{meta['general.architecture']}.vocab_size") or len(meta["tokenizer.ggml.tokens"]))
     cfg = ModelConfig.from_gguf(meta, vocab, tied="output.weight" not in names)
     layer_names = _GGUF_GEMMA3_NAMES if cfg.architecture == "gemma3" else _GGUF_LAYER_NAMES
-    sd: dict[str, torch.Tensor] = {}
+    tensors: list[LazyTensor] = []
     for t in reader.tensors:
         if t.name in _GGUF_TOP_NAMES:
             hf = _GGUF_TOP_NAMES[t.name]
@@ -228,33 +238,45 @@ def _dequantise_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], 
             if parts[0] != "blk" or parts[2] not in layer_names:
                 continue  # e.g. rope_freqs: recomputed from metadata
             hf = f"model.layers.{parts[1]}.{layer_names[parts[2]]}"
-        w = torch.from_numpy(dequantize_tensor(t))
-        if cfg.architecture == "llama" and t.name.endswith(("attn_q.weight", "attn_q.bias")):
-            w = _unpermute(w, cfg.num_heads)
-        elif cfg.architecture == "llama" and t.name.endswith(("attn_k.weight", "attn_k.bias")):
-            w = _unpermute(w, cfg.num_kv_heads)
-        elif cfg.architecture == "gemma3" and t.name.endswith("norm.weight"):
-            w = w - 1.0  # llama.cpp's converter stores Gemma's 1 + weight; HF checkpoints (our names) store weight
-        sd[hf] = w
-    return cfg, sd, tok
+        shape = tuple(int(x) for x in reversed(t.shape))
+        tensors.append((hf, shape, functools.partial(_hf_weight, t, cfg)))
+    return cfg, tensors, tok
 
 
-def _write_cache(target: Path, cfg: ModelConfig, sd: dict[str, torch.Tensor], tok: TokenizerWrapper) -> None:
-    """Dequantising GGUF blocks in NumPy takes seconds; the fp32 safetensors copy loads in milliseconds."""
-    from safetensors.torch import save_file
+def _hf_weight(t: Any, cfg: ModelConfig) -> Iterator[torch.Tensor]:
+    """One GGUF tensor dequantised into its HF checkpoint's layout, a few MB of rows at a time: NumPy's
+    temporaries stay small enough for the allocator to reuse, instead of faulting in fresh pages (slow
+    on VMs) for every tensor."""
+    if cfg.architecture == "llama" and t.name.endswith(("attn_q.weight", "attn_q.bias", "attn_k.weight", "attn_k.bias")):
+        heads = cfg.num_heads if ".attn_q." in t.name else cfg.num_kv_heads
+        yield _unpermute(torch.from_numpy(dequantize_tensor(t)), heads)  # rows move between chunks: whole
+        return
+    offset = -1.0 if cfg.architecture == "gemma3" and t.name.endswith("norm.weight") else 0.0
+    # llama.cpp's converter stores Gemma's 1 + weight; HF checkpoints (our names) store weight
+    shape = tuple(int(x) for x in reversed(t.shape))
+    step = max(1, _CHUNK_BYTES // (4 * math.prod(shape[1:]))) if len(shape) > 1 else 1
+    for start in range(0, shape[0] if len(shape) > 1 else 1, step):
+        w = torch.from_numpy(dequantize_tensor(t, slice(start, start + step)))
+        yield w + offset if offset else w
 
+
+def _write_cache(target: Path, cfg: ModelConfig, tensors: list[LazyTensor], tok: TokenizerWrapper) -> bool:
+    """Dequantising GGUF blocks in NumPy takes seconds; the fp32 safetensors copy loads in milliseconds.
+    False when the cache can't be written (read-only or full): that only costs speed."""
     try:
         tmp = target.with_name(f"{target.name}.{os.getpid()}.tmp")
         tmp.mkdir(parents=True, exist_ok=True)
-        save_file({k: v.contiguous() for k, v in sd.items()}, str(tmp / "model.safetensors"))
+        write_safetensors(tmp / "model.safetensors", tensors)
         (tmp / "config.json").write_text(json.dumps(asdict(cfg)))
         (tmp / "tokenizer.json").write_text(tok.tok.to_str())
         (tmp / "tokenizer_extra.json").write_text(json.dumps(
             {"chat_template": tok.chat_template, "bos_token": tok.bos_token, "eos_token": tok.eos_token, "add_bos": tok.add_bos}))
         (tmp / "done").touch()
         os.replace(tmp, target)  # atomic: concurrent workers never read a half-written entry
+        return True
     except OSError:
-        shutil.rmtree(tmp, ignore_errors=True)  # a read-only, full or raced cache only costs speed
+        shutil.rmtree(tmp, ignore_errors=True)
+        return False
 
 
 def _read_cache(entry: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], TokenizerWrapper]:

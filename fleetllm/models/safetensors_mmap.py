@@ -1,4 +1,5 @@
-"""A safetensors file as tensors that are views of one memory map of the file: nothing is read until used.
+"""A safetensors file as tensors that are views of one memory map of the file: nothing is read until used;
+and the writer that makes such a file one tensor at a time.
 
 Every tensor shares one storage (the map), so tensors that lie back to back in the file can be joined into
 one tensor without a copy (:func:`fleetllm.models.llama.fuse`); ``safetensors.torch.load_file`` maps the file
@@ -13,8 +14,11 @@ Format: an 8-byte little-endian header length, a JSON header ``{name: {dtype, sh
 from __future__ import annotations
 
 import json
+import math
 import mmap
+import os
 import struct
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
@@ -24,6 +28,35 @@ _DTYPES = {
     "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
     "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
 }
+
+LazyTensor = tuple[str, tuple[int, ...], Callable[[], Iterable[torch.Tensor]]]
+"""A tensor's name, its shape, and what makes it when the writer reaches it: blocks of its outermost rows
+(one block or many) whose concatenation is the tensor."""
+
+
+def write_safetensors(path: Path, tensors: list[LazyTensor]) -> None:
+    """Write fp32 tensors as a safetensors file, making each only when its turn comes and writing its
+    blocks straight from their own memory (``safetensors.torch.save_file`` first copies everything into
+    one bytes object): the peak is one block, not the model twice over. Sorted by name, as safetensors does, so
+    that a layer's gate and up projections lie side by side for :func:`fleetllm.models.llama.fuse`."""
+    tensors = sorted(tensors, key=lambda t: t[0])
+    header, offset = {}, 0
+    for name, shape, _ in tensors:
+        size = 4 * math.prod(shape)
+        header[name] = {"dtype": "F32", "shape": list(shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned, as the format recommends
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)) + raw)
+        for name, shape, make in tensors:
+            end = f.tell() + header[name]["data_offsets"][1] - header[name]["data_offsets"][0]
+            for block in make():
+                block.to(torch.float32).contiguous().numpy().tofile(f)
+            if f.tell() != end:
+                raise ValueError(f"{name}: made {f.tell() - end:+d} bytes off what its shape {shape} holds")
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def map_safetensors(path: Path) -> dict[str, torch.Tensor]:

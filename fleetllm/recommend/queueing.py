@@ -134,8 +134,11 @@ def _with_prefill_pool(c: Candidate, step: StepModel, w: WorkloadShape, rate: fl
 
 def kv_transfer_seconds(c: Candidate, step: StepModel, tokens: float) -> float:
     """Seconds to move ``tokens`` of KV from a prefill to a decode replica: EFA between instances,
-    NVLink/PCIe within one, loopback HTTP on this machine."""
+    NVLink/PCIe within one, loopback HTTP on this machine. Infinite between instances whose network the
+    catalogue does not give (``network_gbps: 0``, e.g. ``local-cpu``): such a P/D split can't be costed."""
     gbs = c.instance.network_gbps / 8 if c.instances > 1 else (c.instance.interconnect_gbs or LOOPBACK_GBS)
+    if gbs <= 0:
+        return math.inf
     return getattr(step, "kv_bytes_per_token", 0.0) * tokens / (gbs * 1e9)
 
 

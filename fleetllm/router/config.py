@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from fleetllm.cli_options import opt
+from fleetllm.disagg.pd_auto import pd_threshold_value
 from fleetllm.router.policies import POLICY_NAMES, CostModel
 
 
@@ -27,8 +28,10 @@ class RouterConfig:
                            factory=list)
     roles: list[str] = opt(doc="comma-separated role of each worker (prefill|decode|both) until the worker's "
                                "own report says (default: both)", factory=list)
-    pd_threshold: int = opt(4096, "disaggregate when the decode worker lacks at least this many prompt "
-                                  "tokens")
+    pd_threshold: int | str = opt(4096, "disaggregate when the decode worker lacks at least this many prompt "
+                                        "tokens; auto: when the P/D path is expected to delay requests less (the "
+                                        "decode worker's stall against transfer and the prefill worker's queue)",
+                                  parse=pd_threshold_value, metavar="TOKENS|auto")
     pd_timeout_s: float = opt(120.0, "seconds for a remote prefill + KV transfer; beyond it the request "
                                      "prefills locally")
     prefill_max_inflight: int = opt(2, "remote prefills that saturate a prefill worker")

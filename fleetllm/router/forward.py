@@ -14,13 +14,14 @@ relayed byte for byte as the worker sends it.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import httpx
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -158,6 +159,7 @@ class AttemptFailed(Exception):
 
 
 Prepare = Callable[[Decision], Awaitable[Decision]]
+T = TypeVar("T")
 
 
 NO_EVENTS_TTL_S = 300.0  # the prefix policy's TTL
@@ -265,11 +267,11 @@ class Forwarder:
         """Send the request and wait for its first byte; on failure release the load and raise AttemptFailed."""
         timeout = httpx.Timeout(self.cfg.request_timeout_s, connect=self.cfg.connect_timeout_s)
         try:
-            resp = await self.client.send(
+            resp = await _unless_lost(w, self.client.send(
                 self.client.build_request("POST", w.url + fwd.path, content=fwd.raw, headers=fwd.headers,
                                           timeout=timeout),
-                stream=True)
-        except httpx.HTTPError as e:
+                stream=True))
+        except (httpx.HTTPError, WorkerLost) as e:
             load.release()
             self.failed(w)
             raise AttemptFailed("connect", f"{type(e).__name__}: {e}") from None
@@ -284,8 +286,8 @@ class Forwarder:
                                 body)
         chunks = resp.aiter_raw()
         try:
-            first = await chunks.__anext__()
-        except (httpx.HTTPError, StopAsyncIteration) as e:
+            first = await _unless_lost(w, chunks.__anext__())
+        except (httpx.HTTPError, StopAsyncIteration, WorkerLost) as e:
             await resp.aclose()
             load.release()
             self.failed(w)
@@ -347,6 +349,33 @@ class Forwarder:
 
     def _sync_breaker(self, w: WorkerState) -> None:
         self.metrics.breaker_open.labels(worker=w.name).set(1 if w.breaker.state == "open" else 0)
+
+
+LOST_CHECK_S = 0.5  # how often a request waiting for its first byte looks whether its worker was lost
+
+
+class WorkerLost(Exception):
+    """The worker stopped answering health checks while a request waited for its first byte."""
+
+
+async def _unless_lost(w: WorkerState, aw: Awaitable[T]) -> T:
+    """``aw``, unless ``w`` is taken out of rotation for not answering health checks first: then it is cancelled
+    (closing its connection, which aborts it on the worker if the worker still listens) and WorkerLost raised,
+    so the request is retried elsewhere. A node that vanished resets no connection (a frozen worker neither),
+    and the request would otherwise wait out the whole request timeout with no answer."""
+    lost = w.lost
+    task = asyncio.ensure_future(aw)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=LOST_CHECK_S)
+            if done:
+                return task.result()
+            if w.lost != lost:
+                raise WorkerLost(f"{w.name} stopped answering health checks")
+    finally:
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
 
 
 class _Load:

@@ -28,6 +28,7 @@ from starlette.routing import Route
 
 from fleetllm.capture.recorder import Capture
 from fleetllm.capture.router_tap import RequestTap, open_tap
+from fleetllm.disagg.pd_auto import AUTO
 from fleetllm.disagg.router_path import RemotePrefill
 from fleetllm.observability.dashboard import dashboard_routes
 from fleetllm.observability.federate import fleet_metrics
@@ -299,9 +300,11 @@ class Router:
                        fid: str, tap: RequestTap | None) -> Response:
         prefill_pool = [w for w in group if w.role == "prefill"]
         group = [w for w in group if w.role != "prefill"]
+        # --pd-threshold auto without prefill workers: another worker of the model may prefill, when it wins
+        peers = not prefill_pool and self.cfg.pd_threshold == AUTO
         # tokenising (and a tokenizer's first load) takes a thread: a long prompt never stalls the relayed streams
         req = await asyncio.to_thread(self.route_request, request.url.path, body, request.headers, group,
-                                      bool(prefill_pool))
+                                      bool(prefill_pool) or peers)
         variant, group = self._variant(name, group, req.session_key or fid)
         # the router's own id (minted at arrival) keys the request; the client's x-request-id travels beside it
         fwd = Forward(request.url.path, raw, body, upstream_headers(request.headers, fid, self.secret), fid, req, t0)
@@ -322,7 +325,8 @@ class Router:
             fwd.on_end = lambda prompt, completion: gate.done(key, prompt, completion)
         assert self.forwarder is not None and self.remote_prefill is not None
         pd = self.remote_prefill
-        prepare = (lambda d: pd.maybe_disaggregate(d, fwd, prefill_pool)) if prefill_pool else None
+        pool = group if peers else prefill_pool  # (peers: of the variant chosen)
+        prepare = (lambda d: pd.maybe_disaggregate(d, fwd, pool)) if pool else None
         policy = self.model_policies.get(name, self.policy) if name else self.policy
         return await self.forwarder.forward(fwd, group, policy, prepare)
 

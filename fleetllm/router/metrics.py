@@ -42,6 +42,17 @@ class RouterMetrics:
                                     ["decision"], registry=r)
         self.pd_seconds = Histogram("fleetllm_router_pd_prefill_seconds", "Remote prefill plus KV transfer, as the "
                                     "router waited for it.", buckets=_TTFB, registry=r)
+        self.pd_auto = Counter("fleetllm_router_pd_auto_decisions", "--pd-threshold auto: requests whose estimates "
+                               "favoured the P/D path (disaggregated) or a local prefill (local).", ["decision"],
+                               registry=r)
+        self.pd_estimate = Histogram("fleetllm_router_pd_estimate_seconds", "--pd-threshold auto: each decision's "
+                                     "estimates in request-seconds of delay: local_stall (a local prefill's stall of "
+                                     "the decode worker's running requests), remote (the P/D path's), transfer.",
+                                     ["side", "decision"], buckets=_TTFB, registry=r)
+        self.pd_prefill_rate = Gauge("fleetllm_router_pd_prefill_tokens_per_second", "Prefill rate measured from "
+                                     "remote prefills, per prefill worker.", ["worker"], registry=r)
+        self.pd_bandwidth = Gauge("fleetllm_router_pd_bandwidth_bytes_per_second", "KV transfer bandwidth measured "
+                                  "from remote prefills (bytes / transfer seconds, moving average).", registry=r)
         self.pd_bytes = Counter("fleetllm_router_pd_transfer_bytes", "KV bytes shipped prefill -> decode.", registry=r)
         self.prompt_tokens = Counter("fleetllm_router_prompt_tokens", "Prompt tokens of routed requests (router-side "
                                      "tokenization).", registry=r)

@@ -96,6 +96,7 @@ class WorkerState:
     instance: str | None = None
     events_connected: bool = False
     health_failures: int = 0
+    lost: int = 0  # times it was taken out of rotation for not answering health checks at all
     draining: bool = False  # being removed: no new requests, in-flight ones finish
     breaker: Breaker = field(default_factory=Breaker)
     # the engine behind it (fleetllm/router/backends): None until a plain URL shows what it serves
@@ -155,14 +156,14 @@ class WorkerMonitor:
 
     async def check(self, w: WorkerState) -> bool:
         """One readiness check; a worker that answers "not ready" is out of rotation at once."""
-        not_ready = False
+        not_ready = unanswered = False
         try:
             r = await self.client.get(w.url + "/ready", timeout=self.health_timeout_s)
             if r.status_code == 404:  # an upstream with no readiness probe (another server): liveness it is
                 r = await self.client.get(w.url + "/health", timeout=self.health_timeout_s)
             ok, not_ready = r.status_code == 200, r.status_code == 503
         except httpx.HTTPError:
-            ok = False
+            ok, unanswered = False, True
         if not_ready and w.healthy:
             w.health_failures = self.failures_to_down
             self.mark_down(w, f"not ready ({r.text[:80]})")
@@ -177,6 +178,8 @@ class WorkerMonitor:
         else:
             w.health_failures += 1
             if w.health_failures >= self.failures_to_down:
+                if unanswered and w.healthy:
+                    w.lost += 1  # its requests still waiting for a first byte go elsewhere (forward.py)
                 self.mark_down(w, "health check failed")
         return ok
 

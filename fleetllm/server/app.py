@@ -33,7 +33,6 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from fleetllm.capture.recorder import Capture
 from fleetllm.capture.worker_tap import open_worker_tap
 from fleetllm.disagg.config import TransferOptions
 from fleetllm.disagg.routes import frame_body_cap, pd_routes
@@ -68,6 +67,7 @@ from fleetllm.tools.request import ToolRequest, render_prompt, tool_request
 from fleetllm.tools.stream import ToolStream, rewrite_message
 
 if TYPE_CHECKING:
+    from fleetllm.capture.recorder import Capture  # its envelope imports cryptography
     from fleetllm.engine.engine import LLMEngine
 
 T = TypeVar("T")
@@ -334,8 +334,9 @@ class Worker:
 
     async def constrained(self, params: SamplingParams, body: dict[str, Any], forced: Any = None) -> SamplingParams:
         """``params`` with the request's output constraint, compiled off the event loop (a new schema takes
-        milliseconds; the tokenizer's first grammar build, a fraction of a second)."""
-        return await asyncio.to_thread(constrain, params, body, self.engine.grammars, forced)
+        milliseconds; building the compiler, at the first constrained request, imports torch and llguidance:
+        seconds, tens on a busy host, which on the loop would stall every request and health check)."""
+        return await asyncio.to_thread(constrain, params, body, lambda: self.engine.grammars, forced)
 
     async def completions(self, request: Request) -> Response:
         body = await self.request_body(request)

@@ -11,6 +11,7 @@ compiler (:func:`check_compiles`), also a 400 naming the field.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -97,15 +98,18 @@ def _spec(field: str, kind: str, value: Any) -> GrammarSpec:
     return GrammarSpec(kind, value)
 
 
-def constrain(params: SamplingParams, body: dict[str, Any], compiler: GrammarCompiler,
+def constrain(params: SamplingParams, body: dict[str, Any], compiler: Callable[[], GrammarCompiler],
               forced: GrammarSpec | None = None) -> SamplingParams:
     """``params`` with the request's output constraint: its structured-output field, or ``forced`` (the
-    tool-call grammar of ``tool_choice`` required / named); both at once is a 400. Compiles it (cached)."""
+    tool-call grammar of ``tool_choice`` required / named); both at once is a 400. Compiles it (cached).
+
+    ``compiler`` is called only for a request with a constraint: its first call builds the compiler, which
+    imports torch and llguidance (seconds; on a busy host tens of seconds)."""
     asked = structured_from_body(body)
     if asked is not None and forced is not None:
         raise APIError(400, f"{asked[1]} cannot be combined with a required or named tool_choice", asked[1])
     spec, field = asked if asked is not None else (forced, "tool_choice")
     if spec is None:
         return params
-    check_compiles(compiler, spec, field)
+    check_compiles(compiler(), spec, field)
     return replace(params, structured=spec)

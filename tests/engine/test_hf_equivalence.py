@@ -7,13 +7,10 @@ literal ``generate`` comparison on two prompts. Each scheduling regime must give
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 
 from fleetllm import LLM, SamplingParams
-from fleetllm.models.loader import resolve
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.slow  # HF transformers' reference runs
@@ -38,9 +35,10 @@ def loaded(loaded_model):
 
 @pytest.fixture(scope="module")
 def hf_model():
-    path = Path(resolve("smollm2-135m"))
-    m = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
-    return m.eval()
+    from hf_reference import hf_reference_dir
+
+    # transformers' own conversion of the GGUF, saved once per machine (tests/hf_reference.py)
+    return transformers.AutoModelForCausalLM.from_pretrained(str(hf_reference_dir()), dtype=torch.float32).eval()
 
 
 @pytest.fixture(scope="module")

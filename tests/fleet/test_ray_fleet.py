@@ -97,7 +97,7 @@ def test_a_lost_node_costs_no_request_and_its_copies_come_back_on_the_survivor(
     stop = threading.Event()
 
     def load() -> None:  # two clients sending non-streaming requests the whole time
-        with httpx.Client(timeout=120) as c:
+        with httpx.Client(timeout=30) as c:
             while not stop.is_set():
                 try:
                     statuses.append(c.post(ray_fleet + "/v1/chat/completions", json=CHAT).status_code)

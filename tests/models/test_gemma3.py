@@ -88,6 +88,21 @@ def test_tiny_gemma3_prefix_cache_hit_matches(tiny, tiny_reference):
     assert res[3].num_cached_tokens >= 32, "the 40-token prompt should hit the prefix cache"
 
 
+def test_tiny_gemma3_paged_kernel_matches(tiny, tiny_reference, monkeypatch):
+    """Decode and chunks over cached context read the blocks in place (fleetllm.kernels), windows included."""
+    from fleetllm.kernels import attention
+    from fleetllm.models import llama
+
+    if not attention.kernel_ready(torch.zeros(1), torch.zeros(1), wait=True):
+        pytest.skip(f"C kernel unavailable: {attention.LIBRARY.error}")
+    windows = []
+    monkeypatch.setattr(llama, "paged_attention", lambda *a, **kw: windows.append(a[7] if len(a) > 7 else kw.get("window"))
+                        or attention.paged_attention(*a, **kw))
+    llm = LLM(loaded=tiny[1], max_num_batched_tokens=3, block_size=4, num_blocks=128)  # chunks of 3: in place too
+    assert greedy(llm, TINY_PROMPTS, 12) == tiny_reference
+    assert 6 in windows and None in windows, "sliding and global layers both through the kernel"
+
+
 # ---- chat and the alias, without the real model ----------------------------------------------------------
 def test_chat_fallback_is_gemmas_turn_format():
     tok = TokenizerWrapper(Tokenizer(models.WordLevel({"<unk>": 0}, unk_token="<unk>")), GEMMA_TURN_TEMPLATE, "<bos>", "<eos>")

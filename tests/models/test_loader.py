@@ -52,8 +52,9 @@ def test_unknown_model_names_the_choices() -> None:
 @pytest.mark.slow
 def test_tokenizer_from_gguf_matches_transformers(loaded_model: LoadedModel) -> None:
     transformers = pytest.importorskip("transformers")
-    path = Path(resolve("smollm2-135m"))
-    ref = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    from hf_reference import hf_reference_dir
+
+    ref = transformers.AutoTokenizer.from_pretrained(str(hf_reference_dir()))  # transformers' reading of the GGUF
     tok = loaded_model.tokenizer
     for text in ["Hello, world!", "  leading spaces\tand tabs\n\nnewlines", "digits 1234567 and 3.14159",
                  "émoji 🚀 and 中文", "<|im_start|>user\nhi<|im_end|>", "def f(x):\n    return x**2  # square"]:
@@ -81,7 +82,7 @@ def test_loads_of_one_gguf_at_the_same_time_dequantise_it_once(tmp_path: Path, m
     def slow_dequantise(path: Path):  # stands in for tens of seconds of NumPy; the others must wait, not redo it
         calls.append(path)
         time.sleep(0.5)
-        return loaded_model.config, {"w": torch.arange(4.0)}, loaded_model.tokenizer
+        return loaded_model.config, [("w", (4,), lambda: [torch.arange(2.0), torch.arange(2.0, 4.0)])], loaded_model.tokenizer
 
     monkeypatch.setattr(loader, "_dequantise_gguf", slow_dequantise)
     with ThreadPoolExecutor(3) as pool:
@@ -130,3 +131,14 @@ def test_safetensors_map_gives_the_file_tensors_and_fuses_adjacent_ones_without_
     qkv = fuse([mapped[f"self_attn.{n}_proj.weight"] for n in "qkv"])  # k, q, v in the file: one copy
     assert qkv.data_ptr() != mapped["self_attn.q_proj.weight"].data_ptr()
     assert torch.equal(qkv, torch.cat([read[f"self_attn.{n}_proj.weight"] for n in "qkv"]))
+
+
+def test_without_a_writable_cache_the_weights_are_made_in_memory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                  loaded_model: LoadedModel) -> None:
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("")  # the cache dir's parent is a file: every write fails
+    monkeypatch.setenv("FLEETLLM_CACHE_DIR", str(blocker / "cache"))
+    monkeypatch.setattr(loader, "_dequantise_gguf", lambda path: (
+        loaded_model.config, [("w", (2, 2), lambda: [torch.ones(1, 2), torch.zeros(1, 2)])], loaded_model.tokenizer))
+    _, sd, _ = loader.read_gguf(resolve("smollm2-135m"))
+    assert torch.equal(sd["w"], torch.tensor([[1.0, 1.0], [0.0, 0.0]]))

@@ -119,3 +119,13 @@ def test_validation_benches_the_same_workload_at_the_same_rate_and_slos(tmp_path
     turns = parser.parse_args(bench_argv(from_bench("multi-turn", isl=48, osl=16, turns=3), "http://127.0.0.1:9",
                                          "smollm2-135m", 1.5, 20, {}, tmp_path / "m.json", 0))
     assert float(turns.request_rate) == 0.5  # bench's rate is of sessions: 1.5 requests/s are 0.5 sessions of 3 turns
+
+
+def test_a_pd_split_across_instances_without_a_network_figure_is_infeasible_not_a_crash() -> None:
+    from fleetllm.recommend.queueing import kv_transfer_seconds
+
+    step = step_model(SMOL, CPU, CAT.formats["fp32"], 1, None)  # type: ignore[arg-type]
+    one = cpu_candidate(replicas=1, prefill_replicas=1)  # both on one 2-core machine: loopback
+    three = cpu_candidate(replicas=2, prefill_replicas=1)  # 3 cores: two machines, network_gbps 0
+    assert 0 < kv_transfer_seconds(one, step, 1000) < 1
+    assert kv_transfer_seconds(three, step, 1000) == float("inf")

@@ -14,7 +14,7 @@ from fleetllm.router.gateway import RouterConfig
 from fleetllm.router.index import PrefixIndex
 from fleetllm.router.metrics import RouterMetrics
 from fleetllm.router.policies import Decision, RoundRobin, RouteRequest
-from fleetllm.router.upstream import Breaker, WorkerState
+from fleetllm.router.upstream import Breaker, WorkerMonitor, WorkerState
 
 Handler = Callable[[httpx.Request], httpx.Response]
 
@@ -123,3 +123,43 @@ def test_a_refused_transfer_does_not_blame_the_prefill_worker() -> None:
     d = Decision(workers("d")[0], "balance")
     assert asyncio.run(pd.maybe_disaggregate(d, request(prompt_tokens=200), workers("p", role="prefill"))) == d
     assert failed == []
+
+
+def test_a_request_waiting_on_a_worker_that_stopped_answering_health_checks_is_retried_elsewhere() -> None:
+    # a node that vanished resets no connection: without this the request would wait out the request timeout
+    async def handler(r: httpx.Request) -> httpx.Response:
+        if r.url.host == "a":
+            await asyncio.sleep(3600)  # frozen, or on a node that is gone
+        return httpx.Response(200, stream=Chunks(b'{"ok": 1}'))
+
+    ws = workers("a", "b")
+
+    async def scenario() -> httpx.Response:
+        sent = asyncio.create_task(forwarder(handler).forward(request(), ws, RoundRobin()))
+        await asyncio.sleep(0.2)
+        ws[0].healthy, ws[0].lost = False, 1  # what the monitor does when its health checks go unanswered
+        return await asyncio.wait_for(sent, 10)
+
+    resp = asyncio.run(scenario())
+    assert resp.status_code == 200 and resp.headers["x-fleetllm-worker"] == "b"
+    assert no_load(ws)
+
+
+def test_only_unanswered_health_checks_lose_a_worker_not_a_drain() -> None:
+    # a draining worker answers "not ready" and its in-flight requests finish there
+    async def checks(answer: Handler | None, times: int) -> WorkerState:
+        async def handler(r: httpx.Request) -> httpx.Response:
+            if answer is None:
+                raise httpx.ReadTimeout("no answer", request=r)
+            return answer(r)
+
+        (w,) = workers("a")
+        monitor = WorkerMonitor([w], PrefixIndex(0.0), httpx.AsyncClient(transport=httpx.MockTransport(handler)))
+        for _ in range(times):
+            await monitor.check(w)
+        return w
+
+    silent = asyncio.run(checks(None, 3))
+    draining = asyncio.run(checks(lambda r: httpx.Response(503, text="draining"), 3))
+    assert not silent.healthy and silent.lost == 1
+    assert not draining.healthy and draining.lost == 0

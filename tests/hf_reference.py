@@ -1,0 +1,68 @@
+"""HF transformers' own reading of the embedded model's GGUF, saved once per machine as a HF directory.
+
+Loading SmolLM2 into transformers from its GGUF (converting the 49k-token vocabulary, dequantising and
+renaming every tensor) costs ~40 s of CPU here; loading the directory transformers saves afterwards takes
+a second or two. The weights are transformers' conversion, not fleetllm's, so the comparison stays
+independent. The suite runs this file as a script from the session's start (niced, in the background:
+tests/conftest.py) so the conversion overlaps other tests; the tests that compare against HF call
+:func:`hf_reference_dir`, which waits for that run (a lock) or does the conversion itself.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+MODEL = "smollm2-135m"
+
+
+def hf_reference_dir() -> Path:
+    """The directory transformers saved after loading the GGUF; made first if no run has made it."""
+    import transformers
+
+    from fleetllm.models.loader import resolve
+    from fleetllm.models.source import cache_dir
+
+    gguf = Path(resolve(MODEL))
+    target = cache_dir() / "hf-reference" / f"{gguf.stem}-transformers-{transformers.__version__}"
+    with _lock(target):
+        if not (target / "done").exists():
+            _convert(gguf, target)
+    return target
+
+
+@contextlib.contextmanager
+def _lock(target: Path) -> Iterator[None]:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.with_name(target.name + ".lock"), "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        yield
+
+
+def _convert(gguf: Path, target: Path) -> None:
+    import torch
+    import transformers
+    from safetensors.torch import save_model
+
+    tok = transformers.AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    tmp = target.with_name(f"{target.name}.{os.getpid()}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    config = model.config.to_dict()  # save_pretrained refuses a model read from GGUF; its parts don't
+    config.pop("quantization_config", None)  # the GGUF it came from, not how the saved weights are stored
+    (tmp / "config.json").write_text(json.dumps(config))
+    save_model(model, str(tmp / "model.safetensors"))
+    tok.save_pretrained(tmp)
+    (tmp / "done").touch()
+    shutil.rmtree(target, ignore_errors=True)
+    os.replace(tmp, target)
+
+
+if __name__ == "__main__":
+    hf_reference_dir()

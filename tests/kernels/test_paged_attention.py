@@ -1,0 +1,111 @@
+"""The C paged-attention kernel computes what gathering K/V and a softmax in PyTorch computes.
+
+Random caches and block tables (blocks in random order, shared between rows as a prefix cache shares them),
+GQA groups, lengths from one position to several blocks, sliding windows, fp32/fp16/bf16 caches, the
+vector path (head_dim a multiple of 8) and the scalar one, decode rows and causal chunks over cached context.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from fleetllm.kernels import attention, build
+from fleetllm.kernels.attention import chunk_rows, kernel_ready, paged_attention, reference_attention
+
+BLOCK = 16
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernel() -> None:
+    if not kernel_ready(torch.zeros(1), torch.zeros(1), wait=True):
+        pytest.skip(f"C kernel unavailable: {attention.LIBRARY.error}")
+
+
+def random_case(heads: int, kv_heads: int, dim: int, lens: list[int], dtype: torch.dtype = torch.float32):
+    torch.manual_seed(sum(lens) + heads + dim)
+    num_blocks = 64
+    k = torch.randn(num_blocks * BLOCK, kv_heads, dim).to(dtype)
+    v = torch.randn(num_blocks * BLOCK, kv_heads, dim).to(dtype)
+    max_blocks = -(-max(lens) // BLOCK)
+    tables = torch.stack([torch.randperm(num_blocks)[:max_blocks] for _ in lens]).int()
+    tables[1:, 0] = tables[0, 0]  # a shared first block, as a prefix-cache hit leaves it
+    q = torch.randn(len(lens), heads, dim)
+    return q, k, v, tables, torch.tensor(lens, dtype=torch.int32)
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(9, 3, 64), (4, 4, 32), (8, 1, 24), (6, 2, 20)])
+@pytest.mark.parametrize("window", [None, 1, 7, 40])
+def test_decode_equals_gathered_attention(heads: int, kv_heads: int, dim: int, window: int | None) -> None:
+    q, k, v, tables, lens = random_case(heads, kv_heads, dim, [1, 15, 16, 17, 100, 333])
+    got = paged_attention(q, k, v, tables, lens, dim**-0.5, BLOCK, window)
+    want = reference_attention(q, k, v, tables, lens, dim**-0.5, BLOCK, window)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_caches_are_read_as_stored(dtype: torch.dtype) -> None:
+    q, k, v, tables, lens = random_case(9, 3, 64, [5, 70, 200], dtype)
+    got = paged_attention(q, k, v, tables, lens, 0.125, BLOCK)
+    torch.testing.assert_close(got, reference_attention(q, k, v, tables, lens, 0.125, BLOCK), rtol=1e-5, atol=1e-5)
+
+
+def test_rows_of_a_strided_query_write_a_strided_output() -> None:
+    q, k, v, tables, lens = random_case(9, 3, 64, [3, 50, 90])
+    fused = torch.randn(3, 15 * 64)  # q columns of a fused qkv projection: rows 15*64 apart
+    fused[:, : 9 * 64] = q.view(3, -1)
+    out = torch.zeros(3, 10 * 64)[:, : 9 * 64].view(3, 9, 64)
+    paged_attention(fused[:, : 9 * 64].view(3, 9, 64), k, v, tables, lens, 0.125, BLOCK, out=out)
+    torch.testing.assert_close(out, reference_attention(q, k, v, tables, lens, 0.125, BLOCK), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_chunk_over_cached_context_is_causal(window: int | None) -> None:
+    n_q, n_ctx = 9, 75
+    q, k, v, tables, _ = random_case(9, 3, 64, [n_ctx])
+    q = torch.randn(n_q, 9, 64)
+    rows, lens = chunk_rows(n_q, n_ctx)
+    got = paged_attention(q, k, v, tables, lens, 0.125, BLOCK, window, table_of=rows)
+    keys = tables[0].long().repeat_interleave(BLOCK) * BLOCK + torch.arange(BLOCK).repeat(tables.shape[1])
+    kt = k[keys[:n_ctx]].transpose(0, 1).unsqueeze(0)
+    vt = v[keys[:n_ctx]].transpose(0, 1).unsqueeze(0)
+    q_pos, kv_pos = torch.arange(n_ctx - n_q, n_ctx).unsqueeze(1), torch.arange(n_ctx).unsqueeze(0)
+    mask = (kv_pos <= q_pos) & (kv_pos > q_pos - (window or n_ctx))
+    want = torch.nn.functional.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), kt, vt, attn_mask=mask,
+                                                            scale=0.125, enable_gqa=True)
+    torch.testing.assert_close(got, want.squeeze(0).transpose(0, 1), rtol=1e-5, atol=1e-5)
+
+
+def test_disabled_kernel_serves_the_eager_result() -> None:
+    q, k, v, tables, lens = random_case(9, 3, 64, [10, 40])
+    attention.set_kernel_enabled(False)
+    try:
+        assert not kernel_ready(q, k)
+        got = paged_attention(q, k, v, tables, lens, 0.125, BLOCK)
+    finally:
+        attention.set_kernel_enabled(True)
+    torch.testing.assert_close(got, reference_attention(q, k, v, tables, lens, 0.125, BLOCK))
+
+
+def test_layout_the_kernel_cannot_read_is_refused() -> None:
+    q, k, v, tables, lens = random_case(9, 3, 64, [10, 40])
+    with pytest.raises(ValueError, match="layout"):
+        paged_attention(q, k, v, tables.long(), lens, 0.125, BLOCK)
+
+
+def test_built_kernel_is_a_cache_hit_next_time() -> None:
+    path = build.build(attention.LIBRARY.source)  # built by the fixture: found, not compiled again
+    stamp = path.stat().st_mtime_ns
+    assert build.build(attention.LIBRARY.source) == path and path.stat().st_mtime_ns == stamp
+    assert not [p for p in path.parent.iterdir() if p.name.startswith(".")]  # no temporary file left behind
+
+
+def test_no_compiler_means_eager_with_one_warning(monkeypatch, caplog, tmp_path) -> None:
+    monkeypatch.setattr(build, "compiler", lambda: None)
+    lib = build.KernelLibrary(tmp_path / "absent.c", lambda _: None)
+    with caplog.at_level(logging.WARNING, logger="fleetllm.kernels.build"):
+        assert lib.get(wait=True) is None
+        assert lib.get(wait=True) is None
+    assert len(caplog.records) == 1 and "no C compiler" in caplog.text
