@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Literal
 
 from fleetllm.capture.config import CaptureConfig
 from fleetllm.cli_options import add_options, cli_fields, from_args, opt
+from fleetllm.disagg.config import TransferOptions
 from fleetllm.engine.config import EngineConfig
 from fleetllm.fleet.runfile import RunDirOption
 from fleetllm.router.config import RouterConfig
@@ -197,7 +198,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
     capture = capture_for(args, "worker-" + worker_identity(args)["worker"], ("worker",), engine.metrics.registry)
     worker = Worker(engine, observability_config(args), role=args.role, capture=capture,
                     max_body_bytes=args.max_body_bytes, tools=from_args(ToolConfig, args),
-                    kv_events=from_args(KVEventsOptions, args))
+                    kv_events=from_args(KVEventsOptions, args), transfer=from_args(TransferOptions, args))
     server = make_server(worker.app, args.host, args.port, args.log_level,
                          on_exit=lambda: setattr(worker, "closing", True),
                          drain=lambda: worker.drain(args.drain_timeout_s), header_timeout_s=args.header_timeout_s,
@@ -352,6 +353,7 @@ def add_worker_parser(sub: argparse._SubParsersAction) -> None:
     add_options(w, CaptureConfig, title="capture (worker tier)")
     add_options(w, ToolConfig, title="tool calling")
     add_options(w, KVEventsOptions, title="KV events in vLLM's format (ZMQ)")
+    add_options(w, TransferOptions, title="KV transfer (disaggregated prefill/decode)")
     sim = w.add_argument_group("simulated worker")
     add_options(sim, SimulateOptions)
     add_options(sim, ProfileOption)

@@ -6,25 +6,30 @@ Layout (little-endian)::
     then for each layer:  crc32 u32 | K bytes | V bytes       (K, V: [num_blocks, block_size, kv_heads, head_dim])
     b"DONE" | crc32 of all layer crcs u32
 
-The header names the model, layer count, dtype, block size, shape, token ids and block hashes, so a
-receiver refuses a frame from another model or layout before touching its pool. A frame is written
-layer by layer (a sender can stream it while it serialises) and read completely and verified before
-anything is imported: a truncated or corrupted frame imports nothing.
+The header names the model, layer count, wire dtype, block size, shape, token ids and block hashes, so a
+receiver refuses a frame from another model or layout before touching its pool. The wire dtype need not
+be the pool's (an fp32 pool may ship fp16 frames, half the bytes); the receiver converts on import.
+
+Every offset follows from the header, so a frame can be built in place (:class:`FrameBuffer`: a prefill
+writes each layer's blocks straight into a shared-memory mapping while later layers still compute) and
+read in place (:func:`decode` returns tensor views over the bytes, no copy). A frame is verified
+completely before anything is imported: a truncated or corrupted frame imports nothing.
 """
 
 from __future__ import annotations
 
 import json
 import struct
+import warnings
 import zlib
 from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass
 
-import numpy as np
 import torch
 
 MAGIC, TRAILER, VERSION = b"FLKV", b"DONE", 1
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_PREFIX = 10  # magic, version, header length
 
 
 class FrameError(ValueError):
@@ -37,7 +42,7 @@ class FrameHeader:
     num_layers: int
     num_kv_heads: int
     head_dim: int
-    dtype: str
+    dtype: str  # the wire dtype of K and V (a key of DTYPES)
     block_size: int
     token_ids: list[int]  # the tokens the blocks hold (num_blocks * block_size of them)
     block_hashes: list[int]
@@ -47,25 +52,96 @@ class FrameHeader:
         return len(self.block_hashes)
 
     @property
+    def shape(self) -> tuple[int, int, int, int]:
+        return self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim
+
+    @property
     def layer_bytes(self) -> int:
-        itemsize = torch.empty((), dtype=_DTYPES[self.dtype]).element_size()
-        return self.num_blocks * self.block_size * self.num_kv_heads * self.head_dim * itemsize
+        """Bytes of one layer's K (or V)."""
+        n = self.num_blocks * self.block_size * self.num_kv_heads * self.head_dim
+        return n * torch.empty((), dtype=DTYPES[self.dtype]).element_size()
+
+    def head(self) -> bytes:
+        """The frame's first bytes: magic, version, header length, header."""
+        h = json.dumps(asdict(self)).encode()
+        return MAGIC + struct.pack("<HI", VERSION, len(h)) + h
+
+    def frame_bytes(self, head_len: int | None = None) -> int:
+        """The whole frame's length."""
+        head_len = len(self.head()) if head_len is None else head_len
+        return head_len + self.num_layers * (4 + 2 * self.layer_bytes) + 8
 
 
-def _raw(t: torch.Tensor) -> bytes:
-    t = t.detach().contiguous().cpu()
-    if t.dtype == torch.bfloat16:
-        t = t.view(torch.int16)
-    return t.numpy().tobytes()
+def _trailer(crcs: list[int]) -> bytes:
+    return TRAILER + struct.pack("<I", zlib.crc32(struct.pack(f"<{len(crcs)}I", *crcs)))
+
+
+def _view(buf: memoryview, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    """A tensor over ``buf`` (no copy); read-only buffers too: frames are only read from them."""
+    if len(buf) == 0:
+        return torch.empty(shape, dtype=dtype)
+    with warnings.catch_warnings():  # torch warns that a read-only buffer could be written through the tensor
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.frombuffer(buf, dtype=dtype).view(shape)
+
+
+class FrameBuffer:
+    """A frame built in place in a writable buffer (a shared-memory mapping, or memory to stream).
+
+    Write any layer's blocks in any order through :meth:`layer`, then :meth:`seal` each layer (its CRC,
+    over the bytes as written), then :meth:`finish` (the trailer). :meth:`pieces` are the sealed bytes.
+    """
+
+    def __init__(self, header: FrameHeader, buf: memoryview | bytearray) -> None:
+        self.header = header
+        head = header.head()
+        self.size = header.frame_bytes(len(head))
+        self.mv = memoryview(buf).cast("B")[: self.size]
+        if len(self.mv) < self.size:
+            raise ValueError(f"buffer of {len(self.mv)} bytes for a frame of {self.size}")
+        self.mv[: len(head)] = head
+        self._head, self._n = len(head), header.layer_bytes
+        self._crcs = [0] * header.num_layers
+        dtype = DTYPES[header.dtype]
+        self._layers = [(_view(self.mv[o + 4 : o + 4 + self._n], dtype, header.shape),
+                         _view(self.mv[o + 4 + self._n : o + 4 + 2 * self._n], dtype, header.shape))
+                        for o in map(self._offset, range(header.num_layers))]
+
+    def _offset(self, layer: int) -> int:
+        return self._head + layer * (4 + 2 * self._n)
+
+    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``i``'s K and V, ``[num_blocks, block_size, kv_heads, head_dim]`` in the wire dtype, writable."""
+        return self._layers[i]
+
+    def seal(self, i: int) -> None:
+        """Checksum layer ``i`` as it now stands: nothing may write it afterwards."""
+        o = self._offset(i)
+        self._crcs[i] = zlib.crc32(self.mv[o + 4 : o + 4 + 2 * self._n])
+        struct.pack_into("<I", self.mv, o, self._crcs[i])
+
+    def finish(self) -> None:
+        """Write the trailer (every layer sealed)."""
+        self.mv[self.size - 8 :] = _trailer(self._crcs)
+
+    def head_piece(self) -> memoryview:
+        return self.mv[: self._head]
+
+    def layer_piece(self, i: int) -> memoryview:
+        o = self._offset(i)
+        return self.mv[o : o + 4 + 2 * self._n]
+
+    def trailer_piece(self) -> memoryview:
+        return self.mv[self.size - 8 :]
 
 
 def encode(header: FrameHeader, layers: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> Iterator[bytes]:
-    """Yield the frame piece by piece: the header, then one piece per layer, then the trailer."""
-    h = json.dumps(asdict(header)).encode()
-    yield MAGIC + struct.pack("<HI", VERSION, len(h)) + h
-    crcs = []
+    """Yield the frame piece by piece: the header, then one piece per layer (converted to the header's
+    dtype), then the trailer."""
+    yield header.head()
+    dtype, crcs = DTYPES[header.dtype], []
     for k, v in layers:
-        kb, vb = _raw(k), _raw(v)
+        kb, vb = _raw(k.to(dtype)), _raw(v.to(dtype))
         if len(kb) != header.layer_bytes or len(vb) != header.layer_bytes:
             raise FrameError(f"layer tensor of {len(kb)} bytes, header says {header.layer_bytes}")
         crc = zlib.crc32(vb, zlib.crc32(kb))
@@ -73,52 +149,88 @@ def encode(header: FrameHeader, layers: Iterable[tuple[torch.Tensor, torch.Tenso
         yield struct.pack("<I", crc) + kb + vb
     if len(crcs) != header.num_layers:
         raise FrameError(f"{len(crcs)} layers written, header says {header.num_layers}")
-    yield TRAILER + struct.pack("<I", zlib.crc32(struct.pack(f"<{len(crcs)}I", *crcs)))
+    yield _trailer(crcs)
 
 
-def decode(data: bytes | memoryview) -> tuple[FrameHeader, list[tuple[torch.Tensor, torch.Tensor]]]:
-    """Parse and verify a whole frame; raise :class:`FrameError` on any inconsistency."""
-    mv = memoryview(data)
-    if len(mv) < 10 or bytes(mv[:4]) != MAGIC:
+def _raw(t: torch.Tensor) -> bytes:
+    t = t.detach().contiguous().cpu()
+    return t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
+
+
+class FrameReader:
+    """A frame read in place as its bytes arrive: each layer verified on its own, then the trailer.
+
+    ``buf`` holds the frame at its offsets (a mapping, or memory an HTTP body is written into); only the
+    head need be there when the reader is made. :meth:`layer` returns views over ``buf`` (no copy)."""
+
+    def __init__(self, buf: memoryview | bytearray | bytes) -> None:
+        self.mv = memoryview(buf).cast("B")
+        self.header, self._head = parse_head(self.mv)
+        self._n, self._dtype = self.header.layer_bytes, DTYPES[self.header.dtype]
+        self.size = self.header.frame_bytes(self._head)
+        self._crcs: list[int] = []
+
+    def end_of(self, i: int) -> int:
+        """Where layer ``i`` ends in the frame (``num_layers``: where the trailer ends, the frame's size)."""
+        return self.size if i >= self.header.num_layers else self._head + (i + 1) * (4 + 2 * self._n)
+
+    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``i``'s K and V once its bytes are in, checksum verified (layers in order)."""
+        o = self._head + i * (4 + 2 * self._n)
+        (crc,) = struct.unpack_from("<I", self.mv, o)
+        if zlib.crc32(self.mv[o + 4 : o + 4 + 2 * self._n]) != crc:
+            raise FrameError(f"checksum mismatch in layer {i}")
+        self._crcs.append(crc)
+        return (_view(self.mv[o + 4 : o + 4 + self._n], self._dtype, self.header.shape),
+                _view(self.mv[o + 4 + self._n : o + 4 + 2 * self._n], self._dtype, self.header.shape))
+
+    def finish(self) -> None:
+        """Check the trailer, every layer read."""
+        if bytes(self.mv[self.size - 8 : self.size]) != _trailer(self._crcs):
+            raise FrameError("bad trailer (a frame cut short or damaged)")
+
+
+def decode(data: bytes | bytearray | memoryview) -> tuple[FrameHeader, list[tuple[torch.Tensor, torch.Tensor]]]:
+    """Parse and verify a whole frame; raise :class:`FrameError` on any inconsistency.
+
+    The layers are views over ``data`` (no copy), in the frame's dtype: keep ``data`` unchanged while they live."""
+    r = FrameReader(data)
+    layers = []
+    for i in range(r.header.num_layers):
+        if len(r.mv) < r.end_of(i):
+            raise FrameError(f"truncated frame: layer {i} of {r.header.num_layers} incomplete")
+        layers.append(r.layer(i))
+    if len(r.mv) != r.size:
+        raise FrameError("truncated or overlong frame (no trailer where expected)")
+    r.finish()
+    return r.header, layers
+
+
+def head_size(prefix: bytes | memoryview) -> int | None:
+    """How many bytes the frame's head (magic to header) takes, from its first bytes (None: not enough yet)."""
+    if len(prefix) < _PREFIX:
+        return None
+    if bytes(prefix[:4]) != MAGIC:
+        raise FrameError("not a KV frame (bad magic)")
+    return _PREFIX + struct.unpack_from("<I", prefix, 6)[0]
+
+
+def parse_head(mv: memoryview) -> tuple[FrameHeader, int]:
+    """The frame's header and where its first layer starts."""
+    if len(mv) < _PREFIX or bytes(mv[:4]) != MAGIC:
         raise FrameError("not a KV frame (bad magic)")
     version, hlen = struct.unpack_from("<HI", mv, 4)
     if version != VERSION:
         raise FrameError(f"frame version {version}, expected {VERSION}")
-    pos = 10 + hlen
+    pos = _PREFIX + hlen
     if len(mv) < pos:
         raise FrameError("truncated frame header")
     try:
-        header = FrameHeader(**json.loads(bytes(mv[10:pos])))
+        header = FrameHeader(**json.loads(bytes(mv[_PREFIX:pos])))
     except (ValueError, TypeError) as e:
         raise FrameError(f"bad frame header: {e}") from None
-    if header.dtype not in _DTYPES:
+    if header.dtype not in DTYPES:
         raise FrameError(f"unsupported dtype {header.dtype}")
     if len(header.token_ids) != header.num_blocks * header.block_size:
         raise FrameError("token ids do not fill the blocks")
-    n = header.layer_bytes
-    shape = (header.num_blocks, header.block_size, header.num_kv_heads, header.head_dim)
-    dtype = _DTYPES[header.dtype]
-    layers, crcs = [], []
-    for layer in range(header.num_layers):
-        if len(mv) < pos + 4 + 2 * n:
-            raise FrameError(f"truncated frame: layer {layer} of {header.num_layers} incomplete")
-        (crc,) = struct.unpack_from("<I", mv, pos)
-        kb, vb = mv[pos + 4 : pos + 4 + n], mv[pos + 4 + n : pos + 4 + 2 * n]
-        if zlib.crc32(vb, zlib.crc32(kb)) != crc:
-            raise FrameError(f"checksum mismatch in layer {layer}")
-        crcs.append(crc)
-        layers.append((_tensor(kb, dtype, shape), _tensor(vb, dtype, shape)))
-        pos += 4 + 2 * n
-    if len(mv) != pos + 8 or bytes(mv[pos : pos + 4]) != TRAILER:
-        raise FrameError("truncated or overlong frame (no trailer where expected)")
-    (total,) = struct.unpack_from("<I", mv, pos + 4)
-    if total != zlib.crc32(struct.pack(f"<{len(crcs)}I", *crcs)):
-        raise FrameError("trailer checksum mismatch")
-    return header, layers
-
-
-def _tensor(buf: memoryview, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
-    if dtype == torch.bfloat16:
-        return torch.from_numpy(np.frombuffer(buf, dtype=np.int16).copy()).view(torch.bfloat16).reshape(shape)
-    np_dtype = np.float32 if dtype == torch.float32 else np.float16
-    return torch.from_numpy(np.frombuffer(buf, dtype=np_dtype).copy()).reshape(shape)
+    return header, pos

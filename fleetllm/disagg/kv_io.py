@@ -1,69 +1,143 @@
 """Export a prompt's KV blocks from one engine; import them into another engine's prefix cache.
 
-Both run on the engine's own thread (:meth:`AsyncEngine.call`), between steps. Import writes each
-block into a fresh pool block, registers it under its hash (a ``stored`` KV event) and releases it:
-the block sits in the prefix cache like a block this engine computed and freed, so the decode request
-that follows takes it as a prefix hit and continues exactly as after a local prefill. Blocks already
-cached are pinned (a reference taken) while the missing ones are allocated, so the allocation's LRU
-eviction can never take the head of the chain being imported. Nothing is left
-allocated — an imported block nobody claims is simply reused later (LRU), which is also how blocks of
-an abandoned transfer are cleaned up.
+Import is three steps, so that the bulk copy never holds up the engine's steps:
+
+1. :func:`reserve` (engine thread, between steps): check the frame fits, pin the blocks already cached,
+   allocate fresh pool blocks for the missing ones. Pinning matters: the allocation's LRU eviction
+   must never take the head of the chain being imported.
+2. :func:`write` (any thread): copy the frame's blocks straight into those pool blocks, converting from
+   the wire dtype. Nothing reads them meanwhile: they are allocated and not yet registered.
+3. :func:`commit` (engine thread): register each block under its hash (a ``stored`` KV event) and
+   release it — it sits in the prefix cache like a block this engine computed and freed, so the decode
+   request that follows takes it as a prefix hit and continues exactly as after a local prefill.
+   :func:`cancel` instead releases the blocks unregistered: a failed import leaves nothing behind.
+
+Nothing is left allocated: an imported block nobody claims is simply reused later (LRU), which is also
+how blocks of an abandoned transfer are cleaned up.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 
-from fleetllm.disagg.frame import FrameError, FrameHeader
+from fleetllm.disagg.frame import DTYPES, FrameError, FrameHeader
 from fleetllm.engine.block_pool import BlockPool, hash_block
 
 if TYPE_CHECKING:
     from fleetllm.engine.engine import LLMEngine
 
+Layers = list[tuple[torch.Tensor, torch.Tensor]]
+Missing = tuple[int, int, list[int], int | None]  # frame index, hash, tokens, the previous block's hash
 
-def export_blocks(engine: LLMEngine, token_ids: list[int]) -> tuple[FrameHeader, list[tuple[torch.Tensor, torch.Tensor]]]:
-    """The cached full blocks of ``token_ids`` (the leading run still in the prefix cache), copied out."""
-    bs = engine.pool.block_size
+
+def pool_dtype(engine: LLMEngine) -> str:
+    """The KV cache's dtype as a frame names it (``float32``, ``bfloat16``, ``float16``)."""
+    return str(engine.kv_blocks()[0][0].dtype).removeprefix("torch.")
+
+
+def frame_header(engine: LLMEngine, token_ids: list[int], hashes: list[int], dtype: str | None = None) -> FrameHeader:
+    """The header of a frame of ``token_ids``' first ``len(hashes)`` blocks, in ``dtype`` (default: the pool's)."""
+    cfg, bs = engine.loaded.config, engine.pool.block_size
+    return FrameHeader(engine.model_name, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype or pool_dtype(engine),
+                       bs, list(token_ids[: len(hashes) * bs]), list(hashes))
+
+
+def export_blocks(engine: LLMEngine, token_ids: list[int], dtype: str | None = None) -> tuple[FrameHeader, Layers]:
+    """The cached full blocks of ``token_ids`` (the leading run still in the prefix cache), copied out in
+    ``dtype`` (default: the pool's)."""
     ids, hashes = engine.kv.cached_prefix(list(token_ids))
-    cfg = engine.loaded.config
+    header = frame_header(engine, token_ids, hashes, dtype)
     views = engine.kv_blocks()
     index = torch.tensor(ids, dtype=torch.long, device=views[0][0].device)
-    layers = [(k.index_select(0, index).cpu(), v.index_select(0, index).cpu()) for k, v in views]
-    dtype = str(views[0][0].dtype).removeprefix("torch.")
-    header = FrameHeader(engine.model_name, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype, bs,
-                         list(token_ids[: len(ids) * bs]), hashes)
+    wire = DTYPES[header.dtype]
+    layers = [(k.index_select(0, index).to("cpu", wire), v.index_select(0, index).to("cpu", wire)) for k, v in views]
     return header, layers
 
 
-def import_blocks(engine: LLMEngine, header: FrameHeader, layers: list[tuple[torch.Tensor, torch.Tensor]]) -> dict[str, int]:
-    """Register the frame's blocks in ``engine``'s prefix cache; blocks already cached are skipped.
+@dataclass
+class Reservation:
+    """Pool blocks held for one import: fresh ones to fill (``todo``, ``new``), cached ones pinned."""
 
-    Raises :class:`FrameError` if the frame does not fit this engine (model, layout, hashes)."""
+    header: FrameHeader
+    todo: list[Missing] = field(default_factory=list)
+    new: list[int] = field(default_factory=list)
+    pinned: list[int] = field(default_factory=list)
+    missing: int = 0
+
+    def result(self) -> dict[str, int]:
+        h = self.header
+        return {"imported": len(self.new), "already_cached": h.num_blocks - self.missing,
+                "dropped": self.missing - len(self.new)}
+
+
+def check_fits(engine: LLMEngine, header: FrameHeader) -> None:
+    """Any thread: raise :class:`FrameError` unless the frame's model and layout are this engine's."""
     cfg = engine.loaded.config
-    views = engine.kv_blocks()
-    # the dtype may differ (a bf16 KV pool sending to an fp32 one, or back): blocks are cast as they are written
     expect = (engine.model_name, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, engine.pool.block_size)
     got = (header.model, header.num_layers, header.num_kv_heads, header.head_dim, header.block_size)
-    if got != expect:
-        raise FrameError(f"frame for {got} does not fit this engine {expect}")
+    if got != expect or header.dtype not in DTYPES:
+        raise FrameError(f"frame for {got} ({header.dtype}) does not fit this engine {expect}")
+
+
+def reserve(engine: LLMEngine, header: FrameHeader) -> Reservation:
+    """Engine thread: pin the frame's blocks cached here, allocate pool blocks for the missing ones (as many as
+    fit above the scheduler's watermark). Raises :class:`FrameError` if the frame does not fit this engine."""
+    check_fits(engine, header)
     pool = engine.pool
     missing, pinned = _walk(header, pool, engine.kv.extra_key)
     for bid in pinned:  # a reference on what is cached: allocating below must not evict the chain's head
         pool.touch(bid)
+    room = pool.num_free - engine.scheduler.watermark_blocks  # keep the scheduler's headroom
+    todo = missing[: max(0, room)]
+    return Reservation(header, todo, pool.allocate(len(todo)) if todo else [], pinned, len(missing))
+
+
+def write(views: Layers, layers: Layers, res: Reservation) -> None:
+    """Any thread: copy the reserved blocks of the frame (views over its bytes) into the pool blocks."""
+    if not res.new:
+        return
+    device = views[0][0].device
+    src = [t[0] for t in res.todo]
+    dst = torch.tensor(res.new, dtype=torch.long, device=device)
+    whole = src == list(range(src[0], src[0] + len(src)))
+    index = torch.tensor(src, dtype=torch.long)
+    for (kc, vc), (k, v) in zip(views, layers, strict=True):
+        for cache, part in ((kc, k), (vc, v)):
+            part = part[src[0] : src[0] + len(src)] if whole else part.index_select(0, index)  # a view when it can
+            cache.index_copy_(0, dst, part.to(device, cache.dtype))  # .to: no copy when the dtypes match
+
+
+def commit(engine: LLMEngine, res: Reservation) -> dict[str, int]:
+    """Engine thread: register the written blocks in the prefix cache and release every block held."""
+    pool = engine.pool
+    for bid, (_, h, chunk, prev) in zip(res.new, res.todo, strict=True):
+        pool.register(bid, h, chunk, prev)
+    result = res.result()
+    cancel(engine, res)  # released after registration: in the prefix cache, owned by nobody
+    return result
+
+
+def cancel(engine: LLMEngine, res: Reservation) -> None:
+    """Engine thread: release every block held (fresh ones unregistered: the import never happened)."""
+    engine.pool.release(res.new)
+    engine.pool.release(res.pinned)
+    res.new, res.pinned = [], []
+
+
+def import_blocks(engine: LLMEngine, header: FrameHeader, layers: Layers) -> dict[str, int]:
+    """Reserve, write and commit in one go (on the engine thread); blocks already cached are skipped.
+
+    Raises :class:`FrameError` if the frame does not fit this engine (model, layout, hashes)."""
+    res = reserve(engine, header)
     try:
-        # keep the scheduler's headroom: never take more than the free blocks beyond the watermark
-        room = pool.num_free - engine.scheduler.watermark_blocks
-        todo = missing[: max(0, room)]
-        if todo:
-            _write_blocks(pool, views, layers, todo)
-    finally:
-        pool.release(pinned)
-    return {"imported": len(todo), "already_cached": header.num_blocks - len(missing), "dropped": len(missing) - len(todo)}
-
-
-Missing = tuple[int, int, list[int], int | None]  # frame index, hash, tokens, the previous block's hash
+        write(engine.kv_blocks(), layers, res)
+    except BaseException:
+        cancel(engine, res)
+        raise
+    return commit(engine, res)
 
 
 def _walk(header: FrameHeader, pool: BlockPool, extra: bytes) -> tuple[list[Missing], list[int]]:
@@ -83,17 +157,3 @@ def _walk(header: FrameHeader, pool: BlockPool, extra: bytes) -> tuple[list[Miss
         else:
             cached.append(bid)
     return missing, cached
-
-
-def _write_blocks(pool: BlockPool, views: list[tuple[torch.Tensor, torch.Tensor]],
-                  layers: list[tuple[torch.Tensor, torch.Tensor]], todo: list[Missing]) -> None:
-    """Copy the ``todo`` blocks of the frame into fresh pool blocks, register them and release them."""
-    new = pool.allocate(len(todo))
-    src = torch.tensor([t[0] for t in todo], dtype=torch.long)
-    dst = torch.tensor(new, dtype=torch.long, device=views[0][0].device)
-    for (kc, vc), (k, v) in zip(views, layers, strict=True):
-        kc.index_copy_(0, dst, k.index_select(0, src).to(kc.device, kc.dtype))
-        vc.index_copy_(0, dst, v.index_select(0, src).to(vc.device, vc.dtype))
-    for bid, (_, h, chunk, prev) in zip(new, todo, strict=True):
-        pool.register(bid, h, chunk, prev)
-    pool.release(new)

@@ -5,13 +5,22 @@
     {"path": "/v1/chat/completions", "body": {...the client's request...}, "decode_url": "http://...",
      "transfer": "shm" | "http", "request_id": "..."}
 
-computes the prompt's KV (one sampled token, then stop), exports its full blocks and pushes them to the
-decode worker's ``POST /pd/kv``, over shared memory (a file in /dev/shm, same host) or streamed over
-HTTP. It answers ``{"blocks", "bytes", "prefill_s", "transfer_s", ...}`` or an error status.
+computes the prompt's KV (one sampled token, then stop) and ships its full blocks to the decode worker's
+``POST /pd/kv``. The frame is built while the prefill runs: after each decoder layer, the blocks it has
+just written go straight from the pool into the frame (:mod:`.layer_stream`), and in the prompt's last
+step each layer is sealed and announced while later layers still compute. Over shared memory (same host)
+the frame lives in a mapped file in /dev/shm that the decode worker maps too, the POST body saying
+which file and then one byte per layer made final; over HTTP the body is the frame, each layer sent
+as soon as it is sealed. It answers ``{"blocks", "bytes", "prefill_s", "transfer_s", ...}`` or an error
+status: ``prefill_s`` runs until the frame is complete, ``transfer_s`` from then to the decode
+worker's answer (what the overlap left exposed).
 
-``POST /pd/kv`` (decode side) takes a frame (``application/octet-stream``) or ``{"shm": path}``,
-verifies it completely, and imports its blocks into the prefix cache. A bad frame is a 400 and
-imports nothing. Transfer bytes, seconds and failures are metrics on both sides.
+``POST /pd/kv`` (decode side) takes a frame (``application/octet-stream``), a shared-memory file being
+filled (:data:`.arrival.SHM_STREAM`), or a finished one (``{"shm": path, "bytes": n, "keep": bool}``; without
+keep the receiver unlinks it). Each layer is verified (CRC) as soon as it is in and copied from the
+frame's bytes straight into pool blocks reserved for it, off the engine thread (see :mod:`.kv_io`); the
+blocks are registered only once the trailer checks out. A bad frame is a 400 and imports nothing.
+Transfer bytes, seconds and failures are metrics on both sides.
 
 Torch is imported lazily: simulated workers (no torch) serve the same app without these endpoints working.
 """
@@ -19,7 +28,7 @@ Torch is imported lazily: simulated workers (no torch) serve the same app withou
 from __future__ import annotations
 
 import asyncio
-import os
+import json
 import tempfile
 import time
 import uuid
@@ -32,6 +41,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from fleetllm.disagg.buffers import PREFIX, Buffer, FrameBuffers
+from fleetllm.disagg.config import TransferOptions
 from fleetllm.engine.params import SamplingParams
 from fleetllm.server.protocol import APIError
 from fleetllm.server.worker_secret import worker_secret
@@ -39,6 +50,9 @@ from fleetllm.server.worker_secret import worker_secret
 if TYPE_CHECKING:
     import httpx
 
+    from fleetllm.disagg.frame import FrameBuffer
+    from fleetllm.disagg.layer_stream import LayerStream
+    from fleetllm.engine.engine import LLMEngine
     from fleetllm.server.app import Worker
 
 SHM_DIR = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
@@ -49,27 +63,36 @@ class TransferMetrics:
     def __init__(self, worker: Worker) -> None:
         r = worker.engine.metrics.registry
         self.bytes = Counter("fleetllm:kv_transfer_bytes", "KV frame bytes sent or received.", ["direction", "via"], registry=r)
-        self.seconds = Histogram("fleetllm:kv_transfer_seconds", "Time to ship (sent) or verify and import "
-                                 "(received) one KV frame.", ["direction"], buckets=_SECONDS, registry=r)
+        self.seconds = Histogram("fleetllm:kv_transfer_seconds", "Time to ship (sent: from the frame's completion "
+                                 "to the decode worker's answer) or verify and import (received) one KV frame.",
+                                 ["direction"], buckets=_SECONDS, registry=r)
         self.blocks = Counter("fleetllm:kv_transfer_blocks", "KV blocks sent, imported, or already cached on arrival.",
                               ["kind"], registry=r)
         self.failures = Counter("fleetllm:kv_transfer_failures", "Failed transfers by reason.", ["reason"], registry=r)
-        self.prefill_seconds = Histogram("fleetllm:pd_prefill_seconds", "Remote-prefill compute time on this worker.",
-                                         buckets=_SECONDS, registry=r)
+        self.prefill_seconds = Histogram("fleetllm:pd_prefill_seconds", "Remote-prefill time on this worker, until "
+                                         "its KV frame is complete.", buckets=_SECONDS, registry=r)
 
 
-def pd_routes(worker: Worker) -> list[Route]:
+def frame_body_cap(engine: LLMEngine) -> int:
+    """The largest KV frame worth reading (``POST /pd/kv``): the whole KV pool in fp32, its header included."""
+    cfg, tokens = engine.loaded.config, engine.pool.num_blocks * engine.pool.block_size
+    return tokens * (2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 4 + 8) + engine.pool.num_blocks * 24
+
+
+def pd_routes(worker: Worker, options: TransferOptions | None = None) -> list[Route]:
     """The ``/pd/prefill`` and ``/pd/kv`` routes of ``worker``."""
-    ep = PDEndpoints(worker)
+    ep = PDEndpoints(worker, options)
     return [Route("/pd/prefill", ep.prefill, methods=["POST"]), Route("/pd/kv", ep.receive, methods=["POST"])]
 
 
 class PDEndpoints:
     """The two disaggregation endpoints of one worker, built on its public request helpers."""
 
-    def __init__(self, worker: Worker) -> None:
+    def __init__(self, worker: Worker, options: TransferOptions | None = None) -> None:
         self.worker = worker
+        self.options = options or TransferOptions()
         self._metrics: TransferMetrics | None = None
+        self._buffers: FrameBuffers | None = None
 
     @property
     def metrics(self) -> TransferMetrics:
@@ -78,11 +101,15 @@ class PDEndpoints:
             self._metrics = TransferMetrics(self.worker)
         return self._metrics
 
+    @property
+    def buffers(self) -> FrameBuffers:
+        if self._buffers is None:
+            self._buffers = FrameBuffers(SHM_DIR)
+        return self._buffers
+
     # ---- prefill side ----------------------------------------------------------------------------------
     async def prefill(self, request: Request) -> Response:
-        """Compute the prompt's KV, ship its full blocks to the decode worker, answer what was shipped."""
-        from fleetllm.disagg.kv_io import export_blocks
-
+        """Compute the prompt's KV into a frame, ship it to the decode worker, answer what was shipped."""
         req = await self.worker.request_body(request)
         path, body, decode_url = req.get("path", ""), req.get("body"), req.get("decode_url")
         if not isinstance(body, dict) or not isinstance(decode_url, str):
@@ -90,105 +117,175 @@ class PDEndpoints:
         kind = "chat" if path.endswith("/chat/completions") else "text"
         ids = self.worker.prompt_ids(kind, body)[0]
         rid = f"pd-{req.get('request_id') or uuid.uuid4().hex}"
+        via, timeout = req.get("transfer") or "http", float(req.get("timeout_s") or 60.0)
         t0 = time.perf_counter()
-        await self.worker.until_disconnect(request, self._compute(rid, ids))  # the router gave up: abort, free the blocks
-        header, layers = await self.worker.async_engine.call(lambda e: export_blocks(e, ids))
-        prefill_s = time.perf_counter() - t0
-        self.metrics.prefill_seconds.observe(prefill_s)
-        via = req.get("transfer") or "http"
-        t1 = time.perf_counter()
-        r, nbytes = await self._ship(header, layers, decode_url, via, float(req.get("timeout_s") or 60.0))
+        buf, stream, sealed = await self._stream(rid, ids, via)
+        shipped = False
+        try:
+            async with self._client(timeout) as client:
+                # sent while the prefill computes: each layer as soon as it is sealed
+                sending = asyncio.create_task(self._send(client, stream.frame, buf, decode_url, sealed))
+                try:
+                    await self.worker.until_disconnect(request, self._compute(rid, ids, stream))  # the router gave up: abort
+                    prefill_s = time.perf_counter() - t0
+                    t1 = time.perf_counter()
+                    r = await sending
+                finally:
+                    if not sending.done():
+                        sending.cancel()
+            shipped = True
+        finally:
+            await self.worker.async_engine.call(lambda e: e.observe_layers(rid, None))
+            stream.close()
+            self.buffers.give_back(buf, reusable=shipped)
         transfer_s = time.perf_counter() - t1
-        self.metrics.bytes.labels(direction="sent", via=via).inc(nbytes)
+        n = stream.frame.size
+        self.metrics.prefill_seconds.observe(prefill_s)
+        self.metrics.bytes.labels(direction="sent", via=via).inc(n)
         self.metrics.seconds.labels(direction="sent").observe(transfer_s)
-        self.metrics.blocks.labels(kind="sent").inc(header.num_blocks)
-        return JSONResponse({"blocks": header.num_blocks, "bytes": nbytes, "prompt_tokens": len(ids),
+        self.metrics.blocks.labels(kind="sent").inc(stream.frame.header.num_blocks)
+        return JSONResponse({"blocks": stream.frame.header.num_blocks, "bytes": n, "prompt_tokens": len(ids),
                              "prefill_s": prefill_s, "transfer_s": transfer_s, "via": via, **r.json()})
 
-    async def _compute(self, rid: str, ids: list[int]) -> None:
-        # one greedy token: the prompt's blocks are then computed and sit in the prefix cache
+    async def _stream(self, rid: str, ids: list[int], via: str) -> tuple[Buffer, LayerStream, asyncio.Queue[int]]:
+        """A frame buffer for ``ids``' full blocks, filled by the forward passes of request ``rid`` from now on;
+        and the queue of the frame's layers as they are sealed (the trailer: ``num_layers``)."""
+        from fleetllm.disagg.frame import FrameBuffer
+        from fleetllm.disagg.kv_io import frame_header
+        from fleetllm.disagg.layer_stream import LayerStream
+        from fleetllm.engine.block_pool import hash_prefix_blocks
+
+        engine = self.worker.engine
+        hashes = hash_prefix_blocks(ids, engine.pool.block_size, engine.kv.extra_key)
+        dtype = self.options.kv_transfer_dtype
+        header = frame_header(engine, ids, hashes, None if dtype == "auto" else dtype)
+        buf = await asyncio.to_thread(self.buffers.take, via, header.frame_bytes())
+        loop, sealed = asyncio.get_running_loop(), asyncio.Queue()
+        stream = LayerStream(FrameBuffer(header, buf.memory), lambda i: loop.call_soon_threadsafe(sealed.put_nowait, i))
+        await self.worker.async_engine.call(lambda e: e.observe_layers(rid, stream))
+        return buf, stream, sealed
+
+    async def _compute(self, rid: str, ids: list[int], stream: LayerStream) -> None:
+        # one greedy token: every layer of the prompt's blocks then went through the stream
         async for _ in self.worker.async_engine.generate(rid, ids, SamplingParams(max_tokens=1, temperature=0.0)):
             pass
+        if not stream.final:
+            raise APIError(500, "the prefill ended before its KV was complete")
+        await asyncio.wrap_future(stream.done)  # the last layer sealed: the frame is complete
 
-    async def _ship(self, header: Any, layers: Any, decode_url: str, via: str, timeout: float) -> tuple[httpx.Response, int]:
-        """POST the frame to the decode worker's ``/pd/kv``; its answer (200 only) and the bytes sent."""
+    def _client(self, timeout: float) -> httpx.AsyncClient:
         import httpx  # only a prefill worker sends; httpx (with its CLI's rich/click) stays out of every start
 
-        from fleetllm.disagg import frame
+        secret = worker_secret()  # a fleet with keys: the decode worker takes requests from its fleet only
+        auth = {"authorization": f"Bearer {secret}"} if secret else None
+        return httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=3.0), headers=auth)
 
-        shm_path: Path | None = None
+    async def _send(self, client: httpx.AsyncClient, f: FrameBuffer, buf: Buffer, decode_url: str,
+                    sealed: asyncio.Queue[int]) -> httpx.Response:
+        """POST the frame to the decode worker's ``/pd/kv``, each layer as soon as it is sealed: its bytes (HTTP),
+        or one byte saying so (shared memory: the decode worker maps the file being filled)."""
+        import httpx
+
+        from fleetllm.disagg.arrival import SHM_STREAM
+
+        shm = buf.path is not None
+
+        async def pieces() -> AsyncIterator[bytes]:
+            if shm:
+                yield json.dumps({"shm": str(buf.path), "bytes": f.size, "keep": True}).encode() + b"\n"
+            else:
+                yield f.head_piece()
+            for i in range(f.header.num_layers + 1):
+                await sealed.get()
+                yield b"\x01" if shm else f.layer_piece(i) if i < f.header.num_layers else f.trailer_piece()
+
         try:
-            secret = worker_secret()  # a fleet with keys: the decode worker takes requests from its fleet only
-            auth = {"authorization": f"Bearer {secret}"} if secret else None
-            async with httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=3.0), headers=auth) as client:
-                if via == "shm":
-                    shm_path = SHM_DIR / f"fleetllm-kv-{uuid.uuid4().hex}"
-                    nbytes = await asyncio.to_thread(_write_frame, shm_path, frame.encode(header, layers))
-                    r = await client.post(decode_url + "/pd/kv", json={"shm": str(shm_path)})
-                else:
-                    sent = [0]
-
-                    async def pieces() -> AsyncIterator[bytes]:
-                        for piece in frame.encode(header, layers):  # one layer at a time on the wire
-                            sent[0] += len(piece)
-                            yield piece
-
-                    r = await client.post(decode_url + "/pd/kv", content=pieces(),
-                                          headers={"content-type": "application/octet-stream"})
-                    nbytes = sent[0]
+            r = await client.post(decode_url + "/pd/kv", content=pieces(),
+                                  headers={"content-type": SHM_STREAM if shm else "application/octet-stream"})
         except httpx.HTTPError as e:
             self.metrics.failures.labels(reason="send").inc()
             raise APIError(502, f"KV transfer to {decode_url} failed: {type(e).__name__}: {e}") from None
-        finally:
-            if shm_path is not None and shm_path.exists():
-                shm_path.unlink(missing_ok=True)  # never claimed: the receiver unlinks what it reads
         if r.status_code != 200:
             self.metrics.failures.labels(reason=f"rejected_{r.status_code}").inc()
             raise APIError(502, f"the decode worker refused the KV frame ({r.status_code}): {r.text[:200]}")
-        return r, nbytes
+        return r
 
     # ---- decode side -----------------------------------------------------------------------------------
     async def receive(self, request: Request) -> Response:
-        """Verify a frame and import its blocks into this worker's prefix cache."""
-        from fleetllm.disagg.frame import FrameError, decode
-        from fleetllm.disagg.kv_io import import_blocks
+        """Verify a frame and import its blocks into this worker's prefix cache, each layer as soon as it is in."""
+        from fleetllm.disagg.frame import FrameError
 
         t0 = time.perf_counter()
-        data, via = await self._read_frame(request)
+        arrival = await self._arrival(request)
         try:
-            header, layers = await asyncio.to_thread(decode, data)
-            result = await self.worker.async_engine.call(lambda e: import_blocks(e, header, layers))
+            # shielded: a client gone mid-import must not leave pool blocks reserved or half written
+            result, nbytes = await asyncio.shield(asyncio.ensure_future(self._import(arrival)))
         except FrameError as e:
             self.metrics.failures.labels(reason="bad_frame").inc()
             raise APIError(400, f"bad KV frame: {e}") from None
-        self.metrics.bytes.labels(direction="received", via=via).inc(len(data))
+        except (OSError, ValueError) as e:  # the shared-memory file named could not be mapped
+            self.metrics.failures.labels(reason="shm_read").inc()
+            raise APIError(400, f"cannot read the frame: {e}", "shm") from None
+        self.metrics.bytes.labels(direction="received", via=arrival.via).inc(nbytes)
         self.metrics.seconds.labels(direction="received").observe(time.perf_counter() - t0)
         self.metrics.blocks.labels(kind="imported").inc(result["imported"])
         self.metrics.blocks.labels(kind="already_cached").inc(result["already_cached"])
         return JSONResponse(result)
 
-    async def _read_frame(self, request: Request) -> tuple[bytes, str]:
-        """The frame's bytes, from the body or from the shared-memory file it names; and which way it came."""
-        if not request.headers.get("content-type", "").startswith("application/json"):
-            return await request.body(), "http"
+    async def _import(self, arrival: Any) -> tuple[dict[str, int], int]:
+        """Each layer verified and copied into reserved pool blocks as it arrives (a worker thread: the engine's
+        steps go on), then the blocks committed; a failure cancels: nothing imported, nothing held."""
+        from fleetllm.disagg.frame import FrameReader
+        from fleetllm.disagg.kv_io import cancel, check_fits, commit, reserve
+
+        reader = FrameReader(await arrival.head())
+        check_fits(self.worker.engine, reader.header)  # refused before its layers are read
+        engine, views, res = self.worker.async_engine, self.worker.engine.kv_blocks(), None
+        try:
+            for i in range(reader.header.num_layers):
+                await arrival.until(i, reader.end_of(i))
+                if res is None:  # blocks held from the first layer on, not while the prefill computes
+                    res = await engine.call(lambda e: reserve(e, reader.header))
+                await asyncio.to_thread(_into_pool, reader, i, views, res)
+            await arrival.until(reader.header.num_layers, reader.size)
+            await arrival.end(reader.size)
+            reader.finish()
+            if res is None:
+                res = await engine.call(lambda e: reserve(e, reader.header))
+        except BaseException:
+            if res is not None:
+                await engine.call(lambda e: cancel(e, res))
+            raise
+        return await engine.call(lambda e: commit(e, res)), reader.size
+
+    async def _arrival(self, request: Request) -> Any:
+        """Where the frame's bytes come from: the body, or the shared-memory file it names (whole, or being filled)."""
+        from fleetllm.disagg.arrival import SHM_STREAM, Notified, Streamed, Whole, map_file
+
+        ctype = request.headers.get("content-type", "")
+        if ctype.startswith(SHM_STREAM):
+            return Notified(request.stream(), _check_shm)
+        if not ctype.startswith("application/json"):
+            return Streamed(request.stream())
         spec = await self.worker.request_body(request)
         p = Path(str(spec.get("shm", "")))
-        if p.parent != SHM_DIR or not p.name.startswith("fleetllm-kv-"):
-            raise APIError(400, "shm must name a fleetllm-kv-* file in the shared-memory directory", "shm")
+        _check_shm(p)
         try:
-            return await asyncio.to_thread(p.read_bytes), "shm"
-        except OSError as e:
+            return Whole(await asyncio.to_thread(map_file, p, spec.get("bytes")), "shm")
+        except (OSError, ValueError) as e:
             self.metrics.failures.labels(reason="shm_read").inc()
             raise APIError(400, f"cannot read {p}: {e}", "shm") from None
         finally:
-            p.unlink(missing_ok=True)
+            if not spec.get("keep"):  # handed over: the file is ours to remove
+                p.unlink(missing_ok=True)
 
 
-def _write_frame(path: Path, pieces: Any) -> int:
-    n = 0
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "wb") as f:
-        for piece in pieces:
-            f.write(piece)
-            n += len(piece)
-    return n
+def _check_shm(p: Path) -> None:
+    if p.parent != SHM_DIR or not p.name.startswith(PREFIX):
+        raise APIError(400, f"shm must name a {PREFIX}* file in the shared-memory directory", "shm")
+
+
+def _into_pool(reader: Any, i: int, views: Any, res: Any) -> None:
+    from fleetllm.disagg.kv_io import write
+
+    write([views[i]], [reader.layer(i)], res)

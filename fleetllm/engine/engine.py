@@ -101,6 +101,11 @@ class LLMEngine:
         """Per layer, ``[num_blocks, block_size, kv_heads, head_dim]`` views of the K and V cache (KV transfer)."""
         return self.executor.kv_blocks()
 
+    def observe_layers(self, label: str, observer: object | None) -> None:
+        """Hand the KV of requests labelled ``label`` (ids ``label`` or ``label#n``) to ``observer`` as each
+        decoder layer writes it (a model runner ``LayerObserver``: the P/D sender); None stops."""
+        self.executor.observe_layers(label, observer)
+
     # ---- requests ----------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     arrival_time: float | None = None) -> None:

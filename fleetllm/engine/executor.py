@@ -13,7 +13,7 @@ Torch-free: the simulated worker runs the engine without loading PyTorch.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from fleetllm.engine.outputs import TokenLogprob
 
@@ -73,4 +73,9 @@ class Executor(Protocol):
 
     def kv_blocks(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per layer, views ``[num_blocks, block_size, kv_heads, head_dim]`` of the K and V cache."""
+        ...
+
+    def observe_layers(self, label: str, observer: Any) -> None:
+        """Show requests labelled ``label`` layer by layer to ``observer`` (a model runner ``LayerObserver``;
+        None: stop)."""
         ...

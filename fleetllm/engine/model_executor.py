@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from fleetllm.engine.executor import ModelOutput, Sampled
-from fleetllm.engine.model_runner import ModelRunner, kv_dtype_of
+from fleetllm.engine.model_runner import LayerObserver, ModelRunner, kv_dtype_of
 from fleetllm.engine.outputs import TokenLogprob
 from fleetllm.engine.sampling import Sampler
 from fleetllm.engine.scheduler import Scheduled, SchedulerOutput
@@ -136,6 +136,12 @@ class ModelExecutor:
     def forget(self, seq: Sequence) -> None:
         if self.spec:
             self.spec.drafter.forget(seq)
+
+    def observe_layers(self, label: str, observer: LayerObserver | None) -> None:
+        if observer is None:
+            self.runner.layer_observers.pop(label, None)
+        else:
+            self.runner.layer_observers[label] = observer
 
     def kv_blocks(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         bs = self.runner.block_size

@@ -6,20 +6,33 @@ over cached context; the caller asks for logits at each of its rows.
 
 from __future__ import annotations
 
+import contextlib
 import mmap
+from collections.abc import Callable
+from typing import Protocol
 
 import torch
 
 from fleetllm.engine.scheduler import Scheduled
+from fleetllm.engine.sequence import Sequence
 from fleetllm.engine.step_profile import StepProfile, phase
 from fleetllm.models.llama import AttentionMetadata, LlamaModel, PrefillChunk
 
 KV_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+LayerFn = Callable[[int, torch.Tensor, torch.Tensor], None]  # (layer, its K cache, its V cache)
 
 
 def kv_dtype_of(name: str, model: LlamaModel) -> torch.dtype:
     """The KV cache's dtype for a ``--kv-cache-dtype`` name: ``auto`` is the model's own dtype."""
     return next(model.parameters()).dtype if name == "auto" else KV_DTYPES[name]
+
+
+class LayerObserver(Protocol):
+    """Sees a request's KV as each decoder layer writes it (disaggregated prefill streams it out)."""
+
+    def begin(self, seq: Sequence, start: int, n: int, block_size: int) -> LayerFn | None:
+        """Before a forward computing ``seq``'s tokens ``[start, start + n)``: what to call after each layer."""
+        ...
 
 
 class ModelRunner:
@@ -41,6 +54,7 @@ class ModelRunner:
         pool = _zeroed(2 * cfg.num_layers * shape[0] * shape[1] * shape[2], self.kv_dtype, device)
         per = pool.view(2 * cfg.num_layers, *shape)
         self.kv_cache = [(per[2 * i], per[2 * i + 1]) for i in range(cfg.num_layers)]
+        self.layer_observers: dict[str, LayerObserver] = {}  # by request label (the engine id before "#")
 
     @staticmethod
     def kv_bytes_per_block(model: LlamaModel, block_size: int, kv_dtype: torch.dtype | None = None) -> int:
@@ -67,7 +81,7 @@ class ModelRunner:
         with phase(self.profile, "prepare"):
             ids, positions, meta = self._inputs(batch)
             rows = torch.tensor(logit_rows, dtype=torch.long, device=self.device)
-        with phase(self.profile, "forward"):
+        with phase(self.profile, "forward"), self._observed(batch):
             out = self.model(ids, positions, meta, self.kv_cache, aux_layers)
             hidden, aux = out if aux_layers is not None else (out, None)
         with phase(self.profile, "logits"):
@@ -108,6 +122,20 @@ class ModelRunner:
             meta.decode_lens = torch.tensor(decode_lens, dtype=torch.int32, device=self.device)
         return torch.tensor(ids, device=self.device), torch.tensor(positions, device=self.device), meta
 
+    def _observed(self, batch: list[Scheduled]) -> contextlib.AbstractContextManager[None]:
+        """Hooks after each layer's attention for the observed requests of this step (none: no hooks at all)."""
+        calls = []
+        for s in batch if self.layer_observers else ():
+            o = self.layer_observers.get(s.seq.request_id.split("#", 1)[0])
+            fn = o.begin(s.seq, s.seq.num_computed_tokens, s.num_new_tokens, self.block_size) if o else None
+            if fn is not None:
+                calls.append(fn)
+        stack = contextlib.ExitStack()
+        for i, (layer, (kc, vc)) in enumerate(zip(self.model.layers, self.kv_cache, strict=True)):
+            if calls:  # a forward hook on the attention: it has just written this layer's K and V
+                stack.enter_context(layer.attn.register_forward_hook(_after(calls, i, kc, vc)))
+        return stack
+
     def _decode_slots(self, tables: list[list[int]], lens: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Slots and padding mask of each decode query (the eager path), and its int32 block table (kernels)."""
         bs = self.block_size
@@ -124,6 +152,14 @@ class ModelRunner:
         dtype = next(self.model.parameters()).dtype
         mask = mask.view(len(tables), 1, 1, max_len).to(self.device, dtype)
         return slots.to(self.device), mask, bt.to(self.device, torch.int32)
+
+
+def _after(calls: list[LayerFn], i: int, kc: torch.Tensor, vc: torch.Tensor) -> Callable[..., None]:
+    def hook(*_: object) -> None:
+        for fn in calls:
+            fn(i, kc, vc)
+
+    return hook
 
 
 def _zeroed(numel: int, dtype: torch.dtype, device: str) -> torch.Tensor:

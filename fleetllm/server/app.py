@@ -34,7 +34,8 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from fleetllm.capture.worker_tap import open_worker_tap
-from fleetllm.disagg.routes import pd_routes
+from fleetllm.disagg.config import TransferOptions
+from fleetllm.disagg.routes import frame_body_cap, pd_routes
 from fleetllm.engine.async_engine import AsyncEngine, EngineFailed
 from fleetllm.engine.outputs import RequestOutput
 from fleetllm.engine.params import InvalidParameter, SamplingParams
@@ -83,7 +84,7 @@ class Worker:
     def __init__(self, engine: LLMEngine, obs: ObservabilityConfig | None = None, role: str = "both",
                  capture: Capture | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
                  tools: ToolConfig | None = None, kv_events: KVEventsOptions | None = None,
-                 kv_events_index: int = 0) -> None:
+                 kv_events_index: int = 0, transfer: TransferOptions | None = None) -> None:
         self.engine = engine
         self.capture = capture  # the worker tier (fleetllm/capture/)
         self.tool_parser = parser_for((tools or ToolConfig()).tool_call_parser, engine.tokenizer.chat_template)
@@ -117,7 +118,7 @@ class Worker:
                 Route("/metrics", self.metrics, methods=["GET"]),
                 *dashboard_routes(),
                 Route("/kv/events", self.kv_events, methods=["GET"]),
-                *pd_routes(self),
+                *pd_routes(self, transfer),  # transfer: how this worker ships KV frames (P/D)
                 messages_route(self),
                 responses_route(self, ConversationStore()),
             ],
@@ -126,7 +127,7 @@ class Worker:
                                 405: self._not_found, 500: self._internal},
         )
         self.app = self.inflight = InFlight(self.app)
-        self.app = BodyLimit(self.app, max_body_bytes)
+        self.app = BodyLimit(self.app, max_body_bytes, {"/pd/kv": max_body_bytes + frame_body_cap(engine)})
         secret = worker_secret()
         if secret:  # a fleet with API keys: only the router may call this worker
             self.app = RequireSecret(self.app, secret)

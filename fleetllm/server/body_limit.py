@@ -16,17 +16,20 @@ DEFAULT_MAX_BODY_BYTES = 16 * 2**20  # a 128k-token prompt as JSON is well under
 class BodyLimit:
     """Wraps an ASGI app; HTTP requests with a body over ``max_bytes`` get an OpenAI-style 413."""
 
-    def __init__(self, app: Any, max_bytes: int = DEFAULT_MAX_BODY_BYTES) -> None:
+    def __init__(self, app: Any, max_bytes: int = DEFAULT_MAX_BODY_BYTES, per_path: dict[str, int] | None = None) -> None:
+        """``per_path``: other caps for some paths (a KV frame is no prompt: it may be far larger)."""
         self.app = app
         self.max_bytes = max_bytes
+        self.per_path = per_path or {}
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        cap = self.per_path.get(scope.get("path", ""), self.max_bytes)
         length = dict(scope.get("headers") or []).get(b"content-length")
-        if length is not None and length.isdigit() and int(length) > self.max_bytes:
-            await self._refuse(send)
+        if length is not None and length.isdigit() and int(length) > cap:
+            await self._refuse(send, cap)
             return
         seen = 0
         refused = False
@@ -36,9 +39,9 @@ class BodyLimit:
             message = await receive()
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
-                if seen > self.max_bytes and not refused:
+                if seen > cap and not refused:
                     refused = True
-                    await self._refuse(send)
+                    await self._refuse(send, cap)
                     return {"type": "http.disconnect"}
             return message
 
@@ -48,8 +51,8 @@ class BodyLimit:
 
         await self.app(scope, counted, guarded_send)
 
-    async def _refuse(self, send: Any) -> None:
-        body = json.dumps({"error": {"message": f"request body over {self.max_bytes} bytes",
+    async def _refuse(self, send: Any, cap: int) -> None:
+        body = json.dumps({"error": {"message": f"request body over {cap} bytes",
                                      "type": "invalid_request_error", "param": None, "code": 413}}).encode()
         await send({"type": "http.response.start", "status": 413,
                     "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})

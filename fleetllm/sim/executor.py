@@ -70,3 +70,6 @@ class TimingExecutor:
 
     def kv_blocks(self) -> list:
         raise NotImplementedError("a simulated worker holds no KV tensors")
+
+    def observe_layers(self, label: str, observer: object) -> None:
+        raise NotImplementedError("a simulated worker holds no KV tensors")

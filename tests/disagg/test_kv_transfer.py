@@ -6,7 +6,9 @@ import pytest
 import torch
 
 from fleetllm.disagg import frame
-from fleetllm.disagg.kv_io import export_blocks, import_blocks
+from fleetllm.disagg.kv_io import export_blocks, frame_header, import_blocks
+from fleetllm.disagg.layer_stream import LayerStream
+from fleetllm.engine.block_pool import hash_prefix_blocks
 from fleetllm.engine.engine import EngineConfig, LLMEngine
 from fleetllm.engine.params import SamplingParams
 from fleetllm.models.loader import LoadedModel
@@ -95,3 +97,51 @@ def test_a_damaged_frame_is_rejected_whole(damage):
         data[:4] = b"NOPE"
     with pytest.raises(frame.FrameError):
         frame.decode(bytes(data))
+
+
+def _streamed(engine: LLMEngine, label: str, ids: list[int], dtype: str | None = None) -> tuple[bytes, list[int]]:
+    """The frame a P/D prefill builds of ``ids`` while it computes (a layer hook per decoder layer), and its token."""
+    header = frame_header(engine, ids, hash_prefix_blocks(ids, 16, engine.kv.extra_key), dtype)
+    fb = frame.FrameBuffer(header, bytearray(header.frame_bytes()))
+    stream = LayerStream(fb)
+    engine.observe_layers(label, stream)
+    try:
+        tokens, _ = run(engine, label, ids, 1)
+        stream.done.result(timeout=30)  # the last layer's seal ends the frame
+    finally:
+        engine.observe_layers(label, None)
+        stream.close()
+    return bytes(fb.mv), tokens
+
+
+def test_a_frame_streamed_layer_by_layer_during_a_chunked_prefill_equals_the_exported_one(engines):
+    a, b = engines
+    ids = a.tokenizer.encode(PROMPTS[1] + " Answer in French.")  # fresh: computed in 64-token chunks on a
+    data, _ = _streamed(a, "pd-stream", ids)
+    assert data == b"".join(frame.encode(*export_blocks(a, ids)))
+    header, layers = frame.decode(bytearray(data))
+    result = import_blocks(b, header, layers)
+    assert result["imported"] + result["already_cached"] == len(ids) // 16
+    b.pool.check()
+
+
+def test_decode_reads_the_frame_in_place(engines):
+    a, _ = engines
+    data = bytearray(b"".join(frame.encode(*export_blocks(a, a.tokenizer.encode(PROMPTS[0])))))
+    _, layers = frame.decode(data)
+    start = torch.frombuffer(data, dtype=torch.uint8).data_ptr()
+    assert start <= layers[-1][1].data_ptr() < start + len(data)  # a view over the bytes, no copy
+
+
+def test_a_half_precision_frame_of_an_fp32_pool_has_half_the_bytes_and_imports_rounded(engines):
+    a, b = engines
+    ids = a.tokenizer.encode("Be brief. " + PROMPTS[2])  # no block of it on b yet
+    full, _ = _streamed(a, "pd-fp32", ids)
+    half, _ = _streamed(a, "pd-fp16", ids, "float16")
+    header, layers = frame.decode(half)
+    assert header.dtype == "float16" and len(half) < 0.51 * len(full) + len(header.head())
+    result = import_blocks(b, header, layers)
+    assert result["imported"] == header.num_blocks
+    ids_b, _ = b.kv.cached_prefix(ids)
+    k_b = b.kv_blocks()[0][0][torch.tensor(ids_b)]
+    assert torch.equal(k_b, layers[0][0].float())  # fp16 on the wire, converted into the fp32 pool

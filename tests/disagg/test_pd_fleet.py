@@ -15,6 +15,8 @@ import torch
 from fleet_helpers import real_worker, router, wait_state
 
 from fleetllm.disagg import frame
+from fleetllm.disagg.buffers import remove_stale_files
+from fleetllm.disagg.routes import SHM_DIR
 from fleetllm.engine.block_pool import hash_prefix_blocks
 
 pytestmark = pytest.mark.slow  # a worker process, kills and restarts
@@ -113,12 +115,24 @@ def test_a_bad_frame_is_refused_and_leaves_no_block_behind(fleet, damage):
     assert_no_blocks_held(d)
 
 
-def test_a_well_formed_frame_over_http_is_imported_into_the_prefix_cache(fleet):
+@pytest.mark.parametrize("tokens", [48, 400])  # 400: a frame over the 16 MiB cap on request bodies
+def test_a_well_formed_frame_over_http_is_imported_into_the_prefix_cache(fleet, tokens):
     d = fleet["decode"].url
-    r = httpx.post(d + "/pd/kv", content=_frame_for(list(range(2000, 2048))),
-                   headers={"content-type": "application/octet-stream"}, timeout=60)
-    assert r.status_code == 200 and r.json()["imported"] == 3
+    data = _frame_for(list(range(2000 * (tokens // 48), 2000 * (tokens // 48) + tokens)))  # blocks new to d
+    r = httpx.post(d + "/pd/kv", content=data, headers={"content-type": "application/octet-stream"}, timeout=60)
+    assert r.status_code == 200 and r.json()["imported"] == tokens // 16, (len(data), r.text[:200])
     assert_no_blocks_held(d)
+
+
+def test_a_frame_streamed_over_http_while_the_prefill_computes_is_imported(fleet):
+    # the same frame as over shared memory (test_kv_transfer: a streamed frame equals the exported one)
+    p, d = fleet["prefill"].url, fleet["decode"].url
+    q = "Over HTTP this time: name two reasons to stream KV layer by layer while a long prompt is prefilled."
+    r = httpx.post(p + "/pd/prefill", json={"path": "/v1/chat/completions", "body": body(q), "decode_url": d,
+                                            "transfer": "http"}, timeout=120)
+    assert r.status_code == 200 and r.json()["via"] == "http", r.text
+    assert r.json()["imported"] + r.json()["already_cached"] == r.json()["blocks"] > 0
+    assert_no_blocks_held(p, d)
 
 
 def test_a_transfer_timeout_falls_back_to_a_local_prefill(fleet):
@@ -171,3 +185,6 @@ def test_a_prefill_worker_killed_mid_prefill_costs_no_request(fleet):
     assert asyncio.run(run()) == answers(c, q)  # the remote leg failed: prefilled locally, same tokens
     assert metric(r, 'fleetllm_router_pd_decisions_total{decision="fallback"}') >= 1
     assert_no_blocks_held(fleet["decode"].url)
+    # the killed worker's frame files outlive it, until a worker that ships frames starts: then they go
+    remove_stale_files(SHM_DIR)
+    assert not list(SHM_DIR.glob(f"fleetllm-kv-{fleet['prefill'].popen.pid}-*"))

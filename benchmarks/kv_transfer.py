@@ -1,0 +1,281 @@
+"""KV transfer for disaggregated prefill/decode, before (main) and after (this checkout), in one run (issue #21).
+
+1. **Transfer**: one 2048-token prompt's frame (128 blocks x 30 layers of K and V, SmolLM2-135M) shipped into
+   a real decode worker over shared memory and over HTTP, against a memory copy of the same bytes (into
+   memory already touched: the fastest copy; ``clone`` into fresh memory, as the earlier figure used, also
+   shown). *before*: main's worker and sender (frame encoded, written to a new /dev/shm file, read back,
+   decoded, imported on the engine thread). *after*: the frame already built in a reused shared-memory
+   buffer (the prefill fills it layer by layer while it computes), mapped and imported in place; also
+   shown with building the frame included (nothing overlapped).
+2. **TTFT**: a prefill worker and a decode worker (one torch thread each) behind a router disaggregating
+   every prompt of >= 1024 uncached tokens. Fresh 2048-token prompts, alternately straight to the decode
+   worker (local prefill) and through the router (remote prefill + transfer), 1 output token, streamed.
+3. **Quality**: greedy outputs after importing fp32, fp16 and bf16 frames of an fp32 pool vs a local prefill.
+
+    python benchmarks/kv_transfer.py --before /work/main        # before and after (BENCHMARKS.md)
+    python benchmarks/kv_transfer.py --quick                     # after only, fewer repeats
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+from statistics import median
+
+import httpx
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import cpu_model, free_ports, stop_process  # noqa: E402
+
+from fleetllm.disagg import frame  # noqa: E402
+from fleetllm.disagg.buffers import FrameBuffers  # noqa: E402
+from fleetllm.disagg.routes import SHM_DIR  # noqa: E402
+from fleetllm.engine.block_pool import hash_prefix_blocks  # noqa: E402
+
+HERE = Path(__file__).resolve().parents[1]
+MODEL = "smollm2-135m"
+
+
+def start(args: list[str], url: str, pythonpath: Path, log: Path) -> subprocess.Popen[bytes]:
+    """``fleetllm ARGS`` with ``pythonpath``'s fleetllm, once ``url`` answers /health."""
+    env = {**os.environ, "PYTHONPATH": str(pythonpath), "PYTHONUNBUFFERED": "1"}
+    # cwd too: ``python -m`` puts the working directory first on sys.path
+    p = subprocess.Popen([sys.executable, "-m", "fleetllm.cli", *args], env=env, stdout=log.open("wb"),
+                         stderr=subprocess.STDOUT, cwd=pythonpath)
+    for _ in range(600):
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return p
+        except httpx.HTTPError:
+            pass
+        if p.poll() is not None:
+            raise RuntimeError(f"{args[0]} exited: {log.read_text()[-2000:]}")
+        time.sleep(0.5)
+    raise RuntimeError(f"{url} not healthy")
+
+
+def worker(port: int, role: str, pythonpath: Path, log_dir: Path) -> subprocess.Popen[bytes]:
+    # main refuses request bodies over 16 MiB, KV frames too: raised so that its HTTP path can be measured
+    return start(["worker", "--port", str(port), "--role", role, "--num-threads", "1", "--log-level", "warning",
+                  "--max-body-bytes", str(1 << 30)],
+                 f"http://127.0.0.1:{port}", pythonpath, log_dir / f"worker-{port}.log")
+
+
+def fresh_frame(seed: int, blocks: int) -> tuple[frame.FrameHeader, list[tuple[torch.Tensor, torch.Tensor]]]:
+    """A frame of ``blocks`` blocks no worker holds yet (tokens from ``seed``), random K and V."""
+    rng = random.Random(seed)
+    tokens = [rng.randrange(100, 40000) for _ in range(blocks * 16)]
+    header = frame.FrameHeader(MODEL, 30, 3, 64, "float32", 16, tokens, hash_prefix_blocks(tokens, 16, MODEL.encode()))
+    return header, [(torch.randn(blocks, 16, 3, 64), torch.randn(blocks, 16, 3, 64)) for _ in range(30)]
+
+
+def post_kv(url: str, **kw: object) -> dict:
+    r = httpx.post(url + "/pd/kv", timeout=300, **kw)
+    assert r.status_code == 200 and r.json()["imported"] > 0, r.text
+    return r.json()
+
+
+def timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def transfer(url: str, repeats: int, blocks: int, new: bool, seed: int) -> dict[str, list[float]]:
+    """Seconds per frame into the worker at ``url``: main's way (``new`` False) or this checkout's."""
+    out: dict[str, list[float]] = {}
+    buffers = FrameBuffers(SHM_DIR)
+    for r in range(repeats):
+        header, layers = fresh_frame(seed + 2 * r, blocks)
+        data = b"".join(frame.encode(header, layers))
+        out.setdefault("http", []).append(timed(lambda d=data: post_kv(url, content=d, headers={
+            "content-type": "application/octet-stream"})))
+        header, layers = fresh_frame(seed + 2 * r + 1, blocks)
+        if not new:  # main: encode, a new file in /dev/shm, the receiver reads, decodes and unlinks it
+            data = b"".join(frame.encode(header, layers))
+            path = SHM_DIR / f"fleetllm-kv-{uuid.uuid4().hex}"
+            out.setdefault("shm", []).append(timed(lambda p=path, d=data: (p.write_bytes(d), post_kv(url, json={"shm": str(p)}))))
+            continue
+        buf = buffers.take("shm", header.frame_bytes())
+        t0 = time.perf_counter()
+        fb = frame.FrameBuffer(header, buf.memory)  # what the layer stream does during the prefill
+        for i, (k, v) in enumerate(layers):
+            fb.layer(i)[0].copy_(k)
+            fb.layer(i)[1].copy_(v)
+            fb.seal(i)
+        fb.finish()
+        t1 = time.perf_counter()
+        post_kv(url, json={"shm": str(buf.path), "bytes": fb.size, "keep": True})
+        t2 = time.perf_counter()
+        out.setdefault("shm", []).append(t2 - t1)  # exposed: the frame was built while the prefill computed
+        out.setdefault("shm incl. building the frame", []).append(t2 - t0)
+        buffers.give_back(buf, reusable=True)
+    return out
+
+
+def memcpy(nbytes: int, repeats: int) -> dict[str, list[float]]:
+    src = torch.frombuffer(bytearray(os.urandom(1 << 20)) * (nbytes >> 20), dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # touched once: what follows is the copy alone
+    return {"memcpy": [timed(lambda: dst.copy_(src)) for _ in range(repeats)],
+            "memcpy into fresh memory (clone)": [timed(src.clone) for _ in range(repeats)]}
+
+
+def ttft(router_url: str, decode_url: str, tokens: int, repeats: int, seed: int) -> dict[str, list[float]]:
+    """Client-side TTFT (s) of fresh prompts, local prefill on the decode worker vs remote via the router."""
+    rng = random.Random(seed)
+    out: dict[str, list[float]] = {"local prefill": [], "remote prefill": []}
+    for _ in range(repeats):
+        for name, url in (("local prefill", decode_url), ("remote prefill", router_url)):
+            prompt = [rng.randrange(100, 40000) for _ in range(tokens)]
+            body = {"model": MODEL, "prompt": prompt, "max_tokens": 1, "temperature": 0, "stream": True}
+            t0 = time.perf_counter()
+            with httpx.stream("POST", url + "/v1/completions", json=body, timeout=600) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: {"):
+                        out[name].append(time.perf_counter() - t0)
+                        break
+    return out
+
+
+def pd_decisions(router_url: str) -> dict[str, float]:
+    d = {}
+    for line in httpx.get(router_url + "/metrics", timeout=10).text.splitlines():
+        if line.startswith("fleetllm_router_pd_decisions_total{"):
+            d[line.split('"')[1]] = float(line.rsplit(" ", 1)[1])
+    return d
+
+
+def router_ready(url: str) -> None:
+    for _ in range(300):
+        s = httpx.get(url + "/router/state", timeout=5).json()
+        if all(w["healthy"] and w["events_connected"] for w in s["workers"]):
+            return
+        time.sleep(0.2)
+    raise RuntimeError(f"router never saw its workers: {s}")
+
+
+def run_version(name: str, checkout: Path, args: argparse.Namespace, log_dir: Path) -> dict:
+    """Transfer and TTFT figures of the fleetllm in ``checkout``."""
+    port = free_ports(3)
+    d_url, p_url, r_url = (f"http://127.0.0.1:{port + i}" for i in range(3))
+    procs = [worker(port, "decode", checkout, log_dir)]
+    try:
+        res: dict = {"transfer": transfer(d_url, args.repeats, args.tokens // 16, name == "after",
+                                            100 if name == "before" else 200)}
+        procs.append(worker(port + 1, "prefill", checkout, log_dir))
+        procs.append(start(["router", "--port", str(port + 2), "--workers", f"{p_url},{d_url}", "--pd-threshold",
+                            "1024", "--log-level", "warning"], r_url, checkout, log_dir / f"router-{name}.log"))
+        router_ready(r_url)
+        res["ttft"] = ttft(r_url, d_url, args.tokens, args.ttft_repeats, 7 + len(name))
+        res["pd_decisions"] = pd_decisions(r_url)
+        return res
+    finally:
+        for p in reversed(procs):
+            stop_process(p)
+
+
+def quality(prompts: int, out_tokens: int) -> dict[str, dict[str, float]]:
+    """Greedy tokens after importing a frame in each wire dtype into an fp32 pool, against a local prefill."""
+    from fleetllm.disagg.kv_io import export_blocks, import_blocks
+    from fleetllm.engine.engine import EngineConfig, LLMEngine
+    from fleetllm.engine.params import SamplingParams
+    from fleetllm.models.loader import load_model
+
+    loaded = load_model(MODEL)
+    src = LLMEngine(EngineConfig(num_blocks=1024), loaded=loaded)
+    dst = LLMEngine(EngineConfig(num_blocks=1024), loaded=loaded)  # fresh prompts: nothing of them cached here
+    rng = random.Random(5)
+    words = "the a system cache token worker prompt layer block engine router fleet request model".split()
+    res: dict[str, dict[str, float]] = {}
+    for dtype in ("float32", "float16", "bfloat16"):
+        same, first_diff = 0, []
+        for i in range(prompts):
+            ids = src.tokenizer.encode(f"{dtype} {i}: " + " ".join(rng.choice(words) for _ in range(150)))
+            local = generate(src, f"l{dtype}{i}", ids, out_tokens, SamplingParams)
+            import_blocks(dst, *frame.decode(b"".join(frame.encode(*export_blocks(src, ids, dtype)))))
+            remote = generate(dst, f"r{dtype}{i}", ids, out_tokens, SamplingParams)
+            same += remote == local
+            first_diff.append(next((j for j, (x, y) in enumerate(zip(local, remote, strict=True)) if x != y), out_tokens))
+        res[dtype] = {"identical": same, "prompts": prompts, "first_divergence_median": median(first_diff)}
+    return res
+
+
+def generate(engine, rid: str, ids: list[int], n: int, params_cls) -> list[int]:  # noqa: ANN001
+    engine.add_request(rid, ids, params_cls(max_tokens=n, temperature=0.0, ignore_eos=True))
+    toks: list[int] = []
+    while engine.has_unfinished():
+        for o in engine.step():
+            toks += o.new_token_ids
+    return toks
+
+
+def report(results: dict, nbytes: int, q: dict) -> list[str]:
+    copy = median(results["memcpy"]["memcpy"])
+    lines = ["| what | via | median s | GB/s | % of memcpy |", "|---|---|---|---|---|"]
+    for what, times in results["memcpy"].items():
+        lines.append(f"| {what} | - | {median(times):.3f} | {nbytes / median(times) / 1e9:.2f} | "
+                     f"{copy / median(times):.1%} |")
+    for name in ("before", "after"):
+        for via, times in results.get(name, {}).get("transfer", {}).items():
+            lines.append(f"| {name} | {via} | {median(times):.3f} | {nbytes / median(times) / 1e9:.2f} | "
+                         f"{copy / median(times):.1%} |")
+    lines += ["", "| version | local prefill TTFT s (median, range) | remote prefill TTFT s | remote/local | P/D decisions |",
+              "|---|---|---|---|---|"]
+    for name in ("before", "after"):
+        t = results.get(name, {}).get("ttft")
+        if t:
+            lo, re_ = t["local prefill"], t["remote prefill"]
+            lines.append(f"| {name} | {median(lo):.2f} ({min(lo):.2f}-{max(lo):.2f}) | {median(re_):.2f} "
+                         f"({min(re_):.2f}-{max(re_):.2f}) | {median(re_) / median(lo):.2f} | "
+                         f"{json.dumps(results[name]['pd_decisions'])} |")
+    lines += ["", "| frame dtype (fp32 pool) | outputs identical to local prefill | median first divergence (token) |",
+              "|---|---|---|"]
+    for dtype, r in q.items():
+        lines.append(f"| {dtype} | {r['identical']}/{r['prompts']} | {r['first_divergence_median']} |")
+    return lines
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--before", type=Path, help="a checkout of main: measure its worker and sender too")
+    ap.add_argument("--tokens", type=int, default=2048, help="prompt tokens (full 16-token blocks travel)")
+    ap.add_argument("--repeats", type=int, default=5, help="transfers per way")
+    ap.add_argument("--ttft-repeats", type=int, default=4, help="prompts per path")
+    ap.add_argument("--quality-prompts", type=int, default=6, help="prompts per frame dtype (0: skip)")
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--out", default="results/kv_transfer")
+    args = ap.parse_args()
+    if args.quick:
+        args.repeats, args.ttft_repeats, args.quality_prompts = 2, 2, 2
+    out_dir = Path(args.out)
+    (out_dir / "logs").mkdir(parents=True, exist_ok=True)
+    load = [os.getloadavg()[0]]
+    header, _ = fresh_frame(0, args.tokens // 16)
+    nbytes = header.frame_bytes()
+    results: dict = {"memcpy": memcpy(nbytes, args.repeats)}
+    if args.before:
+        results["before"] = run_version("before", args.before.resolve(), args, out_dir / "logs")
+    results["after"] = run_version("after", HERE, args, out_dir / "logs")
+    q = quality(args.quality_prompts, 24) if args.quality_prompts else {}
+    load.append(os.getloadavg()[0])
+    lines = report(results, nbytes, q)
+    print("\n".join(lines))
+    print(f"frame: {nbytes / 1e6:.1f} MB; load average {load[0]:.2f} before, {load[1]:.2f} after")
+    (out_dir / "kv_transfer.json").write_text(json.dumps(
+        {"command": " ".join(sys.argv), "cpu": cpu_model(), "cores": os.cpu_count(), "frame_bytes": nbytes,
+         "results": results, "quality": q, "load": load, "table": lines,
+         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
