@@ -35,8 +35,8 @@ class EngineConfig:
                                       flag="--no-prefix-caching")
     num_threads: int | None = opt(None, "torch threads (default: all cores)")
     quantization: Literal["none", "int4"] = opt(
-        "none", "int4: int4 decoder / int8 LM-head weights for decode steps on CPU (default: none, exact "
-                "fp32)")
+        "none", "int4: on CPU, int4 decoder / int8 LM-head weights for steps under 8 tokens and int8 GEMMs "
+                "(per-token int8 activations) for wider ones; none: exact fp32")
     speculative: str | dict | None = opt(
         None, "speculative decoding: method ngram | suffix | eagle | peagle, k draft tokens (default k: "
               "chosen from the measured verify cost), adaptive=0 to fix K", metavar="method=M,k=N")

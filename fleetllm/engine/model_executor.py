@@ -10,6 +10,7 @@ sampling state; the engine owns everything the step leaves behind.
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -42,8 +43,8 @@ class ModelExecutor:
         dtype = torch.float32 if self.device == "cpu" else torch.bfloat16
         self.loaded = loaded or load_model(cfg.model, device=self.device, dtype=dtype, name=cfg.served_model_name,
                                              store=cfg.store)
-        if cfg.quantization != "none" and self.device == "cpu":
-            quantize_model(self.loaded.model, cfg.quantization)
+        if cfg.quantization != "none":  # a quantised copy: weights shared with other engines stay as loaded
+            self.loaded = replace(self.loaded, model=quantize_model(self.loaded.model, cfg.quantization))
         per_block = ModelRunner.kv_bytes_per_block(self.loaded.model, cfg.block_size)
         self.num_blocks = cfg.num_blocks or max(16, int(cfg.kv_cache_gb * 2**30 // per_block))
         self.runner = ModelRunner(self.loaded.model, self.num_blocks, cfg.block_size, self.device)
