@@ -131,14 +131,15 @@ class Quality:
 
 
 def compare(loaded: Any, settings: dict[str, Any], prompts: list[list[int]], tokens: int, text: list[int],
-            window: int = 512, chunk: int = 512) -> Quality:
-    """``settings`` (EngineConfig fields) against ``quantization="none"`` on both checks."""
+            window: int = 512, chunk: int = 512, ref_chunk: int | None = None) -> Quality:
+    """``settings`` (EngineConfig fields) against ``quantization="none"`` on both checks (the reference's
+    perplexity from whole windows in one forward unless ``ref_chunk`` says otherwise)."""
     exact = {"quantization": "none"}
     ref = greedy(loaded, exact, prompts, tokens, one_by_one=False)
     agree = [sum(a == b for a, b in zip(ref, greedy(loaded, settings, prompts, tokens, one), strict=True))
              for one in (False, True)]
     return Quality(
         len(prompts), agree[0], agree[1],
-        perplexity(loaded, settings, text, window, chunk), perplexity(loaded, exact, text, window, chunk),
+        perplexity(loaded, settings, text, window, chunk), perplexity(loaded, exact, text, window, ref_chunk or window),
         len(text), hashlib.sha256(str(text).encode()).hexdigest()[:12],
     )

@@ -7,9 +7,10 @@ groupwise-32 asymmetric int4, so this reproduces them up to bf16 rounding of the
 weight-only int8 (its GGUF source is 8-bit: int4 would lose it). A wide step (prefill, high concurrency)
 is compute-bound, and on AVX2 without AVX-512/VNNI the fastest GEMM measured is fbgemm's int8 one with
 per-channel int8 weights and per-token int8 activations (about 1.5-4× fp32; bf16 and weight-only kernels
-are slower than fp32 there: ``benchmarks/quant_kernels.py``). With both regimes quantised, no path needs
-the fp32 decoder weights, and the quantised model does not hold them. Outputs are close to but not
-bit-identical with fp32 (``benchmarks/fast_path_quality.py`` measures how close); ``none`` keeps exact fp32.
+are slower than fp32 there: ``benchmarks/quant_kernels.py``). ``int4`` keeps exact fp32 for wide steps;
+``int4-int8`` takes the int8 GEMM there and holds no fp32 decoder weights, but fails the quality bar
+(greedy agreement with fp32 on 1 of 16 reference prompts at wide steps: 7-bit per-token activations lose
+the outlier channels; ``benchmarks/fast_path_quality.py``). ``none`` keeps exact fp32.
 
 :func:`quantize_model` never changes the model it is given: it returns a copy sharing the embeddings and
 norms, cached per (model, method), so engines over one set of loaded weights can differ in quantisation.
@@ -26,7 +27,7 @@ from torch import nn
 
 GROUP = 32
 WIDE_ROWS = 8  # steps of at least this many tokens take the int8 GEMM (issue #19: "int8 for batch ≥ 8")
-METHODS = ("none", "int4")
+METHODS = ("none", "int4", "int4-int8")
 _CACHE: weakref.WeakKeyDictionary[nn.Module, dict[str, nn.Module]] = weakref.WeakKeyDictionary()
 
 
@@ -128,13 +129,16 @@ def _shallow(module: nn.Module) -> nn.Module:
     return c
 
 
-def _decoder_linear(linear: nn.Linear) -> nn.Module:
+def _decoder_linear(linear: nn.Linear, method: str) -> nn.Module:
     narrow = Int4Linear(linear) if linear.in_features % GROUP == 0 else Int8Linear(linear)
+    if method == "int4":  # wide steps keep the exact fp32 weight (and GEMM)
+        return ByWidth(narrow, linear, linear.weight)
     return ByWidth(narrow, Int8DynamicLinear(linear))
 
 
 def quantize_model(model: nn.Module, method: str | None) -> nn.Module:
-    """``model`` with quantised linears for ``method`` ("none": ``model`` itself; "int4": see the module doc).
+    """``model`` with quantised linears for ``method``: "none", ``model`` itself; "int4", int4 (LM head:
+    int8) narrow steps and exact fp32 wide ones; "int4-int8", int8 GEMMs for wide steps too, no fp32 copy.
 
     CPU only: on CUDA bf16 GEMMs are the fast path, and the model is returned unchanged.
     """
@@ -149,8 +153,9 @@ def quantize_model(model: nn.Module, method: str | None) -> nn.Module:
         for layer in q.layers:
             layer.attn, layer.mlp = _shallow(layer.attn), _shallow(layer.mlp)
             for parent, name in ((layer.attn, "qkv"), (layer.attn, "o"), (layer.mlp, "gate_up"), (layer.mlp, "down")):
-                setattr(parent, name, _decoder_linear(getattr(parent, name)))
-        q.lm_head = ByWidth(Int8Linear(model.lm_head), Int8DynamicLinear(model.lm_head), model.lm_head.weight)
+                setattr(parent, name, _decoder_linear(getattr(parent, name), method))
+        head = model.lm_head
+        q.lm_head = ByWidth(Int8Linear(head), head if method == "int4" else Int8DynamicLinear(head), head.weight)
         cached[method] = q
     return cached[method]
 
