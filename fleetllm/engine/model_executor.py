@@ -10,6 +10,7 @@ sampling state; the engine owns everything the step leaves behind.
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -45,8 +46,8 @@ class ModelExecutor:
         dtype = torch.float32 if self.device == "cpu" else torch.bfloat16
         self.loaded = loaded or load_model(cfg.model, device=self.device, dtype=dtype, name=cfg.served_model_name,
                                              store=cfg.store)
-        if cfg.quantization != "none" and self.device == "cpu":
-            quantize_model(self.loaded.model, cfg.quantization)
+        if cfg.quantization != "none" and self.device == "cpu":  # a quantised copy: shared weights stay as loaded
+            self.loaded = replace(self.loaded, model=quantize_model(self.loaded.model, cfg.quantization))
         self.step_profile = StepProfile() if cfg.profile_steps else None
         # hooks on the model: an engine sharing these weights with others removes them when done profiling
         self.attention_hooks = time_attention(self.loaded.model, self.step_profile, self.device) if self.step_profile else []

@@ -1,20 +1,34 @@
-"""Weight-only int4 for CPU decode: a batch-1 step is memory-bound, so fewer weight bytes = more tok/s.
+"""Quantised weights for CPU steps, one kernel per regime: int4 for narrow steps, int8 GEMMs for wide ones.
 
-Each linear keeps its fp32 weight for wide batches (prefill, high concurrency: compute-bound, where fp32
-GEMM is fastest on AVX2) and a groupwise int4 copy (group 32, asymmetric: w = (q - 8) * scale + zero,
-the layout of PyTorch's ``_weight_int4pack_mm_for_cpu``) for steps of at most ``max_rows`` tokens.
-Q4_1 GGUF weights are themselves groupwise-32 asymmetric int4, so the int4 copy reproduces them up to
-bf16 rounding of the scales. Activations go through bf16 on that path, so outputs are close to but not
-bit-identical with fp32; the default (no quantization) keeps exact fp32 numerics.
+A narrow step (fewer than ``WIDE_ROWS`` tokens: decode at low concurrency) is memory-bound, so fewer
+weight bytes = more tok/s: the decoder's linears use groupwise int4 (group 32, asymmetric: w = (q - 8) *
+scale + zero, the layout of PyTorch's ``_weight_int4pack_mm_for_cpu``; Q4_1 GGUF weights are themselves
+groupwise-32 asymmetric int4, so this reproduces them up to bf16 rounding of the scales) and the LM head
+weight-only int8 (its GGUF source is 8-bit: int4 would lose it). A wide step (prefill, high concurrency)
+is compute-bound, and on AVX2 without AVX-512/VNNI the fastest GEMM measured is fbgemm's int8 one with
+per-channel int8 weights and per-token int8 activations (about 1.5-4× fp32; bf16 and weight-only kernels
+are slower than fp32 there: ``benchmarks/quant_kernels.py``). ``int4`` keeps exact fp32 for wide steps;
+``int4-int8`` takes the int8 GEMM there and holds no fp32 decoder weights, but fails the quality bar
+(greedy agreement with fp32 on 1 of 16 reference prompts at wide steps: 7-bit per-token activations lose
+the outlier channels; ``benchmarks/fast_path_quality.py``). ``none`` keeps exact fp32.
+
+:func:`quantize_model` never changes the model it is given: it returns a copy sharing the embeddings and
+norms, cached per (model, method), so engines over one set of loaded weights can differ in quantisation.
 """
 
 from __future__ import annotations
 
+import copy
+import warnings
+import weakref
+
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 GROUP = 32
+WIDE_ROWS = 8  # steps of at least this many tokens take the int8 GEMM (issue #19: "int8 for batch ≥ 8")
+METHODS = ("none", "int4", "int4-int8")
+_CACHE: weakref.WeakKeyDictionary[nn.Module, dict[str, nn.Module]] = weakref.WeakKeyDictionary()
 
 
 def quantize_int4(w: torch.Tensor, group: int = GROUP) -> tuple[torch.Tensor, torch.Tensor]:
@@ -30,63 +44,118 @@ def quantize_int4(w: torch.Tensor, group: int = GROUP) -> tuple[torch.Tensor, to
     return packed, sz
 
 
-class Int4Linear(nn.Module):
-    """A linear layer with an int4 fast path for narrow batches and the fp32 weight for wide ones."""
+def _channel_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-output-channel int8 of ``w [N, K]``: (int8 weight, fp32 scale ``[N]``)."""
+    scale = (w.abs().amax(dim=1) / 127).clamp_min(1e-8)
+    return (w / scale.unsqueeze(1)).round().clamp(-127, 127).to(torch.int8), scale
 
-    def __init__(self, linear: nn.Linear, max_rows: int = 8) -> None:
+
+class Int4Linear(nn.Module):
+    """Groupwise int4 weights, bf16 activations (PyTorch's int4 CPU kernel)."""
+
+    def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
-        self.weight = linear.weight
         self.bias = linear.bias
-        self.max_rows = max_rows
-        self.out_features = linear.out_features
         packed, sz = quantize_int4(linear.weight.detach())
         self.register_buffer("packed", packed, persistent=False)
         self.register_buffer("scales_zeros", sz, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] > self.max_rows:
-            return F.linear(x, self.weight, self.bias)
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), self.packed, GROUP, self.scales_zeros).float()
         return y if self.bias is None else y + self.bias
 
 
 class Int8Linear(nn.Module):
-    """Per-output-channel int8 fast path (for the LM head, whose GGUF source is 8-bit: int4 would lose it)."""
+    """Per-output-channel int8 weights, bf16 activations (weight-only: for memory-bound steps)."""
 
-    def __init__(self, linear: nn.Linear, max_rows: int = 8) -> None:
+    def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
-        self.weight = linear.weight
         self.bias = linear.bias
-        self.max_rows = max_rows
-        w = linear.weight.detach().float()
-        scale = (w.abs().amax(dim=1) / 127).clamp_min(1e-8)
-        self.register_buffer("qweight", (w / scale.unsqueeze(1)).round().clamp(-127, 127).to(torch.int8), persistent=False)
+        qweight, scale = _channel_int8(linear.weight.detach().float())
+        self.register_buffer("qweight", qweight, persistent=False)
         self.register_buffer("scale", scale.to(torch.bfloat16), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] > self.max_rows:
-            return F.linear(x, self.weight, self.bias)
         y = torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), self.qweight, self.scale).float()
         return y if self.bias is None else y + self.bias
 
 
-def quantize_model(model: nn.Module, method: str | None, max_rows: int = 8) -> int:
-    """Give the decoder's linears an int4 path and the LM head an int8 one; returns how many were swapped.
+class Int8DynamicLinear(nn.Module):
+    """Per-output-channel int8 weights and per-token int8 activations, through fbgemm's int8 GEMM.
 
-    ``method``: "none" (exact fp32) or "int4". CPU only: on CUDA bf16 GEMMs are the fast path.
+    fbgemm quantises the activations per tensor; dividing each row by its own absolute maximum first
+    (and multiplying the output back) makes that per token: one row's outlier does not coarsen the
+    others' resolution. ``reduce_range``: 7-bit activations, as fbgemm needs on CPUs without VNNI,
+    where products of 8-bit pairs can saturate its int16 accumulation.
     """
-    if method in ("", "none", None):
-        return 0
-    if method != "int4":
-        raise ValueError(f"unknown quantization {method!r} (choices: none, int4)")
-    swapped = 0
-    for layer in model.layers:
-        for parent, name in ((layer.attn, "qkv"), (layer.attn, "o"), (layer.mlp, "gate_up"), (layer.mlp, "down")):
-            child = getattr(parent, name)
-            if isinstance(child, nn.Linear) and child.in_features % GROUP == 0 and child.weight.device.type == "cpu":
-                setattr(parent, name, Int4Linear(child, max_rows))
-                swapped += 1
-    if isinstance(model.lm_head, nn.Linear) and model.lm_head.weight.device.type == "cpu":
-        model.lm_head = Int8Linear(model.lm_head, max_rows)
-        swapped += 1
-    return swapped
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        qweight, scale = _channel_int8(linear.weight.detach().float())
+        zeros = torch.zeros_like(scale, dtype=torch.long)
+        with warnings.catch_warnings():  # quantized tensors are deprecated, but fbgemm's packing still takes one
+            warnings.filterwarnings("ignore", "torch.quantize_per_tensor", UserWarning)
+            qw = torch._make_per_channel_quantized_tensor(qweight, scale.double(), zeros, 0)
+        self.packed = torch.ops.quantized.linear_prepack(qw, None)  # the bias is added after rescaling
+        self.bias = linear.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        amax = x.abs().amax(dim=-1, keepdim=True).clamp_min(1e-12)
+        y = torch.ops.quantized.linear_dynamic(x / amax, self.packed, True) * amax
+        return y if self.bias is None else y + self.bias
+
+
+class ByWidth(nn.Module):
+    """One linear layer with a kernel per regime: ``narrow`` below ``WIDE_ROWS`` rows, ``wide`` from there.
+
+    ``weight``: the fp32 weight, kept only where something else reads it (the LM head's, which EAGLE
+    drafters slice and which, tied, is the embedding table anyway); None for the decoder's linears.
+    """
+
+    def __init__(self, narrow: nn.Module, wide: nn.Module, weight: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.narrow, self.wide, self.weight = narrow, wide, weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.wide(x) if x.shape[0] >= WIDE_ROWS else self.narrow(x)
+
+
+def _shallow(module: nn.Module) -> nn.Module:
+    """A copy whose children can be replaced without touching ``module`` (parameters stay shared)."""
+    c = copy.copy(module)
+    c._modules = dict(module._modules)
+    c._parameters = dict(module._parameters)
+    c._buffers = dict(module._buffers)
+    return c
+
+
+def _decoder_linear(linear: nn.Linear, method: str) -> nn.Module:
+    narrow = Int4Linear(linear) if linear.in_features % GROUP == 0 else Int8Linear(linear)
+    if method == "int4":  # wide steps keep the exact fp32 weight (and GEMM)
+        return ByWidth(narrow, linear, linear.weight)
+    return ByWidth(narrow, Int8DynamicLinear(linear))
+
+
+def quantize_model(model: nn.Module, method: str | None) -> nn.Module:
+    """``model`` with quantised linears for ``method``: "none", ``model`` itself; "int4", int4 (LM head:
+    int8) narrow steps and exact fp32 wide ones; "int4-int8", int8 GEMMs for wide steps too, no fp32 copy.
+
+    CPU only: on CUDA bf16 GEMMs are the fast path, and the model is returned unchanged.
+    """
+    if method in ("", "none", None) or model.lm_head.weight.device.type != "cpu":
+        return model
+    if method not in METHODS:
+        raise ValueError(f"unknown quantization {method!r} (choices: {', '.join(METHODS)})")
+    cached = _CACHE.setdefault(model, {})
+    if method not in cached:
+        q = _shallow(model)
+        q.layers = nn.ModuleList(_shallow(layer) for layer in model.layers)
+        for layer in q.layers:
+            layer.attn, layer.mlp = _shallow(layer.attn), _shallow(layer.mlp)
+            for parent, name in ((layer.attn, "qkv"), (layer.attn, "o"), (layer.mlp, "gate_up"), (layer.mlp, "down")):
+                setattr(parent, name, _decoder_linear(getattr(parent, name), method))
+        head = model.lm_head
+        q.lm_head = ByWidth(Int8Linear(head), head if method == "int4" else Int8DynamicLinear(head), head.weight)
+        cached[method] = q
+    return cached[method]
+
