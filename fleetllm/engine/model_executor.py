@@ -74,13 +74,13 @@ class ModelExecutor:
         with phase(self.step_profile, "sampling"):
             if not verifying and _all_plain_greedy(batch):
                 _argmax(batch, logits, out)  # no host copy of the logits: only the ids come back
-                return out
-            logits = logits.float().cpu()  # sampling runs on the host
-            if verifying and self.spec:
-                self.spec.verify_seconds += time.perf_counter() - t0
-            self._sample(batch, logits, first, out)
-            if verifying:
-                self._verify(batch, logits, first, out)
+            else:
+                logits = logits.float().cpu()  # sampling runs on the host
+                if verifying and self.spec:
+                    self.spec.verify_seconds += time.perf_counter() - t0
+                self._sample(batch, logits, first, out)
+                if verifying:
+                    self._verify(batch, logits, first, out)
         if aux is not None:
             self._observe(batch, aux, out)
         return out
