@@ -352,7 +352,13 @@ def state_taker(sd: dict[str, torch.Tensor]) -> Callable[[str], torch.Tensor]:
 
 
 def load_embeddings(model: nn.Module, sd: dict[str, torch.Tensor], take: Callable[[str], torch.Tensor], norm_offset: float = 0.0) -> None:
-    """Token embeddings, final norm and LM head (tied to the embeddings when the checkpoint has none)."""
+    """Token embeddings, final norm and LM head (tied to the embeddings when the checkpoint has none).
+
+    A tied checkpoint may store the shared tensor under either name: safetensors' ``save_model`` (what
+    transformers' own saving falls back to) keeps ``lm_head.weight`` and drops ``model.embed_tokens.weight``.
+    """
+    if model.cfg.tie_word_embeddings and "model.embed_tokens.weight" not in sd and "lm_head.weight" in sd:
+        sd["model.embed_tokens.weight"] = sd.pop("lm_head.weight")
     set_weight(model.embed, take("model.embed_tokens.weight"))
     set_weight(model.norm, take("model.norm.weight") + norm_offset)
     head = sd.pop("lm_head.weight", None)
