@@ -23,6 +23,8 @@ from obs_tools import ROOT, Fleet, Prometheus, artifacts_dir, chromium, need, ru
 from otlp_sink import OTLPSink
 
 SENT = 12  # requests of the first load; round robin puts half in each zone
+# 64 output tokens each: every worker holds KV blocks for seconds, over several of Prometheus' 1 s scrapes (with 8
+# the whole load could fall between two scrapes of one worker's KV usage on a busy machine)
 pytestmark = pytest.mark.slow  # a `fleetllm serve` fleet, Prometheus and Chromium
 
 FLEET = {"policy": "round_robin",
@@ -48,7 +50,7 @@ def prom(fleet: Fleet, tmp_path_factory: Any) -> Iterator[Prometheus]:
     # after a short load has already finished, and every increase() would then be 0
     p.wait_for("sum(vllm:request_success_total)", lambda v: list(v.values()) == [0.0], deadline_s=60)
     run_bench(fleet.url, tmp_path_factory.mktemp("bench") / "load.json", "--workload", "shared-prefix",
-              "--num-prefixes", "2", "--prefix-len", "48", "--isl", "16", "--osl", "8", "--concurrency", "3",
+              "--num-prefixes", "2", "--prefix-len", "48", "--isl", "16", "--osl", "64", "--concurrency", "3",
               "--requests", str(SENT))
     p.wait_for("sum(vllm:request_success_total)", lambda v: list(v.values()) == [SENT], deadline_s=60)
     yield p
