@@ -36,24 +36,7 @@ class RouterMetrics:
                               buckets=_TTFB, registry=r)
         self.cached_tokens = Counter("fleetllm_router_estimated_cached_tokens",
                                      "Prompt tokens the router expected the chosen worker to have cached.", registry=r)
-        self.pd_decisions = Counter("fleetllm_router_pd_decisions", "Prefill placement per request: disaggregated "
-                                    "(remote prefill + KV transfer), local (below the threshold), saturated (no "
-                                    "prefill worker free), fallback (the remote leg failed; prefilled locally).",
-                                    ["decision"], registry=r)
-        self.pd_seconds = Histogram("fleetllm_router_pd_prefill_seconds", "Remote prefill plus KV transfer, as the "
-                                    "router waited for it.", buckets=_TTFB, registry=r)
-        self.pd_auto = Counter("fleetllm_router_pd_auto_decisions", "--pd-threshold auto: requests whose estimates "
-                               "favoured the P/D path (disaggregated) or a local prefill (local).", ["decision"],
-                               registry=r)
-        self.pd_estimate = Histogram("fleetllm_router_pd_estimate_seconds", "--pd-threshold auto: each decision's "
-                                     "estimates in request-seconds of delay: local_stall (a local prefill's stall of "
-                                     "the decode worker's running requests), remote (the P/D path's), transfer.",
-                                     ["side", "decision"], buckets=_TTFB, registry=r)
-        self.pd_prefill_rate = Gauge("fleetllm_router_pd_prefill_tokens_per_second", "Prefill rate measured from "
-                                     "remote prefills, per prefill worker.", ["worker"], registry=r)
-        self.pd_bandwidth = Gauge("fleetllm_router_pd_bandwidth_bytes_per_second", "KV transfer bandwidth measured "
-                                  "from remote prefills (bytes / transfer seconds, moving average).", registry=r)
-        self.pd_bytes = Counter("fleetllm_router_pd_transfer_bytes", "KV bytes shipped prefill -> decode.", registry=r)
+        self._add_pd_metrics(r)
         self.prompt_tokens = Counter("fleetllm_router_prompt_tokens", "Prompt tokens of routed requests (router-side "
                                      "tokenization).", registry=r)
         self.model_requests = Counter("fleetllm_router_model_requests", "Requests routed per served model.",
@@ -73,3 +56,24 @@ class RouterMetrics:
         self.scale_decisions = Counter("fleetllm_autoscaler_decisions", "Autoscaler decisions per model, by direction "
                                        "(up, down, none) and the signal that decided.", ["model", "direction", "reason"],
                                        registry=r)
+
+    def _add_pd_metrics(self, r: CollectorRegistry) -> None:
+        """Disaggregated prefill/decode: placement decisions, estimates and the transfer."""
+        self.pd_decisions = Counter("fleetllm_router_pd_decisions", "Prefill placement per request: disaggregated "
+                                    "(remote prefill + KV transfer), local (below the threshold), saturated (no "
+                                    "prefill worker free), fallback (the remote leg failed; prefilled locally).",
+                                    ["decision"], registry=r)
+        self.pd_seconds = Histogram("fleetllm_router_pd_prefill_seconds", "Remote prefill plus KV transfer, as the "
+                                    "router waited for it.", buckets=_TTFB, registry=r)
+        self.pd_auto = Counter("fleetllm_router_pd_auto_decisions", "--pd-threshold auto: requests whose estimates "
+                               "favoured the P/D path (disaggregated) or a local prefill (local).", ["decision"],
+                               registry=r)
+        self.pd_estimate = Histogram("fleetllm_router_pd_estimate_seconds", "--pd-threshold auto: each decision's "
+                                     "estimates in request-seconds of delay: local_stall (a local prefill's stall of "
+                                     "the decode worker's running requests), remote (the P/D path's), transfer.",
+                                     ["side", "decision"], buckets=_TTFB, registry=r)
+        self.pd_prefill_rate = Gauge("fleetllm_router_pd_prefill_tokens_per_second", "Prefill rate measured from "
+                                     "remote prefills, per prefill worker.", ["worker"], registry=r)
+        self.pd_bandwidth = Gauge("fleetllm_router_pd_bandwidth_bytes_per_second", "KV transfer bandwidth measured "
+                                  "from remote prefills (bytes / transfer seconds, moving average).", registry=r)
+        self.pd_bytes = Counter("fleetllm_router_pd_transfer_bytes", "KV bytes shipped prefill -> decode.", registry=r)
