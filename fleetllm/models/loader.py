@@ -28,6 +28,7 @@ import torch
 
 from fleetllm.models.config import ModelConfig
 from fleetllm.models.gemma3 import Gemma3Model
+from fleetllm.models.gguf_file import read_gguf_file
 from fleetllm.models.llama import LlamaModel
 from fleetllm.models.safetensors_mmap import LazyTensor, map_safetensors, write_safetensors
 from fleetllm.models.source import ALIASES, cache_dir, dequant_cache_dir, read_cached_tokenizer, resolve
@@ -144,11 +145,6 @@ _GGUF_TOP_NAMES = {
 }
 
 
-def gguf_metadata(reader: Any) -> dict[str, Any]:
-    """All key/value fields of a GGUF file as Python values."""
-    return {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}
-
-
 def dequantize_tensor(t: Any, rows: slice = slice(None)) -> np.ndarray:
     """One GGUF tensor (or a range of its outermost rows) as an fp32 array in PyTorch (row-major,
     outermost first) shape."""
@@ -220,17 +216,12 @@ def _entry_lock(entry: Path) -> Iterator[None]:
 def _dequantise_gguf(path: Path) -> tuple[ModelConfig, list[LazyTensor], TokenizerWrapper]:
     """Config, tokenizer, and each HF-named fp32 weight as a recipe made only when asked for: the writer
     makes and writes one at a time, so a 1 GB model never sits in memory twice (fresh pages are slow)."""
-    from gguf import GGUFReader
-
-    reader = GGUFReader(str(path))  # parses every metadata string: seconds for a 49k-token vocabulary
-    meta = gguf_metadata(reader)
-    names = {t.name for t in reader.tensors}
-    tok = TokenizerWrapper.from_gguf_metadata(meta)
-    vocab = int(meta.get(f"{meta['general.architecture']}.vocab_size") or len(meta["tokenizer.ggml.tokens"]))
-    cfg = ModelConfig.from_gguf(meta, vocab, tied="output.weight" not in names)
+    gguf = read_gguf_file(path)
+    tok = TokenizerWrapper.from_gguf_metadata(gguf.metadata)
+    cfg = gguf.model_config()
     layer_names = _GGUF_GEMMA3_NAMES if cfg.architecture == "gemma3" else _GGUF_LAYER_NAMES
     tensors: list[LazyTensor] = []
-    for t in reader.tensors:
+    for t in gguf.tensors:
         if t.name in _GGUF_TOP_NAMES:
             hf = _GGUF_TOP_NAMES[t.name]
         else:

@@ -151,14 +151,11 @@ def load_tokenizer(ref: str, store: StoreConfig | None = None) -> tuple[ModelCon
             return read_cached_tokenizer(cached)
         except (OSError, ValueError, KeyError):
             pass
-    from gguf import GGUFReader
+    from fleetllm.models.gguf_file import read_gguf_file
 
-    reader = GGUFReader(str(path))
-    meta = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}
-    tok = TokenizerWrapper.from_gguf_metadata(meta)
-    vocab = int(meta.get(f"{meta['general.architecture']}.vocab_size") or len(meta["tokenizer.ggml.tokens"]))
-    names = {t.name for t in reader.tensors}
-    cfg = ModelConfig.from_gguf(meta, vocab, tied="output.weight" not in names)
+    gguf = read_gguf_file(path)
+    tok = TokenizerWrapper.from_gguf_metadata(gguf.metadata)
+    cfg = gguf.model_config()
     if not cfg.eos_token_ids and tok.eos_token_id is not None:
         cfg.eos_token_ids = [tok.eos_token_id]
     return cfg, tok

@@ -107,15 +107,9 @@ def from_hf_config(name: str, d: dict[str, Any], runs_here: str | None = None) -
 
 def from_gguf(path: Path) -> ModelShape:
     """The shape from a GGUF file's metadata (the loader's reader; no tensors are read)."""
-    from gguf import GGUFReader
+    from fleetllm.models.gguf_file import read_gguf_file
 
-    from fleetllm.models.loader import gguf_metadata
-
-    reader = GGUFReader(str(path))
-    meta = gguf_metadata(reader)
-    vocab = int(meta.get(f"{meta['general.architecture']}.vocab_size") or len(meta["tokenizer.ggml.tokens"]))
-    tied = "output.weight" not in {t.name for t in reader.tensors}
-    return from_model_config(path.stem, ModelConfig.from_gguf(meta, vocab, tied), runs_here=str(path))
+    return from_model_config(path.stem, read_gguf_file(path).model_config(), runs_here=str(path))
 
 
 def load_shape(ref: str) -> ModelShape:
