@@ -78,7 +78,7 @@ def nothing_left_behind() -> Iterator[None]:
 _PREPARATIONS = {
     # HF transformers' own conversion of SmolLM2's GGUF (~40 s of CPU), saved as a HF directory
     "hf_reference.py": ("engine/test_hf_equivalence.py", "models/test_loader.py"),
-    # Gemma-3-270M's weights dequantised (~35 s of CPU)
+    # Gemma-3-270M's weights dequantised (~13 s)
     "-c from pathlib import Path; from fleetllm.models.loader import read_gguf, resolve; read_gguf(Path(resolve('gemma3-270m')))":
         ("models/test_gemma3.py", "fleet/test_fleet_control.py"),
 }
@@ -96,6 +96,22 @@ def pytest_sessionstart(session: pytest.Session) -> None:
             cmd = [sys.executable, *what.split(" ", 1)] if what.startswith("-c") else [sys.executable, str(here / what)]
             _preparing.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                                preexec_fn=lambda: os.nice(10)))
+
+
+# The suite's longest files (CPU seconds in a whole run), started first: under pytest-xdist each file runs whole
+# on one process, and a long file begun last would leave the other processes idle while it ends the run.
+_LONGEST_FIRST = [
+    "fleet/test_fleet_control.py", "speculative/test_spec_greedy.py", "disagg/test_pd_fleet.py",
+    "observability/test_fleet_observability.py", "agents/test_structured_outputs.py", "router/test_router_http.py",
+    "server/test_errors.py", "reliability/test_drain.py", "agents/test_tool_calls.py", "store/test_hub.py",
+    "server/test_disconnect.py", "fleet/test_ray_fleet.py", "engine/test_kv_cache_dtype.py",
+]
+
+
+def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
+    here = Path(__file__).parent
+    rank = {str(here / f): i for i, f in enumerate(_LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(str(item.path), len(rank)))  # stable: the rest keep their order
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
