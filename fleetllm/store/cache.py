@@ -57,11 +57,37 @@ class Manifest:
     uri: str  # the pinned reference, e.g. hf://org/name@<commit>
     commit: str
     wanted: list[str] = field(default_factory=list)  # the files a full model needs (what offline starts check)
-    files: dict[str, dict] = field(default_factory=dict)  # name -> {"size", "sha256"}
+    # name -> {"size", "sha256", "mtime_ns", "ino"}: the SHA-256 verified, and the file's identity when it was
+    files: dict[str, dict] = field(default_factory=dict)
     created: float = field(default_factory=time.time)
 
     def size(self) -> int:
         return sum(f["size"] for f in self.files.values())
+
+
+def file_record(path: Path, sha256: str, before: os.stat_result) -> dict:
+    """A manifest entry for ``path``, which hashed to ``sha256`` after ``before`` was taken: the digest and the
+    file's identity. Raises ValueError if the file changed while it was hashed.
+
+    The file's mtime is set a second into the past, a time no later write can give it: a file written again in
+    the clock tick it was verified in would otherwise keep its recorded mtime (git's "racy" files).
+    """
+    if not _same(path.stat(), before.st_size, before.st_mtime_ns, before.st_ino):
+        raise ValueError(f"{path.name} changed while it was verified")
+    os.utime(path, ns=(before.st_atime_ns, time.time_ns() - 1_000_000_000))
+    st = path.stat()
+    return {"size": st.st_size, "sha256": sha256, "mtime_ns": st.st_mtime_ns, "ino": st.st_ino}
+
+
+def unchanged(path: Path, record: dict) -> bool:
+    """``path`` is still the file ``record`` was made from: same inode, size and mtime. Anything that rewrites
+    it, in place or by replacing it, changes one of them; only ``fleetllm models verify`` finds a file whose
+    bytes changed under the filesystem (media errors)."""
+    return _same(path.stat(), record["size"], record.get("mtime_ns"), record.get("ino"))
+
+
+def _same(st: os.stat_result, size: int, mtime_ns: int | None, ino: int | None) -> bool:
+    return (st.st_size, st.st_mtime_ns, st.st_ino) == (size, mtime_ns, ino)
 
 
 class Revision:

@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from fleetllm.store.cache import Manifest, ModelCache, Revision
+from fleetllm.store.cache import Manifest, ModelCache, Revision, file_record, unchanged
 from fleetllm.store.checksum import Checksum, check
 from fleetllm.store.config import StoreConfig
 from fleetllm.store.errors import SourceUnreachable, StoreError
@@ -138,23 +138,36 @@ class ModelStore:
                              f"unreachable ({e})", 503) from None
 
     def _check_cached(self, rev: Revision, m: Manifest, wanted: list[str]) -> list[str]:
-        """Drop from the manifest every wanted file that is gone or whose SHA-256 changed; return their names."""
+        """Drop from the manifest every wanted file that is gone or whose SHA-256 changed; return their names.
+
+        A file that is still the one its entry was verified from (same inode, size, mtime) is not hashed again:
+        anything that writes to it changes its mtime. ``fleetllm models verify`` hashes every file regardless.
+        A file hashed here that matches gets a fresh entry, so it is trusted on the next start.
+        """
         present = [n for n in wanted if n in m.files]
 
-        def ok(name: str) -> bool:
-            path = rev.files / name
+        def check_one(name: str) -> dict | None:
+            path, record = rev.files / name, m.files[name]
             try:
-                if path.stat().st_size != m.files[name]["size"]:
-                    return False
-                check(path, Checksum("sha256", m.files[name]["sha256"]))
-                return True
+                if unchanged(path, record):
+                    return record
+                before = path.stat()
+                if before.st_size != record["size"]:
+                    return None
+                return file_record(path, check(path, Checksum("sha256", record["sha256"])), before)
             except (OSError, ValueError):
-                return False
+                return None
 
         with ThreadPoolExecutor(max(1, min(len(present), os.cpu_count() or 1))) as pool:
-            bad = [n for n, good in zip(present, pool.map(ok, present), strict=True) if not good]
+            checked = dict(zip(present, pool.map(check_one, present), strict=True))
+        bad = [n for n, record in checked.items() if record is None]
+        refreshed = [n for n, record in checked.items() if record is not None and record is not m.files[n]]
         for n in bad:
             del m.files[n]
+        for n in refreshed:
+            m.files[n] = checked[n]
+        if refreshed:
+            rev.write_manifest(m)
         return bad
 
     def _download(self, uri: ModelURI, listing: Listing, names: list[str], rev: Revision, m: Manifest,
@@ -165,19 +178,20 @@ class ModelStore:
         with phases.timed("download"), ThreadPoolExecutor(self.cfg.download_workers) as pool:
             got = list(pool.map(lambda n: source.download(listing.commit, listing.files[n], rev.staging), names))
 
-        def verify(item: tuple[str, tuple[Path, Checksum | None]]) -> str:
+        def verify(item: tuple[str, tuple[Path, Checksum | None]]) -> dict:
             name, (path, checksum) = item
             try:
-                return check(path, checksum)
+                before = path.stat()
+                return file_record(path, check(path, checksum), before)  # a rename keeps what it records
             except ValueError as e:
                 path.unlink(missing_ok=True)  # a bad download is not resumed from
                 raise StoreError(f"model {uri}: downloaded file failed verification: {e}", 502) from None
 
         with phases.timed("verify"), ThreadPoolExecutor(max(1, os.cpu_count() or 1)) as pool:
-            digests = list(pool.map(verify, zip(names, got, strict=True)))
-        for name, (path, _), sha in zip(names, got, digests, strict=True):
+            records = list(pool.map(verify, zip(names, got, strict=True)))
+        for name, (path, _), record in zip(names, got, records, strict=True):
             rev.place(path, name)
-            m.files[name] = {"size": (rev.files / name).stat().st_size, "sha256": sha}
+            m.files[name] = record
         return names
 
 

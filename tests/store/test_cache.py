@@ -1,9 +1,13 @@
-"""The node's cache: LRU eviction that spares revisions in use, and `fleetllm models ls|verify|rm`."""
+"""The node's cache: LRU eviction that spares revisions in use, checks on load that hash only what changed, and
+`fleetllm models ls|verify|rm`."""
 
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
 
+import fleetllm.store.store as store_module
 from fleetllm.store.store import ModelStore
 
 
@@ -34,3 +38,40 @@ def test_models_ls_verify_and_rm(hub, store_cfg, capsys):
     fetched.release()
     assert main(["models", "rm", "hf://test/tiny", *flags]) == 0
     assert not fetched.path.exists()
+
+
+def test_a_start_hashes_only_the_cached_files_that_changed(hub, store_cfg, monkeypatch):
+    store = ModelStore(store_cfg)
+    fetched = store.fetch("hf://test/tiny")
+    hashed = []
+    real_check = store_module.check
+    monkeypatch.setattr(store_module, "check", lambda path, expected: hashed.append(path.name) or real_check(path, expected))
+    store.fetch("hf://test/tiny")
+    assert hashed == []  # every file is still the one its manifest entry was verified from
+    os.utime(fetched.path / "config.json")  # touched, not changed: hashed once, then trusted again
+    assert store.fetch("hf://test/tiny").downloaded == [] and hashed == ["config.json"]
+    store.fetch("hf://test/tiny")
+    assert hashed == ["config.json"]
+    fetched.release()
+
+
+def test_bytes_changed_behind_the_filesystem_are_found_by_models_verify(hub, store_cfg, capsys):
+    """What the start's check cannot see (the inode, size and mtime all unchanged, as after a media error) is
+    what `fleetllm models verify` is for."""
+    from fleetllm.cli import main
+
+    store = ModelStore(store_cfg)
+    fetched = store.fetch("hf://test/tiny")
+    weights = fetched.path / "model.safetensors"
+    st = weights.stat()
+    with open(weights, "r+b") as f:
+        f.seek(100)
+        f.write(b"\x00" * 8)
+    os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert store.fetch("hf://test/tiny").downloaded == []
+    flags = ["--cache-dir", store_cfg.cache_dir, "--hf-endpoint", hub.endpoint]
+    assert main(["models", "verify", "hf://test/tiny", *flags]) == 1
+    assert "model.safetensors" in capsys.readouterr().out
+    manifest = json.loads((fetched.path.parent / "manifest.json").read_text())
+    assert manifest["files"]["model.safetensors"]["mtime_ns"] == st.st_mtime_ns
+    fetched.release()
