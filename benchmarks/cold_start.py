@@ -10,7 +10,8 @@ What it does:
      moment it is spawned, the time to the first token of a one-token streamed completion (TTFT of a new
      worker: process start, imports, store, load, warm-up, first request); the phases come from the worker's
      own ``fleetllm_worker_cold_start_seconds{phase}``;
-  3. scenarios: ``source`` (empty cache), ``cache`` (the same cache again), and for the GGUF repo ``source``,
+  3. scenarios: ``source`` (empty cache), ``cache`` (the same cache again; and pinned to the commit, as the
+     copies of a fleet start: no request to the source), and for the GGUF repo ``source``,
      ``cache`` (dequantised cache empty: the GGUF is dequantised at load) and ``cache+dequant``.
   4. prints a markdown table; ``--output`` writes JSON.
 
@@ -37,6 +38,7 @@ from common import cpu_model, stop_process, tail  # noqa: E402
 from fleet_helpers import free_port  # noqa: E402
 from hub_server import HubRepo, HubServer, HubState, file_meta  # noqa: E402
 
+HF_COMMIT = "1" * 40
 PHASES = ("resolve", "download", "verify", "load", "weight_load", "warm_up", "ready")
 
 
@@ -48,7 +50,7 @@ def build_repos(tmp: Path) -> dict[str, HubRepo]:
     load_model("smollm2-135m")  # fills the dequantised cache, which the HF export shares
     hf = export_hf_dir("smollm2-135m", tmp / "hf")
     gguf = resolve("smollm2-135m")
-    commit_hf, commit_gguf = "1" * 40, "2" * 40
+    commit_hf, commit_gguf = HF_COMMIT, "2" * 40
     for p in [*hf.iterdir(), gguf]:
         file_meta(p)  # the test hub hashes its files once; not part of any worker's cold start
     return {"test/smollm2": HubRepo("test/smollm2", {commit_hf: {p.name: p for p in hf.iterdir()}}, {"main": commit_hf}),
@@ -101,6 +103,8 @@ def scenarios(tmp: Path) -> list[tuple[str, str, Path, Path]]:
     hf, gguf = "hf://test/smollm2", "hf://test/smollm2-gguf"
     return [("a. safetensors fp32, from the source", hf, hf_cache, dq_empty),
             ("b. safetensors fp32, from the cache", hf, hf_cache, dq_empty),
+            ("b. safetensors fp32, from the cache, pinned (as `fleetllm serve` starts each copy)", f"{hf}@{HF_COMMIT}",
+             hf_cache, dq_empty),
             ("a. GGUF Q4_1, from the source", gguf, gguf_cache, dq_warm),
             ("b. GGUF Q4_1, from the cache (dequantised at load)", gguf, gguf_cache, dq_empty),
             ("c. GGUF Q4_1, from the cache + dequantised cache", gguf, gguf_cache, dq_warm)]
