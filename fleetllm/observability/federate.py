@@ -10,63 +10,95 @@ read (``None``) is reported by ``fleetllm_federate_scrape_ok{worker} 0`` instead
 from __future__ import annotations
 
 import asyncio
+import re
 from collections.abc import Mapping
 
 import httpx
-from prometheus_client.parser import text_string_to_metric_families
-from prometheus_client.utils import floatToGoString
 
 SCRAPE_OK = "fleetllm_federate_scrape_ok"
+
+
+# One sample line of the text format: name, the labels' text inside the braces, the value and timestamp.
+_VALUE = r"[-+]?(?:\d+\.?\d*(?:[eE][-+]?\d+)?|\.\d+(?:[eE][-+]?\d+)?|Inf|inf|NaN|nan)"
+_SAMPLE = re.compile(r'([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{((?:[^"}]|"(?:[^"\\]|\\.)*")*)\})?'
+                     rf'([ \t]+{_VALUE}(?:[ \t]+-?\d+)?)[ \t]*')
+_WORKER = re.compile(r'(?:^|,)\s*worker\s*=\s*"((?:[^"\\]|\\.)*)"\s*(?:,|$)')  # a page's own worker label
+
+Family = tuple[str, str, list[str]]  # (type, HELP text as written, sample lines)
 
 
 def _escape_label(v: str) -> str:
     return v.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
 
 
-def _escape_help(v: str) -> str:
-    return v.replace("\\", "\\\\").replace("\n", "\\n")
+def _relabel(labels: str | None, worker: str) -> str:
+    """The text inside a sample's braces with ``worker="<worker>"`` first; a different ``worker`` label the
+    page already had is kept as ``exported_worker`` (Prometheus' rule for clashing target labels)."""
+    own = f'worker="{_escape_label(worker)}"'
+    if not labels or not labels.strip():
+        return own
+    m = _WORKER.search(labels)
+    if m is None:
+        return f"{own},{labels}"
+    rest = (labels[:m.start()] + "," + labels[m.end():]).strip(", \t")
+    clash = f',exported_worker="{m.group(1)}"' if m.group(1) != _escape_label(worker) else ""
+    return f"{own},{rest}{clash}" if rest else own + clash
 
 
-def _sample_line(name: str, labels: Mapping[str, str], value: float) -> str:
-    if not labels:
-        return f"{name} {floatToGoString(value)}"
-    body = ",".join(f'{k}="{_escape_label(v)}"' for k, v in labels.items())
-    return f"{name}{{{body}}} {floatToGoString(value)}"
+def _page_families(text: str, worker: str | None) -> dict[str, Family]:
+    """One page's families, its samples relabelled; raises ValueError on a line that is not the text format."""
+    families: dict[str, Family] = {}
+    current: str | None = None
+    for line in text.splitlines():
+        if not line.strip():
+            continue
+        if line.startswith("#"):
+            parts = line.split(None, 3)
+            if len(parts) >= 3 and parts[1] in ("HELP", "TYPE"):
+                kind, doc, lines = families.setdefault(parts[2], ("untyped", "", []))
+                value = parts[3] if len(parts) > 3 else ""
+                families[parts[2]] = (value, doc, lines) if parts[1] == "TYPE" else (kind, value, lines)
+                current = parts[2]
+            continue
+        m = _SAMPLE.fullmatch(line)
+        if m is None:
+            raise ValueError(f"not a Prometheus sample line: {line[:80]!r}")
+        name, labels, rest = m.groups()
+        if current is None or not name.startswith(current.removesuffix("_total")):
+            current = name  # a sample with no family header of its own
+        fam = families.setdefault(current, ("untyped", "", []))
+        fam[2].append(line if worker is None else f"{name}{{{_relabel(labels, worker)}}}{rest}")
+    return families
 
 
 def federate(texts: Mapping[str, str | None], local: str | None = None) -> str:
     """Merge ``{worker name: its /metrics text (None if unreadable)}`` into one Prometheus text page,
-    adding ``worker=<name>`` to every sample; ``local`` (e.g. the router's own page) is merged as is."""
-    families: dict[str, tuple[str, str, list[str]]] = {}  # name -> (type, help, sample lines)
+    adding ``worker=<name>`` to every sample; ``local`` (e.g. the router's own page) is merged as is.
 
-    def add(text: str, worker: str | None) -> None:
-        for fam in text_string_to_metric_families(text):
-            kind, _, lines = families.setdefault(fam.name, (fam.type, fam.documentation, []))
-            if kind != fam.type:
-                continue  # the same name with another type cannot share a family: keep the first
-            for s in fam.samples:
-                labels = dict(s.labels)
-                if worker is not None:
-                    own = labels.pop("worker", None)
-                    labels = {"worker": worker, **labels}
-                    if own is not None and own != worker:
-                        labels["exported_worker"] = own
-                lines.append(_sample_line(s.name, labels, s.value))
+    Works on the text lines (a fleet of 32 workers is ~10k lines a scrape): families are merged by the name
+    their HELP/TYPE lines give, samples keep the worker's own formatting with the label added.
+    """
+    families: dict[str, Family] = {}
+
+    def merge(page: dict[str, Family]) -> None:
+        for name, (kind, doc, lines) in page.items():
+            have = families.setdefault(name, (kind, doc, []))
+            if have[0] == kind:  # the same name with another type cannot share a family: keep the first
+                have[2].extend(lines)
 
     if local:
-        add(local, None)
+        merge(_page_families(local, None))
     ok_lines = []
     for worker, text in texts.items():
         if text is not None:
             try:
-                add(text, worker)
+                merge(_page_families(text, worker))
             except ValueError:  # a page that does not parse counts as unreadable
                 text = None
-        ok_lines.append(_sample_line(SCRAPE_OK, {"worker": worker}, 0.0 if text is None else 1.0))
+        ok_lines.append(f'{SCRAPE_OK}{{worker="{_escape_label(worker)}"}} {0.0 if text is None else 1.0}')
     out = []
     for name, (kind, doc, lines) in families.items():
-        head = name + "_total" if kind == "counter" else name  # as prometheus_client writes (and parses) it
-        out += [f"# HELP {head} {_escape_help(doc)}", f"# TYPE {head} {kind}", *lines]
+        out += [f"# HELP {name} {doc}", f"# TYPE {name} {kind}", *lines]
     if texts:
         out += [f"# HELP {SCRAPE_OK} Whether the worker's /metrics was read for this page (1) or not (0).",
                 f"# TYPE {SCRAPE_OK} gauge", *ok_lines]

@@ -48,6 +48,7 @@ from fleetllm.router.request_id import mint
 from fleetllm.router.sessions import ResponseSessions, resend_body
 from fleetllm.router.tokens import PromptTokenizer, block_hashes
 from fleetllm.router.traffic import TrafficSplit, parse_weights
+from fleetllm.router.transport import PerHostTransport
 from fleetllm.router.upstream import Breaker, WorkerMonitor, WorkerState
 from fleetllm.server.anthropic_errors import reshape
 from fleetllm.server.body_limit import DEFAULT_MAX_BODY_BYTES, BodyLimit
@@ -172,10 +173,9 @@ class Router:
 
     @contextlib.asynccontextmanager
     async def _lifespan(self, app: Starlette) -> AsyncIterator[None]:
-        limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
         headers = {"authorization": f"Bearer {self.secret}"} if self.secret else None  # workers answer only us
         verify = ssl.create_default_context(cafile=self.cfg.worker_ca_file) if self.cfg.worker_ca_file else True
-        self.client = httpx.AsyncClient(limits=limits, timeout=None, headers=headers, verify=verify)
+        self.client = httpx.AsyncClient(transport=PerHostTransport(verify), timeout=None, headers=headers)
         self.forwarder = Forwarder(self.client, self.cfg, self.metrics, self.index, self.uses_prefix)
         self.remote_prefill = RemotePrefill(self.client, self.cfg, self.metrics, self.events_index,
                                             on_failure=self.forwarder.failed)
