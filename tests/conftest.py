@@ -76,7 +76,7 @@ def nothing_left_behind() -> Iterator[None]:
 # a test that gets there first waits for it rather than doing it again): started, niced, from the session's
 # start (by the controlling process under pytest-xdist), when the run includes a file that needs it.
 _PREPARATIONS = {
-    # HF transformers' own conversion of SmolLM2's GGUF (~40 s of CPU), saved as a HF directory
+    # HF transformers' own conversion of SmolLM2's GGUF (~17 s of CPU), saved as a HF directory
     "hf_reference.py": ("engine/test_hf_equivalence.py", "models/test_loader.py"),
     # Gemma-3-270M's weights dequantised (~13 s)
     "-c from pathlib import Path; from fleetllm.models.loader import read_gguf, resolve; read_gguf(Path(resolve('gemma3-270m')))":
