@@ -119,8 +119,10 @@ class RemotePrefill:
         """The prefill worker with room that would finish this prompt first, by its queue and what it already
         holds of the prompt (a shared document is not prefilled twice); and the tokens it would compute."""
         now = time.monotonic()
+        # a peer that also decodes (auto, no prefill workers) only while it has nothing decoding: its own
+        # streams would stall as long as the decode worker's would have, and both tails would show it
         free = [w for w in prefill_pool if w.routable(now) and w.inflight < self.cfg.prefill_max_inflight
-                and w is not decode]
+                and w is not decode and (w.role == "prefill" or not _decoding(w))]
         if not free:
             return None
         held = self.events_index.match(req.block_hashes, [w.name for w in free])

@@ -123,7 +123,7 @@ def test_a_peer_that_decodes_too_would_stall_its_own_requests_instead():
     assert dataclasses.replace(BUSY, prefill_batch=1).disaggregate  # 1 stalled there instead of 3 here
 
 
-def test_without_prefill_workers_auto_prefills_on_an_idle_peer_never_on_the_decode_worker_itself():
+def test_without_prefill_workers_auto_prefills_on_an_idle_peer_never_on_a_decoding_one_nor_the_worker_itself():
     asked: list[str] = []
     side, metrics, _ = _router_side(asked)
     route = RouteRequest(num_prompt_tokens=1600, block_hashes=list(range(1, 101)))
@@ -136,4 +136,6 @@ def test_without_prefill_workers_auto_prefills_on_an_idle_peer_never_on_the_deco
 
     asyncio.run(run())
     assert asked == ["b"]
-    assert metrics.pd_auto.labels(decision="local")._value.get() == 1
+    # one decoding request on the peer is enough to keep it out: its stream would stall as the decode worker's
+    assert metrics.pd_decisions.labels(decision="saturated")._value.get() == 1
+    assert metrics.pd_auto.labels(decision="local")._value.get() == 0
