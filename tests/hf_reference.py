@@ -1,8 +1,8 @@
 """HF transformers' own reading of the embedded model's GGUF, saved once per machine as a HF directory.
 
 Loading SmolLM2 into transformers from its GGUF (converting the 49k-token vocabulary, dequantising and
-renaming every tensor) costs ~20 s of CPU here (~45 s without the memoisation below); loading the directory transformers saves afterwards takes
-a second or two. The weights are transformers' conversion, not fleetllm's, so the comparison stays
+renaming every tensor) costs ~17 s of CPU here (~45 s without the memoisation below); loading the
+directory transformers saves afterwards takes a second or two. The weights are transformers' conversion, not fleetllm's, so the comparison stays
 independent. The suite runs this file as a script from the session's start (niced, in the background:
 tests/conftest.py) so the conversion overlaps other tests; the tests that compare against HF call
 :func:`hf_reference_dir`, which waits for that run (a lock) or does the conversion itself.

@@ -28,6 +28,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from urllib.parse import quote
 
+from fleetllm.store.checksum import Checksum, check
+
 
 def write_atomic(path: Path, data: bytes) -> None:
     """Replace ``path`` with ``data`` so that a reader sees the old content or the new one, even after a crash."""
@@ -65,13 +67,15 @@ class Manifest:
         return sum(f["size"] for f in self.files.values())
 
 
-def file_record(path: Path, sha256: str, before: os.stat_result) -> dict:
-    """A manifest entry for ``path``, which hashed to ``sha256`` after ``before`` was taken: the digest and the
-    file's identity. Raises ValueError if the file changed while it was hashed.
+def verified_record(path: Path, expected: Checksum | None) -> dict:
+    """``path`` hashed against ``expected`` (ValueError if it does not match, or if the file changed while it
+    was hashed); its manifest entry: the SHA-256 and the file's identity (inode, size, mtime).
 
     The file's mtime is set a second into the past, a time no later write can give it: a file written again in
     the clock tick it was verified in would otherwise keep its recorded mtime (git's "racy" files).
     """
+    before = path.stat()
+    sha256 = check(path, expected)
     if not _same(path.stat(), before.st_size, before.st_mtime_ns, before.st_ino):
         raise ValueError(f"{path.name} changed while it was verified")
     os.utime(path, ns=(before.st_atime_ns, time.time_ns() - 1_000_000_000))

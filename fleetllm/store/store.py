@@ -16,8 +16,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from fleetllm.store.cache import Manifest, ModelCache, Revision, file_record, unchanged
-from fleetllm.store.checksum import Checksum, check
+from fleetllm.store.cache import Manifest, ModelCache, Revision, unchanged, verified_record
+from fleetllm.store.checksum import Checksum
 from fleetllm.store.config import StoreConfig
 from fleetllm.store.errors import SourceUnreachable, StoreError
 from fleetllm.store.phases import Phases
@@ -151,10 +151,9 @@ class ModelStore:
             try:
                 if unchanged(path, record):
                     return record
-                before = path.stat()
-                if before.st_size != record["size"]:
+                if path.stat().st_size != record["size"]:
                     return None
-                return file_record(path, check(path, Checksum("sha256", record["sha256"])), before)
+                return verified_record(path, Checksum("sha256", record["sha256"]))
             except (OSError, ValueError):
                 return None
 
@@ -181,8 +180,7 @@ class ModelStore:
         def verify(item: tuple[str, tuple[Path, Checksum | None]]) -> dict:
             name, (path, checksum) = item
             try:
-                before = path.stat()
-                return file_record(path, check(path, checksum), before)  # a rename keeps what it records
+                return verified_record(path, checksum)  # a rename keeps what it records
             except ValueError as e:
                 path.unlink(missing_ok=True)  # a bad download is not resumed from
                 raise StoreError(f"model {uri}: downloaded file failed verification: {e}", 502) from None

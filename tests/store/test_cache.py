@@ -7,7 +7,7 @@ import dataclasses
 import json
 import os
 
-import fleetllm.store.store as store_module
+import fleetllm.store.cache as cache_module
 from fleetllm.store.store import ModelStore
 
 
@@ -44,8 +44,8 @@ def test_a_start_hashes_only_the_cached_files_that_changed(hub, store_cfg, monke
     store = ModelStore(store_cfg)
     fetched = store.fetch("hf://test/tiny")
     hashed = []
-    real_check = store_module.check
-    monkeypatch.setattr(store_module, "check", lambda path, expected: hashed.append(path.name) or real_check(path, expected))
+    real_check = cache_module.check
+    monkeypatch.setattr(cache_module, "check", lambda path, expected: hashed.append(path.name) or real_check(path, expected))
     store.fetch("hf://test/tiny")
     assert hashed == []  # every file is still the one its manifest entry was verified from
     os.utime(fetched.path / "config.json")  # touched, not changed: hashed once, then trusted again
