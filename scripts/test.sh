@@ -2,7 +2,8 @@
 # Set up and run the whole test suite (lint first). Fails if pytest collected no tests.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup.sh 2>&1 | grep -v "^WARNING: Location" || true
+bash scripts/setup.sh 2>&1 | grep -v "^WARNING: Location"
+if [ "${PIPESTATUS[0]}" -ne 0 ]; then echo "scripts/setup.sh failed: not running the tests" >&2; exit 1; fi
 . .venv/bin/activate
 ruff check . || exit 1
 # three test processes (pytest-xdist) on two cores, each module whole on one: the suite waits on servers and child
