@@ -19,6 +19,8 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import importlib.util
 import json
 import os
 import random
@@ -28,6 +30,7 @@ import time
 import uuid
 from pathlib import Path
 from statistics import median
+from types import ModuleType
 
 import httpx
 import torch
@@ -42,6 +45,7 @@ from fleetllm.engine.block_pool import hash_prefix_blocks  # noqa: E402
 
 HERE = Path(__file__).resolve().parents[1]
 MODEL = "smollm2-135m"
+POOL_BYTES = 1 << 30  # the worker's KV pool (--kv-cache-gb 1, the default)
 
 
 def start(args: list[str], url: str, pythonpath: Path, log: Path) -> subprocess.Popen[bytes]:
@@ -65,6 +69,7 @@ def start(args: list[str], url: str, pythonpath: Path, log: Path) -> subprocess.
 def worker(port: int, role: str, pythonpath: Path, log_dir: Path) -> subprocess.Popen[bytes]:
     # main refuses request bodies over 16 MiB, KV frames too: raised so that its HTTP path can be measured
     return start(["worker", "--port", str(port), "--role", role, "--num-threads", "1", "--log-level", "warning",
+                  "--kv-cache-gb", str(POOL_BYTES / (1 << 30)),
                   "--max-body-bytes", str(1 << 30)],
                  f"http://127.0.0.1:{port}", pythonpath, log_dir / f"worker-{port}.log")
 
@@ -77,8 +82,11 @@ def fresh_frame(seed: int, blocks: int) -> tuple[frame.FrameHeader, list[tuple[t
     return header, [(torch.randn(blocks, 16, 3, 64), torch.randn(blocks, 16, 3, 64)) for _ in range(30)]
 
 
+CLIENT = httpx.Client(timeout=300)  # one connection: a new client per call costs more than the transfer
+
+
 def post_kv(url: str, **kw: object) -> dict:
-    r = httpx.post(url + "/pd/kv", timeout=300, **kw)
+    r = CLIENT.post(url + "/pd/kv", **kw)
     assert r.status_code == 200 and r.json()["imported"] > 0, r.text
     return r.json()
 
@@ -89,36 +97,68 @@ def timed(fn) -> float:
     return time.perf_counter() - t0
 
 
-def transfer(url: str, repeats: int, blocks: int, new: bool, seed: int) -> dict[str, list[float]]:
-    """Seconds per frame into the worker at ``url``: main's way (``new`` False) or this checkout's."""
+def transfer(url: str, repeats: int, blocks: int, checkout: Path | None, seed: int) -> dict[str, list[float]]:
+    """Seconds per frame into the worker at ``url``: this checkout's way, or (``checkout``: main's) main's way,
+    its frames encoded by main's own frame module (the format changed: CRC-32 then, CRC-32C now).
+
+    The worker's KV pool is filled once first (its pages touched), as in a worker that has been serving a
+    while: a frame imported into pages never touched pays a page fault per 4 KiB, more than the copy itself
+    (shown once, as its own row, for this checkout)."""
     out: dict[str, list[float]] = {}
     buffers = FrameBuffers(SHM_DIR)
+    new, fmt = checkout is None, frame if checkout is None else frame_module(checkout)
+
+    def encode(header: frame.FrameHeader, layers: list) -> bytes:
+        return b"".join(fmt.encode(fmt.FrameHeader(**dataclasses.asdict(header)), layers))
+
+    if new:
+        header, layers = fresh_frame(seed - 1, blocks)
+        out["shm (exposed), pool pages never touched"] = [ship_shm(url, buffers, header, layers)[0]]
+    for w in range(POOL_BYTES // fresh_frame(0, blocks)[0].frame_bytes() + 2):  # every pool block written once
+        data = encode(*fresh_frame(seed + 1000 + w, blocks))
+        post_kv(url, content=data, headers={"content-type": "application/octet-stream"})
     for r in range(repeats):
         header, layers = fresh_frame(seed + 2 * r, blocks)
-        data = b"".join(frame.encode(header, layers))
+        data = encode(header, layers)
         out.setdefault("http", []).append(timed(lambda d=data: post_kv(url, content=d, headers={
             "content-type": "application/octet-stream"})))
         header, layers = fresh_frame(seed + 2 * r + 1, blocks)
         if not new:  # main: encode, a new file in /dev/shm, the receiver reads, decodes and unlinks it
-            data = b"".join(frame.encode(header, layers))
+            data = encode(header, layers)
             path = SHM_DIR / f"fleetllm-kv-{uuid.uuid4().hex}"
             out.setdefault("shm", []).append(timed(lambda p=path, d=data: (p.write_bytes(d), post_kv(url, json={"shm": str(p)}))))
             continue
-        buf = buffers.take("shm", header.frame_bytes())
-        t0 = time.perf_counter()
-        fb = frame.FrameBuffer(header, buf.memory)  # what the layer stream does during the prefill
-        for i, (k, v) in enumerate(layers):
-            fb.layer(i)[0].copy_(k)
-            fb.layer(i)[1].copy_(v)
-            fb.seal(i)
-        fb.finish()
-        t1 = time.perf_counter()
-        post_kv(url, json={"shm": str(buf.path), "bytes": fb.size, "keep": True})
-        t2 = time.perf_counter()
-        out.setdefault("shm", []).append(t2 - t1)  # exposed: the frame was built while the prefill computed
-        out.setdefault("shm incl. building the frame", []).append(t2 - t0)
-        buffers.give_back(buf, reusable=True)
+        exposed, whole = ship_shm(url, buffers, header, layers)
+        out.setdefault("shm (exposed)", []).append(exposed)  # the frame was built while the prefill computed
+        out.setdefault("shm incl. building the frame", []).append(whole)
     return out
+
+
+def frame_module(checkout: Path) -> ModuleType:
+    """``fleetllm.disagg.frame`` as ``checkout`` has it (it needs only torch and the standard library)."""
+    spec = importlib.util.spec_from_file_location("before_frame", checkout / "fleetllm/disagg/frame.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["before_frame"] = mod  # dataclasses look their module up
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def ship_shm(url: str, buffers: FrameBuffers, header: frame.FrameHeader, layers: list) -> tuple[float, float]:
+    """This checkout's shared-memory transfer of one frame: seconds exposed (the frame already built in a
+    reused buffer) and seconds including building it."""
+    buf = buffers.take("shm", header.frame_bytes())
+    t0 = time.perf_counter()
+    fb = frame.FrameBuffer(header, buf.memory)  # what the layer stream does during the prefill
+    for i, (k, v) in enumerate(layers):
+        fb.layer(i)[0].copy_(k)
+        fb.layer(i)[1].copy_(v)
+        fb.seal(i)
+    fb.finish()
+    t1 = time.perf_counter()
+    post_kv(url, json={"shm": str(buf.path), "bytes": fb.size, "keep": True})
+    t2 = time.perf_counter()
+    buffers.give_back(buf, reusable=True)
+    return t2 - t1, t2 - t0
 
 
 def memcpy(nbytes: int, repeats: int) -> dict[str, list[float]]:
@@ -169,7 +209,7 @@ def run_version(name: str, checkout: Path, args: argparse.Namespace, log_dir: Pa
     d_url, p_url, r_url = (f"http://127.0.0.1:{port + i}" for i in range(3))
     procs = [worker(port, "decode", checkout, log_dir)]
     try:
-        res: dict = {"transfer": transfer(d_url, args.repeats, args.tokens // 16, name == "after",
+        res: dict = {"transfer": transfer(d_url, args.repeats, args.tokens // 16, None if name == "after" else checkout,
                                             100 if name == "before" else 200)}
         procs.append(worker(port + 1, "prefill", checkout, log_dir))
         procs.append(start(["router", "--port", str(port + 2), "--workers", f"{p_url},{d_url}", "--pd-threshold",

@@ -8,7 +8,8 @@
 
 Each gives the frame's buffer (:meth:`head`) and waits until layer ``i`` is in (:meth:`until`); a frame cut
 short or overlong is a :class:`FrameError`. Used by :mod:`.routes`; the file checks (which files may be
-mapped) are there.
+mapped) are there. Shared-memory files are mapped through :class:`Mappings`, which keeps a file's mapping
+for the next frame in it (a prefill worker reuses its frame buffers).
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import asyncio
 import json
 import mmap
 import os
+import threading
+from collections import OrderedDict
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -38,6 +41,10 @@ class Whole:
     async def until(self, i: int, end: int) -> None:
         if len(self.buf) < end:
             raise FrameError(f"truncated frame: layer {i} incomplete")
+
+    def has(self, i: int, end: int) -> bool:
+        """Whether layer ``i`` (ending at ``end``) is in, without waiting."""
+        return len(self.buf) >= end
 
     async def end(self, size: int) -> None:
         if len(self.buf) != size:
@@ -76,6 +83,9 @@ class Streamed:
             self.buf[self.got : self.got + len(chunk)] = chunk
             self.got += len(chunk)
 
+    def has(self, i: int, end: int) -> bool:
+        return self.got >= end
+
     async def end(self, size: int) -> None:
         await self.until(-1, size)
         async for chunk in self.chunks:
@@ -94,13 +104,13 @@ class Notified:
 
     via = "shm"
 
-    def __init__(self, chunks: AsyncIterator[bytes], check: Any) -> None:
+    def __init__(self, chunks: AsyncIterator[bytes], check: Any, mappings: Mappings) -> None:
         """``check(path)``: raise unless the file may be mapped."""
-        self.chunks, self.check = chunks, check
+        self.chunks, self.check, self.mappings = chunks, check, mappings
         self.seen = 0  # layers final so far (the trailer counts as one more)
-        self.buf: mmap.mmap | None = None
+        self.buf: memoryview | None = None
 
-    async def head(self) -> mmap.mmap:
+    async def head(self) -> memoryview:
         line = b""
         while b"\n" not in line:
             line += await self._next()
@@ -111,13 +121,16 @@ class Notified:
             raise FrameError("bad shared-memory spec line") from None
         path = Path(str(spec.get("shm", "")))
         self.check(path)
-        self.buf = await asyncio.to_thread(map_file, path, spec.get("bytes"))
+        self.buf = await asyncio.to_thread(self.mappings.map, path, spec.get("bytes"))
         self.seen = len(rest)
         return self.buf
 
     async def until(self, i: int, end: int) -> None:
         while self.seen <= i:
             self.seen += len(await self._next())
+
+    def has(self, i: int, end: int) -> bool:
+        return self.seen > i
 
     async def end(self, size: int) -> None:
         return None  # the trailer's notification came with the last until()
@@ -137,3 +150,39 @@ def map_file(path: Path, nbytes: Any) -> mmap.mmap:
         return mmap.mmap(fd, n, mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0), mmap.PROT_READ)
     finally:
         os.close(fd)
+
+
+class Mappings:
+    """Read-only mappings of shared-memory frame files, each kept while its file exists (the last ``keep``).
+
+    A prefill worker writes its next frames into the same few files, so the next frame in a file is read
+    through the mapping already made: mapping and populating a 94 MB frame costs about as much as copying
+    it, and unmapping a third of that again. A mapping dropped here is unmapped once nothing reads it.
+    """
+
+    def __init__(self, keep: int = 4) -> None:
+        self.keep = keep
+        self._maps: OrderedDict[Path, tuple[tuple[int, int, int], mmap.mmap]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def map(self, path: Path, nbytes: Any, reuse: bool = True) -> memoryview:
+        """The first ``nbytes`` of ``path`` (default: all of it); ``reuse`` False: the file is about to go."""
+        st = os.stat(path)
+        key = (st.st_dev, st.st_ino, st.st_size)
+        n = int(nbytes) if nbytes is not None else st.st_size
+        if n > st.st_size or n < 0:
+            raise ValueError(f"{n} bytes asked of a file of {st.st_size}")
+        with self._lock:
+            held = self._maps.get(path)
+            if held is not None and held[0] == key:
+                self._maps.move_to_end(path)
+                return memoryview(held[1])[:n]
+        m = map_file(path, st.st_size)
+        if reuse:
+            with self._lock:
+                self._maps[path] = (key, m)
+                for gone in [p for p in self._maps if not p.exists()]:  # its sender removed it: no next frame
+                    del self._maps[gone]
+                while len(self._maps) > self.keep:
+                    self._maps.popitem(last=False)
+        return memoryview(m)[:n]

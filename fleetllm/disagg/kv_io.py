@@ -66,11 +66,24 @@ class Reservation:
     new: list[int] = field(default_factory=list)
     pinned: list[int] = field(default_factory=list)
     missing: int = 0
+    _runs: list[tuple[int, int, int]] | None = None
 
     def result(self) -> dict[str, int]:
         h = self.header
         return {"imported": len(self.new), "already_cached": h.num_blocks - self.missing,
                 "dropped": self.missing - len(self.new)}
+
+    def runs(self) -> list[tuple[int, int, int]]:
+        """The copy as runs ``(frame block, pool block, count)`` of consecutive blocks on both sides."""
+        if self._runs is None:
+            runs: list[list[int]] = []
+            for (src, *_), dst in zip(self.todo, self.new, strict=True):
+                if runs and src == runs[-1][0] + runs[-1][2] and dst == runs[-1][1] + runs[-1][2]:
+                    runs[-1][2] += 1
+                else:
+                    runs.append([src, dst, 1])
+            self._runs = [(a, b, n) for a, b, n in runs]
+        return self._runs
 
 
 def check_fits(engine: LLMEngine, header: FrameHeader) -> None:
@@ -99,15 +112,21 @@ def write(views: Layers, layers: Layers, res: Reservation) -> None:
     """Any thread: copy the reserved blocks of the frame (views over its bytes) into the pool blocks."""
     if not res.new:
         return
-    device = views[0][0].device
-    src = [t[0] for t in res.todo]
-    dst = torch.tensor(res.new, dtype=torch.long, device=device)
-    whole = src == list(range(src[0], src[0] + len(src)))
-    index = torch.tensor(src, dtype=torch.long)
+    runs = res.runs()
+    if len(runs) > _MAX_RUNS:  # scattered: one indexed copy per tensor
+        device = views[0][0].device
+        src = torch.tensor([t[0] for t in res.todo], dtype=torch.long)
+        dst = torch.tensor(res.new, dtype=torch.long, device=device)
     for (kc, vc), (k, v) in zip(views, layers, strict=True):
         for cache, part in ((kc, k), (vc, v)):
-            part = part[src[0] : src[0] + len(src)] if whole else part.index_select(0, index)  # a view when it can
-            cache.index_copy_(0, dst, part.to(device, cache.dtype))  # .to: no copy when the dtypes match
+            if len(runs) > _MAX_RUNS:
+                cache.index_copy_(0, dst, part.index_select(0, src).to(device, cache.dtype))
+                continue
+            for a, b, n in runs:  # slices: a plain copy, converting when the dtypes differ
+                cache[b : b + n].copy_(part[a : a + n])
+
+
+_MAX_RUNS = 8
 
 
 def commit(engine: LLMEngine, res: Reservation) -> dict[str, int]:

@@ -93,6 +93,8 @@ class PDEndpoints:
         self.options = options or TransferOptions()
         self._metrics: TransferMetrics | None = None
         self._buffers: FrameBuffers | None = None
+        self._mappings: Any = None  # arrival.Mappings, made on first use
+        self._http: httpx.AsyncClient | None = None  # to decode workers; one for all transfers (making one costs ~25 ms)
 
     @property
     def metrics(self) -> TransferMetrics:
@@ -122,17 +124,16 @@ class PDEndpoints:
         buf, stream, sealed = await self._stream(rid, ids, via)
         shipped = False
         try:
-            async with self._client(timeout) as client:
-                # sent while the prefill computes: each layer as soon as it is sealed
-                sending = asyncio.create_task(self._send(client, stream.frame, buf, decode_url, sealed))
-                try:
-                    await self.worker.until_disconnect(request, self._compute(rid, ids, stream))  # the router gave up: abort
-                    prefill_s = time.perf_counter() - t0
-                    t1 = time.perf_counter()
-                    r = await sending
-                finally:
-                    if not sending.done():
-                        sending.cancel()
+            # sent while the prefill computes: each layer as soon as it is sealed
+            sending = asyncio.create_task(self._send(stream.frame, buf, decode_url, sealed, timeout))
+            try:
+                await self.worker.until_disconnect(request, self._compute(rid, ids, stream))  # the router gave up: abort
+                prefill_s = time.perf_counter() - t0
+                t1 = time.perf_counter()
+                r = await sending
+            finally:
+                if not sending.done():
+                    sending.cancel()
             shipped = True
         finally:
             await self.worker.async_engine.call(lambda e: e.observe_layers(rid, None))
@@ -173,15 +174,17 @@ class PDEndpoints:
             raise APIError(500, "the prefill ended before its KV was complete")
         await asyncio.wrap_future(stream.done)  # the last layer sealed: the frame is complete
 
-    def _client(self, timeout: float) -> httpx.AsyncClient:
-        import httpx  # only a prefill worker sends; httpx (with its CLI's rich/click) stays out of every start
+    def _client(self) -> httpx.AsyncClient:
+        if self._http is None:
+            import httpx  # only a prefill worker sends; httpx (with its CLI's rich/click) stays out of every start
 
-        secret = worker_secret()  # a fleet with keys: the decode worker takes requests from its fleet only
-        auth = {"authorization": f"Bearer {secret}"} if secret else None
-        return httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=3.0), headers=auth)
+            secret = worker_secret()  # a fleet with keys: the decode worker takes requests from its fleet only
+            self._http = httpx.AsyncClient(headers={"authorization": f"Bearer {secret}"} if secret else None,
+                                           limits=httpx.Limits(max_keepalive_connections=8))
+        return self._http
 
-    async def _send(self, client: httpx.AsyncClient, f: FrameBuffer, buf: Buffer, decode_url: str,
-                    sealed: asyncio.Queue[int]) -> httpx.Response:
+    async def _send(self, f: FrameBuffer, buf: Buffer, decode_url: str, sealed: asyncio.Queue[int],
+                    timeout: float) -> httpx.Response:
         """POST the frame to the decode worker's ``/pd/kv``, each layer as soon as it is sealed: its bytes (HTTP),
         or one byte saying so (shared memory: the decode worker maps the file being filled)."""
         import httpx
@@ -200,8 +203,9 @@ class PDEndpoints:
                 yield b"\x01" if shm else f.layer_piece(i) if i < f.header.num_layers else f.trailer_piece()
 
         try:
-            r = await client.post(decode_url + "/pd/kv", content=pieces(),
-                                  headers={"content-type": SHM_STREAM if shm else "application/octet-stream"})
+            r = await self._client().post(decode_url + "/pd/kv", content=pieces(),
+                                          headers={"content-type": SHM_STREAM if shm else "application/octet-stream"},
+                                          timeout=httpx.Timeout(timeout, connect=3.0))
         except httpx.HTTPError as e:
             self.metrics.failures.labels(reason="send").inc()
             raise APIError(502, f"KV transfer to {decode_url} failed: {type(e).__name__}: {e}") from None
@@ -233,21 +237,27 @@ class PDEndpoints:
         return JSONResponse(result)
 
     async def _import(self, arrival: Any) -> tuple[dict[str, int], int]:
-        """Each layer verified and copied into reserved pool blocks as it arrives (a worker thread: the engine's
-        steps go on), then the blocks committed; a failure cancels: nothing imported, nothing held."""
+        """The layers in so far verified (CRC) and copied into reserved pool blocks, then those that arrive next
+        (a worker thread: the engine's steps go on), then the blocks committed; a failure cancels: nothing
+        imported, nothing held."""
         from fleetllm.disagg.frame import FrameReader
         from fleetllm.disagg.kv_io import cancel, check_fits, commit, reserve
 
         reader = FrameReader(await arrival.head())
         check_fits(self.worker.engine, reader.header)  # refused before its layers are read
         engine, views, res = self.worker.async_engine, self.worker.engine.kv_blocks(), None
+        n, i = reader.header.num_layers, 0
         try:
-            for i in range(reader.header.num_layers):
+            while i < n:
                 await arrival.until(i, reader.end_of(i))
+                j = i + 1  # and every later layer already in: one hand-over to the thread for all of them
+                while j < n and arrival.has(j, reader.end_of(j)):
+                    j += 1
                 if res is None:  # blocks held from the first layer on, not while the prefill computes
                     res = await engine.call(lambda e: reserve(e, reader.header))
-                await asyncio.to_thread(_into_pool, reader, i, views, res)
-            await arrival.until(reader.header.num_layers, reader.size)
+                await asyncio.to_thread(_into_pool, reader, range(i, j), views, res)
+                i = j
+            await arrival.until(n, reader.size)
             await arrival.end(reader.size)
             reader.finish()
             if res is None:
@@ -260,18 +270,19 @@ class PDEndpoints:
 
     async def _arrival(self, request: Request) -> Any:
         """Where the frame's bytes come from: the body, or the shared-memory file it names (whole, or being filled)."""
-        from fleetllm.disagg.arrival import SHM_STREAM, Notified, Streamed, Whole, map_file
+        from fleetllm.disagg.arrival import SHM_STREAM, Mappings, Notified, Streamed, Whole
 
+        self._mappings = self._mappings or Mappings()
         ctype = request.headers.get("content-type", "")
         if ctype.startswith(SHM_STREAM):
-            return Notified(request.stream(), _check_shm)
+            return Notified(request.stream(), _check_shm, self._mappings)
         if not ctype.startswith("application/json"):
             return Streamed(request.stream())
         spec = await self.worker.request_body(request)
         p = Path(str(spec.get("shm", "")))
         _check_shm(p)
         try:
-            return Whole(await asyncio.to_thread(map_file, p, spec.get("bytes")), "shm")
+            return Whole(await asyncio.to_thread(self._mappings.map, p, spec.get("bytes"), bool(spec.get("keep"))), "shm")
         except (OSError, ValueError) as e:
             self.metrics.failures.labels(reason="shm_read").inc()
             raise APIError(400, f"cannot read {p}: {e}", "shm") from None
@@ -285,7 +296,8 @@ def _check_shm(p: Path) -> None:
         raise APIError(400, f"shm must name a {PREFIX}* file in the shared-memory directory", "shm")
 
 
-def _into_pool(reader: Any, i: int, views: Any, res: Any) -> None:
+def _into_pool(reader: Any, layers: range, views: Any, res: Any) -> None:
     from fleetllm.disagg.kv_io import write
 
-    write([views[i]], [reader.layer(i)], res)
+    for i in layers:  # each layer verified, then copied while its bytes are still in the CPU's cache
+        write([views[i]], [reader.layer(i)], res)

@@ -145,3 +145,55 @@ def test_a_half_precision_frame_of_an_fp32_pool_has_half_the_bytes_and_imports_r
     ids_b, _ = b.kv.cached_prefix(ids)
     k_b = b.kv_blocks()[0][0][torch.tensor(ids_b)]
     assert torch.equal(k_b, layers[0][0].float())  # fp16 on the wire, converted into the fp32 pool
+
+
+def test_a_layer_checksum_is_crc32c_of_its_k_and_v_bytes():
+    from crc32c import crc32c
+
+    data = _small_frame()
+    r = frame.FrameReader(data)
+    k, v = r.layer(0)
+    stored = int.from_bytes(data[r.end_of(-1) : r.end_of(-1) + 4], "little")  # the first layer's CRC field
+    assert stored == crc32c(v.numpy().tobytes(), crc32c(k.numpy().tobytes()))
+
+
+@pytest.mark.parametrize("scattered", [False, True])
+def test_write_fills_exactly_the_reserved_blocks(scattered):
+    from fleetllm.disagg.kv_io import Reservation, write
+
+    header = frame.FrameHeader("m", 2, 1, 4, "float32", 2, list(range(24)), list(range(12)))
+    layers = [(torch.randn(12, 2, 1, 4), torch.randn(12, 2, 1, 4)) for _ in range(2)]
+    src = [0, 2, 3, 4, 5, 7, 8, 9, 10, 11] if scattered else [2, 3, 4, 5, 6, 7]
+    dst = [40 - 3 * i for i in range(len(src))] if scattered else [20 + i for i in range(len(src))]  # >8 runs or 1
+    res = Reservation(header, [(s, 0, [], None) for s in src], dst)
+    assert len(res.runs()) == (len(src) if scattered else 1)
+    views = [(torch.zeros(64, 2, 1, 4), torch.zeros(64, 2, 1, 4, dtype=torch.bfloat16)) for _ in range(2)]
+    write(views, layers, res)
+    for (kc, vc), (k, v) in zip(views, layers, strict=True):
+        assert torch.equal(kc[dst], k[src]) and torch.equal(vc[dst], v[src].to(torch.bfloat16))
+        others = [b for b in range(64) if b not in dst]
+        assert not kc[others].any() and not vc[others].any()
+
+
+def test_a_shared_memory_file_is_mapped_once_while_it_lasts(tmp_path):
+    from fleetllm.disagg.arrival import Mappings
+
+    maps, a, b, c = Mappings(keep=2), tmp_path / "a", tmp_path / "b", tmp_path / "c"
+    a.write_bytes(b"x" * 100)
+    first = maps.map(a, 10)
+    a.write_bytes(b"y" * 100)  # the sender's next frame in the same file: seen through the same mapping
+    again = maps.map(a, 20)
+    assert bytes(again) == b"y" * 20 and len(first) == 10 and len(maps._maps) == 1
+    a.unlink()
+    a.write_bytes(b"w" * 100)  # a new file under the old name (the old one still mapped): mapped anew
+    assert bytes(maps.map(a, 5)) == b"wwwww"
+    b.write_bytes(b"z" * 50)
+    c.write_bytes(b"z" * 50)
+    maps.map(b, None)
+    maps.map(c, None)
+    assert list(maps._maps) == [b, c]  # keep=2: the oldest mapping dropped
+    c.unlink()
+    maps.map(a, 1)
+    assert list(maps._maps) == [b, a]  # a removed file's mapping goes
+    with pytest.raises(ValueError):
+        maps.map(a, 101)
