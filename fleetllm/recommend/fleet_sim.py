@@ -27,6 +27,7 @@ from fleetllm.engine.executor import ModelOutput, Sampled
 from fleetllm.engine.params import SamplingParams
 from fleetllm.engine.scheduler import SchedulerOutput
 from fleetllm.recommend.candidate import Candidate, Prediction
+from fleetllm.recommend.kv_import import FrameImport, ImportLoad, frame_import, import_window
 from fleetllm.recommend.perf_model import StepModel
 from fleetllm.recommend.queueing import kv_transfer_seconds
 from fleetllm.recommend.speculation import Speculation
@@ -188,7 +189,7 @@ def simulate(c: Candidate, step: StepModel, w: WorkloadShape, rate: float, kv_to
         engines.append(LLMEngine(cfg, executor=ex))
     decode = engines[:c.replicas]
     _Fleet(decode, engines[c.replicas:], _Router(c.routing, decode, seed), c.pd_threshold,
-           lambda tokens: kv_transfer_seconds(c, step, tokens)).run(reqs)
+           lambda tokens: kv_transfer_seconds(c, step, tokens), frame_import(step, BLOCK)).run(reqs)
     return _summary(reqs, step, al, requests // 10 if warmup is None else warmup)
 
 
@@ -203,12 +204,15 @@ class _Fleet:
 
     P/D as the router does it (DESIGN.md §5): the decode replica is chosen first; a prompt whose tokens
     not cached there reach the threshold is prefilled on the least loaded prefill replica, its KV crosses
-    the link, and the decode replica then runs it without computing the prompt again."""
+    the link and is imported (``frames``: the decode replica's verify and copy, which the request's first
+    step waits for and the steps beside it lose on a CPU worker, :mod:`.kv_import`), and the decode replica
+    then runs it without computing the prompt again."""
 
     def __init__(self, decode: list[LLMEngine], prefill: list[LLMEngine], router: _Router, threshold: int,
-                 transfer_s: Callable[[int], float]) -> None:
+                 transfer_s: Callable[[int], float], frames: FrameImport = FrameImport()) -> None:
         self.engines, self.n_decode, self.router = decode + prefill, len(decode), router
-        self.threshold, self.transfer_s = threshold, transfer_s
+        self.threshold, self.transfer_s, self.frames = threshold, transfer_s, frames
+        self.imports = [ImportLoad() for _ in decode]
         self.clocks = [0.0] * len(self.engines)
         self.pending: list[tuple[float, int, _Request, int]] = []  # (time, order, request, engine or -1)
         self.order = 0
@@ -253,12 +257,13 @@ class _Fleet:
         ex = self.engines[i].executor
         ex.last_step_s = 0.0
         outs = self.engines[i].step()
-        self.clocks[i] += ex.last_step_s or 1e-3  # a step that scheduled nothing still lets time pass
+        start, dt = self.clocks[i], ex.last_step_s or 1e-3  # a step that scheduled nothing still lets time pass
+        self.clocks[i] += dt + (self.imports[i].stolen(start, start + dt) if i < self.n_decode else 0.0)
         for out in outs:
             r = self.by_id[out.request_id]
             if i >= self.n_decode:  # the prefill leg ended: the KV crosses to the decode replica
                 if out.finished:
-                    self.push(self.clocks[i] + self.transfer_s(len(r.prompt)), r, self.target.pop(r.rid))
+                    self._land(r, self.target.pop(r.rid), start, self.clocks[i])
                 continue
             if out.new_token_ids and r.first is None:
                 r.first = self.clocks[i]
@@ -269,6 +274,16 @@ class _Fleet:
                     nxt = r.follow
                     nxt.arrival, nxt.prompt = r.done, r.prompt + nxt.prompt
                     self.push(nxt.arrival, nxt)
+
+
+    def _land(self, r: _Request, decode: int, step_start: float, step_end: float) -> None:
+        """``r``'s KV, computed by a prefill step from ``step_start`` to ``step_end``, crosses the link and is
+        imported by ``decode``, which then runs ``r`` (its import's CPU taken from the steps beside it)."""
+        import_s = self.frames.seconds(len(r.prompt))
+        link = self.transfer_s(len(r.prompt))
+        start, end = import_window(import_s, self.frames.layers, step_start, step_end)
+        self.imports[decode].add(start + link, end + link, self.frames.cost.steal * import_s)
+        self.push(end + link, r, decode)
 
 
 def _summary(reqs: list[_Request], step: StepModel, al: float, warmup: int) -> Prediction:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 
 from fleetllm.recommend.candidate import Candidate, Prediction
+from fleetllm.recommend.kv_import import frame_import
 from fleetllm.recommend.perf_model import StepModel, prefill_seconds
 from fleetllm.recommend.workload import WorkloadShape
 
@@ -120,10 +121,14 @@ def predict(c: Candidate, step: StepModel, w: WorkloadShape, rate: float, kv_tok
 
 def _with_prefill_pool(c: Candidate, step: StepModel, w: WorkloadShape, rate: float, hit: float,
                        ttft: dict[int, float], util: float, dec: float) -> tuple[dict[int, float], float]:
-    """TTFT of the long prompts sent to the prefill pool (queue, prefill alone, KV transfer, first decode)."""
+    """TTFT of the long prompts sent to the prefill pool (queue, prefill alone, KV transfer and the decode
+    replica's import of it, first decode)."""
     isl = w.mean_isl_at_least(c.pd_threshold, hit)
-    service = prefill_seconds(step, int(isl * (1 - hit)), c.chunk)[0]
-    transfer = kv_transfer_seconds(c, step, isl)
+    uncached = int(isl * (1 - hit))
+    service = prefill_seconds(step, uncached, c.chunk)[0]
+    last_chunk = uncached - (math.ceil(uncached / c.chunk) - 1) * c.chunk if uncached > 0 else 0
+    imported = frame_import(step).exposed(int(isl), step.step_seconds(0, last_chunk))
+    transfer = kv_transfer_seconds(c, step, isl) + imported
     rho = rate * service / c.prefill_replicas
     out = {}
     for q in (50, 90):
