@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from fleetllm.engine.block_pool import hash_prefix_blocks
 from fleetllm.engine.config import EngineConfig
 from fleetllm.engine.engine import LLMEngine
 from fleetllm.engine.executor import ModelOutput, Sampled
@@ -52,16 +53,12 @@ class VirtualExecutor(TimingExecutor):
         self.draft = spec.draft_cost()
         self.acceptance = acceptance
         self.last_step_s = 0.0
-        self.imported: set[str] = set()  # P/D: requests whose prompt KV arrived from a prefill replica
-
-    def _imported_tokens(self, batch: list, decode: list) -> int:  # type: ignore[type-arg]
-        return sum(s.num_new_tokens for s in batch if s.seq.request_id in self.imported and s not in decode)
 
     def execute(self, sched: SchedulerOutput) -> ModelOutput:
         batch = sched.scheduled
         decode = [s for s in batch if s.seq.output_token_ids and s.num_new_tokens == 1]
         context = sum(s.seq.num_computed_tokens for s in decode)
-        prefill = sched.num_tokens - len(decode) - (self._imported_tokens(batch, decode) if self.imported else 0)
+        prefill = sched.num_tokens - len(decode)
         n = len(decode) * self.width
         dt = self.profile.step_seconds(n, prefill, context) * (1 + self.draft)
         if decode and self.acceptance != 1.0:
@@ -180,17 +177,23 @@ def simulate(c: Candidate, step: StepModel, w: WorkloadShape, rate: float, kv_to
     config = _with_context(config, longest + BLOCK)
     al = c.spec.acceptance_length(w.category)
     blocks = min(MAX_BLOCKS, max(kv_tokens // BLOCK, longest // BLOCK + 8))
-    engines = []
-    for _ in range(c.replicas + c.prefill_replicas):
-        ex = VirtualExecutor(SimulatedModel("sim", config, tokenizer), step, blocks, c.spec, al)
-        cfg = EngineConfig(model="sim", device="cpu", block_size=BLOCK, num_blocks=blocks, max_model_len=longest + BLOCK,
-                           max_num_seqs=c.max_batch, max_num_batched_tokens=max(c.chunk, c.max_batch),
-                           max_waiting=10 * requests, disable_metrics=True)
-        engines.append(LLMEngine(cfg, executor=ex))
+    model = SimulatedModel("sim", config, tokenizer)
+    engines = [replica(c, step, model, blocks, longest + BLOCK, al, 10 * requests)
+               for _ in range(c.replicas + c.prefill_replicas)]
     decode = engines[:c.replicas]
     _Fleet(decode, engines[c.replicas:], _Router(c.routing, decode, seed), c.pd_threshold,
            lambda tokens: kv_transfer_seconds(c, step, tokens), frame_import(step, BLOCK)).run(reqs)
     return _summary(reqs, step, al, requests // 10 if warmup is None else warmup)
+
+
+def replica(c: Candidate, step: StepModel, model: SimulatedModel, blocks: int, max_len: int, acceptance: float = 1.0,
+            max_waiting: int = 1000) -> LLMEngine:
+    """One copy of candidate ``c``: the real engine with its limits over a :class:`VirtualExecutor` of ``step``."""
+    ex = VirtualExecutor(model, step, blocks, c.spec, acceptance)
+    cfg = EngineConfig(model="sim", device="cpu", block_size=BLOCK, num_blocks=blocks, max_model_len=max_len,
+                       max_num_seqs=c.max_batch, max_num_batched_tokens=max(c.chunk, c.max_batch),
+                       max_waiting=max_waiting, disable_metrics=True)
+    return LLMEngine(cfg, executor=ex)
 
 
 def _with_context(config, tokens: int):  # type: ignore[no-untyped-def]
@@ -247,7 +250,7 @@ class _Fleet:
                 engine = min(range(self.n_decode, len(self.engines)), key=lambda k: len(self.engines[k].seqs))
                 tokens = 1  # the prefill leg computes the KV (and one token, not streamed)
         else:
-            self.engines[engine].executor.imported.add(req.rid)
+            import_blocks(self.engines[engine], req.prompt)
         if not self.engines[engine].has_unfinished():
             self.clocks[engine] = max(self.clocks[engine], t)
         params = SamplingParams(max_tokens=tokens, ignore_eos=True, temperature=0)
@@ -284,6 +287,22 @@ class _Fleet:
         start, end = import_window(import_s, self.frames.layers, step_start, step_end)
         self.imports[decode].add(start + link, end + link, self.frames.cost.steal * import_s)
         self.push(end + link, r, decode)
+
+
+def import_blocks(engine: LLMEngine, prompt: list[int]) -> None:
+    """Register ``prompt``'s full blocks in ``engine``'s prefix cache, as a real KV import leaves them (as many as
+    fit above the scheduler's watermark): the request then hits them and computes the rest of its prompt, at
+    least its last token, as the real decode worker does."""
+    pool, hashes = engine.pool, hash_prefix_blocks(prompt, BLOCK, engine.kv.extra_key)
+    held = engine.kv.cached_prefix(prompt)[0]
+    for bid in held:  # pinned: the allocation below must not evict the head of the chain being imported
+        pool.touch(bid)
+    missing = hashes[len(held):][: max(0, pool.num_free - engine.scheduler.watermark_blocks)]
+    new = pool.allocate(len(missing)) if missing else []
+    for k, (bid, h) in enumerate(zip(new, missing, strict=True)):
+        i = len(held) + k
+        pool.register(bid, h, prompt[i * BLOCK:(i + 1) * BLOCK], hashes[i - 1] if i else None)
+    pool.release(new + held)
 
 
 def _summary(reqs: list[_Request], step: StepModel, al: float, warmup: int) -> Prediction:
