@@ -33,6 +33,7 @@ from fleetllm.recommend.perf_model import StepModel
 from fleetllm.recommend.queueing import kv_transfer_seconds
 from fleetllm.recommend.speculation import Speculation
 from fleetllm.recommend.workload import WorkloadShape
+from fleetllm.router.config import RouterConfig
 from fleetllm.router.policies import CostModel
 from fleetllm.sim.executor import SimulatedModel, TimingExecutor
 
@@ -206,10 +207,11 @@ class _Fleet:
     """Decode replicas (routed by the policy) and an optional prefill pool, stepped in time order.
 
     P/D as the router does it (DESIGN.md §5): the decode replica is chosen first; a prompt whose tokens
-    not cached there reach the threshold is prefilled on the least loaded prefill replica, its KV crosses
+    not cached there reach the threshold is prefilled on the least loaded prefill replica with fewer than
+    the router's ``prefill_max_inflight`` prompts (none: the decode replica prefills it), its KV crosses
     the link and is imported (``frames``: the decode replica's verify and copy, which the request's first
     step waits for and the steps beside it lose on a CPU worker, :mod:`.kv_import`), and the decode replica
-    then runs it without computing the prompt again."""
+    then runs it, the frame's full blocks hits in its prefix cache (:func:`import_blocks`)."""
 
     def __init__(self, decode: list[LLMEngine], prefill: list[LLMEngine], router: _Router, threshold: int,
                  transfer_s: Callable[[int], float], frames: FrameImport = FrameImport()) -> None:
@@ -245,9 +247,12 @@ class _Fleet:
         if engine < 0:
             engine = self.router.pick(req)
             hit = len(self.engines[engine].kv.cached_prefix(req.prompt)[0]) * BLOCK
-            if self.n_decode < len(self.engines) and len(req.prompt) - hit >= self.threshold:
+            # as the router: a prefill replica with room, else the decode replica prefills it ("saturated")
+            room = [k for k in range(self.n_decode, len(self.engines))
+                    if len(self.engines[k].seqs) < RouterConfig.prefill_max_inflight]
+            if room and len(req.prompt) - hit >= self.threshold:
                 self.target[req.rid] = engine
-                engine = min(range(self.n_decode, len(self.engines)), key=lambda k: len(self.engines[k].seqs))
+                engine = min(room, key=lambda k: len(self.engines[k].seqs))
                 tokens = 1  # the prefill leg computes the KV (and one token, not streamed)
         else:
             import_blocks(self.engines[engine], req.prompt)

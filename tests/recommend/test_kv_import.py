@@ -109,3 +109,19 @@ def test_the_analytic_model_adds_the_exposed_import_to_the_remote_ttft() -> None
     free, paid = (predict(PD, step_with(r), w, 0.05, 20000) for r in (0.0, 1e6))
     assert paid.ttft_p90_ms > free.ttft_p90_ms
     assert kv_transfer_seconds(PD, step_with(1e6), 1000) == kv_transfer_seconds(PD, step_with(0.0), 1000)
+
+
+def test_a_long_prompt_is_prefilled_on_the_decode_replica_while_the_prefill_pool_is_saturated() -> None:
+    from fleetllm.models.source import load_tokenizer
+    from fleetllm.recommend.fleet_sim import _Fleet, _Request, _Router
+    from fleetllm.router.config import RouterConfig
+    from fleetllm.sim.executor import SimulatedModel
+
+    config, tokenizer = load_tokenizer("smollm2-135m")
+    step, model = step_with(0.0), SimulatedModel("sim", config, tokenizer)
+    decode, prefill = replica(PD, step, model, 256, 1024), replica(PD, step, model, 256, 1024)
+    fleet = _Fleet([decode], [prefill], _Router("least_load", [decode]), 64, lambda n: 0.0)
+    room = RouterConfig.prefill_max_inflight
+    for i in range(room + 1):
+        fleet._dispatch(0.0, _Request(f"r{i}", 0.0, list(range(100 + i, 400 + i)), 8, f"r{i}"), -1)
+    assert len(prefill.seqs) == room and list(decode.seqs) == [f"r{room}"]  # the one beyond the room: local
