@@ -143,6 +143,8 @@ def decode_steal(engine: LLMEngine, maker: FrameMaker, tokens: int, rate: float,
             engine.abort_request(rid)
         while engine.has_unfinished():
             engine.step()
+    if not busy:  # the import ended before a step began beside it: nothing to tell
+        return 0.0, timing[0].seconds
     return max(0.0, extra * rate / reader.size), timing[0].seconds
 
 
