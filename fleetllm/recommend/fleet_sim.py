@@ -8,7 +8,8 @@ in time order: an arrival is routed and queued at its time; otherwise the replic
 first takes its next step. Prompts are token ids built so that shared system prompts and a session's
 history really are common prefixes: the prefix cache's hits are the engine's own. A session's next
 turn is sent when its last one ends (as ``fleetllm bench`` sends them), its prompt the whole history. A P/D
-split prefills long prompts on its prefill replicas and pays the KV transfer (:class:`_Fleet`).
+split prefills long prompts on its prefill replicas and pays the KV transfer and the decode replica's import
+of it (:class:`_Fleet`).
 """
 
 from __future__ import annotations
@@ -282,7 +283,6 @@ class _Fleet:
                     nxt = r.follow
                     nxt.arrival, nxt.prompt = r.done, r.prompt + nxt.prompt
                     self.push(nxt.arrival, nxt)
-
 
     def _land(self, r: _Request, decode: int, step_start: float, step_end: float) -> None:
         """``r``'s KV, computed by a prefill step from ``step_start`` to ``step_end``, crosses the link and is
