@@ -102,13 +102,15 @@ def test_an_imported_prompt_hits_its_full_blocks_and_the_decode_replica_computes
     assert eng.executor.last_step_s == pytest.approx(step.step_seconds(0, rest))
 
 
-def test_the_analytic_model_adds_the_exposed_import_to_the_remote_ttft() -> None:
+def test_the_analytic_model_adds_the_exposed_import_to_the_remote_ttft_and_the_stolen_time_to_the_gap() -> None:
     from fleetllm.recommend.queueing import predict
 
     w = from_bench("long-short", isl=32, osl=16, long_isl=2048, long_osl=8, long_fraction=0.3)
     free, paid = (predict(PD, step_with(r), w, 0.05, 20000) for r in (0.0, 1e6))
     assert paid.ttft_p90_ms > free.ttft_p90_ms
     assert kv_transfer_seconds(PD, step_with(1e6), 1000) == kv_transfer_seconds(PD, step_with(0.0), 1000)
+    stolen = predict(PD, step_with(1e7, steal=1.0), w, 0.05, 20000)
+    assert stolen.itl_p50_ms > predict(PD, step_with(1e7, steal=0.0), w, 0.05, 20000).itl_p50_ms
 
 
 def test_a_long_prompt_is_prefilled_on_the_decode_replica_while_the_prefill_pool_is_saturated() -> None:
