@@ -24,6 +24,7 @@ from dataclasses import replace
 from itertools import islice
 from pathlib import Path
 
+import numpy as np
 from rich.console import Console
 
 from fleetllm.bench.load import arrival_offsets
@@ -71,19 +72,40 @@ def configs(real: bool) -> list[tuple[str, Candidate, dict, bool]]:
     return out
 
 
-def predicted(c: Candidate, w, rate: float, requests: int, mode: str, seeds: list[int]) -> dict[str, float]:  # type: ignore[no-untyped-def]
+def predicted(c: Candidate, w, rate: float, requests: int, mode: str, seeds: list[int],  # type: ignore[no-untyped-def]
+              sent: list[list[tuple[int, int]] | None] | None = None) -> dict[str, float]:
     """``warm``: 200 simulated requests, the first tenth left out (what `recommend` does); ``matched``: each
-    measured run replayed (its own arrival times, from the bench's seed, and its cold caches), the median
-    over the runs as the measurement takes it."""
+    measured run replayed (its own arrival times, from the bench's seed, its cold caches and, for single
+    prompts with no shared prefix, the lengths bench drew: ``sent``, per run), the median over the runs as
+    the measurement takes it."""
     step = step_model(SMOL, CPU, FP32, 1, None, CALIBRATION[0])  # type: ignore[arg-type]
     kv = step.kv_capacity_tokens()
     if mode == "warm":
         sims = [simulate(c, step, w, rate, kv, requests=max(200, requests * 4))]
     else:
         sessions = -(-requests // w.turns)
-        sims = [simulate(c, step, w, rate, kv, requests=requests, seed=s, warmup=0,
-                         arrivals=list(islice(arrival_offsets(rate / w.turns, s), sessions))) for s in seeds]
+        sent = sent or [None] * len(seeds)
+        sims = [simulate(c, step, as_sent(w, lengths), rate, kv, requests=requests, seed=s, warmup=0,
+                         arrivals=list(islice(arrival_offsets(rate / w.turns, s), sessions)))
+                for s, lengths in zip(seeds, sent, strict=True)]
     return {k: statistics.median(getattr(p, k) for p in sims) for k in (*KEYS, "e2e_p90_s")} | {"queueing": "simulated"}
+
+
+def as_sent(w, lengths: list[tuple[int, int]] | None):  # type: ignore[no-untyped-def]
+    """``w`` with the (prompt tokens, output tokens) of the requests a run sent, in order (its chat template
+    included), where they say all there is to replay: single prompts, no shared prefix."""
+    if not lengths or w.turns != 1 or w.shared_prefix:
+        return w
+    return replace(w, isl=np.array([n for n, _ in lengths], float), osl=np.array([m for _, m in lengths], float))
+
+
+def sent_lengths(runs_dir: Path, index: int) -> list[tuple[int, int]] | None:
+    """What bench sent in a measured run (``validate-INDEX``), in sending order; None if its log is not there."""
+    path = runs_dir / f"validate-{index}.bench.requests.jsonl"
+    if not path.exists():
+        return None
+    rows = sorted((json.loads(line) for line in path.read_text().splitlines() if line), key=lambda r: r["start_ms"])
+    return [(r["input_tokens"], r["output_tokens"]) for r in rows if not r["warmup"]]
 
 
 def template_tokens(wp: dict) -> int:
@@ -112,16 +134,18 @@ def run_one(name: str, c: Candidate, wp: dict, real: bool, args: argparse.Namesp
     seeds = (old.get("seeds") or [i] * len(old["runs"])) if args.measured else [100 * i + r for r in range(args.runs)]
     # outputs without "seeds" also predate bench_argv's sessions/s: their bench sent `rate` sessions/s
     replayed = rate * w.turns if args.measured and "seeds" not in old else rate
-    pred = predicted(c, w, replayed, args.requests, args.prediction, seeds)
     runs = old["runs"] if args.measured else []
     for r in range(0 if args.measured else args.runs):
         cfg = replace(RecommendConfig(), validate_simulated=not real, validate_requests=args.requests, seed=seeds[r])
         t0 = time.monotonic()
         runs.append(measure(c, SMOL, sent, rate, cfg, out, i * 10 + r, {}))
         print(f"  {name} run {r + 1}: {time.monotonic() - t0:.0f}s {runs[-1]}", flush=True)
+    logs = args.measured_runs if args.measured else out
+    lengths = [sent_lengths(logs, old.get("index", i) * 10 + r if args.measured else i * 10 + r) for r in range(len(runs))]
+    pred = predicted(c, w, replayed, args.requests, args.prediction, seeds, lengths)
     meas = {k: statistics.median(run[k] for run in runs) for k in (*KEYS, "e2e_p90_s")}
     err = {k: (pred[k] - meas[k]) / meas[k] for k in KEYS if meas[k]}
-    return {"config": name, "workers": "real" if real else "simulated", "rate_rps": rate, "capacity_rps": cap, "seeds": seeds,
+    return {"config": name, "index": i, "workers": "real" if real else "simulated", "rate_rps": rate, "capacity_rps": cap, "seeds": seeds,
             "predicted": pred, "measured": meas, "runs": runs, "relative_error": err}
 
 
@@ -140,6 +164,8 @@ def main() -> None:
     ap.add_argument("--output", type=Path, default=Path("results/recommender_accuracy.json"))
     args = ap.parse_args()
     CALIBRATION[0] = Calibration.load(args.calibration)
+    if args.measured:  # its runs' bench logs (what each sent) beside it, as this script writes them
+        args.measured_runs = args.measured.parent / (args.measured.stem + "-runs")
     args.measured = json.loads(args.measured.read_text()) if args.measured else None
     out = args.output.parent / (args.output.stem + "-runs")
     out.mkdir(parents=True, exist_ok=True)

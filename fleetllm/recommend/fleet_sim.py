@@ -8,7 +8,8 @@ in time order: an arrival is routed and queued at its time; otherwise the replic
 first takes its next step. Prompts are token ids built so that shared system prompts and a session's
 history really are common prefixes: the prefix cache's hits are the engine's own. A session's next
 turn is sent when its last one ends (as ``fleetllm bench`` sends them), its prompt the whole history. A P/D
-split prefills long prompts on its prefill replicas and pays the KV transfer (:class:`_Fleet`).
+split prefills long prompts on its prefill replicas and pays the KV transfer and the decode replica's import
+of it (:class:`_Fleet`).
 """
 
 from __future__ import annotations
@@ -21,16 +22,19 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from fleetllm.engine.block_pool import hash_prefix_blocks
 from fleetllm.engine.config import EngineConfig
 from fleetllm.engine.engine import LLMEngine
 from fleetllm.engine.executor import ModelOutput, Sampled
 from fleetllm.engine.params import SamplingParams
 from fleetllm.engine.scheduler import SchedulerOutput
 from fleetllm.recommend.candidate import Candidate, Prediction
+from fleetllm.recommend.kv_import import FrameImport, ImportLoad, frame_import, import_window
 from fleetllm.recommend.perf_model import StepModel
 from fleetllm.recommend.queueing import kv_transfer_seconds
 from fleetllm.recommend.speculation import Speculation
 from fleetllm.recommend.workload import WorkloadShape
+from fleetllm.router.config import RouterConfig
 from fleetllm.router.policies import CostModel
 from fleetllm.sim.executor import SimulatedModel, TimingExecutor
 
@@ -51,16 +55,12 @@ class VirtualExecutor(TimingExecutor):
         self.draft = spec.draft_cost()
         self.acceptance = acceptance
         self.last_step_s = 0.0
-        self.imported: set[str] = set()  # P/D: requests whose prompt KV arrived from a prefill replica
-
-    def _imported_tokens(self, batch: list, decode: list) -> int:  # type: ignore[type-arg]
-        return sum(s.num_new_tokens for s in batch if s.seq.request_id in self.imported and s not in decode)
 
     def execute(self, sched: SchedulerOutput) -> ModelOutput:
         batch = sched.scheduled
         decode = [s for s in batch if s.seq.output_token_ids and s.num_new_tokens == 1]
         context = sum(s.seq.num_computed_tokens for s in decode)
-        prefill = sched.num_tokens - len(decode) - (self._imported_tokens(batch, decode) if self.imported else 0)
+        prefill = sched.num_tokens - len(decode)
         n = len(decode) * self.width
         dt = self.profile.step_seconds(n, prefill, context) * (1 + self.draft)
         if decode and self.acceptance != 1.0:
@@ -179,17 +179,23 @@ def simulate(c: Candidate, step: StepModel, w: WorkloadShape, rate: float, kv_to
     config = _with_context(config, longest + BLOCK)
     al = c.spec.acceptance_length(w.category)
     blocks = min(MAX_BLOCKS, max(kv_tokens // BLOCK, longest // BLOCK + 8))
-    engines = []
-    for _ in range(c.replicas + c.prefill_replicas):
-        ex = VirtualExecutor(SimulatedModel("sim", config, tokenizer), step, blocks, c.spec, al)
-        cfg = EngineConfig(model="sim", device="cpu", block_size=BLOCK, num_blocks=blocks, max_model_len=longest + BLOCK,
-                           max_num_seqs=c.max_batch, max_num_batched_tokens=max(c.chunk, c.max_batch),
-                           max_waiting=10 * requests, disable_metrics=True)
-        engines.append(LLMEngine(cfg, executor=ex))
+    model = SimulatedModel("sim", config, tokenizer)
+    engines = [replica(c, step, model, blocks, longest + BLOCK, al, 10 * requests)
+               for _ in range(c.replicas + c.prefill_replicas)]
     decode = engines[:c.replicas]
     _Fleet(decode, engines[c.replicas:], _Router(c.routing, decode, seed), c.pd_threshold,
-           lambda tokens: kv_transfer_seconds(c, step, tokens)).run(reqs)
+           lambda tokens: kv_transfer_seconds(c, step, tokens), frame_import(step, BLOCK)).run(reqs)
     return _summary(reqs, step, al, requests // 10 if warmup is None else warmup)
+
+
+def replica(c: Candidate, step: StepModel, model: SimulatedModel, blocks: int, max_len: int, acceptance: float = 1.0,
+            max_waiting: int = 1000) -> LLMEngine:
+    """One copy of candidate ``c``: the real engine with its limits over a :class:`VirtualExecutor` of ``step``."""
+    ex = VirtualExecutor(model, step, blocks, c.spec, acceptance)
+    cfg = EngineConfig(model="sim", device="cpu", block_size=BLOCK, num_blocks=blocks, max_model_len=max_len,
+                       max_num_seqs=c.max_batch, max_num_batched_tokens=max(c.chunk, c.max_batch),
+                       max_waiting=max_waiting, disable_metrics=True)
+    return LLMEngine(cfg, executor=ex)
 
 
 def _with_context(config, tokens: int):  # type: ignore[no-untyped-def]
@@ -202,13 +208,17 @@ class _Fleet:
     """Decode replicas (routed by the policy) and an optional prefill pool, stepped in time order.
 
     P/D as the router does it (DESIGN.md §5): the decode replica is chosen first; a prompt whose tokens
-    not cached there reach the threshold is prefilled on the least loaded prefill replica, its KV crosses
-    the link, and the decode replica then runs it without computing the prompt again."""
+    not cached there reach the threshold is prefilled on the least loaded prefill replica with fewer than
+    the router's ``prefill_max_inflight`` prompts (none: the decode replica prefills it), its KV crosses
+    the link and is imported (``frames``: the decode replica's verify and copy, which the request's first
+    step waits for and the steps beside it lose on a CPU worker, :mod:`.kv_import`), and the decode replica
+    then runs it, the frame's full blocks hits in its prefix cache (:func:`import_blocks`)."""
 
     def __init__(self, decode: list[LLMEngine], prefill: list[LLMEngine], router: _Router, threshold: int,
-                 transfer_s: Callable[[int], float]) -> None:
+                 transfer_s: Callable[[int], float], frames: FrameImport = FrameImport()) -> None:
         self.engines, self.n_decode, self.router = decode + prefill, len(decode), router
-        self.threshold, self.transfer_s = threshold, transfer_s
+        self.threshold, self.transfer_s, self.frames = threshold, transfer_s, frames
+        self.imports = [ImportLoad() for _ in decode]
         self.clocks = [0.0] * len(self.engines)
         self.pending: list[tuple[float, int, _Request, int]] = []  # (time, order, request, engine or -1)
         self.order = 0
@@ -238,12 +248,15 @@ class _Fleet:
         if engine < 0:
             engine = self.router.pick(req)
             hit = len(self.engines[engine].kv.cached_prefix(req.prompt)[0]) * BLOCK
-            if self.n_decode < len(self.engines) and len(req.prompt) - hit >= self.threshold:
+            # as the router: a prefill replica with room, else the decode replica prefills it ("saturated")
+            room = [k for k in range(self.n_decode, len(self.engines))
+                    if len(self.engines[k].seqs) < RouterConfig.prefill_max_inflight]
+            if room and len(req.prompt) - hit >= self.threshold:
                 self.target[req.rid] = engine
-                engine = min(range(self.n_decode, len(self.engines)), key=lambda k: len(self.engines[k].seqs))
+                engine = min(room, key=lambda k: len(self.engines[k].seqs))
                 tokens = 1  # the prefill leg computes the KV (and one token, not streamed)
         else:
-            self.engines[engine].executor.imported.add(req.rid)
+            import_blocks(self.engines[engine], req.prompt)
         if not self.engines[engine].has_unfinished():
             self.clocks[engine] = max(self.clocks[engine], t)
         params = SamplingParams(max_tokens=tokens, ignore_eos=True, temperature=0)
@@ -253,12 +266,13 @@ class _Fleet:
         ex = self.engines[i].executor
         ex.last_step_s = 0.0
         outs = self.engines[i].step()
-        self.clocks[i] += ex.last_step_s or 1e-3  # a step that scheduled nothing still lets time pass
+        start, dt = self.clocks[i], ex.last_step_s or 1e-3  # a step that scheduled nothing still lets time pass
+        self.clocks[i] += dt + (self.imports[i].stolen(start, start + dt) if i < self.n_decode else 0.0)
         for out in outs:
             r = self.by_id[out.request_id]
             if i >= self.n_decode:  # the prefill leg ended: the KV crosses to the decode replica
                 if out.finished:
-                    self.push(self.clocks[i] + self.transfer_s(len(r.prompt)), r, self.target.pop(r.rid))
+                    self._land(r, self.target.pop(r.rid), start, self.clocks[i])
                 continue
             if out.new_token_ids and r.first is None:
                 r.first = self.clocks[i]
@@ -269,6 +283,31 @@ class _Fleet:
                     nxt = r.follow
                     nxt.arrival, nxt.prompt = r.done, r.prompt + nxt.prompt
                     self.push(nxt.arrival, nxt)
+
+    def _land(self, r: _Request, decode: int, step_start: float, step_end: float) -> None:
+        """``r``'s KV, computed by a prefill step from ``step_start`` to ``step_end``, crosses the link and is
+        imported by ``decode``, which then runs ``r`` (its import's CPU taken from the steps beside it)."""
+        import_s = self.frames.seconds(len(r.prompt))
+        link = self.transfer_s(len(r.prompt))
+        start, end = import_window(import_s, self.frames.layers, step_start, step_end)
+        self.imports[decode].add(start + link, end + link, self.frames.cost.steal * import_s)
+        self.push(end + link, r, decode)
+
+
+def import_blocks(engine: LLMEngine, prompt: list[int]) -> None:
+    """Register ``prompt``'s full blocks in ``engine``'s prefix cache, as a real KV import leaves them (as many as
+    fit above the scheduler's watermark): the request then hits them and computes the rest of its prompt, at
+    least its last token, as the real decode worker does."""
+    pool, hashes = engine.pool, hash_prefix_blocks(prompt, BLOCK, engine.kv.extra_key)
+    held = engine.kv.cached_prefix(prompt)[0]
+    for bid in held:  # pinned: the allocation below must not evict the head of the chain being imported
+        pool.touch(bid)
+    missing = hashes[len(held):][: max(0, pool.num_free - engine.scheduler.watermark_blocks)]
+    new = pool.allocate(len(missing)) if missing else []
+    for k, (bid, h) in enumerate(zip(new, missing, strict=True)):
+        i = len(held) + k
+        pool.register(bid, h, prompt[i * BLOCK:(i + 1) * BLOCK], hashes[i - 1] if i else None)
+    pool.release(new + held)
 
 
 def _summary(reqs: list[_Request], step: StepModel, al: float, warmup: int) -> Prediction:

@@ -29,6 +29,7 @@ from typing import Protocol
 
 from fleetllm.recommend.calibration import Calibration
 from fleetllm.recommend.catalogue import Format, Instance
+from fleetllm.recommend.kv_import import KvImport
 from fleetllm.recommend.model_shape import ModelShape
 from fleetllm.sim.profile import TimingProfile
 
@@ -36,6 +37,7 @@ from fleetllm.sim.profile import TimingProfile
 class StepModel(Protocol):
     measured: bool  # step times from a measured profile (True) or the roofline (False)
     request_overhead_s: float  # the serving path's time before a request's first step (calibrated)
+    kv_import: KvImport  # P/D: what a decode replica's import of a KV frame costs it
 
     def step_seconds(self, num_decode: int, prefill_tokens: int, decode_context_tokens: int = 0) -> float: ...
 
@@ -69,6 +71,7 @@ class Roofline:
     eff: Efficiency = DEFAULT_EFFICIENCY
     measured: bool = False
     request_overhead_s: float = 0.0
+    kv_import: KvImport = KvImport()  # a DMA into accelerator memory, beside the compute: not modelled
 
     @cached_property
     def weight_bytes(self) -> float:
@@ -138,6 +141,11 @@ class Measured:
     @property
     def measured(self) -> bool:
         return self.scale == 1.0 and self.fmt.bytes >= 4.0
+
+    @property
+    def kv_import(self) -> KvImport:
+        """The decode side's import rate and steal as measured with the profile (bytes/s: any model's frames)."""
+        return KvImport(self.profile.kv_import_bytes_per_s, self.profile.kv_import_steal)
 
     @property
     def scale(self) -> float:

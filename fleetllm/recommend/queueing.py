@@ -8,7 +8,8 @@ beyond the slots wait: Erlang C over ``c`` slots (pooled across replicas when ro
 per replica for round robin), whose waiting time is exponential past the queueing probability.
 ITL p99 is over requests (bench's per-request mean chunk gap): a request's gaps are stretched by the
 prefill chunks that land during its decode, a Poisson count. P/D moves long uncached prompts to a
-prefill pool (its own Erlang C) and adds the KV transfer.
+prefill pool (its own Erlang C) and adds the KV transfer and the decode replica's import (exposed after
+the prefill; on a CPU worker also the steps' time it takes, which stretches the gap as prefill chunks do).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import math
 
 from fleetllm.recommend.candidate import Candidate, Prediction
+from fleetllm.recommend.kv_import import frame_import
 from fleetllm.recommend.perf_model import StepModel, prefill_seconds
 from fleetllm.recommend.workload import WorkloadShape
 
@@ -94,7 +96,10 @@ def predict(c: Candidate, step: StepModel, w: WorkloadShape, rate: float, kv_tok
     pooled = c.routing != "round_robin"
     slots, arrivals = (int(batch) * c.replicas, rate) if pooled else (int(batch), lam)
     rho = arrivals * service / slots
-    gap = dec / (1 - rho_p)
+    busy = rho_p + _import_share(c, step, w, lam * remote, hit)
+    if busy >= 1:
+        return _infeasible(step, busy)
+    gap = dec / (1 - busy)
     m = max(1, round(n))
     ctx = int(m * (w.isl_mean + w.osl_mean / 2))
     width = c.spec.k + 1 if c.spec.on else 1
@@ -120,16 +125,28 @@ def predict(c: Candidate, step: StepModel, w: WorkloadShape, rate: float, kv_tok
 
 def _with_prefill_pool(c: Candidate, step: StepModel, w: WorkloadShape, rate: float, hit: float,
                        ttft: dict[int, float], util: float, dec: float) -> tuple[dict[int, float], float]:
-    """TTFT of the long prompts sent to the prefill pool (queue, prefill alone, KV transfer, first decode)."""
+    """TTFT of the long prompts sent to the prefill pool (queue, prefill alone, KV transfer and the decode
+    replica's import of it, first decode)."""
     isl = w.mean_isl_at_least(c.pd_threshold, hit)
-    service = prefill_seconds(step, int(isl * (1 - hit)), c.chunk)[0]
-    transfer = kv_transfer_seconds(c, step, isl)
+    uncached = int(isl * (1 - hit))
+    service = prefill_seconds(step, uncached, c.chunk)[0]
+    last_chunk = uncached - (math.ceil(uncached / c.chunk) - 1) * c.chunk if uncached > 0 else 0
+    imported = frame_import(step).exposed(int(isl), step.step_seconds(0, last_chunk))
+    transfer = kv_transfer_seconds(c, step, isl) + imported
     rho = rate * service / c.prefill_replicas
     out = {}
     for q in (50, 90):
         long = wait_quantile(c.prefill_replicas, rate, service, q / 100) + service + transfer + dec
         out[q] = max(ttft[q], long) if q == 90 else ttft[q]
     return out, max(util, rho)
+
+
+def _import_share(c: Candidate, step: StepModel, w: WorkloadShape, lam_remote: float, hit: float) -> float:
+    """Share of a decode replica's time its steps lose to importing the KV of ``lam_remote`` prompts/s."""
+    if not lam_remote or not step.kv_import.steal:
+        return 0.0
+    isl = w.mean_isl_at_least(c.pd_threshold, hit)
+    return lam_remote * step.kv_import.steal * frame_import(step).seconds(int(isl))
 
 
 def kv_transfer_seconds(c: Candidate, step: StepModel, tokens: float) -> float:

@@ -2,7 +2,9 @@
 
 Prefix caching is off while measuring (every token is really computed). Prefill: one prompt of P
 tokens in one step. Decode: B sequences with ``decode_context``-token prompts, timing decode-only
-steps. Context cost: the same B at a long context. Each point is the median of several steps.
+steps. Context cost: the same B at a long context. Each point is the median of several steps. P/D import:
+a decode worker's verify and copy of a KV frame into fresh pool pages, and the share of it that decode
+steps beside it lose (:mod:`fleetllm.disagg.import_cost`), measured first, while the pool is fresh.
 """
 
 from __future__ import annotations
@@ -73,6 +75,7 @@ def calibrate(model: str = "smollm2-135m", threads: int = 1, repeats: int = 3, d
               long_context: int = 1024, kv_cache_gb: float = 1.0) -> TimingProfile:
     import torch
 
+    from fleetllm.disagg.import_cost import measure
     from fleetllm.engine.engine import EngineConfig, LLMEngine
 
     torch.set_num_threads(threads)
@@ -83,10 +86,12 @@ def calibrate(model: str = "smollm2-135m", threads: int = 1, repeats: int = 3, d
     prefill: list[tuple[int, float]] = []
     decode: list[tuple[int, float]] = []
     with Progress() as bar:
-        task = bar.add_task("calibrating", total=len(PREFILL_POINTS) + len(DECODE_POINTS) + 2)
+        task = bar.add_task("calibrating", total=len(PREFILL_POINTS) + len(DECODE_POINTS) + 3)
         bench.add(64, 4)  # warm-up
         while eng.has_unfinished():
             eng.step()
+        kv_import = measure(eng, repeats=repeats)
+        bar.advance(task)
         for p in PREFILL_POINTS:
             prefill.append((p, bench.prefill_time(p)))
             bar.advance(task)
@@ -100,4 +105,5 @@ def calibrate(model: str = "smollm2-135m", threads: int = 1, repeats: int = 3, d
     ctx_slope = max(0.0, (long - short) / (8 * (long_context - decode_context)))
     return TimingProfile(model=model, device=eng.device, threads=threads, block_size=eng.pool.block_size,
                          num_blocks=eng.pool.num_blocks, prefill=prefill, decode=decode, ctx_s_per_token=ctx_slope,
-                         decode_context=decode_context, machine=f"{platform.machine()} {platform.processor()}".strip())
+                         decode_context=decode_context, machine=f"{platform.machine()} {platform.processor()}".strip(),
+                         kv_import_bytes_per_s=round(kv_import.cold_bytes_per_s), kv_import_steal=kv_import.steal)

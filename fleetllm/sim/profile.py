@@ -45,6 +45,9 @@ class TimingProfile:
     ctx_s_per_token: float = 0.0  # extra decode-step seconds per context token per sequence
     decode_context: int = 64  # context length at which ``decode`` was measured
     machine: str = ""
+    # P/D: a decode worker's import of a KV frame (CRC, copy into fresh pool pages), bytes/s; 0 = not measured
+    kv_import_bytes_per_s: float = 0.0
+    kv_import_steal: float = 0.0  # of the import's seconds, the share decode steps beside it on its core lose
 
     def step_seconds(self, num_decode: int, prefill_tokens: int, decode_context_tokens: int = 0) -> float:
         t = 0.0
