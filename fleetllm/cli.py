@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import argparse
 import gc
+import importlib
 import json
 import logging
 import os
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
@@ -483,37 +485,52 @@ def add_recommend_parser(sub: argparse._SubParsersAction) -> None:
     r.set_defaults(func=cmd_recommend)
 
 
-def build_parser(worker_only: bool = False) -> argparse.ArgumentParser:
-    """The CLI; ``worker_only``: just ``fleetllm worker``, whose cold start then skips importing the other
-    commands' modules (bench's httpx and rich, capture's cryptography: a tenth of a second or more)."""
+# Each command and what adds its parser: the other packages' as "module:function", imported only when their
+# command runs or the whole CLI is built, so a process running one command (a worker's cold start, a router's)
+# skips the others' modules (bench's rich, capture's cryptography, the deploy and fleet tools).
+COMMANDS: dict[str, Callable[[argparse._SubParsersAction], object] | str] = {
+    "worker": add_worker_parser,
+    "router": add_router_parser,
+    "serve": add_serve_parser,
+    "calibrate": add_calibrate_parser,
+    "generate": add_generate_parser,
+    "spec": add_spec_parser,
+    "keys": add_keys_parser,
+    "capture": "fleetllm.capture.cli:add_capture_parser",
+    "models": "fleetllm.store.cli:add_models_parser",
+    "recommend": add_recommend_parser,
+    "fleet": "fleetllm.fleet.cli:add_fleet_parser",
+    "deploy": "fleetllm.deploy.cli:add_deploy_parser",
+    "bench": "fleetllm.bench.cli:add_bench_parser",  # left out when its extras are not installed
+}
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The CLI; with ``command`` (one of :data:`COMMANDS`), only that command's parser."""
     parser = argparse.ArgumentParser(prog="fleetllm", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    if worker_only:
-        add_worker_parser(sub)
-        return parser
-    from fleetllm.capture.cli import add_capture_parser
-    from fleetllm.deploy.cli import add_deploy_parser
-    from fleetllm.fleet.cli import add_fleet_parser
-    from fleetllm.store.cli import add_models_parser
-
-    for add in (add_worker_parser, add_router_parser, add_serve_parser, add_calibrate_parser,
-                add_generate_parser, add_spec_parser, add_keys_parser, add_capture_parser, add_models_parser,
-                add_recommend_parser, add_fleet_parser, add_deploy_parser):
+    for name in [command] if command in COMMANDS else COMMANDS:
+        add = COMMANDS[name]
+        if isinstance(add, str):
+            module, function = add.split(":")
+            try:
+                add = getattr(importlib.import_module(module), function)
+            except ImportError:
+                if name != "bench":
+                    raise
+                continue
         add(sub)
-    try:
-        from fleetllm.bench.cli import add_bench_parser
-    except ImportError:
-        pass
-    else:
-        add_bench_parser(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per health check otherwise
+    # httpx's own command line (httpx._main, which imports rich, click and pygments: ~50 ms) is no part of
+    # fleetllm; marked absent, ``import httpx`` skips it (the router, the fleet and bench import httpx).
+    sys.modules.setdefault("httpx._main", None)  # type: ignore[arg-type]
     argv = sys.argv[1:] if argv is None else argv
-    args = build_parser(worker_only=argv[:1] == ["worker"]).parse_args(argv)
+    args = build_parser(argv[0] if argv else None).parse_args(argv)
     return args.func(args) or 0
 
 

@@ -35,6 +35,9 @@ from collections.abc import Callable, Iterator  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import TYPE_CHECKING  # noqa: E402
 
+# httpx's own command line (httpx._main: rich, click, pygments) is used by no test; as `fleetllm` does, it is
+# marked absent so that `import httpx` skips it.
+sys.modules.setdefault("httpx._main", None)  # type: ignore[arg-type]
 import httpx  # noqa: E402
 import pytest  # noqa: E402
 from fleet_helpers import ThreadServer, free_port, kv_sized  # noqa: E402

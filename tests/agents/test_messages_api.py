@@ -3,11 +3,14 @@ the router forwarding /v1/messages and /v1/responses."""
 
 from __future__ import annotations
 
-import anthropic
+from typing import TYPE_CHECKING
+
 import jsonschema
-import openai
 import pytest
 from fleet_helpers import router, wait_state
+
+if TYPE_CHECKING:
+    import anthropic as anthropic_sdk
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "pattern": "^[A-Za-z]{1,8}$"}},
            "required": ["city"], "additionalProperties": False}
@@ -15,7 +18,7 @@ TOOLS = [{"name": "weather", "description": "Current weather in a city", "input_
 
 
 @pytest.fixture(scope="module")
-def client(worker) -> anthropic.Anthropic:
+def client(worker, anthropic) -> anthropic_sdk.Anthropic:
     return anthropic.Anthropic(base_url=worker.url, api_key="x", max_retries=0)
 
 
@@ -53,13 +56,15 @@ def test_a_tool_round_trip_streamed_and_not(client):
     assert answer.content and answer.stop_reason in ("end_turn", "max_tokens", "tool_use")
 
 
-def test_a_missing_max_tokens_is_a_400(client):
+def test_a_missing_max_tokens_is_a_400(client, anthropic):
     with pytest.raises(anthropic.BadRequestError):
         client.post("/v1/messages", body={"model": "smollm2-135m", "messages": [{"role": "user", "content": "x"}]},
                     cast_to=object)
 
 
-def test_the_router_serves_messages_and_responses_from_its_worker(worker, procs):
+def test_the_router_serves_messages_and_responses_from_its_worker(worker, procs, anthropic):
+    import openai
+
     r = router([worker.url], "kv_aware")
     procs.append(r)
     wait_state(r.url, lambda s: any(w["healthy"] for w in s["workers"]))

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import anthropic
 import httpx
 import pytest
 from fleet_helpers import router, wait_state
@@ -26,7 +25,7 @@ def test_a_bad_request_is_an_anthropic_invalid_request_error(worker, fleet_route
         assert "max_tokens" in r.json()["error"]["message"]
 
 
-def test_an_unknown_model_is_a_not_found_error_through_the_router(fleet_router):
+def test_an_unknown_model_is_a_not_found_error_through_the_router(fleet_router, anthropic):
     client = anthropic.Anthropic(base_url=fleet_router.url, api_key="-", max_retries=0)
     with pytest.raises(anthropic.NotFoundError) as e:
         client.messages.create(model="nope", max_tokens=4, messages=[{"role": "user", "content": "hi"}])

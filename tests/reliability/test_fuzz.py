@@ -4,14 +4,15 @@ over it: no input gives a 5xx, and every rejection is an OpenAI-style error."""
 from __future__ import annotations
 
 import pytest
-import schemathesis
-from hypothesis import HealthCheck, given, settings
-from schemathesis.generation.modes import GenerationMode
 
+# schemathesis and hypothesis (1.5 s of imports) are imported by the test, not at collection: every test process
+# collects this module, one runs it.
 EXAMPLES = 5  # per operation and mode: about 15 s for both servers
 
 
 def _check_examples(strategy, base_url: str, failures: list[str]) -> None:
+    from hypothesis import HealthCheck, given, settings
+
     @settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,
               suppress_health_check=list(HealthCheck))
     @given(case=strategy)
@@ -28,6 +29,9 @@ def _check_examples(strategy, base_url: str, failures: list[str]) -> None:
 
 
 def _fuzz(base_url: str) -> None:
+    import schemathesis
+    from schemathesis.generation.modes import GenerationMode
+
     schema = schemathesis.openapi.from_url(base_url + "/openapi.json")
     failures = []
     for result in schema.get_all_operations():
