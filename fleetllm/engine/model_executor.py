@@ -81,8 +81,6 @@ class ModelExecutor:
                 self._sample(batch, logits, first, out)
                 if verifying:
                     self._verify(batch, logits, first, out)
-        if self.spec and all(s.num_new_tokens == 1 + len(s.draft_token_ids) for s in batch):  # decoding only
-            self.spec.observe_step(sum(s.num_new_tokens for s in batch), time.perf_counter() - t0, verifying)
         if aux is not None:
             self._observe(batch, aux, out)
         return out

@@ -3,11 +3,8 @@
 K per request: with ``adaptive`` each request keeps a decayed estimate of its per-token acceptance
 probability a; the expected tokens from a verify of K drafts are (1 - a^(K+1)) / (1 - a), and its cost
 relative to a plain step is ``cost(B * (1+K)) / cost(B)`` for B decoding sequences (the target's step
-time measured over token counts at start-up, each kind of step scaled by how long such steps have really
-taken against that measure: :meth:`SpecDecoder.observe_step`) plus the drafting cost. The start-up
-measure is one fresh sequence's tokens; a served step attends over every sequence's context, and a verify
-step also samples and checks every draft, so at a batch of 16 a verify step can cost far more than its
-token count says. The K with the best tokens per unit of time wins; K = 0 (no speculation) whenever nothing beats a plain step by ``MIN_GAIN``, with a cheap probe
+time measured over token counts at start-up) plus the drafting cost. The K with the best tokens per
+unit of time wins; K = 0 (no speculation) whenever nothing beats a plain step by ``MIN_GAIN``, with a cheap probe
 every ``PROBE_EVERY`` steps so a request whose text becomes predictable can win speculation back.
 """
 
@@ -30,7 +27,6 @@ PROBE_EVERY = 16
 # A K > 0 must beat plain decoding by this much: the measured step cost leaves out speculation's own
 # per-step work (verification, features, bookkeeping), which matters when the expected gain is thin.
 MIN_GAIN = 1.10
-SCALE_WEIGHT = 0.1  # each observed step's share of the running measured / predicted ratios
 
 
 @dataclass
@@ -94,7 +90,6 @@ class SpecDecoder:
         self.max_k = cfg.k or cfg.max_k
         self.cost = StepCost(loaded.model, kv_cache) if cfg.adaptive else None
         self.draft_cost = 0.0  # seconds per drafting call (per draft token if not one_pass), running average
-        self.scale: dict[bool, float | None] = {False: 1.0, True: None}  # real / predicted, plain and verify steps
         # counters (AL = 1 + accepted / verify_steps)
         self.num_drafts = 0
         self.num_draft_tokens = 0
@@ -135,7 +130,7 @@ class SpecDecoder:
         if not self.cfg.adaptive:
             return self.max_k
         a = round(st.accept_rate, 2)
-        key = (int(a * 100), batch, int(self.draft_cost * 2000), *(round(x, 1) for x in self._scales()))
+        key = (int(a * 100), batch, int(self.draft_cost * 2000))
         if key not in self._k_cache:
             self._k_cache[key] = self._best_k(a, batch)
         k = self._k_cache[key]
@@ -146,31 +141,16 @@ class SpecDecoder:
                 return min(2, self.max_k)
         return k
 
-    def _scales(self) -> tuple[float, float]:
-        """Plain and verify steps' real / predicted time (verify steps as plain ones until one is seen)."""
-        plain = self.scale[False] or 1.0
-        verify = self.scale[True]
-        return plain, plain if verify is None else verify
-
     def _best_k(self, a: float, batch: int) -> int:
-        plain, verify = self._scales()
-        base = self.cost(batch) * plain
+        base = self.cost(batch)
         best_k, best = 0, MIN_GAIN / 1.02
         for k in range(1, self.max_k + 1):
             tokens = (1 - a ** (k + 1)) / (1 - a)
             draft = self.draft_cost * (1 if self.drafter.one_pass else k)
-            gain = tokens / ((self.cost(batch * (1 + k)) * verify + draft) / base)
+            gain = tokens / ((self.cost(batch * (1 + k)) + draft) / base)
             if gain > best * 1.02:  # a K must clearly beat plain decode (MIN_GAIN) and the next-smaller K
                 best_k, best = k, gain
         return best_k
-
-    def observe_step(self, tokens: int, seconds: float, verifying: bool) -> None:
-        """A decode step of ``tokens`` tokens (drafts included) took ``seconds`` (forward, sampling and checking
-        the drafts): fold it into that kind of step's measured / predicted ratio."""
-        if self.cost is not None and tokens > 0:
-            ratio = seconds / max(self.cost(tokens), 1e-9)
-            old = self.scale[verifying]
-            self.scale[verifying] = ratio if old is None else old + SCALE_WEIGHT * (ratio - old)
 
     # ---- verification --------------------------------------------------------------------------------
     def verify(self, seq: Sequence, logits: torch.Tensor, drafts: list[int]) -> list[int]:
