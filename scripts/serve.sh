@@ -3,7 +3,10 @@
 # KV-aware router), stream one real answer through the official openai client, then serve until Ctrl-C.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup.sh 2>&1 | grep -v "^WARNING: Location" || true
+if ! bash scripts/setup.sh > >(grep -v "^WARNING: Location") 2>&1; then
+  echo "scripts/setup.sh failed: not starting the fleet" >&2
+  exit 1
+fi
 . .venv/bin/activate
 PORT=${PORT:-8000}
 REPLICAS=${REPLICAS:-2}
