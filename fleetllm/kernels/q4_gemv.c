@@ -11,7 +11,8 @@
  * is the fp32 GEMV's up to summation order. Each group's levels are widened to floats once and used for all
  * M activation rows (M up to 8 per pass); per activation row the group's partial dot product is scaled by d
  * into a vector accumulator, reduced once per output row (a horizontal sum per group would chain every
- * group's latency). Output rows are split over OpenMP threads. AVX2 + FMA is chosen at run time; a scalar
+ * group's latency). With one or two activation rows, two output rows are computed together (shared
+ * activation loads, independent FMA chains). Output rows are split over OpenMP threads. AVX2 + FMA is chosen at run time; a scalar
  * path covers other CPUs.
  */
 #include <stdint.h>
@@ -74,41 +75,54 @@ static inline float dot_avx2(const float *m, const float *xs, int groups) {
     return s;
 }
 
-/* One output row for `rows` (a compile-time constant once inlined) activation rows. With one or two rows,
- * even and odd groups go to separate accumulators so consecutive groups' FMAs do not wait on each other. */
+/* `outs` (1 or 2) consecutive output rows for `rows` activation rows, both compile-time constants once
+ * inlined. Two output rows share each activation load and give the FMA chains of a one-row step a second,
+ * independent accumulator. */
 __attribute__((target("avx2,fma"), always_inline))
-static inline void row_avx2(const int rows, const uint8_t *w, const float *d, const float *m, const float *x,
-                            long ldx, const float *xsum, int groups, float *out, long ldy) {
+static inline void row_avx2(const int rows, const int outs, const uint8_t *w, const float *d, const float *m,
+                            const float *x, long ldx, const float *xsum, int groups, float *out, long ldy) {
     __m256 acc[2][MAX_ROWS];
-    for (int r = 0; r < rows; r++) acc[0][r] = acc[1][r] = _mm256_setzero_ps();
+    for (int o = 0; o < outs; o++)
+        for (int r = 0; r < rows; r++) acc[o][r] = _mm256_setzero_ps();
     const __m256i mask = _mm256_set1_epi32(15);
     for (int g = 0; g < groups; g++) {
-        const __m256i v0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(w + 16 * g)));
-        const __m256i v1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(w + 16 * g + 8)));
-        const __m256 q0 = _mm256_cvtepi32_ps(_mm256_and_si256(v0, mask));
-        const __m256 q1 = _mm256_cvtepi32_ps(_mm256_srli_epi32(v0, 4));
-        const __m256 q2 = _mm256_cvtepi32_ps(_mm256_and_si256(v1, mask));
-        const __m256 q3 = _mm256_cvtepi32_ps(_mm256_srli_epi32(v1, 4));
-        const __m256 dg = _mm256_broadcast_ss(d + g);
-        const int half = rows <= 2 ? (g & 1) : 0;
-        for (int r = 0; r < rows; r++) {
-            const float *xg = x + r * ldx + 32 * g;
-            __m256 t = _mm256_mul_ps(q0, _mm256_loadu_ps(xg));
-            t = _mm256_fmadd_ps(q1, _mm256_loadu_ps(xg + 8), t);
-            t = _mm256_fmadd_ps(q2, _mm256_loadu_ps(xg + 16), t);
-            t = _mm256_fmadd_ps(q3, _mm256_loadu_ps(xg + 24), t);
-            acc[half][r] = _mm256_fmadd_ps(dg, t, acc[half][r]);
+        for (int o = 0; o < outs; o++) {
+            const uint8_t *b = w + 16L * (o * groups + g);
+            const __m256i v0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)b));
+            const __m256i v1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(b + 8)));
+            const __m256 q0 = _mm256_cvtepi32_ps(_mm256_and_si256(v0, mask));
+            const __m256 q1 = _mm256_cvtepi32_ps(_mm256_srli_epi32(v0, 4));
+            const __m256 q2 = _mm256_cvtepi32_ps(_mm256_and_si256(v1, mask));
+            const __m256 q3 = _mm256_cvtepi32_ps(_mm256_srli_epi32(v1, 4));
+            const __m256 dg = _mm256_broadcast_ss(d + o * groups + g);
+            for (int r = 0; r < rows; r++) {
+                const float *xg = x + r * ldx + 32 * g;
+                __m256 t = _mm256_mul_ps(q0, _mm256_loadu_ps(xg));
+                t = _mm256_fmadd_ps(q1, _mm256_loadu_ps(xg + 8), t);
+                t = _mm256_fmadd_ps(q2, _mm256_loadu_ps(xg + 16), t);
+                t = _mm256_fmadd_ps(q3, _mm256_loadu_ps(xg + 24), t);
+                acc[o][r] = _mm256_fmadd_ps(dg, t, acc[o][r]);
+            }
         }
     }
-    for (int r = 0; r < rows; r++)
-        out[r * ldy] = hsum8(_mm256_add_ps(acc[0][r], acc[1][r])) + dot_avx2(m, xsum + r * groups, groups);
+    for (int o = 0; o < outs; o++)
+        for (int r = 0; r < rows; r++)
+            out[r * ldy + o] = hsum8(acc[o][r]) + dot_avx2(m + o * groups, xsum + r * groups, groups);
 }
 
-/* Output rows [0, n) for `rows` activation rows, the row count fixed per call site so each is unrolled. */
-#define ROWS_AVX2(R) \
+/* Output rows [0, n) for `rows` activation rows, the counts fixed per call site so each is unrolled: pairs
+ * of output rows for one or two activation rows (then the odd last one alone), single ones from three. */
+#define ROWS_AVX2(R) { \
+    const int outs = (R) <= 2 ? 2 : 1; \
     _Pragma("omp parallel for num_threads(threads) schedule(static)") \
-    for (int j = 0; j < n; j++) \
-        row_avx2(R, w + (long)j * groups * 16, d + (long)j * groups, m + (long)j * groups, x, ldx, xsum, groups, y + j, ldy);
+    for (int j = 0; j < n / outs; j++) { \
+        const long first = (long)j * outs; \
+        row_avx2(R, (R) <= 2 ? 2 : 1, w + first * groups * 16, d + first * groups, m + first * groups, x, ldx, \
+                 xsum, groups, y + first, ldy); \
+    } \
+    if (outs == 2 && n % 2) \
+        row_avx2(R, 1, w + (n - 1L) * groups * 16, d + (n - 1L) * groups, m + (n - 1L) * groups, x, ldx, xsum, \
+                 groups, y + n - 1, ldy); }
 
 __attribute__((target("avx2,fma")))
 static void pass_avx2(int rows, const uint8_t *w, const float *d, const float *m, const float *x, long ldx,
