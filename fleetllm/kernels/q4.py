@@ -29,7 +29,7 @@ _enabled = os.environ.get("FLEETLLM_Q4_KERNEL", "auto") != "eager"
 
 def _declare(lib: ctypes.CDLL) -> None:
     p, i, L = ctypes.c_void_p, ctypes.c_int, ctypes.c_long
-    lib.q4_gemv.argtypes = [p, L, p, p, p, p, L, i, i, i, i]
+    lib.q4_gemv.argtypes = [p, L, p, p, p, p, L, i, i, i, i, i]
     lib.q4_gemv.restype = i
     lib.q4_gemv_isa.restype = i
 
@@ -92,8 +92,12 @@ def kernel_ready(wait: bool = False) -> bool:
     return _enabled and LIBRARY.get(wait) is not None
 
 
-def q4_linear(x: torch.Tensor, weight: Q4Weight, bias: torch.Tensor | None = None) -> torch.Tensor | None:
-    """``x [..., K] @ W^T (+ bias)`` in fp32 through the kernel; None when it does not serve this call."""
+def q4_linear(x: torch.Tensor, weight: Q4Weight, bias: torch.Tensor | None = None,
+              vector: bool = True) -> torch.Tensor | None:
+    """``x [..., K] @ W^T (+ bias)`` in fp32 through the kernel; None when it does not serve this call.
+
+    ``vector=False`` takes the kernel's scalar path even on an AVX2 CPU (the tests' way to reach it).
+    """
     if x.dtype != torch.float32 or x.device.type != "cpu" or not kernel_ready():
         return None
     n, k = weight.shape
@@ -103,7 +107,7 @@ def q4_linear(x: torch.Tensor, weight: Q4Weight, bias: torch.Tensor | None = Non
     rows = x2.shape[0]
     out = torch.empty(rows, n, dtype=torch.float32)
     rc = LIBRARY.lib.q4_gemv(x2.data_ptr(), x2.stride(0), weight.packed.data_ptr(), weight.d.data_ptr(),
-                             weight.m.data_ptr(), out.data_ptr(), n, rows, n, k, torch.get_num_threads())
+                             weight.m.data_ptr(), out.data_ptr(), n, rows, n, k, torch.get_num_threads(), int(vector))
     if rc != 0:
         raise ValueError(f"q4_gemv: input width {k} is not a multiple of {GROUP}")
     if bias is not None:

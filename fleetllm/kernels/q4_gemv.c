@@ -148,11 +148,12 @@ static void pass_scalar(int rows, const uint8_t *w, const float *d, const float 
 }
 
 /* y[r * ldy + j] = sum_k x[r * ldx + k] * W[j, k] for r < rows, j < n; k_in a multiple of 32. Rows go in
- * passes of up to MAX_ROWS, each reading the weights once. Returns 0, or -1 for a k_in it cannot take. */
+ * passes of up to MAX_ROWS, each reading the weights once; `vector` 0 forces the scalar path (tests).
+ * Returns 0, or -1 for a k_in it cannot take. */
 int q4_gemv(const float *x, long ldx, const uint8_t *w, const float *d, const float *m, float *y, long ldy,
-            int rows, int n, int k_in, int threads) {
+            int rows, int n, int k_in, int threads, int vector) {
     if (k_in % 32 != 0 || k_in <= 0) return -1;
-    const int groups = k_in / 32, vec = q4_gemv_isa() == 2;
+    const int groups = k_in / 32, vec = vector && q4_gemv_isa() == 2;
     float xsum[MAX_ROWS * groups];
     for (int r0 = 0; r0 < rows; r0 += MAX_ROWS) {
         const int r = rows - r0 < MAX_ROWS ? rows - r0 : MAX_ROWS;

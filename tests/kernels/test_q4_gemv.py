@@ -60,6 +60,17 @@ def test_kernel_equals_fp32_linear_up_to_rounding(kernel: None, rows: int, n: in
     assert (out.double() - ref).abs().max().item() < tol
 
 
+@pytest.mark.parametrize("rows", [1, 2, 9])
+def test_scalar_path_equals_the_vector_one_up_to_rounding(kernel: None, rows: int) -> None:
+    w = q4_1_weight(33, 96)
+    x = torch.randn(rows, 96)
+    weight = q4.recover_q4_1(w)
+    scalar, vector = q4.q4_linear(x, weight, vector=False), q4.q4_linear(x, weight)
+    assert scalar is not None and vector is not None
+    torch.testing.assert_close(scalar, vector, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(scalar, F.linear(x, w), atol=1e-5, rtol=1e-5)
+
+
 def test_kernel_takes_bias_leading_dims_and_strided_rows(kernel: None) -> None:
     w, bias = q4_1_weight(40, 64), torch.randn(40)
     x = torch.randn(2, 3, 128)[..., :64]  # rows 128 floats apart
