@@ -171,12 +171,14 @@ def _chat(text: str) -> list[dict[str, str]]:
 
 
 def fleetllm_variants(threads: int) -> dict[str, list[str]]:
-    """The worker command lines to run: fp32, plus int4 when the worker has ``--quantization``."""
+    """The worker command lines to run: fp32, plus int4 and q4 when the worker has ``--quantization``."""
     base = [sys.executable, "-m", "fleetllm.cli", "worker", "--model", MODEL_ALIAS, "--num-threads", str(threads)]
     variants = {"fleetllm": base}
     helptext = subprocess.run(base[:4] + ["--help"], capture_output=True, text=True, cwd=REPO).stdout
     if "--quantization" in helptext:
         variants["fleetllm-int4"] = base + ["--quantization", "int4"]
+        if "q4:" in helptext:
+            variants["fleetllm-q4"] = base + ["--quantization", "q4"]
     else:
         print("  note: the worker has no --quantization flag yet; running fp32 only", flush=True)
     return variants

@@ -37,10 +37,12 @@ class EngineConfig:
     enable_prefix_caching: bool = opt(True, "reuse the KV blocks of prompt prefixes computed before",
                                       flag="--no-prefix-caching")
     num_threads: int | None = opt(None, "torch threads (default: all cores)")
-    quantization: Literal["none", "int4", "int4-int8"] = opt(
+    quantization: Literal["none", "int4", "int4-int8", "q4"] = opt(
         "none", "int4: on CPU, int4 decoder / int8 LM-head weights for steps under 8 tokens, fp32 for wider "
                 "ones; int4-int8: int8 GEMMs (per-token int8 activations) for the wider ones too, no fp32 "
-                "copy (experimental: fails the greedy-agreement check); none: exact fp32")
+                "copy (experimental: fails the greedy-agreement check); q4: on CPU, the GGUF's Q4_1 weights "
+                "kept as they are with fp32 activations for steps under 8 tokens (same weights as fp32), fp32 "
+                "for wider ones and non-Q4_1 weights; none: exact fp32")
     speculative: str | dict | None = opt(
         None, "speculative decoding: method ngram | suffix | eagle | peagle, k draft tokens (default k: "
               "chosen from the measured verify cost), adaptive=0 to fix K", metavar="method=M,k=N")

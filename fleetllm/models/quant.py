@@ -12,6 +12,11 @@ are slower than fp32 there: ``benchmarks/quant_kernels.py``). ``int4`` keeps exa
 (greedy agreement with fp32 on 1 of 16 reference prompts at wide steps: 7-bit per-token activations lose
 the outlier channels; ``benchmarks/fast_path_quality.py``). ``none`` keeps exact fp32.
 
+``q4`` keeps the Q4_1 GGUF weights as they are (:mod:`fleetllm.kernels.q4`: 4-bit levels and fp32 scales
+recovered exactly from the fp32 weights) and runs narrow steps through a C GEMV with fp32 activations: the
+same weights as fp32, only the summation order differs. Linears that are not exactly Q4_1 (the LM head,
+8-bit in the GGUF) and wide steps stay fp32.
+
 :func:`quantize_model` never changes the model it is given: it returns a copy sharing the embeddings and
 norms, cached per (model, method), so engines over one set of loaded weights can differ in quantisation.
 """
@@ -25,9 +30,11 @@ import weakref
 import torch
 from torch import nn
 
+from fleetllm.kernels.q4 import Q4Weight, kernel_ready, q4_linear, recover_q4_1
+
 GROUP = 32
 WIDE_ROWS = 8  # steps of at least this many tokens take the int8 GEMM (issue #19: "int8 for batch ≥ 8")
-METHODS = ("none", "int4", "int4-int8")
+METHODS = ("none", "int4", "int4-int8", "q4")
 _CACHE: weakref.WeakKeyDictionary[nn.Module, dict[str, nn.Module]] = weakref.WeakKeyDictionary()
 
 
@@ -105,6 +112,19 @@ class Int8DynamicLinear(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
+class Q4Linear(nn.Module):
+    """Exact Q4_1 weights, fp32 activations (``q4_gemv.c``); the fp32 ``linear`` while the kernel is not built."""
+
+    def __init__(self, linear: nn.Linear, weight: Q4Weight) -> None:
+        super().__init__()
+        self.linear, self.q4 = linear, weight
+        kernel_ready()  # starts the kernel's background build
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = q4_linear(x, self.q4, self.linear.bias)
+        return self.linear(x) if y is None else y
+
+
 class ByWidth(nn.Module):
     """One linear layer with a kernel per regime: ``narrow`` below ``WIDE_ROWS`` rows, ``wide`` from there.
 
@@ -129,7 +149,15 @@ def _shallow(module: nn.Module) -> nn.Module:
     return c
 
 
+def _q4_or_fp32(linear: nn.Linear) -> nn.Module:
+    """``linear`` with a Q4 kernel for narrow steps when its weight is exactly Q4_1, else ``linear`` itself."""
+    weight = recover_q4_1(linear.weight)
+    return linear if weight is None else ByWidth(Q4Linear(linear, weight), linear, linear.weight)
+
+
 def _decoder_linear(linear: nn.Linear, method: str) -> nn.Module:
+    if method == "q4":
+        return _q4_or_fp32(linear)
     narrow = Int4Linear(linear) if linear.in_features % GROUP == 0 else Int8Linear(linear)
     if method == "int4":  # wide steps keep the exact fp32 weight (and GEMM)
         return ByWidth(narrow, linear, linear.weight)
@@ -138,7 +166,8 @@ def _decoder_linear(linear: nn.Linear, method: str) -> nn.Module:
 
 def quantize_model(model: nn.Module, method: str | None) -> nn.Module:
     """``model`` with quantised linears for ``method``: "none", ``model`` itself; "int4", int4 (LM head:
-    int8) narrow steps and exact fp32 wide ones; "int4-int8", int8 GEMMs for wide steps too, no fp32 copy.
+    int8) narrow steps and exact fp32 wide ones; "int4-int8", int8 GEMMs for wide steps too, no fp32 copy;
+    "q4", the exact Q4_1 kernel for narrow steps of the Q4_1 linears, fp32 elsewhere.
 
     CPU only: on CUDA bf16 GEMMs are the fast path, and the model is returned unchanged.
     """
@@ -155,7 +184,10 @@ def quantize_model(model: nn.Module, method: str | None) -> nn.Module:
             for parent, name in ((layer.attn, "qkv"), (layer.attn, "o"), (layer.mlp, "gate_up"), (layer.mlp, "down")):
                 setattr(parent, name, _decoder_linear(getattr(parent, name), method))
         head = model.lm_head
-        q.lm_head = ByWidth(Int8Linear(head), head if method == "int4" else Int8DynamicLinear(head), head.weight)
+        if method == "q4":
+            q.lm_head = _q4_or_fp32(head)
+        else:
+            q.lm_head = ByWidth(Int8Linear(head), head if method == "int4" else Int8DynamicLinear(head), head.weight)
         cached[method] = q
     return cached[method]
 

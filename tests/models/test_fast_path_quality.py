@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from fleetllm.bench.quality import REFERENCE_PROMPTS, compare, prompt_ids, stdlib_text
 
 
@@ -12,3 +14,16 @@ def test_exact_path_agrees_with_itself_in_every_batch_regime(loaded_model) -> No
                 chunk=50)  # chunks over cached context against whole windows
     assert (q.agree_batched, q.agree_one_by_one) == (2, 2)
     assert abs(q.ppl_ratio - 1) < 1e-4, (q.ppl, q.ppl_fp32)
+
+
+def test_q4_narrow_steps_agree_with_fp32(loaded_model) -> None:
+    from fleetllm.kernels import q4
+
+    if not q4.kernel_ready(wait=True):
+        pytest.skip(f"C kernel unavailable: {q4.LIBRARY.error}")
+    tok = loaded_model.tokenizer
+    prompts = prompt_ids(tok, REFERENCE_PROMPTS[:1] + REFERENCE_PROMPTS[-1:], raw_from=1)
+    q = compare(loaded_model, {"quantization": "q4"}, prompts, tokens=8, text=stdlib_text(tok, 120), window=60,
+                chunk=4)  # chunks of 4: every scored step narrow, through the Q4 kernel
+    assert q.agree_one_by_one == 2
+    assert abs(q.ppl_ratio - 1) < 1e-3, (q.ppl, q.ppl_fp32)

@@ -68,3 +68,29 @@ def test_quantizing_leaves_the_loaded_model_unchanged_and_drops_fp32_decoder_wei
     assert isinstance(q.layers[0].mlp.down, ByWidth) and q.layers[0].mlp.down.weight is None
     assert q.embed is model.embed and q.lm_head.weight is model.lm_head.weight
     assert quantize_model(model, "none") is model
+
+
+def test_q4_linear_serves_fp32_until_its_kernel_is_built() -> None:
+    from fleetllm.kernels import q4
+    from fleetllm.models.quant import Q4Linear
+
+    lin = nn.Linear(64, 24, bias=True)
+    lin.weight.data = (torch.randint(0, 16, (24, 64)).float() * 0.0125 - 0.1).half().float()  # exactly Q4_1
+    layer = Q4Linear(lin, q4.recover_q4_1(lin.weight))
+    x = torch.randn(3, 64)
+    q4.set_kernel_enabled(False)
+    try:
+        assert torch.equal(layer(x), lin(x))
+    finally:
+        q4.set_kernel_enabled(True)
+
+
+def test_q4_keeps_the_q4_1_decoder_weights_and_the_8bit_head_fp32(loaded_model) -> None:
+    from fleetllm.models.quant import Q4Linear, quantize_model
+
+    model = loaded_model.model
+    q = quantize_model(model, "q4")
+    down = q.layers[0].mlp.down
+    assert isinstance(down, ByWidth) and isinstance(down.narrow, Q4Linear) and down.wide is model.layers[0].mlp.down
+    assert torch.equal(down.narrow.q4.dequantize(), model.layers[0].mlp.down.weight)  # the GGUF's Q4_1, exactly
+    assert q.lm_head is model.lm_head  # 8-bit in the GGUF: not Q4_1, stays fp32

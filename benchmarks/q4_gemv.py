@@ -1,0 +1,96 @@
+"""The Q4_1 C GEMV (``fleetllm/kernels/q4_gemv.c``) against fp32 ``F.linear``, per SmolLM2-135M shape.
+
+Each shape gets 30 distinct weights (one per layer, as a decode step reads them: together they do not fit
+in the caches) and a call cycles through them, so the figures are main-memory ones. Per shape and row
+count M: µs per call, effective GB/s of weight bytes read (fp32: 4 bytes a weight; Q4: half a byte plus
+8 bytes of d and m per 32), the ratio, and the largest difference from fp32 ``F.linear`` relative to the
+output's scale (float rounding only: the weights are the same numbers). Best (min) and median of rounds.
+
+    python benchmarks/q4_gemv.py [--rows 1,2,4,8] [--threads 2] [--rounds 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from fleetllm.kernels import q4  # noqa: E402
+
+LAYERS = 30
+SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}  # fused, as run
+
+
+def random_q4(n: int, k: int) -> q4.Q4Weight:
+    """A random Q4_1 weight with GGUF-like scales (fp16-rounded d and m)."""
+    groups = k // q4.GROUP
+    levels = torch.randint(0, 16, (n, groups, 32), dtype=torch.uint8)
+    packed = torch.cat([levels[..., :8] | (levels[..., 8:16] << 4), levels[..., 16:24] | (levels[..., 24:] << 4)], -1)
+    d = (torch.rand(n, groups) * 0.01 + 1e-3).half().float()
+    m = (-8 * d - torch.rand(n, groups) * 1e-3).half().float()
+    return q4.Q4Weight(packed.contiguous(), d, m)
+
+
+def time_cycle(fn: Callable[[int], object], rounds: int) -> tuple[float, float]:
+    """(min, median) µs of one call, each round calling ``fn`` once per layer."""
+    for i in range(LAYERS):
+        fn(i)
+    per_call = []
+    for _ in range(rounds):
+        t = time.perf_counter()
+        for i in range(LAYERS):
+            fn(i)
+        per_call.append((time.perf_counter() - t) * 1e6 / LAYERS)
+    return min(per_call), statistics.median(per_call)
+
+
+def bench_shape(name: str, n: int, k: int, rows: list[int], rounds: int) -> dict[int, tuple[float, float]]:
+    """Print one table row per M for this shape; return {M: (fp32 µs, q4 µs)} (min over rounds)."""
+    qw = [random_q4(n, k) for _ in range(LAYERS)]
+    fw = [w.dequantize() for w in qw]
+    fp32_bytes, q4_bytes = n * k * 4, n * k // 2 + n * (k // q4.GROUP) * 8
+    out = {}
+    for m in rows:
+        x = torch.randn(m, k)
+        f_min, f_med = time_cycle(lambda i, x=x: torch.nn.functional.linear(x, fw[i]), rounds)
+        q_min, q_med = time_cycle(lambda i, x=x: q4.q4_linear(x, qw[i]), rounds)
+        ref = torch.nn.functional.linear(x, fw[0])
+        err = ((q4.q4_linear(x, qw[0]) - ref).abs().max() / ref.abs().max()).item()
+        print(f"| {name} | {n}×{k} | {m} | {f_min:.1f} ({f_med:.1f}) | {fp32_bytes / f_min / 1e3:.1f} | "
+              f"{q_min:.1f} ({q_med:.1f}) | {q4_bytes / q_min / 1e3:.1f} | {f_min / q_min:.2f}× | {err:.1e} |")
+        out[m] = (f_min, q_min)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rows", default="1,2,4,8", help="comma-separated row counts M")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=5, help="timed cycles over the 30 layers' weights")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    if not q4.kernel_ready(wait=True):
+        sys.exit(f"Q4 kernel unavailable: {q4.LIBRARY.error}")
+    rows = [int(r) for r in args.rows.split(",")]
+    print(f"threads {args.threads}, load {os.getloadavg()[0]:.1f}, µs per call: min (median) of {args.rounds} "
+          f"rounds over {LAYERS} distinct weights\n")
+    print("| GEMV | N×K | M | fp32 µs | fp32 GB/s | Q4 µs | Q4 GB/s | speed-up | max rel diff |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    totals = {m: [0.0, 0.0] for m in rows}
+    for name, (n, k) in SHAPES.items():
+        for m, (f, q) in bench_shape(name, n, k, rows, args.rounds).items():
+            totals[m][0] += f * LAYERS / 1e3
+            totals[m][1] += q * LAYERS / 1e3
+    for m, (f, q) in totals.items():
+        print(f"decoder linears of one step, M={m}: fp32 {f:.2f} ms, Q4 {q:.2f} ms ({f / q:.2f}×)")
+
+
+if __name__ == "__main__":
+    main()
