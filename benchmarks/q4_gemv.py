@@ -5,6 +5,8 @@ in the caches) and a call cycles through them, so the figures are main-memory on
 count M: µs per call, effective GB/s of weight bytes read (fp32: 4 bytes a weight; Q4: half a byte plus
 8 bytes of d and m per 32), the ratio, and the largest difference from fp32 ``F.linear`` relative to the
 output's scale (float rounding only: the weights are the same numbers). Best (min) and median of rounds.
+Then the LM head (49152×576, one weight: 113 MB in fp32, larger than any cache) fp32 against the Q8_0
+kernel (``fleetllm/kernels/q8_gemv.c``: a byte a weight plus 4 bytes of d per 32).
 
     python benchmarks/q4_gemv.py [--rows 1,2,4,8] [--threads 2] [--rounds 5]
 """
@@ -22,9 +24,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from fleetllm.kernels import q4  # noqa: E402
+from fleetllm.kernels import q4, q8  # noqa: E402
 
 LAYERS = 30
+HEAD = (49152, 576)  # SmolLM2's LM head, tied to the embedding, Q8_0 in the GGUF
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}  # fused, as run
 
 
@@ -69,6 +72,26 @@ def bench_shape(name: str, n: int, k: int, rows: list[int], rounds: int) -> dict
     return out
 
 
+def bench_head(rows: list[int], rounds: int) -> None:
+    """Print one table row per M for the LM head: fp32 ``F.linear`` against the Q8_0 kernel."""
+    n, k = HEAD
+    levels = torch.randint(-127, 128, (n, k // q8.GROUP, q8.GROUP), dtype=torch.int8)
+    d = (torch.rand(n, k // q8.GROUP) * 0.002 + 1e-5).half().float()
+    qw = q8.Q8Weight(levels.reshape(n, k).contiguous(), d)
+    fw = qw.dequantize()
+    fp32_bytes, q8_bytes = n * k * 4, n * k + n * (k // q8.GROUP) * 4
+    print("\n| GEMV | N×K | M | fp32 µs | fp32 GB/s | Q8 µs | Q8 GB/s | speed-up | max rel diff |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for m in rows:
+        x = torch.randn(m, k)
+        f_min, f_med = time_cycle(lambda i, x=x: torch.nn.functional.linear(x, fw), rounds)
+        q_min, q_med = time_cycle(lambda i, x=x: q8.q8_linear(x, qw), rounds)
+        ref = torch.nn.functional.linear(x, fw)
+        err = ((q8.q8_linear(x, qw) - ref).abs().max() / ref.abs().max()).item()
+        print(f"| lm_head | {n}×{k} | {m} | {f_min:.0f} ({f_med:.0f}) | {fp32_bytes / f_min / 1e3:.1f} | "
+              f"{q_min:.0f} ({q_med:.0f}) | {q8_bytes / q_min / 1e3:.1f} | {f_min / q_min:.2f}× | {err:.1e} |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", default="1,2,4,8", help="comma-separated row counts M")
@@ -76,8 +99,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5, help="timed cycles over the 30 layers' weights")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    if not q4.kernel_ready(wait=True):
-        sys.exit(f"Q4 kernel unavailable: {q4.LIBRARY.error}")
+    if not q4.kernel_ready(wait=True) or not q8.kernel_ready(wait=True):
+        sys.exit(f"Q4/Q8 kernel unavailable: {q4.LIBRARY.error or q8.LIBRARY.error}")
     rows = [int(r) for r in args.rows.split(",")]
     print(f"threads {args.threads}, load {os.getloadavg()[0]:.1f}, µs per call: min (median) of {args.rounds} "
           f"rounds over {LAYERS} distinct weights\n")
@@ -90,6 +113,7 @@ def main() -> None:
             totals[m][1] += q * LAYERS / 1e3
     for m, (f, q) in totals.items():
         print(f"decoder linears of one step, M={m}: fp32 {f:.2f} ms, Q4 {q:.2f} ms ({f / q:.2f}×)")
+    bench_head(rows, args.rounds)
 
 
 if __name__ == "__main__":

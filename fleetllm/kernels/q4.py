@@ -87,6 +87,11 @@ def set_kernel_enabled(enabled: bool) -> None:
     _enabled = enabled
 
 
+def kernel_enabled() -> bool:
+    """Whether calls may take the C kernels (this one and :mod:`fleetllm.kernels.q8`'s)."""
+    return _enabled
+
+
 def kernel_ready(wait: bool = False) -> bool:
     """Whether the C kernel is loaded; the first call starts its build (``wait``: and waits for it)."""
     return _enabled and LIBRARY.get(wait) is not None

@@ -14,8 +14,8 @@ the outlier channels; ``benchmarks/fast_path_quality.py``). ``none`` keeps exact
 
 ``q4`` keeps the Q4_1 GGUF weights as they are (:mod:`fleetllm.kernels.q4`: 4-bit levels and fp32 scales
 recovered exactly from the fp32 weights) and runs narrow steps through a C GEMV with fp32 activations: the
-same weights as fp32, only the summation order differs. Linears that are not exactly Q4_1 (the LM head,
-8-bit in the GGUF) and wide steps stay fp32.
+same weights as fp32, only the summation order differs. The LM head, Q8_0 in the GGUF, gets the exact Q8_0
+GEMV the same way (:mod:`fleetllm.kernels.q8`); linears that are neither, and wide steps, stay fp32.
 
 :func:`quantize_model` never changes the model it is given: it returns a copy sharing the embeddings and
 norms, cached per (model, method), so engines over one set of loaded weights can differ in quantisation.
@@ -30,6 +30,7 @@ import weakref
 import torch
 from torch import nn
 
+from fleetllm.kernels import q8
 from fleetllm.kernels.q4 import Q4Weight, kernel_ready, q4_linear, recover_q4_1
 
 GROUP = 32
@@ -125,6 +126,19 @@ class Q4Linear(nn.Module):
         return self.linear(x) if y is None else y
 
 
+class Q8Linear(nn.Module):
+    """Exact Q8_0 weights, fp32 activations (``q8_gemv.c``); the fp32 ``linear`` while the kernel is not built."""
+
+    def __init__(self, linear: nn.Linear, weight: q8.Q8Weight) -> None:
+        super().__init__()
+        self.linear, self.q8 = linear, weight
+        q8.kernel_ready()  # starts the kernel's background build
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = q8.q8_linear(x, self.q8, self.linear.bias)
+        return self.linear(x) if y is None else y
+
+
 class ByWidth(nn.Module):
     """One linear layer with a kernel per regime: ``narrow`` below ``WIDE_ROWS`` rows, ``wide`` from there.
 
@@ -155,6 +169,13 @@ def _q4_or_fp32(linear: nn.Linear) -> nn.Module:
     return linear if weight is None else ByWidth(Q4Linear(linear, weight), linear, linear.weight)
 
 
+def _q4_head(head: nn.Linear) -> nn.Module:
+    """The LM head under "q4": the Q8_0 kernel for narrow steps when its weight is exactly Q8_0 (the GGUF's
+    tied head is), else exactly Q4_1 or fp32 as a decoder linear. The fp32 weight stays shared (tied embedding)."""
+    weight = q8.recover_q8_0(head.weight)
+    return _q4_or_fp32(head) if weight is None else ByWidth(Q8Linear(head, weight), head, head.weight)
+
+
 def _decoder_linear(linear: nn.Linear, method: str) -> nn.Module:
     if method == "q4":
         return _q4_or_fp32(linear)
@@ -167,7 +188,7 @@ def _decoder_linear(linear: nn.Linear, method: str) -> nn.Module:
 def quantize_model(model: nn.Module, method: str | None) -> nn.Module:
     """``model`` with quantised linears for ``method``: "none", ``model`` itself; "int4", int4 (LM head:
     int8) narrow steps and exact fp32 wide ones; "int4-int8", int8 GEMMs for wide steps too, no fp32 copy;
-    "q4", the exact Q4_1 kernel for narrow steps of the Q4_1 linears, fp32 elsewhere.
+    "q4", the exact Q4_1 kernel for narrow steps of the Q4_1 linears (Q8_0 for a Q8_0 LM head), fp32 elsewhere.
 
     CPU only: on CUDA bf16 GEMMs are the fast path, and the model is returned unchanged.
     """
@@ -185,7 +206,7 @@ def quantize_model(model: nn.Module, method: str | None) -> nn.Module:
                 setattr(parent, name, _decoder_linear(getattr(parent, name), method))
         head = model.lm_head
         if method == "q4":
-            q.lm_head = _q4_or_fp32(head)
+            q.lm_head = _q4_head(head)
         else:
             q.lm_head = ByWidth(Int8Linear(head), head if method == "int4" else Int8DynamicLinear(head), head.weight)
         cached[method] = q

@@ -85,12 +85,15 @@ def test_q4_linear_serves_fp32_until_its_kernel_is_built() -> None:
         q4.set_kernel_enabled(True)
 
 
-def test_q4_keeps_the_q4_1_decoder_weights_and_the_8bit_head_fp32(loaded_model) -> None:
-    from fleetllm.models.quant import Q4Linear, quantize_model
+def test_q4_keeps_the_q4_1_decoder_weights_and_the_q8_0_head(loaded_model) -> None:
+    from fleetllm.models.quant import Q4Linear, Q8Linear, quantize_model
 
     model = loaded_model.model
     q = quantize_model(model, "q4")
     down = q.layers[0].mlp.down
     assert isinstance(down, ByWidth) and isinstance(down.narrow, Q4Linear) and down.wide is model.layers[0].mlp.down
     assert torch.equal(down.narrow.q4.dequantize(), model.layers[0].mlp.down.weight)  # the GGUF's Q4_1, exactly
-    assert q.lm_head is model.lm_head  # 8-bit in the GGUF: not Q4_1, stays fp32
+    head = q.lm_head  # Q8_0 in the GGUF, tied to the embedding: the fp32 weight stays shared, unchanged
+    assert isinstance(head, ByWidth) and isinstance(head.narrow, Q8Linear) and head.wide is model.lm_head
+    assert head.weight is model.lm_head.weight and isinstance(model.lm_head, nn.Linear)
+    assert torch.equal(head.narrow.q8.dequantize(), model.lm_head.weight)
