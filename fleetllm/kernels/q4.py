@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -106,15 +107,21 @@ def q4_linear(x: torch.Tensor, weight: Q4Weight, bias: torch.Tensor | None = Non
     if x.dtype != torch.float32 or x.device.type != "cpu" or not kernel_ready():
         return None
     n, k = weight.shape
-    x2 = x.reshape(-1, k)
-    if x2.stride(1) != 1:
-        x2 = x2.contiguous()
-    rows = x2.shape[0]
-    out = torch.empty(rows, n, dtype=torch.float32)
-    rc = LIBRARY.lib.q4_gemv(x2.data_ptr(), x2.stride(0), weight.packed.data_ptr(), weight.d.data_ptr(),
-                             weight.m.data_ptr(), out.data_ptr(), n, rows, n, k, torch.get_num_threads(), int(vector))
-    if rc != 0:
-        raise ValueError(f"q4_gemv: input width {k} is not a multiple of {GROUP}")
+    return gemv(x, n, k, bias, "q4_gemv", lambda rows, out: LIBRARY.lib.q4_gemv(
+        rows.data_ptr(), rows.stride(0), weight.packed.data_ptr(), weight.d.data_ptr(), weight.m.data_ptr(),
+        out.data_ptr(), n, rows.shape[0], n, k, torch.get_num_threads(), int(vector)))
+
+
+def gemv(x: torch.Tensor, n: int, k: int, bias: torch.Tensor | None, name: str,
+         call: Callable[[torch.Tensor, torch.Tensor], int]) -> torch.Tensor:
+    """``x [..., k]`` through a GEMV kernel ``call(rows [R, k], out [R, n]) -> status`` (rows with unit column
+    stride, ``out`` fresh fp32), plus ``bias``; a status other than 0 is a width not a multiple of the group."""
+    rows = x.reshape(-1, k)
+    if rows.stride(1) != 1:
+        rows = rows.contiguous()
+    out = torch.empty(rows.shape[0], n, dtype=torch.float32)
+    if call(rows, out) != 0:
+        raise ValueError(f"{name}: input width {k} is not a multiple of {GROUP}")
     if bias is not None:
         out += bias
     return out.reshape(*x.shape[:-1], n)

@@ -83,15 +83,6 @@ def q8_linear(x: torch.Tensor, weight: Q8Weight, bias: torch.Tensor | None = Non
     if x.dtype != torch.float32 or x.device.type != "cpu" or not kernel_ready():
         return None
     n, k = weight.shape
-    x2 = x.reshape(-1, k)
-    if x2.stride(1) != 1:
-        x2 = x2.contiguous()
-    rows = x2.shape[0]
-    out = torch.empty(rows, n, dtype=torch.float32)
-    rc = LIBRARY.lib.q8_gemv(x2.data_ptr(), x2.stride(0), weight.q.data_ptr(), weight.d.data_ptr(),
-                             out.data_ptr(), n, rows, n, k, torch.get_num_threads(), int(vector))
-    if rc != 0:
-        raise ValueError(f"q8_gemv: input width {k} is not a multiple of {GROUP}")
-    if bias is not None:
-        out += bias
-    return out.reshape(*x.shape[:-1], n)
+    return q4.gemv(x, n, k, bias, "q8_gemv", lambda rows, out: LIBRARY.lib.q8_gemv(
+        rows.data_ptr(), rows.stride(0), weight.q.data_ptr(), weight.d.data_ptr(), out.data_ptr(), n,
+        rows.shape[0], n, k, torch.get_num_threads(), int(vector)))
