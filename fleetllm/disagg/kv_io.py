@@ -113,18 +113,18 @@ def write(views: Layers, layers: Layers, res: Reservation) -> None:
     if not res.new:
         return
     runs = res.runs()
-    if len(runs) > _MAX_RUNS:  # scattered: one indexed copy per tensor
+    scattered = len(runs) > _MAX_RUNS  # then one indexed copy per tensor, else a slice copy per run
+    if scattered:
         device = views[0][0].device
         src = torch.tensor([t[0] for t in res.todo], dtype=torch.long)
         dst = torch.tensor(res.new, dtype=torch.long, device=device)
     for (kc, vc), (k, v) in zip(views, layers, strict=True):
         for cache, part in ((kc, k), (vc, v)):
-            if len(runs) > _MAX_RUNS:
+            if scattered:
                 cache.index_copy_(0, dst, part.index_select(0, src).to(device, cache.dtype))
-                continue
-            for a, b, n in runs:  # slices: a plain copy, converting when the dtypes differ
-                cache[b : b + n].copy_(part[a : a + n])
-
+            else:
+                for a, b, n in runs:  # copy_ converts when the dtypes differ
+                    cache[b : b + n].copy_(part[a : a + n])
 
 _MAX_RUNS = 8
 

@@ -50,6 +50,7 @@ from fleetllm.server.worker_secret import worker_secret
 if TYPE_CHECKING:
     import httpx
 
+    from fleetllm.disagg.arrival import Mappings
     from fleetllm.disagg.frame import FrameBuffer
     from fleetllm.disagg.layer_stream import LayerStream
     from fleetllm.engine.engine import LLMEngine
@@ -93,7 +94,7 @@ class PDEndpoints:
         self.options = options or TransferOptions()
         self._metrics: TransferMetrics | None = None
         self._buffers: FrameBuffers | None = None
-        self._mappings: Any = None  # arrival.Mappings, made on first use
+        self._mappings: Mappings | None = None
         self._http: httpx.AsyncClient | None = None  # to decode workers; one for all transfers (making one costs ~25 ms)
 
     @property
@@ -102,6 +103,15 @@ class PDEndpoints:
         if self._metrics is None:
             self._metrics = TransferMetrics(self.worker)
         return self._metrics
+
+    @property
+    def mappings(self) -> Mappings:
+        """The decode side's mappings of shared-memory frame files (made on first use)."""
+        if self._mappings is None:
+            from fleetllm.disagg.arrival import Mappings
+
+            self._mappings = Mappings()
+        return self._mappings
 
     @property
     def buffers(self) -> FrameBuffers:
@@ -270,19 +280,18 @@ class PDEndpoints:
 
     async def _arrival(self, request: Request) -> Any:
         """Where the frame's bytes come from: the body, or the shared-memory file it names (whole, or being filled)."""
-        from fleetllm.disagg.arrival import SHM_STREAM, Mappings, Notified, Streamed, Whole
+        from fleetllm.disagg.arrival import SHM_STREAM, Notified, Streamed, Whole
 
-        self._mappings = self._mappings or Mappings()
         ctype = request.headers.get("content-type", "")
         if ctype.startswith(SHM_STREAM):
-            return Notified(request.stream(), _check_shm, self._mappings)
+            return Notified(request.stream(), _check_shm, self.mappings)
         if not ctype.startswith("application/json"):
             return Streamed(request.stream())
         spec = await self.worker.request_body(request)
         p = Path(str(spec.get("shm", "")))
         _check_shm(p)
         try:
-            return Whole(await asyncio.to_thread(self._mappings.map, p, spec.get("bytes"), bool(spec.get("keep"))), "shm")
+            return Whole(await asyncio.to_thread(self.mappings.map, p, spec.get("bytes"), bool(spec.get("keep"))), "shm")
         except (OSError, ValueError) as e:
             self.metrics.failures.labels(reason="shm_read").inc()
             raise APIError(400, f"cannot read {p}: {e}", "shm") from None
