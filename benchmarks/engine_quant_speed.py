@@ -12,11 +12,8 @@ prompt tokens over that wall time (fleetllm prefills in chunks of ``max_num_batc
 
 from __future__ import annotations
 
-import os
-
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as `fleetllm worker` sets it; before torch loads
-
 import argparse
+import os
 import time
 from collections.abc import Callable
 

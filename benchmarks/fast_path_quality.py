@@ -12,10 +12,6 @@ Exit status 1 when a goal is missed. See fleetllm/bench/quality.py for how each 
 
 from __future__ import annotations
 
-import os
-
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as `fleetllm worker` sets it; before torch loads
-
 import argparse
 import sys
 import time

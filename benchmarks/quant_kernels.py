@@ -10,10 +10,6 @@ chosen from this table. Each figure is the best of several trials (robust to oth
 
 from __future__ import annotations
 
-import os
-
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as `fleetllm worker` sets it; before torch loads
-
 import argparse
 import time
 from collections.abc import Callable

@@ -12,7 +12,6 @@ import gc
 import importlib
 import json
 import logging
-import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -157,10 +156,9 @@ def capture_for(args: argparse.Namespace, component: str, tiers: tuple[str, ...]
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
-    # The HTTP thread shares the cores with torch's OpenMP pool; spinning OpenMP workers starve it and
-    # stall every step that waits on a descheduled thread (batch-1 decode 13 -> 19 tok/s when passive).
-    # Must be set before torch loads its OpenMP runtime.
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    # OpenMP's wait policy stays libgomp's default (a parked thread spins ~3 ms, then sleeps): PASSIVE made every
+    # parallel region wake its threads through the kernel (Q4 batch-1 decode 30 -> 52 tok/s without it), ACTIVE
+    # starves the HTTP thread at c=8. The spin only holds with one OpenMP team in the process: see omp_team.
     if args.cpus:  # before torch starts its thread pool, which then fits the pinned cores
         try:
             cpus = pin_process(args.cpus)
@@ -182,12 +180,13 @@ def cmd_worker(args: argparse.Namespace) -> int:
     gc.disable()
     prefetch.start(args.model, from_args(StoreConfig, args))  # the store's part of a cold start overlaps the imports
     from fleetllm.engine.engine import LLMEngine
+    from fleetllm.engine.omp_team import run_on_passing_thread
     from fleetllm.server.app import Worker
     from fleetllm.server.uvicorn_runner import make_server
     from fleetllm.store.errors import StoreError
 
     try:
-        engine = LLMEngine(engine_config(args))
+        engine = run_on_passing_thread(lambda: LLMEngine(engine_config(args)))  # its OpenMP pool ends with it
     except StoreError as e:  # no access, no such model, source down without a cached copy: say so, no traceback
         logging.getLogger("fleetllm").error("cannot start: %s", e)
         return 2
@@ -322,7 +321,6 @@ def fleet_config(args: argparse.Namespace):  # -> FleetConfig
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     from fleetllm.sim.calibrate import calibrate
 
     prof = calibrate(args.model, threads=args.num_threads, repeats=args.repeats)

@@ -37,6 +37,7 @@ from fleetllm.capture.worker_tap import open_worker_tap
 from fleetllm.disagg.config import TransferOptions
 from fleetllm.disagg.routes import frame_body_cap, pd_routes
 from fleetllm.engine.async_engine import AsyncEngine, EngineFailed
+from fleetllm.engine.omp_team import serial_executor
 from fleetllm.engine.outputs import RequestOutput
 from fleetllm.engine.params import InvalidParameter, SamplingParams
 from fleetllm.engine.scheduler import QueueFull
@@ -155,8 +156,9 @@ class Worker:
 
     @contextlib.asynccontextmanager
     async def _lifespan(self, app: Starlette) -> AsyncIterator[None]:
-        self.cold_start.set("warm_up", self.engine.warm_up())
+        asyncio.get_running_loop().set_default_executor(serial_executor("worker-io"))  # see omp_team
         self.async_engine.start()
+        self.cold_start.set("warm_up", await self.async_engine.call(lambda engine: engine.warm_up()))
         if self.capture:
             self.capture.start()
         if self.otlp_metrics:
