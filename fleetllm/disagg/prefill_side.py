@@ -14,9 +14,10 @@ After each decoder layer the blocks it has just written are copied straight from
   the reservation), the POST body to ``/pd/kv`` naming the file and then one byte per layer sealed (CRC);
 - **a frame streamed over HTTP** (``http``, another host), each layer sent as soon as it is sealed.
 
-It answers ``{"blocks", "bytes", "prefill_s", "transfer_s", "via", ...}`` or an error status (502: the decode
-worker failed or refused): ``prefill_s`` runs until the KV is complete, ``transfer_s`` from then to the decode
-worker's answer (what the overlap left exposed).
+Only the full blocks the decode worker will take from its cache are computed (:func:`prefilled_tokens`): the
+tokens after them it computes again anyway. It answers ``{"blocks", "bytes", "prefill_s", "transfer_s", "via",
+...}`` or an error status (502: the decode worker failed or refused): ``prefill_s`` runs until the KV is
+complete, ``transfer_s`` from then to the decode worker's answer (what the overlap left exposed).
 """
 
 from __future__ import annotations
@@ -85,7 +86,7 @@ class PrefillEndpoints:
         if not isinstance(body, dict) or not isinstance(decode_url, str):
             raise APIError(400, "give body (the request) and decode_url")
         kind = "chat" if path.endswith("/chat/completions") else "text"
-        ids = self.worker.prompt_ids(kind, body)[0]
+        ids = prefilled_tokens(self.worker.prompt_ids(kind, body)[0], self.worker.engine.pool.block_size)
         rid = f"pd-{req.get('request_id') or uuid.uuid4().hex}"
         via, timeout = req.get("transfer") or "http", float(req.get("timeout_s") or 60.0)
         if via == "shm":  # same host: into the decode worker's own pool blocks if it shares its pool
@@ -247,3 +248,13 @@ class PrefillEndpoints:
             self.metrics.failures.labels(reason=f"rejected_{r.status_code}").inc()
             raise APIError(502, f"the decode worker refused the KV frame ({r.status_code}): {r.text[:200]}")
         return r
+
+
+def prefilled_tokens(ids: list[int], block_size: int) -> list[int]:
+    """The tokens of ``ids`` worth prefilling here: the full blocks the decode worker will take from its cache.
+
+    It always computes the prompt's last token (its logits), so it takes the full blocks of all tokens but
+    the last and recomputes the rest (a 2048-token prompt: 127 blocks, then 16 tokens); prefilling more here
+    would be computed twice and shipped for nothing. A prompt shorter than that is prefilled whole."""
+    n = (len(ids) - 1) // block_size
+    return ids[: n * block_size] if n else ids

@@ -20,8 +20,10 @@ import torch
 from fleetllm.disagg.direct import PoolTarget
 from fleetllm.disagg.frame import FrameError, FrameHeader
 from fleetllm.disagg.leases import pid_namespace
+from fleetllm.disagg.prefill_side import prefilled_tokens
+from fleetllm.disagg.shared_pool import PoolLayout, PoolMaps
 from fleetllm.engine.block_pool import hash_prefix_blocks
-from fleetllm.engine.kv_memory import POOL_PREFIX, remove_stale_pools
+from fleetllm.engine.kv_memory import POOL_PREFIX, SharedKVFile, remove_stale_pools, shm_dir
 
 if TYPE_CHECKING:
     from conftest import InProcessWorker
@@ -177,3 +179,21 @@ def test_a_pool_target_writes_nothing_once_its_lease_is_over_or_it_is_closed(why
     assert t.pool[0][0].abs().sum() == 0
     with pytest.raises(FrameError):
         t.finish()  # never committed
+
+
+def test_prefaulting_a_shared_pools_blocks_changes_no_byte_of_it():
+    f = SharedKVFile(shm_dir(), 2 * 2 * 8 * 16 * 3 * 64 * 4)
+    try:
+        layout = PoolLayout(str(f.path), 2, 8, 16, 3, 64, "float32")
+        maps = PoolMaps()
+        k0 = maps.layers(layout)[0][0]
+        k0[3].fill_(7.0)
+        maps.prefault(layout, [3, 4, -1, 6])
+        assert torch.equal(k0[3], torch.full_like(k0[3], 7.0)) and k0[4].abs().sum() == 0
+    finally:
+        f.close()
+
+
+@pytest.mark.parametrize(("n", "used"), [(2048, 2032), (100, 96), (17, 16), (10, 10)])
+def test_a_prefill_computes_only_the_blocks_the_decode_worker_will_take_from_its_cache(n, used):
+    assert prefilled_tokens(list(range(n)), 16) == list(range(used))
