@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     import httpx
 
 Layers = list[tuple[torch.Tensor, torch.Tensor]]
+_MAX_RUNS = 8  # more runs of consecutive pool blocks than this: one indexed copy per tensor instead
 
 
 @dataclass
@@ -44,7 +45,7 @@ class PoolTarget:
     deadline: float  # this process's time.monotonic(): no write at or after it
     closed: bool = False
     missed: bool = False  # a write was skipped: the blocks must not be committed
-    _runs: dict[tuple[int, int], list[tuple[int, int, int]]] = field(default_factory=dict)
+    _plans: dict[tuple[int, int], Any] = field(default_factory=dict)
 
     @property
     def nbytes(self) -> int:
@@ -59,26 +60,32 @@ class PoolTarget:
         if self.closed or time.monotonic() >= self.deadline:
             self.missed = True
             return
-        for a, d, n in self._runs_of(first, len(index)):
-            for src, dst in ((k, self.pool[i][0]), (v, self.pool[i][1])):
-                gather_into(src, index[a : a + n], dst[d : d + n])
+        plan = self._plan(first, index)
+        for src, dst in ((k, self.pool[i][0]), (v, self.pool[i][1])):
+            if isinstance(plan, tuple):  # scattered pool blocks: one gather, one scatter
+                dst.index_copy_(0, plan[1], src.index_select(0, plan[0]).to(dst.dtype))
+            else:
+                for a, d, n in plan:  # a few runs of consecutive pool blocks: one copy each
+                    gather_into(src, index[a : a + n], dst[d : d + n])
 
-    def _runs_of(self, first: int, n: int) -> list[tuple[int, int, int]]:
-        """Runs ``(offset in index, pool block, count)`` of consecutive pool blocks among prompt blocks
-        ``[first, first + n)``, skipping those not to write."""
-        key = (first, n)
-        if key not in self._runs:
+    def _plan(self, first: int, index: torch.Tensor) -> list[tuple[int, int, int]] | tuple[torch.Tensor, torch.Tensor]:
+        """How prompt blocks ``[first, first + len(index))`` go into the pool: runs ``(offset in index, pool
+        block, count)`` of consecutive pool blocks, or (many runs) the source and pool block indices."""
+        key = (first, len(index))
+        if key not in self._plans:
+            pairs = [(j, self.blocks[first + j]) for j in range(len(index)) if self.blocks[first + j] >= 0]
             runs: list[list[int]] = []
-            for j in range(n):
-                d = self.blocks[first + j]
-                if d < 0:
-                    continue
+            for j, d in pairs:
                 if runs and runs[-1][0] + runs[-1][2] == j and runs[-1][1] + runs[-1][2] == d:
                     runs[-1][2] += 1
                 else:
                     runs.append([j, d, 1])
-            self._runs[key] = [(a, d, c) for a, d, c in runs]
-        return self._runs[key]
+            if len(runs) > _MAX_RUNS:
+                src = index[torch.tensor([j for j, _ in pairs], dtype=torch.long, device=index.device)]
+                self._plans[key] = (src, torch.tensor([d for _, d in pairs], dtype=torch.long))
+            else:
+                self._plans[key] = [(a, d, c) for a, d, c in runs]
+        return self._plans[key]
 
     def seal(self, i: int) -> None:
         return None  # nothing to checksum: see the module's doc

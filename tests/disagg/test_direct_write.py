@@ -152,10 +152,10 @@ def test_pool_files_of_workers_no_longer_running_are_removed(tmp_path):
     assert not stale.exists() and live.exists()
 
 
-def _target(pool_dtype: torch.dtype, blocks: list[int], deadline: float) -> PoolTarget:
+def _target(pool_dtype: torch.dtype, blocks: list[int], deadline: float, pool_blocks: int = 8) -> PoolTarget:
     header = FrameHeader.parse(header_for(list(range(16 * len(blocks)))))
-    pool = [(torch.zeros(8, 16, 3, 64, dtype=pool_dtype), torch.zeros(8, 16, 3, 64, dtype=pool_dtype))
-            for _ in range(30)]
+    shape = (pool_blocks, 16, 3, 64)
+    pool = [(torch.zeros(shape, dtype=pool_dtype), torch.zeros(shape, dtype=pool_dtype)) for _ in range(30)]
     return PoolTarget(header, pool, blocks, deadline)
 
 
@@ -168,6 +168,19 @@ def test_a_pool_target_writes_its_blocks_in_the_pools_dtype_and_skips_the_rest()
     assert pk[[0, 1, 3, 4, 7]].abs().sum() == 0  # block 1 of the prompt (-1) and every other block untouched
     assert t.nbytes == 2 * 30 * 3 * 16 * 3 * 64 * 2
     t.finish()
+
+
+def test_a_pool_target_writes_scattered_pool_blocks_in_one_indexed_copy_each():
+    blocks = [2 * j if j % 3 else -1 for j in range(24)]  # 16 runs of one block, every third skipped
+    t = _target(torch.float32, blocks, time.monotonic() + 60, pool_blocks=48)
+    k, v = torch.randn(30, 16, 3, 64), torch.randn(30, 16, 3, 64)
+    index = torch.arange(29, 5, -1)  # prompt block j is at 29 - j in the source
+    t.put(0, 0, k, v, index)
+    pk, pv = t.pool[0]
+    for j, b in enumerate(blocks):
+        if b >= 0:
+            assert torch.equal(pk[b], k[29 - j]) and torch.equal(pv[b], v[29 - j])
+    assert pk[1::2].abs().sum() == 0 and pk[[0, 6, 12]].abs().sum() == 0
 
 
 @pytest.mark.parametrize("why", ["lease_over", "closed"])
