@@ -72,10 +72,13 @@ class DecodeEndpoints:
         if pool is None:
             raise APIError(409, "this worker's KV pool is not shared: send a frame", "pool")
         try:
-            header = FrameHeader.parse(spec.get("header"))
-            lease = await asyncio.shield(self.leases.reserve(header, float(spec.get("lease_s") or 60.0),
-                                                             _int_or_none(spec.get("pid")), _int_or_none(spec.get("pid_ns"))))
-        except FrameError as e:
+            header, lease_s = FrameHeader.parse(spec.get("header")), float(spec.get("lease_s") or 60.0)
+        except (ValueError, TypeError) as e:  # FrameError included
+            raise APIError(400, f"cannot reserve: {e}", "header") from None
+        try:
+            lease = await asyncio.shield(self.leases.reserve(header, lease_s, _int_or_none(spec.get("pid")),
+                                                             _int_or_none(spec.get("pid_ns"))))
+        except FrameError as e:  # another model or layout, or hashes that do not match the tokens
             raise APIError(400, f"cannot reserve: {e}", "header") from None
         return JSONResponse({"lease": lease.id, "lease_s": lease.deadline - time.monotonic(), "blocks": lease.targets(),
                              "pool": PoolLayout.of(self.worker.engine, pool.path).to_json()})

@@ -51,7 +51,7 @@ class LayerStream:
         """``on_sealed(i)``, in the sealer thread, once layer ``i`` is final (``num_layers``: the trailer)."""
         self.target = target
         self.on_sealed = on_sealed
-        self.sent = 0  # blocks [0, sent) are in the frame, every layer
+        self.sent = 0  # blocks [0, sent) are in the target, every layer
         self.final = False  # the step that completes the prompt has begun
         self.done: concurrent.futures.Future[None] = concurrent.futures.Future()
         self._sealer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kv-seal")
