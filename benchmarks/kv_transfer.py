@@ -6,7 +6,11 @@
    shown). *before*: main's worker and sender (frame encoded, written to a new /dev/shm file, read back,
    decoded, imported on the engine thread). *after*: the frame already built in a reused shared-memory
    buffer (the prefill fills it layer by layer while it computes), mapped and imported in place; also
-   shown with building the frame included (nothing overlapped).
+   shown with building the frame included (nothing overlapped). *after*, **pool**: the direct write
+   (``fleetllm/disagg/direct.py``): blocks reserved in the decode worker's shared pool, each layer written
+   into them (what the prefill does while it computes), then the commit. Exposed: the commit's round trip
+   (nothing is left to copy or check); the reservation (before the prefill) and the writes (during it) are
+   shown as their own rows.
 2. **TTFT**: a prefill worker and a decode worker (one torch thread each) behind a router disaggregating
    every prompt of >= 1024 uncached tokens. Fresh 2048-token prompts, alternately straight to the decode
    worker (local prefill) and through the router (remote prefill + transfer), 1 output token, streamed.
@@ -40,7 +44,9 @@ from common import cpu_model, free_ports, stop_process  # noqa: E402
 
 from fleetllm.disagg import frame  # noqa: E402
 from fleetllm.disagg.buffers import FrameBuffers  # noqa: E402
+from fleetllm.disagg.direct import PoolTarget  # noqa: E402
 from fleetllm.disagg.routes import SHM_DIR  # noqa: E402
+from fleetllm.disagg.shared_pool import PoolLayout, PoolMaps  # noqa: E402
 from fleetllm.engine.block_pool import hash_prefix_blocks  # noqa: E402
 
 HERE = Path(__file__).resolve().parents[1]
@@ -111,9 +117,13 @@ def transfer(url: str, repeats: int, blocks: int, checkout: Path | None, seed: i
     def encode(header: frame.FrameHeader, layers: list) -> bytes:
         return b"".join(fmt.encode(fmt.FrameHeader(**dataclasses.asdict(header)), layers))
 
+    maps = PoolMaps()
     if new:
         header, layers = fresh_frame(seed - 1, blocks)
         out["shm (exposed), pool pages never touched"] = [ship_shm(url, buffers, header, layers)[0]]
+        pool = ship_pool(url, maps, *fresh_frame(seed - 2, blocks))
+        out["pool pages mapped, pool pages never touched"] = [pool["prefault"]]
+        out["pool writes (during the prefill), pool pages never touched"] = [pool["write"]]
     for w in range(POOL_BYTES // fresh_frame(0, blocks)[0].frame_bytes() + 2):  # every pool block written once
         data = encode(*fresh_frame(seed + 1000 + w, blocks))
         post_kv(url, content=data, headers={"content-type": "application/octet-stream"})
@@ -131,6 +141,12 @@ def transfer(url: str, repeats: int, blocks: int, checkout: Path | None, seed: i
         exposed, whole = ship_shm(url, buffers, header, layers)
         out.setdefault("shm (exposed)", []).append(exposed)  # the frame was built while the prefill computed
         out.setdefault("shm incl. building the frame", []).append(whole)
+        pool = ship_pool(url, maps, *fresh_frame(seed + 10_000 + r, blocks))
+        out.setdefault("pool (exposed: commit)", []).append(pool["commit"])  # written while the prefill computed
+        out.setdefault("pool reservation (before the prefill)", []).append(pool["reserve"])
+        out.setdefault("pool pages mapped (a spare thread, as the prefill starts)", []).append(pool["prefault"])
+        out.setdefault("pool writes (during the prefill)", []).append(pool["write"])
+        out.setdefault("pool incl. reservation, mapping and writes", []).append(sum(pool.values()))
     return out
 
 
@@ -159,6 +175,28 @@ def ship_shm(url: str, buffers: FrameBuffers, header: frame.FrameHeader, layers:
     t2 = time.perf_counter()
     buffers.give_back(buf, reusable=True)
     return t2 - t1, t2 - t0
+
+
+def ship_pool(url: str, maps: PoolMaps, header: frame.FrameHeader, layers: list) -> dict[str, float]:
+    """This checkout's direct write of one prompt's blocks into the decode worker's shared pool: seconds to
+    reserve, to map the blocks' pages (a spare thread, as the prefill starts), to write every layer (what the
+    layer stream does during the prefill, on the engine thread), and to commit."""
+    t0 = time.perf_counter()
+    r = CLIENT.post(url + "/pd/reserve", json={"header": header.to_json(), "lease_s": 60})
+    assert r.status_code == 200, r.text
+    lease = r.json()
+    layout = PoolLayout.parse(lease["pool"])
+    target = PoolTarget(header, maps.layers(layout), lease["blocks"], time.monotonic() + 60)
+    t1 = time.perf_counter()
+    maps.prefault(layout, lease["blocks"])  # a worker does this on a spare thread as the prefill starts
+    tp = time.perf_counter()
+    index = torch.arange(header.num_blocks)
+    for i, (k, v) in enumerate(layers):
+        target.put(i, 0, k, v, index)
+    t2 = time.perf_counter()
+    r = CLIENT.post(url + "/pd/commit", json={"lease": lease["lease"]})
+    assert r.status_code == 200 and r.json()["imported"] == header.num_blocks, r.text
+    return {"reserve": t1 - t0, "prefault": tp - t1, "write": t2 - tp, "commit": time.perf_counter() - t2}
 
 
 def memcpy(nbytes: int, repeats: int) -> dict[str, list[float]]:
@@ -194,6 +232,16 @@ def pd_decisions(router_url: str) -> dict[str, float]:
     return d
 
 
+def sent_via(prefill_url: str) -> dict[str, float]:
+    """MB the prefill worker sent, by way (http, shm frames; pool: written into the decode worker's pool)."""
+    out: dict[str, float] = {}
+    for line in httpx.get(prefill_url + "/metrics", timeout=10).text.splitlines():
+        if line.startswith("fleetllm:kv_transfer_bytes_total{") and 'direction="sent"' in line:
+            via = line.split('via="', 1)[1].split('"', 1)[0]
+            out[via] = round(float(line.rsplit(" ", 1)[1]) / 1e6, 1)
+    return out
+
+
 def router_ready(url: str) -> None:
     for _ in range(300):
         s = httpx.get(url + "/router/state", timeout=5).json()
@@ -217,6 +265,7 @@ def run_version(name: str, checkout: Path, args: argparse.Namespace, log_dir: Pa
         router_ready(r_url)
         res["ttft"] = ttft(r_url, d_url, args.tokens, args.ttft_repeats, 7 + len(name))
         res["pd_decisions"] = pd_decisions(r_url)
+        res["sent_via"] = sent_via(p_url)
         return res
     finally:
         for p in reversed(procs):
@@ -268,15 +317,15 @@ def report(results: dict, nbytes: int, q: dict) -> list[str]:
         for via, times in results.get(name, {}).get("transfer", {}).items():
             lines.append(f"| {name} | {via} | {median(times):.3f} | {nbytes / median(times) / 1e9:.2f} | "
                          f"{copy / median(times):.1%} |")
-    lines += ["", "| version | local prefill TTFT s (median, range) | remote prefill TTFT s | remote/local | P/D decisions |",
-              "|---|---|---|---|---|"]
+    lines += ["", "| version | local prefill TTFT s (median, range) | remote prefill TTFT s | remote/local | P/D decisions "
+              "| MB sent, by way |", "|---|---|---|---|---|---|"]
     for name in ("before", "after"):
         t = results.get(name, {}).get("ttft")
         if t:
             lo, re_ = t["local prefill"], t["remote prefill"]
             lines.append(f"| {name} | {median(lo):.2f} ({min(lo):.2f}-{max(lo):.2f}) | {median(re_):.2f} "
                          f"({min(re_):.2f}-{max(re_):.2f}) | {median(re_) / median(lo):.2f} | "
-                         f"{json.dumps(results[name]['pd_decisions'])} |")
+                         f"{json.dumps(results[name]['pd_decisions'])} | {json.dumps(results[name].get('sent_via'))} |")
     lines += ["", "| frame dtype (fp32 pool) | outputs identical to local prefill | median first divergence (token) |",
               "|---|---|---|"]
     for dtype, r in q.items():

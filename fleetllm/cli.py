@@ -133,7 +133,8 @@ def worker_identity(args: argparse.Namespace, port: int | None = None) -> dict[s
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     """The engine a ``fleetllm worker`` command line describes (with its identity as metric labels)."""
-    return from_args(EngineConfig, args, metric_labels=worker_identity(args), store=from_args(StoreConfig, args))
+    return from_args(EngineConfig, args, metric_labels=worker_identity(args), store=from_args(StoreConfig, args),
+                     kv_pool_shared=from_args(TransferOptions, args).shares_pool(args.role))
 
 
 def observability_config(args: argparse.Namespace) -> ObservabilityConfig:

@@ -19,6 +19,8 @@ import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
+from fleetllm.engine.kv_memory import alive
+
 PREFIX = "fleetllm-kv-"
 
 
@@ -80,18 +82,8 @@ def remove_stale_files(shm_dir: Path) -> None:
     """Remove frame files of processes that no longer run (a prefill worker killed mid-transfer)."""
     for p in shm_dir.glob(PREFIX + "*-*"):
         pid = p.name.removeprefix(PREFIX).split("-", 1)[0]
-        if pid.isdigit() and not _alive(int(pid)):
+        if pid.isdigit() and not alive(int(pid)):
             p.unlink(missing_ok=True)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _unlink(paths: set[Path]) -> None:

@@ -25,6 +25,7 @@ import struct
 import warnings
 from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import torch
 from crc32c import crc32c
@@ -63,9 +64,25 @@ class FrameHeader:
         n = self.num_blocks * self.block_size * self.num_kv_heads * self.head_dim
         return n * torch.empty((), dtype=DTYPES[self.dtype]).element_size()
 
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def parse(cls, d: Any) -> FrameHeader:
+        """A header from its JSON form; :class:`FrameError` if it is malformed or inconsistent."""
+        try:
+            header = cls(**d)
+        except TypeError as e:
+            raise FrameError(f"bad frame header: {e}") from None
+        if header.dtype not in DTYPES:
+            raise FrameError(f"unsupported dtype {header.dtype}")
+        if len(header.token_ids) != header.num_blocks * header.block_size:
+            raise FrameError("token ids do not fill the blocks")
+        return header
+
     def head(self) -> bytes:
         """The frame's first bytes: magic, version, header length, header."""
-        h = json.dumps(asdict(self)).encode()
+        h = json.dumps(self.to_json()).encode()
         return MAGIC + struct.pack("<HI", VERSION, len(h)) + h
 
     def frame_bytes(self, head_len: int | None = None) -> int:
@@ -116,6 +133,11 @@ class FrameBuffer:
         """Layer ``i``'s K and V, ``[num_blocks, block_size, kv_heads, head_dim]`` in the wire dtype, writable."""
         return self._layers[i]
 
+    def put(self, i: int, first: int, k: torch.Tensor, v: torch.Tensor, index: torch.Tensor) -> None:
+        """Frame blocks ``[first, first + len(index))`` of layer ``i``: ``k`` and ``v`` (``[blocks, ...]``) at ``index``."""
+        for src, out in zip((k, v), self._layers[i], strict=True):
+            gather_into(src, index, out[first : first + len(index)])
+
     def seal(self, i: int) -> None:
         """Checksum layer ``i`` as it now stands: nothing may write it afterwards."""
         o = self._offset(i)
@@ -135,6 +157,14 @@ class FrameBuffer:
 
     def trailer_piece(self) -> memoryview:
         return self.mv[self.size - 8 :]
+
+
+def gather_into(blocks: torch.Tensor, index: torch.Tensor, out: torch.Tensor) -> None:
+    """``out = blocks[index]`` in ``out``'s dtype, in one copy where the dtypes and devices allow."""
+    if out.dtype == blocks.dtype and out.device == blocks.device:
+        torch.index_select(blocks, 0, index, out=out)
+    else:
+        out.copy_(blocks.index_select(0, index))
 
 
 def encode(header: FrameHeader, layers: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> Iterator[bytes]:
@@ -230,11 +260,7 @@ def parse_head(mv: memoryview) -> tuple[FrameHeader, int]:
     if len(mv) < pos:
         raise FrameError("truncated frame header")
     try:
-        header = FrameHeader(**json.loads(bytes(mv[_PREFIX:pos])))
-    except (ValueError, TypeError) as e:
+        d = json.loads(bytes(mv[_PREFIX:pos]))
+    except ValueError as e:
         raise FrameError(f"bad frame header: {e}") from None
-    if header.dtype not in DTYPES:
-        raise FrameError(f"unsupported dtype {header.dtype}")
-    if len(header.token_ids) != header.num_blocks * header.block_size:
-        raise FrameError("token ids do not fill the blocks")
-    return header, pos
+    return FrameHeader.parse(d), pos

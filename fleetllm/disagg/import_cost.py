@@ -7,7 +7,7 @@ blocks reserved for it (:mod:`.kv_io`), on a thread beside the engine's steps. T
 - on a CPU worker the import thread runs on the cores the decode steps use, so the steps that overlap it
   take longer: ``steal`` is the share of the import's time that they lose (1.0: all of it).
 
-The pool is mapped lazily (:func:`fleetllm.engine.model_runner._zeroed`) and its free list hands out blocks
+The pool is mapped lazily (:mod:`fleetllm.engine.kv_memory`) and its free list hands out blocks
 in order, so a serving worker imports into pages never touched before until its pool has been cycled
 once: the first touch (a page fault, the kernel zeroing the page) costs more than the copy. :func:`measure`
 reports both: into fresh pages (what a fleet run sees) and into pages already written.

@@ -1,38 +1,57 @@
-"""A prefill's KV blocks, written into a frame layer by layer while the forward computes later layers.
+"""A prefill's KV blocks, written out layer by layer while the forward computes later layers.
 
 The model runner calls :meth:`LayerStream.begin` for every step the tapped request takes part in, and
 the function it returns after each decoder layer's attention has written that layer's K and V to the
 cache. Each call copies the blocks this step completed, for that layer, straight from the pool into the
-frame (a shared-memory mapping, or memory streamed over HTTP): the copying is spread over the prefill's
-chunks. In the step that completes the prompt, each layer is also handed to a sealer thread (CRC, then
-``on_sealed``: the HTTP sender ships it) while later layers still compute; the last layer's seal writes
-the trailer and completes :attr:`LayerStream.done`. Only full blocks travel, as in every frame.
+target (:class:`Target`): a frame (a shared-memory mapping, or memory streamed over HTTP), or the blocks a
+decode worker on this host reserved in its own shared pool (:class:`fleetllm.disagg.direct.PoolTarget`).
+The copying is spread over the prefill's chunks. In the step that completes the prompt, each layer is also
+handed to a sealer thread (a frame's CRC, then ``on_sealed``: the HTTP sender ships it) while later layers
+still compute; the last layer's seal finishes the target and completes :attr:`LayerStream.done`. Only
+full blocks travel.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from fleetllm.disagg.frame import FrameBuffer
-
 if TYPE_CHECKING:
+    from fleetllm.disagg.frame import FrameHeader
     from fleetllm.engine.sequence import Sequence
 
 LayerFn = Callable[[int, torch.Tensor, torch.Tensor], None]
 
 
-class LayerStream:
-    """Fills ``frame`` from the forward passes of one request (the frame's header lists its prompt blocks)."""
+class Target(Protocol):
+    """Where a prefill's blocks go (a :class:`~fleetllm.disagg.frame.FrameBuffer`, a direct pool write)."""
 
-    def __init__(self, frame: FrameBuffer, on_sealed: Callable[[int], None] | None = None) -> None:
+    header: FrameHeader  # the prompt's full blocks
+
+    def put(self, i: int, first: int, k: torch.Tensor, v: torch.Tensor, index: torch.Tensor) -> None:
+        """Engine thread: blocks ``[first, first + len(index))`` of layer ``i``, from ``k``/``v`` at ``index``."""
+        ...
+
+    def seal(self, i: int) -> None:
+        """Sealer thread: layer ``i`` is final."""
+        ...
+
+    def finish(self) -> None:
+        """Sealer thread: every layer is final (raise: the target is unusable)."""
+        ...
+
+
+class LayerStream:
+    """Fills ``target`` from the forward passes of one request (its header lists the prompt blocks)."""
+
+    def __init__(self, target: Target, on_sealed: Callable[[int], None] | None = None) -> None:
         """``on_sealed(i)``, in the sealer thread, once layer ``i`` is final (``num_layers``: the trailer)."""
-        self.frame = frame
+        self.target = target
         self.on_sealed = on_sealed
-        self.sent = 0  # blocks [0, sent) are in the frame, every layer
+        self.sent = 0  # blocks [0, sent) are in the target, every layer
         self.final = False  # the step that completes the prompt has begun
         self.done: concurrent.futures.Future[None] = concurrent.futures.Future()
         self._sealer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kv-seal")
@@ -40,7 +59,7 @@ class LayerStream:
     def begin(self, seq: Sequence, start: int, n: int, block_size: int) -> LayerFn | None:
         """Engine thread, before a forward computing ``seq``'s tokens ``[start, start + n)``: what to do
         after each layer (None: nothing this step)."""
-        end = min((start + n) // block_size, self.frame.header.num_blocks)
+        end = min((start + n) // block_size, self.target.header.num_blocks)
         final = start + n >= len(seq.prompt_token_ids) and not self.final
         if end <= self.sent and not final:
             return None
@@ -52,8 +71,8 @@ class LayerStream:
             if ids:
                 if not index:
                     index.append(torch.tensor(ids, dtype=torch.long, device=k_cache.device))
-                for cache, out in zip((k_cache, v_cache), self.frame.layer(i), strict=True):
-                    _gather(cache.view(-1, block_size, *cache.shape[1:]), index[0], out[first : first + len(ids)])
+                self.target.put(i, first, k_cache.view(-1, block_size, *k_cache.shape[1:]),
+                                v_cache.view(-1, block_size, *v_cache.shape[1:]), index[0])
             if final:
                 self._sealer.submit(self._seal, i)
 
@@ -61,11 +80,11 @@ class LayerStream:
 
     def _seal(self, i: int) -> None:
         try:
-            self.frame.seal(i)
+            self.target.seal(i)
             if self.on_sealed:
                 self.on_sealed(i)
-            if i == self.frame.header.num_layers - 1:
-                self.frame.finish()
+            if i == self.target.header.num_layers - 1:
+                self.target.finish()
                 if self.on_sealed:
                     self.on_sealed(i + 1)
                 self.done.set_result(None)
@@ -77,10 +96,3 @@ class LayerStream:
         """Stop the sealer thread (after the frame is done, or abandoned)."""
         self._sealer.shutdown(wait=False, cancel_futures=True)
 
-
-def _gather(blocks: torch.Tensor, index: torch.Tensor, out: torch.Tensor) -> None:
-    """``out = blocks[index]`` in ``out``'s dtype, in one copy where the dtypes and devices allow."""
-    if out.dtype == blocks.dtype and out.device == blocks.device:
-        torch.index_select(blocks, 0, index, out=out)
-    else:
-        out.copy_(blocks.index_select(0, index))

@@ -4,7 +4,7 @@ The decode worker is chosen first (by the router's policy); the prompt is prefil
 that worker lacks at least ``pd_threshold`` of its tokens (with ``auto``: when the P/D path is expected to
 cost less, see :mod:`fleetllm.disagg.pd_auto`) and some prefill worker has room (``prefill_max_inflight``);
 of those, the one that would finish first, counting what it already holds of the prompt. The prefill worker computes the KV and pushes it to the decode worker
-(``POST /pd/prefill``, see :mod:`fleetllm.disagg.routes`); the request then goes to the decode worker,
+(``POST /pd/prefill``, see :mod:`fleetllm.disagg.prefill_side`); the request then goes to the decode worker,
 which finds the blocks in its prefix cache. Whatever goes wrong on the remote leg (prefill worker down,
 transfer refused, timeout), the request goes on with a local prefill: counted, and invisible to the
 client. Torch-free, like the rest of the router.

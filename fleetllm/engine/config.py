@@ -48,6 +48,9 @@ class EngineConfig:
               "chosen from the measured verify cost), adaptive=0 to fix K", metavar="method=M,k=N")
     metric_labels: dict[str, str] = opt(doc="worker identity on every metric: worker, role, zone, "
                                             "instance_type", factory=dict, cli=False)
+    kv_pool_shared: bool = opt(False, "keep the host KV pool in a shared-memory file, so that prefill workers on this host "
+                                      "write prompts' KV straight into its blocks (set from --kv-pool-shm and the role)",
+                               cli=False)
     disable_metrics: bool = opt(False, "record no engine metrics (overhead baseline)")
     profile_steps: bool = opt(False, "time each step's phases (schedule, forward, attention, sampling, ...): "
                                      "LLMEngine.profile; a debugging aid, off costs nothing")

@@ -32,6 +32,7 @@ from fleetllm.engine.step_profile import StepProfile, phase
 if TYPE_CHECKING:
     import torch
 
+    from fleetllm.engine.kv_memory import SharedKVFile
     from fleetllm.models.loader import LoadedModel
     from fleetllm.speculative.decoder import SpecDecoder
     from fleetllm.structured.compiler import GrammarCompiler
@@ -100,6 +101,11 @@ class LLMEngine:
     def kv_blocks(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per layer, ``[num_blocks, block_size, kv_heads, head_dim]`` views of the K and V cache (KV transfer)."""
         return self.executor.kv_blocks()
+
+    def kv_pool_file(self) -> SharedKVFile | None:
+        """The shared-memory file the KV cache lives in, for prefill workers on this host to write into (None:
+        private memory, or no KV tensors)."""
+        return self.executor.kv_pool_file()
 
     def observe_layers(self, label: str, observer: object | None) -> None:
         """Hand the KV of requests labelled ``label`` (ids ``label`` or ``label#n``) to ``observer`` as each

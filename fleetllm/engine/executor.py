@@ -20,6 +20,7 @@ from fleetllm.engine.outputs import TokenLogprob
 if TYPE_CHECKING:
     import torch
 
+    from fleetllm.engine.kv_memory import SharedKVFile
     from fleetllm.engine.scheduler import SchedulerOutput
     from fleetllm.engine.sequence import Sequence
     from fleetllm.models.config import ModelConfig
@@ -73,6 +74,10 @@ class Executor(Protocol):
 
     def kv_blocks(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per layer, views ``[num_blocks, block_size, kv_heads, head_dim]`` of the K and V cache."""
+        ...
+
+    def kv_pool_file(self) -> SharedKVFile | None:
+        """The shared-memory file the KV cache lives in (None: private memory)."""
         ...
 
     def observe_layers(self, label: str, observer: Any) -> None:

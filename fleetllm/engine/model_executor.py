@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from fleetllm.engine.executor import ModelOutput, Sampled
+from fleetllm.engine.kv_memory import SharedKVFile, shm_dir
 from fleetllm.engine.model_runner import LayerObserver, ModelRunner, kv_dtype_of
 from fleetllm.engine.outputs import TokenLogprob
 from fleetllm.engine.sampling import Sampler
@@ -55,7 +56,7 @@ class ModelExecutor:
         per_block = ModelRunner.kv_bytes_per_block(self.loaded.model, cfg.block_size, kv_dtype)
         self.num_blocks = cfg.num_blocks or max(16, int(cfg.kv_cache_gb * 2**30 // per_block))
         self.runner = ModelRunner(self.loaded.model, self.num_blocks, cfg.block_size, self.device, kv_dtype,
-                                  self.step_profile)
+                                  self.step_profile, shm_dir() if cfg.kv_pool_shared else None)
         self.sampler = Sampler()
         spec_cfg = SpeculativeConfig.parse(cfg.speculative)
         self.spec = SpecDecoder(spec_cfg, self.loaded, self.runner.kv_cache, self.device) if spec_cfg else None
@@ -143,6 +144,9 @@ class ModelExecutor:
             self.runner.layer_observers.pop(label, None)
         else:
             self.runner.layer_observers[label] = observer
+
+    def kv_pool_file(self) -> SharedKVFile | None:
+        return self.runner.pool_file
 
     def kv_blocks(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         bs = self.runner.block_size

@@ -7,12 +7,13 @@ over cached context; the caller asks for logits at each of its rows.
 from __future__ import annotations
 
 import contextlib
-import mmap
 from collections.abc import Callable
+from pathlib import Path
 from typing import Protocol
 
 import torch
 
+from fleetllm.engine.kv_memory import SharedKVFile, kv_memory
 from fleetllm.engine.scheduler import Scheduled
 from fleetllm.engine.sequence import Sequence
 from fleetllm.engine.step_profile import StepProfile, phase
@@ -43,7 +44,9 @@ class ModelRunner:
     """
 
     def __init__(self, model: LlamaModel, num_blocks: int, block_size: int, device: str = "cpu",
-                 kv_dtype: torch.dtype | None = None, profile: StepProfile | None = None) -> None:
+                 kv_dtype: torch.dtype | None = None, profile: StepProfile | None = None,
+                 shared: Path | None = None) -> None:
+        """``shared``: a directory to keep the KV pool in as a shared-memory file (see :mod:`.kv_memory`)."""
         cfg = model.cfg
         self.model = model
         self.block_size = block_size
@@ -51,7 +54,8 @@ class ModelRunner:
         self.profile = profile
         self.kv_dtype = kv_dtype or next(model.parameters()).dtype
         shape = (num_blocks * block_size, cfg.num_kv_heads, cfg.head_dim)
-        pool = _zeroed(2 * cfg.num_layers * shape[0] * shape[1] * shape[2], self.kv_dtype, device)
+        pool, pool_file = kv_memory(2 * cfg.num_layers * shape[0] * shape[1] * shape[2], self.kv_dtype, device, shared)
+        self.pool_file: SharedKVFile | None = pool_file  # None: private memory
         per = pool.view(2 * cfg.num_layers, *shape)
         self.kv_cache = [(per[2 * i], per[2 * i + 1]) for i in range(cfg.num_layers)]
         self.layer_observers: dict[str, LayerObserver] = {}  # by request label (the engine id before "#")
@@ -161,14 +165,3 @@ def _after(calls: list[LayerFn], i: int, kc: torch.Tensor, vc: torch.Tensor) -> 
 
     return hook
 
-
-def _zeroed(numel: int, dtype: torch.dtype, device: str) -> torch.Tensor:
-    """A zero-filled flat tensor; on the host, one anonymous mapping whose pages the kernel zeroes on first touch.
-
-    Writing zeros into a GiB of fresh memory costs seconds of page faults (far more on a VM) before a worker
-    can serve; the mapping makes a worker pay only for the KV blocks it fills.
-    """
-    if torch.device(device).type != "cpu":
-        return torch.zeros(numel, dtype=dtype, device=device)
-    nbytes = numel * torch.empty((), dtype=dtype).element_size()
-    return torch.frombuffer(mmap.mmap(-1, max(nbytes, 1)), dtype=dtype, count=numel)

@@ -1,7 +1,7 @@
 """The decode side of a P/D transfer in the fleet simulator: importing the KV frame takes time and CPU.
 
 A decode worker verifies each layer of an arriving frame (CRC) and copies it into pool blocks, on a thread
-beside its engine's steps (:mod:`fleetllm.disagg.routes`). Layers are sealed and shipped as the prefill's
+beside its engine's steps (:mod:`fleetllm.disagg.decode_side`). Layers are sealed and shipped as the prefill's
 last step computes them, and imported in order as they come, so the import of layer ``j`` starts once
 both layer ``j`` is in and layer ``j - 1`` is imported. With the last step from ``a`` to ``b`` over ``L``
 layers (``c = (b - a) / L`` per layer) and an import of ``s`` seconds (``d = s / L`` per layer), the last

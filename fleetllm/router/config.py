@@ -35,8 +35,10 @@ class RouterConfig:
     pd_timeout_s: float = opt(120.0, "seconds for a remote prefill + KV transfer; beyond it the request "
                                      "prefills locally")
     prefill_max_inflight: int = opt(2, "remote prefills that saturate a prefill worker")
-    pd_transfer: Literal["auto", "shm", "http"] = opt("auto", "how KV blocks travel: shm (same host), http, "
-                                                             "or auto")
+    pd_transfer: Literal["auto", "shm", "http"] = opt("auto", "how KV blocks travel: shm (same host: written "
+                                                             "straight into the decode worker's pool when it "
+                                                             "shares it, else a frame in /dev/shm), http, or auto "
+                                                             "(shm when both workers are on one host)")
     max_retries: int = opt(2, "retries on other workers before the first byte")
     health_interval_s: float = opt(1.0, "seconds between health checks")
     routed_ttl_s: float | None = opt(None, "seconds a routed prefix is remembered (default: 300 for prefix, "

@@ -168,6 +168,8 @@ class Worker:
         yield
         self.ready = False
         self.async_engine.shutdown()
+        if (pool_file := self.engine.kv_pool_file()) is not None:
+            pool_file.close()  # a shared KV pool's file goes with its worker: no prefill worker maps it any more
         if self.kv_publisher is not None:
             self.kv_publisher.close()
         if self.capture:

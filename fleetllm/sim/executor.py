@@ -71,5 +71,8 @@ class TimingExecutor:
     def kv_blocks(self) -> list:
         raise NotImplementedError("a simulated worker holds no KV tensors")
 
+    def kv_pool_file(self) -> None:
+        return None  # no KV tensors: nothing to share
+
     def observe_layers(self, label: str, observer: object) -> None:
         raise NotImplementedError("a simulated worker holds no KV tensors")

@@ -71,9 +71,11 @@ def metric(url: str, name: str) -> float:
     return total
 
 
-def assert_no_blocks_held(*urls: str) -> None:
+def assert_no_blocks_held(*urls: str, decode=None) -> None:  # noqa: ANN001 - an in-process worker
     for u in urls:
         assert metric(u, "vllm:kv_cache_usage_perc") == 0.0, u
+    if decode is not None:  # the gauge is set by steps; blocks leased for a direct write are held between them
+        assert decode.worker.engine.pool.usage == 0.0
 
 
 def test_disaggregated_outputs_equal_colocated_ones_under_concurrency(fleet):
@@ -85,11 +87,13 @@ def test_disaggregated_outputs_equal_colocated_ones_under_concurrency(fleet):
     assert metric(r, 'fleetllm_router_pd_decisions_total{decision="disaggregated"}') >= 2
     assert metric(r, "fleetllm_router_pd_decisions_total") == len(QUESTIONS)
     assert metric(d, 'fleetllm:kv_transfer_blocks_total{kind="imported"}') > 0
+    # same host, the decode worker's pool shared: written straight into it, no frame
+    assert metric(fleet["prefill"].url, 'fleetllm:kv_transfer_bytes_total{direction="sent",via="pool"}') > 0
     # again: now the decode worker holds the prompts itself, so nothing is prefilled remotely
     local_before = metric(r, 'fleetllm_router_pd_decisions_total{decision="local"}')
     assert answers(r, QUESTIONS) == expected
     assert metric(r, 'fleetllm_router_pd_decisions_total{decision="local"}') >= local_before + len(QUESTIONS)
-    assert_no_blocks_held(fleet["prefill"].url, d, c)
+    assert_no_blocks_held(fleet["prefill"].url, d, c, decode=fleet["decode"])
 
 
 def _frame_for(tokens: list[int], num_layers: int = 30, kv_heads: int = 3, head_dim: int = 64) -> bytes:
@@ -184,7 +188,8 @@ def test_a_prefill_worker_killed_mid_prefill_costs_no_request(fleet):
 
     assert asyncio.run(run()) == answers(c, q)  # the remote leg failed: prefilled locally, same tokens
     assert metric(r, 'fleetllm_router_pd_decisions_total{decision="fallback"}') >= 1
-    assert_no_blocks_held(fleet["decode"].url)
+    # its lease on the decode worker's blocks ended with it (the writer's process is gone)
+    assert_no_blocks_held(fleet["decode"].url, decode=fleet["decode"])
     # the killed worker's frame files outlive it, until a worker that ships frames starts: then they go
     remove_stale_files(SHM_DIR)
     assert not list(SHM_DIR.glob(f"fleetllm-kv-{fleet['prefill'].popen.pid}-*"))

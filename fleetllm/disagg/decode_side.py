@@ -1,0 +1,190 @@
+"""The decode side of disaggregation: a prompt's KV blocks arriving from a prefill worker.
+
+``POST /pd/kv`` takes a frame (``application/octet-stream``), a shared-memory file being filled
+(:data:`.arrival.SHM_STREAM`), or a finished one (``{"shm": path, "bytes": n, "keep": bool}``; without keep
+the receiver unlinks it). Each layer is verified (CRC) as soon as it is in and copied from the frame's bytes
+straight into pool blocks reserved for it, off the engine thread (see :mod:`.kv_io`); the blocks are
+registered only once the trailer checks out. A bad frame is a 400 and imports nothing.
+
+``POST /pd/reserve`` ``{"header": {...frame header...}, "lease_s", "pid", "pid_ns"}`` holds pool blocks for a
+prefill worker on this host to write into directly (this worker's pool must be shared: else 409, and the
+prefill worker sends a frame) and answers ``{"lease", "lease_s", "blocks", "pool"}``; ``POST /pd/commit``
+``{"lease"}`` registers them as an import would, ``POST /pd/release`` frees them (:mod:`.leases`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from fleetllm.disagg.buffers import PREFIX
+from fleetllm.disagg.routes import SHM_DIR, LazyMetrics, TransferMetrics
+from fleetllm.server.protocol import APIError
+
+if TYPE_CHECKING:
+    from fleetllm.disagg.arrival import Mappings
+    from fleetllm.disagg.leases import Leases
+    from fleetllm.server.app import Worker
+
+
+class DecodeEndpoints:
+    """The receiving endpoints of one worker, built on its public request helpers."""
+
+    def __init__(self, worker: Worker, metrics: LazyMetrics) -> None:
+        self.worker = worker
+        self._metrics = metrics
+        self._mappings: Mappings | None = None
+        self._leases: Leases | None = None  # blocks reserved for direct writes
+
+    @property
+    def metrics(self) -> TransferMetrics:
+        return self._metrics.get()
+
+    @property
+    def mappings(self) -> Mappings:
+        """The mappings of shared-memory frame files (made on first use)."""
+        if self._mappings is None:
+            from fleetllm.disagg.arrival import Mappings
+
+            self._mappings = Mappings()
+        return self._mappings
+
+    @property
+    def leases(self) -> Leases:
+        if self._leases is None:
+            from fleetllm.disagg.leases import Leases
+
+            self._leases = Leases(self.worker.async_engine)
+        return self._leases
+
+    async def reserve(self, request: Request) -> Response:
+        """Hold pool blocks for a prompt's KV, for a prefill worker on this host to write into (under a lease)."""
+        from fleetllm.disagg.frame import FrameError, FrameHeader
+        from fleetllm.disagg.shared_pool import PoolLayout
+
+        spec = await self.worker.request_body(request)
+        pool = self.worker.engine.kv_pool_file()
+        if pool is None:
+            raise APIError(409, "this worker's KV pool is not shared: send a frame", "pool")
+        try:
+            header, lease_s = FrameHeader.parse(spec.get("header")), float(spec.get("lease_s") or 60.0)
+        except (ValueError, TypeError) as e:  # FrameError included
+            raise APIError(400, f"cannot reserve: {e}", "header") from None
+        try:
+            lease = await asyncio.shield(self.leases.reserve(header, lease_s, _int_or_none(spec.get("pid")),
+                                                             _int_or_none(spec.get("pid_ns"))))
+        except FrameError as e:  # another model or layout, or hashes that do not match the tokens
+            raise APIError(400, f"cannot reserve: {e}", "header") from None
+        return JSONResponse({"lease": lease.id, "lease_s": lease.deadline - time.monotonic(), "blocks": lease.targets(),
+                             "pool": PoolLayout.of(self.worker.engine, pool.path).to_json()})
+
+    async def commit(self, request: Request) -> Response:
+        """The writer is done: register the lease's blocks in the prefix cache (as an imported frame's)."""
+        lease = str((await self.worker.request_body(request)).get("lease"))
+        result = await asyncio.shield(self.leases.commit(lease))
+        if result is None:
+            self.metrics.failures.labels(reason="lease_over").inc()
+            raise APIError(409, "no such lease (expired or released): nothing imported", "lease")
+        self.metrics.blocks.labels(kind="imported").inc(result["imported"])
+        self.metrics.blocks.labels(kind="already_cached").inc(result["already_cached"])
+        return JSONResponse(result)
+
+    async def release(self, request: Request) -> Response:
+        """The writer gave up: free the lease's blocks unregistered."""
+        lease = str((await self.worker.request_body(request)).get("lease"))
+        return JSONResponse({"released": await asyncio.shield(self.leases.release(lease))})
+
+    async def receive(self, request: Request) -> Response:
+        """Verify a frame and import its blocks into this worker's prefix cache, each layer as soon as it is in."""
+        from fleetllm.disagg.frame import FrameError
+
+        t0 = time.perf_counter()
+        arrival = await self._arrival(request)
+        try:
+            # shielded: a client gone mid-import must not leave pool blocks reserved or half written
+            result, nbytes = await asyncio.shield(asyncio.ensure_future(self._import(arrival)))
+        except FrameError as e:
+            self.metrics.failures.labels(reason="bad_frame").inc()
+            raise APIError(400, f"bad KV frame: {e}") from None
+        except (OSError, ValueError) as e:  # the shared-memory file named could not be mapped
+            self.metrics.failures.labels(reason="shm_read").inc()
+            raise APIError(400, f"cannot read the frame: {e}", "shm") from None
+        self.metrics.bytes.labels(direction="received", via=arrival.via).inc(nbytes)
+        self.metrics.seconds.labels(direction="received").observe(time.perf_counter() - t0)
+        self.metrics.blocks.labels(kind="imported").inc(result["imported"])
+        self.metrics.blocks.labels(kind="already_cached").inc(result["already_cached"])
+        return JSONResponse(result)
+
+    async def _import(self, arrival: Any) -> tuple[dict[str, int], int]:
+        """The layers in so far verified (CRC) and copied into reserved pool blocks, then those that arrive next
+        (a worker thread: the engine's steps go on), then the blocks committed; a failure cancels: nothing
+        imported, nothing held."""
+        from fleetllm.disagg.frame import FrameReader
+        from fleetllm.disagg.kv_io import cancel, check_fits, commit, reserve
+
+        reader = FrameReader(await arrival.head())
+        check_fits(self.worker.engine, reader.header)  # refused before its layers are read
+        engine, views, res = self.worker.async_engine, self.worker.engine.kv_blocks(), None
+        n, i = reader.header.num_layers, 0
+        try:
+            while i < n:
+                await arrival.until(i, reader.end_of(i))
+                j = i + 1  # and every later layer already in: one hand-over to the thread for all of them
+                while j < n and arrival.has(j, reader.end_of(j)):
+                    j += 1
+                if res is None:  # blocks held from the first layer on, not while the prefill computes
+                    res = await engine.call(lambda e: reserve(e, reader.header))
+                await asyncio.to_thread(_into_pool, reader, range(i, j), views, res)
+                i = j
+            await arrival.until(n, reader.size)
+            await arrival.end(reader.size)
+            reader.finish()
+            if res is None:
+                res = await engine.call(lambda e: reserve(e, reader.header))
+        except BaseException:
+            if res is not None:
+                await engine.call(lambda e: cancel(e, res))
+            raise
+        return await engine.call(lambda e: commit(e, res)), reader.size
+
+    async def _arrival(self, request: Request) -> Any:
+        """Where the frame's bytes come from: the body, or the shared-memory file it names (whole, or being filled)."""
+        from fleetllm.disagg.arrival import SHM_STREAM, Notified, Streamed, Whole
+
+        ctype = request.headers.get("content-type", "")
+        if ctype.startswith(SHM_STREAM):
+            return Notified(request.stream(), _check_shm, self.mappings)
+        if not ctype.startswith("application/json"):
+            return Streamed(request.stream())
+        spec = await self.worker.request_body(request)
+        p = Path(str(spec.get("shm", "")))
+        _check_shm(p)
+        try:
+            return Whole(await asyncio.to_thread(self.mappings.map, p, spec.get("bytes"), bool(spec.get("keep"))), "shm")
+        except (OSError, ValueError) as e:
+            self.metrics.failures.labels(reason="shm_read").inc()
+            raise APIError(400, f"cannot read {p}: {e}", "shm") from None
+        finally:
+            if not spec.get("keep"):  # handed over: the file is ours to remove
+                p.unlink(missing_ok=True)
+
+
+def _int_or_none(v: Any) -> int | None:
+    return v if isinstance(v, int) and not isinstance(v, bool) else None
+
+
+def _check_shm(p: Path) -> None:
+    if p.parent != SHM_DIR or not p.name.startswith(PREFIX):
+        raise APIError(400, f"shm must name a {PREFIX}* file in the shared-memory directory", "shm")
+
+
+def _into_pool(reader: Any, layers: range, views: Any, res: Any) -> None:
+    from fleetllm.disagg.kv_io import write
+
+    for i in layers:  # each layer verified, then copied while its bytes are still in the CPU's cache
+        write([views[i]], [reader.layer(i)], res)

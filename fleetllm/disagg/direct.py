@@ -1,0 +1,153 @@
+"""The prefill side of a direct write: a prompt's KV written straight into a same-host decode worker's pool.
+
+1. ``POST /pd/reserve`` to the decode worker (before the prefill starts): it holds pool blocks under a lease
+   and answers its pool file's layout and, per prompt block, the pool block to write (-1: skip).
+2. While the prefill computes, the :class:`~fleetllm.disagg.layer_stream.LayerStream` writes each layer's
+   blocks into those pool blocks (:class:`PoolTarget`), converting to the pool's dtype if it differs.
+3. ``POST /pd/commit``: the decode worker registers the blocks as cached prefix blocks. Nothing is copied or
+   checked after the prefill's last layer: the exposed cost is this round trip.
+
+No checksum on this path: the bytes never leave the host's memory (no wire, no file read back), so a CRC
+would only re-read what the writer just wrote; frames, which cross a wire or are read from a buffer the
+receiver does not own, keep theirs. What can go wrong here is a writer that stops half-way, which the lease
+covers: nothing is registered without a commit. :class:`PoolTarget` writes nothing once the lease's time has
+passed (measured from before the reservation was sent) or once it is closed, and then refuses to finish.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from fleetllm.disagg.frame import FrameError, FrameHeader, gather_into
+from fleetllm.disagg.leases import pid_namespace
+from fleetllm.disagg.shared_pool import PoolLayout, PoolMaps
+
+if TYPE_CHECKING:
+    import httpx
+
+Layers = list[tuple[torch.Tensor, torch.Tensor]]
+_MAX_RUNS = 8  # more runs of consecutive pool blocks than this: one indexed copy per tensor instead
+
+
+@dataclass
+class PoolTarget:
+    """A LayerStream target: the prompt's blocks written into the decode pool's reserved blocks."""
+
+    header: FrameHeader
+    pool: Layers  # the decode pool's K and V per layer, mapped here
+    blocks: list[int]  # per prompt block, its pool block (-1: not to write)
+    deadline: float  # this process's time.monotonic(): no write at or after it
+    closed: bool = False
+    missed: bool = False  # a write was skipped: the blocks must not be committed
+    _plans: dict[tuple[int, int], Any] = field(default_factory=dict)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes this target writes (K and V, every layer, the blocks to write)."""
+        k = self.pool[0][0]
+        per_block = k[0].numel() * k.element_size()
+        return 2 * len(self.pool) * per_block * sum(b >= 0 for b in self.blocks)
+
+    def put(self, i: int, first: int, k: torch.Tensor, v: torch.Tensor, index: torch.Tensor) -> None:
+        """Engine thread: prompt blocks ``[first, first + len(index))`` of layer ``i``, gathered from ``k`` and
+        ``v`` (``[blocks, block_size, ...]``) at ``index``, into their pool blocks."""
+        if self.closed or time.monotonic() >= self.deadline:
+            self.missed = True
+            return
+        plan = self._plan(first, index)
+        for src, dst in ((k, self.pool[i][0]), (v, self.pool[i][1])):
+            if isinstance(plan, tuple):  # scattered pool blocks: one gather, one scatter
+                dst.index_copy_(0, plan[1], src.index_select(0, plan[0]).to(dst.dtype))
+            else:
+                for a, d, n in plan:  # a few runs of consecutive pool blocks: one copy each
+                    gather_into(src, index[a : a + n], dst[d : d + n])
+
+    def _plan(self, first: int, index: torch.Tensor) -> list[tuple[int, int, int]] | tuple[torch.Tensor, torch.Tensor]:
+        """How prompt blocks ``[first, first + len(index))`` go into the pool: runs ``(offset in index, pool
+        block, count)`` of consecutive pool blocks, or (many runs) the source and pool block indices."""
+        key = (first, len(index))
+        if key not in self._plans:
+            pairs = [(j, self.blocks[first + j]) for j in range(len(index)) if self.blocks[first + j] >= 0]
+            runs: list[list[int]] = []
+            for j, d in pairs:
+                if runs and runs[-1][0] + runs[-1][2] == j and runs[-1][1] + runs[-1][2] == d:
+                    runs[-1][2] += 1
+                else:
+                    runs.append([j, d, 1])
+            if len(runs) > _MAX_RUNS:
+                src = index[torch.tensor([j for j, _ in pairs], dtype=torch.long, device=index.device)]
+                self._plans[key] = (src, torch.tensor([d for _, d in pairs], dtype=torch.long))
+            else:
+                self._plans[key] = [(a, d, c) for a, d, c in runs]
+        return self._plans[key]
+
+    def seal(self, i: int) -> None:
+        return None  # nothing to checksum: see the module's doc
+
+    def finish(self) -> None:
+        if self.missed:
+            raise FrameError("the lease ended (or the write was abandoned) before every layer was written")
+
+    def close(self) -> None:
+        """No write after this (the engine thread no longer calls :meth:`put` for this request)."""
+        self.closed = True
+
+
+@dataclass
+class DirectLeg:
+    """One direct write's lease on the decode worker at ``url``."""
+
+    url: str
+    lease: str
+    target: PoolTarget
+    layout: PoolLayout
+    reserve_s: float
+
+
+async def reserve(client: httpx.AsyncClient, url: str, header: FrameHeader, maps: PoolMaps,
+                  lease_s: float) -> DirectLeg | None:
+    """Reserve blocks for ``header``'s prompt on the decode worker at ``url`` and map its pool; None when it
+    cannot take a direct write (pool not shared, reservation refused, file not mappable here): send a frame.
+    Raises ``httpx.HTTPError`` when the decode worker cannot be reached."""
+    t0 = time.monotonic()
+    r = await client.post(url + "/pd/reserve", json={
+        "header": header.to_json(), "lease_s": lease_s, "pid": os.getpid(), "pid_ns": pid_namespace()}, timeout=10.0)
+    if r.status_code != 200:
+        return None
+    answer = r.json()
+    try:
+        layout = PoolLayout.parse(answer.get("pool"))
+        pool = maps.layers(layout)
+    except (OSError, ValueError):
+        await release(client, url, str(answer.get("lease")))
+        return None
+    target = PoolTarget(header, pool, [int(b) for b in answer["blocks"]], t0 + float(answer["lease_s"]))
+    # the blocks' pages mapped here on a spare thread while the prefill starts, not one fault per 4 KiB of the
+    # engine thread's writes (not awaited: it writes nothing, so it may finish whenever)
+    asyncio.get_running_loop().run_in_executor(None, maps.prefault, layout, target.blocks)
+    return DirectLeg(url, str(answer["lease"]), target, layout, time.monotonic() - t0)
+
+
+async def commit(client: httpx.AsyncClient, leg: DirectLeg, timeout: float) -> dict[str, Any]:
+    """The decode worker registers the written blocks; its answer (imported, already cached, dropped).
+    Raises ``httpx.HTTPError``, or ValueError when the decode worker refuses (the lease was over)."""
+    r = await client.post(leg.url + "/pd/commit", json={"lease": leg.lease}, timeout=timeout)
+    if r.status_code != 200:
+        raise ValueError(f"the decode worker refused the commit ({r.status_code}): {r.text[:200]}")
+    return r.json()
+
+
+async def release(client: httpx.AsyncClient, url: str, lease: str) -> None:
+    """Free the lease's blocks on the decode worker (best effort: else they go when the lease expires)."""
+    import httpx
+
+    try:
+        await client.post(url + "/pd/release", json={"lease": lease}, timeout=5.0)
+    except httpx.HTTPError:
+        pass

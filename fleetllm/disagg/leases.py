@@ -1,0 +1,111 @@
+"""Pool blocks a decode worker holds for a prefill worker on its host that writes a prompt's KV into them.
+
+``POST /pd/reserve`` reserves the blocks a prompt's KV needs (:func:`fleetllm.disagg.kv_io.reserve`: fresh
+blocks for what is not cached here, cached ones pinned) under a lease of ``lease_s`` seconds. The lease ends
+in one of three ways:
+
+- **commit** (``POST /pd/commit``, the writer is done): the blocks are registered as cached prefix blocks and
+  released, exactly as an imported frame's (:func:`fleetllm.disagg.kv_io.commit`);
+- **release** (``POST /pd/release``, the writer gave up: client gone, prefill failed): freed unregistered;
+- **expiry**: ``lease_s`` + :data:`GRACE_S` passed, or the writer's process is gone (checked only when it
+  runs in this worker's pid namespace). Freed unregistered: a dead prefill worker never leaks blocks.
+
+Fencing: the writer writes nothing once ``lease_s`` has passed since it *sent* the reservation (its own
+clock; it cannot start before this worker's), and blocks are freed only :data:`GRACE_S` after this worker's
+deadline, so a freed block is never written by that writer again. The writer's pid is trusted to be dead
+only when ``os.kill(pid, 0)`` says so in the same pid namespace.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import time
+import uuid
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from fleetllm.disagg.kv_io import Reservation, cancel, commit, reserve
+from fleetllm.engine.kv_memory import alive
+
+if TYPE_CHECKING:
+    from fleetllm.disagg.frame import FrameHeader
+    from fleetllm.engine.async_engine import AsyncEngine
+
+GRACE_S = 2.0  # after the deadline, before the blocks are freed: the writer's last write is long over
+MAX_LEASE_S = 600.0
+TICK_S = 0.25
+
+
+@dataclass
+class Lease:
+    """Blocks reserved for one direct write."""
+
+    id: str
+    res: Reservation
+    deadline: float  # this worker's time.monotonic()
+    writer_pid: int | None  # None: not in this pid namespace (only the deadline ends the lease then)
+
+    def targets(self) -> list[int]:
+        """For each of the prompt's blocks, the pool block to write it into (-1: cached here, or no room)."""
+        out = [-1] * self.res.header.num_blocks
+        for (i, *_), bid in zip(self.res.todo, self.res.new, strict=True):
+            out[i] = bid
+        return out
+
+    def over(self, now: float) -> bool:
+        return now > self.deadline + GRACE_S or (self.writer_pid is not None and not alive(self.writer_pid))
+
+
+def pid_namespace() -> int | None:
+    """This process's pid namespace (the inode of ``/proc/self/ns/pid``), None where there is none to read."""
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return None
+
+
+class Leases:
+    """The decode side's leases, ended by :meth:`commit`, :meth:`release` or a watch task on expiry."""
+
+    def __init__(self, engine: AsyncEngine) -> None:
+        self.engine = engine
+        self._held: dict[str, Lease] = {}
+        self._watch: asyncio.Task[None] | None = None
+        self._own_ns = pid_namespace()
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+    async def reserve(self, header: FrameHeader, lease_s: float, pid: int | None, pid_ns: int | None) -> Lease:
+        """Blocks for ``header``'s prompt under a new lease (FrameError if it does not fit this engine)."""
+        res = await self.engine.call(lambda e: reserve(e, header))
+        same_ns = pid is not None and pid_ns is not None and pid_ns == self._own_ns
+        lease = Lease(uuid.uuid4().hex, res, time.monotonic() + min(lease_s, MAX_LEASE_S), pid if same_ns else None)
+        self._held[lease.id] = lease
+        if self._watch is None or self._watch.done():
+            self._watch = asyncio.create_task(self._expire())
+        return lease
+
+    async def commit(self, lease_id: str) -> dict[str, int] | None:
+        """Register the lease's blocks as cached prefix blocks; None if it is over (expired, released, unknown)."""
+        lease = self._held.pop(lease_id, None)
+        if lease is None:
+            return None
+        return await self.engine.call(lambda e: commit(e, lease.res))
+
+    async def release(self, lease_id: str) -> bool:
+        """Free the lease's blocks unregistered; False if it was already over."""
+        lease = self._held.pop(lease_id, None)
+        if lease is not None:
+            await self.engine.call(lambda e: cancel(e, lease.res))
+        return lease is not None
+
+    async def _expire(self) -> None:
+        while self._held:
+            await asyncio.sleep(TICK_S)
+            now = time.monotonic()
+            for lease_id in [k for k, v in self._held.items() if v.over(now)]:
+                with contextlib.suppress(Exception):  # the engine stopped: nothing left to free
+                    await self.release(lease_id)

@@ -1,0 +1,260 @@
+"""The prefill side of disaggregation: ``POST /pd/prefill`` (any role; the router sends it to prefill workers)::
+
+    {"path": "/v1/chat/completions", "body": {...the client's request...}, "decode_url": "http://...",
+     "transfer": "shm" | "http", "request_id": "...", "timeout_s": 120}
+
+computes the prompt's KV (one sampled token, then stop) and hands its full blocks to the decode worker.
+After each decoder layer the blocks it has just written are copied straight from this worker's pool
+(:mod:`.layer_stream`) into one of:
+
+- **the decode worker's own pool** (``transfer: shm`` and the decode worker shares its pool, :mod:`.direct`):
+  blocks reserved there first (``POST /pd/reserve``), committed when the prefill is done (``POST /pd/commit``);
+  nothing is copied or checked after the last layer;
+- **a frame** in a mapped file in /dev/shm (``shm``, when the decode worker does not share its pool or refuses
+  the reservation), the POST body to ``/pd/kv`` naming the file and then one byte per layer sealed (CRC);
+- **a frame streamed over HTTP** (``http``, another host), each layer sent as soon as it is sealed.
+
+Only the full blocks the decode worker will take from its cache are computed (:func:`prefilled_tokens`): the
+tokens after them it computes again anyway. It answers ``{"blocks", "bytes", "prefill_s", "transfer_s", "via",
+...}`` or an error status (502: the decode worker failed or refused): ``prefill_s`` runs until the KV is
+complete, ``transfer_s`` from then to the decode worker's answer (what the overlap left exposed).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from fleetllm.disagg.buffers import Buffer, FrameBuffers
+from fleetllm.disagg.config import TransferOptions
+from fleetllm.disagg.routes import SHM_DIR, LazyMetrics, TransferMetrics
+from fleetllm.engine.params import SamplingParams
+from fleetllm.server.protocol import APIError
+from fleetllm.server.worker_secret import worker_secret
+
+if TYPE_CHECKING:
+    import httpx
+
+    from fleetllm.disagg.direct import DirectLeg
+    from fleetllm.disagg.frame import FrameBuffer
+    from fleetllm.disagg.layer_stream import LayerStream
+    from fleetllm.disagg.shared_pool import PoolMaps
+    from fleetllm.server.app import Worker
+
+
+class PrefillEndpoints:
+    """``POST /pd/prefill`` of one worker, built on its public request helpers."""
+
+    def __init__(self, worker: Worker, metrics: LazyMetrics, options: TransferOptions | None = None) -> None:
+        self.worker = worker
+        self.options = options or TransferOptions()
+        self._metrics = metrics
+        self._buffers: FrameBuffers | None = None
+        self._pool_maps: PoolMaps | None = None  # decode workers' shared pools, mapped
+        self._http: httpx.AsyncClient | None = None  # to decode workers; one for all transfers (making one costs ~25 ms)
+
+    @property
+    def metrics(self) -> TransferMetrics:
+        return self._metrics.get()
+
+    @property
+    def buffers(self) -> FrameBuffers:
+        if self._buffers is None:
+            self._buffers = FrameBuffers(SHM_DIR)
+        return self._buffers
+
+    @property
+    def pool_maps(self) -> PoolMaps:
+        if self._pool_maps is None:
+            from fleetllm.disagg.shared_pool import PoolMaps
+
+            self._pool_maps = PoolMaps()
+        return self._pool_maps
+
+    async def prefill(self, request: Request) -> Response:
+        """Compute the prompt's KV into the decode worker's pool (same host, pool shared) or a frame shipped to
+        it; answer what was shipped."""
+        req = await self.worker.request_body(request)
+        path, body, decode_url = req.get("path", ""), req.get("body"), req.get("decode_url")
+        if not isinstance(body, dict) or not isinstance(decode_url, str):
+            raise APIError(400, "give body (the request) and decode_url")
+        kind = "chat" if path.endswith("/chat/completions") else "text"
+        ids = prefilled_tokens(self.worker.prompt_ids(kind, body)[0], self.worker.engine.pool.block_size)
+        rid = f"pd-{req.get('request_id') or uuid.uuid4().hex}"
+        via, timeout = req.get("transfer") or "http", float(req.get("timeout_s") or 60.0)
+        if via == "shm":  # same host: into the decode worker's own pool blocks if it shares its pool
+            leg = await self._reserve(ids, decode_url, timeout)
+            if leg is not None:
+                return await self._prefill_direct(request, rid, ids, leg, timeout)
+        return await self._prefill_frame(request, rid, ids, via, decode_url, timeout)
+
+    async def _prefill_frame(self, request: Request, rid: str, ids: list[int], via: str, decode_url: str,
+                             timeout: float) -> Response:
+        t0 = time.perf_counter()
+        buf, frame, stream, sealed = await self._stream(rid, ids, via)
+        shipped = False
+        try:
+            # sent while the prefill computes: each layer as soon as it is sealed
+            sending = asyncio.create_task(self._send(frame, buf, decode_url, sealed, timeout))
+            try:
+                await self.worker.until_disconnect(request, self._compute(rid, ids, stream))  # the router gave up: abort
+                prefill_s = time.perf_counter() - t0
+                t1 = time.perf_counter()
+                r = await sending
+            finally:
+                if not sending.done():
+                    sending.cancel()
+            shipped = True
+        finally:
+            await self.worker.async_engine.call(lambda e: e.observe_layers(rid, None))
+            stream.close()
+            self.buffers.give_back(buf, reusable=shipped)
+        return self._shipped(via, frame.header.num_blocks, frame.size, len(ids), prefill_s,
+                             time.perf_counter() - t1, r.json())
+
+    def _shipped(self, via: str, blocks: int, nbytes: int, prompt_tokens: int, prefill_s: float, transfer_s: float,
+                 result: dict[str, Any], **extra: float) -> JSONResponse:
+        self.metrics.prefill_seconds.observe(prefill_s)
+        self.metrics.bytes.labels(direction="sent", via=via).inc(nbytes)
+        self.metrics.seconds.labels(direction="sent").observe(transfer_s)
+        self.metrics.blocks.labels(kind="sent").inc(blocks)
+        return JSONResponse({"blocks": blocks, "bytes": nbytes, "prompt_tokens": prompt_tokens, "prefill_s": prefill_s,
+                             "transfer_s": transfer_s, "via": via, **extra, **result})
+
+    async def _reserve(self, ids: list[int], decode_url: str, timeout: float) -> DirectLeg | None:
+        """Blocks reserved in the decode worker's shared pool for ``ids``' KV; None: it takes frames only."""
+        import httpx
+
+        from fleetllm.disagg import direct
+        from fleetllm.disagg.kv_io import frame_header
+        from fleetllm.engine.block_pool import hash_prefix_blocks
+
+        engine = self.worker.engine
+        header = frame_header(engine, ids, hash_prefix_blocks(ids, engine.pool.block_size, engine.kv.extra_key))
+        try:
+            leg = await direct.reserve(self._client(), decode_url, header, self.pool_maps, timeout)
+        except httpx.HTTPError as e:
+            self.metrics.failures.labels(reason="send").inc()
+            raise APIError(502, f"KV transfer to {decode_url} failed: {type(e).__name__}: {e}") from None
+        if leg is None:
+            self.metrics.failures.labels(reason="reserve_refused").inc()  # frames, as before
+        return leg
+
+    async def _prefill_direct(self, request: Request, rid: str, ids: list[int], leg: DirectLeg,
+                              timeout: float) -> Response:
+        """The prefill writes each layer into the reserved pool blocks as it computes; then commit them."""
+        import httpx
+
+        from fleetllm.disagg import direct
+        from fleetllm.disagg.frame import FrameError
+        from fleetllm.disagg.layer_stream import LayerStream
+
+        t0 = time.perf_counter()
+        stream = LayerStream(leg.target)
+        await self.worker.async_engine.call(lambda e: e.observe_layers(rid, stream))
+        committed = False
+        try:
+            await self.worker.until_disconnect(request, self._compute(rid, ids, stream))
+            prefill_s, t1 = time.perf_counter() - t0, time.perf_counter()
+            result = await direct.commit(self._client(), leg, timeout)
+            committed = True
+        except FrameError as e:  # the lease ended before the last layer was written
+            self.metrics.failures.labels(reason="lease_lost").inc()
+            raise APIError(502, f"KV write into {leg.url}'s pool abandoned: {e}") from None
+        except (httpx.HTTPError, ValueError) as e:
+            self.metrics.failures.labels(reason="commit").inc()
+            self.pool_maps.forget(leg.layout.path)
+            raise APIError(502, f"KV commit on {leg.url} failed: {type(e).__name__}: {e}") from None
+        finally:  # no write once the observer is off (between steps); then the blocks go back unless committed
+            await self.worker.async_engine.call(lambda e: e.observe_layers(rid, None))
+            leg.target.close()
+            stream.close()
+            if not committed:
+                await asyncio.shield(direct.release(self._client(), leg.url, leg.lease))
+        return self._shipped("pool", leg.target.header.num_blocks, leg.target.nbytes, len(ids), prefill_s,
+                             time.perf_counter() - t1, result, reserve_s=leg.reserve_s)
+
+    async def _stream(self, rid: str, ids: list[int],
+                      via: str) -> tuple[Buffer, FrameBuffer, LayerStream, asyncio.Queue[int]]:
+        """A frame buffer for ``ids``' full blocks, filled by the forward passes of request ``rid`` from now on;
+        and the queue of the frame's layers as they are sealed (the trailer: ``num_layers``)."""
+        from fleetllm.disagg.frame import FrameBuffer
+        from fleetllm.disagg.kv_io import frame_header
+        from fleetllm.disagg.layer_stream import LayerStream
+        from fleetllm.engine.block_pool import hash_prefix_blocks
+
+        engine = self.worker.engine
+        hashes = hash_prefix_blocks(ids, engine.pool.block_size, engine.kv.extra_key)
+        dtype = self.options.kv_transfer_dtype
+        header = frame_header(engine, ids, hashes, None if dtype == "auto" else dtype)
+        buf = await asyncio.to_thread(self.buffers.take, via, header.frame_bytes())
+        loop, sealed = asyncio.get_running_loop(), asyncio.Queue()
+        frame = FrameBuffer(header, buf.memory)
+        stream = LayerStream(frame, lambda i: loop.call_soon_threadsafe(sealed.put_nowait, i))
+        await self.worker.async_engine.call(lambda e: e.observe_layers(rid, stream))
+        return buf, frame, stream, sealed
+
+    async def _compute(self, rid: str, ids: list[int], stream: LayerStream) -> None:
+        # one greedy token: every layer of the prompt's blocks then went through the stream
+        async for _ in self.worker.async_engine.generate(rid, ids, SamplingParams(max_tokens=1, temperature=0.0)):
+            pass
+        if not stream.final:
+            raise APIError(500, "the prefill ended before its KV was complete")
+        await asyncio.wrap_future(stream.done)  # the last layer sealed: the frame is complete
+
+    def _client(self) -> httpx.AsyncClient:
+        if self._http is None:
+            import httpx  # only a prefill worker sends; httpx (with its CLI's rich/click) stays out of every start
+
+            secret = worker_secret()  # a fleet with keys: the decode worker takes requests from its fleet only
+            self._http = httpx.AsyncClient(headers={"authorization": f"Bearer {secret}"} if secret else None,
+                                           limits=httpx.Limits(max_keepalive_connections=8))
+        return self._http
+
+    async def _send(self, f: FrameBuffer, buf: Buffer, decode_url: str, sealed: asyncio.Queue[int],
+                    timeout: float) -> httpx.Response:
+        """POST the frame to the decode worker's ``/pd/kv``, each layer as soon as it is sealed: its bytes (HTTP),
+        or one byte saying so (shared memory: the decode worker maps the file being filled)."""
+        import httpx
+
+        from fleetllm.disagg.arrival import SHM_STREAM
+
+        shm = buf.path is not None
+
+        async def pieces() -> AsyncIterator[bytes]:
+            if shm:
+                yield json.dumps({"shm": str(buf.path), "bytes": f.size, "keep": True}).encode() + b"\n"
+            else:
+                yield f.head_piece()
+            for i in range(f.header.num_layers + 1):
+                await sealed.get()
+                yield b"\x01" if shm else f.layer_piece(i) if i < f.header.num_layers else f.trailer_piece()
+
+        try:
+            r = await self._client().post(decode_url + "/pd/kv", content=pieces(),
+                                          headers={"content-type": SHM_STREAM if shm else "application/octet-stream"},
+                                          timeout=httpx.Timeout(timeout, connect=3.0))
+        except httpx.HTTPError as e:
+            self.metrics.failures.labels(reason="send").inc()
+            raise APIError(502, f"KV transfer to {decode_url} failed: {type(e).__name__}: {e}") from None
+        if r.status_code != 200:
+            self.metrics.failures.labels(reason=f"rejected_{r.status_code}").inc()
+            raise APIError(502, f"the decode worker refused the KV frame ({r.status_code}): {r.text[:200]}")
+        return r
+
+
+def prefilled_tokens(ids: list[int], block_size: int) -> list[int]:
+    """The tokens of ``ids`` worth prefilling here: the full blocks the decode worker will take from its cache.
+
+    It always computes the prompt's last token (its logits), so it takes the full blocks of all tokens but
+    the last and recomputes the rest (a 2048-token prompt: 127 blocks, then 16 tokens); prefilling more here
+    would be computed twice and shipped for nothing. A prompt shorter than that is prefilled whole."""
+    n = (len(ids) - 1) // block_size
+    return ids[: n * block_size] if n else ids

@@ -1,0 +1,212 @@
+"""A prefill worker writing a prompt's KV straight into a same-host decode worker's shared pool.
+
+In-process workers over the session's weights: a decode worker (its pool in /dev/shm), a prefill worker, a
+decode worker whose pool is private, and the session's default worker as the colocated reference. Leases
+must end (commit, release, expiry, a dead writer) with no block held, and outputs must equal colocated ones.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from typing import TYPE_CHECKING
+
+import httpx
+import pytest
+import torch
+
+from fleetllm.disagg.direct import PoolTarget
+from fleetllm.disagg.frame import FrameError, FrameHeader
+from fleetllm.disagg.leases import pid_namespace
+from fleetllm.disagg.prefill_side import prefilled_tokens
+from fleetllm.disagg.shared_pool import PoolLayout, PoolMaps
+from fleetllm.engine.block_pool import hash_prefix_blocks
+from fleetllm.engine.kv_memory import POOL_PREFIX, SharedKVFile, remove_stale_pools, shm_dir
+
+if TYPE_CHECKING:
+    from conftest import InProcessWorker
+
+@pytest.fixture(scope="module")
+def pd(worker_factory, worker):
+    return {"decode": worker_factory("--role", "decode"), "prefill": worker_factory("--role", "prefill"),
+            "private": worker_factory("--role", "decode", "--kv-pool-shm", "off"), "colocated": worker}
+
+
+def chat(q: str) -> dict:
+    return {"model": "smollm2-135m", "max_tokens": 12, "temperature": 0, "messages": [{"role": "user", "content": q}]}
+
+
+def remote_prefill(prefill_url: str, decode_url: str, body: dict, **kw: object) -> httpx.Response:
+    return httpx.post(prefill_url + "/pd/prefill", json={"path": "/v1/chat/completions", "body": body,
+                                                         "decode_url": decode_url, "transfer": "shm"}, **kw)
+
+
+def header_for(tokens: list[int]) -> dict:
+    hashes = hash_prefix_blocks(tokens, 16, b"smollm2-135m")
+    return FrameHeader("smollm2-135m", 30, 3, 64, "float32", 16, tokens[: len(hashes) * 16], hashes).to_json()
+
+
+def reserve(url: str, tokens: list[int], **spec: object) -> dict:
+    r = httpx.post(url + "/pd/reserve", json={"header": header_for(tokens), "lease_s": 60, **spec}, timeout=30)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def held(w: InProcessWorker) -> float:
+    """The share of ``w``'s pool blocks held (its gauge is set by engine steps only; a lease takes none)."""
+    return w.worker.engine.pool.usage
+
+
+def no_blocks_held(w: InProcessWorker, deadline_s: float = 30.0) -> None:
+    end = time.monotonic() + deadline_s
+    while held(w) != 0.0:
+        assert time.monotonic() < end, f"{held(w):.1%} of {w.url}'s blocks still held"
+        time.sleep(0.05)
+
+
+def test_a_direct_write_gives_the_tokens_of_a_colocated_prefill(pd):
+    p, d = pd["prefill"].url, pd["decode"].url
+    body = chat("Straight into the decode pool: explain in two sentences why a shared pool needs no copy. " * 2)
+    r = remote_prefill(p, d, body, timeout=120)
+    assert r.status_code == 200, r.text
+    shipped = r.json()
+    assert shipped["via"] == "pool" and shipped["imported"] == shipped["blocks"] > 0
+    remote = httpx.post(d + "/v1/chat/completions", json=body, timeout=120).json()
+    local = httpx.post(pd["colocated"].url + "/v1/chat/completions", json=body, timeout=120).json()
+    assert remote["choices"][0]["message"]["content"] == local["choices"][0]["message"]["content"]
+    assert remote["usage"]["prompt_tokens_details"]["cached_tokens"] == shipped["blocks"] * 16  # the written KV was used
+    assert pd["prefill"].metrics()["fleetllm:kv_transfer_bytes_total"] >= shipped["bytes"] > 0
+    no_blocks_held(pd["decode"])
+    no_blocks_held(pd["prefill"])
+
+
+def test_without_a_shared_pool_the_prefill_falls_back_to_a_shared_memory_frame(pd):
+    p, d = pd["prefill"].url, pd["private"].url
+    assert httpx.post(d + "/pd/reserve", json={"header": header_for(list(range(64)))}).status_code == 409
+    r = remote_prefill(p, d, chat("A private pool: the KV comes as a frame in /dev/shm instead, checked by CRC."),
+                       timeout=120)
+    assert r.status_code == 200 and r.json()["via"] == "shm" and r.json()["imported"] > 0, r.text
+    no_blocks_held(pd["private"])
+
+
+def test_an_unreachable_decode_worker_is_a_clean_502(pd):
+    r = remote_prefill(pd["prefill"].url, "http://127.0.0.1:9", chat("Nobody listens there."), timeout=60)
+    assert r.status_code == 502 and "failed" in r.text
+    no_blocks_held(pd["prefill"])
+
+
+def test_a_reservation_holds_blocks_until_its_lease_expires(pd):
+    d = pd["decode"].url
+    lease = reserve(d, list(range(3000, 3064)), lease_s=0.05)
+    assert [b >= 0 for b in lease["blocks"]] == [True] * 4 and lease["pool"]["num_layers"] == 30
+    assert held(pd["decode"]) > 0.0
+    no_blocks_held(pd["decode"])  # expired (after its grace): freed unregistered
+    r = httpx.post(d + "/pd/commit", json={"lease": lease["lease"]})
+    assert r.status_code == 409  # too late: nothing is imported
+    assert pd["decode"].metrics()["fleetllm:kv_transfer_failures_total"] >= 1
+
+
+def test_a_reservation_ends_when_its_writer_process_is_gone(pd):
+    d = pd["decode"].url
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    reserve(d, list(range(4000, 4064)), lease_s=600, pid=gone.pid, pid_ns=pid_namespace())
+    no_blocks_held(pd["decode"])  # long before the lease's 600 s
+
+
+def test_a_released_reservation_frees_its_blocks_and_cannot_be_committed(pd):
+    d = pd["decode"].url
+    lease = reserve(d, list(range(5000, 5064)), pid=os.getpid(), pid_ns=pid_namespace())
+    assert httpx.post(d + "/pd/release", json={"lease": lease["lease"]}).json() == {"released": True}
+    assert held(pd["decode"]) == 0.0
+    assert httpx.post(d + "/pd/commit", json={"lease": lease["lease"]}).status_code == 409
+
+
+def test_a_client_gone_mid_prefill_leaves_no_block_held(pd):
+    p, d = pd["prefill"].url, pd["decode"].url
+    body = chat("Abandoned before its KV is written: " + "a long log line about a restarted worker; " * 60)
+    with pytest.raises(httpx.TimeoutException):
+        remote_prefill(p, d, body, timeout=0.3)  # the lease is taken before the prefill starts
+    no_blocks_held(pd["prefill"])  # it notices within 0.5 s, aborts, and releases the lease
+    no_blocks_held(pd["decode"])
+
+
+def test_a_decode_workers_pool_file_goes_when_it_stops(worker_factory, pd):
+    assert pd["prefill"].worker.engine.kv_pool_file() is None  # only decode workers share theirs (auto)
+    w = worker_factory("--role", "decode")
+    path = w.worker.engine.kv_pool_file().path
+    assert path.exists() and path.name.startswith(f"{POOL_PREFIX}{os.getpid()}-")
+    w.stop()
+    assert not path.exists()
+
+
+def test_pool_files_of_workers_no_longer_running_are_removed(tmp_path):
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    stale, live = tmp_path / f"{POOL_PREFIX}{gone.pid}-x", tmp_path / f"{POOL_PREFIX}{os.getpid()}-y"
+    stale.write_bytes(b"0")
+    live.write_bytes(b"0")
+    remove_stale_pools(tmp_path)
+    assert not stale.exists() and live.exists()
+
+
+def _target(pool_dtype: torch.dtype, blocks: list[int], deadline: float, pool_blocks: int = 8) -> PoolTarget:
+    header = FrameHeader.parse(header_for(list(range(16 * len(blocks)))))
+    shape = (pool_blocks, 16, 3, 64)
+    pool = [(torch.zeros(shape, dtype=pool_dtype), torch.zeros(shape, dtype=pool_dtype)) for _ in range(30)]
+    return PoolTarget(header, pool, blocks, deadline)
+
+
+def test_a_pool_target_writes_its_blocks_in_the_pools_dtype_and_skips_the_rest():
+    t = _target(torch.float16, [5, -1, 6, 2], time.monotonic() + 60)
+    k, v = torch.randn(4, 16, 3, 64), torch.randn(4, 16, 3, 64)
+    t.put(3, 0, k, v, torch.tensor([3, 2, 1, 0]))  # prompt blocks 0..3 are this pool's 3, 2, 1, 0
+    pk, pv = t.pool[3]
+    assert torch.equal(pk[5], k[3].half()) and torch.equal(pk[6], k[1].half()) and torch.equal(pv[2], v[0].half())
+    assert pk[[0, 1, 3, 4, 7]].abs().sum() == 0  # block 1 of the prompt (-1) and every other block untouched
+    assert t.nbytes == 2 * 30 * 3 * 16 * 3 * 64 * 2
+    t.finish()
+
+
+def test_a_pool_target_writes_scattered_pool_blocks_in_one_indexed_copy_each():
+    blocks = [2 * j if j % 3 else -1 for j in range(24)]  # 16 runs of one block, every third skipped
+    t = _target(torch.float32, blocks, time.monotonic() + 60, pool_blocks=48)
+    k, v = torch.randn(30, 16, 3, 64), torch.randn(30, 16, 3, 64)
+    index = torch.arange(29, 5, -1)  # prompt block j is at 29 - j in the source
+    t.put(0, 0, k, v, index)
+    pk, pv = t.pool[0]
+    for j, b in enumerate(blocks):
+        if b >= 0:
+            assert torch.equal(pk[b], k[29 - j]) and torch.equal(pv[b], v[29 - j])
+    assert pk[1::2].abs().sum() == 0 and pk[[0, 6, 12]].abs().sum() == 0
+
+
+@pytest.mark.parametrize("why", ["lease_over", "closed"])
+def test_a_pool_target_writes_nothing_once_its_lease_is_over_or_it_is_closed(why):
+    t = _target(torch.float32, [0, 1], time.monotonic() - 1 if why == "lease_over" else time.monotonic() + 60)
+    if why == "closed":
+        t.close()
+    t.put(0, 0, torch.ones(2, 16, 3, 64), torch.ones(2, 16, 3, 64), torch.tensor([0, 1]))
+    assert t.pool[0][0].abs().sum() == 0
+    with pytest.raises(FrameError):
+        t.finish()  # never committed
+
+
+def test_prefaulting_a_shared_pools_blocks_changes_no_byte_of_it():
+    f = SharedKVFile(shm_dir(), 2 * 2 * 8 * 16 * 3 * 64 * 4)
+    try:
+        layout = PoolLayout(str(f.path), 2, 8, 16, 3, 64, "float32")
+        maps = PoolMaps()
+        k0 = maps.layers(layout)[0][0]
+        k0[3].fill_(7.0)
+        maps.prefault(layout, [3, 4, -1, 6])
+        assert torch.equal(k0[3], torch.full_like(k0[3], 7.0)) and k0[4].abs().sum() == 0
+    finally:
+        f.close()
+
+
+@pytest.mark.parametrize(("n", "used"), [(2048, 2032), (100, 96), (17, 16), (10, 10)])
+def test_a_prefill_computes_only_the_blocks_the_decode_worker_will_take_from_its_cache(n, used):
+    assert prefilled_tokens(list(range(n)), 16) == list(range(used))
