@@ -28,7 +28,7 @@ import numpy as np
 from rich.console import Console
 
 from fleetllm.bench.load import arrival_offsets
-from fleetllm.recommend.calibration import Calibration
+from fleetllm.recommend.calibration import Calibration, fit
 from fleetllm.recommend.candidate import Candidate
 from fleetllm.recommend.catalogue import load_catalogue
 from fleetllm.recommend.config import RecommendConfig
@@ -43,7 +43,9 @@ from fleetllm.recommend.workload import from_bench, with_template
 KEYS = ("ttft_p50_ms", "ttft_p90_ms", "itl_p50_ms", "output_tps")
 SATURATION = {"ttft_p90_ms": 8000, "e2e_p90_s": 30}  # "capacity" = where latency runs away
 CAT = load_catalogue()
-CALIBRATION = [Calibration()]  # --calibration: the predictions' correction from an earlier --validate
+# --calibration: the predictions' correction from an earlier --validate; --real-calibration: the real-worker rows' only
+# (a simulated worker runs the profile itself, so what the serving path adds to a real engine's steps is not in it)
+CALIBRATION = {"simulated": Calibration(), "real": Calibration()}
 CPU = CAT.instance("local-cpu")
 FP32 = CAT.formats["fp32"]
 SMOL = CATALOGUE["smollm2-135m"]
@@ -73,12 +75,12 @@ def configs(real: bool) -> list[tuple[str, Candidate, dict, bool]]:
 
 
 def predicted(c: Candidate, w, rate: float, requests: int, mode: str, seeds: list[int],  # type: ignore[no-untyped-def]
-              sent: list[list[tuple[int, int]] | None] | None = None) -> dict[str, float]:
+              sent: list[list[tuple[int, int]] | None] | None = None, cal: Calibration = Calibration()) -> dict[str, float]:
     """``warm``: 200 simulated requests, the first tenth left out (what `recommend` does); ``matched``: each
     measured run replayed (its own arrival times, from the bench's seed, its cold caches and, for single
     prompts with no shared prefix, the lengths bench drew: ``sent``, per run), the median over the runs as
-    the measurement takes it."""
-    step = step_model(SMOL, CPU, FP32, 1, None, CALIBRATION[0])  # type: ignore[arg-type]
+    the measurement takes it; ``cal``: the step model's calibration."""
+    step = step_model(SMOL, CPU, FP32, 1, None, cal)  # type: ignore[arg-type]
     kv = step.kv_capacity_tokens()
     if mode == "warm":
         sims = [simulate(c, step, w, rate, kv, requests=max(200, requests * 4))]
@@ -121,9 +123,12 @@ def kendall_tau(a: list[float], b: list[float]) -> float:
 
 
 def run_one(name: str, c: Candidate, wp: dict, real: bool, args: argparse.Namespace, out: Path, i: int) -> dict:
-    sent = from_bench(**wp)  # what the bench is asked to send
+    # what the bench is asked to send: its generated prompts are random words (fleetllm/bench/workloads.py), on
+    # which speculation's acceptance is the "random" category's
+    sent = replace(from_bench(**wp), category="random")
     w = with_template(sent, template_tokens(wp)) if args.prediction == "matched" else sent
-    step = step_model(SMOL, CPU, FP32, 1, None, CALIBRATION[0])  # type: ignore[arg-type]
+    cal = CALIBRATION["real" if real else "simulated"]
+    step = step_model(SMOL, CPU, FP32, 1, None, cal)  # type: ignore[arg-type]
     if args.measured:  # re-predict an earlier run's measurements at its rates
         old = next(r for r in args.measured["rows"] if r["config"] == name)
         rate, cap = old["rate_rps"], old["capacity_rps"]
@@ -142,7 +147,7 @@ def run_one(name: str, c: Candidate, wp: dict, real: bool, args: argparse.Namesp
         print(f"  {name} run {r + 1}: {time.monotonic() - t0:.0f}s {runs[-1]}", flush=True)
     logs = args.measured_runs if args.measured else out
     lengths = [sent_lengths(logs, old.get("index", i) * 10 + r if args.measured else i * 10 + r) for r in range(len(runs))]
-    pred = predicted(c, w, replayed, args.requests, args.prediction, seeds, lengths)
+    pred = predicted(c, w, replayed, args.requests, args.prediction, seeds, lengths, cal)
     meas = {k: statistics.median(run[k] for run in runs) for k in (*KEYS, "e2e_p90_s")}
     err = {k: (pred[k] - meas[k]) / meas[k] for k in KEYS if meas[k]}
     return {"config": name, "index": i, "workers": "real" if real else "simulated", "rate_rps": rate, "capacity_rps": cap, "seeds": seeds,
@@ -157,13 +162,18 @@ def main() -> None:
     ap.add_argument("--real", action="store_true", help="add real-worker rows (speculation, P/D)")
     ap.add_argument("--only", default="", help="comma-separated indices of configurations")
     ap.add_argument("--calibration", help="calibration.json of an earlier `fleetllm recommend --validate`")
+    ap.add_argument("--real-calibration", help="a calibration for the real-worker rows only (e.g. --fit-calibration's)")
+    ap.add_argument("--fit-calibration", type=Path, help="write the calibration these rows imply (measured vs "
+                                                         "predicted, as --validate fits it) to this file")
     ap.add_argument("--prediction", choices=("warm", "matched"), default="matched",
                     help="warm: as `recommend` predicts (long run, warm caches, prompts as sent); matched: the "
                          "measured run's own length and warm-up, and the chat template's tokens")
     ap.add_argument("--measured", type=Path, help="re-predict the measurements of an earlier output (no runs)")
     ap.add_argument("--output", type=Path, default=Path("results/recommender_accuracy.json"))
     args = ap.parse_args()
-    CALIBRATION[0] = Calibration.load(args.calibration)
+    CALIBRATION["simulated"] = CALIBRATION["real"] = Calibration.load(args.calibration)
+    if args.real_calibration:
+        CALIBRATION["real"] = Calibration.load(args.real_calibration)
     if args.measured:  # its runs' bench logs (what each sent) beside it, as this script writes them
         args.measured_runs = args.measured.parent / (args.measured.stem + "-runs")
     args.measured = json.loads(args.measured.read_text()) if args.measured else None
@@ -178,9 +188,12 @@ def main() -> None:
         args.output.write_text(json.dumps({"partial": True, "rows": rows}, indent=2) + "\n")  # a later failure keeps these
     errors = [abs(e) for r in rows for e in r["relative_error"].values()]
     tau = kendall_tau([r["predicted"]["e2e_p90_s"] for r in rows], [r["measured"]["e2e_p90_s"] for r in rows])
-    doc = {"calibration": vars(CALIBRATION[0]), "rows": rows, "median_error": statistics.median(errors), "max_error": max(errors), "kendall_tau": tau,
+    doc = {"calibration": {k: vars(v) for k, v in CALIBRATION.items()}, "rows": rows, "median_error": statistics.median(errors), "max_error": max(errors), "kendall_tau": tau,
            "args": {k: str(v) for k, v in vars(args).items() if k != "measured"}}
     args.output.write_text(json.dumps(doc, indent=2) + "\n")
+    if args.fit_calibration:  # on top of the calibration these predictions were made with
+        fitted = fit(rows, CALIBRATION["real" if all(r["workers"] == "real" for r in rows) else "simulated"])
+        args.fit_calibration.write_text(json.dumps({**fitted, "from": str(args.output)}, indent=2) + "\n")
     print_table(rows, doc)
 
 

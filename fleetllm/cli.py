@@ -395,7 +395,8 @@ def add_calibrate_parser(sub: argparse._SubParsersAction) -> None:
     c = sub.add_parser("calibrate", help="measure the engine's step times for the simulated worker's timing model")
     add_options(c, EngineConfig, only=["model"])
     c.add_argument("--num-threads", type=int, default=1)
-    c.add_argument("--repeats", type=int, default=3)
+    c.add_argument("--repeats", type=int, default=3,
+                   help="sweeps over every point; the profile keeps each point's median over the sweeps")
     c.add_argument("--output", required=True)
     c.set_defaults(func=cmd_calibrate)
 

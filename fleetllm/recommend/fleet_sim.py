@@ -35,8 +35,8 @@ from fleetllm.recommend.queueing import kv_transfer_seconds
 from fleetllm.recommend.speculation import Speculation
 from fleetllm.recommend.workload import WorkloadShape
 from fleetllm.router.config import RouterConfig
-from fleetllm.router.policies import CostModel
 from fleetllm.sim.executor import SimulatedModel, TimingExecutor
+from fleetllm.sim.profile import TimingProfile
 
 BLOCK = 16
 MAX_BLOCKS = 65536
@@ -47,13 +47,14 @@ class VirtualExecutor(TimingExecutor):
     """A timing executor that sleeps for nothing: ``last_step_s`` says how long the step took."""
 
     def __init__(self, model: SimulatedModel, step: StepModel, num_blocks: int, spec: Speculation = Speculation(),
-                 acceptance: float = 1.0) -> None:
+                 category: str = "chat") -> None:
         super().__init__(model, step, num_blocks)  # type: ignore[arg-type]  # same step_seconds signature
-        # Speculation: each decode verifies k+1 positions and keeps ``acceptance`` tokens on average; the
-        # simulated request gets one token per step, so its decode share of the step is divided by it.
-        self.width = spec.k + 1 if spec.on else 1
+        # Speculation: each decode verifies ``width`` positions (k+1 where it drafts) and keeps ``acceptance``
+        # tokens on average; the simulated request gets one token per step, so its decode share of the step is
+        # divided by it.
+        self.width = spec.verify_width(category)
         self.draft = spec.draft_cost()
-        self.acceptance = acceptance
+        self.acceptance = spec.acceptance_length(category)
         self.last_step_s = 0.0
 
     def execute(self, sched: SchedulerOutput) -> ModelOutput:
@@ -129,11 +130,13 @@ def _tokens(rng: np.random.Generator, span: int, n: int) -> list[int]:
 class _Router:
     """The router's policies over the simulated replicas: round robin, least load, session affinity, and
     ``prefix``/``kv_aware`` as :class:`fleetllm.router.policies.PrefixAware` decides (bounded load, then the
-    cost model's cheapest replica counting the prefix each one really holds)."""
+    cost model's cheapest replica counting the prefix each one really holds). The cost model's rates are
+    the ones a deployed router has: ``fleetllm serve`` starts it without ``--profile``, so the shipped
+    profile's (:func:`fleetllm.cli.router_config`)."""
 
     def __init__(self, policy: str, engines: list[LLMEngine], seed: int = 0, balance: float = 1.25) -> None:
         self.policy, self.engines, self.turn, self.home = policy, engines, 0, {}
-        self.cost, self.balance, self.rng = CostModel(), balance, random.Random(seed)
+        self.cost, self.balance, self.rng = TimingProfile.default().cost_model(), balance, random.Random(seed)
 
     def pick(self, req: _Request) -> int:
         loads = [len(e.seqs) for e in self.engines]
@@ -180,7 +183,7 @@ def simulate(c: Candidate, step: StepModel, w: WorkloadShape, rate: float, kv_to
     al = c.spec.acceptance_length(w.category)
     blocks = min(MAX_BLOCKS, max(kv_tokens // BLOCK, longest // BLOCK + 8))
     model = SimulatedModel("sim", config, tokenizer)
-    engines = [replica(c, step, model, blocks, longest + BLOCK, al, 10 * requests)
+    engines = [replica(c, step, model, blocks, longest + BLOCK, w.category, 10 * requests)
                for _ in range(c.replicas + c.prefill_replicas)]
     decode = engines[:c.replicas]
     _Fleet(decode, engines[c.replicas:], _Router(c.routing, decode, seed), c.pd_threshold,
@@ -188,10 +191,10 @@ def simulate(c: Candidate, step: StepModel, w: WorkloadShape, rate: float, kv_to
     return _summary(reqs, step, al, requests // 10 if warmup is None else warmup)
 
 
-def replica(c: Candidate, step: StepModel, model: SimulatedModel, blocks: int, max_len: int, acceptance: float = 1.0,
+def replica(c: Candidate, step: StepModel, model: SimulatedModel, blocks: int, max_len: int, category: str = "chat",
             max_waiting: int = 1000) -> LLMEngine:
     """One copy of candidate ``c``: the real engine with its limits over a :class:`VirtualExecutor` of ``step``."""
-    ex = VirtualExecutor(model, step, blocks, c.spec, acceptance)
+    ex = VirtualExecutor(model, step, blocks, c.spec, category)
     cfg = EngineConfig(model="sim", device="cpu", block_size=BLOCK, num_blocks=blocks, max_model_len=max_len,
                        max_num_seqs=c.max_batch, max_num_batched_tokens=max(c.chunk, c.max_batch),
                        max_waiting=max_waiting, disable_metrics=True)

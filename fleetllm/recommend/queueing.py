@@ -60,7 +60,7 @@ def _decode_point(c: Candidate, step: StepModel, w: WorkloadShape, lam: float, u
                   local: float, batch: float) -> tuple[float, ...]:
     """Fixed point of one decode replica: (n, decode step, prefill time, prefill steps, extra, ρ_prefill, S)."""
     ctx = w.isl_mean + w.osl_mean / 2
-    width = c.spec.k + 1 if c.spec.on else 1
+    width = c.spec.verify_width(w.category)
     al = c.spec.acceptance_length(w.category)
     n = min(batch, max(1.0, lam * (uncached / 1000 + w.osl_mean) * step.step_seconds(width, 0, int(ctx))))
     for _ in range(25):
@@ -102,7 +102,7 @@ def predict(c: Candidate, step: StepModel, w: WorkloadShape, rate: float, kv_tok
     gap = dec / (1 - busy)
     m = max(1, round(n))
     ctx = int(m * (w.isl_mean + w.osl_mean / 2))
-    width = c.spec.k + 1 if c.spec.on else 1
+    width = c.spec.verify_width(w.category)
     ttft = {q: step.request_overhead_s + wait_quantile(slots, arrivals, service, q / 100) + prefill_wait(rho_p, pf, q / 100)
             + prefill_seconds(step, int(w.isl_pct(q) * (1 - hit)), c.chunk, m * width, ctx)[0] for q in (50, 90)}
     util = max(rho, rho_p)

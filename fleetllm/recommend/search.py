@@ -94,7 +94,7 @@ def _fits(step: StepModel, shape: ModelShape, w: WorkloadShape) -> int:
 def _upper_rate(c: Candidate, step: StepModel, w: WorkloadShape, kv: int) -> float:
     """Requests/s one replica could at most finish: full batches, decode only, no queueing."""
     batch = max(1, int(min(c.max_batch, kv / (w.isl_mean + w.osl_mean))))
-    width = c.spec.k + 1 if c.spec.on else 1
+    width = c.spec.verify_width(w.category)
     per_step = step.step_seconds(batch * width, 0, int(batch * w.isl_mean))
     return batch * c.spec.acceptance_length(w.category) / per_step / w.osl_mean
 

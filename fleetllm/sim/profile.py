@@ -6,7 +6,9 @@ tokens of prefill chunks in one forward pass. Its time is modelled as
     t = decode(B) + ctx_s_per_token · (context tokens of the decoding sequences) + prefill(P) − overlap
 
 where ``decode`` and ``prefill`` interpolate measured points linearly (extrapolating from the last
-two), and ``overlap`` is the fixed per-step cost counted twice when a step has both.
+two), and ``overlap`` is the fixed per-step cost counted twice when a step has both. The points are kept
+as measured (each the median of ``sweeps`` calibration sweeps), not forced monotone: on one CPU thread a
+decode step of 2-3 sequences really takes longer than one of 4.
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ class TimingProfile:
     # P/D: a decode worker's import of a KV frame (CRC, copy into fresh pool pages), bytes/s; 0 = not measured
     kv_import_bytes_per_s: float = 0.0
     kv_import_steal: float = 0.0  # of the import's seconds, the share decode steps beside it on its core lose
+    sweeps: int = 0  # calibration sweeps each point is the median of (0: not recorded)
 
     def step_seconds(self, num_decode: int, prefill_tokens: int, decode_context_tokens: int = 0) -> float:
         t = 0.0
@@ -63,12 +66,13 @@ class TimingProfile:
 
     @property
     def overlap_s(self) -> float:
-        """Fixed cost of a step (the intercept of the decode points)."""
-        pts = sorted(self.decode)
-        if len(pts) < 2:
+        """Fixed cost of a step, which a step with both prefill and decode pays once: the decode step of the
+        fewest sequences measured (calibrate measures one: that step is nearly all fixed cost, reading the
+        weights). Not the intercept of the first two points: small batches are not on a line here (a
+        decode step of 2 sequences takes ~1.8x one of 1 on one CPU thread, which put the intercept near 0)."""
+        if not self.decode:
             return 0.0
-        (x0, y0), (x1, y1) = pts[0], pts[1]
-        return max(0.0, y0 - (y1 - y0) / (x1 - x0) * x0)
+        return min(self.decode)[1]
 
     def cost_model(self) -> CostModel:
         """Router cost-model rates from this profile."""

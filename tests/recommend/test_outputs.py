@@ -39,6 +39,14 @@ def test_the_fleet_simulation_runs_the_real_prefix_cache_and_routing() -> None:
     assert cold is not None and p.ttft_p50_ms < cold.ttft_p50_ms  # prefix hits: less to prefill
 
 
+def test_the_simulated_router_weighs_prefix_hits_and_load_with_the_deployed_routers_rates() -> None:
+    from fleetllm.cli import build_parser, router_config
+    from fleetllm.recommend.fleet_sim import _Router
+
+    deployed = router_config(build_parser("router").parse_args(["router"])).cost  # `fleetllm serve` passes no --profile
+    assert _Router("kv_aware", []).cost == deployed
+
+
 def test_a_sessions_next_turn_follows_its_answer_and_resends_the_history() -> None:
     from fleetllm.models.source import load_tokenizer
     from fleetllm.recommend.fleet_sim import make_requests
@@ -61,6 +69,23 @@ def test_a_pd_split_prefills_long_prompts_on_the_prefill_pool_and_pays_the_trans
     split = simulate(cpu_candidate(replicas=1, prefill_replicas=1, pd_threshold=256), step, w, 0.8, kv, requests=30)
     assert split.extra["requests"] >= 27
     assert split.itl_p50_ms < alone.itl_p50_ms  # the decode replica no longer runs the long prefills
+
+
+def test_a_copy_based_drafter_on_random_words_decodes_as_without_speculation() -> None:
+    from dataclasses import replace
+
+    ngram = Speculation("ngram", 4)
+    assert ngram.verify_width("chat") == 5 and ngram.verify_width("random") == 1
+    assert Speculation("eagle", 4).verify_width("random") == 5  # a model drafter always drafts
+    step = step_model(SMOL, CPU, CAT.formats["fp32"], 1, None)  # type: ignore[arg-type]
+    w = replace(from_bench("synthetic", isl=96, osl=24), category="random")
+
+    def itl(spec: Speculation, w) -> float:  # type: ignore[no-untyped-def]
+        return simulate(cpu_candidate(replicas=1, spec=spec), step, w, 0.5, step.kv_capacity_tokens(), requests=20,
+                        seed=1, warmup=0).itl_p50_ms
+
+    assert itl(ngram, w) == itl(Speculation(), w)
+    assert itl(ngram, replace(w, category="chat")) != itl(Speculation(), w)  # on chat it drafts, 5 wide
 
 
 def test_the_fleet_yaml_is_a_fleet_config_fleetllm_serve_reads(tmp_path) -> None:
