@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
+from fleetllm.engine.omp_team import make_serial
+
 if TYPE_CHECKING:
     from fleetllm.disagg.frame import FrameHeader
     from fleetllm.engine.sequence import Sequence
@@ -54,7 +56,7 @@ class LayerStream:
         self.sent = 0  # blocks [0, sent) are in the target, every layer
         self.final = False  # the step that completes the prompt has begun
         self.done: concurrent.futures.Future[None] = concurrent.futures.Future()
-        self._sealer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kv-seal")
+        self._sealer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kv-seal", initializer=make_serial)
 
     def begin(self, seq: Sequence, start: int, n: int, block_size: int) -> LayerFn | None:
         """Engine thread, before a forward computing ``seq``'s tokens ``[start, start + n)``: what to do
