@@ -22,8 +22,6 @@ from collections.abc import Callable
 from functools import cache
 from typing import TypeVar
 
-import torch
-
 T = TypeVar("T")
 
 
@@ -57,6 +55,8 @@ def _omp_set_num_threads() -> Callable[[int], None] | None:
 
 def make_serial() -> None:
     """Let the calling thread's parallel regions run on it alone, starting no OpenMP pool of its own."""
+    import torch  # here: the simulated worker, which shares the server, never loads torch
+
     torch.get_num_threads()  # torch's per-thread set-up first: it sets this thread's OpenMP thread count itself
     set_threads = _omp_set_num_threads()
     if set_threads is not None:
