@@ -37,6 +37,8 @@ GROUP = 32
 WIDE_ROWS = 8  # steps of at least this many tokens take the int8 GEMM (issue #19: "int8 for batch ≥ 8")
 METHODS = ("none", "int4", "int4-int8", "q4")
 _CACHE: weakref.WeakKeyDictionary[nn.Module, dict[str, nn.Module]] = weakref.WeakKeyDictionary()
+# a quantised copy -> its method and its model (weakly: the model's _CACHE entry holds the copy)
+_MADE: weakref.WeakKeyDictionary[nn.Module, tuple[str, weakref.ref[nn.Module]]] = weakref.WeakKeyDictionary()
 
 
 def quantize_int4(w: torch.Tensor, group: int = GROUP) -> tuple[torch.Tensor, torch.Tensor]:
@@ -192,6 +194,13 @@ def quantize_model(model: nn.Module, method: str | None) -> nn.Module:
 
     CPU only: on CUDA bf16 GEMMs are the fast path, and the model is returned unchanged.
     """
+    if model in _MADE:  # a quantised copy, e.g. an engine's shared through ``loaded``
+        made, base = _MADE[model][0], _MADE[model][1]()
+        if method == made:
+            return model
+        if base is None:
+            raise ValueError(f"this model was quantised as {made!r} and its unquantised form is gone")
+        model = base
     if method in ("", "none", None) or model.lm_head.weight.device.type != "cpu":
         return model
     if method not in METHODS:
@@ -210,5 +219,6 @@ def quantize_model(model: nn.Module, method: str | None) -> nn.Module:
         else:
             q.lm_head = ByWidth(Int8Linear(head), head if method == "int4" else Int8DynamicLinear(head), head.weight)
         cached[method] = q
+        _MADE[q] = (method, weakref.ref(model))
     return cached[method]
 

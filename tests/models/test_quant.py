@@ -70,6 +70,17 @@ def test_quantizing_leaves_the_loaded_model_unchanged_and_drops_fp32_decoder_wei
     assert quantize_model(model, "none") is model
 
 
+def test_a_quantised_copy_given_again_is_not_quantised_twice(loaded_model) -> None:
+    """Engines over one loaded model (``loaded=``) pass an engine's quantised copy back in."""
+    from fleetllm.models.quant import quantize_model
+
+    model = loaded_model.model
+    q = quantize_model(model, "int4")
+    assert quantize_model(q, "int4") is q
+    assert quantize_model(q, "none") is model
+    assert quantize_model(q, "int4-int8") is quantize_model(model, "int4-int8")
+
+
 def test_q4_linear_serves_fp32_until_its_kernel_is_built() -> None:
     from fleetllm.kernels import q4
     from fleetllm.models.quant import Q4Linear
