@@ -170,8 +170,8 @@ class InProcessWorker:
         port = free_port()
         args = build_parser().parse_args(["worker", "--host", "127.0.0.1", "--port", str(port), *kv_sized(flags)])
         threads = torch.get_num_threads()
-        # quantization rewrites the weights in place: such an engine loads its own
-        engine = LLMEngine(engine_config(args), loaded=loaded if args.quantization == "none" else None)
+        # a quantised engine takes a copy sharing these weights (quantize_model never changes the model it is given)
+        engine = LLMEngine(engine_config(args), loaded=loaded)
         torch.set_num_threads(threads)  # --num-threads sizes a worker process; the test process keeps its own
         self.worker = Worker(engine, observability_config(args), role=args.role, tools=from_args(ToolConfig, args))
         self.base_url = f"http://127.0.0.1:{port}"  # the OpenAI base URL is base_url + "/v1"
