@@ -164,3 +164,53 @@ int q4_gemv(const float *x, long ldx, const uint8_t *w, const float *d, const fl
     }
     return 0;
 }
+
+/* The group's levels from its fp32 weights (see q4.py's recover_q4_1, which this computes in one pass, bit for
+ * bit the same: m = min, d = (max - min) / 15 rounded to fp16, q = round((w - m) / d) in 0..15); returns
+ * whether d * q + m gives every weight back (a product then a sum, each rounded, as the GGUF reader does). */
+__attribute__((target("avx2,fma,f16c")))
+static int recover_group(const float *w, uint8_t *packed, float *d_out, float *m_out) {
+    __m256 v[4], lo = _mm256_loadu_ps(w), hi = lo;
+    for (int j = 0; j < 4; j++) {
+        v[j] = _mm256_loadu_ps(w + 8 * j);
+        lo = _mm256_min_ps(lo, v[j]);
+        hi = _mm256_max_ps(hi, v[j]);
+    }
+    float l[8], h[8], m, x;
+    _mm256_storeu_ps(l, lo);
+    _mm256_storeu_ps(h, hi);
+    m = l[0], x = h[0];
+    for (int i = 1; i < 8; i++) {
+        m = l[i] < m ? l[i] : m;
+        x = h[i] > x ? h[i] : x;
+    }
+    const float d = _cvtsh_ss(_cvtss_sh((x - m) / 15.f, _MM_FROUND_TO_NEAREST_INT));
+    const __m256 vm = _mm256_set1_ps(m), vd = _mm256_set1_ps(d), step = _mm256_set1_ps(d > 0.f ? d : 1.f);
+    int exact = 1, q[32];
+    for (int j = 0; j < 4; j++) {
+        __m256 t = _mm256_round_ps(_mm256_div_ps(_mm256_sub_ps(v[j], vm), step),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        t = _mm256_min_ps(_mm256_max_ps(t, _mm256_setzero_ps()), _mm256_set1_ps(15.f));
+        const __m256 back = _mm256_add_ps(_mm256_mul_ps(vd, t), vm);
+        exact &= _mm256_movemask_ps(_mm256_cmp_ps(back, v[j], _CMP_EQ_OQ)) == 0xff;
+        _mm256_storeu_si256((__m256i *)(q + 8 * j), _mm256_cvtps_epi32(t));
+    }
+    for (int i = 0; i < 8; i++) {
+        packed[i] = (uint8_t)(q[i] | q[8 + i] << 4);
+        packed[8 + i] = (uint8_t)(q[16 + i] | q[24 + i] << 4);
+    }
+    *d_out = d, *m_out = m;
+    return exact;
+}
+
+/* Fills `packed` [N, K/32, 16], `d` and `m` [N, K/32] from `w` [N, K] row-major. Returns 1 when every weight
+ * is rebuilt exactly, 0 when not, -1 when this CPU or K cannot take it (the caller recovers in PyTorch). */
+int q4_recover(const float *w, long n, int k_in, uint8_t *packed, float *d, float *m, int threads) {
+    if (k_in % 32 != 0 || k_in <= 0 || q4_gemv_isa() != 2 || !__builtin_cpu_supports("f16c")) return -1;
+    const long groups = (long)n * (k_in / 32);
+    int exact = 1;
+    #pragma omp parallel for num_threads(threads) schedule(static) reduction(&:exact)
+    for (long g = 0; g < groups; g++)
+        exact &= recover_group(w + 32 * g, packed + 16 * g, d + g, m + g);
+    return exact;
+}
