@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from fleetllm.kernels import q8
+from fleetllm.kernels.decode_stack import DecodeStack
 from fleetllm.kernels.q4 import Q4Weight, kernel_ready, q4_linear, recover_q4_1
 
 GROUP = 32
@@ -220,6 +221,7 @@ def quantize_model(model: nn.Module, method: str | None) -> nn.Module:
         head = model.lm_head
         if method == "q4":
             q.lm_head = _q4_head(head)
+            q.decode_stack = DecodeStack.build(q, Q4_WIDE_ROWS)  # None where it does not cover the model
         else:
             q.lm_head = ByWidth(Int8Linear(head), head if method == "int4" else Int8DynamicLinear(head), head.weight)
         cached[method] = q
