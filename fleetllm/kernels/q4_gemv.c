@@ -17,6 +17,7 @@
  */
 #include <stdint.h>
 #include <immintrin.h>
+#include "gemv_common.h"
 
 #define MAX_ROWS 8
 
@@ -54,14 +55,6 @@ static void row_scalar(int rows, const uint8_t *w, const float *d, const float *
         }
         out[r * ldy] = acc;
     }
-}
-
-__attribute__((target("avx2,fma")))
-static inline float hsum8(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
 }
 
 /* sum_g m[g] * xs[g]: the zero-point term of one output row for one activation row. */
@@ -147,6 +140,26 @@ static void pass_scalar(int rows, const uint8_t *w, const float *d, const float 
                    groups, y + j, ldy);
 }
 
+/* Weight rows as fp32 for the wide path (gemv_common.h): d * q + m, exactly the loader's weight. */
+__attribute__((target("avx2,fma")))
+static void dequantize_q4(const void *wv, const float *d, const float *m, long first, int count, int groups,
+                         float *buf) {
+    const __m256i mask = _mm256_set1_epi32(15);
+    const uint8_t *w = (const uint8_t *)wv + first * groups * 16;
+    d += first * groups, m += first * groups;
+    for (long g = 0; g < (long)count * groups; g++) {
+        const uint8_t *b = w + 16 * g;
+        const __m256i v0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)b));
+        const __m256i v1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(b + 8)));
+        const __m256 dg = _mm256_broadcast_ss(d + g), mg = _mm256_broadcast_ss(m + g);
+        float *o = buf + 32 * g;
+        _mm256_storeu_ps(o, _mm256_add_ps(_mm256_mul_ps(dg, _mm256_cvtepi32_ps(_mm256_and_si256(v0, mask))), mg));
+        _mm256_storeu_ps(o + 8, _mm256_add_ps(_mm256_mul_ps(dg, _mm256_cvtepi32_ps(_mm256_srli_epi32(v0, 4))), mg));
+        _mm256_storeu_ps(o + 16, _mm256_add_ps(_mm256_mul_ps(dg, _mm256_cvtepi32_ps(_mm256_and_si256(v1, mask))), mg));
+        _mm256_storeu_ps(o + 24, _mm256_add_ps(_mm256_mul_ps(dg, _mm256_cvtepi32_ps(_mm256_srli_epi32(v1, 4))), mg));
+    }
+}
+
 /* y[r * ldy + j] = sum_k x[r * ldx + k] * W[j, k] for r < rows, j < n; k_in a multiple of 32. Rows go in
  * passes of up to MAX_ROWS, each reading the weights once; `vector` 0 forces the scalar path (tests).
  * Returns 0, or -1 for a k_in it cannot take. */
@@ -154,6 +167,10 @@ int q4_gemv(const float *x, long ldx, const uint8_t *w, const float *d, const fl
             int rows, int n, int k_in, int threads, int vector) {
     if (k_in % 32 != 0 || k_in <= 0) return -1;
     const int groups = k_in / 32, vec = vector && q4_gemv_isa() == 2;
+    if (vec && rows >= WIDE_FROM) {
+        wide_avx2(dequantize_q4, w, d, m, x, ldx, y, ldy, rows, n, groups, threads);
+        return 0;
+    }
     float xsum[MAX_ROWS * groups];
     for (int r0 = 0; r0 < rows; r0 += MAX_ROWS) {
         const int r = rows - r0 < MAX_ROWS ? rows - r0 : MAX_ROWS;

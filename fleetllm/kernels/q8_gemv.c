@@ -10,6 +10,7 @@
  */
 #include <stdint.h>
 #include <immintrin.h>
+#include "gemv_common.h"
 
 #define MAX_ROWS 8
 
@@ -35,14 +36,6 @@ static void row_scalar(int rows, const int8_t *w, const float *d, const float *x
         }
         out[r * ldy] = acc;
     }
-}
-
-__attribute__((target("avx2,fma")))
-static inline float hsum8(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
 }
 
 __attribute__((target("avx2,fma"), always_inline))

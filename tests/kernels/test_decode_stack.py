@@ -69,13 +69,18 @@ def test_stack_equals_the_op_by_op_step(q4_model, monkeypatch, dtype: torch.dtyp
     fused, fused_caches = forward(q4_model, ids, positions, meta, caches, stack=True)
     eager, eager_caches = forward(q4_model, ids, positions, meta, caches, stack=False)
     assert calls == [1]
-    # a rounding apart in one layer can store neighbouring 16-bit values, which later layers carry on (hidden
-    # states reach ~40 here: 0.1 is a few ulps of bf16; a wrong slot, head or row would be off by whole units)
-    tol = 1e-3 if dtype == torch.float32 else 0.1
-    torch.testing.assert_close(fused, eager, rtol=tol, atol=tol)
-    for (fk, fv), (ek, ev) in zip(fused_caches, eager_caches, strict=True):
-        torch.testing.assert_close(fk.float(), ek.float(), rtol=tol, atol=tol)
-        torch.testing.assert_close(fv.float(), ev.float(), rtol=tol, atol=tol)
+    # a rounding apart in one layer can store neighbouring 16-bit values, which later layers carry on: so every
+    # layer's cache is held to a relative RMS error (a wrong slot, head or row would be off by the values' size)
+    # and the first layer's, which sees the same input, to a few ulps
+    if dtype == torch.float32:
+        torch.testing.assert_close(fused, eager, rtol=1e-3, atol=1e-3)
+    assert ((fused - eager).norm() / eager.norm()).item() < 1e-2
+    for i, (fc, ec) in enumerate(zip(fused_caches, eager_caches, strict=True)):
+        for f, e in zip(fc, ec, strict=True):
+            f, e = f[meta.slot_mapping].float(), e[meta.slot_mapping].float()
+            assert ((f - e).norm() / e.norm()).item() < 1e-2, f"layer {i}"
+            if i == 0:
+                torch.testing.assert_close(f, e, rtol=1e-2, atol=1e-2)
     slot = meta.slot_mapping
     assert not torch.equal(fused_caches[0][0][slot], caches[0][0][slot]), "the new tokens' keys were written"
 
