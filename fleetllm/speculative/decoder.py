@@ -5,12 +5,14 @@ probability, and :func:`~fleetllm.speculative.adaptive_k.choose_ks` splits draft
 the step emits the most tokens per second, counting the target's measured step time by row count and
 verifying requests (:mod:`fleetllm.speculative.step_cost`), what checking a verify's drafts took so far,
 and drafting. Nobody drafts when that does not beat a plain step by ``MIN_GAIN``; a request left without
-drafts for ``PROBE_EVERY`` steps gets a cheap probe so that, if its text became predictable, it can win
-speculation back.
+drafts for ``PROBE_EVERY`` steps (more in a batch where a probe's rows are dear: probes take at most
+``PROBE_BUDGET`` of the time) gets a probe of ``PROBE_K`` drafts so that, if its text became predictable,
+it can win speculation back.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -29,8 +31,9 @@ if TYPE_CHECKING:
 
 PRIOR_ACCEPT, PRIOR_WEIGHT = 0.6, 2.0  # a request starts as if 2 drafts had been tried, 60% accepted
 DECAY = 0.8  # older verify steps count less: acceptance drifts with the text
-PROBE_EVERY = 16
+PROBE_EVERY = 16  # steps without drafts before a request's probe, at the least
 PROBE_K = 2
+PROBE_BUDGET = 0.02  # the share of step time probes may take: in wide batches, where rows are dear, they come rarer
 RUNNING = 0.2  # weight of the newest measure in the running averages of drafting and checking times
 
 
@@ -114,10 +117,18 @@ class SpecDecoder:
         return ks
 
     def _probes(self, seqs: list[Sequence], caps: list[int]) -> list[int]:
-        """A few drafts for each request that has gone ``PROBE_EVERY`` steps without any."""
+        """``PROBE_K`` drafts for each request that has gone ``probe_every`` steps without any."""
         if self.cost is None:
             return [0] * len(seqs)
-        return [min(PROBE_K, c) if q.spec_state.steps_off >= PROBE_EVERY - 1 else 0 for q, c in zip(seqs, caps, strict=True)]
+        every = self.probe_every(len(seqs))
+        return [min(PROBE_K, c) if q.spec_state.steps_off >= every - 1 else 0 for q, c in zip(seqs, caps, strict=True)]
+
+    def probe_every(self, batch: int) -> int:
+        """Steps between a request's probes in a batch of ``batch``: with one probe in flight per ``every / batch``
+        steps, each adding ``PROBE_K`` rows and a verifying request, probes take ``PROBE_BUDGET`` of the time."""
+        plain = self._step_seconds(batch, 0)
+        share = (self._step_seconds(batch + PROBE_K, 1) - plain) / plain
+        return max(PROBE_EVERY, math.ceil(batch * share / PROBE_BUDGET))
 
     def _step_seconds(self, rows: int, verifying: int) -> float:
         return self.cost(rows, verifying) + verifying * self.check_cost

@@ -3,11 +3,13 @@ rows costs (costs are fed in: no timing here), backing off to no drafts and prob
 
 from __future__ import annotations
 
+import math
+
 from fleetllm.engine.sampling import SamplingParams
 from fleetllm.engine.sequence import Sequence
 from fleetllm.speculative.adaptive_k import MIN_GAIN, choose_ks
 from fleetllm.speculative.config import SpeculativeConfig
-from fleetllm.speculative.decoder import PROBE_EVERY, RequestSpecState, SpecDecoder
+from fleetllm.speculative.decoder import PROBE_BUDGET, PROBE_EVERY, PROBE_K, RequestSpecState, SpecDecoder
 from fleetllm.speculative.step_cost import StepCost
 
 
@@ -118,3 +120,11 @@ def test_without_adaptive_k_every_request_drafts_its_maximum() -> None:
     dec = SpecDecoder(SpeculativeConfig(method="ngram", k=4, adaptive=False), loaded=None, runner=None)
     seq = Sequence("r", [1, 2, 3, 1, 2, 3, 1, 2], SamplingParams(), max_tokens=64)
     assert dec.propose([seq], 1024) == {"r": [3, 1, 2]}
+
+
+def test_probes_come_rarer_where_their_rows_are_dear() -> None:
+    dec = decoder_with(StepCost([1, 8, 64], [1.0, 1.1, 8.0]))  # flat to 8 rows, then linear
+    assert dec.probe_every(1) == PROBE_EVERY
+    # at 16 rows a probe slows the step by ``share``; 16 requests probing every N steps take 16 * share / N
+    share = (dec.cost.rows(16 + PROBE_K) - dec.cost.rows(16)) / dec.cost.rows(16)
+    assert dec.probe_every(16) == math.ceil(16 * share / PROBE_BUDGET) > PROBE_EVERY
