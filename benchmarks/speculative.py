@@ -179,7 +179,7 @@ def main() -> int:
     from fleetllm.speculative.step_cost import _MEASURED
 
     step_cost: dict[int | str, float] = {}
-    for c in _MEASURED.values():  # one per process: every engine here shares the weights and the threads
+    for c in (c for per_model in _MEASURED.values() for c in per_model.values()):  # one: every engine here shares them
         step_cost = {n: round(t * 1000, 1) for n, t in zip(c.sizes, c.times, strict=True)}
         step_cost["per verify"] = round(c.per_verify * 1000, 1)
     print(f"\n{cpu_model()}, {args.threads} threads, greedy, max_tokens {args.max_tokens}")

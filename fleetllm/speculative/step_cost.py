@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import bisect
 import time
+import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -60,13 +61,15 @@ class StepCost:
     @classmethod
     def measure(cls, runner: ModelRunner, max_rows: int = 128) -> StepCost:
         """Time the target's steps on ``runner`` (once per model and thread count in a process)."""
-        key = (id(runner.model), torch.get_num_threads(), max_rows)
-        if key not in _MEASURED:
-            _MEASURED[key] = _measure(runner, row_sizes(runner.model, max_rows))
-        return _MEASURED[key]
+        mine = _MEASURED.setdefault(runner.model, {})
+        key = (torch.get_num_threads(), max_rows)
+        if key not in mine:
+            mine[key] = _measure(runner, row_sizes(runner.model, max_rows))
+        return mine[key]
 
 
-_MEASURED: dict[tuple[int, int, int], StepCost] = {}
+# per model (weakly: engines over other weights measure their own), then per (threads, max_rows)
+_MEASURED: weakref.WeakKeyDictionary[torch.nn.Module, dict[tuple[int, int], StepCost]] = weakref.WeakKeyDictionary()
 
 
 def row_sizes(model: torch.nn.Module, max_rows: int) -> list[int]:
