@@ -1,6 +1,7 @@
-/* A pure decode step through a Llama-family decoder stack with Q4_1 weights, in one call from Python.
+/* A decode step through a Llama-family decoder stack with Q4_1 weights, in one call from Python.
  *
- * Each of the step's rows is one sequence's next token. Per layer: RMSNorm, the fused qkv GEMV, RoPE (HF's
+ * Each of the step's rows is a query over its sequence's cached context: one sequence's next token, or one
+ * of a short chunk's queries (speculative verification: the last token and its drafts). Per layer: RMSNorm, the fused qkv GEMV, RoPE (HF's
  * "rotate half" layout, each product and sum rounded as PyTorch's `q * cos + rotate_half(q) * sin` rounds
  * them), the new K/V written into the paged cache (fp32, fp16 or bf16), paged attention, the o GEMV and the
  * residual add; RMSNorm, the fused gate_up GEMV, SiLU(gate) * up, the down GEMV and the residual add. The
@@ -45,7 +46,8 @@ typedef struct {
     float *h;  /* [rows, hidden] residual stream, updated in place */
     int rows, threads;
     const int64_t *positions, *slots;  /* per row: its position and the cache slot of its new K/V */
-    const int32_t *tables, *lens;      /* per row: block table (table_stride apart) and context length */
+    const int32_t *tables, *lens;      /* block tables (table_stride apart); per row: context length */
+    const int32_t *table_of;           /* per row: its table (NULL: row r reads table r) */
     int table_stride;
     void *const *k_caches, *const *v_caches;  /* per layer: [slots, kv_heads, head_dim] */
     float *scratch;  /* rows * (hidden + qkv width + heads * head_dim + 3 * inter) floats */
@@ -164,7 +166,7 @@ static int layer(const Model *md, const Layer *ly, const Step *st, int li, float
         store_kv(st->v_caches[li], md->kv_dtype, st->slots[r], row + qw + kvw, kvw);
     }
     rc |= md->attend(qkv, width, st->k_caches[li], st->v_caches[li], md->kv_dtype, st->tables, st->table_stride,
-                     0, st->lens, attn, qw, R, md->heads, md->kv_heads, D, md->block_size, 0, md->scale, st->threads);
+                     st->table_of, st->lens, attn, qw, R, md->heads, md->kv_heads, D, md->block_size, 0, md->scale, st->threads);
     rc |= md->gemv(attn, qw, ly->o.packed, ly->o.d, ly->o.m, xn, H, R, H, qw, st->threads, 1);
     add_into(st->h, xn, (long)R * H);
     rms_norm(st->h, ly->norm2, md->eps, R, H, xn);

@@ -1,12 +1,13 @@
-"""A pure decode step through a ``q4`` Llama decoder stack in one C call (``decode_stack.c``).
+"""A decode step through a ``q4`` Llama decoder stack in one C call (``decode_stack.c``).
 
 At narrow steps the arithmetic of a layer is a few hundred microseconds of GEMV, and PyTorch's op-by-op
 dispatch of everything around it (norms, RoPE, splits, cache writes, residual adds: about forty ops a layer)
 cost as much again. :class:`DecodeStack` holds one layer table for the C function, which runs every layer
 for every row of a step whose rows are all single decode tokens, calling the Q4 GEMV and the paged attention
-kernel of their own libraries (passed as function pointers, so each kernel has one source). Any other step
-(prefill chunks, speculative verification, 48 rows or more, a kernel not built, a model it does not cover)
-takes the model's op-by-op path. ``FLEETLLM_DECODE_STACK=eager`` keeps every step there.
+kernel of their own libraries (passed as function pointers, so each kernel has one source). A step is taken
+when every row is a decode token or a query of a chunk of at most ``MAX_CHUNK`` tokens over cached context
+(speculative verification); any other step (a prompt's prefill, 48 rows or more, a kernel not built, a model
+it does not cover) takes the model's op-by-op path. ``FLEETLLM_DECODE_STACK=eager`` keeps every step there.
 
 Numerics: the same weights and the same GEMV and attention kernels as the op-by-op ``q4`` path; RMSNorm and
 SiLU round differently from PyTorch's (summation order, a polynomial ``exp``), RoPE the same. So a token's
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +28,7 @@ from fleetllm.kernels import attention, q4
 from fleetllm.kernels.build import KernelLibrary
 
 _enabled = os.environ.get("FLEETLLM_DECODE_STACK", "auto") != "eager"
+MAX_CHUNK = 8  # queries of a chunk over cached context the stack takes (verification of up to 7 drafts)
 P, INT, FLOAT = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 
 
@@ -45,7 +48,7 @@ class _Model(ctypes.Structure):
 
 class _Step(ctypes.Structure):
     _fields_ = [("h", P), ("rows", INT), ("threads", INT), ("positions", P), ("slots", P), ("tables", P), ("lens", P),
-                ("table_stride", INT), ("k_caches", P), ("v_caches", P), ("scratch", P)]
+                ("table_of", P), ("table_stride", INT), ("k_caches", P), ("v_caches", P), ("scratch", P)]
 
 
 def _declare(lib: ctypes.CDLL) -> None:
@@ -55,6 +58,42 @@ def _declare(lib: ctypes.CDLL) -> None:
 
 
 LIBRARY = KernelLibrary(Path(__file__).with_name("decode_stack.c"), _declare)
+
+
+@dataclass(frozen=True)
+class Rows:
+    """What each row of a step reads: block tables, each row's table (None: row i reads table i) and its
+    context length (its own position included; a chunk's queries end at 1, 2, ... past the cached context)."""
+
+    tables: torch.Tensor  # [tables, max_blocks] int32
+    table_of: torch.Tensor | None  # [rows] int32
+    lens: torch.Tensor  # [rows] int32
+
+    @classmethod
+    def of(cls, meta: Any, rows: int) -> Rows | None:
+        """The rows of a step of decode tokens and short chunks over cached context; None for any other step."""
+        n_dec = 0 if meta.decode_idx is None else meta.decode_idx.shape[0]
+        if n_dec and meta.decode_tables is None:
+            return None
+        if not meta.prefills:
+            ok = n_dec == rows
+            return cls(meta.decode_tables.to(torch.int32).contiguous(), None, meta.decode_lens.to(torch.int32).contiguous()) if ok else None
+        chunks = meta.prefills
+        if any(c.fresh or c.block_table is None or c.window is not None or c.end - c.start > MAX_CHUNK
+               for c in chunks) or n_dec + sum(c.end - c.start for c in chunks) != rows:
+            return None
+        tables = [*(meta.decode_tables.tolist() if n_dec else []), *(c.block_table.tolist() for c in chunks)]
+        width = max(len(t) for t in tables)
+        table_of, lens = [0] * rows, [0] * rows
+        if n_dec:
+            for i, (r, n) in enumerate(zip(meta.decode_idx.tolist(), meta.decode_lens.tolist(), strict=True)):
+                table_of[r], lens[r] = i, n
+        for i, c in enumerate(chunks):
+            first = c.context_len - (c.end - c.start)
+            for j in range(c.end - c.start):
+                table_of[c.start + j], lens[c.start + j] = n_dec + i, first + j + 1
+        padded = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+        return cls(padded, torch.tensor(table_of, dtype=torch.int32), torch.tensor(lens, dtype=torch.int32))
 
 
 def _q4(linear: Any) -> q4.Q4Weight | None:
@@ -107,40 +146,39 @@ class DecodeStack:
             return None
         return cls(model, layers, max_rows)
 
-    def ready(self, h: torch.Tensor, meta: Any, k_cache: torch.Tensor, rotary: Any) -> bool:
-        """Whether this step can take the C path: every row a decode token, under ``max_rows``, all kernels built."""
+    def plan(self, h: torch.Tensor, meta: Any, k_cache: torch.Tensor, rotary: Any) -> Rows | None:
+        """The step's rows for the C path, or None when the step must go op by op (see the module doc)."""
         rows = h.shape[0]
+        if not _enabled or rows >= self.max_rows or meta.window is not None:
+            return None
+        if h.dtype != torch.float32 or h.device.type != "cpu" or k_cache.dtype not in attention.KV_DTYPES:
+            return None
         if any(t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous()
                for t in (rotary.cos, rotary.sin)):
-            return False
-        if not _enabled or rows >= self.max_rows or meta.prefills or meta.window is not None:
-            return False
-        if meta.decode_idx is None or meta.decode_idx.shape[0] != rows or meta.decode_tables is None:
-            return False
-        if h.dtype != torch.float32 or h.device.type != "cpu" or k_cache.dtype not in attention.KV_DTYPES:
-            return False
+            return None
         libs = (LIBRARY.get(), q4.LIBRARY.get() if q4.kernel_enabled() else None,
                 attention.LIBRARY.get() if attention.kernel_enabled() else None)
-        return all(lib is not None for lib in libs) and LIBRARY.lib.decode_stack_isa() == 2
+        if any(lib is None for lib in libs) or LIBRARY.lib.decode_stack_isa() != 2:
+            return None
+        return Rows.of(meta, rows)
 
     def run(self, h: torch.Tensor, positions: torch.Tensor, meta: Any,
-            kv_cache: list[tuple[torch.Tensor, torch.Tensor]], rotary: Any) -> None:
-        """Every layer over ``h [rows, hidden]`` in place (call :meth:`ready` first); RoPE from ``rotary``'s tables."""
-        rows = h.shape[0]
-        tables = meta.decode_tables.to(torch.int32).contiguous()
-        lens = meta.decode_lens.to(torch.int32).contiguous()
+            kv_cache: list[tuple[torch.Tensor, torch.Tensor]], rotary: Any, rows: Rows) -> None:
+        """Every layer over ``h [rows, hidden]`` in place (``rows`` from :meth:`plan`); RoPE from ``rotary``'s tables."""
+        n = h.shape[0]
         positions = positions.to(torch.int64).contiguous()
         slots = meta.slot_mapping.to(torch.int64).contiguous()
-        scratch = torch.empty(rows * (self.hidden + self.width + self.q_width + 3 * self.inter))
+        scratch = torch.empty(n * (self.hidden + self.width + self.q_width + 3 * self.inter))
         k_ptrs, v_ptrs = self._cache_pointers(kv_cache)
         md = _Model.from_buffer_copy(self._model)  # per call: engines sharing this model may run at once
         md.block_size, md.kv_dtype = meta.block_size, attention.KV_DTYPES[kv_cache[0][0].dtype]
         md.cos, md.sin = rotary.cos.data_ptr(), rotary.sin.data_ptr()
         md.gemv = ctypes.cast(q4.LIBRARY.lib.q4_gemv, P).value
         md.attend = ctypes.cast(attention.LIBRARY.lib.paged_attention, P).value
-        step = _Step(h.data_ptr(), rows, torch.get_num_threads(), positions.data_ptr(), slots.data_ptr(),
-                     tables.data_ptr(), lens.data_ptr(), tables.stride(0), ctypes.addressof(k_ptrs),
-                     ctypes.addressof(v_ptrs), scratch.data_ptr())
+        table_of = None if rows.table_of is None else rows.table_of.data_ptr()
+        step = _Step(h.data_ptr(), n, torch.get_num_threads(), positions.data_ptr(), slots.data_ptr(),
+                     rows.tables.data_ptr(), rows.lens.data_ptr(), table_of, rows.tables.stride(0),
+                     ctypes.addressof(k_ptrs), ctypes.addressof(v_ptrs), scratch.data_ptr())
         rc = LIBRARY.lib.decode_stack(ctypes.byref(md), ctypes.byref(step))
         if rc != 0:
             raise RuntimeError(f"decode_stack failed with status {rc}")

@@ -277,9 +277,10 @@ class LlamaModel(nn.Module):
         aux_layers: tuple[int, ...] | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         h = self.embed(input_ids)
-        stack = self.decode_stack  # q4's pure decode steps in one C call (fleetllm/kernels/decode_stack.py)
-        if stack is not None and aux_layers is None and stack.ready(h, meta, kv_cache[0][0], self.rotary):
-            stack.run(h, positions, meta, kv_cache, self.rotary)
+        stack = self.decode_stack  # q4's decode steps in one C call (fleetllm/kernels/decode_stack.py)
+        rows = None if stack is None or aux_layers is not None else stack.plan(h, meta, kv_cache[0][0], self.rotary)
+        if rows is not None:
+            stack.run(h, positions, meta, kv_cache, self.rotary, rows)
             return self.norm(h)
         aux = []
         for i, (layer, (kc, vc)) in enumerate(zip(self.layers, kv_cache, strict=True)):

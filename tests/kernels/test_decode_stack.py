@@ -44,6 +44,36 @@ def decode_step(model, lens: list[int], dtype: torch.dtype, seed: int = 0):
     return ids, torch.tensor(lens) - 1, meta, caches
 
 
+def verify_step(model, lens: list[int], chunk: int, dtype: torch.dtype):
+    """A step whose last sequence verifies ``chunk - 1`` drafts: its last ``chunk`` positions are queries over
+    its cached context; the other sequences decode one token each."""
+    ids, positions, meta, caches = decode_step(model, lens, dtype)
+    table, n_ctx = meta.decode_tables[-1], lens[-1]
+    slot = [int(table[p // BLOCK]) * BLOCK + p % BLOCK for p in range(n_ctx)]
+    d = len(lens) - 1
+    meta.slot_mapping = torch.tensor(meta.slot_mapping[:d].tolist() + slot[n_ctx - chunk:])
+    meta.decode_idx, meta.decode_tables, meta.decode_lens = (meta.decode_idx[:d], meta.decode_tables[:d],
+                                                            meta.decode_lens[:d])
+    meta.prefills = [PrefillChunk(d, d + chunk, torch.tensor(slot), fresh=False, block_table=table[: -(-n_ctx // BLOCK)],
+                                  context_len=n_ctx)]
+    positions = torch.tensor(positions[:d].tolist() + list(range(n_ctx - chunk, n_ctx)))
+    ids = torch.cat([ids[:d], torch.randint(0, 49152, (chunk,))])
+    return ids, positions, meta, caches
+
+
+@pytest.mark.parametrize("chunk", [2, 3, 5, 8])
+def test_stack_takes_verification_chunks(q4_model, monkeypatch, chunk: int) -> None:
+    ids, positions, meta, caches = verify_step(q4_model, [7, 40, 70], chunk, torch.float32)
+    calls = spy(monkeypatch)
+    fused, fused_caches = forward(q4_model, ids, positions, meta, caches, stack=True)
+    eager, eager_caches = forward(q4_model, ids, positions, meta, caches, stack=False)
+    assert calls == [1]
+    torch.testing.assert_close(fused, eager, rtol=1e-3, atol=1e-3)
+    for (fk, fv), (ek, ev) in zip(fused_caches, eager_caches, strict=True):
+        torch.testing.assert_close(fk, ek, rtol=1e-3, atol=1e-3)
+        torch.testing.assert_close(fv, ev, rtol=1e-3, atol=1e-3)
+
+
 def spy(monkeypatch) -> list[int]:
     """Counts the stack's runs."""
     calls: list[int] = []
@@ -92,6 +122,7 @@ def test_steps_it_does_not_cover_go_op_by_op(q4_model, monkeypatch) -> None:
     ids, positions, meta, caches = decode_step(q4_model, [4, 9], torch.float32)
     q4_model(ids, positions, meta, caches, aux_layers=(1,))  # an EAGLE drafter's features
     forward(q4_model, *decode_step(q4_model, [4, 9], torch.float32), stack=False)  # switched off
+    forward(q4_model, *verify_step(q4_model, [7, 40], 9, torch.float32), stack=True)  # a chunk past MAX_CHUNK
     meta.prefills.append(PrefillChunk(1, 2, meta.slot_mapping[1:], fresh=True))
     meta.decode_idx, meta.decode_tables, meta.decode_lens = torch.arange(1), meta.decode_tables[:1], meta.decode_lens[:1]
     forward(q4_model, ids, positions, meta, caches, stack=True)  # a prefill chunk in the step
