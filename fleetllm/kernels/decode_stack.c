@@ -1,7 +1,8 @@
 /* A decode step through a Llama-family decoder stack with Q4_1 weights, in one call from Python.
  *
- * Each of the step's rows is a query over its sequence's cached context: one sequence's next token, or one
- * of a short chunk's queries (speculative verification: the last token and its drafts). Per layer: RMSNorm, the fused qkv GEMV, RoPE (HF's
+ * Each of the step's rows is a query over its sequence's context: one sequence's next token, or one of a
+ * short chunk's queries (a short prompt; speculative verification: the last token and its drafts), its own
+ * K/V stored before attention reads it (causal by each row's context length). Per layer: RMSNorm, the fused qkv GEMV, RoPE (HF's
  * "rotate half" layout, each product and sum rounded as PyTorch's `q * cos + rotate_half(q) * sin` rounds
  * them), the new K/V written into the paged cache (fp32, fp16 or bf16), paged attention, the o GEMV and the
  * residual add; RMSNorm, the fused gate_up GEMV, SiLU(gate) * up, the down GEMV and the residual add. The

@@ -5,9 +5,9 @@ dispatch of everything around it (norms, RoPE, splits, cache writes, residual ad
 cost as much again. :class:`DecodeStack` holds one layer table for the C function, which runs every layer
 for every row of a step whose rows are all single decode tokens, calling the Q4 GEMV and the paged attention
 kernel of their own libraries (passed as function pointers, so each kernel has one source). A step is taken
-when every row is a decode token or a query of a chunk of at most ``MAX_CHUNK`` tokens over cached context
-(speculative verification); any other step (a prompt's prefill, 48 rows or more, a kernel not built, a model
-it does not cover) takes the model's op-by-op path. ``FLEETLLM_DECODE_STACK=eager`` keeps every step there.
+when every row is a decode token or a query of a chunk whose queries × positions stay under ``MAX_CHUNK_KEYS``
+(speculative verification, short prompts); any other step (a long prompt's prefill, 48 rows or more, a kernel
+not built, a model it does not cover) takes the model's op-by-op path. ``FLEETLLM_DECODE_STACK=eager`` keeps every step there.
 
 Numerics: the same weights and the same GEMV and attention kernels as the op-by-op ``q4`` path; RMSNorm and
 SiLU round differently from PyTorch's (summation order, a polynomial ``exp``), RoPE the same. So a token's
@@ -28,7 +28,11 @@ from fleetllm.kernels import attention, q4
 from fleetllm.kernels.build import KernelLibrary
 
 _enabled = os.environ.get("FLEETLLM_DECODE_STACK", "auto") != "eager"
-MAX_CHUNK = 8  # queries of a chunk over cached context the stack takes (verification of up to 7 drafts)
+# A chunk (a prompt's, or a verification's) is taken while queries x positions stays under this: the paged kernel
+# reads every key once per query, where the op-by-op path's SDPA reuses it across queries (BENCHMARKS "Paged
+# attention": the kernel wins at 1-2 queries over 1,024 positions); e.g. 8 queries over 2,048 positions, or a
+# 47-token prompt with nothing cached.
+MAX_CHUNK_KEYS = 16384
 P, INT, FLOAT = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 
 
@@ -71,7 +75,7 @@ class Rows:
 
     @classmethod
     def of(cls, meta: Any, rows: int) -> Rows | None:
-        """The rows of a step of decode tokens and short chunks over cached context; None for any other step."""
+        """The rows of a step of decode tokens and short chunks; None for any other step."""
         n_dec = 0 if meta.decode_idx is None else meta.decode_idx.shape[0]
         if n_dec and meta.decode_tables is None:
             return None
@@ -79,7 +83,7 @@ class Rows:
             ok = n_dec == rows
             return cls(meta.decode_tables.to(torch.int32).contiguous(), None, meta.decode_lens.to(torch.int32).contiguous()) if ok else None
         chunks = meta.prefills
-        if any(c.fresh or c.block_table is None or c.window is not None or c.end - c.start > MAX_CHUNK
+        if any(c.block_table is None or c.window is not None or (c.end - c.start) * c.context_len > MAX_CHUNK_KEYS
                for c in chunks) or n_dec + sum(c.end - c.start for c in chunks) != rows:
             return None
         tables = [*(meta.decode_tables.tolist() if n_dec else []), *(c.block_table.tolist() for c in chunks)]

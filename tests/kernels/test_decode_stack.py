@@ -61,9 +61,11 @@ def verify_step(model, lens: list[int], chunk: int, dtype: torch.dtype):
     return ids, positions, meta, caches
 
 
-@pytest.mark.parametrize("chunk", [2, 3, 5, 8])
-def test_stack_takes_verification_chunks(q4_model, monkeypatch, chunk: int) -> None:
-    ids, positions, meta, caches = verify_step(q4_model, [7, 40, 70], chunk, torch.float32)
+@pytest.mark.parametrize(("chunk", "last"), [(2, 70), (3, 70), (5, 70), (8, 70), (30, 30), (17, 17)])
+def test_stack_takes_short_chunks(q4_model, monkeypatch, chunk: int, last: int) -> None:
+    """Verification (a few queries over cached context) and short prompts (``chunk == last``: nothing cached)."""
+    ids, positions, meta, caches = verify_step(q4_model, [7, 40, last], chunk, torch.float32)
+    meta.prefills[0].fresh = chunk == last
     calls = spy(monkeypatch)
     fused, fused_caches = forward(q4_model, ids, positions, meta, caches, stack=True)
     eager, eager_caches = forward(q4_model, ids, positions, meta, caches, stack=False)
@@ -122,10 +124,11 @@ def test_steps_it_does_not_cover_go_op_by_op(q4_model, monkeypatch) -> None:
     ids, positions, meta, caches = decode_step(q4_model, [4, 9], torch.float32)
     q4_model(ids, positions, meta, caches, aux_layers=(1,))  # an EAGLE drafter's features
     forward(q4_model, *decode_step(q4_model, [4, 9], torch.float32), stack=False)  # switched off
-    forward(q4_model, *verify_step(q4_model, [7, 40], 9, torch.float32), stack=True)  # a chunk past MAX_CHUNK
-    meta.prefills.append(PrefillChunk(1, 2, meta.slot_mapping[1:], fresh=True))
-    meta.decode_idx, meta.decode_tables, meta.decode_lens = torch.arange(1), meta.decode_tables[:1], meta.decode_lens[:1]
-    forward(q4_model, ids, positions, meta, caches, stack=True)  # a prefill chunk in the step
+    ids, positions, meta, caches = verify_step(q4_model, [7, 400], 41, torch.float32)
+    assert 41 * 400 > decode_stack.MAX_CHUNK_KEYS
+    forward(q4_model, ids, positions, meta, caches, stack=True)  # a chunk with too many keys for the kernel
+    meta.prefills[0].block_table = None
+    forward(q4_model, ids, positions, meta, caches, stack=True)  # a chunk without its block table
     assert calls == []
     forward(q4_model, *decode_step(q4_model, [4, 9], torch.float32), stack=True)
     assert calls == [1]
