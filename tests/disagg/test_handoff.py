@@ -154,8 +154,11 @@ def test_the_partial_block_never_enters_the_prefix_cache(engines):
     a, b, _ = engines
     ids = prompt(engines, 45)
     params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)  # 47 tokens: block 2 never fills
-    b.add_request("remote", ids, params, handoff=hand_over(a, b, "remote", ids, params))
+    h = hand_over(a, b, "remote", ids, params)
+    assert [b.pool.blocks[bid].hash for bid in h.blocks] == [*h.hashes, None]  # the full ones are cached at once
+    b.add_request("remote", ids, params, handoff=h)
     drain(b, b.take_outputs())
+    assert b.pool.blocks[h.blocks[-1]].hash is None
     blocks, _ = b.kv.cached_prefix(ids + [1] * 16)
     assert len(blocks) == 2  # the two full blocks only
     b.pool.reset_prefix_cache()
