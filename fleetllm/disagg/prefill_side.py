@@ -103,14 +103,12 @@ class PrefillEndpoints:
     async def _job(self, path: str, body: dict[str, Any], request_id: Any) -> PrefillJob:
         """What to compute for ``body``: its whole prompt and first token when it is one sub-request (the
         colocated path's parameters: the first choice's seed), else the full blocks with one greedy token."""
-        from fleetllm.server.app import sub_request_params
-
         kind = "chat" if path.endswith("/chat/completions") else "text"
         prompts = self.worker.prompt_ids(kind, body)
         params = await self.worker.request_params(kind, body)
         rid = f"pd-{request_id or uuid.uuid4().hex}"
         if len(prompts) == 1 and params.n == 1:
-            return PrefillJob(rid, prompts[0], replace(sub_request_params(params, 0), max_tokens=1), True)
+            return PrefillJob(rid, prompts[0], replace(params.for_choice(0), max_tokens=1), True)
         ids = prefilled_tokens(prompts[0], self.worker.engine.pool.block_size)
         return PrefillJob(rid, ids, SamplingParams(max_tokens=1, temperature=0.0), False)
 

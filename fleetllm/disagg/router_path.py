@@ -155,8 +155,9 @@ class RemotePrefill:
                 timeout=httpx.Timeout(self.cfg.pd_timeout_s, connect=self.cfg.connect_timeout_s))
             ok = r.status_code == 200
             detail = r.json() if ok else r.text[:200]
-            # 502 = the prefill worker did its part but the decode worker refused or was unreachable
-            return ok, detail, not ok and r.status_code != 502
+            # 502 = the prefill worker did its part but the decode worker refused or was unreachable; 4xx = the
+            # request itself is bad (its parameters are checked there now): the decode worker will say so too
+            return ok, detail, r.status_code >= 500 and r.status_code != 502
         except (httpx.HTTPError, ValueError) as e:
             return False, f"{type(e).__name__}: {e}", True
         finally:

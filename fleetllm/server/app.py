@@ -24,7 +24,6 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import replace
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -72,7 +71,6 @@ from fleetllm.tools.stream import ToolStream, rewrite_message
 if TYPE_CHECKING:
     from fleetllm.capture.recorder import Capture  # its envelope imports cryptography
     from fleetllm.engine.engine import LLMEngine
-    from fleetllm.engine.handoff import Handoff
 
 T = TypeVar("T")
 request_log = logging.getLogger("fleetllm.requests")
@@ -227,9 +225,9 @@ class Worker:
         return self.engine.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
 
     async def _run(self, request: Request, rid: str, kind: str, prompts: list[list[int]], params: SamplingParams,
-                   handoff: Handoff | None = None) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """Run every (prompt x n) sub-request; yield (choice index, output) as they arrive. ``handoff``: the
-        single sub-request's prompt was prefilled elsewhere (disaggregated serving).
+                   handoff: str | None = None) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Run every (prompt x n) sub-request; yield (choice index, output) as they arrive. ``handoff``: the id
+        of the prompt's prefill elsewhere (disaggregated serving), taken over when it is the one sub-request.
 
         When it ends (finished, failed or abandoned) the request is logged and traced."""
         start = time.monotonic()
@@ -238,7 +236,7 @@ class Worker:
         subs = []
         for p_i, ids in enumerate(prompts):
             for k in range(params.n):
-                sub = sub_request_params(params, k)
+                sub = params.for_choice(k)
                 subs.append((p_i * params.n + k, f"{rid}-{p_i}-{k}", ids, sub))
         merged: asyncio.Queue[tuple[int, RequestOutput] | BaseException | None] = asyncio.Queue()
         tap = open_worker_tap(self.capture, request.headers, rid, kind, self.model_name, prompts, params.n,
@@ -246,7 +244,10 @@ class Worker:
 
         async def pump(index: int, sub_id: str, ids: list[int], sp: SamplingParams) -> None:
             try:
-                async for out in self.async_engine.generate(sub_id, ids, sp, start, handoff):
+                # claimed here, where it passes to the engine with no await between: a task cancelled before
+                # it ran leaves the handoff to expire, never half taken
+                h = await self.handoffs.claim(handoff, len(subs) == 1) if handoff and index == 0 else None
+                async for out in self.async_engine.generate(sub_id, ids, sp, start, h):
                     await merged.put((index, out))
             except BaseException as e:  # noqa: BLE001 - forwarded to the consumer
                 await merged.put(e)
@@ -377,8 +378,7 @@ class Worker:
         headers = {"x-request-id": rid, request_id.HEADER: fid}
         request.state.fleet_id = fid  # for the request's log line
         timeout = request_timeout(body, request.headers)
-        handoff = await self.handoffs.claim(request.headers.get(HANDOFF_HEADER), len(prompts) == 1 and params.n == 1)
-        gen = self._run(request, rid, kind, prompts, params, handoff)
+        gen = self._run(request, rid, kind, prompts, params, request.headers.get(HANDOFF_HEADER))
         if timeout is not None:
             gen = _until(gen, time.monotonic() + timeout, timeout)
         try:
@@ -535,12 +535,6 @@ async def _prepend(first: T, rest: AsyncIterator[T]) -> AsyncIterator[T]:
     yield first
     async for it in rest:
         yield it
-
-
-def sub_request_params(params: SamplingParams, k: int) -> SamplingParams:
-    """The parameters of a request's ``k``-th choice: one sample, its seed the request's + k (folded into the
-    signed 64-bit range)."""
-    return replace(params, n=1, seed=None if params.seed is None else (params.seed + k + 2**63) % 2**64 - 2**63)
 
 
 async def _until(gen: AsyncIterator[T], deadline: float, timeout: float) -> AsyncIterator[T]:
