@@ -170,6 +170,8 @@ class LLMEngine:
     def take_outputs(self) -> list[RequestOutput]:
         """Outputs made between steps (aborts, handed-over first tokens), now rather than after the next step."""
         outputs, self._pending = self._pending, []
+        if outputs:  # requests started or ended without a step: the gauges a step would set
+            self._update_gauges()
         return outputs
 
     def _grammar_state(self, params: SamplingParams) -> object:
@@ -195,7 +197,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Schedule, execute, update from the output, draft for the next step; return this step's outputs."""
         t0 = time.perf_counter()
-        outputs = self.take_outputs()
+        outputs, self._pending = self._pending, []
         drafts, self._drafts = self._drafts, {}
         prof = self.profile
         with phase(prof, "schedule"):
