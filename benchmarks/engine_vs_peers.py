@@ -1,8 +1,8 @@
 """fleetllm's worker against its peers on one model, the same prompts and the same machine, in one run.
 
 Systems (each runs alone, the previous one stopped first, so they never share the cores):
-  fleetllm       ``python -m fleetllm.cli worker`` over HTTP (fp32; plus ``--quantization int4`` when the
-                 worker offers that flag),
+  fleetllm       ``python -m fleetllm.cli worker`` over HTTP with its defaults (``--quantization q4``), plus
+                 ``fleetllm-fp32`` (``--quantization none``) and ``fleetllm-int4`` when the worker offers the flag,
   hf             HF transformers ``generate``, batched in-process (fp32 weights dequantised from the GGUF,
                  left padding, greedy),
   llama.cpp      llama.cpp's own ``llama-server -np N -cb`` (one server per concurrency N) on the GGUF.
@@ -171,14 +171,13 @@ def _chat(text: str) -> list[dict[str, str]]:
 
 
 def fleetllm_variants(threads: int) -> dict[str, list[str]]:
-    """The worker command lines to run: fp32, plus int4 and q4 when the worker has ``--quantization``."""
+    """The worker command lines to run: its defaults, plus exact fp32 and int4 when it has ``--quantization``."""
     base = [sys.executable, "-m", "fleetllm.cli", "worker", "--model", MODEL_ALIAS, "--num-threads", str(threads)]
     variants = {"fleetllm": base}
     helptext = subprocess.run(base[:4] + ["--help"], capture_output=True, text=True, cwd=REPO).stdout
     if "--quantization" in helptext:
+        variants["fleetllm-fp32"] = base + ["--quantization", "none"]
         variants["fleetllm-int4"] = base + ["--quantization", "int4"]
-        if "q4:" in helptext:
-            variants["fleetllm-q4"] = base + ["--quantization", "q4"]
     else:
         print("  note: the worker has no --quantization flag yet; running fp32 only", flush=True)
     return variants
@@ -314,7 +313,7 @@ def step_breakdown(settings: Settings) -> list[str]:
     lines = []
     for b, r in per_batch.items():
         parts = ", ".join(f"{k} {r['ms_' + k]:.1f}" for k in engine_step.BREAKDOWN if "ms_" + k in r)
-        lines.append(f"fleetllm fp32 per-step breakdown, batch {b} (in-process, ms/step): {parts}")
+        lines.append(f"fleetllm per-step breakdown (defaults), batch {b} (in-process, ms/step): {parts}")
         print(lines[-1], flush=True)
     return lines
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -118,6 +119,7 @@ def summarise(runs: list[dict]) -> list[dict]:
         ratios = sorted((r["tokens"] / r["seconds"]) / (base[r["unit"]]["tokens"] / base[r["unit"]]["seconds"]) for r in mine)
         row = {"concurrency": c, "category": cat, "method": method, "units": len(mine), "tok_s": round(tok / sec, 2),
                "vs_none": round(none_took(mine, base, "seconds") / sec, 2), "vs_none_min": round(ratios[0], 2),
+               "vs_none_median": round(statistics.median(ratios), 2),
                "vs_none_max": round(ratios[-1], 2),
                "vs_none_cpu": round(none_took(mine, base, "cpu_seconds") / sum(r["cpu_seconds"] for r in mine), 2),
                "al": 1.0, "spec": mine[0]["spec"]}
@@ -135,7 +137,7 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--prompts", type=int, default=2, help="prompts per category at concurrency 1 (max 4)")
-    ap.add_argument("--rounds", type=int, default=1, help="repeat every batch at concurrency > 1")
+    ap.add_argument("--rounds", type=int, default=1, help="repeat every unit (a prompt at c=1, a batch above)")
     ap.add_argument("--ks", default="2,4", help="fixed K for eagle / peagle at concurrency 1")
     ap.add_argument("--categories", default="chat,code,agentic", help="categories at concurrency < 16")
     ap.add_argument("--methods", default=None, help="keep only these rows, comma-separated (e.g. 'eagle k=4,peagle k=4'); none always runs")
@@ -152,7 +154,8 @@ def main() -> int:
     units = []  # (concurrency, category, unit id, prompts): every method runs on a unit back to back
     for c in [int(x) for x in args.concurrency.split(",")]:
         if c == 1:
-            units += [(1, cat, f"{cat}{i}", [v[i]]) for i in range(args.prompts) for cat, v in ids.items() if cat in cats]
+            units += [(1, cat, f"{cat}{i}-r{r}", [v[i]]) for r in range(args.rounds) for i in range(args.prompts)
+                      for cat, v in ids.items() if cat in cats]
         elif c < 16:  # each category on its own: the batch holds one kind of text
             units += [(c, cat, f"{cat}-r{r}", v[:c]) for r in range(args.rounds) for cat, v in ids.items() if cat in cats]
         else:
@@ -173,15 +176,19 @@ def main() -> int:
                 runs.append(r)
                 bar.advance(task)
     rows = summarise(runs)
-    from fleetllm.speculative.decoder import StepCost
+    from fleetllm.speculative.step_cost import _MEASURED
 
-    step_cost = {n: round(t * 1000, 1) for times in StepCost._cache.values() for n, t in zip(StepCost.SIZES, times, strict=True)}
+    step_cost: dict[int | str, float] = {}
+    for c in (c for per_model in _MEASURED.values() for c in per_model.values()):  # one: every engine here shares them
+        step_cost = {n: round(t * 1000, 1) for n, t in zip(c.sizes, c.times, strict=True)}
+        step_cost["per verify"] = round(c.per_verify * 1000, 1)
     print(f"\n{cpu_model()}, {args.threads} threads, greedy, max_tokens {args.max_tokens}")
-    print(f"measured target step time (ms) by tokens in the step: {step_cost}\n")
-    print("| c | category | method | tok/s | ×none | ×none range | ×none CPU | AL | draft s | verify s |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print(f"measured target step time (ms) by rows in the step: {step_cost}\n")
+    print("| c | category | method | units | tok/s | ×none | ×none median | ×none range | ×none CPU | AL | draft s | verify s |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['concurrency']} | {r['category']} | {r['method']} | {r['tok_s']} | {r['vs_none']} "
+        print(f"| {r['concurrency']} | {r['category']} | {r['method']} | {r['units']} | {r['tok_s']} | {r['vs_none']} "
+              f"| {r['vs_none_median']} "
               f"| {r['vs_none_min']}–{r['vs_none_max']} | {r['vs_none_cpu']} | {r['al']} | {r.get('draft_s', '')} "
               f"| {r.get('verify_s', '')} |")
     if args.output:

@@ -38,11 +38,11 @@ class EngineConfig:
                                       flag="--no-prefix-caching")
     num_threads: int | None = opt(None, "torch threads (default: all cores)")
     quantization: Literal["none", "int4", "int4-int8", "q4"] = opt(
-        "none", "int4: on CPU, int4 decoder / int8 LM-head weights for steps under 8 tokens, fp32 for wider "
-                "ones; int4-int8: int8 GEMMs (per-token int8 activations) for the wider ones too, no fp32 "
-                "copy (experimental: fails the greedy-agreement check); q4: on CPU, the GGUF's Q4_1 weights "
-                "kept as they are with fp32 activations for steps under 8 tokens (same weights as fp32), fp32 "
-                "for wider ones and non-Q4_1 weights; none: exact fp32")
+        "q4", "q4 (default): on CPU, a GGUF's Q4_1 (and Q8_0 LM head) weights kept as they are, with fp32 "
+              "activations, for steps under 48 tokens (the same weights as fp32: greedy output agrees with it), "
+              "fp32 for wider ones and for weights that are not Q4_1; none: exact fp32 everywhere (equals HF "
+              "transformers token for token); int4: int4 decoder / int8 LM-head weights for steps under 8 "
+              "tokens; int4-int8: int8 GEMMs for wider ones too (experimental: fails the greedy-agreement check)")
     speculative: str | dict | None = opt(
         None, "speculative decoding: method ngram | suffix | eagle | peagle, k draft tokens (default k: "
               "chosen from the measured verify cost), adaptive=0 to fix K", metavar="method=M,k=N")

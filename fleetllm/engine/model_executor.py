@@ -59,7 +59,7 @@ class ModelExecutor:
                                   self.step_profile, shm_dir() if cfg.kv_pool_shared else None)
         self.sampler = Sampler()
         spec_cfg = SpeculativeConfig.parse(cfg.speculative)
-        self.spec = SpecDecoder(spec_cfg, self.loaded, self.runner.kv_cache, self.device) if spec_cfg else None
+        self.spec = SpecDecoder(spec_cfg, self.loaded, self.runner, self.device) if spec_cfg else None
 
     def execute(self, sched: SchedulerOutput) -> ModelOutput:
         batch = sched.scheduled

@@ -42,6 +42,11 @@ def set_kernel_enabled(enabled: bool) -> None:
     _enabled = enabled
 
 
+def kernel_enabled() -> bool:
+    """Whether calls may take the C kernel (see :func:`set_kernel_enabled`)."""
+    return _enabled
+
+
 def kernel_ready(q: torch.Tensor, k_cache: torch.Tensor, wait: bool = False) -> bool:
     """Whether the C kernel serves these tensors now; the first call starts its build (``wait``: and waits)."""
     if not _enabled or q.device.type != "cpu" or q.dtype != torch.float32 or k_cache.dtype not in KV_DTYPES:

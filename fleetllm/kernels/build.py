@@ -18,6 +18,7 @@ import hashlib
 import logging
 import os
 import platform
+import re
 import shutil
 import subprocess
 import tempfile
@@ -54,8 +55,11 @@ def compiler() -> str | None:
 
 
 def cache_key(source: Path, cc: str) -> str:
+    """Hash of the source, the headers it includes from its own folder, the compiler, the CPU and the flags."""
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-    text = "\n".join([source.read_text(), version, cpu_flags(), " ".join(FLAGS)])
+    text = source.read_text()
+    headers = [(source.parent / name).read_text() for name in re.findall(r'^#include "([^"]+)"', text, re.M)]
+    text = "\n".join([text, *headers, version, cpu_flags(), " ".join(FLAGS)])
     return hashlib.sha256(text.encode()).hexdigest()[:20]
 
 

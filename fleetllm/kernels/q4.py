@@ -33,6 +33,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.q4_gemv.argtypes = [p, L, p, p, p, p, L, i, i, i, i, i]
     lib.q4_gemv.restype = i
     lib.q4_gemv_isa.restype = i
+    lib.q4_recover.argtypes = [p, L, i, p, p, p, i]
+    lib.q4_recover.restype = i
 
 
 LIBRARY = KernelLibrary(Path(__file__).with_name("q4_gemv.c"), _declare)
@@ -68,9 +70,27 @@ class Q4Weight:
 
 
 def recover_q4_1(w: torch.Tensor) -> Q4Weight | None:
-    """``w [N, K]``'s exact Q4_1 form, or None when ``w`` is not a Q4_1 dequantisation (see the module doc)."""
+    """``w [N, K]``'s exact Q4_1 form, or None when ``w`` is not a Q4_1 dequantisation (see the module doc).
+
+    One pass in C (``q4_recover``, waiting for the library's build: a second, once per machine), else the
+    same arithmetic in PyTorch (about 10× slower: 0.44 s for SmolLM2-135M's 120 linears on 2 cores).
+    """
     if w.dim() != 2 or w.dtype != torch.float32 or w.shape[1] % GROUP != 0:
         return None
+    n, k = w.shape
+    lib = LIBRARY.get(wait=True) if _enabled else None
+    if lib is not None and w.is_contiguous():
+        out = Q4Weight(torch.empty(n, k // GROUP, 16, dtype=torch.uint8), torch.empty(n, k // GROUP),
+                       torch.empty(n, k // GROUP))
+        status = lib.q4_recover(w.data_ptr(), n, k, out.packed.data_ptr(), out.d.data_ptr(), out.m.data_ptr(),
+                                torch.get_num_threads())
+        if status >= 0:
+            return out if status == 1 else None
+    return recover_q4_1_eager(w)
+
+
+def recover_q4_1_eager(w: torch.Tensor) -> Q4Weight | None:
+    """:func:`recover_q4_1` in PyTorch (the C path's reference; CPUs without AVX2/F16C)."""
     n, k = w.shape
     wg = w.detach().reshape(n, k // GROUP, GROUP)
     lo, hi = wg.amin(-1), wg.amax(-1)

@@ -17,6 +17,7 @@
  */
 #include <stdint.h>
 #include <immintrin.h>
+#include "gemv_common.h"
 
 #define MAX_ROWS 8
 
@@ -54,14 +55,6 @@ static void row_scalar(int rows, const uint8_t *w, const float *d, const float *
         }
         out[r * ldy] = acc;
     }
-}
-
-__attribute__((target("avx2,fma")))
-static inline float hsum8(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
 }
 
 /* sum_g m[g] * xs[g]: the zero-point term of one output row for one activation row. */
@@ -147,6 +140,26 @@ static void pass_scalar(int rows, const uint8_t *w, const float *d, const float 
                    groups, y + j, ldy);
 }
 
+/* Weight rows as fp32 for the wide path (gemv_common.h): d * q + m, exactly the loader's weight. */
+__attribute__((target("avx2,fma")))
+static void dequantize_q4(const void *wv, const float *d, const float *m, long first, int count, int groups,
+                         float *buf) {
+    const __m256i mask = _mm256_set1_epi32(15);
+    const uint8_t *w = (const uint8_t *)wv + first * groups * 16;
+    d += first * groups, m += first * groups;
+    for (long g = 0; g < (long)count * groups; g++) {
+        const uint8_t *b = w + 16 * g;
+        const __m256i v0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)b));
+        const __m256i v1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(b + 8)));
+        const __m256 dg = _mm256_broadcast_ss(d + g), mg = _mm256_broadcast_ss(m + g);
+        float *o = buf + 32 * g;
+        _mm256_storeu_ps(o, _mm256_add_ps(_mm256_mul_ps(dg, _mm256_cvtepi32_ps(_mm256_and_si256(v0, mask))), mg));
+        _mm256_storeu_ps(o + 8, _mm256_add_ps(_mm256_mul_ps(dg, _mm256_cvtepi32_ps(_mm256_srli_epi32(v0, 4))), mg));
+        _mm256_storeu_ps(o + 16, _mm256_add_ps(_mm256_mul_ps(dg, _mm256_cvtepi32_ps(_mm256_and_si256(v1, mask))), mg));
+        _mm256_storeu_ps(o + 24, _mm256_add_ps(_mm256_mul_ps(dg, _mm256_cvtepi32_ps(_mm256_srli_epi32(v1, 4))), mg));
+    }
+}
+
 /* y[r * ldy + j] = sum_k x[r * ldx + k] * W[j, k] for r < rows, j < n; k_in a multiple of 32. Rows go in
  * passes of up to MAX_ROWS, each reading the weights once; `vector` 0 forces the scalar path (tests).
  * Returns 0, or -1 for a k_in it cannot take. */
@@ -154,6 +167,10 @@ int q4_gemv(const float *x, long ldx, const uint8_t *w, const float *d, const fl
             int rows, int n, int k_in, int threads, int vector) {
     if (k_in % 32 != 0 || k_in <= 0) return -1;
     const int groups = k_in / 32, vec = vector && q4_gemv_isa() == 2;
+    if (vec && rows >= WIDE_FROM) {
+        wide_avx2(dequantize_q4, w, d, m, x, ldx, y, ldy, rows, n, groups, threads);
+        return 0;
+    }
     float xsum[MAX_ROWS * groups];
     for (int r0 = 0; r0 < rows; r0 += MAX_ROWS) {
         const int r = rows - r0 < MAX_ROWS ? rows - r0 : MAX_ROWS;
@@ -163,4 +180,54 @@ int q4_gemv(const float *x, long ldx, const uint8_t *w, const float *d, const fl
         else pass_scalar(r, w, d, m, xr, ldx, xsum, y + r0 * ldy, ldy, n, groups, threads);
     }
     return 0;
+}
+
+/* The group's levels from its fp32 weights (see q4.py's recover_q4_1, which this computes in one pass, bit for
+ * bit the same: m = min, d = (max - min) / 15 rounded to fp16, q = round((w - m) / d) in 0..15); returns
+ * whether d * q + m gives every weight back (a product then a sum, each rounded, as the GGUF reader does). */
+__attribute__((target("avx2,fma,f16c")))
+static int recover_group(const float *w, uint8_t *packed, float *d_out, float *m_out) {
+    __m256 v[4], lo = _mm256_loadu_ps(w), hi = lo;
+    for (int j = 0; j < 4; j++) {
+        v[j] = _mm256_loadu_ps(w + 8 * j);
+        lo = _mm256_min_ps(lo, v[j]);
+        hi = _mm256_max_ps(hi, v[j]);
+    }
+    float l[8], h[8], m, x;
+    _mm256_storeu_ps(l, lo);
+    _mm256_storeu_ps(h, hi);
+    m = l[0], x = h[0];
+    for (int i = 1; i < 8; i++) {
+        m = l[i] < m ? l[i] : m;
+        x = h[i] > x ? h[i] : x;
+    }
+    const float d = _cvtsh_ss(_cvtss_sh((x - m) / 15.f, _MM_FROUND_TO_NEAREST_INT));
+    const __m256 vm = _mm256_set1_ps(m), vd = _mm256_set1_ps(d), step = _mm256_set1_ps(d > 0.f ? d : 1.f);
+    int exact = 1, q[32];
+    for (int j = 0; j < 4; j++) {
+        __m256 t = _mm256_round_ps(_mm256_div_ps(_mm256_sub_ps(v[j], vm), step),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        t = _mm256_min_ps(_mm256_max_ps(t, _mm256_setzero_ps()), _mm256_set1_ps(15.f));
+        const __m256 back = _mm256_add_ps(_mm256_mul_ps(vd, t), vm);
+        exact &= _mm256_movemask_ps(_mm256_cmp_ps(back, v[j], _CMP_EQ_OQ)) == 0xff;
+        _mm256_storeu_si256((__m256i *)(q + 8 * j), _mm256_cvtps_epi32(t));
+    }
+    for (int i = 0; i < 8; i++) {
+        packed[i] = (uint8_t)(q[i] | q[8 + i] << 4);
+        packed[8 + i] = (uint8_t)(q[16 + i] | q[24 + i] << 4);
+    }
+    *d_out = d, *m_out = m;
+    return exact;
+}
+
+/* Fills `packed` [N, K/32, 16], `d` and `m` [N, K/32] from `w` [N, K] row-major. Returns 1 when every weight
+ * is rebuilt exactly, 0 when not, -1 when this CPU or K cannot take it (the caller recovers in PyTorch). */
+int q4_recover(const float *w, long n, int k_in, uint8_t *packed, float *d, float *m, int threads) {
+    if (k_in % 32 != 0 || k_in <= 0 || q4_gemv_isa() != 2 || !__builtin_cpu_supports("f16c")) return -1;
+    const long groups = (long)n * (k_in / 32);
+    int exact = 1;
+    #pragma omp parallel for num_threads(threads) schedule(static) reduction(&:exact)
+    for (long g = 0; g < groups; g++)
+        exact &= recover_group(w + 32 * g, packed + 16 * g, d + g, m + g);
+    return exact;
 }

@@ -31,6 +31,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.q8_gemv.argtypes = [p, L, p, p, p, L, i, i, i, i, i]
     lib.q8_gemv.restype = i
     lib.q8_gemv_isa.restype = i
+    lib.q8_recover.argtypes = [p, L, i, p, p, i]
+    lib.q8_recover.restype = i
 
 
 LIBRARY = KernelLibrary(Path(__file__).with_name("q8_gemv.c"), _declare)
@@ -55,9 +57,24 @@ class Q8Weight:
 
 
 def recover_q8_0(w: torch.Tensor) -> Q8Weight | None:
-    """``w [N, K]``'s exact Q8_0 form, or None when ``w`` is not a Q8_0 dequantisation (see the module doc)."""
+    """``w [N, K]``'s exact Q8_0 form, or None when ``w`` is not a Q8_0 dequantisation (see the module doc).
+
+    One pass in C (``q8_recover``) when the library builds, else the same arithmetic in PyTorch.
+    """
     if w.dim() != 2 or w.dtype != torch.float32 or w.shape[1] % GROUP != 0:
         return None
+    n, k = w.shape
+    lib = LIBRARY.get(wait=True) if q4.kernel_enabled() else None
+    if lib is not None and w.is_contiguous():
+        out = Q8Weight(torch.empty(n, k, dtype=torch.int8), torch.empty(n, k // GROUP))
+        status = lib.q8_recover(w.data_ptr(), n, k, out.q.data_ptr(), out.d.data_ptr(), torch.get_num_threads())
+        if status >= 0:
+            return out if status == 1 else None
+    return recover_q8_0_eager(w)
+
+
+def recover_q8_0_eager(w: torch.Tensor) -> Q8Weight | None:
+    """:func:`recover_q8_0` in PyTorch (the C path's reference; CPUs without AVX2/F16C)."""
     n, k = w.shape
     wg = w.detach().reshape(n, k // GROUP, GROUP)
     d = (wg.abs().amax(-1) / 127).half().float()

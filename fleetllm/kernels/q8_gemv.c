@@ -10,6 +10,7 @@
  */
 #include <stdint.h>
 #include <immintrin.h>
+#include "gemv_common.h"
 
 #define MAX_ROWS 8
 
@@ -35,14 +36,6 @@ static void row_scalar(int rows, const int8_t *w, const float *d, const float *x
         }
         out[r * ldy] = acc;
     }
-}
-
-__attribute__((target("avx2,fma")))
-static inline float hsum8(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
 }
 
 __attribute__((target("avx2,fma"), always_inline))
@@ -115,4 +108,48 @@ int q8_gemv(const float *x, long ldx, const int8_t *w, const float *d, float *y,
         else pass_scalar(r, w, d, xr, ldx, y + r0 * ldy, ldy, n, groups, threads);
     }
     return 0;
+}
+
+/* The group's levels from its fp32 weights (see q8.py's recover_q8_0, which this computes in one pass, bit for
+ * bit the same: d = max |w| / 127 rounded to fp16, q = round(w / d) in -127..127); returns 1 when d * q gives
+ * every weight back, 0 when not, -1 when d is not finite (the whole weight is then refused). */
+__attribute__((target("avx2,fma,f16c")))
+static int recover_group(const float *w, int8_t *q_out, float *d_out) {
+    const __m256 sign = _mm256_set1_ps(-0.f);
+    __m256 v[4], top = _mm256_setzero_ps();
+    for (int j = 0; j < 4; j++) {
+        v[j] = _mm256_loadu_ps(w + 8 * j);
+        top = _mm256_max_ps(top, _mm256_andnot_ps(sign, v[j]));
+    }
+    float t8[8], a = 0.f;
+    _mm256_storeu_ps(t8, top);
+    for (int i = 0; i < 8; i++) a = t8[i] > a ? t8[i] : a;
+    for (int i = 0; i < 32; i++)
+        if (w[i] != w[i]) a = w[i];  /* a NaN: max ignores it, amax keeps it */
+    const float d = _cvtsh_ss(_cvtss_sh(a / 127.f, _MM_FROUND_TO_NEAREST_INT));
+    if (d - d != 0.f) return -1;
+    const __m256 vd = _mm256_set1_ps(d), step = _mm256_set1_ps(d > 0.f ? d : 1.f);
+    int exact = 1, q[32];
+    for (int j = 0; j < 4; j++) {
+        __m256 t = _mm256_round_ps(_mm256_div_ps(v[j], step), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        t = _mm256_min_ps(_mm256_max_ps(t, _mm256_set1_ps(-127.f)), _mm256_set1_ps(127.f));
+        exact &= _mm256_movemask_ps(_mm256_cmp_ps(_mm256_mul_ps(vd, t), v[j], _CMP_EQ_OQ)) == 0xff;
+        _mm256_storeu_si256((__m256i *)(q + 8 * j), _mm256_cvtps_epi32(t));
+    }
+    for (int i = 0; i < 32; i++) q_out[i] = (int8_t)q[i];
+    *d_out = d;
+    return exact;
+}
+
+/* Fills `q` [N, K] and `d` [N, K/32] from `w` [N, K] row-major. Returns 1 when every weight is rebuilt
+ * exactly, 0 when not (or a scale is not finite), -1 when this CPU or K cannot take it (the caller recovers
+ * in PyTorch). */
+int q8_recover(const float *w, long n, int k_in, int8_t *q, float *d, int threads) {
+    if (k_in % 32 != 0 || k_in <= 0 || q8_gemv_isa() != 2 || !__builtin_cpu_supports("f16c")) return -1;
+    const long groups = (long)n * (k_in / 32);
+    int exact = 1;
+    #pragma omp parallel for num_threads(threads) schedule(static) reduction(&:exact)
+    for (long g = 0; g < groups; g++)
+        exact &= recover_group(w + 32 * g, q + 32 * g, d + g) == 1;
+    return exact;
 }

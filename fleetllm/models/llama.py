@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fleetllm.kernels import chunk_rows, kernel_ready, paged_attention
+from fleetllm.kernels.decode_stack import DecodeStack
 from fleetllm.models.config import ModelConfig
 
 # Chunks over cached context of at most this many queries (speculative verification of a few drafts) use the
@@ -254,6 +255,8 @@ class LlamaModel(nn.Module):
     (``[T, len(aux_layers) * hidden]``): the features an EAGLE-style draft head reads.
     """
 
+    decode_stack: DecodeStack | None = None  # set on ``q4`` copies by ``quantize_model``
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.cfg = cfg
@@ -274,6 +277,11 @@ class LlamaModel(nn.Module):
         aux_layers: tuple[int, ...] | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         h = self.embed(input_ids)
+        stack = self.decode_stack  # q4's decode steps in one C call (fleetllm/kernels/decode_stack.py)
+        rows = None if stack is None or aux_layers is not None else stack.plan(h, meta, kv_cache[0][0], self.rotary)
+        if rows is not None:
+            stack.run(h, positions, meta, kv_cache, self.rotary, rows)
+            return self.norm(h)
         aux = []
         for i, (layer, (kc, vc)) in enumerate(zip(self.layers, kv_cache, strict=True)):
             h = h + layer.attn(layer.input_norm(h), positions, self.rotary, meta, kc, vc)

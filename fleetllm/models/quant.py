@@ -13,8 +13,8 @@ are slower than fp32 there: ``benchmarks/quant_kernels.py``). ``int4`` keeps exa
 the outlier channels; ``benchmarks/fast_path_quality.py``). ``none`` keeps exact fp32.
 
 ``q4`` keeps the Q4_1 GGUF weights as they are (:mod:`fleetllm.kernels.q4`: 4-bit levels and fp32 scales
-recovered exactly from the fp32 weights) and runs narrow steps through a C GEMV with fp32 activations: the
-same weights as fp32, only the summation order differs. The LM head, Q8_0 in the GGUF, gets the exact Q8_0
+recovered exactly from the fp32 weights) and runs steps of fewer than ``Q4_WIDE_ROWS`` tokens through a C GEMV
+with fp32 activations: the same weights as fp32, only the summation order differs. The LM head, Q8_0 in the GGUF, gets the exact Q8_0
 GEMV the same way (:mod:`fleetllm.kernels.q8`); linears that are neither, and wide steps, stay fp32.
 
 :func:`quantize_model` never changes the model it is given: it returns a copy sharing the embeddings and
@@ -31,10 +31,14 @@ import torch
 from torch import nn
 
 from fleetllm.kernels import q8
+from fleetllm.kernels.decode_stack import DecodeStack
 from fleetllm.kernels.q4 import Q4Weight, kernel_ready, q4_linear, recover_q4_1
 
 GROUP = 32
 WIDE_ROWS = 8  # steps of at least this many tokens take the int8 GEMM (issue #19: "int8 for batch ≥ 8")
+# "q4" keeps its kernels up to here: they beat fp32 ``F.linear`` per step of the decoder's linears 2.5× at 8 rows,
+# 1.1× at 32 and lose from ~64 (BENCHMARKS "q4 up to 48 rows"), where both are compute-bound on AVX2
+Q4_WIDE_ROWS = 48
 METHODS = ("none", "int4", "int4-int8", "q4")
 _CACHE: weakref.WeakKeyDictionary[nn.Module, dict[str, nn.Module]] = weakref.WeakKeyDictionary()
 # a quantised copy -> its method and its model (weakly: the model's _CACHE entry holds the copy)
@@ -142,18 +146,19 @@ class Q8Linear(nn.Module):
 
 
 class ByWidth(nn.Module):
-    """One linear layer with a kernel per regime: ``narrow`` below ``WIDE_ROWS`` rows, ``wide`` from there.
+    """One linear layer with a kernel per regime: ``narrow`` below ``rows`` rows, ``wide`` from there.
 
     ``weight``: the fp32 weight, kept only where something else reads it (the LM head's, which EAGLE
     drafters slice and which, tied, is the embedding table anyway); None for the decoder's linears.
     """
 
-    def __init__(self, narrow: nn.Module, wide: nn.Module, weight: torch.Tensor | None = None) -> None:
+    def __init__(self, narrow: nn.Module, wide: nn.Module, weight: torch.Tensor | None = None,
+                 rows: int = WIDE_ROWS) -> None:
         super().__init__()
-        self.narrow, self.wide, self.weight = narrow, wide, weight
+        self.narrow, self.wide, self.weight, self.rows = narrow, wide, weight, rows
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.wide(x) if x.shape[0] >= WIDE_ROWS else self.narrow(x)
+        return self.wide(x) if x.shape[0] >= self.rows else self.narrow(x)
 
 
 def _shallow(module: nn.Module) -> nn.Module:
@@ -168,14 +173,14 @@ def _shallow(module: nn.Module) -> nn.Module:
 def _q4_or_fp32(linear: nn.Linear) -> nn.Module:
     """``linear`` with a Q4 kernel for narrow steps when its weight is exactly Q4_1, else ``linear`` itself."""
     weight = recover_q4_1(linear.weight)
-    return linear if weight is None else ByWidth(Q4Linear(linear, weight), linear, linear.weight)
+    return linear if weight is None else ByWidth(Q4Linear(linear, weight), linear, linear.weight, Q4_WIDE_ROWS)
 
 
 def _q4_head(head: nn.Linear) -> nn.Module:
     """The LM head under "q4": the Q8_0 kernel for narrow steps when its weight is exactly Q8_0 (the GGUF's
     tied head is), else exactly Q4_1 or fp32 as a decoder linear. The fp32 weight stays shared (tied embedding)."""
     weight = q8.recover_q8_0(head.weight)
-    return _q4_or_fp32(head) if weight is None else ByWidth(Q8Linear(head, weight), head, head.weight)
+    return _q4_or_fp32(head) if weight is None else ByWidth(Q8Linear(head, weight), head, head.weight, Q4_WIDE_ROWS)
 
 
 def _decoder_linear(linear: nn.Linear, method: str) -> nn.Module:
@@ -216,6 +221,7 @@ def quantize_model(model: nn.Module, method: str | None) -> nn.Module:
         head = model.lm_head
         if method == "q4":
             q.lm_head = _q4_head(head)
+            q.decode_stack = DecodeStack.build(q, Q4_WIDE_ROWS)  # None where it does not cover the model
         else:
             q.lm_head = ByWidth(Int8Linear(head), head if method == "int4" else Int8DynamicLinear(head), head.weight)
         cached[method] = q

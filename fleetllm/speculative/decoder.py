@@ -1,32 +1,40 @@
 """What the engine asks of speculative decoding: draft for the next step, verify this step's drafts.
 
-K per request: with ``adaptive`` each request keeps a decayed estimate of its per-token acceptance
-probability a; the expected tokens from a verify of K drafts are (1 - a^(K+1)) / (1 - a), and its cost
-relative to a plain step is ``cost(B * (1+K)) / cost(B)`` for B decoding sequences (the target's step
-time measured over token counts at start-up) plus the drafting cost. The K with the best tokens per
-unit of time wins; K = 0 (no speculation) whenever nothing beats a plain step by ``MIN_GAIN``, with a cheap probe
-every ``PROBE_EVERY`` steps so a request whose text becomes predictable can win speculation back.
+K per request: with ``adaptive`` each request keeps a decayed estimate of its per-draft acceptance
+probability, and :func:`~fleetllm.speculative.adaptive_k.choose_ks` splits drafts over the batch so that
+the step emits the most tokens per second, counting the target's measured step time by row count and
+verifying requests (:mod:`fleetllm.speculative.step_cost`), what checking a verify's drafts took so far,
+and drafting. Nobody drafts when that does not beat a plain step by ``MIN_GAIN``; a request left without
+drafts for ``PROBE_EVERY`` steps (more in a batch where a probe's rows are dear: probes take at most
+``PROBE_BUDGET`` of the time) gets a probe of ``PROBE_K`` drafts so that, if its text became predictable,
+it can win speculation back.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from fleetllm.engine.sequence import Sequence
-from fleetllm.models.llama import AttentionMetadata, LlamaModel, PrefillChunk
+from fleetllm.speculative.adaptive_k import choose_ks
 from fleetllm.speculative.config import SpeculativeConfig
 from fleetllm.speculative.drafter import create_drafter
+from fleetllm.speculative.step_cost import StepCost
 from fleetllm.speculative.verify import verify
+
+if TYPE_CHECKING:
+    from fleetllm.engine.model_runner import ModelRunner
 
 PRIOR_ACCEPT, PRIOR_WEIGHT = 0.6, 2.0  # a request starts as if 2 drafts had been tried, 60% accepted
 DECAY = 0.8  # older verify steps count less: acceptance drifts with the text
-PROBE_EVERY = 16
-# A K > 0 must beat plain decoding by this much: the measured step cost leaves out speculation's own
-# per-step work (verification, features, bookkeeping), which matters when the expected gain is thin.
-MIN_GAIN = 1.10
+PROBE_EVERY = 16  # steps without drafts before a request's probe, at the least
+PROBE_K = 2
+PROBE_BUDGET = 0.02  # the share of step time probes may take: in wide batches, where rows are dear, they come rarer
+RUNNING = 0.2  # weight of the newest measure in the running averages of drafting and checking times
 
 
 @dataclass
@@ -45,51 +53,20 @@ class RequestSpecState:
         self.tried = DECAY * self.tried + accepted + (1 if accepted < k else 0)
 
 
-class StepCost:
-    """Target step time as a function of tokens in the step, measured once (piecewise linear)."""
-
-    SIZES = (1, 2, 4, 8, 9, 16, 32, 64)
-    _cache: dict[tuple[int, int], list[float]] = {}
-
-    def __init__(self, model: LlamaModel, kv_cache: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        key = (id(model), torch.get_num_threads())
-        if key not in self._cache:
-            self._cache[key] = [self._measure(model, kv_cache, n) for n in self.SIZES]
-        self.times = self._cache[key]
-
-    @staticmethod
-    @torch.inference_mode()
-    def _measure(model: LlamaModel, kv_cache: list[tuple[torch.Tensor, torch.Tensor]], n: int) -> float:
-        # Scratch slots 0..n-1: called before any request, so no cached block is overwritten.
-        slots = torch.arange(n, device=kv_cache[0][0].device)
-        meta = AttentionMetadata(slot_mapping=slots, prefills=[PrefillChunk(0, n, slots, fresh=True)])
-        ids = torch.zeros(n, dtype=torch.long, device=slots.device)
-        times = []
-        for _ in range(3):
-            t0 = time.perf_counter()
-            model.compute_logits(model(ids, slots, meta, kv_cache)[-1:])
-            if slots.is_cuda:
-                torch.cuda.synchronize()
-            times.append(time.perf_counter() - t0)
-        return sorted(times)[1]
-
-    def __call__(self, n: int) -> float:
-        sizes, times = self.SIZES, self.times
-        for i in range(1, len(sizes)):
-            if n <= sizes[i]:
-                f = (n - sizes[i - 1]) / (sizes[i] - sizes[i - 1])
-                return times[i - 1] + f * (times[i] - times[i - 1])
-        return times[-1] * n / sizes[-1]
+def _running(old: float, new: float) -> float:
+    return new if not old else old + RUNNING * (new - old)
 
 
 class SpecDecoder:
-    def __init__(self, cfg: SpeculativeConfig, loaded, kv_cache, device: str = "cpu") -> None:
+    def __init__(self, cfg: SpeculativeConfig, loaded, runner: ModelRunner | None, device: str = "cpu") -> None:
+        """``runner``: the target's model runner, whose steps adaptive K times at start-up."""
         self.cfg = cfg
         self.drafter = create_drafter(cfg.method, loaded=loaded, head=cfg.head, device=device)
         self.aux_layers = self.drafter.aux_layers
         self.max_k = cfg.k or cfg.max_k
-        self.cost = StepCost(loaded.model, kv_cache) if cfg.adaptive else None
+        self.cost = StepCost.measure(runner) if cfg.adaptive and runner is not None else None
         self.draft_cost = 0.0  # seconds per drafting call (per draft token if not one_pass), running average
+        self.check_cost = 0.0  # seconds to check one request's drafts after the forward, running average
         # counters (AL = 1 + accepted / verify_steps)
         self.num_drafts = 0
         self.num_draft_tokens = 0
@@ -97,7 +74,6 @@ class SpecDecoder:
         self.accepted_per_pos = [0] * self.max_k
         self.draft_seconds = 0.0
         self.verify_seconds = 0.0
-        self._k_cache: dict[tuple[int, int], int] = {}
 
     @property
     def acceptance_length(self) -> float:
@@ -109,53 +85,60 @@ class SpecDecoder:
         a request drafting nothing is left out."""
         if not seqs:
             return {}
-        ks = []
+        caps = []
         for seq in seqs:
             if seq.spec_state is None:
                 seq.spec_state = RequestSpecState()
             room = min(seq.max_tokens - len(seq.output_token_ids), max_model_len - seq.num_tokens) - 1
-            k = 0 if seq.params.needs_penalties else min(self._choose_k(seq.spec_state, len(seqs)), room)
-            ks.append(max(k, 0))
+            caps.append(0 if seq.params.needs_penalties else max(0, min(self.max_k, room)))
+        probes = self._probes(seqs, caps)
+        ks = self.choose(seqs, caps, probes, drafting=True)
         if not any(ks):
             return {}
         t0 = time.perf_counter()
         drafts = self.drafter.propose(seqs, ks)
         dt = time.perf_counter() - t0
         self.draft_seconds += dt
-        unit = dt if self.drafter.one_pass else dt / max(ks)
-        self.draft_cost = unit if not self.draft_cost else 0.8 * self.draft_cost + 0.2 * unit
-        return {seq.request_id: list(d[:k]) for seq, d, k in zip(seqs, drafts, ks, strict=True) if k and d}
+        self.draft_cost = _running(self.draft_cost, dt if self.drafter.one_pass else dt / max(ks))
+        # drafts may come back shorter: split again over what was drafted (drafting is paid for by now)
+        ks = self.choose(seqs, [len(d[:k]) for d, k in zip(drafts, ks, strict=True)], probes, drafting=False)
+        return {seq.request_id: list(d[:k]) for seq, d, k in zip(seqs, drafts, ks, strict=True) if k}
 
-    def _choose_k(self, st: RequestSpecState, batch: int) -> int:
-        if not self.cfg.adaptive:
-            return self.max_k
-        a = round(st.accept_rate, 2)
-        key = (int(a * 100), batch, int(self.draft_cost * 2000))
-        if key not in self._k_cache:
-            self._k_cache[key] = self._best_k(a, batch)
-        k = self._k_cache[key]
-        if k == 0:
-            st.steps_off += 1
-            if st.steps_off >= PROBE_EVERY:
-                st.steps_off = 0
-                return min(2, self.max_k)
-        return k
+    def choose(self, seqs: list[Sequence], caps: list[int], probes: list[int], drafting: bool) -> list[int]:
+        """Drafts per request (``caps`` the most each may get; ``probes`` the least); counts steps without."""
+        if self.cost is None:
+            return caps
+        unit = self.draft_cost if drafting else 0.0
+        per_k = not self.drafter.one_pass
+        ks = choose_ks([q.spec_state.accept_rate for q in seqs], caps, self._step_seconds,
+                       lambda longest: unit * (longest if per_k else 1) if longest else 0.0, probes)
+        for seq, k in zip(seqs, ks, strict=True):
+            seq.spec_state.steps_off = 0 if k else seq.spec_state.steps_off + drafting
+        return ks
 
-    def _best_k(self, a: float, batch: int) -> int:
-        base = self.cost(batch)
-        best_k, best = 0, MIN_GAIN / 1.02
-        for k in range(1, self.max_k + 1):
-            tokens = (1 - a ** (k + 1)) / (1 - a)
-            draft = self.draft_cost * (1 if self.drafter.one_pass else k)
-            gain = tokens / ((self.cost(batch * (1 + k)) + draft) / base)
-            if gain > best * 1.02:  # a K must clearly beat plain decode (MIN_GAIN) and the next-smaller K
-                best_k, best = k, gain
-        return best_k
+    def _probes(self, seqs: list[Sequence], caps: list[int]) -> list[int]:
+        """``PROBE_K`` drafts for each request that has gone ``probe_every`` steps without any."""
+        if self.cost is None:
+            return [0] * len(seqs)
+        every = self.probe_every(len(seqs))
+        return [min(PROBE_K, c) if q.spec_state.steps_off >= every - 1 else 0 for q, c in zip(seqs, caps, strict=True)]
+
+    def probe_every(self, batch: int) -> int:
+        """Steps between a request's probes in a batch of ``batch``: with one probe in flight per ``every / batch``
+        steps, each adding ``PROBE_K`` rows and a verifying request, probes take ``PROBE_BUDGET`` of the time."""
+        plain = self._step_seconds(batch, 0)
+        share = (self._step_seconds(batch + PROBE_K, 1) - plain) / plain
+        return max(PROBE_EVERY, math.ceil(batch * share / PROBE_BUDGET))
+
+    def _step_seconds(self, rows: int, verifying: int) -> float:
+        return self.cost(rows, verifying) + verifying * self.check_cost
 
     # ---- verification --------------------------------------------------------------------------------
     def verify(self, seq: Sequence, logits: torch.Tensor, drafts: list[int]) -> list[int]:
         """The tokens ``seq`` emits this step (accepted drafts + one target token); updates the counters."""
+        t0 = time.perf_counter()
         tokens = verify(logits, drafts, seq.params, seq.generator)
+        self.check_cost = _running(self.check_cost, time.perf_counter() - t0)
         accepted = len(tokens) - 1
         self.num_drafts += 1
         self.num_draft_tokens += len(drafts)

@@ -45,13 +45,14 @@ class Format:
     name: str
     weight: Callable[..., torch.Tensor]
     recover: Callable[[torch.Tensor], Any]
+    recover_eager: Callable[[torch.Tensor], Any]
     linear: Callable[..., torch.Tensor | None]
     ready: Callable[[bool], bool]
     library: Any
 
 
-Q4 = Format("q4_1", q4_1_weight, q4.recover_q4_1, q4.q4_linear, q4.kernel_ready, q4.LIBRARY)
-Q8 = Format("q8_0", q8_0_weight, q8.recover_q8_0, q8.q8_linear, q8.kernel_ready, q8.LIBRARY)
+Q4 = Format("q4_1", q4_1_weight, q4.recover_q4_1, q4.recover_q4_1_eager, q4.q4_linear, q4.kernel_ready, q4.LIBRARY)
+Q8 = Format("q8_0", q8_0_weight, q8.recover_q8_0, q8.recover_q8_0_eager, q8.q8_linear, q8.kernel_ready, q8.LIBRARY)
 FORMATS = pytest.mark.parametrize("fmt", [Q4, Q8], ids=lambda f: f.name)
 
 
@@ -99,6 +100,35 @@ def test_a_q4_1_weight_is_not_taken_for_q8_0() -> None:
     levels[..., 0], levels[..., 1] = 0, 15
     w = ((levels * 0.013).half().float() - 0.1).reshape(8, 64)  # a nonzero minimum: not d * q
     assert q8.recover_q8_0(w) is None
+
+
+def _nudged(w: torch.Tensor) -> torch.Tensor:
+    """``w`` with one weight moved by one ulp: no longer a dequantisation."""
+    w = w.clone()
+    w[3, 40] = torch.nextafter(w[3, 40], torch.tensor(1.0))
+    return w
+
+
+def _with(w: torch.Tensor, value: float) -> torch.Tensor:
+    w = w.clone()
+    w[1, 7] = value
+    return w
+
+
+@FORMATS
+@pytest.mark.parametrize("case", ["exact", "random", "nudged", "nan", "inf", "zeros", "huge"])
+def test_c_recovery_is_the_eager_one_bit_for_bit(fmt: Format, case: str) -> None:
+    if not fmt.ready(True):
+        pytest.skip(f"C kernel unavailable: {fmt.library.error}")
+    exact = fmt.weight(48, 96, seed=3)
+    w = {"exact": exact, "random": torch.randn(48, 96), "nudged": _nudged(exact), "nan": _with(exact, float("nan")),
+         "inf": _with(exact, float("inf")), "zeros": torch.zeros(48, 96), "huge": exact * 1e9}[case]
+    c, eager = fmt.recover(w), fmt.recover_eager(w)
+    assert (c is None) == (eager is None)
+    assert (c is not None) == (case in ("exact", "zeros"))
+    if c is not None:
+        for name in c.__dataclass_fields__:
+            assert torch.equal(getattr(c, name), getattr(eager, name)), name
 
 
 # ---- the kernels -----------------------------------------------------------------------------------------

@@ -14,6 +14,7 @@ import pytest
 from fleetllm import LLM, SamplingParams
 from fleetllm.models.loader import LoadedModel
 from fleetllm.speculative.eagle import head_path
+from fleetllm.speculative.step_cost import StepCost
 
 CHAT = [
     "What is the capital of France?", "Explain photosynthesis to a child.", "Give me a haiku about the sea.",
@@ -132,3 +133,12 @@ def test_logprobs_of_verified_tokens_match_plain_decoding(loaded: LoadedModel, p
     assert [lp.token_id for lp in spec] == [lp.token_id for lp in plain]
     assert [[t for t, _ in lp.top] for lp in spec] == [[t for t, _ in lp.top] for lp in plain]
     assert max(abs(a.logprob - b.logprob) for a, b in zip(spec, plain, strict=True)) < 1e-3
+
+
+def test_adaptive_k_over_a_batch_equals_greedy_without(loaded: LoadedModel, prompt_ids, reference) -> None:
+    # adaptive K splits drafts over the batch, then again over what was drafted; a flat step cost (verifies
+    # free) makes it draft whatever it can, whatever this machine's measured cost would decide
+    llm = LLM(loaded=loaded, num_blocks=512, speculative="method=suffix")
+    llm.engine.spec.cost = StepCost([1, 1024], [1.0, 1.0])
+    assert [r.outputs[0].token_ids for r in llm.generate(prompt_ids, greedy())] == reference
+    assert llm.engine.spec.num_accepted > 0

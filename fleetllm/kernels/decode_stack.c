@@ -1,0 +1,193 @@
+/* A decode step through a Llama-family decoder stack with Q4_1 weights, in one call from Python.
+ *
+ * Each of the step's rows is a query over its sequence's cached context: one sequence's next token, or one
+ * of a short chunk's queries (speculative verification: the last token and its drafts). Per layer: RMSNorm, the fused qkv GEMV, RoPE (HF's
+ * "rotate half" layout, each product and sum rounded as PyTorch's `q * cos + rotate_half(q) * sin` rounds
+ * them), the new K/V written into the paged cache (fp32, fp16 or bf16), paged attention, the o GEMV and the
+ * residual add; RMSNorm, the fused gate_up GEMV, SiLU(gate) * up, the down GEMV and the residual add. The
+ * GEMVs and attention are q4_gemv.c's and paged_attention.c's own functions, passed in as pointers from
+ * their libraries, so this file holds only the glue that PyTorch would otherwise dispatch op by op (about
+ * forty ops a layer, which cost more than the arithmetic at narrow steps). Element-wise work runs on the
+ * calling thread: at a few rows it is microseconds, and an OpenMP region would cost more to wake.
+ * AVX2 + FMA is required (the caller checks `decode_stack_isa`); there is no scalar path: without AVX2 the
+ * model takes its op-by-op path.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+#include <immintrin.h>
+
+typedef int (*gemv_fn)(const float *x, long ldx, const uint8_t *w, const float *d, const float *m, float *y,
+                       long ldy, int rows, int n, int k_in, int threads, int vector);
+typedef int (*attend_fn)(const float *q, long q_row_stride, const void *k_cache, const void *v_cache,
+                         int kv_dtype, const int32_t *tables, int table_stride, const int32_t *table_of,
+                         const int32_t *context_lens, float *out, long out_row_stride, int rows, int heads,
+                         int kv_heads, int head_dim, int block_size, int window, float scale, int threads);
+
+enum { KV_F32 = 0, KV_F16 = 1, KV_BF16 = 2 };
+
+typedef struct { const uint8_t *packed; const float *d, *m; } Q4;  /* see q4_gemv.c for the layout */
+
+typedef struct {
+    const float *norm1, *norm2;  /* input and post-attention RMSNorm weights [hidden] */
+    Q4 qkv, o, gate_up, down;
+} Layer;
+
+typedef struct {
+    const Layer *layers;
+    int n_layers, hidden, heads, kv_heads, head_dim, inter, block_size, kv_dtype;
+    float eps, scale;
+    const float *cos, *sin;  /* RoPE tables [positions, head_dim] */
+    gemv_fn gemv;
+    attend_fn attend;
+} Model;
+
+typedef struct {
+    float *h;  /* [rows, hidden] residual stream, updated in place */
+    int rows, threads;
+    const int64_t *positions, *slots;  /* per row: its position and the cache slot of its new K/V */
+    const int32_t *tables, *lens;      /* block tables (table_stride apart); per row: context length */
+    const int32_t *table_of;           /* per row: its table (NULL: row r reads table r) */
+    int table_stride;
+    void *const *k_caches, *const *v_caches;  /* per layer: [slots, kv_heads, head_dim] */
+    float *scratch;  /* rows * (hidden + qkv width + heads * head_dim + 3 * inter) floats */
+} Step;
+
+int decode_stack_isa(void) {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c") ? 2 : 0;
+}
+
+/* out = x * (1 / sqrt(mean(x^2) + eps)) * w, per row. */
+__attribute__((target("avx2,fma")))
+static void rms_norm(const float *x, const float *w, float eps, int rows, int n, float *out) {
+    for (int r = 0; r < rows; r++) {
+        const float *xr = x + (long)r * n;
+        float *o = out + (long)r * n;
+        __m256 acc = _mm256_setzero_ps();
+        int i = 0;
+        for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(xr + i), _mm256_loadu_ps(xr + i), acc);
+        float ss[8], s = 0.f;
+        _mm256_storeu_ps(ss, acc);
+        for (int j = 0; j < 8; j++) s += ss[j];
+        for (; i < n; i++) s += xr[i] * xr[i];
+        const float inv = 1.f / sqrtf(s / n + eps);
+        for (i = 0; i < n; i++) o[i] = xr[i] * inv * w[i];
+    }
+}
+
+/* RoPE on `count` heads of one row, in place: v[i] * cos[i] + rotate_half(v)[i] * sin[i]. */
+static void rope(float *v, int count, int dim, const float *cos, const float *sin) {
+    const int half = dim / 2;
+    float tmp[512];
+    for (int hd = 0; hd < count; hd++) {
+        float *x = v + (long)hd * dim;
+        for (int i = 0; i < dim; i++) {
+            const float rot = i < half ? -x[i + half] : x[i - half];
+            const float a = x[i] * cos[i], b = rot * sin[i];
+            tmp[i] = a + b;
+        }
+        memcpy(x, tmp, sizeof(float) * dim);
+    }
+}
+
+static inline uint16_t to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffff) > 0x7f800000) return (uint16_t)((u >> 16) | 0x40);  /* NaN stays NaN */
+    return (uint16_t)((u + 0x7fff + ((u >> 16) & 1)) >> 16);  /* round to nearest even */
+}
+
+__attribute__((target("f16c")))
+static void store_kv(void *cache, int dtype, long slot, const float *x, int n) {
+    if (dtype == KV_F32) {
+        memcpy((float *)cache + slot * n, x, sizeof(float) * n);
+    } else if (dtype == KV_F16) {
+        uint16_t *o = (uint16_t *)cache + slot * n;
+        for (int i = 0; i < n; i++) o[i] = _cvtss_sh(x[i], _MM_FROUND_TO_NEAREST_INT);
+    } else {
+        uint16_t *o = (uint16_t *)cache + slot * n;
+        for (int i = 0; i < n; i++) o[i] = to_bf16(x[i]);
+    }
+}
+
+/* e^x for 8 lanes: Cephes' expf (range reduction by ln 2 in two parts, degree-6 polynomial), ~1 ulp. */
+__attribute__((target("avx2,fma")))
+static inline __m256 exp8(__m256 x) {
+    x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.3762626647949f)), _mm256_set1_ps(-87.3365478515625f));
+    const __m256 fx = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
+    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+    y = _mm256_add_ps(_mm256_fmadd_ps(y, _mm256_mul_ps(x, x), x), _mm256_set1_ps(1.f));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+
+/* act[r, i] = silu(gu[r, i]) * gu[r, inter + i]: gate and up are the two halves of the fused output. */
+__attribute__((target("avx2,fma")))
+static void silu_mul(const float *gu, int rows, int inter, float *act) {
+    const __m256 one = _mm256_set1_ps(1.f), sign = _mm256_set1_ps(-0.f);
+    for (int r = 0; r < rows; r++) {
+        const float *g = gu + (long)r * 2 * inter, *u = g + inter;
+        float *a = act + (long)r * inter;
+        int i = 0;
+        for (; i + 8 <= inter; i += 8) {
+            const __m256 x = _mm256_loadu_ps(g + i);
+            const __m256 s = _mm256_div_ps(x, _mm256_add_ps(one, exp8(_mm256_xor_ps(x, sign))));
+            _mm256_storeu_ps(a + i, _mm256_mul_ps(s, _mm256_loadu_ps(u + i)));
+        }
+        for (; i < inter; i++) a[i] = g[i] / (1.f + expf(-g[i])) * u[i];
+    }
+}
+
+static void add_into(float *h, const float *x, long n) {
+    for (long i = 0; i < n; i++) h[i] += x[i];
+}
+
+/* One layer for every row of the step; returns the first nonzero status of a GEMV or attention call. */
+static int layer(const Model *md, const Layer *ly, const Step *st, int li, float *xn, float *qkv, float *attn,
+                 float *gu, float *act) {
+    const int R = st->rows, H = md->hidden, D = md->head_dim, kvw = md->kv_heads * D;
+    const int qw = md->heads * D, width = qw + 2 * kvw;
+    int rc = 0;
+    rms_norm(st->h, ly->norm1, md->eps, R, H, xn);
+    rc |= md->gemv(xn, H, ly->qkv.packed, ly->qkv.d, ly->qkv.m, qkv, width, R, width, H, st->threads, 1);
+    for (int r = 0; r < R; r++) {
+        float *row = qkv + (long)r * width;
+        const float *c = md->cos + st->positions[r] * D, *s = md->sin + st->positions[r] * D;
+        rope(row, md->heads + md->kv_heads, D, c, s);  /* q heads, then the k heads right after them */
+        store_kv(st->k_caches[li], md->kv_dtype, st->slots[r], row + qw, kvw);
+        store_kv(st->v_caches[li], md->kv_dtype, st->slots[r], row + qw + kvw, kvw);
+    }
+    rc |= md->attend(qkv, width, st->k_caches[li], st->v_caches[li], md->kv_dtype, st->tables, st->table_stride,
+                     st->table_of, st->lens, attn, qw, R, md->heads, md->kv_heads, D, md->block_size, 0, md->scale, st->threads);
+    rc |= md->gemv(attn, qw, ly->o.packed, ly->o.d, ly->o.m, xn, H, R, H, qw, st->threads, 1);
+    add_into(st->h, xn, (long)R * H);
+    rms_norm(st->h, ly->norm2, md->eps, R, H, xn);
+    rc |= md->gemv(xn, H, ly->gate_up.packed, ly->gate_up.d, ly->gate_up.m, gu, 2 * md->inter, R, 2 * md->inter, H,
+                   st->threads, 1);
+    silu_mul(gu, R, md->inter, act);
+    rc |= md->gemv(act, md->inter, ly->down.packed, ly->down.d, ly->down.m, xn, H, R, H, md->inter, st->threads, 1);
+    add_into(st->h, xn, (long)R * H);
+    return rc;
+}
+
+/* Every layer of the model over the step's rows. Returns 0, or nonzero when a kernel call failed. */
+int decode_stack(const Model *md, const Step *st) {
+    const int R = st->rows, D = md->head_dim;
+    if (D > 512 || D % 2) return -2;
+    float *xn = st->scratch, *qkv = xn + (long)R * md->hidden;
+    float *attn = qkv + (long)R * (md->heads + 2 * md->kv_heads) * D, *gu = attn + (long)R * md->heads * D;
+    float *act = gu + (long)R * 2 * md->inter;
+    for (int li = 0; li < md->n_layers; li++) {
+        const int rc = layer(md, md->layers + li, st, li, xn, qkv, attn, gu, act);
+        if (rc) return rc;
+    }
+    return 0;
+}

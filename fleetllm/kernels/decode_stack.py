@@ -1,0 +1,198 @@
+"""A decode step through a ``q4`` Llama decoder stack in one C call (``decode_stack.c``).
+
+At narrow steps the arithmetic of a layer is a few hundred microseconds of GEMV, and PyTorch's op-by-op
+dispatch of everything around it (norms, RoPE, splits, cache writes, residual adds: about forty ops a layer)
+cost as much again. :class:`DecodeStack` holds one layer table for the C function, which runs every layer
+for every row of a step whose rows are all single decode tokens, calling the Q4 GEMV and the paged attention
+kernel of their own libraries (passed as function pointers, so each kernel has one source). A step is taken
+when every row is a decode token or a query of a chunk of at most ``MAX_CHUNK`` tokens over cached context
+(speculative verification); any other step (a prompt's prefill, 48 rows or more, a kernel not built, a model
+it does not cover) takes the model's op-by-op path. ``FLEETLLM_DECODE_STACK=eager`` keeps every step there.
+
+Numerics: the same weights and the same GEMV and attention kernels as the op-by-op ``q4`` path; RMSNorm and
+SiLU round differently from PyTorch's (summation order, a polynomial ``exp``), RoPE the same. So a token's
+logits differ from the op-by-op path's by float rounding, as ``q4``'s already differ from fp32's.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fleetllm.kernels import attention, q4
+from fleetllm.kernels.build import KernelLibrary
+
+_enabled = os.environ.get("FLEETLLM_DECODE_STACK", "auto") != "eager"
+MAX_CHUNK = 8  # queries of a chunk over cached context the stack takes (verification of up to 7 drafts)
+P, INT, FLOAT = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+
+
+class _Q4(ctypes.Structure):
+    _fields_ = [("packed", P), ("d", P), ("m", P)]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [("norm1", P), ("norm2", P), ("qkv", _Q4), ("o", _Q4), ("gate_up", _Q4), ("down", _Q4)]
+
+
+class _Model(ctypes.Structure):
+    _fields_ = [("layers", P), ("n_layers", INT), ("hidden", INT), ("heads", INT), ("kv_heads", INT), ("head_dim", INT),
+                ("inter", INT), ("block_size", INT), ("kv_dtype", INT), ("eps", FLOAT), ("scale", FLOAT), ("cos", P),
+                ("sin", P), ("gemv", P), ("attend", P)]
+
+
+class _Step(ctypes.Structure):
+    _fields_ = [("h", P), ("rows", INT), ("threads", INT), ("positions", P), ("slots", P), ("tables", P), ("lens", P),
+                ("table_of", P), ("table_stride", INT), ("k_caches", P), ("v_caches", P), ("scratch", P)]
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    lib.decode_stack.argtypes = [ctypes.POINTER(_Model), ctypes.POINTER(_Step)]
+    lib.decode_stack.restype = INT
+    lib.decode_stack_isa.restype = INT
+
+
+LIBRARY = KernelLibrary(Path(__file__).with_name("decode_stack.c"), _declare)
+
+
+@dataclass(frozen=True)
+class Rows:
+    """What each row of a step reads: block tables, each row's table (None: row i reads table i) and its
+    context length (its own position included; a chunk's queries end at 1, 2, ... past the cached context)."""
+
+    tables: torch.Tensor  # [tables, max_blocks] int32
+    table_of: torch.Tensor | None  # [rows] int32
+    lens: torch.Tensor  # [rows] int32
+
+    @classmethod
+    def of(cls, meta: Any, rows: int) -> Rows | None:
+        """The rows of a step of decode tokens and short chunks over cached context; None for any other step."""
+        n_dec = 0 if meta.decode_idx is None else meta.decode_idx.shape[0]
+        if n_dec and meta.decode_tables is None:
+            return None
+        if not meta.prefills:
+            ok = n_dec == rows
+            return cls(meta.decode_tables.to(torch.int32).contiguous(), None, meta.decode_lens.to(torch.int32).contiguous()) if ok else None
+        chunks = meta.prefills
+        if any(c.fresh or c.block_table is None or c.window is not None or c.end - c.start > MAX_CHUNK
+               for c in chunks) or n_dec + sum(c.end - c.start for c in chunks) != rows:
+            return None
+        tables = [*(meta.decode_tables.tolist() if n_dec else []), *(c.block_table.tolist() for c in chunks)]
+        width = max(len(t) for t in tables)
+        table_of, lens = [0] * rows, [0] * rows
+        if n_dec:
+            for i, (r, n) in enumerate(zip(meta.decode_idx.tolist(), meta.decode_lens.tolist(), strict=True)):
+                table_of[r], lens[r] = i, n
+        for i, c in enumerate(chunks):
+            first = c.context_len - (c.end - c.start)
+            for j in range(c.end - c.start):
+                table_of[c.start + j], lens[c.start + j] = n_dec + i, first + j + 1
+        padded = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+        return cls(padded, torch.tensor(table_of, dtype=torch.int32), torch.tensor(lens, dtype=torch.int32))
+
+
+def _q4(linear: Any) -> q4.Q4Weight | None:
+    """The Q4 weight behind a ``q4`` linear (``ByWidth`` over a ``Q4Linear``), else None."""
+    narrow = getattr(linear, "narrow", None)
+    return getattr(narrow, "q4", None)
+
+
+def _struct(w: q4.Q4Weight) -> _Q4:
+    return _Q4(w.packed.data_ptr(), w.d.data_ptr(), w.m.data_ptr())
+
+
+class DecodeStack:
+    """The C path for one ``q4`` Llama model's pure decode steps; :meth:`build` says whether it covers it."""
+
+    def __init__(self, model: Any, layers: list[dict[str, Any]], max_rows: int) -> None:
+        cfg, attn = model.cfg, model.layers[0].attn
+        self.max_rows = max_rows
+        self.hidden, self.inter = cfg.hidden_size, cfg.intermediate_size
+        self.width = (attn.h + 2 * attn.hkv) * attn.d
+        self.q_width = attn.h * attn.d
+        self._keep = layers  # every weight pointer below points into these
+        self._layers = (_Layer * len(layers))(*(
+            _Layer(ly["norm1"].data_ptr(), ly["norm2"].data_ptr(), _struct(ly["qkv"]), _struct(ly["o"]),
+                   _struct(ly["gate_up"]), _struct(ly["down"])) for ly in layers))
+        self._model = _Model(ctypes.addressof(self._layers), len(layers), cfg.hidden_size, attn.h, attn.hkv, attn.d,
+                             cfg.intermediate_size, 0, 0, cfg.rms_norm_eps, attn.scale, None, None, None, None)
+        self._caches: dict[tuple[int, ...], tuple[Any, Any]] = {}
+
+    @classmethod
+    def build(cls, model: Any, max_rows: int) -> DecodeStack | None:
+        """The stack for ``model`` (a ``q4`` copy of a Llama model), or None when any layer is not covered:
+        a linear that is not Q4_1, q/k norms, attention biases, GeGLU, or a non-fp32 or non-contiguous tensor."""
+        if not hasattr(model, "layers") or not hasattr(model, "rotary"):
+            return None
+        layers = []
+        for layer in model.layers:
+            attn, mlp = layer.attn, layer.mlp
+            if getattr(attn, "q_norm", None) is not None or getattr(mlp, "gelu", True) or type(layer).__name__ != "DecoderLayer":
+                return None
+            if getattr(attn.qkv, "bias", None) is not None:
+                return None
+            ws = {"qkv": _q4(attn.qkv), "o": _q4(attn.o), "gate_up": _q4(mlp.gate_up), "down": _q4(mlp.down),
+                  "norm1": layer.input_norm.weight, "norm2": layer.post_attn_norm.weight}
+            if any(w is None for w in ws.values()):
+                return None
+            layers.append(ws)
+        tensors = [ly[k] for ly in layers for k in ("norm1", "norm2")]
+        if any(t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous() for t in tensors):
+            return None
+        return cls(model, layers, max_rows)
+
+    def plan(self, h: torch.Tensor, meta: Any, k_cache: torch.Tensor, rotary: Any) -> Rows | None:
+        """The step's rows for the C path, or None when the step must go op by op (see the module doc)."""
+        rows = h.shape[0]
+        if not _enabled or rows >= self.max_rows or meta.window is not None:
+            return None
+        if h.dtype != torch.float32 or h.device.type != "cpu" or k_cache.dtype not in attention.KV_DTYPES:
+            return None
+        if any(t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous()
+               for t in (rotary.cos, rotary.sin)):
+            return None
+        libs = (LIBRARY.get(), q4.LIBRARY.get() if q4.kernel_enabled() else None,
+                attention.LIBRARY.get() if attention.kernel_enabled() else None)
+        if any(lib is None for lib in libs) or LIBRARY.lib.decode_stack_isa() != 2:
+            return None
+        return Rows.of(meta, rows)
+
+    def run(self, h: torch.Tensor, positions: torch.Tensor, meta: Any,
+            kv_cache: list[tuple[torch.Tensor, torch.Tensor]], rotary: Any, rows: Rows) -> None:
+        """Every layer over ``h [rows, hidden]`` in place (``rows`` from :meth:`plan`); RoPE from ``rotary``'s tables."""
+        n = h.shape[0]
+        positions = positions.to(torch.int64).contiguous()
+        slots = meta.slot_mapping.to(torch.int64).contiguous()
+        scratch = torch.empty(n * (self.hidden + self.width + self.q_width + 3 * self.inter))
+        k_ptrs, v_ptrs = self._cache_pointers(kv_cache)
+        md = _Model.from_buffer_copy(self._model)  # per call: engines sharing this model may run at once
+        md.block_size, md.kv_dtype = meta.block_size, attention.KV_DTYPES[kv_cache[0][0].dtype]
+        md.cos, md.sin = rotary.cos.data_ptr(), rotary.sin.data_ptr()
+        md.gemv = ctypes.cast(q4.LIBRARY.lib.q4_gemv, P).value
+        md.attend = ctypes.cast(attention.LIBRARY.lib.paged_attention, P).value
+        table_of = None if rows.table_of is None else rows.table_of.data_ptr()
+        step = _Step(h.data_ptr(), n, torch.get_num_threads(), positions.data_ptr(), slots.data_ptr(),
+                     rows.tables.data_ptr(), rows.lens.data_ptr(), table_of, rows.tables.stride(0),
+                     ctypes.addressof(k_ptrs), ctypes.addressof(v_ptrs), scratch.data_ptr())
+        rc = LIBRARY.lib.decode_stack(ctypes.byref(md), ctypes.byref(step))
+        if rc != 0:
+            raise RuntimeError(f"decode_stack failed with status {rc}")
+
+    def _cache_pointers(self, kv_cache: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[Any, Any]:
+        """The per-layer K and V cache pointer arrays, made once per set of caches (an engine's)."""
+        key = tuple(t.data_ptr() for pair in kv_cache for t in pair)
+        if key not in self._caches:
+            n = len(kv_cache)
+            self._caches[key] = ((P * n)(*(k.data_ptr() for k, _ in kv_cache)), (P * n)(*(v.data_ptr() for _, v in kv_cache)))
+        return self._caches[key]
+
+
+def set_enabled(enabled: bool) -> None:
+    """Let pure decode steps take the C path (True, the default) or keep them op by op (False)."""
+    global _enabled
+    _enabled = enabled

@@ -1,0 +1,115 @@
+"""What a decode step of the target costs, measured once at start-up: the input of adaptive K.
+
+A step's time is modelled as ``rows(n) + per_verify * v`` for ``n`` token rows of which ``v`` sequences
+verify drafts. ``rows`` is piecewise linear over measured row counts; the counts include both sides of
+every kernel bound in the model (a quantised linear switching kernels at a row count, :class:`ByWidth`), so
+the jump there is measured, not interpolated across. ``per_verify`` is what a verifying sequence adds
+over the same rows decoded one per sequence (its chunk attention call per layer, its inputs).
+
+Measured through :meth:`ModelRunner.execute` itself, on scratch sequences that share two blocks of the
+KV pool (nothing is cached before the first request): every row's logits, as a verify step computes
+them. On a shared machine one step can take twice its time, so every size is timed ``REPEATS`` times in
+interleaved rounds (a slow spell stretches every size alike, not one) and the fastest is kept: noise
+only ever adds time.
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+import weakref
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from fleetllm.engine.params import SamplingParams
+from fleetllm.engine.scheduler import Scheduled
+from fleetllm.engine.sequence import Sequence
+from fleetllm.models.quant import ByWidth
+
+if TYPE_CHECKING:
+    from fleetllm.engine.model_runner import ModelRunner
+
+POWERS = (1, 2, 4, 8, 16, 32, 64, 128)
+REPEATS = 3
+VERIFY_ROWS = 16  # the per-verify overhead is measured on this many rows, verified two by two
+
+
+@dataclass
+class StepCost:
+    """Seconds of a step of ``n`` rows, ``v`` of its sequences verifying drafts: ``cost(n, v)``."""
+
+    sizes: list[int]  # row counts measured, ascending
+    times: list[float]  # seconds of a decode step of that many rows (one row per sequence)
+    per_verify: float = 0.0  # seconds a verifying sequence adds
+
+    def __call__(self, n: int, verifying: int = 0) -> float:
+        return self.rows(n) + self.per_verify * verifying
+
+    def rows(self, n: int) -> float:
+        """Time of ``n`` rows: linear between measured counts, proportional beyond the last."""
+        sizes, times = self.sizes, self.times
+        i = bisect.bisect_left(sizes, n)
+        if i == 0:
+            return times[0]
+        if i == len(sizes):
+            return times[-1] * n / sizes[-1]
+        f = (n - sizes[i - 1]) / (sizes[i] - sizes[i - 1])
+        return times[i - 1] + f * (times[i] - times[i - 1])
+
+    @classmethod
+    def measure(cls, runner: ModelRunner, max_rows: int = 128) -> StepCost:
+        """Time the target's steps on ``runner`` (once per model and thread count in a process)."""
+        mine = _MEASURED.setdefault(runner.model, {})
+        key = (torch.get_num_threads(), max_rows)
+        if key not in mine:
+            mine[key] = _measure(runner, row_sizes(runner.model, max_rows))
+        return mine[key]
+
+
+# per model (weakly: engines over other weights measure their own), then per (threads, max_rows)
+_MEASURED: weakref.WeakKeyDictionary[torch.nn.Module, dict[tuple[int, int], StepCost]] = weakref.WeakKeyDictionary()
+
+
+def row_sizes(model: torch.nn.Module, max_rows: int) -> list[int]:
+    """Row counts to measure: powers of two up to ``max_rows`` and both sides of every kernel bound below it."""
+    bounds = {m.rows for m in model.modules() if isinstance(m, ByWidth)}
+    sizes = {n for n in POWERS if n <= max_rows} | {n for b in bounds for n in (b - 1, b) if 1 <= n <= max_rows}
+    return sorted(sizes)
+
+
+def _measure(runner: ModelRunner, sizes: list[int]) -> StepCost:
+    best = {n: float("inf") for n in sizes}
+    pairs = min(VERIFY_ROWS, sizes[-1]) // 2
+    best_verify = float("inf")
+    for _ in range(REPEATS):
+        for n in sizes:
+            best[n] = min(best[n], _time_step(runner, n, 0))
+        if pairs:
+            best_verify = min(best_verify, _time_step(runner, pairs, 1))
+    times = [best[n] for n in sizes]
+    for i in range(1, len(times)):  # more rows never cost less: what is left of the noise
+        times[i] = max(times[i], times[i - 1])
+    cost = StepCost(sizes, times)
+    if pairs:
+        cost.per_verify = max(0.0, (best_verify - cost.rows(2 * pairs)) / pairs)
+    return cost
+
+
+@torch.inference_mode()
+def _time_step(runner: ModelRunner, seqs: int, drafts: int) -> float:
+    """Seconds of one step of ``seqs`` scratch sequences, each computing its next token and ``drafts`` drafts."""
+    bs = runner.block_size
+    prompt = [0] * (bs - 1)  # the step's tokens stay within the first two blocks
+    batch = []
+    for i in range(seqs):
+        seq = Sequence(f"step-cost-{i}", prompt, SamplingParams(), max_tokens=1, block_table=[0, 1])
+        seq.num_computed_tokens = len(prompt) - 1
+        batch.append(Scheduled(seq, 1 + drafts, [0] * drafts))
+    rows = list(range(seqs * (1 + drafts)))
+    t0 = time.perf_counter()
+    logits, _ = runner.execute(batch, rows)
+    if logits.is_cuda:
+        torch.cuda.synchronize()
+    return time.perf_counter() - t0

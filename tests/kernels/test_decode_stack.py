@@ -1,0 +1,152 @@
+"""A ``q4`` model's pure decode steps in one C call equal its op-by-op steps up to float rounding."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fleetllm import LLM, SamplingParams
+from fleetllm.kernels import attention, decode_stack, q4
+from fleetllm.kernels.decode_stack import DecodeStack
+from fleetllm.models.llama import AttentionMetadata, PrefillChunk
+from fleetllm.models.quant import Q4_WIDE_ROWS, quantize_model
+
+BLOCK = 16
+
+
+@pytest.fixture(scope="module")
+def q4_model(loaded_model):
+    libs = (decode_stack.LIBRARY.get(True), q4.LIBRARY.get(True), attention.LIBRARY.get(True))
+    if any(lib is None for lib in libs):
+        pytest.skip("a C kernel is unavailable")
+    model = quantize_model(loaded_model.model, "q4")
+    assert model.decode_stack is not None
+    return model
+
+
+def decode_step(model, lens: list[int], dtype: torch.dtype, seed: int = 0):
+    """Inputs of one decode step: a row per sequence with ``lens[i]`` positions (its new token included),
+    scattered blocks, and caches filled with noise for the context."""
+    g = torch.Generator().manual_seed(seed)
+    attn = model.layers[0].attn
+    blocks = sum(-(-n // BLOCK) for n in lens) + 4
+    order = torch.randperm(blocks, generator=g).tolist()
+    tables, slots = torch.zeros(len(lens), -(-max(lens) // BLOCK), dtype=torch.int32), []
+    for r, n in enumerate(lens):
+        row = [order.pop() for _ in range(-(-n // BLOCK))]
+        tables[r, : len(row)] = torch.tensor(row, dtype=torch.int32)
+        slots.append(row[(n - 1) // BLOCK] * BLOCK + (n - 1) % BLOCK)
+    caches = [tuple(torch.randn(blocks * BLOCK, attn.hkv, attn.d, generator=g).to(dtype) for _ in range(2))
+              for _ in model.layers]
+    meta = AttentionMetadata(slot_mapping=torch.tensor(slots), decode_idx=torch.arange(len(lens)),
+                             decode_tables=tables, decode_lens=torch.tensor(lens, dtype=torch.int32), block_size=BLOCK)
+    ids = torch.randint(0, 49152, (len(lens),), generator=g)
+    return ids, torch.tensor(lens) - 1, meta, caches
+
+
+def verify_step(model, lens: list[int], chunk: int, dtype: torch.dtype):
+    """A step whose last sequence verifies ``chunk - 1`` drafts: its last ``chunk`` positions are queries over
+    its cached context; the other sequences decode one token each."""
+    ids, positions, meta, caches = decode_step(model, lens, dtype)
+    table, n_ctx = meta.decode_tables[-1], lens[-1]
+    slot = [int(table[p // BLOCK]) * BLOCK + p % BLOCK for p in range(n_ctx)]
+    d = len(lens) - 1
+    meta.slot_mapping = torch.tensor(meta.slot_mapping[:d].tolist() + slot[n_ctx - chunk:])
+    meta.decode_idx, meta.decode_tables, meta.decode_lens = (meta.decode_idx[:d], meta.decode_tables[:d],
+                                                            meta.decode_lens[:d])
+    meta.prefills = [PrefillChunk(d, d + chunk, torch.tensor(slot), fresh=False, block_table=table[: -(-n_ctx // BLOCK)],
+                                  context_len=n_ctx)]
+    positions = torch.tensor(positions[:d].tolist() + list(range(n_ctx - chunk, n_ctx)))
+    ids = torch.cat([ids[:d], torch.randint(0, 49152, (chunk,))])
+    return ids, positions, meta, caches
+
+
+@pytest.mark.parametrize("chunk", [2, 3, 5, 8])
+def test_stack_takes_verification_chunks(q4_model, monkeypatch, chunk: int) -> None:
+    ids, positions, meta, caches = verify_step(q4_model, [7, 40, 70], chunk, torch.float32)
+    calls = spy(monkeypatch)
+    fused, fused_caches = forward(q4_model, ids, positions, meta, caches, stack=True)
+    eager, eager_caches = forward(q4_model, ids, positions, meta, caches, stack=False)
+    assert calls == [1]
+    torch.testing.assert_close(fused, eager, rtol=1e-3, atol=1e-3)
+    for (fk, fv), (ek, ev) in zip(fused_caches, eager_caches, strict=True):
+        torch.testing.assert_close(fk, ek, rtol=1e-3, atol=1e-3)
+        torch.testing.assert_close(fv, ev, rtol=1e-3, atol=1e-3)
+
+
+def spy(monkeypatch) -> list[int]:
+    """Counts the stack's runs."""
+    calls: list[int] = []
+    run = DecodeStack.run
+    monkeypatch.setattr(DecodeStack, "run", lambda self, *a: calls.append(1) or run(self, *a))
+    return calls
+
+
+def forward(model, ids, positions, meta, caches, stack: bool):
+    caches = [(k.clone(), v.clone()) for k, v in caches]
+    decode_stack.set_enabled(stack)
+    try:
+        return model(ids, positions, meta, caches), caches
+    finally:
+        decode_stack.set_enabled(True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("lens", [[1], [5, 17, 33, 64, 100], [3] * 9])
+def test_stack_equals_the_op_by_op_step(q4_model, monkeypatch, dtype: torch.dtype, lens: list[int]) -> None:
+    ids, positions, meta, caches = decode_step(q4_model, lens, dtype)
+    calls = spy(monkeypatch)
+    fused, fused_caches = forward(q4_model, ids, positions, meta, caches, stack=True)
+    eager, eager_caches = forward(q4_model, ids, positions, meta, caches, stack=False)
+    assert calls == [1]
+    # a rounding apart in one layer can store neighbouring 16-bit values, which later layers carry on: so every
+    # layer's cache is held to a relative RMS error (a wrong slot, head or row would be off by the values' size)
+    # and the first layer's, which sees the same input, to a few ulps
+    if dtype == torch.float32:
+        torch.testing.assert_close(fused, eager, rtol=1e-3, atol=1e-3)
+    assert ((fused - eager).norm() / eager.norm()).item() < 1e-2
+    for i, (fc, ec) in enumerate(zip(fused_caches, eager_caches, strict=True)):
+        for f, e in zip(fc, ec, strict=True):
+            f, e = f[meta.slot_mapping].float(), e[meta.slot_mapping].float()
+            assert ((f - e).norm() / e.norm()).item() < 1e-2, f"layer {i}"
+            if i == 0:
+                torch.testing.assert_close(f, e, rtol=1e-2, atol=1e-2)
+    slot = meta.slot_mapping
+    assert not torch.equal(fused_caches[0][0][slot], caches[0][0][slot]), "the new tokens' keys were written"
+
+
+def test_steps_it_does_not_cover_go_op_by_op(q4_model, monkeypatch) -> None:
+    calls = spy(monkeypatch)
+    ids, positions, meta, caches = decode_step(q4_model, [4] * Q4_WIDE_ROWS, torch.float32)
+    forward(q4_model, ids, positions, meta, caches, stack=True)  # wide: the fp32 GEMMs
+    ids, positions, meta, caches = decode_step(q4_model, [4, 9], torch.float32)
+    q4_model(ids, positions, meta, caches, aux_layers=(1,))  # an EAGLE drafter's features
+    forward(q4_model, *decode_step(q4_model, [4, 9], torch.float32), stack=False)  # switched off
+    forward(q4_model, *verify_step(q4_model, [7, 40], 9, torch.float32), stack=True)  # a chunk past MAX_CHUNK
+    meta.prefills.append(PrefillChunk(1, 2, meta.slot_mapping[1:], fresh=True))
+    meta.decode_idx, meta.decode_tables, meta.decode_lens = torch.arange(1), meta.decode_tables[:1], meta.decode_lens[:1]
+    forward(q4_model, ids, positions, meta, caches, stack=True)  # a prefill chunk in the step
+    assert calls == []
+    forward(q4_model, *decode_step(q4_model, [4, 9], torch.float32), stack=True)
+    assert calls == [1]
+
+
+def test_models_it_does_not_cover_get_no_stack(loaded_model) -> None:
+    assert DecodeStack.build(loaded_model.model, Q4_WIDE_ROWS) is None  # fp32 linears
+    assert getattr(quantize_model(loaded_model.model, "int4"), "decode_stack", None) is None
+
+
+def test_greedy_tokens_equal_the_op_by_op_path(loaded_model, q4_model) -> None:
+    prompts = [loaded_model.tokenizer.encode(p) for p in ("def fibonacci(n):", "The capital of France is",
+                                                            "Once upon a time, in a land far away,")]
+    llm = LLM(loaded=loaded_model, quantization="q4", num_blocks=64)
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    runs = {}
+    for stack in (True, False):
+        decode_stack.set_enabled(stack)
+        try:
+            runs[stack] = [[r.outputs[0].token_ids for r in llm.generate(prompts, params)],
+                           llm.generate(prompts[0], params)[0].outputs[0].token_ids]
+        finally:
+            decode_stack.set_enabled(True)
+    assert runs[True] == runs[False]
