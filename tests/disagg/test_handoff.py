@@ -43,7 +43,7 @@ def nothing_held(engines):
 
 
 def prompt(engines, n: int) -> list[int]:
-    ids = engines[0].tokenizer.encode(TEXT * 2)
+    ids = engines[0].tokenizer.encode(TEXT * 4)
     assert len(ids) >= n
     return ids[:n]
 
@@ -110,6 +110,13 @@ def test_a_handed_over_prompt_decodes_the_colocated_tokens(engines, n):
     assert tokens(got) == tokens(want) and text(got) == text(want)
     assert got[-1].num_cached_tokens == n and got[-1].num_prompt_tokens == n  # usage: every prompt token came in
     assert got[-1].num_output_tokens == 10 and got[-1].finish_reason == "length"
+
+
+def test_a_prefill_ending_in_a_chunk_of_a_few_tokens_is_handed_over_whole(engines):
+    # 64-token chunks on a: the last one is 3 tokens over 128 computed (a step shape q4's fused decode stack
+    # also takes; the runner keeps observed steps layer by layer so that every layer's KV is streamed)
+    ids, params = prompt(engines, 131), SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    assert tokens(remote(engines, "remote", ids, params)) == tokens(local(engines[2], "local", ids, params))
 
 
 def test_a_seeded_request_continues_from_the_state_its_first_draw_left(engines):
