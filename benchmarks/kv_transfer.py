@@ -14,6 +14,8 @@
 2. **TTFT**: a prefill worker and a decode worker (one torch thread each) behind a router disaggregating
    every prompt of >= 1024 uncached tokens. Fresh 2048-token prompts, alternately straight to the decode
    worker (local prefill) and through the router (remote prefill + transfer), 1 output token, streamed.
+   ``--control-pairs N``: N more pairs prefilled locally on each worker, no P/D: how far two identical
+   workers differ on this machine (the noise the remote/local ratio sits in).
 3. **Quality**: greedy outputs after importing fp32, fp16 and bf16 frames of an fp32 pool vs a local prefill.
 
     python benchmarks/kv_transfer.py --before /work/main        # before and after (BENCHMARKS.md)
@@ -207,12 +209,14 @@ def memcpy(nbytes: int, repeats: int) -> dict[str, list[float]]:
             "memcpy into fresh memory (clone)": [timed(src.clone) for _ in range(repeats)]}
 
 
-def ttft(router_url: str, decode_url: str, tokens: int, repeats: int, seed: int) -> dict[str, list[float]]:
-    """Client-side TTFT (s) of fresh prompts, local prefill on the decode worker vs remote via the router."""
+def ttft(router_url: str, decode_url: str, tokens: int, repeats: int, seed: int,
+         names: tuple[str, str] = ("local prefill", "remote prefill")) -> dict[str, list[float]]:
+    """Client-side TTFT (s) of fresh prompts, local prefill on the decode worker vs remote via the router (or
+    any two URLs, named by ``names``)."""
     rng = random.Random(seed)
-    out: dict[str, list[float]] = {"local prefill": [], "remote prefill": []}
+    out: dict[str, list[float]] = {names[0]: [], names[1]: []}
     for _ in range(repeats):
-        for name, url in (("local prefill", decode_url), ("remote prefill", router_url)):
+        for name, url in zip(names, (decode_url, router_url), strict=True):
             prompt = [rng.randrange(100, 40000) for _ in range(tokens)]
             body = {"model": MODEL, "prompt": prompt, "max_tokens": 1, "temperature": 0, "stream": True}
             t0 = time.perf_counter()
@@ -264,6 +268,8 @@ def run_version(name: str, checkout: Path, args: argparse.Namespace, log_dir: Pa
                             "1024", "--log-level", "warning"], r_url, checkout, log_dir / f"router-{name}.log"))
         router_ready(r_url)
         res["ttft"] = ttft(r_url, d_url, args.tokens, args.ttft_repeats, 7 + len(name))
+        if args.control_pairs:  # the same local prefill on both workers: how far two identical workers differ here
+            res["control"] = ttft(p_url, d_url, args.tokens, args.control_pairs, 3, ("decode worker", "prefill worker"))
         res["pd_decisions"] = pd_decisions(r_url)
         res["sent_via"] = sent_via(p_url)
         return res
@@ -326,6 +332,14 @@ def report(results: dict, nbytes: int, q: dict) -> list[str]:
             lines.append(f"| {name} | {median(lo):.2f} ({min(lo):.2f}-{max(lo):.2f}) | {median(re_):.2f} "
                          f"({min(re_):.2f}-{max(re_):.2f}) | {median(re_) / median(lo):.2f} | "
                          f"{json.dumps(results[name]['pd_decisions'])} | {json.dumps(results[name].get('sent_via'))} |")
+    for name in ("before", "after"):
+        c = results.get(name, {}).get("control")
+        if c:
+            d, p = c["decode worker"], c["prefill worker"]
+            pairs = [b / a for a, b in zip(d, p, strict=True)]
+            lines += ["", f"control ({name}): local prefill TTFT on the prefill worker / on the decode worker, no P/D: "
+                          f"{median(p) / median(d):.3f} (pairwise {median(pairs):.3f}, {min(pairs):.3f}-{max(pairs):.3f}, "
+                          f"{len(pairs)} pairs)"]
     lines += ["", "| frame dtype (fp32 pool) | outputs identical to local prefill | median first divergence (token) |",
               "|---|---|---|"]
     for dtype, r in q.items():
@@ -339,6 +353,8 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=2048, help="prompt tokens (full 16-token blocks travel)")
     ap.add_argument("--repeats", type=int, default=5, help="transfers per way")
     ap.add_argument("--ttft-repeats", type=int, default=4, help="prompts per path")
+    ap.add_argument("--control-pairs", type=int, default=0,
+                    help="also prefill fresh prompts locally on both workers, alternately (the noise between them)")
     ap.add_argument("--quality-prompts", type=int, default=6, help="prompts per frame dtype (0: skip)")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", default="results/kv_transfer")

@@ -10,6 +10,10 @@ registered only once the trailer checks out. A bad frame is a 400 and imports no
 prefill worker on this host to write into directly (this worker's pool must be shared: else 409, and the
 prefill worker sends a frame) and answers ``{"lease", "lease_s", "blocks", "pool"}``; ``POST /pd/commit``
 ``{"lease"}`` registers them as an import would, ``POST /pd/release`` frees them (:mod:`.leases`).
+
+A prefill of the whole prompt hands it over (:mod:`.handoffs`): ``POST /pd/commit`` ``{"lease", "first"}``
+(the first token sampled), or ``POST /pd/kv?handoff=1`` then ``POST /pd/first`` ``{"handoff", "first"}``,
+keep every block held and answer the ``handoff`` id the request is then forwarded with.
 """
 
 from __future__ import annotations
@@ -59,7 +63,7 @@ class DecodeEndpoints:
         if self._leases is None:
             from fleetllm.disagg.leases import Leases
 
-            self._leases = Leases(self.worker.async_engine)
+            self._leases = Leases(self.worker.async_engine, self.worker.handoffs)
         return self._leases
 
     async def reserve(self, request: Request) -> Response:
@@ -84,15 +88,25 @@ class DecodeEndpoints:
                              "pool": PoolLayout.of(self.worker.engine, pool.path).to_json()})
 
     async def commit(self, request: Request) -> Response:
-        """The writer is done: register the lease's blocks in the prefix cache (as an imported frame's)."""
-        lease = str((await self.worker.request_body(request)).get("lease"))
-        result = await asyncio.shield(self.leases.commit(lease))
+        """The writer is done: register the lease's blocks in the prefix cache (as an imported frame's); with the
+        prompt's first token, hold them as a handoff too."""
+        spec = await self.worker.request_body(request)
+        first = spec.get("first") if isinstance(spec.get("first"), dict) else None
+        result = await asyncio.shield(self.leases.commit(str(spec.get("lease")), first))
         if result is None:
             self.metrics.failures.labels(reason="lease_over").inc()
             raise APIError(409, "no such lease (expired or released): nothing imported", "lease")
         self.metrics.blocks.labels(kind="imported").inc(result["imported"])
         self.metrics.blocks.labels(kind="already_cached").inc(result["already_cached"])
         return JSONResponse(result)
+
+    async def first(self, request: Request) -> Response:
+        """The first token of a handoff whose KV arrived in a frame (``/pd/kv?handoff=1``)."""
+        spec = await self.worker.request_body(request)
+        if not isinstance(spec.get("first"), dict) or not self.worker.handoffs.give_first(str(spec.get("handoff")),
+                                                                                          spec["first"]):
+            raise APIError(409, "no such handoff (expired or claimed), or no first token", "handoff")
+        return JSONResponse({"handoff": spec["handoff"]})
 
     async def release(self, request: Request) -> Response:
         """The writer gave up: free the lease's blocks unregistered."""
@@ -107,7 +121,8 @@ class DecodeEndpoints:
         arrival = await self._arrival(request)
         try:
             # shielded: a client gone mid-import must not leave pool blocks reserved or half written
-            result, nbytes = await asyncio.shield(asyncio.ensure_future(self._import(arrival)))
+            hold = request.query_params.get("handoff") == "1"  # the whole prompt: held for its request
+            result, nbytes = await asyncio.shield(asyncio.ensure_future(self._import(arrival, hold)))
         except FrameError as e:
             self.metrics.failures.labels(reason="bad_frame").inc()
             raise APIError(400, f"bad KV frame: {e}") from None
@@ -120,10 +135,10 @@ class DecodeEndpoints:
         self.metrics.blocks.labels(kind="already_cached").inc(result["already_cached"])
         return JSONResponse(result)
 
-    async def _import(self, arrival: Any) -> tuple[dict[str, int], int]:
+    async def _import(self, arrival: Any, hold: bool) -> tuple[dict[str, Any], int]:
         """The layers in so far verified (CRC) and copied into reserved pool blocks, then those that arrive next
-        (a worker thread: the engine's steps go on), then the blocks committed; a failure cancels: nothing
-        imported, nothing held."""
+        (a worker thread: the engine's steps go on), then the blocks committed (``hold``: as a handoff); a
+        failure cancels: nothing imported, nothing held."""
         from fleetllm.disagg.frame import FrameReader
         from fleetllm.disagg.kv_io import cancel, check_fits, commit, reserve
 
@@ -150,6 +165,8 @@ class DecodeEndpoints:
             if res is not None:
                 await engine.call(lambda e: cancel(e, res))
             raise
+        if hold:
+            return await self.worker.handoffs.commit(res), reader.size
         return await engine.call(lambda e: commit(e, res)), reader.size
 
     async def _arrival(self, request: Request) -> Any:

@@ -4,8 +4,9 @@
    and answers its pool file's layout and, per prompt block, the pool block to write (-1: skip).
 2. While the prefill computes, the :class:`~fleetllm.disagg.layer_stream.LayerStream` writes each layer's
    blocks into those pool blocks (:class:`PoolTarget`), converting to the pool's dtype if it differs.
-3. ``POST /pd/commit``: the decode worker registers the blocks as cached prefix blocks. Nothing is copied or
-   checked after the prefill's last layer: the exposed cost is this round trip.
+3. ``POST /pd/commit``: the decode worker registers the full blocks as cached prefix blocks and, given the
+   prompt's first token, holds every block (the partial last one too) for the request (a handoff). Nothing
+   is copied or checked after the prefill's last layer: the exposed cost is this round trip.
 
 No checksum on this path: the bytes never leave the host's memory (no wire, no file read back), so a CRC
 would only re-read what the writer just wrote; frames, which cross a wire or are read from a buffer the
@@ -134,10 +135,12 @@ async def reserve(client: httpx.AsyncClient, url: str, header: FrameHeader, maps
     return DirectLeg(url, str(answer["lease"]), target, layout, time.monotonic() - t0)
 
 
-async def commit(client: httpx.AsyncClient, leg: DirectLeg, timeout: float) -> dict[str, Any]:
-    """The decode worker registers the written blocks; its answer (imported, already cached, dropped).
+async def commit(client: httpx.AsyncClient, leg: DirectLeg, timeout: float,
+                 first: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The decode worker registers the written blocks (with ``first``, the prompt's first token: and holds them
+    for the request, a handoff); its answer (imported, already cached, dropped, the handoff's id).
     Raises ``httpx.HTTPError``, or ValueError when the decode worker refuses (the lease was over)."""
-    r = await client.post(leg.url + "/pd/commit", json={"lease": leg.lease}, timeout=timeout)
+    r = await client.post(leg.url + "/pd/commit", json={"lease": leg.lease, "first": first}, timeout=timeout)
     if r.status_code != 200:
         raise ValueError(f"the decode worker refused the commit ({r.status_code}): {r.text[:200]}")
     return r.json()

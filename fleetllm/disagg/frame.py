@@ -1,4 +1,4 @@
-"""The KV transfer frame: a request's full prompt blocks, layer-major, with integrity checks.
+"""The KV transfer frame: a request's prompt blocks, layer-major, with integrity checks.
 
 Layout (little-endian)::
 
@@ -9,7 +9,9 @@ Layout (little-endian)::
 The CRC is CRC-32C (Castagnoli), which CPUs compute in hardware at about a memory copy's speed.
 
 The header names the model, layer count, wire dtype, block size, shape, token ids and block hashes, so a
-receiver refuses a frame from another model or layout before touching its pool. The wire dtype need not
+receiver refuses a frame from another model or layout before touching its pool. The blocks are the full
+ones (each hashed) and, when the token ids run past them, one partial block last (the prompt's tail: not
+hashed, never a prefix-cache entry; its KV is handed to the request, see :mod:`fleetllm.engine.handoff`). The wire dtype need not
 be the pool's (an fp32 pool may ship fp16 frames, half the bytes); the receiver converts on import.
 
 Every offset follows from the header, so a frame can be built in place (:class:`FrameBuffer`: a prefill
@@ -47,12 +49,18 @@ class FrameHeader:
     head_dim: int
     dtype: str  # the wire dtype of K and V (a key of DTYPES)
     block_size: int
-    token_ids: list[int]  # the tokens the blocks hold (num_blocks * block_size of them)
-    block_hashes: list[int]
+    token_ids: list[int]  # the tokens the blocks hold: the full blocks', then a partial block's (fewer than a block)
+    block_hashes: list[int]  # of the full blocks
 
     @property
     def num_blocks(self) -> int:
-        return len(self.block_hashes)
+        """Blocks in the frame: the full ones and the partial one, if any."""
+        return len(self.block_hashes) + (len(self.token_ids) > len(self.block_hashes) * self.block_size)
+
+    @property
+    def tail(self) -> list[int]:
+        """The tokens of the partial last block (empty: every block is full)."""
+        return self.token_ids[len(self.block_hashes) * self.block_size :]
 
     @property
     def shape(self) -> tuple[int, int, int, int]:
@@ -76,8 +84,8 @@ class FrameHeader:
             raise FrameError(f"bad frame header: {e}") from None
         if header.dtype not in DTYPES:
             raise FrameError(f"unsupported dtype {header.dtype}")
-        if len(header.token_ids) != header.num_blocks * header.block_size:
-            raise FrameError("token ids do not fill the blocks")
+        if not 0 <= len(header.token_ids) - len(header.block_hashes) * header.block_size < header.block_size:
+            raise FrameError("token ids do not fill the blocks (at most one partial block, last)")
         return header
 
     def head(self) -> bytes:

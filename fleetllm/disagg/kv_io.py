@@ -7,13 +7,16 @@ Import is three steps, so that the bulk copy never holds up the engine's steps:
    must never take the head of the chain being imported.
 2. :func:`write` (any thread): copy the frame's blocks straight into those pool blocks, converting from
    the wire dtype. Nothing reads them meanwhile: they are allocated and not yet registered.
-3. :func:`commit` (engine thread): register each block under its hash (a ``stored`` KV event) and
+3. :func:`commit` (engine thread): register each full block under its hash (a ``stored`` KV event) and
    release it — it sits in the prefix cache like a block this engine computed and freed, so the decode
    request that follows takes it as a prefix hit and continues exactly as after a local prefill.
-   :func:`cancel` instead releases the blocks unregistered: a failed import leaves nothing behind.
+   :func:`commit_held` registers them too but keeps every block of the prompt held, in order, the partial
+   last block included (never registered: it is not full), for the request to take over
+   (:mod:`fleetllm.engine.handoff`). :func:`cancel` instead releases the blocks unregistered: a failed
+   import leaves nothing behind.
 
-Nothing is left allocated: an imported block nobody claims is simply reused later (LRU), which is also
-how blocks of an abandoned transfer are cleaned up.
+After :func:`commit` nothing is left allocated: an imported block nobody claims is simply reused later
+(LRU), which is also how blocks of an abandoned transfer are cleaned up.
 """
 
 from __future__ import annotations
@@ -38,11 +41,14 @@ def pool_dtype(engine: LLMEngine) -> str:
     return str(engine.kv_blocks()[0][0].dtype).removeprefix("torch.")
 
 
-def frame_header(engine: LLMEngine, token_ids: list[int], hashes: list[int], dtype: str | None = None) -> FrameHeader:
-    """The header of a frame of ``token_ids``' first ``len(hashes)`` blocks, in ``dtype`` (default: the pool's)."""
+def frame_header(engine: LLMEngine, token_ids: list[int], hashes: list[int], dtype: str | None = None,
+                 tail: bool = False) -> FrameHeader:
+    """The header of a frame of ``token_ids``' first ``len(hashes)`` blocks (with ``tail``: and the partial block
+    of the tokens after them, all of ``token_ids``), in ``dtype`` (default: the pool's)."""
     cfg, bs = engine.loaded.config, engine.pool.block_size
+    ids = list(token_ids) if tail else list(token_ids[: len(hashes) * bs])
     return FrameHeader(engine.model_name, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype or pool_dtype(engine),
-                       bs, list(token_ids[: len(hashes) * bs]), list(hashes))
+                       bs, ids, list(hashes))
 
 
 def export_blocks(engine: LLMEngine, token_ids: list[int], dtype: str | None = None) -> tuple[FrameHeader, Layers]:
@@ -59,25 +65,40 @@ def export_blocks(engine: LLMEngine, token_ids: list[int], dtype: str | None = N
 
 @dataclass
 class Reservation:
-    """Pool blocks held for one import: fresh ones to fill (``todo``, ``new``), cached ones pinned."""
+    """Pool blocks held for one import: fresh ones to fill (``todo``, ``new``; ``tail``: the partial last
+    block's), cached ones pinned."""
 
     header: FrameHeader
     todo: list[Missing] = field(default_factory=list)
     new: list[int] = field(default_factory=list)
     pinned: list[int] = field(default_factory=list)
     missing: int = 0
+    tail: int | None = None
     _runs: list[tuple[int, int, int]] | None = None
 
     def result(self) -> dict[str, int]:
+        """Full blocks imported, found cached, dropped (no room); and whether the partial block was written."""
         h = self.header
-        return {"imported": len(self.new), "already_cached": h.num_blocks - self.missing,
-                "dropped": self.missing - len(self.new)}
+        return {"imported": len(self.new), "already_cached": len(h.block_hashes) - self.missing,
+                "dropped": self.missing - len(self.new), "tail": int(self.tail is not None)}
+
+    def copies(self) -> list[tuple[int, int]]:
+        """``(frame block, pool block)`` of every block to write, in frame order."""
+        pairs = [(i, bid) for (i, *_), bid in zip(self.todo, self.new, strict=True)]
+        return pairs + ([(len(self.header.block_hashes), self.tail)] if self.tail is not None else [])
+
+    def table(self) -> list[int] | None:
+        """The pool block of each of the frame's blocks, in order (None: one has none, dropped for room)."""
+        if self.missing > len(self.new) or (self.header.tail and self.tail is None):
+            return None
+        written, pinned = dict(self.copies()), iter(self.pinned)
+        return [written[i] if i in written else next(pinned) for i in range(self.header.num_blocks)]
 
     def runs(self) -> list[tuple[int, int, int]]:
         """The copy as runs ``(frame block, pool block, count)`` of consecutive blocks on both sides."""
         if self._runs is None:
             runs: list[list[int]] = []
-            for (src, *_), dst in zip(self.todo, self.new, strict=True):
+            for src, dst in self.copies():
                 if runs and src == runs[-1][0] + runs[-1][2] and dst == runs[-1][1] + runs[-1][2]:
                     runs[-1][2] += 1
                 else:
@@ -105,19 +126,23 @@ def reserve(engine: LLMEngine, header: FrameHeader) -> Reservation:
         pool.touch(bid)
     room = pool.num_free - engine.scheduler.watermark_blocks  # keep the scheduler's headroom
     todo = missing[: max(0, room)]
-    return Reservation(header, todo, pool.allocate(len(todo)) if todo else [], pinned, len(missing))
+    res = Reservation(header, todo, pool.allocate(len(todo)) if todo else [], pinned, len(missing))
+    if header.tail and room > len(todo):  # the partial block: only for the request to take over, never cached
+        res.tail = pool.allocate(1)[0]
+    return res
 
 
 def write(views: Layers, layers: Layers, res: Reservation) -> None:
     """Any thread: copy the reserved blocks of the frame (views over its bytes) into the pool blocks."""
-    if not res.new:
+    copies = res.copies()
+    if not copies:
         return
     runs = res.runs()
     scattered = len(runs) > _MAX_RUNS  # then one indexed copy per tensor, else a slice copy per run
     if scattered:
         device = views[0][0].device
-        src = torch.tensor([t[0] for t in res.todo], dtype=torch.long)
-        dst = torch.tensor(res.new, dtype=torch.long, device=device)
+        src = torch.tensor([a for a, _ in copies], dtype=torch.long)
+        dst = torch.tensor([b for _, b in copies], dtype=torch.long, device=device)
     for (kc, vc), (k, v) in zip(views, layers, strict=True):
         for cache, part in ((kc, k), (vc, v)):
             if scattered:
@@ -139,11 +164,26 @@ def commit(engine: LLMEngine, res: Reservation) -> dict[str, int]:
     return result
 
 
+def commit_held(engine: LLMEngine, res: Reservation) -> tuple[dict[str, int], list[int] | None]:
+    """Engine thread: register the written full blocks as :func:`commit` does, but keep every block of the
+    frame held for its request to take over; return the result and the blocks in order (ownership passes to
+    the caller). None when a block is missing (no room for it): then everything is released as by commit."""
+    table = res.table()
+    if table is None:
+        return commit(engine, res), None
+    pool = engine.pool
+    for bid, (_, h, chunk, prev) in zip(res.new, res.todo, strict=True):
+        pool.register(bid, h, chunk, prev)
+    result = res.result()
+    res.new, res.pinned, res.tail = [], [], None  # held by the table now
+    return result, table
+
+
 def cancel(engine: LLMEngine, res: Reservation) -> None:
     """Engine thread: release every block held (fresh ones unregistered: the import never happened)."""
-    engine.pool.release(res.new)
+    engine.pool.release(res.new + ([res.tail] if res.tail is not None else []))
     engine.pool.release(res.pinned)
-    res.new, res.pinned = [], []
+    res.new, res.pinned, res.tail = [], [], None
 
 
 def import_blocks(engine: LLMEngine, header: FrameHeader, layers: Layers) -> dict[str, int]:

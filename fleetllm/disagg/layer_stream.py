@@ -7,8 +7,9 @@ target (:class:`Target`): a frame (a shared-memory mapping, or memory streamed o
 decode worker on this host reserved in its own shared pool (:class:`fleetllm.disagg.direct.PoolTarget`).
 The copying is spread over the prefill's chunks. In the step that completes the prompt, each layer is also
 handed to a sealer thread (a frame's CRC, then ``on_sealed``: the HTTP sender ships it) while later layers
-still compute; the last layer's seal finishes the target and completes :attr:`LayerStream.done`. Only
-full blocks travel.
+still compute; the last layer's seal finishes the target and completes :attr:`LayerStream.done`. Full
+blocks travel as they complete; the prompt's partial last block (when the target's header has one) in the
+step that completes the prompt.
 """
 
 from __future__ import annotations
@@ -61,8 +62,9 @@ class LayerStream:
     def begin(self, seq: Sequence, start: int, n: int, block_size: int) -> LayerFn | None:
         """Engine thread, before a forward computing ``seq``'s tokens ``[start, start + n)``: what to do
         after each layer (None: nothing this step)."""
-        end = min((start + n) // block_size, self.target.header.num_blocks)
-        final = start + n >= len(seq.prompt_token_ids) and not self.final
+        whole = start + n >= len(seq.prompt_token_ids)  # the prompt's end: its partial block too
+        end = self.target.header.num_blocks if whole else min((start + n) // block_size, self.target.header.num_blocks)
+        final = whole and not self.final
         if end <= self.sent and not final:
             return None
         first, ids = self.sent, list(seq.block_table[self.sent : end])

@@ -4,8 +4,10 @@
 blocks for what is not cached here, cached ones pinned) under a lease of ``lease_s`` seconds. The lease ends
 in one of three ways:
 
-- **commit** (``POST /pd/commit``, the writer is done): the blocks are registered as cached prefix blocks and
-  released, exactly as an imported frame's (:func:`fleetllm.disagg.kv_io.commit`);
+- **commit** (``POST /pd/commit``, the writer is done): the full blocks are registered as cached prefix blocks
+  and released, exactly as an imported frame's (:func:`fleetllm.disagg.kv_io.commit`); or, when the writer
+  prefilled the whole prompt (its first token sent with the commit), every block stays held for the request
+  as a handoff (:mod:`fleetllm.disagg.handoffs`);
 - **release** (``POST /pd/release``, the writer gave up: client gone, prefill failed): freed unregistered;
 - **expiry**: ``lease_s`` + :data:`GRACE_S` passed, or the writer's process is gone (checked only when it
   runs in this worker's pid namespace). Freed unregistered: a dead prefill worker never leaks blocks.
@@ -24,13 +26,14 @@ import os
 import time
 import uuid
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from fleetllm.disagg.kv_io import Reservation, cancel, commit, reserve
 from fleetllm.engine.kv_memory import alive
 
 if TYPE_CHECKING:
     from fleetllm.disagg.frame import FrameHeader
+    from fleetllm.disagg.handoffs import Handoffs
     from fleetllm.engine.async_engine import AsyncEngine
 
 GRACE_S = 2.0  # after the deadline, before the blocks are freed: the writer's last write is long over
@@ -50,7 +53,7 @@ class Lease:
     def targets(self) -> list[int]:
         """For each of the prompt's blocks, the pool block to write it into (-1: cached here, or no room)."""
         out = [-1] * self.res.header.num_blocks
-        for (i, *_), bid in zip(self.res.todo, self.res.new, strict=True):
+        for i, bid in self.res.copies():
             out[i] = bid
         return out
 
@@ -69,8 +72,9 @@ def pid_namespace() -> int | None:
 class Leases:
     """The decode side's leases, ended by :meth:`commit`, :meth:`release` or a watch task on expiry."""
 
-    def __init__(self, engine: AsyncEngine) -> None:
+    def __init__(self, engine: AsyncEngine, handoffs: Handoffs) -> None:
         self.engine = engine
+        self.handoffs = handoffs
         self._held: dict[str, Lease] = {}
         self._watch: asyncio.Task[None] | None = None
         self._own_ns = pid_namespace()
@@ -88,11 +92,14 @@ class Leases:
             self._watch = asyncio.create_task(self._expire())
         return lease
 
-    async def commit(self, lease_id: str) -> dict[str, int] | None:
-        """Register the lease's blocks as cached prefix blocks; None if it is over (expired, released, unknown)."""
+    async def commit(self, lease_id: str, first: dict[str, Any] | None = None) -> dict[str, Any] | None:
+        """Register the lease's full blocks as cached prefix blocks (with ``first``, the prompt's first token:
+        and hold every block as a handoff); None if the lease is over (expired, released, unknown)."""
         lease = self._held.pop(lease_id, None)
         if lease is None:
             return None
+        if first is not None:
+            return await self.handoffs.commit(lease.res, first)
         return await self.engine.call(lambda e: commit(e, lease.res))
 
     async def release(self, lease_id: str) -> bool:

@@ -3,9 +3,11 @@
     {"path": "/v1/chat/completions", "body": {...the client's request...}, "decode_url": "http://...",
      "transfer": "shm" | "http", "request_id": "...", "timeout_s": 120}
 
-computes the prompt's KV (one sampled token, then stop) and hands its full blocks to the decode worker.
-After each decoder layer the blocks it has just written are copied straight from this worker's pool
-(:mod:`.layer_stream`) into one of:
+computes the whole prompt's KV, samples its first token with the request's own parameters (what the
+colocated path's last prefill chunk would sample) and hands both over to the decode worker, which streams
+that token at once and decodes on from it (:mod:`.handoffs`, :mod:`fleetllm.engine.handoff`). After each
+decoder layer the blocks it has just written, the partial last one included, are copied straight from this
+worker's pool (:mod:`.layer_stream`) into one of:
 
 - **the decode worker's own pool** (``transfer: shm`` and the decode worker shares its pool, :mod:`.direct`):
   blocks reserved there first (``POST /pd/reserve``), committed when the prefill is done (``POST /pd/commit``);
@@ -14,10 +16,13 @@ After each decoder layer the blocks it has just written are copied straight from
   the reservation), the POST body to ``/pd/kv`` naming the file and then one byte per layer sealed (CRC);
 - **a frame streamed over HTTP** (``http``, another host), each layer sent as soon as it is sealed.
 
-Only the full blocks the decode worker will take from its cache are computed (:func:`prefilled_tokens`): the
-tokens after them it computes again anyway. It answers ``{"blocks", "bytes", "prefill_s", "transfer_s", "via",
-...}`` or an error status (502: the decode worker failed or refused): ``prefill_s`` runs until the KV is
-complete, ``transfer_s`` from then to the decode worker's answer (what the overlap left exposed).
+The first token goes with the commit (direct write) or in ``POST /pd/first`` after the frame. A request of
+several prompts or choices hands nothing over: only the full blocks the decode worker will take from its
+cache are computed then (:func:`prefilled_tokens`). It answers ``{"blocks", "bytes", "prefill_s",
+"transfer_s", "via", "handoff", ...}`` or an error status (502: the decode worker failed or refused):
+``prefill_s`` runs until the first token is sampled, ``transfer_s`` from then to the decode worker's answer
+(what the overlap left exposed); ``handoff`` (absent when nothing was handed over) is the id the request is
+forwarded with (header :data:`.handoffs.HEADER`).
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from starlette.requests import Request
@@ -35,6 +41,7 @@ from starlette.responses import JSONResponse, Response
 from fleetllm.disagg.buffers import Buffer, FrameBuffers
 from fleetllm.disagg.config import TransferOptions
 from fleetllm.disagg.routes import SHM_DIR, LazyMetrics, TransferMetrics
+from fleetllm.engine.outputs import RequestOutput
 from fleetllm.engine.params import SamplingParams
 from fleetllm.server.protocol import APIError
 from fleetllm.server.worker_secret import worker_secret
@@ -80,44 +87,70 @@ class PrefillEndpoints:
 
     async def prefill(self, request: Request) -> Response:
         """Compute the prompt's KV into the decode worker's pool (same host, pool shared) or a frame shipped to
-        it; answer what was shipped."""
+        it, and its first token; answer what was shipped."""
         req = await self.worker.request_body(request)
         path, body, decode_url = req.get("path", ""), req.get("body"), req.get("decode_url")
         if not isinstance(body, dict) or not isinstance(decode_url, str):
             raise APIError(400, "give body (the request) and decode_url")
-        kind = "chat" if path.endswith("/chat/completions") else "text"
-        ids = prefilled_tokens(self.worker.prompt_ids(kind, body)[0], self.worker.engine.pool.block_size)
-        rid = f"pd-{req.get('request_id') or uuid.uuid4().hex}"
+        job = await self._job(path, body, req.get("request_id"))
         via, timeout = req.get("transfer") or "http", float(req.get("timeout_s") or 60.0)
         if via == "shm":  # same host: into the decode worker's own pool blocks if it shares its pool
-            leg = await self._reserve(ids, decode_url, timeout)
+            leg = await self._reserve(job, decode_url, timeout)
             if leg is not None:
-                return await self._prefill_direct(request, rid, ids, leg, timeout)
-        return await self._prefill_frame(request, rid, ids, via, decode_url, timeout)
+                return await self._prefill_direct(request, job, leg, timeout)
+        return await self._prefill_frame(request, job, via, decode_url, timeout)
 
-    async def _prefill_frame(self, request: Request, rid: str, ids: list[int], via: str, decode_url: str,
+    async def _job(self, path: str, body: dict[str, Any], request_id: Any) -> PrefillJob:
+        """What to compute for ``body``: its whole prompt and first token when it is one sub-request (the
+        colocated path's parameters: the first choice's seed), else the full blocks with one greedy token."""
+        kind = "chat" if path.endswith("/chat/completions") else "text"
+        prompts = self.worker.prompt_ids(kind, body)
+        params = await self.worker.request_params(kind, body)
+        rid = f"pd-{request_id or uuid.uuid4().hex}"
+        if len(prompts) == 1 and params.n == 1:
+            return PrefillJob(rid, prompts[0], replace(params.for_choice(0), max_tokens=1), True)
+        ids = prefilled_tokens(prompts[0], self.worker.engine.pool.block_size)
+        return PrefillJob(rid, ids, SamplingParams(max_tokens=1, temperature=0.0), False)
+
+    async def _prefill_frame(self, request: Request, job: PrefillJob, via: str, decode_url: str,
                              timeout: float) -> Response:
         t0 = time.perf_counter()
-        buf, frame, stream, sealed = await self._stream(rid, ids, via)
+        buf, frame, stream, sealed = await self._stream(job, via)
         shipped = False
         try:
             # sent while the prefill computes: each layer as soon as it is sealed
-            sending = asyncio.create_task(self._send(frame, buf, decode_url, sealed, timeout))
+            sending = asyncio.create_task(self._send(frame, buf, decode_url, sealed, timeout, job.handoff))
             try:
-                await self.worker.until_disconnect(request, self._compute(rid, ids, stream))  # the router gave up: abort
+                out = await self.worker.until_disconnect(request, self._compute(job, stream))  # the router gave up: abort
                 prefill_s = time.perf_counter() - t0
                 t1 = time.perf_counter()
-                r = await sending
+                result = (await sending).json()
             finally:
                 if not sending.done():
                     sending.cancel()
             shipped = True
         finally:
-            await self.worker.async_engine.call(lambda e: e.observe_layers(rid, None))
+            await self.worker.async_engine.call(lambda e: e.observe_layers(job.rid, None))
             stream.close()
             self.buffers.give_back(buf, reusable=shipped)
-        return self._shipped(via, frame.header.num_blocks, frame.size, len(ids), prefill_s,
-                             time.perf_counter() - t1, r.json())
+        if job.handoff and "handoff" in result:
+            await self._give_first(decode_url, result["handoff"], out, timeout)
+        return self._shipped(via, frame.header.num_blocks, frame.size, len(job.ids), prefill_s,
+                             time.perf_counter() - t1, result)
+
+    async def _give_first(self, decode_url: str, handoff: str, out: RequestOutput, timeout: float) -> None:
+        """Send the first token of the handoff a frame made on the decode worker (``POST /pd/first``)."""
+        import httpx
+
+        try:
+            r = await self._client().post(decode_url + "/pd/first", json={"handoff": handoff, "first": first_of(out)},
+                                          timeout=timeout)
+        except httpx.HTTPError as e:
+            self.metrics.failures.labels(reason="send").inc()
+            raise APIError(502, f"first token to {decode_url} failed: {type(e).__name__}: {e}") from None
+        if r.status_code != 200:
+            self.metrics.failures.labels(reason=f"rejected_{r.status_code}").inc()
+            raise APIError(502, f"the decode worker refused the first token ({r.status_code}): {r.text[:200]}")
 
     def _shipped(self, via: str, blocks: int, nbytes: int, prompt_tokens: int, prefill_s: float, transfer_s: float,
                  result: dict[str, Any], **extra: float) -> JSONResponse:
@@ -128,8 +161,8 @@ class PrefillEndpoints:
         return JSONResponse({"blocks": blocks, "bytes": nbytes, "prompt_tokens": prompt_tokens, "prefill_s": prefill_s,
                              "transfer_s": transfer_s, "via": via, **extra, **result})
 
-    async def _reserve(self, ids: list[int], decode_url: str, timeout: float) -> DirectLeg | None:
-        """Blocks reserved in the decode worker's shared pool for ``ids``' KV; None: it takes frames only."""
+    async def _reserve(self, job: PrefillJob, decode_url: str, timeout: float) -> DirectLeg | None:
+        """Blocks reserved in the decode worker's shared pool for the job's KV; None: it takes frames only."""
         import httpx
 
         from fleetllm.disagg import direct
@@ -137,7 +170,8 @@ class PrefillEndpoints:
         from fleetllm.engine.block_pool import hash_prefix_blocks
 
         engine = self.worker.engine
-        header = frame_header(engine, ids, hash_prefix_blocks(ids, engine.pool.block_size, engine.kv.extra_key))
+        hashes = hash_prefix_blocks(job.ids, engine.pool.block_size, engine.kv.extra_key)
+        header = frame_header(engine, job.ids, hashes, tail=job.handoff)
         try:
             leg = await direct.reserve(self._client(), decode_url, header, self.pool_maps, timeout)
         except httpx.HTTPError as e:
@@ -147,9 +181,9 @@ class PrefillEndpoints:
             self.metrics.failures.labels(reason="reserve_refused").inc()  # frames, as before
         return leg
 
-    async def _prefill_direct(self, request: Request, rid: str, ids: list[int], leg: DirectLeg,
-                              timeout: float) -> Response:
-        """The prefill writes each layer into the reserved pool blocks as it computes; then commit them."""
+    async def _prefill_direct(self, request: Request, job: PrefillJob, leg: DirectLeg, timeout: float) -> Response:
+        """The prefill writes each layer into the reserved pool blocks as it computes; then commit them (with
+        the first token: handed over)."""
         import httpx
 
         from fleetllm.disagg import direct
@@ -158,12 +192,12 @@ class PrefillEndpoints:
 
         t0 = time.perf_counter()
         stream = LayerStream(leg.target)
-        await self.worker.async_engine.call(lambda e: e.observe_layers(rid, stream))
+        await self.worker.async_engine.call(lambda e: e.observe_layers(job.rid, stream))
         committed = False
         try:
-            await self.worker.until_disconnect(request, self._compute(rid, ids, stream))
+            out = await self.worker.until_disconnect(request, self._compute(job, stream))
             prefill_s, t1 = time.perf_counter() - t0, time.perf_counter()
-            result = await direct.commit(self._client(), leg, timeout)
+            result = await direct.commit(self._client(), leg, timeout, first_of(out) if job.handoff else None)
             committed = True
         except FrameError as e:  # the lease ended before the last layer was written
             self.metrics.failures.labels(reason="lease_lost").inc()
@@ -173,41 +207,41 @@ class PrefillEndpoints:
             self.pool_maps.forget(leg.layout.path)
             raise APIError(502, f"KV commit on {leg.url} failed: {type(e).__name__}: {e}") from None
         finally:  # no write once the observer is off (between steps); then the blocks go back unless committed
-            await self.worker.async_engine.call(lambda e: e.observe_layers(rid, None))
+            await self.worker.async_engine.call(lambda e: e.observe_layers(job.rid, None))
             leg.target.close()
             stream.close()
             if not committed:
                 await asyncio.shield(direct.release(self._client(), leg.url, leg.lease))
-        return self._shipped("pool", leg.target.header.num_blocks, leg.target.nbytes, len(ids), prefill_s,
+        return self._shipped("pool", leg.target.header.num_blocks, leg.target.nbytes, len(job.ids), prefill_s,
                              time.perf_counter() - t1, result, reserve_s=leg.reserve_s)
 
-    async def _stream(self, rid: str, ids: list[int],
-                      via: str) -> tuple[Buffer, FrameBuffer, LayerStream, asyncio.Queue[int]]:
-        """A frame buffer for ``ids``' full blocks, filled by the forward passes of request ``rid`` from now on;
-        and the queue of the frame's layers as they are sealed (the trailer: ``num_layers``)."""
+    async def _stream(self, job: PrefillJob, via: str) -> tuple[Buffer, FrameBuffer, LayerStream, asyncio.Queue[int]]:
+        """A frame buffer for the job's blocks, filled by its forward passes from now on; and the queue of the
+        frame's layers as they are sealed (the trailer: ``num_layers``)."""
         from fleetllm.disagg.frame import FrameBuffer
         from fleetllm.disagg.kv_io import frame_header
         from fleetllm.disagg.layer_stream import LayerStream
         from fleetllm.engine.block_pool import hash_prefix_blocks
 
         engine = self.worker.engine
-        hashes = hash_prefix_blocks(ids, engine.pool.block_size, engine.kv.extra_key)
+        hashes = hash_prefix_blocks(job.ids, engine.pool.block_size, engine.kv.extra_key)
         dtype = self.options.kv_transfer_dtype
-        header = frame_header(engine, ids, hashes, None if dtype == "auto" else dtype)
+        header = frame_header(engine, job.ids, hashes, None if dtype == "auto" else dtype, tail=job.handoff)
         buf = await asyncio.to_thread(self.buffers.take, via, header.frame_bytes())
         loop, sealed = asyncio.get_running_loop(), asyncio.Queue()
         frame = FrameBuffer(header, buf.memory)
         stream = LayerStream(frame, lambda i: loop.call_soon_threadsafe(sealed.put_nowait, i))
-        await self.worker.async_engine.call(lambda e: e.observe_layers(rid, stream))
+        await self.worker.async_engine.call(lambda e: e.observe_layers(job.rid, stream))
         return buf, frame, stream, sealed
 
-    async def _compute(self, rid: str, ids: list[int], stream: LayerStream) -> None:
-        # one greedy token: every layer of the prompt's blocks then went through the stream
-        async for _ in self.worker.async_engine.generate(rid, ids, SamplingParams(max_tokens=1, temperature=0.0)):
-            pass
-        if not stream.final:
-            raise APIError(500, "the prefill ended before its KV was complete")
+    async def _compute(self, job: PrefillJob, stream: LayerStream) -> RequestOutput:
+        """The prompt's KV through ``stream``, and its one sampled token (the final output)."""
+        outs = [o async for o in self.worker.async_engine.generate(job.rid, job.ids, job.params)]
+        out = outs[-1] if outs else None
+        if out is None or out.error or not out.new_token_ids or not stream.final:
+            raise APIError(500, f"the prefill ended before its KV was complete{f': {out.error}' if out else ''}")
         await asyncio.wrap_future(stream.done)  # the last layer sealed: the frame is complete
+        return out
 
     def _client(self) -> httpx.AsyncClient:
         if self._http is None:
@@ -219,9 +253,10 @@ class PrefillEndpoints:
         return self._http
 
     async def _send(self, f: FrameBuffer, buf: Buffer, decode_url: str, sealed: asyncio.Queue[int],
-                    timeout: float) -> httpx.Response:
+                    timeout: float, handoff: bool) -> httpx.Response:
         """POST the frame to the decode worker's ``/pd/kv``, each layer as soon as it is sealed: its bytes (HTTP),
-        or one byte saying so (shared memory: the decode worker maps the file being filled)."""
+        or one byte saying so (shared memory: the decode worker maps the file being filled). ``handoff``: the
+        whole prompt, for the decode worker to hold for its request."""
         import httpx
 
         from fleetllm.disagg.arrival import SHM_STREAM
@@ -238,7 +273,7 @@ class PrefillEndpoints:
                 yield b"\x01" if shm else f.layer_piece(i) if i < f.header.num_layers else f.trailer_piece()
 
         try:
-            r = await self._client().post(decode_url + "/pd/kv", content=pieces(),
+            r = await self._client().post(decode_url + "/pd/kv" + ("?handoff=1" if handoff else ""), content=pieces(),
                                           headers={"content-type": SHM_STREAM if shm else "application/octet-stream"},
                                           timeout=httpx.Timeout(timeout, connect=3.0))
         except httpx.HTTPError as e:
@@ -250,8 +285,26 @@ class PrefillEndpoints:
         return r
 
 
+@dataclass
+class PrefillJob:
+    """One remote prefill: the tokens to compute, how to sample the one token, whether to hand both over."""
+
+    rid: str  # the engine label of its request here
+    ids: list[int]
+    params: SamplingParams
+    handoff: bool  # the whole prompt and its first token, for the decode worker to go on from
+
+
+def first_of(out: RequestOutput) -> dict[str, Any]:
+    """The first token of a prefill's final output, as the decode worker takes it over."""
+    from fleetllm.disagg.handoffs import first_token_json
+
+    return first_token_json(out.new_token_ids[0], out.logprobs[0] if out.logprobs else None, out.sampler_state)
+
+
 def prefilled_tokens(ids: list[int], block_size: int) -> list[int]:
-    """The tokens of ``ids`` worth prefilling here: the full blocks the decode worker will take from its cache.
+    """The tokens of ``ids`` worth prefilling here when nothing is handed over (a request of several prompts or
+    choices): the full blocks the decode worker will take from its cache.
 
     It always computes the prompt's last token (its logits), so it takes the full blocks of all tokens but
     the last and recomputes the rest (a 2048-token prompt: 127 blocks, then 16 tokens); prefilling more here

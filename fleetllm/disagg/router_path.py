@@ -4,8 +4,10 @@ The decode worker is chosen first (by the router's policy); the prompt is prefil
 that worker lacks at least ``pd_threshold`` of its tokens (with ``auto``: when the P/D path is expected to
 cost less, see :mod:`fleetllm.disagg.pd_auto`) and some prefill worker has room (``prefill_max_inflight``);
 of those, the one that would finish first, counting what it already holds of the prompt. The prefill worker computes the KV and pushes it to the decode worker
-(``POST /pd/prefill``, see :mod:`fleetllm.disagg.prefill_side`); the request then goes to the decode worker,
-which finds the blocks in its prefix cache. Whatever goes wrong on the remote leg (prefill worker down,
+(``POST /pd/prefill``, see :mod:`fleetllm.disagg.prefill_side`) with the prompt's first token; the request
+then goes to the decode worker naming that handoff (header :data:`fleetllm.disagg.handoffs.HEADER`), which
+streams the first token at once and decodes on from it (without a handoff: it finds the full blocks in its
+prefix cache and computes the rest). Whatever goes wrong on the remote leg (prefill worker down,
 transfer refused, timeout), the request goes on with a local prefill: counted, and invisible to the
 client. Torch-free, like the rest of the router.
 """
@@ -20,6 +22,7 @@ from urllib.parse import urlparse
 
 import httpx
 
+from fleetllm.disagg.handoffs import HEADER as HANDOFF_HEADER
 from fleetllm.disagg.pd_auto import AUTO, PdEstimate, PdMeasurements
 from fleetllm.router.forward import Forward
 from fleetllm.router.index import PrefixIndex
@@ -78,6 +81,8 @@ class RemotePrefill:
         self.metrics.pd_decisions.labels(decision="disaggregated").inc()
         self.metrics.pd_seconds.observe(time.perf_counter() - t0)
         self.metrics.pd_bytes.inc(detail.get("bytes", 0))
+        if isinstance(detail.get("handoff"), str):  # the decode worker holds the prompt and its first token
+            fwd.headers[HANDOFF_HEADER] = detail["handoff"]
         shipped = (detail.get("imported", 0) + detail.get("already_cached", 0)) * fwd.route.block_size
         cached = min(max(d.cached_tokens, shipped), max(fwd.route.num_prompt_tokens - 1, 0))
         return Decision(d.worker, d.reason, cached)
@@ -150,8 +155,9 @@ class RemotePrefill:
                 timeout=httpx.Timeout(self.cfg.pd_timeout_s, connect=self.cfg.connect_timeout_s))
             ok = r.status_code == 200
             detail = r.json() if ok else r.text[:200]
-            # 502 = the prefill worker did its part but the decode worker refused or was unreachable
-            return ok, detail, not ok and r.status_code != 502
+            # 502 = the prefill worker did its part but the decode worker refused or was unreachable; 4xx = the
+            # request itself is bad (its parameters are checked there now): the decode worker will say so too
+            return ok, detail, r.status_code >= 500 and r.status_code != 502
         except (httpx.HTTPError, ValueError) as e:
             return False, f"{type(e).__name__}: {e}", True
         finally:

@@ -3,7 +3,8 @@
 - Prefill side (:mod:`.prefill_side`): ``POST /pd/prefill`` computes a prompt's KV and ships it to a decode
   worker: straight into its shared pool (same host, :mod:`.direct`), else as a frame (shared memory or HTTP).
 - Decode side (:mod:`.decode_side`): ``POST /pd/kv`` imports a frame; ``POST /pd/reserve``, ``/pd/commit``
-  and ``/pd/release`` hold, register and free pool blocks for a direct write (:mod:`.leases`).
+  and ``/pd/release`` hold, register and free pool blocks for a direct write (:mod:`.leases`); ``POST
+  /pd/first`` gives a handed-over prompt its first token (:mod:`.handoffs`).
 
 Torch is imported lazily: simulated workers (no torch) serve the same app without these endpoints working.
 """
@@ -71,4 +72,4 @@ def pd_routes(worker: Worker, options: TransferOptions | None = None) -> list[Ro
     metrics = LazyMetrics(worker)
     p, d = PrefillEndpoints(worker, metrics, options), DecodeEndpoints(worker, metrics)
     return [Route("/pd/prefill", p.prefill, methods=["POST"]), Route("/pd/kv", d.receive, methods=["POST"]),
-            *(Route(f"/pd/{name}", getattr(d, name), methods=["POST"]) for name in ("reserve", "commit", "release"))]
+            *(Route(f"/pd/{name}", getattr(d, name), methods=["POST"]) for name in ("reserve", "commit", "release", "first"))]

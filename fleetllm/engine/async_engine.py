@@ -29,6 +29,7 @@ from fleetllm.engine.params import SamplingParams
 
 if TYPE_CHECKING:
     from fleetllm.engine.engine import LLMEngine
+    from fleetllm.engine.handoff import Handoff
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -75,8 +76,9 @@ class AsyncEngine:
         return len(self._streams)
 
     async def generate(self, label: str, prompt_token_ids: list[int], params: SamplingParams,
-                       arrival_time: float | None = None) -> AsyncIterator[RequestOutput]:
+                       arrival_time: float | None = None, handoff: Handoff | None = None) -> AsyncIterator[RequestOutput]:
         """Add a request and yield its outputs; the request is aborted if the caller stops iterating early.
+        ``handoff``: its prompt prefilled elsewhere (:meth:`LLMEngine.add_request`), its first token out at once.
 
         ``label`` names the request in the engine's id (``label#n``); it need not be unique.
         Raises :class:`EngineFailed` if the engine thread is dead or dies meanwhile."""
@@ -89,7 +91,7 @@ class AsyncEngine:
         self._streams[request_id] = stream
         # the request arrives now, not when the engine thread next takes commands (after a running step)
         arrival = time.monotonic() if arrival_time is None else arrival_time
-        self._cmds.put(("add", (request_id, prompt_token_ids, params, arrival, added)))
+        self._cmds.put(("add", (request_id, prompt_token_ids, params, arrival, handoff, added)))
         finished = False
         try:
             await added  # raises the engine's validation error (bad params, too long, queue full)
@@ -159,6 +161,9 @@ class AsyncEngine:
                     self._apply(self._cmds.get_nowait())
             except queue.Empty:
                 pass
+            outs = eng.take_outputs()  # a handed-over first token goes out now, not after the next step
+            if outs:
+                self._loop.call_soon_threadsafe(self._deliver, outs)
             if self._stop.is_set():
                 break
             if eng.has_unfinished():
@@ -170,9 +175,9 @@ class AsyncEngine:
     def _apply(self, cmd: tuple[str, Any]) -> None:
         kind, arg = cmd
         if kind == "add":
-            rid, ids, params, arrival, fut = arg
+            rid, ids, params, arrival, handoff, fut = arg
             try:
-                self.engine.add_request(rid, ids, params, arrival)
+                self.engine.add_request(rid, ids, params, arrival, handoff)
                 err = None
             except Exception as e:  # validation errors go back to the caller, the loop goes on
                 err = e

@@ -21,6 +21,7 @@ from fleetllm.engine.block_pool import BlockPool
 from fleetllm.engine.config import EngineConfig
 from fleetllm.engine.detokenizer import IncrementalDetokenizer
 from fleetllm.engine.executor import Executor, ModelOutput, Sampled
+from fleetllm.engine.handoff import Handoff, sampler_state
 from fleetllm.engine.kv_cache_manager import KVCacheManager
 from fleetllm.engine.metrics import EngineMetrics
 from fleetllm.engine.outputs import RequestOutput, RequestTiming, TokenLogprob
@@ -114,8 +115,33 @@ class LLMEngine:
 
     # ---- requests ----------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    arrival_time: float | None = None) -> None:
-        """Queue a request. Raises PromptTooLong / InvalidParameter / QueueFull (nothing is queued then)."""
+                    arrival_time: float | None = None, handoff: Handoff | None = None) -> None:
+        """Queue a request. Raises PromptTooLong / InvalidParameter / QueueFull (nothing is queued then).
+
+        With ``handoff`` (its prompt prefilled elsewhere, :mod:`fleetllm.engine.handoff`) it runs at once from
+        the handed-over KV and first token, whose output :meth:`take_outputs` returns; a handoff that does not
+        fit the prompt, or finds no free sequence slot, is let go (its blocks freed) and the request queued."""
+        if handoff is not None and not (handoff.fits(prompt_token_ids, self.pool.block_size)
+                                        and self.scheduler.has_room()):
+            self.pool.release(handoff.blocks)
+            handoff = None
+        try:
+            seq = self._new_sequence(request_id, prompt_token_ids, params, arrival_time)
+            if handoff is None:
+                self.scheduler.add(seq)
+        except BaseException:
+            if handoff is not None:
+                self.pool.release(handoff.blocks)
+            raise
+        self.seqs[request_id] = seq
+        self.detok[request_id] = IncrementalDetokenizer(
+            self.tokenizer, params.stop, params.include_stop_str_in_output, params.skip_special_tokens
+        )
+        if handoff is not None:
+            self._take_over(seq, handoff)
+
+    def _new_sequence(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                      arrival_time: float | None) -> Sequence:
         if request_id in self.seqs:
             raise InvalidParameter("request_id", f"duplicate request id {request_id!r}")
         max_tokens = check_prompt(prompt_token_ids, params, self.max_model_len, self.loaded.config.vocab_size,
@@ -125,11 +151,28 @@ class LLMEngine:
             seq.grammar = self._grammar_state(params)
         if arrival_time is not None:  # when the server received it: queueing before this call counts
             seq.arrival_time = arrival_time
-        self.scheduler.add(seq)
-        self.seqs[request_id] = seq
-        self.detok[request_id] = IncrementalDetokenizer(
-            self.tokenizer, params.stop, params.include_stop_str_in_output, params.skip_special_tokens
-        )
+        return seq
+
+    def _take_over(self, seq: Sequence, h: Handoff) -> None:
+        """Run ``seq`` from a handed-over prefill: its blocks, its prompt computed, its first token appended
+        and output as if this engine's last prefill chunk had sampled it."""
+        seq.block_table, seq.block_hashes = list(h.blocks), list(h.hashes)
+        seq.num_computed_tokens = seq.num_cached_tokens = len(seq.prompt_token_ids)
+        seq.sampler_state = h.sampler_state
+        self.scheduler.add_running(seq)
+        now = time.monotonic()
+        seq.first_scheduled_time = now
+        self.metrics.scheduled_first(seq, now)
+        sampled = Sampled([h.first_token], None if h.logprob is None else [h.logprob])
+        status, n = self._append_tokens(seq, sampled, now)
+        self._pending.append(self._step_output(seq, sampled, status, n))
+
+    def take_outputs(self) -> list[RequestOutput]:
+        """Outputs made between steps (aborts, handed-over first tokens), now rather than after the next step."""
+        outputs, self._pending = self._pending, []
+        if outputs:  # requests started or ended without a step: the gauges a step would set
+            self._update_gauges()
+        return outputs
 
     def _grammar_state(self, params: SamplingParams) -> object:
         from fleetllm.structured.compiler import InvalidGrammar
@@ -198,18 +241,20 @@ class LLMEngine:
             # inside accepted drafts leaves computed positions past the end, hence the cap.
             seq.num_computed_tokens = min(seq.num_computed_tokens + s.num_computed(emitted), seq.num_tokens)
             self.kv.cache_full_blocks(seq)
-            if sampled is None:
-                continue
-            lps = sampled.logprobs[:n] if sampled.logprobs else None
-            if status is None:
-                outputs.append(RequestOutput(
-                    seq.request_id, emitted[:n], self.detok[seq.request_id].release(False), False,
-                    len(seq.prompt_token_ids), len(seq.output_token_ids), seq.num_cached_tokens, logprobs=lps,
-                ))
-            else:
-                self.scheduler.finish(seq, status)
-                outputs.append(self._finish_output(seq, emitted[:n], lps))
+            if sampled is not None:
+                outputs.append(self._step_output(seq, sampled, status, n))
         return outputs
+
+    def _step_output(self, seq: Sequence, sampled: Sampled, status: Status | None, n: int) -> RequestOutput:
+        """The output of the ``n`` tokens just appended to ``seq``; with ``status``, it finishes (blocks freed)."""
+        emitted = sampled.token_ids[:n]
+        lps = sampled.logprobs[:n] if sampled.logprobs else None
+        if status is None:
+            return RequestOutput(seq.request_id, emitted, self.detok[seq.request_id].release(False), False,
+                                 len(seq.prompt_token_ids), len(seq.output_token_ids), seq.num_cached_tokens,
+                                 logprobs=lps)
+        self.scheduler.finish(seq, status)
+        return self._finish_output(seq, emitted, lps)
 
     def _append_tokens(self, seq: Sequence, sampled: Sampled, now: float) -> tuple[Status | None, int]:
         """Append the tokens in order up to the first that finishes the request (the rest are dropped);
@@ -271,7 +316,7 @@ class LLMEngine:
         timing = RequestTiming(seq.arrival_time, seq.first_scheduled_time, seq.first_token_time, now)
         return RequestOutput(
             seq.request_id, new, detok.release(True), True, len(seq.prompt_token_ids), len(seq.output_token_ids),
-            max(seq.num_cached_tokens, 0), reason, seq.stop_reason, lp, error, timing,
+            max(seq.num_cached_tokens, 0), reason, seq.stop_reason, lp, error, timing, sampler_state(seq),
         )
 
     def _update_gauges(self) -> None:

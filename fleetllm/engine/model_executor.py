@@ -64,9 +64,8 @@ class ModelExecutor:
     def execute(self, sched: SchedulerOutput) -> ModelOutput:
         batch = sched.scheduled
         for s in batch:
-            seq = s.seq
-            if seq.generator is None and seq.params.seed is not None:
-                seq.generator = torch.Generator().manual_seed(seq.params.seed)
+            if s.seq.generator is None and s.seq.params.seed is not None:
+                s.seq.generator = _generator(s.seq)
         rows, first = _logit_rows(batch)
         verifying = any(s.draft_token_ids for s in batch)
         t0 = time.perf_counter()
@@ -152,6 +151,14 @@ class ModelExecutor:
         bs = self.runner.block_size
         return [(k.view(self.num_blocks, bs, *k.shape[1:]), v.view(self.num_blocks, bs, *v.shape[1:]))
                 for k, v in self.runner.kv_cache]
+
+
+def _generator(seq: Sequence) -> torch.Generator:
+    """A seeded request's sampling RNG: from its seed, or from the state a prefill elsewhere left it in."""
+    g = torch.Generator().manual_seed(seq.params.seed)
+    if seq.sampler_state is not None:
+        g.set_state(torch.frombuffer(bytearray(seq.sampler_state), dtype=torch.uint8))
+    return g
 
 
 def _all_plain_greedy(batch: list[Scheduled]) -> bool:

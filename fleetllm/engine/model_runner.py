@@ -85,7 +85,7 @@ class ModelRunner:
         with phase(self.profile, "prepare"):
             ids, positions, meta = self._inputs(batch)
             rows = torch.tensor(logit_rows, dtype=torch.long, device=self.device)
-        with phase(self.profile, "forward"), self._observed(batch):
+        with phase(self.profile, "forward"), self._observed(batch, meta):
             out = self.model(ids, positions, meta, self.kv_cache, aux_layers)
             hidden, aux = out if aux_layers is not None else (out, None)
         with phase(self.profile, "logits"):
@@ -126,14 +126,16 @@ class ModelRunner:
             meta.decode_lens = torch.tensor(decode_lens, dtype=torch.int32, device=self.device)
         return torch.tensor(ids, device=self.device), torch.tensor(positions, device=self.device), meta
 
-    def _observed(self, batch: list[Scheduled]) -> contextlib.AbstractContextManager[None]:
-        """Hooks after each layer's attention for the observed requests of this step (none: no hooks at all)."""
+    def _observed(self, batch: list[Scheduled], meta: AttentionMetadata) -> contextlib.AbstractContextManager[None]:
+        """Hooks after each layer's attention for the observed requests of this step (none: no hooks at all);
+        with hooks, the step runs layer by layer (the fused decode stack would run none of them)."""
         calls = []
         for s in batch if self.layer_observers else ():
             o = self.layer_observers.get(s.seq.request_id.split("#", 1)[0])
             fn = o.begin(s.seq, s.seq.num_computed_tokens, s.num_new_tokens, self.block_size) if o else None
             if fn is not None:
                 calls.append(fn)
+        meta.layer_by_layer = bool(calls)
         stack = contextlib.ExitStack()
         for i, (layer, (kc, vc)) in enumerate(zip(self.model.layers, self.kv_cache, strict=True)):
             if calls:  # a forward hook on the attention: it has just written this layer's K and V

@@ -39,3 +39,4 @@ class RequestOutput:
     logprobs: list[TokenLogprob] | None = None
     error: str | None = None
     timing: RequestTiming | None = None  # on the final output only
+    sampler_state: bytes | None = None  # final output of a seeded request: its RNG state (a prefill hands it over)

@@ -3,7 +3,7 @@ worker import it without loading PyTorch)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from fleetllm.structured.spec import GrammarSpec
 
@@ -75,6 +75,12 @@ class SamplingParams:
         for name, ok, msg in checks:
             if not ok:
                 raise InvalidParameter(name, f"{name} {msg}, got {_short(getattr(self, name))}")
+
+    def for_choice(self, k: int) -> SamplingParams:
+        """The parameters of the request's ``k``-th choice (of ``n``): one sample, its seed the request's + k
+        (folded into the signed 64-bit range)."""
+        seed = None if self.seed is None else (self.seed + k + 2**63) % 2**64 - 2**63
+        return replace(self, n=1, seed=seed)
 
     @property
     def greedy(self) -> bool:

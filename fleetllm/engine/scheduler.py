@@ -83,6 +83,16 @@ class Scheduler:
             raise QueueFull(f"{len(self.waiting)} requests already waiting")
         self.waiting.append(seq)
 
+    def has_room(self) -> bool:
+        """Whether one more sequence may run now (a sequence slot is free)."""
+        return len(self.running) < self.cfg.max_num_seqs
+
+    def add_running(self, seq: Sequence) -> None:
+        """Run ``seq`` from the next step on: its prompt is computed already (a handed-over prefill) and it
+        holds its blocks; it joins the running sequences as one that has just finished its prefill."""
+        seq.transition(Status.RUNNING)
+        self.running.append(seq)
+
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 

@@ -62,6 +62,7 @@ class Sequence:
     num_cached_tokens: int = -1  # prefix-cache hit at first schedule (-1: not yet scheduled)
     num_preemptions: int = 0
     generator: torch.Generator | None = None  # a seeded request's sampling RNG (made by the executor)
+    sampler_state: bytes | None = None  # the RNG state to start from instead of the seed (a handed-over prefill)
     spec_state: Any = None  # the speculative decoder's per-request state (acceptance, drafter index)
     grammar: Any = None  # a structured request's GrammarState, advanced by every appended token
     stop_reason: str | int | None = None

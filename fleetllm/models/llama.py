@@ -53,6 +53,7 @@ class AttentionMetadata:
     decode_lens: torch.Tensor | None = None  # [Bd] int32 context length of each decode query, its own token included
     block_size: int = 0
     window: int | None = None  # a sliding-window layer's view: decode queries see their last ``window`` positions
+    layer_by_layer: bool = False  # something watches each layer's K/V as it is written (P/D): no fused decode stack
 
     def within_window(self, positions: torch.Tensor, window: int) -> AttentionMetadata:
         """The same step seen by a sliding-window layer: keys older than ``window`` positions are masked.
@@ -278,7 +279,8 @@ class LlamaModel(nn.Module):
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         h = self.embed(input_ids)
         stack = self.decode_stack  # q4's decode steps in one C call (fleetllm/kernels/decode_stack.py)
-        rows = None if stack is None or aux_layers is not None else stack.plan(h, meta, kv_cache[0][0], self.rotary)
+        fused = stack is not None and aux_layers is None and not meta.layer_by_layer
+        rows = stack.plan(h, meta, kv_cache[0][0], self.rotary) if fused else None
         if rows is not None:
             stack.run(h, positions, meta, kv_cache, self.rotary, rows)
             return self.norm(h)

@@ -24,7 +24,6 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import replace
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -35,6 +34,8 @@ from starlette.routing import Route
 
 from fleetllm.capture.worker_tap import open_worker_tap
 from fleetllm.disagg.config import TransferOptions
+from fleetllm.disagg.handoffs import HEADER as HANDOFF_HEADER
+from fleetllm.disagg.handoffs import Handoffs
 from fleetllm.disagg.routes import frame_body_cap, pd_routes
 from fleetllm.engine.async_engine import AsyncEngine, EngineFailed
 from fleetllm.engine.omp_team import serial_executor
@@ -91,6 +92,7 @@ class Worker:
         self.tool_parser = parser_for((tools or ToolConfig()).tool_call_parser, engine.tokenizer.chat_template)
         self.role = role  # prefill | decode | both (disaggregated serving; routers read it from /kv/events)
         self.async_engine = AsyncEngine(engine, on_failure=self._engine_failed)
+        self.handoffs = Handoffs(self.async_engine)  # prompts prefilled elsewhere, held for their requests (P/D)
         self.kv_publisher = None  # KV events in vLLM's format, over ZMQ (after the engine hooked the pool)
         if kv_events is not None and kv_events.kv_events_config:
             from fleetllm.server.kv_publish import VllmEventPublisher
@@ -222,8 +224,10 @@ class Worker:
     def _encode(self, prompt: str | list[int]) -> list[int]:
         return self.engine.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
 
-    async def _run(self, request: Request, rid: str, kind: str, prompts: list[list[int]], params: SamplingParams) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """Run every (prompt x n) sub-request; yield (choice index, output) as they arrive.
+    async def _run(self, request: Request, rid: str, kind: str, prompts: list[list[int]], params: SamplingParams,
+                   handoff: str | None = None) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Run every (prompt x n) sub-request; yield (choice index, output) as they arrive. ``handoff``: the id
+        of the prompt's prefill elsewhere (disaggregated serving), taken over when it is the one sub-request.
 
         When it ends (finished, failed or abandoned) the request is logged and traced."""
         start = time.monotonic()
@@ -232,7 +236,7 @@ class Worker:
         subs = []
         for p_i, ids in enumerate(prompts):
             for k in range(params.n):
-                sub = replace(params, n=1, seed=None if params.seed is None else _wrap_seed(params.seed + k))
+                sub = params.for_choice(k)
                 subs.append((p_i * params.n + k, f"{rid}-{p_i}-{k}", ids, sub))
         merged: asyncio.Queue[tuple[int, RequestOutput] | BaseException | None] = asyncio.Queue()
         tap = open_worker_tap(self.capture, request.headers, rid, kind, self.model_name, prompts, params.n,
@@ -240,7 +244,10 @@ class Worker:
 
         async def pump(index: int, sub_id: str, ids: list[int], sp: SamplingParams) -> None:
             try:
-                async for out in self.async_engine.generate(sub_id, ids, sp, start):
+                # claimed here, where it passes to the engine with no await between: a task cancelled before
+                # it ran leaves the handoff to expire, never half taken
+                h = await self.handoffs.claim(handoff, len(subs) == 1) if handoff and index == 0 else None
+                async for out in self.async_engine.generate(sub_id, ids, sp, start, h):
                     await merged.put((index, out))
             except BaseException as e:  # noqa: BLE001 - forwarded to the consumer
                 await merged.put(e)
@@ -329,11 +336,19 @@ class Worker:
             raise APIError(400, f"chat template failed: {e}", "messages") from None
         return [self.engine.tokenizer.encode_pieces(text)]  # a resent history: only its new turn is encoded
 
+    async def request_params(self, kind: str, body: dict[str, Any]) -> SamplingParams:
+        """The sampling parameters of a chat (``kind="chat"``) or completions request, its output constraint
+        (a schema, or the grammar its tools force) compiled."""
+        if kind != "chat":
+            return await self.constrained(sampling_from_body(body, chat=False), body)
+        return await self.constrained(sampling_from_body(body, chat=True), body,
+                                      tool_request(body, self.tool_parser).grammar)
+
     async def chat(self, request: Request) -> Response:
         body = await self.request_body(request)
         ids = self.prompt_ids("chat", body)
         tools = tool_request(body, self.tool_parser)
-        params = await self.constrained(sampling_from_body(body, chat=True), body, tools.grammar)
+        params = await self.request_params("chat", body)
         return await self._respond(request, "chat", body, ids, params, tools if tools.parses_calls else None)
 
     async def constrained(self, params: SamplingParams, body: dict[str, Any], forced: Any = None) -> SamplingParams:
@@ -347,7 +362,7 @@ class Worker:
         if body.get("echo"):
             raise APIError(400, "echo is not supported", "echo")
         prompts = self.prompt_ids("text", body)
-        params = await self.constrained(sampling_from_body(body, chat=False), body)
+        params = await self.request_params("text", body)
         return await self._respond(request, "text", body, prompts, params)
 
     async def _respond(self, request: Request, kind: str, body: dict[str, Any], prompts: list[list[int]],
@@ -363,7 +378,7 @@ class Worker:
         headers = {"x-request-id": rid, request_id.HEADER: fid}
         request.state.fleet_id = fid  # for the request's log line
         timeout = request_timeout(body, request.headers)
-        gen = self._run(request, rid, kind, prompts, params)
+        gen = self._run(request, rid, kind, prompts, params, request.headers.get(HANDOFF_HEADER))
         if timeout is not None:
             gen = _until(gen, time.monotonic() + timeout, timeout)
         try:
@@ -520,11 +535,6 @@ async def _prepend(first: T, rest: AsyncIterator[T]) -> AsyncIterator[T]:
     yield first
     async for it in rest:
         yield it
-
-
-def _wrap_seed(seed: int) -> int:
-    """``seed`` folded into the signed 64-bit range (the n-th choice's seed is the request's + n)."""
-    return (seed + 2**63) % 2**64 - 2**63
 
 
 async def _until(gen: AsyncIterator[T], deadline: float, timeout: float) -> AsyncIterator[T]:

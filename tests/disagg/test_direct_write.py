@@ -19,6 +19,7 @@ import torch
 
 from fleetllm.disagg.direct import PoolTarget
 from fleetllm.disagg.frame import FrameError, FrameHeader
+from fleetllm.disagg.handoffs import HEADER as HANDOFF
 from fleetllm.disagg.leases import pid_namespace
 from fleetllm.disagg.prefill_side import prefilled_tokens
 from fleetllm.disagg.shared_pool import PoolLayout, PoolMaps
@@ -72,11 +73,16 @@ def test_a_direct_write_gives_the_tokens_of_a_colocated_prefill(pd):
     r = remote_prefill(p, d, body, timeout=120)
     assert r.status_code == 200, r.text
     shipped = r.json()
-    assert shipped["via"] == "pool" and shipped["imported"] == shipped["blocks"] > 0
-    remote = httpx.post(d + "/v1/chat/completions", json=body, timeout=120).json()
+    assert shipped["via"] == "pool" and shipped["imported"] + shipped["tail"] == shipped["blocks"] > 0
+    ttft_before = pd["decode"].metrics().get("vllm:time_to_first_token_seconds_count", 0.0)
+    remote = httpx.post(d + "/v1/chat/completions", json=body, headers={HANDOFF: shipped["handoff"]}, timeout=120).json()
     local = httpx.post(pd["colocated"].url + "/v1/chat/completions", json=body, timeout=120).json()
     assert remote["choices"][0]["message"]["content"] == local["choices"][0]["message"]["content"]
-    assert remote["usage"]["prompt_tokens_details"]["cached_tokens"] == shipped["blocks"] * 16  # the written KV was used
+    assert remote["usage"]["prompt_tokens"] == local["usage"]["prompt_tokens"] == shipped["prompt_tokens"]
+    assert remote["usage"]["completion_tokens"] == local["usage"]["completion_tokens"]
+    # the written KV, the partial block too, was used: the whole prompt arrived computed
+    assert remote["usage"]["prompt_tokens_details"]["cached_tokens"] == shipped["prompt_tokens"]
+    assert pd["decode"].metrics()["vllm:time_to_first_token_seconds_count"] == ttft_before + 1
     assert pd["prefill"].metrics()["fleetllm:kv_transfer_bytes_total"] >= shipped["bytes"] > 0
     no_blocks_held(pd["decode"])
     no_blocks_held(pd["prefill"])
@@ -85,9 +91,13 @@ def test_a_direct_write_gives_the_tokens_of_a_colocated_prefill(pd):
 def test_without_a_shared_pool_the_prefill_falls_back_to_a_shared_memory_frame(pd):
     p, d = pd["prefill"].url, pd["private"].url
     assert httpx.post(d + "/pd/reserve", json={"header": header_for(list(range(64)))}).status_code == 409
-    r = remote_prefill(p, d, chat("A private pool: the KV comes as a frame in /dev/shm instead, checked by CRC."),
-                       timeout=120)
+    body = chat("A private pool: the KV comes as a frame in /dev/shm instead, checked by CRC.")
+    r = remote_prefill(p, d, body, timeout=120)
     assert r.status_code == 200 and r.json()["via"] == "shm" and r.json()["imported"] > 0, r.text
+    remote = httpx.post(d + "/v1/chat/completions", json=body, headers={HANDOFF: r.json()["handoff"]}, timeout=120)
+    local = httpx.post(pd["colocated"].url + "/v1/chat/completions", json=body, timeout=120)
+    assert remote.json()["choices"][0]["message"] == local.json()["choices"][0]["message"]
+    assert remote.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == r.json()["prompt_tokens"]
     no_blocks_held(pd["private"])
 
 

@@ -16,6 +16,7 @@ from fleet_helpers import real_worker, router, wait_state
 
 from fleetllm.disagg import frame
 from fleetllm.disagg.buffers import remove_stale_files
+from fleetllm.disagg.handoffs import HEADER as HANDOFF
 from fleetllm.disagg.routes import SHM_DIR
 from fleetllm.engine.block_pool import hash_prefix_blocks
 
@@ -96,6 +97,20 @@ def test_disaggregated_outputs_equal_colocated_ones_under_concurrency(fleet):
     assert_no_blocks_held(fleet["prefill"].url, d, c, decode=fleet["decode"])
 
 
+def test_the_decode_worker_starts_from_the_first_token_the_prefill_worker_sampled(fleet):
+    r, c = fleet["router"].url, fleet["colocated"].url
+    q = "Name two reasons to prefill a long prompt on another worker than the one that decodes it, briefly and plainly."
+    b = {**body(q), "seed": 5, "temperature": 0.7}
+    before = metric(r, 'fleetllm_router_pd_decisions_total{decision="disaggregated"}')
+    remote = httpx.post(r + "/v1/chat/completions", json=b, timeout=300).json()
+    assert metric(r, 'fleetllm_router_pd_decisions_total{decision="disaggregated"}') == before + 1
+    local = httpx.post(c + "/v1/chat/completions", json=b, timeout=300).json()
+    assert remote["choices"] == local["choices"]  # seeded: the same draws, the first one on the prefill worker
+    # the whole prompt arrived computed (its partial last block too): the decode worker computed none of it
+    assert remote["usage"]["prompt_tokens_details"]["cached_tokens"] == remote["usage"]["prompt_tokens"]
+    assert_no_blocks_held(fleet["prefill"].url, fleet["decode"].url, decode=fleet["decode"])
+
+
 def _frame_for(tokens: list[int], num_layers: int = 30, kv_heads: int = 3, head_dim: int = 64) -> bytes:
     hashes = hash_prefix_blocks(tokens, 16, b"smollm2-135m")
     header = frame.FrameHeader("smollm2-135m", num_layers, kv_heads, head_dim, "float32", 16,
@@ -135,8 +150,13 @@ def test_a_frame_streamed_over_http_while_the_prefill_computes_is_imported(fleet
     r = httpx.post(p + "/pd/prefill", json={"path": "/v1/chat/completions", "body": body(q), "decode_url": d,
                                             "transfer": "http"}, timeout=120)
     assert r.status_code == 200 and r.json()["via"] == "http", r.text
-    assert r.json()["imported"] + r.json()["already_cached"] == r.json()["blocks"] > 0
-    assert_no_blocks_held(p, d)
+    shipped = r.json()
+    assert shipped["imported"] + shipped["already_cached"] + shipped["tail"] == shipped["blocks"] > 0
+    remote = httpx.post(d + "/v1/chat/completions", json=body(q), headers={HANDOFF: shipped["handoff"]}, timeout=120)
+    assert remote.json()["choices"] == httpx.post(fleet["colocated"].url + "/v1/chat/completions", json=body(q),
+                                                  timeout=120).json()["choices"]
+    assert remote.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == shipped["prompt_tokens"]
+    assert_no_blocks_held(p, d, decode=fleet["decode"])
 
 
 def test_a_transfer_timeout_falls_back_to_a_local_prefill(fleet):

@@ -38,7 +38,7 @@ def test_importing_onto_a_cached_head_block_keeps_that_block() -> None:
 
     result = import_blocks(eng, header, layers)
 
-    assert result == {"imported": 2, "already_cached": 1, "dropped": 0}
+    assert result == {"imported": 2, "already_cached": 1, "dropped": 0, "tail": 0}
     assert all(h in eng.pool.cached for h in hashes), "the import evicted a block of its own prefix"
     eng.pool.check()
     assert eng.pool.num_free == 3  # nothing stays pinned
