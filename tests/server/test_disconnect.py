@@ -14,7 +14,9 @@ import httpx
 import pytest
 
 # Long enough that no request here finishes on its own before the client leaves.
-LONG = {"max_tokens": 400, "ignore_eos": True, "temperature": 0}
+# long enough to outlast every client timeout below at the default q4 speed (~110 tok/s): every such request is
+# aborted, never run to its end
+LONG = {"max_tokens": 2000, "ignore_eos": True, "temperature": 0}
 
 
 @pytest.fixture(scope="module")
