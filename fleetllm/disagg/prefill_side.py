@@ -140,17 +140,22 @@ class PrefillEndpoints:
 
     async def _give_first(self, decode_url: str, handoff: str, out: RequestOutput, timeout: float) -> None:
         """Send the first token of the handoff a frame made on the decode worker (``POST /pd/first``)."""
+        await self._post_decode(decode_url, "/pd/first", "first token", "the first token",
+                                json={"handoff": handoff, "first": first_of(out)}, timeout=timeout)
+
+    async def _post_decode(self, decode_url: str, path: str, what: str, refused: str, **kw: Any) -> Any:
+        """POST ``path`` to the decode worker; a transport error or a refusal is a 502, counted by reason."""
         import httpx
 
         try:
-            r = await self._client().post(decode_url + "/pd/first", json={"handoff": handoff, "first": first_of(out)},
-                                          timeout=timeout)
+            r = await self._client().post(decode_url + path, **kw)
         except httpx.HTTPError as e:
             self.metrics.failures.labels(reason="send").inc()
-            raise APIError(502, f"first token to {decode_url} failed: {type(e).__name__}: {e}") from None
+            raise APIError(502, f"{what} to {decode_url} failed: {type(e).__name__}: {e}") from None
         if r.status_code != 200:
             self.metrics.failures.labels(reason=f"rejected_{r.status_code}").inc()
-            raise APIError(502, f"the decode worker refused the first token ({r.status_code}): {r.text[:200]}")
+            raise APIError(502, f"the decode worker refused {refused} ({r.status_code}): {r.text[:200]}")
+        return r
 
     def _shipped(self, via: str, blocks: int, nbytes: int, prompt_tokens: int, prefill_s: float, transfer_s: float,
                  result: dict[str, Any], **extra: float) -> JSONResponse:
@@ -272,17 +277,10 @@ class PrefillEndpoints:
                 await sealed.get()
                 yield b"\x01" if shm else f.layer_piece(i) if i < f.header.num_layers else f.trailer_piece()
 
-        try:
-            r = await self._client().post(decode_url + "/pd/kv" + ("?handoff=1" if handoff else ""), content=pieces(),
-                                          headers={"content-type": SHM_STREAM if shm else "application/octet-stream"},
-                                          timeout=httpx.Timeout(timeout, connect=3.0))
-        except httpx.HTTPError as e:
-            self.metrics.failures.labels(reason="send").inc()
-            raise APIError(502, f"KV transfer to {decode_url} failed: {type(e).__name__}: {e}") from None
-        if r.status_code != 200:
-            self.metrics.failures.labels(reason=f"rejected_{r.status_code}").inc()
-            raise APIError(502, f"the decode worker refused the KV frame ({r.status_code}): {r.text[:200]}")
-        return r
+        return await self._post_decode(
+            decode_url, "/pd/kv" + ("?handoff=1" if handoff else ""), "KV transfer", "the KV frame", content=pieces(),
+            headers={"content-type": SHM_STREAM if shm else "application/octet-stream"},
+            timeout=httpx.Timeout(timeout, connect=3.0))
 
 
 @dataclass

@@ -111,7 +111,7 @@ def _struct(w: q4.Q4Weight) -> _Q4:
 
 
 class DecodeStack:
-    """The C path for one ``q4`` Llama model's pure decode steps; :meth:`build` says whether it covers it."""
+    """The C path for one ``q4`` Llama model's decode steps and short chunks; :meth:`build` says whether it covers it."""
 
     def __init__(self, model: Any, layers: list[dict[str, Any]], max_rows: int) -> None:
         cfg, attn = model.cfg, model.layers[0].attn
@@ -197,6 +197,6 @@ class DecodeStack:
 
 
 def set_enabled(enabled: bool) -> None:
-    """Let pure decode steps take the C path (True, the default) or keep them op by op (False)."""
+    """Let decode steps and short chunks take the C path (True, the default) or keep them op by op (False)."""
     global _enabled
     _enabled = enabled

@@ -1,4 +1,4 @@
-/* Shared by the GEMV kernels (q4_gemv.c, q8_gemv.c): a horizontal sum, and (q4's) wide-step GEMM that
+/* Shared by the C kernels: a horizontal sum (all three), and q4_gemv.c's wide-step GEMM, which
  * dequantises a few weight rows at a time into an L1 buffer and multiplies them with blocks of activation
  * rows. Included by each kernel's source; fleetllm/kernels/build.py hashes included files into the cache key.
  *
@@ -53,7 +53,7 @@ static inline void tile_avx2(const int outs, const int rows, const float *w, int
 #define TILE(O, R) tile_avx2(O, R, w, k, x, ldx, out, ldy)
 
 __attribute__((target("avx2,fma")))
-static void tile_any(int outs, int rows, const float *w, int k, const float *x, long ldx, float *out, long ldy) {
+static inline void tile_any(int outs, int rows, const float *w, int k, const float *x, long ldx, float *out, long ldy) {
     if (outs == 2) {
         switch (rows) { case 1: TILE(2, 1); break; case 2: TILE(2, 2); break; case 3: TILE(2, 3); break; default: TILE(2, 4); }
     } else {
@@ -63,7 +63,7 @@ static void tile_any(int outs, int rows, const float *w, int k, const float *x, 
 
 /* y = x @ W^T for `rows` activation rows (any count; meant for WIDE_FROM and more) and `n` weight rows. */
 __attribute__((target("avx2,fma")))
-static void wide_avx2(dequantize_fn dequantize, const void *w, const float *d, const float *m, const float *x,
+static inline void wide_avx2(dequantize_fn dequantize, const void *w, const float *d, const float *m, const float *x,
                       long ldx, float *y, long ldy, int rows, int n, int groups, int threads) {
     const int k = groups * 32, chunks = (n + CHUNK - 1) / CHUNK;
     #pragma omp parallel num_threads(threads)

@@ -20,6 +20,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <immintrin.h>
+#include "gemv_common.h"  /* hsum8 */
 
 enum { KV_F32 = 0, KV_F16 = 1, KV_BF16 = 2 };
 
@@ -101,14 +102,6 @@ static inline __m256 load8(const void *base, long idx, int dtype) {
     __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)base + idx));
     if (dtype == KV_F16) return _mm256_cvtph_ps(h);
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
-
-__attribute__((target("avx2,fma")))
-static inline float hsum8(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
 }
 
 __attribute__((target("avx2,fma,f16c")))
