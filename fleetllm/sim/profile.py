@@ -96,5 +96,5 @@ class TimingProfile:
 
     @classmethod
     def default(cls) -> TimingProfile:
-        """The profile shipped with fleetllm: SmolLM2-135M, fp32, one CPU thread."""
+        """The profile shipped with fleetllm: SmolLM2-135M under the default quantization (q4), one CPU thread."""
         return cls.load(PROFILES_DIR / "smollm2-135m-cpu-1t.json")
