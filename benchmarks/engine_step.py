@@ -93,6 +93,12 @@ def measure(args: argparse.Namespace) -> dict[str, dict[str, float]]:
 
     torch.set_num_threads(args.threads)
     engine = engine_for(args, load_model(args.model or "smollm2-135m"))
+    try:  # every C kernel built before timing (revisions older than this helper build them while serving)
+        from fleetllm.kernels import wait_for_kernels
+
+        wait_for_kernels()
+    except ImportError:
+        pass
     engine.warm_up()
     results: dict[str, dict[str, float]] = {}
     for b in (int(x) for x in args.batch.split(",")):

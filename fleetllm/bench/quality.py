@@ -23,6 +23,8 @@ from typing import Any
 
 import torch
 
+from fleetllm.kernels import wait_for_kernels
+
 REFERENCE_PROMPTS = (
     "What is the capital of France?",
     "Write a Python function that reverses a string.",
@@ -134,6 +136,7 @@ def compare(loaded: Any, settings: dict[str, Any], prompts: list[list[int]], tok
             window: int = 512, chunk: int = 512, ref_chunk: int | None = None) -> Quality:
     """``settings`` (EngineConfig fields) against ``quantization="none"`` on both checks (the reference's
     perplexity from whole windows in one forward unless ``ref_chunk`` says otherwise)."""
+    wait_for_kernels()  # else the first prompts could run on the fp32 fallback while the kernels build
     exact = {"quantization": "none"}
     ref = greedy(loaded, exact, prompts, tokens, one_by_one=False)
     agree = [sum(a == b for a, b in zip(ref, greedy(loaded, settings, prompts, tokens, one), strict=True))

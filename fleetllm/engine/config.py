@@ -37,12 +37,13 @@ class EngineConfig:
     enable_prefix_caching: bool = opt(True, "reuse the KV blocks of prompt prefixes computed before",
                                       flag="--no-prefix-caching")
     num_threads: int | None = opt(None, "torch threads (default: all cores)")
-    quantization: Literal["none", "int4", "int4-int8", "q4"] = opt(
-        "q4", "q4 (default): on CPU, a GGUF's Q4_1 (and Q8_0 LM head) weights kept as they are, with fp32 "
-              "activations, for steps under 48 tokens (the same weights as fp32: greedy output agrees with it), "
-              "fp32 for wider ones and for weights that are not Q4_1; none: exact fp32 everywhere (equals HF "
-              "transformers token for token); int4: int4 decoder / int8 LM-head weights for steps under 8 "
-              "tokens; int4-int8: int8 GEMMs for wider ones too (experimental: fails the greedy-agreement check)")
+    quantization: Literal["none", "int4", "int4-int8", "q4", "q4-q8"] = opt(
+        "q4", "q4 (default): on CPU, a GGUF's Q4_1 weights kept as they are, times activations rounded to int16 "
+              "per group of 32 (integer dot products; greedy output agrees with fp32), the Q8_0 LM head with fp32 "
+              "activations for steps under 48 tokens; fp32 for weights that are not Q4_1; q4-q8: int8 activations "
+              "(llama.cpp's arithmetic: faster, fails the greedy-agreement check); none: exact fp32 everywhere "
+              "(equals HF transformers token for token); int4: int4 decoder / int8 LM-head weights for steps under "
+              "8 tokens; int4-int8: int8 GEMMs for wider ones too (experimental: fails the greedy-agreement check)")
     speculative: str | dict | None = opt(
         None, "speculative decoding: method ngram | suffix | eagle | peagle, k draft tokens (default k: "
               "chosen from the measured verify cost), adaptive=0 to fix K", metavar="method=M,k=N")

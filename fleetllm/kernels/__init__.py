@@ -14,4 +14,12 @@ from fleetllm.kernels.attention import (
 )
 
 __all__ = ["chunk_rows", "kernel_ready", "paged_attention", "paged_decode_attention", "reference_attention",
-           "set_kernel_enabled"]
+           "set_kernel_enabled", "wait_for_kernels"]
+
+
+def wait_for_kernels() -> None:
+    """Build (or load) every C kernel now: for measurements that must not start on the eager fallback."""
+    from fleetllm.kernels import attention, decode_stack, q4, q4_int, q8
+
+    for library in (attention.LIBRARY, decode_stack.LIBRARY, q4.LIBRARY, q4_int.LIBRARY, q8.LIBRARY):
+        library.get(wait=True)

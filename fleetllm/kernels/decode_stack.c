@@ -6,7 +6,7 @@
  * "rotate half" layout, each product and sum rounded as PyTorch's `q * cos + rotate_half(q) * sin` rounds
  * them), the new K/V written into the paged cache (fp32, fp16 or bf16), paged attention, the o GEMV and the
  * residual add; RMSNorm, the fused gate_up GEMV, SiLU(gate) * up, the down GEMV and the residual add. The
- * GEMVs and attention are q4_gemv.c's and paged_attention.c's own functions, passed in as pointers from
+ * GEMVs and attention are q4_i8_gemm.c's and paged_attention.c's own functions, passed in as pointers from
  * their libraries, so this file holds only the glue that PyTorch would otherwise dispatch op by op (about
  * forty ops a layer, which cost more than the arithmetic at narrow steps). Element-wise work runs on the
  * calling thread: at a few rows it is microseconds, and an OpenMP region would cost more to wake.
@@ -27,7 +27,7 @@ typedef int (*attend_fn)(const float *q, long q_row_stride, const void *k_cache,
 
 enum { KV_F32 = 0, KV_F16 = 1, KV_BF16 = 2 };
 
-typedef struct { const uint8_t *packed; const float *d, *m; } Q4;  /* see q4_gemv.c for the layout */
+typedef struct { const uint8_t *packed; const float *d, *m; } Q4;  /* blocked: see q4_i8_gemm.c */
 
 typedef struct {
     const float *norm1, *norm2;  /* input and post-attention RMSNorm weights [hidden] */

@@ -9,7 +9,8 @@ when every row is a decode token or a query of a chunk whose queries × position
 (speculative verification, short prompts); any other step (a long prompt's prefill, 48 rows or more, a kernel
 not built, a model it does not cover) takes the model's op-by-op path. ``FLEETLLM_DECODE_STACK=eager`` keeps every step there.
 
-Numerics: the same weights and the same GEMV and attention kernels as the op-by-op ``q4`` path; RMSNorm and
+Numerics: the same weights and the same GEMM (int16 or int8 activations, as the linears') and attention kernels
+as the op-by-op ``q4`` path; RMSNorm and
 SiLU round differently from PyTorch's (summation order, a polynomial ``exp``), RoPE the same. So a token's
 logits differ from the op-by-op path's by float rounding, as ``q4``'s already differ from fp32's.
 """
@@ -24,7 +25,7 @@ from typing import Any
 
 import torch
 
-from fleetllm.kernels import attention, q4
+from fleetllm.kernels import attention, q4_int
 from fleetllm.kernels.build import KernelLibrary
 
 _enabled = os.environ.get("FLEETLLM_DECODE_STACK", "auto") != "eager"
@@ -100,22 +101,22 @@ class Rows:
         return cls(padded, torch.tensor(table_of, dtype=torch.int32), torch.tensor(lens, dtype=torch.int32))
 
 
-def _q4(linear: Any) -> q4.Q4Weight | None:
-    """The Q4 weight behind a ``q4`` linear (``ByWidth`` over a ``Q4Linear``), else None."""
-    narrow = getattr(linear, "narrow", None)
-    return getattr(narrow, "q4", None)
+def _q4(linear: Any) -> q4_int.BlockedQ4 | None:
+    """The Q4 weight behind a ``q4`` linear (a ``Q4Linear``, which also says its activations' ``bits``), else None."""
+    weight = getattr(linear, "q4", None)
+    return weight if isinstance(weight, q4_int.BlockedQ4) else None
 
 
-def _struct(w: q4.Q4Weight) -> _Q4:
-    return _Q4(w.packed.data_ptr(), w.d.data_ptr(), w.m.data_ptr())
+def _struct(w: q4_int.BlockedQ4) -> _Q4:
+    return _Q4(w.blocked.data_ptr(), w.d.data_ptr(), w.m.data_ptr())
 
 
 class DecodeStack:
     """The C path for one ``q4`` Llama model's decode steps and short chunks; :meth:`build` says whether it covers it."""
 
-    def __init__(self, model: Any, layers: list[dict[str, Any]], max_rows: int) -> None:
+    def __init__(self, model: Any, layers: list[dict[str, Any]], max_rows: int, bits: int) -> None:
         cfg, attn = model.cfg, model.layers[0].attn
-        self.max_rows = max_rows
+        self.max_rows, self.bits = max_rows, bits
         self.hidden, self.inter = cfg.hidden_size, cfg.intermediate_size
         self.width = (attn.h + 2 * attn.hkv) * attn.d
         self.q_width = attn.h * attn.d
@@ -145,10 +146,14 @@ class DecodeStack:
             if any(w is None for w in ws.values()):
                 return None
             layers.append(ws)
+        bits = {linear.bits for layer in model.layers for linear in (layer.attn.qkv, layer.attn.o, layer.mlp.gate_up,
+                                                                        layer.mlp.down)}
+        if len(bits) != 1:
+            return None
         tensors = [ly[k] for ly in layers for k in ("norm1", "norm2")]
         if any(t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous() for t in tensors):
             return None
-        return cls(model, layers, max_rows)
+        return cls(model, layers, max_rows, bits.pop())
 
     def plan(self, h: torch.Tensor, meta: Any, k_cache: torch.Tensor, rotary: Any) -> Rows | None:
         """The step's rows for the C path, or None when the step must go op by op (see the module doc)."""
@@ -160,9 +165,8 @@ class DecodeStack:
         if any(t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous()
                for t in (rotary.cos, rotary.sin)):
             return None
-        libs = (LIBRARY.get(), q4.LIBRARY.get() if q4.kernel_enabled() else None,
-                attention.LIBRARY.get() if attention.kernel_enabled() else None)
-        if any(lib is None for lib in libs) or LIBRARY.lib.decode_stack_isa() != 2:
+        libs = (LIBRARY.get(), attention.LIBRARY.get() if attention.kernel_enabled() else None)
+        if any(lib is None for lib in libs) or not q4_int.kernel_ready() or LIBRARY.lib.decode_stack_isa() != 2:
             return None
         return Rows.of(meta, rows)
 
@@ -177,7 +181,7 @@ class DecodeStack:
         md = _Model.from_buffer_copy(self._model)  # per call: engines sharing this model may run at once
         md.block_size, md.kv_dtype = meta.block_size, attention.KV_DTYPES[kv_cache[0][0].dtype]
         md.cos, md.sin = rotary.cos.data_ptr(), rotary.sin.data_ptr()
-        md.gemv = ctypes.cast(q4.LIBRARY.lib.q4_gemv, P).value
+        md.gemv = ctypes.cast(q4_int.gemm_function(self.bits), P).value
         md.attend = ctypes.cast(attention.LIBRARY.lib.paged_attention, P).value
         table_of = None if rows.table_of is None else rows.table_of.data_ptr()
         step = _Step(h.data_ptr(), n, torch.get_num_threads(), positions.data_ptr(), slots.data_ptr(),

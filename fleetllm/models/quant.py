@@ -13,9 +13,13 @@ are slower than fp32 there: ``benchmarks/quant_kernels.py``). ``int4`` keeps exa
 the outlier channels; ``benchmarks/fast_path_quality.py``). ``none`` keeps exact fp32.
 
 ``q4`` keeps the Q4_1 GGUF weights as they are (:mod:`fleetllm.kernels.q4`: 4-bit levels and fp32 scales
-recovered exactly from the fp32 weights) and runs steps of fewer than ``Q4_WIDE_ROWS`` tokens through a C GEMV
-with fp32 activations: the same weights as fp32, only the summation order differs. The LM head, Q8_0 in the GGUF, gets the exact Q8_0
-GEMV the same way (:mod:`fleetllm.kernels.q8`); linears that are neither, and wide steps, stay fp32.
+recovered exactly from the fp32 weights) and runs every step of those linears through a C GEMM that rounds
+the activations to int16 per group of 32 and multiplies them with the levels in integer dot products
+(:mod:`fleetllm.kernels.q4_int`): greedy output and perplexity as fp32's. ``q4-q8`` rounds them to int8
+instead (llama.cpp's arithmetic): 2-3× the GEMM's speed, but greedy output agrees with fp32 on only about 3
+of 16 prompts (``benchmarks/fast_path_quality.py``). The LM head, Q8_0 in the GGUF, gets the exact
+Q8_0 GEMV with fp32 activations for steps of fewer than ``Q4_WIDE_ROWS`` tokens (:mod:`fleetllm.kernels.q8`);
+linears that are neither, and the head's wide steps, stay fp32.
 
 :func:`quantize_model` never changes the model it is given: it returns a copy sharing the embeddings and
 norms, cached per (model, method), so engines over one set of loaded weights can differ in quantisation.
@@ -32,14 +36,16 @@ from torch import nn
 
 from fleetllm.kernels import q8
 from fleetllm.kernels.decode_stack import DecodeStack
-from fleetllm.kernels.q4 import Q4Weight, kernel_ready, q4_linear, recover_q4_1
+from fleetllm.kernels.q4 import recover_q4_1
+from fleetllm.kernels.q4_int import BlockedQ4, kernel_ready, q4_int_linear
 
 GROUP = 32
 WIDE_ROWS = 8  # steps of at least this many tokens take the int8 GEMM (issue #19: "int8 for batch ≥ 8")
-# "q4" keeps its kernels up to here: they beat fp32 ``F.linear`` per step of the decoder's linears 2.5× at 8 rows,
-# 1.1× at 32 and lose from ~64 (BENCHMARKS "q4 up to 48 rows"), where both are compute-bound on AVX2
+# Under "q4" (and "q4-q8"), the Q8_0 LM head's GEMV and the decode stack (fleetllm/kernels/decode_stack.py) take steps of fewer
+# rows than this; the Q8_0 GEMV loses to fp32 ``F.linear`` from ~64 rows (BENCHMARKS "q4 up to 48 rows")
 Q4_WIDE_ROWS = 48
-METHODS = ("none", "int4", "int4-int8", "q4")
+METHODS = ("none", "int4", "int4-int8", "q4", "q4-q8")
+ACTIVATION_BITS = {"q4": 16, "q4-q8": 8}
 _CACHE: weakref.WeakKeyDictionary[nn.Module, dict[str, nn.Module]] = weakref.WeakKeyDictionary()
 # a quantised copy -> its method and its model (weakly: the model's _CACHE entry holds the copy)
 _MADE: weakref.WeakKeyDictionary[nn.Module, tuple[str, weakref.ref[nn.Module]]] = weakref.WeakKeyDictionary()
@@ -120,15 +126,16 @@ class Int8DynamicLinear(nn.Module):
 
 
 class Q4Linear(nn.Module):
-    """Exact Q4_1 weights, fp32 activations (``q4_gemv.c``); the fp32 ``linear`` while the kernel is not built."""
+    """Exact Q4_1 weights times activations rounded to ``bits`` (``q4_int_gemm.c``) at every step width; the
+    fp32 ``linear`` while the kernel is not built or on a CPU without AVX2."""
 
-    def __init__(self, linear: nn.Linear, weight: Q4Weight) -> None:
+    def __init__(self, linear: nn.Linear, weight: BlockedQ4, bits: int) -> None:
         super().__init__()
-        self.linear, self.q4 = linear, weight
+        self.linear, self.q4, self.bits = linear, weight, bits
         kernel_ready()  # starts the kernel's background build
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = q4_linear(x, self.q4, self.linear.bias)
+        y = q4_int_linear(x, self.q4, self.linear.bias, self.bits)
         return self.linear(x) if y is None else y
 
 
@@ -170,22 +177,22 @@ def _shallow(module: nn.Module) -> nn.Module:
     return c
 
 
-def _q4_or_fp32(linear: nn.Linear) -> nn.Module:
-    """``linear`` with a Q4 kernel for narrow steps when its weight is exactly Q4_1, else ``linear`` itself."""
+def _q4_or_fp32(linear: nn.Linear, bits: int) -> nn.Module:
+    """``linear`` through the Q4 kernel when its weight is exactly Q4_1, else ``linear`` itself."""
     weight = recover_q4_1(linear.weight)
-    return linear if weight is None else ByWidth(Q4Linear(linear, weight), linear, linear.weight, Q4_WIDE_ROWS)
+    return linear if weight is None else Q4Linear(linear, BlockedQ4.of(weight), bits)
 
 
-def _q4_head(head: nn.Linear) -> nn.Module:
+def _q4_head(head: nn.Linear, bits: int) -> nn.Module:
     """The LM head under "q4": the Q8_0 kernel for narrow steps when its weight is exactly Q8_0 (the GGUF's
     tied head is), else exactly Q4_1 or fp32 as a decoder linear. The fp32 weight stays shared (tied embedding)."""
     weight = q8.recover_q8_0(head.weight)
-    return _q4_or_fp32(head) if weight is None else ByWidth(Q8Linear(head, weight), head, head.weight, Q4_WIDE_ROWS)
+    return _q4_or_fp32(head, bits) if weight is None else ByWidth(Q8Linear(head, weight), head, head.weight, Q4_WIDE_ROWS)
 
 
 def _decoder_linear(linear: nn.Linear, method: str) -> nn.Module:
-    if method == "q4":
-        return _q4_or_fp32(linear)
+    if method in ACTIVATION_BITS:
+        return _q4_or_fp32(linear, ACTIVATION_BITS[method])
     narrow = Int4Linear(linear) if linear.in_features % GROUP == 0 else Int8Linear(linear)
     if method == "int4":  # wide steps keep the exact fp32 weight (and GEMM)
         return ByWidth(narrow, linear, linear.weight)
@@ -195,7 +202,8 @@ def _decoder_linear(linear: nn.Linear, method: str) -> nn.Module:
 def quantize_model(model: nn.Module, method: str | None) -> nn.Module:
     """``model`` with quantised linears for ``method``: "none", ``model`` itself; "int4", int4 (LM head:
     int8) narrow steps and exact fp32 wide ones; "int4-int8", int8 GEMMs for wide steps too, no fp32 copy;
-    "q4", the exact Q4_1 kernel for narrow steps of the Q4_1 linears (Q8_0 for a Q8_0 LM head), fp32 elsewhere.
+    "q4", the Q4_1 kernel (int16 activations) for the Q4_1 linears, the Q8_0 one for a Q8_0 LM head's narrow
+    steps, fp32 elsewhere; "q4-q8", the same with int8 activations.
 
     CPU only: on CUDA bf16 GEMMs are the fast path, and the model is returned unchanged.
     """
@@ -219,8 +227,8 @@ def quantize_model(model: nn.Module, method: str | None) -> nn.Module:
             for parent, name in ((layer.attn, "qkv"), (layer.attn, "o"), (layer.mlp, "gate_up"), (layer.mlp, "down")):
                 setattr(parent, name, _decoder_linear(getattr(parent, name), method))
         head = model.lm_head
-        if method == "q4":
-            q.lm_head = _q4_head(head)
+        if method in ACTIVATION_BITS:
+            q.lm_head = _q4_head(head, ACTIVATION_BITS[method])
             q.decode_stack = DecodeStack.build(q, Q4_WIDE_ROWS)  # None where it does not cover the model
         else:
             q.lm_head = ByWidth(Int8Linear(head), head if method == "int4" else Int8DynamicLinear(head), head.weight)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from fleetllm import LLM, SamplingParams
-from fleetllm.kernels import attention, decode_stack, q4
+from fleetllm.kernels import attention, decode_stack, q4, q4_int
 from fleetllm.kernels.decode_stack import DecodeStack
 from fleetllm.models.llama import AttentionMetadata, PrefillChunk
 from fleetllm.models.quant import Q4_WIDE_ROWS, quantize_model
@@ -16,7 +16,7 @@ BLOCK = 16
 
 @pytest.fixture(scope="module")
 def q4_model(loaded_model):
-    libs = (decode_stack.LIBRARY.get(True), q4.LIBRARY.get(True), attention.LIBRARY.get(True))
+    libs = (decode_stack.LIBRARY.get(True), q4.LIBRARY.get(True), q4_int.LIBRARY.get(True), attention.LIBRARY.get(True))
     if any(lib is None for lib in libs):
         pytest.skip("a C kernel is unavailable")
     model = quantize_model(loaded_model.model, "q4")
@@ -70,10 +70,16 @@ def test_stack_takes_short_chunks(q4_model, monkeypatch, chunk: int, last: int) 
     fused, fused_caches = forward(q4_model, ids, positions, meta, caches, stack=True)
     eager, eager_caches = forward(q4_model, ids, positions, meta, caches, stack=False)
     assert calls == [1]
-    torch.testing.assert_close(fused, eager, rtol=1e-3, atol=1e-3)
+    assert relative(fused, eager) < 1e-2
     for (fk, fv), (ek, ev) in zip(fused_caches, eager_caches, strict=True):
-        torch.testing.assert_close(fk, ek, rtol=1e-3, atol=1e-3)
-        torch.testing.assert_close(fv, ev, rtol=1e-3, atol=1e-3)
+        assert relative(fk, ek) < 1e-2 and relative(fv, ev) < 1e-2
+
+
+def relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    """RMS of ``a - b`` relative to ``b``'s: the stack and the op-by-op path round RMSNorm's output differently,
+    so an activation can round to a neighbouring int16 level and later layers carry the difference on (a wrong
+    row, head or slot is off by the values' own size)."""
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
 def spy(monkeypatch) -> list[int]:
@@ -101,16 +107,14 @@ def test_stack_equals_the_op_by_op_step(q4_model, monkeypatch, dtype: torch.dtyp
     fused, fused_caches = forward(q4_model, ids, positions, meta, caches, stack=True)
     eager, eager_caches = forward(q4_model, ids, positions, meta, caches, stack=False)
     assert calls == [1]
-    # a rounding apart in one layer can store neighbouring 16-bit values, which later layers carry on: so every
-    # layer's cache is held to a relative RMS error (a wrong slot, head or row would be off by the values' size)
-    # and the first layer's, which sees the same input, to a few ulps
-    if dtype == torch.float32:
-        torch.testing.assert_close(fused, eager, rtol=1e-3, atol=1e-3)
-    assert ((fused - eager).norm() / eager.norm()).item() < 1e-2
+    # every layer's cache is held to a relative RMS error (see relative(); a 16-bit cache stores neighbouring
+    # values, which 30 layers carry on into the output), and the first layer's, which sees the same input, to the
+    # rounding of its activations
+    assert relative(fused, eager) < (1e-2 if dtype == torch.float32 else 5e-2)
     for i, (fc, ec) in enumerate(zip(fused_caches, eager_caches, strict=True)):
         for f, e in zip(fc, ec, strict=True):
+            assert relative(f[meta.slot_mapping], e[meta.slot_mapping]) < 2e-2, f"layer {i}"
             f, e = f[meta.slot_mapping].float(), e[meta.slot_mapping].float()
-            assert ((f - e).norm() / e.norm()).item() < 1e-2, f"layer {i}"
             if i == 0:
                 torch.testing.assert_close(f, e, rtol=1e-2, atol=1e-2)
     slot = meta.slot_mapping

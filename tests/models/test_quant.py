@@ -83,11 +83,14 @@ def test_a_quantised_copy_given_again_is_not_quantised_twice(loaded_model) -> No
 
 def test_q4_linear_serves_fp32_until_its_kernel_is_built() -> None:
     from fleetllm.kernels import q4
+    from fleetllm.kernels.q4_int import BlockedQ4
     from fleetllm.models.quant import Q4Linear
 
     lin = nn.Linear(64, 24, bias=True)
-    lin.weight.data = (torch.randint(0, 16, (24, 64)).float() * 0.0125 - 0.1).half().float()  # exactly Q4_1
-    layer = Q4Linear(lin, q4.recover_q4_1(lin.weight))
+    levels = torch.randint(0, 16, (24, 2, 32)).float()
+    levels[..., 0], levels[..., 1] = 0, 15  # each group's extremes at the end levels, as ggml quantises
+    lin.weight.data = (levels * 0.015625 - 0.125).reshape(24, 64)  # exactly Q4_1: d = 2^-6, m = -1/8
+    layer = Q4Linear(lin, BlockedQ4.of(q4.recover_q4_1(lin.weight)), 16)
     x = torch.randn(3, 64)
     q4.set_kernel_enabled(False)
     try:
@@ -102,8 +105,8 @@ def test_q4_keeps_the_q4_1_decoder_weights_and_the_q8_0_head(loaded_model) -> No
     model = loaded_model.model
     q = quantize_model(model, "q4")
     down = q.layers[0].mlp.down
-    assert isinstance(down, ByWidth) and isinstance(down.narrow, Q4Linear) and down.wide is model.layers[0].mlp.down
-    assert torch.equal(down.narrow.q4.dequantize(), model.layers[0].mlp.down.weight)  # the GGUF's Q4_1, exactly
+    assert isinstance(down, Q4Linear) and down.linear is model.layers[0].mlp.down and down.bits == 16
+    assert torch.equal(down.q4.unblock().dequantize(), model.layers[0].mlp.down.weight)  # the GGUF's Q4_1, exactly
     head = q.lm_head  # Q8_0 in the GGUF, tied to the embedding: the fp32 weight stays shared, unchanged
     assert isinstance(head, ByWidth) and isinstance(head.narrow, Q8Linear) and head.wide is model.lm_head
     assert head.weight is model.lm_head.weight and isinstance(model.lm_head, nn.Linear)
