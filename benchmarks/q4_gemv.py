@@ -1,10 +1,10 @@
-"""The Q4_1 C GEMV (``fleetllm/kernels/q4_gemv.c``) against fp32 ``F.linear``, per SmolLM2-135M shape.
+"""The Q4_1 C kernels against fp32 ``F.linear``, per SmolLM2-135M shape: fp32 activations (``q4_gemv.c``), and
+int16 (``q4``'s) or int8 (``q4-q8``'s) activations with integer dot products (``q4_int_gemm.c``).
 
 Each shape gets 30 distinct weights (one per layer, as a decode step reads them: together they do not fit
 in the caches) and a call cycles through them, so the figures are main-memory ones. Per shape and row
-count M: µs per call, effective GB/s of weight bytes read (fp32: 4 bytes a weight; Q4: half a byte plus
-8 bytes of d and m per 32), the ratio, and the largest difference from fp32 ``F.linear`` relative to the
-output's scale (float rounding only: the weights are the same numbers). Best (min) and median of rounds.
+count M: µs per call (best of the rounds), the ratios, and the integer kernels' largest difference from fp32
+``F.linear`` relative to the output's scale (the weights are the same numbers: only the activations' rounding).
 Then the LM head (49152×576, one weight: 113 MB in fp32, larger than any cache) fp32 against the Q8_0
 kernel (``fleetllm/kernels/q8_gemv.c``: a byte a weight plus 4 bytes of d per 32).
 
@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from fleetllm.kernels import q4, q8  # noqa: E402
+from fleetllm.kernels import q4, q4_int, q8  # noqa: E402
 
 LAYERS = 30
 HEAD = (49152, 576)  # SmolLM2's LM head, tied to the embedding, Q8_0 in the GGUF
@@ -54,21 +54,26 @@ def time_cycle(fn: Callable[[int], object], rounds: int) -> tuple[float, float]:
     return min(per_call), statistics.median(per_call)
 
 
-def bench_shape(name: str, n: int, k: int, rows: list[int], rounds: int) -> dict[int, tuple[float, float]]:
-    """Print one table row per M for this shape; return {M: (fp32 µs, q4 µs)} (min over rounds)."""
+def bench_shape(name: str, n: int, k: int, rows: list[int], rounds: int) -> dict[int, list[float]]:
+    """Print one table row per M for this shape; return {M: [fp32, Q4·fp32, Q4·int16, Q4·int8] µs} (min over
+    rounds; Q4·fp32 only up to 48 rows, where the decode stack used it, else NaN)."""
     qw = [random_q4(n, k) for _ in range(LAYERS)]
+    bw = [q4_int.BlockedQ4.of(w) for w in qw]
     fw = [w.dequantize() for w in qw]
-    fp32_bytes, q4_bytes = n * k * 4, n * k // 2 + n * (k // q4.GROUP) * 8
     out = {}
     for m in rows:
         x = torch.randn(m, k)
-        f_min, f_med = time_cycle(lambda i, x=x: torch.nn.functional.linear(x, fw[i]), rounds)
-        q_min, q_med = time_cycle(lambda i, x=x: q4.q4_linear(x, qw[i]), rounds)
         ref = torch.nn.functional.linear(x, fw[0])
-        err = ((q4.q4_linear(x, qw[0]) - ref).abs().max() / ref.abs().max()).item()
-        print(f"| {name} | {n}×{k} | {m} | {f_min:.1f} ({f_med:.1f}) | {fp32_bytes / f_min / 1e3:.1f} | "
-              f"{q_min:.1f} ({q_med:.1f}) | {q4_bytes / q_min / 1e3:.1f} | {f_min / q_min:.2f}× | {err:.1e} |")
-        out[m] = (f_min, q_min)
+        times = [time_cycle(lambda i, x=x: torch.nn.functional.linear(x, fw[i]), rounds)[0],
+                 time_cycle(lambda i, x=x: q4.q4_linear(x, qw[i]), rounds)[0] if m <= 48 else float("nan")]
+        errs = []
+        for bits in (16, 8):
+            times.append(time_cycle(lambda i, x=x, bits=bits: q4_int.q4_int_linear(x, bw[i], bits=bits), rounds)[0])
+            errs.append(((q4_int.q4_int_linear(x, bw[0], bits=bits) - ref).abs().max() / ref.abs().max()).item())
+        f, q, i16, i8 = times
+        print(f"| {name} | {n}×{k} | {m} | {f:.1f} | {q:.1f} | {i16:.1f} | {i8:.1f} | {f / i16:.2f}× | "
+              f"{q / i16:.2f}× | {q / i8:.2f}× | {errs[0]:.1e} | {errs[1]:.1e} |")
+        out[m] = times
     return out
 
 
@@ -99,20 +104,21 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5, help="timed cycles over the 30 layers' weights")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    if not q4.kernel_ready(wait=True) or not q8.kernel_ready(wait=True):
-        sys.exit(f"Q4/Q8 kernel unavailable: {q4.LIBRARY.error or q8.LIBRARY.error}")
+    if not q4.kernel_ready(wait=True) or not q8.kernel_ready(wait=True) or not q4_int.kernel_ready(wait=True):
+        sys.exit(f"Q4/Q8 kernel unavailable: {q4.LIBRARY.error or q8.LIBRARY.error or q4_int.LIBRARY.error}")
     rows = [int(r) for r in args.rows.split(",")]
     print(f"threads {args.threads}, load {os.getloadavg()[0]:.1f}, µs per call: min (median) of {args.rounds} "
           f"rounds over {LAYERS} distinct weights\n")
-    print("| GEMV | N×K | M | fp32 µs | fp32 GB/s | Q4 µs | Q4 GB/s | speed-up | max rel diff |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    totals = {m: [0.0, 0.0] for m in rows}
+    print("| GEMM | N×K | M | fp32 µs | Q4·fp32 µs | Q4·int16 µs | Q4·int8 µs | int16 vs fp32 | int16 vs Q4·fp32 | "
+          "int8 vs Q4·fp32 | max rel diff int16 | int8 |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    totals = {m: [0.0] * 4 for m in rows}
     for name, (n, k) in SHAPES.items():
-        for m, (f, q) in bench_shape(name, n, k, rows, args.rounds).items():
-            totals[m][0] += f * LAYERS / 1e3
-            totals[m][1] += q * LAYERS / 1e3
-    for m, (f, q) in totals.items():
-        print(f"decoder linears of one step, M={m}: fp32 {f:.2f} ms, Q4 {q:.2f} ms ({f / q:.2f}×)")
+        for m, times in bench_shape(name, n, k, rows, args.rounds).items():
+            totals[m] = [t + v * LAYERS / 1e3 for t, v in zip(totals[m], times, strict=True)]
+    for m, (f, q, i16, i8) in totals.items():
+        print(f"decoder linears of one step, M={m}: fp32 {f:.2f} ms, Q4·fp32 {q:.2f}, Q4·int16 {i16:.2f} "
+              f"({f / i16:.2f}× fp32, {q / i16:.2f}× Q4·fp32), Q4·int8 {i8:.2f} ({q / i8:.2f}× Q4·fp32)")
     bench_head(rows, args.rounds)
 
 

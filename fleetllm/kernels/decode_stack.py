@@ -101,10 +101,10 @@ class Rows:
         return cls(padded, torch.tensor(table_of, dtype=torch.int32), torch.tensor(lens, dtype=torch.int32))
 
 
-def _q4(linear: Any) -> q4_int.BlockedQ4 | None:
-    """The Q4 weight behind a ``q4`` linear (a ``Q4Linear``, which also says its activations' ``bits``), else None."""
-    weight = getattr(linear, "q4", None)
-    return weight if isinstance(weight, q4_int.BlockedQ4) else None
+def _q4(linear: Any) -> Any:
+    """The ``Q4Linear`` of a ``q4`` linear (itself, or the narrow side of a ``ByWidth``), else None."""
+    module = getattr(linear, "narrow", linear)
+    return module if isinstance(getattr(module, "q4", None), q4_int.BlockedQ4) else None
 
 
 def _struct(w: q4_int.BlockedQ4) -> _Q4:
@@ -122,8 +122,8 @@ class DecodeStack:
         self.q_width = attn.h * attn.d
         self._keep = layers  # every weight pointer below points into these
         self._layers = (_Layer * len(layers))(*(
-            _Layer(ly["norm1"].data_ptr(), ly["norm2"].data_ptr(), _struct(ly["qkv"]), _struct(ly["o"]),
-                   _struct(ly["gate_up"]), _struct(ly["down"])) for ly in layers))
+            _Layer(ly["norm1"].data_ptr(), ly["norm2"].data_ptr(), _struct(ly["qkv"].q4), _struct(ly["o"].q4),
+                   _struct(ly["gate_up"].q4), _struct(ly["down"].q4)) for ly in layers))
         self._model = _Model(ctypes.addressof(self._layers), len(layers), cfg.hidden_size, attn.h, attn.hkv, attn.d,
                              cfg.intermediate_size, 0, 0, cfg.rms_norm_eps, attn.scale, None, None, None, None)
         self._caches: dict[tuple[int, ...], tuple[Any, Any]] = {}
@@ -146,8 +146,7 @@ class DecodeStack:
             if any(w is None for w in ws.values()):
                 return None
             layers.append(ws)
-        bits = {linear.bits for layer in model.layers for linear in (layer.attn.qkv, layer.attn.o, layer.mlp.gate_up,
-                                                                        layer.mlp.down)}
+        bits = {ly[k].bits for ly in layers for k in ("qkv", "o", "gate_up", "down")}
         if len(bits) != 1:
             return None
         tensors = [ly[k] for ly in layers for k in ("norm1", "norm2")]

@@ -15,7 +15,8 @@ the outlier channels; ``benchmarks/fast_path_quality.py``). ``none`` keeps exact
 ``q4`` keeps the Q4_1 GGUF weights as they are (:mod:`fleetllm.kernels.q4`: 4-bit levels and fp32 scales
 recovered exactly from the fp32 weights) and runs every step of those linears through a C GEMM that rounds
 the activations to int16 per group of 32 and multiplies them with the levels in integer dot products
-(:mod:`fleetllm.kernels.q4_int`): greedy output and perplexity as fp32's. ``q4-q8`` rounds them to int8
+(:mod:`fleetllm.kernels.q4_int`): greedy output and perplexity as fp32's; from ``INT16_WIDE_ROWS`` rows (long
+prefill chunks) fp32 ``F.linear`` is faster and takes over. ``q4-q8`` rounds them to int8
 instead (llama.cpp's arithmetic): 2-3× the GEMM's speed, but greedy output agrees with fp32 on only about 3
 of 16 prompts (``benchmarks/fast_path_quality.py``). The LM head, Q8_0 in the GGUF, gets the exact
 Q8_0 GEMV with fp32 activations for steps of fewer than ``Q4_WIDE_ROWS`` tokens (:mod:`fleetllm.kernels.q8`);
@@ -44,6 +45,10 @@ WIDE_ROWS = 8  # steps of at least this many tokens take the int8 GEMM (issue #1
 # Under "q4" (and "q4-q8"), the Q8_0 LM head's GEMV and the decode stack (fleetllm/kernels/decode_stack.py) take steps of fewer
 # rows than this; the Q8_0 GEMV loses to fp32 ``F.linear`` from ~64 rows (BENCHMARKS "q4 up to 48 rows")
 Q4_WIDE_ROWS = 48
+# "q4"'s Q4_1 linears take fp32 ``F.linear`` from here: per step of SmolLM2's decoder linears int16 activations are
+# 1.3-1.5x fp32 at 48-96 rows, 1.06x at 192-256 and lose at 512 (0.67-0.98x per shape); int8 wins at every width
+# measured (up to 2,048 rows), so "q4-q8" has no bound (``benchmarks/q4_gemv.py``)
+INT16_WIDE_ROWS = 256
 METHODS = ("none", "int4", "int4-int8", "q4", "q4-q8")
 ACTIVATION_BITS = {"q4": 16, "q4-q8": 8}
 _CACHE: weakref.WeakKeyDictionary[nn.Module, dict[str, nn.Module]] = weakref.WeakKeyDictionary()
@@ -178,9 +183,13 @@ def _shallow(module: nn.Module) -> nn.Module:
 
 
 def _q4_or_fp32(linear: nn.Linear, bits: int) -> nn.Module:
-    """``linear`` through the Q4 kernel when its weight is exactly Q4_1, else ``linear`` itself."""
+    """``linear`` through the Q4 kernel when its weight is exactly Q4_1 (int16 activations: below
+    ``INT16_WIDE_ROWS`` rows), else ``linear`` itself."""
     weight = recover_q4_1(linear.weight)
-    return linear if weight is None else Q4Linear(linear, BlockedQ4.of(weight), bits)
+    if weight is None:
+        return linear
+    q = Q4Linear(linear, BlockedQ4.of(weight), bits)
+    return q if bits == 8 else ByWidth(q, linear, linear.weight, INT16_WIDE_ROWS)
 
 
 def _q4_head(head: nn.Linear, bits: int) -> nn.Module:

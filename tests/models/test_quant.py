@@ -100,14 +100,25 @@ def test_q4_linear_serves_fp32_until_its_kernel_is_built() -> None:
 
 
 def test_q4_keeps_the_q4_1_decoder_weights_and_the_q8_0_head(loaded_model) -> None:
-    from fleetllm.models.quant import Q4Linear, Q8Linear, quantize_model
+    from fleetllm.models.quant import INT16_WIDE_ROWS, Q4Linear, Q8Linear, quantize_model
 
     model = loaded_model.model
     q = quantize_model(model, "q4")
     down = q.layers[0].mlp.down
-    assert isinstance(down, Q4Linear) and down.linear is model.layers[0].mlp.down and down.bits == 16
-    assert torch.equal(down.q4.unblock().dequantize(), model.layers[0].mlp.down.weight)  # the GGUF's Q4_1, exactly
+    assert isinstance(down, ByWidth) and isinstance(down.narrow, Q4Linear) and down.wide is model.layers[0].mlp.down
+    assert down.narrow.bits == 16 and down.rows == INT16_WIDE_ROWS
+    assert torch.equal(down.narrow.q4.unblock().dequantize(), model.layers[0].mlp.down.weight)  # the GGUF's Q4_1
     head = q.lm_head  # Q8_0 in the GGUF, tied to the embedding: the fp32 weight stays shared, unchanged
     assert isinstance(head, ByWidth) and isinstance(head.narrow, Q8Linear) and head.wide is model.lm_head
     assert head.weight is model.lm_head.weight and isinstance(model.lm_head, nn.Linear)
     assert torch.equal(head.narrow.q8.dequantize(), model.lm_head.weight)
+
+
+def test_q4_q8_rounds_activations_to_int8_at_every_width(loaded_model) -> None:
+    from fleetllm.models.quant import Q4Linear, quantize_model
+
+    q = quantize_model(loaded_model.model, "q4-q8")
+    down = q.layers[0].mlp.down
+    assert isinstance(down, Q4Linear) and down.bits == 8
+    if q.decode_stack is not None:
+        assert q.decode_stack.bits == 8
