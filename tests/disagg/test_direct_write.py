@@ -165,6 +165,19 @@ def test_a_long_prompt_computes_its_first_chunk_while_the_reservation_is_answere
     no_blocks_held(pd["prefill"])
 
 
+def test_a_long_prompt_refused_a_reservation_goes_as_a_frame_from_the_chunks_already_computed(pd):
+    p, d = pd["prefill"].url, pd["private"].url
+    body = long_chat("A private pool: the frame takes over the prefill that started before the refusal", pd)
+    r = remote_prefill(p, d, body, timeout=120)
+    assert r.status_code == 200 and r.json()["via"] == "shm", r.text
+    remote = httpx.post(d + "/v1/chat/completions", json=body, headers={HANDOFF: r.json()["handoff"]}, timeout=120)
+    local = httpx.post(pd["colocated"].url + "/v1/chat/completions", json=body, timeout=120)
+    assert remote.json()["choices"][0]["message"] == local.json()["choices"][0]["message"]
+    assert remote.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == r.json()["prompt_tokens"]
+    no_blocks_held(pd["private"])
+    no_blocks_held(pd["prefill"])
+
+
 def test_a_reservation_answered_after_the_prompt_was_computed_has_it_prefilled_again(pd, monkeypatch):
     from fleetllm.disagg import direct
 
