@@ -9,8 +9,8 @@
    shown with building the frame included (nothing overlapped). *after*, **pool**: the direct write
    (``fleetllm/disagg/direct.py``): blocks reserved in the decode worker's shared pool, each layer written
    into them (what the prefill does while it computes), then the commit. Exposed: the commit's round trip
-   (nothing is left to copy or check); the reservation (before the prefill) and the writes (during it) are
-   shown as their own rows.
+   (nothing is left to copy or check); the reservation (as the prefill starts: a prompt longer than one step's
+   token budget computes its first chunk meanwhile) and the writes (during it) are shown as their own rows.
 2. **TTFT**: a prefill worker and a decode worker (one torch thread each) behind a router disaggregating
    every prompt of >= 1024 uncached tokens. Fresh 2048-token prompts, alternately straight to the decode
    worker (local prefill) and through the router (remote prefill + transfer), 1 output token, streamed.
@@ -145,7 +145,7 @@ def transfer(url: str, repeats: int, blocks: int, checkout: Path | None, seed: i
         out.setdefault("shm incl. building the frame", []).append(whole)
         pool = ship_pool(url, maps, *fresh_frame(seed + 10_000 + r, blocks))
         out.setdefault("pool (exposed: commit)", []).append(pool["commit"])  # written while the prefill computed
-        out.setdefault("pool reservation (before the prefill)", []).append(pool["reserve"])
+        out.setdefault("pool reservation (as the prefill starts)", []).append(pool["reserve"])
         out.setdefault("pool pages mapped (a spare thread, as the prefill starts)", []).append(pool["prefault"])
         out.setdefault("pool writes (during the prefill)", []).append(pool["write"])
         out.setdefault("pool incl. reservation, mapping and writes", []).append(sum(pool.values()))

@@ -1,9 +1,11 @@
 """The prefill side of a direct write: a prompt's KV written straight into a same-host decode worker's pool.
 
-1. ``POST /pd/reserve`` to the decode worker (before the prefill starts): it holds pool blocks under a lease
-   and answers its pool file's layout and, per prompt block, the pool block to write (-1: skip).
+1. ``POST /pd/reserve`` to the decode worker (before the prefill starts, or while a long prompt's first chunk
+   computes): it holds pool blocks under a lease and answers its pool file's layout and, per prompt block, the
+   pool block to write (-1: skip).
 2. While the prefill computes, the :class:`~fleetllm.disagg.layer_stream.LayerStream` writes each layer's
-   blocks into those pool blocks (:class:`PoolTarget`), converting to the pool's dtype if it differs.
+   blocks into those pool blocks (:class:`PoolTarget`), converting to the pool's dtype if it differs; its first
+   step writes every block computed before the reservation was answered.
 3. ``POST /pd/commit``: the decode worker registers the full blocks as cached prefix blocks and, given the
    prompt's first token, holds every block (the partial last one too) for the request (a handoff). Nothing
    is copied or checked after the prefill's last layer: the exposed cost is this round trip.

@@ -10,8 +10,9 @@ decoder layer the blocks it has just written, the partial last one included, are
 worker's pool (:mod:`.layer_stream`) into one of:
 
 - **the decode worker's own pool** (``transfer: shm`` and the decode worker shares its pool, :mod:`.direct`):
-  blocks reserved there first (``POST /pd/reserve``), committed when the prefill is done (``POST /pd/commit``);
-  nothing is copied or checked after the last layer;
+  blocks reserved there (``POST /pd/reserve``; a prompt longer than one step's token budget computes its first
+  chunk meanwhile, untapped, and the next step writes the blocks computed so far), committed when the prefill
+  is done (``POST /pd/commit``); nothing is copied or checked after the last layer;
 - **a frame** in a mapped file in /dev/shm (``shm``, when the decode worker does not share its pool or refuses
   the reservation), the POST body to ``/pd/kv`` naming the file and then one byte per layer sealed (CRC);
 - **a frame streamed over HTTP** (``http``, another host), each layer sent as soon as it is sealed.
@@ -94,11 +95,26 @@ class PrefillEndpoints:
             raise APIError(400, "give body (the request) and decode_url")
         job = await self._job(path, body, req.get("request_id"))
         via, timeout = req.get("transfer") or "http", float(req.get("timeout_s") or 60.0)
-        if via == "shm":  # same host: into the decode worker's own pool blocks if it shares its pool
+        if via == "shm":
+            return await self._prefill_same_host(request, job, decode_url, timeout)
+        return await self._prefill_frame(request, job, via, decode_url, timeout)
+
+    async def _prefill_same_host(self, request: Request, job: PrefillJob, decode_url: str, timeout: float) -> Response:
+        """Into the decode worker's own pool blocks if it shares its pool, else a frame in /dev/shm. A prompt
+        longer than one step's token budget starts computing before the reservation is answered: the round
+        trip (a decode step long when the decode worker is busy) overlaps its first chunk instead of preceding
+        it."""
+        t0 = time.perf_counter()
+        early = None
+        if len(job.ids) > self.worker.engine.config.max_num_batched_tokens:
+            early = asyncio.ensure_future(self._generate(job))  # untapped until a target is attached
+        try:
             leg = await self._reserve(job, decode_url, timeout)
             if leg is not None:
-                return await self._prefill_direct(request, job, leg, timeout)
-        return await self._prefill_frame(request, job, via, decode_url, timeout)
+                return await self._prefill_direct(request, job, leg, timeout, early, t0)
+            return await self._prefill_frame(request, job, "shm", decode_url, timeout, early, t0)
+        finally:
+            await _cancel(early)  # done by now unless something failed first: then its engine request is aborted
 
     async def _job(self, path: str, body: dict[str, Any], request_id: Any) -> PrefillJob:
         """What to compute for ``body``: its whole prompt and first token when it is one sub-request (the
@@ -112,16 +128,17 @@ class PrefillEndpoints:
         ids = prefilled_tokens(prompts[0], self.worker.engine.pool.block_size)
         return PrefillJob(rid, ids, SamplingParams(max_tokens=1, temperature=0.0), False)
 
-    async def _prefill_frame(self, request: Request, job: PrefillJob, via: str, decode_url: str,
-                             timeout: float) -> Response:
-        t0 = time.perf_counter()
+    async def _prefill_frame(self, request: Request, job: PrefillJob, via: str, decode_url: str, timeout: float,
+                             early: asyncio.Future[RequestOutput] | None = None, t0: float | None = None) -> Response:
+        t0 = time.perf_counter() if t0 is None else t0
         buf, frame, stream, sealed = await self._stream(job, via)
         shipped = False
         try:
             # sent while the prefill computes: each layer as soon as it is sealed
             sending = asyncio.create_task(self._send(frame, buf, decode_url, sealed, timeout, job.handoff))
             try:
-                out = await self.worker.until_disconnect(request, self._compute(job, stream))  # the router gave up: abort
+                computing = await self._tap(job, stream, early)
+                out = await self.worker.until_disconnect(request, self._finish(computing, stream))  # gave up: abort
                 prefill_s = time.perf_counter() - t0
                 t1 = time.perf_counter()
                 result = (await sending).json()
@@ -186,21 +203,22 @@ class PrefillEndpoints:
             self.metrics.failures.labels(reason="reserve_refused").inc()  # frames, as before
         return leg
 
-    async def _prefill_direct(self, request: Request, job: PrefillJob, leg: DirectLeg, timeout: float) -> Response:
+    async def _prefill_direct(self, request: Request, job: PrefillJob, leg: DirectLeg, timeout: float,
+                              early: asyncio.Future[RequestOutput] | None, t0: float) -> Response:
         """The prefill writes each layer into the reserved pool blocks as it computes; then commit them (with
-        the first token: handed over)."""
+        the first token: handed over). ``early``: the prefill, started before the reservation was answered."""
         import httpx
 
         from fleetllm.disagg import direct
         from fleetllm.disagg.frame import FrameError
         from fleetllm.disagg.layer_stream import LayerStream
 
-        t0 = time.perf_counter()
+        t0 = t0 if early is not None else time.perf_counter()
         stream = LayerStream(leg.target)
-        await self.worker.async_engine.call(lambda e: e.observe_layers(job.rid, stream))
         committed = False
         try:
-            out = await self.worker.until_disconnect(request, self._compute(job, stream))
+            computing = await self._tap(job, stream, early)
+            out = await self.worker.until_disconnect(request, self._finish(computing, stream))
             prefill_s, t1 = time.perf_counter() - t0, time.perf_counter()
             result = await direct.commit(self._client(), leg, timeout, first_of(out) if job.handoff else None)
             committed = True
@@ -218,7 +236,8 @@ class PrefillEndpoints:
             if not committed:
                 await asyncio.shield(direct.release(self._client(), leg.url, leg.lease))
         return self._shipped("pool", leg.target.header.num_blocks, leg.target.nbytes, len(job.ids), prefill_s,
-                             time.perf_counter() - t1, result, reserve_s=leg.reserve_s)
+                             time.perf_counter() - t1, result, reserve_s=leg.reserve_s,
+                             reserved_during_prefill=computing is early)
 
     async def _stream(self, job: PrefillJob, via: str) -> tuple[Buffer, FrameBuffer, LayerStream, asyncio.Queue[int]]:
         """A frame buffer for the job's blocks, filled by its forward passes from now on; and the queue of the
@@ -236,15 +255,40 @@ class PrefillEndpoints:
         loop, sealed = asyncio.get_running_loop(), asyncio.Queue()
         frame = FrameBuffer(header, buf.memory)
         stream = LayerStream(frame, lambda i: loop.call_soon_threadsafe(sealed.put_nowait, i))
-        await self.worker.async_engine.call(lambda e: e.observe_layers(job.rid, stream))
         return buf, frame, stream, sealed
 
-    async def _compute(self, job: PrefillJob, stream: LayerStream) -> RequestOutput:
-        """The prompt's KV through ``stream``, and its one sampled token (the final output)."""
+    async def _tap(self, job: PrefillJob, stream: LayerStream,
+                   early: asyncio.Future[RequestOutput] | None) -> asyncio.Future[RequestOutput]:
+        """The job's prefill, with ``stream`` shown every block of it: ``early`` (started untapped) while the step
+        completing its prompt is still to come (the stream's first step writes the blocks computed before it),
+        else a prefill started now (``early``'s full blocks are prefix hits here: its last block is computed
+        again, and its first token sampled again from the same state)."""
+        def attach(e: Any) -> bool:
+            if early is not None and not e.prompt_pending(job.rid):
+                return False
+            e.observe_layers(job.rid, stream)
+            return True
+
+        if await self.worker.async_engine.call(attach) and early is not None:
+            return early
+        if early is not None:
+            await _cancel(early)
+            await self.worker.async_engine.call(lambda e: e.observe_layers(job.rid, stream))
+        return asyncio.ensure_future(self._generate(job))
+
+    async def _generate(self, job: PrefillJob) -> RequestOutput:
+        """The job's prefill and its one sampled token (the final output)."""
         outs = [o async for o in self.worker.async_engine.generate(job.rid, job.ids, job.params)]
         out = outs[-1] if outs else None
-        if out is None or out.error or not out.new_token_ids or not stream.final:
+        if out is None or out.error or not out.new_token_ids:
             raise APIError(500, f"the prefill ended before its KV was complete{f': {out.error}' if out else ''}")
+        return out
+
+    async def _finish(self, computing: asyncio.Future[RequestOutput], stream: LayerStream) -> RequestOutput:
+        """``computing``'s output once ``stream`` holds the whole prompt (cancelled: so is ``computing``)."""
+        out = await computing
+        if not stream.final:
+            raise APIError(500, "the prefill ended before its KV was complete")
         await asyncio.wrap_future(stream.done)  # the last layer sealed: the frame is complete
         return out
 
@@ -291,6 +335,16 @@ class PrefillJob:
     ids: list[int]
     params: SamplingParams
     handoff: bool  # the whole prompt and its first token, for the decode worker to go on from
+
+
+async def _cancel(task: asyncio.Future[Any] | None) -> None:
+    """Stop ``task`` (a prefill: its engine request is aborted) and wait for it; what it raised is dropped."""
+    if task is None:
+        return
+    task.cancel()
+    await asyncio.wait({task})
+    if not task.cancelled():
+        task.exception()  # retrieved: asyncio does not log it as lost
 
 
 def first_of(out: RequestOutput) -> dict[str, Any]:

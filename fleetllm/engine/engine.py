@@ -113,6 +113,12 @@ class LLMEngine:
         decoder layer writes it (a model runner ``LayerObserver``: the P/D sender); None stops."""
         self.executor.observe_layers(label, observer)
 
+    def prompt_pending(self, label: str) -> bool:
+        """Whether a request labelled ``label`` is here with part of its prompt still to compute: an observer
+        given now (between steps) sees the step that completes that prompt."""
+        return any(rid.split("#", 1)[0] == label and s.num_computed_tokens < len(s.prompt_token_ids)
+                   for rid, s in self.seqs.items())
+
     # ---- requests ----------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     arrival_time: float | None = None, handoff: Handoff | None = None) -> None:

@@ -7,6 +7,7 @@ must end (commit, release, expiry, a dead writer) with no block held, and output
 
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
 import sys
@@ -138,9 +139,71 @@ def test_a_client_gone_mid_prefill_leaves_no_block_held(pd):
     p, d = pd["prefill"].url, pd["decode"].url
     body = chat("Abandoned before its KV is written: " + "a long log line about a restarted worker; " * 60)
     with pytest.raises(httpx.TimeoutException):
-        remote_prefill(p, d, body, timeout=0.3)  # the lease is taken before the prefill starts
+        remote_prefill(p, d, body, timeout=0.3)  # the lease is taken as the prefill starts
     no_blocks_held(pd["prefill"])  # it notices within 0.5 s, aborts, and releases the lease
     no_blocks_held(pd["decode"])
+
+
+def long_chat(topic: str, pd: dict) -> dict:
+    """A chat whose prompt is longer than one step's token budget on the prefill worker: prefilled in chunks."""
+    body = chat(f"{topic}: " + "a long log line about a worker that restarted and came back; " * 70)
+    budget = pd["prefill"].worker.engine.config.max_num_batched_tokens
+    assert len(pd["prefill"].worker.prompt_ids("chat", body)[0]) > budget
+    return body
+
+
+def test_a_long_prompt_computes_its_first_chunk_while_the_reservation_is_answered(pd):
+    p, d = pd["prefill"].url, pd["decode"].url
+    body = long_chat("Reserved while the first chunk computes", pd)
+    r = remote_prefill(p, d, body, timeout=120)
+    assert r.status_code == 200 and r.json()["via"] == "pool" and r.json()["reserved_during_prefill"], r.text
+    remote = httpx.post(d + "/v1/chat/completions", json=body, headers={HANDOFF: r.json()["handoff"]}, timeout=120)
+    local = httpx.post(pd["colocated"].url + "/v1/chat/completions", json=body, timeout=120)
+    assert remote.json()["choices"][0]["message"] == local.json()["choices"][0]["message"]
+    assert remote.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == r.json()["prompt_tokens"]
+    no_blocks_held(pd["decode"])
+    no_blocks_held(pd["prefill"])
+
+
+def test_a_long_prompt_refused_a_reservation_goes_as_a_frame_from_the_chunks_already_computed(pd):
+    p, d = pd["prefill"].url, pd["private"].url
+    body = long_chat("A private pool: the frame takes over the prefill that started before the refusal", pd)
+    r = remote_prefill(p, d, body, timeout=120)
+    assert r.status_code == 200 and r.json()["via"] == "shm", r.text
+    remote = httpx.post(d + "/v1/chat/completions", json=body, headers={HANDOFF: r.json()["handoff"]}, timeout=120)
+    local = httpx.post(pd["colocated"].url + "/v1/chat/completions", json=body, timeout=120)
+    assert remote.json()["choices"][0]["message"] == local.json()["choices"][0]["message"]
+    assert remote.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == r.json()["prompt_tokens"]
+    no_blocks_held(pd["private"])
+    no_blocks_held(pd["prefill"])
+
+
+def test_a_reservation_answered_after_the_prompt_was_computed_has_it_prefilled_again(pd, monkeypatch):
+    from fleetllm.disagg import direct
+
+    engine, real = pd["prefill"].worker.async_engine, direct.reserve
+
+    async def late(*args: object, **kw: object) -> object:  # answered once the early prefill has sampled
+        seen, end = False, time.monotonic() + 60
+        while time.monotonic() < end:
+            pending = await engine.call(lambda e: e.prompt_pending("pd-late-reservation"))
+            if seen and not pending:
+                break
+            seen = seen or pending
+            await asyncio.sleep(0.01)
+        return await real(*args, **kw)
+
+    monkeypatch.setattr(direct, "reserve", late)
+    body = long_chat("Reserved too late for the first chunk", pd)
+    r = httpx.post(pd["prefill"].url + "/pd/prefill", json={"path": "/v1/chat/completions", "body": body,
+                   "decode_url": pd["decode"].url, "transfer": "shm", "request_id": "late-reservation"}, timeout=120)
+    assert r.status_code == 200 and r.json()["via"] == "pool" and not r.json()["reserved_during_prefill"], r.text
+    remote = httpx.post(pd["decode"].url + "/v1/chat/completions", json=body, headers={HANDOFF: r.json()["handoff"]},
+                        timeout=120)
+    local = httpx.post(pd["colocated"].url + "/v1/chat/completions", json=body, timeout=120)
+    assert remote.json()["choices"][0]["message"] == local.json()["choices"][0]["message"]
+    no_blocks_held(pd["decode"])
+    no_blocks_held(pd["prefill"])
 
 
 def test_a_decode_workers_pool_file_goes_when_it_stops(worker_factory, pd):

@@ -125,6 +125,29 @@ def test_a_frame_streamed_layer_by_layer_during_a_chunked_prefill_equals_the_exp
     b.pool.check()
 
 
+def test_a_stream_given_after_the_first_chunk_still_builds_the_whole_frame(engines):
+    a, _ = engines
+    ids = a.tokenizer.encode(" ".join(reversed(PROMPTS)) + " Keep each answer to a line or two, plain words.")
+    assert len(ids) > 64 + 16
+    header = frame_header(a, ids, hash_prefix_blocks(ids, 16, a.kv.extra_key))
+    fb = frame.FrameBuffer(header, bytearray(header.frame_bytes()))
+    stream = LayerStream(fb)
+    a.add_request("pd-late", ids, SamplingParams(max_tokens=1, temperature=0.0))
+    assert a.prompt_pending("pd-late") and not a.prompt_pending("pd-other")
+    a.step()  # the first chunk, seen by nobody
+    assert a.prompt_pending("pd-late")
+    a.observe_layers("pd-late", stream)  # its first step writes the blocks computed before it
+    try:
+        while a.has_unfinished():
+            a.step()
+        stream.done.result(timeout=30)
+    finally:
+        a.observe_layers("pd-late", None)
+        stream.close()
+    assert not a.prompt_pending("pd-late")
+    assert bytes(fb.mv) == b"".join(frame.encode(*export_blocks(a, ids)))
+
+
 def test_decode_reads_the_frame_in_place(engines):
     a, _ = engines
     data = bytearray(b"".join(frame.encode(*export_blocks(a, a.tokenizer.encode(PROMPTS[0])))))
