@@ -2,7 +2,8 @@
 
 Systems (each runs alone, the previous one stopped first, so they never share the cores):
   fleetllm       ``python -m fleetllm.cli worker`` over HTTP with its defaults (``--quantization q4``), plus
-                 ``fleetllm-fp32`` (``--quantization none``) and ``fleetllm-int4`` when the worker offers the flag,
+                 ``fleetllm-fp32`` (``--quantization none``) and ``fleetllm-q4-q8`` (int8 activations, llama.cpp's
+                 arithmetic) when the worker offers them,
   hf             HF transformers ``generate``, batched in-process (fp32 weights dequantised from the GGUF,
                  left padding, greedy),
   llama.cpp      llama.cpp's own ``llama-server -np N -cb`` (one server per concurrency N) on the GGUF.
@@ -171,13 +172,14 @@ def _chat(text: str) -> list[dict[str, str]]:
 
 
 def fleetllm_variants(threads: int) -> dict[str, list[str]]:
-    """The worker command lines to run: its defaults, plus exact fp32 and int4 when it has ``--quantization``."""
+    """The worker command lines to run: its defaults, plus exact fp32 and q4-q8 when it has ``--quantization``."""
     base = [sys.executable, "-m", "fleetllm.cli", "worker", "--model", MODEL_ALIAS, "--num-threads", str(threads)]
     variants = {"fleetllm": base}
     helptext = subprocess.run(base[:4] + ["--help"], capture_output=True, text=True, cwd=REPO).stdout
     if "--quantization" in helptext:
         variants["fleetllm-fp32"] = base + ["--quantization", "none"]
-        variants["fleetllm-int4"] = base + ["--quantization", "int4"]
+        if "q4-q8" in helptext:
+            variants["fleetllm-q4-q8"] = base + ["--quantization", "q4-q8"]
     else:
         print("  note: the worker has no --quantization flag yet; running fp32 only", flush=True)
     return variants

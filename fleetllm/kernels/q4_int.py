@@ -31,6 +31,8 @@ def _declare(lib: ctypes.CDLL) -> None:
         getattr(lib, name).argtypes = [p, L, p, p, p, p, L, i, i, i, i, i]
         getattr(lib, name).restype = i
     lib.q4_int_isa.restype = i
+    lib.q4_int_cap_isa.argtypes = [i]
+    lib.q4_int_cap_isa.restype = i
 
 
 LIBRARY = KernelLibrary(Path(__file__).with_name("q4_int_gemm.c"), _declare)

@@ -31,7 +31,9 @@
 #define TILE 16  /* weight rows per thread tile */
 #define SERIAL_ROWS 4  /* up to this many rows are quantised by the calling thread */
 
-/* 3: AVX-512 VNNI + VL; 2: AVX2 + FMA; 0: neither (the caller must not call the GEMMs). */
+static int isa_cap = 3;
+
+/* 3: AVX-512 VNNI + VL; 2: AVX2 + FMA; 0: neither (the caller must not call the GEMMs); at most the cap. */
 int q4_int_isa(void) {
     static int isa = -1;
     if (isa < 0) {
@@ -39,7 +41,13 @@ int q4_int_isa(void) {
         const int avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
         isa = !avx2 ? 0 : __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl") ? 3 : 2;
     }
-    return isa;
+    return isa < isa_cap ? isa : isa_cap;
+}
+
+/* Caps the instruction set the GEMMs use (2: the AVX2 path on a VNNI CPU, for the tests); returns the new level. */
+int q4_int_cap_isa(int cap) {
+    isa_cap = cap < 2 ? 2 : cap;
+    return q4_int_isa();
 }
 
 /* Where run s of a group's inputs (inputs 4s..4s+3) goes: the vector whose nibbles multiply it. Packed byte p

@@ -47,10 +47,20 @@ def test_blocked_layout_gives_the_weight_back(n: int, k: int) -> None:
         assert torch.equal(getattr(back, name), getattr(w, name)), name
 
 
+@pytest.fixture(params=[3, 2], ids=["vnni", "avx2"])
+def isa(request: pytest.FixtureRequest) -> int:
+    """Each instruction set this CPU has: VNNI where present, and AVX2's multiply-adds (capped to on any CPU)."""
+    lib = q4_int.LIBRARY.lib
+    if lib.q4_int_isa() < request.param:
+        pytest.skip("no AVX-512 VNNI on this CPU")
+    yield lib.q4_int_cap_isa(request.param)
+    lib.q4_int_cap_isa(3)
+
+
 @pytest.mark.parametrize("bits", [16, 8])
 @pytest.mark.parametrize(("n", "k"), [(40, 576), (37, 1536), (8, 32), (24, 96), (16, 128), (5, 320)])
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 9, 17, 50])
-def test_kernel_is_its_arithmetic(bits: int, n: int, k: int, rows: int) -> None:
+def test_kernel_is_its_arithmetic(isa: int, bits: int, n: int, k: int, rows: int) -> None:
     w = weight(n, k, seed=rows)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(k)) * torch.linspace(0.1, 8, k)
     if k > 32:
