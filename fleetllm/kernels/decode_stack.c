@@ -18,7 +18,7 @@
 #include <string.h>
 #include <immintrin.h>
 
-typedef int (*gemv_fn)(const float *x, long ldx, const uint8_t *w, const float *d, const float *m, float *y,
+typedef int (*gemv_fn)(const float *x, long ldx, const uint8_t *w, const uint16_t *d, const uint16_t *m, float *y,
                        long ldy, int rows, int n, int k_in, int threads, int vector);
 typedef int (*attend_fn)(const float *q, long q_row_stride, const void *k_cache, const void *v_cache,
                          int kv_dtype, const int32_t *tables, int table_stride, const int32_t *table_of,
@@ -27,7 +27,7 @@ typedef int (*attend_fn)(const float *q, long q_row_stride, const void *k_cache,
 
 enum { KV_F32 = 0, KV_F16 = 1, KV_BF16 = 2 };
 
-typedef struct { const uint8_t *packed; const float *d, *m; } Q4;  /* blocked: see q4_i8_gemm.c */
+typedef struct { const uint8_t *packed; const uint16_t *d, *m; } Q4;  /* blocked: see q4_int_gemm.c */
 
 typedef struct {
     const float *norm1, *norm2;  /* input and post-attention RMSNorm weights [hidden] */

@@ -41,7 +41,7 @@ LIBRARY = KernelLibrary(Path(__file__).with_name("q4_int_gemm.c"), _declare)
 @dataclass(frozen=True)
 class BlockedQ4:
     """One ``[N, K]`` Q4_1 weight in the kernel's order: ``blocked [N, G * 16]`` uint8, ``d`` and ``m [N, G]``
-    fp32, with ``G`` the K/32 groups padded with zeros to a multiple of 4."""
+    fp16 (the GGUF stores them so), with ``G`` the K/32 groups padded with zeros to a multiple of 4."""
 
     blocked: torch.Tensor
     d: torch.Tensor
@@ -49,19 +49,22 @@ class BlockedQ4:
     k: int
 
     @classmethod
-    def of(cls, weight: q4.Q4Weight) -> BlockedQ4:
-        """``weight``'s packed bytes interleaved 4 at a time across blocks of 8 groups (a last block of 4)."""
+    def of(cls, weight: q4.Q4Weight) -> BlockedQ4 | None:
+        """``weight``'s packed bytes interleaved 4 at a time across blocks of 8 groups (a last block of 4); None
+        when a scale is not an fp16 number (a weight that is Q4_1-shaped but not from a GGUF)."""
         n, k = weight.shape
         groups = k // q4.GROUP
         padded = (groups + 3) // 4 * 4
+        d, m = torch.zeros(n, padded, dtype=torch.float16), torch.zeros(n, padded, dtype=torch.float16)
+        d[:, :groups], m[:, :groups] = weight.d, weight.m
+        if not (torch.equal(d[:, :groups].float(), weight.d) and torch.equal(m[:, :groups].float(), weight.m)):
+            return None
         packed = torch.zeros(n, padded, 16, dtype=torch.uint8)
         packed[:, :groups] = weight.packed
         full = padded // 8
         parts = [packed[:, :8 * full].reshape(n, full, 8, 4, 4).transpose(2, 3).reshape(n, -1)]
         if padded % 8:
             parts.append(packed[:, 8 * full:].reshape(n, 1, 4, 4, 4).transpose(2, 3).reshape(n, -1))
-        d, m = torch.zeros(n, padded), torch.zeros(n, padded)
-        d[:, :groups], m[:, :groups] = weight.d, weight.m
         return cls(torch.cat(parts, dim=1).contiguous(), d, m, k)
 
     @property
@@ -79,7 +82,7 @@ class BlockedQ4:
         if padded % 8:
             parts.append(body[:, 128 * full:].reshape(n, 1, 4, 4, 4).transpose(2, 3).reshape(n, 4, 16))
         packed = torch.cat(parts, dim=1)[:, :groups]
-        return q4.Q4Weight(packed.contiguous(), self.d[:, :groups].contiguous(), self.m[:, :groups].contiguous())
+        return q4.Q4Weight(packed.contiguous(), self.d[:, :groups].float(), self.m[:, :groups].float())
 
 
 def kernel_ready(wait: bool = False) -> bool:

@@ -33,12 +33,12 @@
 
 static int isa_cap = 3;
 
-/* 3: AVX-512 VNNI + VL; 2: AVX2 + FMA; 0: neither (the caller must not call the GEMMs); at most the cap. */
+/* 3: AVX-512 VNNI + VL; 2: AVX2 + FMA + F16C; 0: neither (the caller must not call the GEMMs); at most the cap. */
 int q4_int_isa(void) {
     static int isa = -1;
     if (isa < 0) {
         __builtin_cpu_init();
-        const int avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+        const int avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
         isa = !avx2 ? 0 : __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl") ? 3 : 2;
     }
     return isa < isa_cap ? isa : isa_cap;
@@ -68,6 +68,19 @@ static inline float hmax(__m256 v) {
     s = _mm_max_ps(s, _mm_movehl_ps(s, s));
     s = _mm_max_ss(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s);
+}
+
+/* fp16 scales (the GGUF's own d and m, exactly) as fp32 lanes: 8, 4, or 4 repeated in both halves. */
+__attribute__((target("avx2,fma,f16c")))
+static inline __m256 halves8(const uint16_t *h) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)h)); }
+
+__attribute__((target("avx2,fma,f16c")))
+static inline __m128 halves4(const uint16_t *h) { return _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)h)); }
+
+__attribute__((target("avx2,fma,f16c")))
+static inline __m256 halves4x2(const uint16_t *h) {
+    const __m128 v = halves4(h);
+    return _mm256_insertf128_ps(_mm256_castps128_ps256(v), v, 1);
 }
 
 /* Row r's activations: int8 levels in the blocked order, per group the scale and the exact fp32 sum. */
@@ -123,7 +136,7 @@ static void quantize_row(const float *x, int groups, int padded, int8_t *q, floa
             wv[o][2 * c] = _mm256_and_si256(raw, low); \
             wv[o][2 * c + 1] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low); \
         } \
-        dv[o] = (NV) == 8 ? _mm256_loadu_ps(d + o * dstride + g) : _mm256_broadcast_ps((const __m128 *)(d + o * dstride + g)); \
+        dv[o] = (NV) == 8 ? halves8(d + o * dstride + g) : halves4x2(d + o * dstride + g); \
     } \
     for (int r = 0; r < rows; r++) { \
         const __m256 s = (NV) == 8 ? _mm256_loadu_ps(sx + r * padded + g) \
@@ -142,9 +155,9 @@ static void quantize_row(const float *x, int groups, int padded, int8_t *q, floa
             __m256 z = _mm256_setzero_ps(); \
             int g = 0; \
             for (; g + 8 <= padded; g += 8) \
-                z = _mm256_fmadd_ps(_mm256_loadu_ps(m + o * dstride + g), _mm256_loadu_ps(xsum + r * padded + g), z); \
+                z = _mm256_fmadd_ps(halves8(m + o * dstride + g), _mm256_loadu_ps(xsum + r * padded + g), z); \
             float tail = 0.f; \
-            for (; g < padded; g++) tail += m[o * dstride + g] * xsum[r * padded + g]; \
+            for (; g < padded; g++) tail += _cvtsh_ss(m[o * dstride + g]) * xsum[r * padded + g]; \
             y[r * ldy + o] = hsum(_mm256_add_ps(acc[o][r], z)) + tail; \
         }
 
@@ -152,8 +165,8 @@ static void quantize_row(const float *x, int groups, int padded, int8_t *q, floa
  * row's dot products; finally y = the scaled lanes' sum + the zero-point term. */
 #define DEFINE_TILE(NAME, TARGET, DOT) \
 __attribute__((target(TARGET), always_inline)) \
-static inline void NAME(const int outs, const int rows, const uint8_t *w, long wstride, const float *d, \
-                        const float *m, long dstride, const int8_t *xq, long xstride, const float *sx, \
+static inline void NAME(const int outs, const int rows, const uint8_t *w, long wstride, const uint16_t *d, \
+                        const uint16_t *m, long dstride, const int8_t *xq, long xstride, const float *sx, \
                         const float *xsum, int padded, float *y, long ldy) { \
     const __m256i low = _mm256_set1_epi8(15); \
     __m256 acc[2][PASS]; \
@@ -167,8 +180,8 @@ static inline void NAME(const int outs, const int rows, const uint8_t *w, long w
 #define DOT_VNNI(acc, w, x) _mm256_dpbusd_epi32(acc, w, x)
 #define DOT_AVX2(acc, w, x) _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1)))
 
-DEFINE_TILE(tile_vnni, "avx2,fma,avx512vnni,avx512vl", DOT_VNNI)
-DEFINE_TILE(tile_avx2, "avx2,fma", DOT_AVX2)
+DEFINE_TILE(tile_vnni, "avx2,fma,f16c,avx512vnni,avx512vl", DOT_VNNI)
+DEFINE_TILE(tile_avx2, "avx2,fma,f16c", DOT_AVX2)
 
 /* One pass (`rows` <= PASS activation rows) over weight rows [n0, n1), the counts fixed per call site. */
 #define PASS_OVER(TILEFN, R) { \
@@ -183,7 +196,7 @@ DEFINE_TILE(tile_avx2, "avx2,fma", DOT_AVX2)
 
 #define DEFINE_PASS(NAME, TARGET, TILEFN, XTYPE) \
 __attribute__((target(TARGET))) \
-static void NAME(int rows, const uint8_t *w, long wstride, const float *d, const float *m, int padded, \
+static void NAME(int rows, const uint8_t *w, long wstride, const uint16_t *d, const uint16_t *m, int padded, \
                  const void *xv, long xstride, const float *sx, const float *xsum, float *y, long ldy, \
                  int n0, int n1) { \
     const XTYPE *xq = xv; \
@@ -195,8 +208,8 @@ static void NAME(int rows, const uint8_t *w, long wstride, const float *d, const
     } \
 }
 
-DEFINE_PASS(pass_vnni, "avx2,fma,avx512vnni,avx512vl", tile_vnni, int8_t)
-DEFINE_PASS(pass_avx2, "avx2,fma", tile_avx2, int8_t)
+DEFINE_PASS(pass_vnni, "avx2,fma,f16c,avx512vnni,avx512vl", tile_vnni, int8_t)
+DEFINE_PASS(pass_avx2, "avx2,fma,f16c", tile_avx2, int8_t)
 
 /* ---- int16 activations: the same weights, 2^15 levels per group instead of 2^7 ----------------------------
  * Per quad of 4 groups and row: 8 vectors of 16 int16 (vector v as above, lane pair 2j, 2j + 1 group j of the
@@ -230,8 +243,8 @@ static void quantize_row16(const float *x, int groups, int padded, int16_t *q, f
 
 #define DEFINE_TILE16(NAME, TARGET, DOT) \
 __attribute__((target(TARGET), always_inline)) \
-static inline void NAME(const int outs, const int rows, const uint8_t *w, long wstride, const float *d, \
-                        const float *m, long dstride, const int16_t *xq, long xstride, const float *sxd, \
+static inline void NAME(const int outs, const int rows, const uint8_t *w, long wstride, const uint16_t *d, \
+                        const uint16_t *m, long dstride, const int16_t *xq, long xstride, const float *sxd, \
                         const float *xsum, int padded, float *y, long ldy) { \
     const __m128i low = _mm_set1_epi8(15); \
     const __m256i pairs = _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3); \
@@ -249,7 +262,7 @@ static inline void NAME(const int outs, const int rows, const uint8_t *w, long w
                 wv[o][2 * c] = _mm256_cvtepu8_epi16(_mm_and_si128(raw, low)); \
                 wv[o][2 * c + 1] = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(raw, 4), low)); \
             } \
-            dv[o] = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_loadu_ps(d + o * dstride + 4 * q)), pairs); \
+            dv[o] = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(halves4(d + o * dstride + 4 * q)), pairs); \
         } \
         for (int r = 0; r < rows; r++) { \
             const __m256 s = _mm256_loadu_ps(sxd + r * 2L * padded + 8 * q); \
@@ -266,13 +279,13 @@ static inline void NAME(const int outs, const int rows, const uint8_t *w, long w
 #define DOT16_VNNI(acc, w, x) _mm256_dpwssd_epi32(acc, w, x)
 #define DOT16_AVX2(acc, w, x) _mm256_add_epi32(acc, _mm256_madd_epi16(w, x))
 
-DEFINE_TILE16(tile16_vnni, "avx2,fma,avx512vnni,avx512vl", DOT16_VNNI)
-DEFINE_TILE16(tile16_avx2, "avx2,fma", DOT16_AVX2)
-DEFINE_PASS(pass16_vnni, "avx2,fma,avx512vnni,avx512vl", tile16_vnni, int16_t)
-DEFINE_PASS(pass16_avx2, "avx2,fma", tile16_avx2, int16_t)
+DEFINE_TILE16(tile16_vnni, "avx2,fma,f16c,avx512vnni,avx512vl", DOT16_VNNI)
+DEFINE_TILE16(tile16_avx2, "avx2,fma,f16c", DOT16_AVX2)
+DEFINE_PASS(pass16_vnni, "avx2,fma,f16c,avx512vnni,avx512vl", tile16_vnni, int16_t)
+DEFINE_PASS(pass16_avx2, "avx2,fma,f16c", tile16_avx2, int16_t)
 
 /* Quantises the rows (`bits` 8 or 16), then runs the passes over each thread's weight tiles. */
-static int gemm(int bits, const float *x, long ldx, const uint8_t *w, const float *d, const float *m, float *y,
+static int gemm(int bits, const float *x, long ldx, const uint8_t *w, const uint16_t *d, const uint16_t *m, float *y,
                 long ldy, int rows, int n, int k_in, int threads) {
     if (k_in % 32 != 0 || k_in <= 0) return -1;
     const int isa = q4_int_isa(), groups = k_in / 32, padded = (groups + 3) / 4 * 4, scales = bits == 8 ? 1 : 2;
@@ -312,16 +325,16 @@ static int gemm(int bits, const float *x, long ldx, const uint8_t *w, const floa
 }
 
 /* y[r * ldy + j] = sum_k x[r * ldx + k] * W[j, k] for r < rows, j < n, with W blocked as above: `w` [n,
- * padded * 16] bytes, `d` and `m` [n, padded] (zeros past the real groups), padded = K/32 rounded up to 4.
+ * padded * 16] bytes, `d` and `m` [n, padded] fp16 (zeros past the real groups), padded = K/32 rounded up to 4.
  * Activations in int8 (q4_i8_gemm) or int16 (q4_i16_gemm). `vector` is ignored (the signature is the decode
  * stack's GEMV pointer's). Returns 0, -1 for a K it cannot take, -2 without AVX2 or memory. */
-int q4_i8_gemm(const float *x, long ldx, const uint8_t *w, const float *d, const float *m, float *y, long ldy,
+int q4_i8_gemm(const float *x, long ldx, const uint8_t *w, const uint16_t *d, const uint16_t *m, float *y, long ldy,
                int rows, int n, int k_in, int threads, int vector) {
     (void)vector;
     return gemm(8, x, ldx, w, d, m, y, ldy, rows, n, k_in, threads);
 }
 
-int q4_i16_gemm(const float *x, long ldx, const uint8_t *w, const float *d, const float *m, float *y, long ldy,
+int q4_i16_gemm(const float *x, long ldx, const uint8_t *w, const uint16_t *d, const uint16_t *m, float *y, long ldy,
                 int rows, int n, int k_in, int threads, int vector) {
     (void)vector;
     return gemm(16, x, ldx, w, d, m, y, ldy, rows, n, k_in, threads);

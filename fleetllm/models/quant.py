@@ -186,9 +186,10 @@ def _q4_or_fp32(linear: nn.Linear, bits: int) -> nn.Module:
     """``linear`` through the Q4 kernel when its weight is exactly Q4_1 (int16 activations: below
     ``INT16_WIDE_ROWS`` rows), else ``linear`` itself."""
     weight = recover_q4_1(linear.weight)
-    if weight is None:
+    blocked = None if weight is None else BlockedQ4.of(weight)
+    if blocked is None:
         return linear
-    q = Q4Linear(linear, BlockedQ4.of(weight), bits)
+    q = Q4Linear(linear, blocked, bits)
     return q if bits == 8 else ByWidth(q, linear, linear.weight, INT16_WIDE_ROWS)
 
 

@@ -105,3 +105,9 @@ def test_the_q4_switch_sends_calls_to_the_fp32_path() -> None:
         assert q4_int.q4_int_linear(torch.randn(2, 96), q4_int.BlockedQ4.of(weight(8, 96))) is None
     finally:
         q4.set_kernel_enabled(True)
+
+
+def test_scales_that_are_not_fp16_numbers_are_refused() -> None:
+    w = weight(8, 64)
+    odd = q4.Q4Weight(w.packed, w.d, w.m + 1e-7)  # Q4_1-shaped, but m is no fp16 number: not a GGUF's weight
+    assert q4_int.BlockedQ4.of(odd) is None
