@@ -10,6 +10,7 @@ that kill or restart a process.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
 import signal
 import socket
@@ -47,16 +48,21 @@ def listening(url: str) -> bool:
         return False
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+# Ports handed out to this test process: a range of its own below Linux's ephemeral ports (32768 and up), walked
+# in order. Asking the kernel for port 0 and closing it raced: another xdist process, or a server it started,
+# could bind the same ephemeral port before ours did ("address already in use", about 1 full run in 8).
+_SPAN = 1500
+_FIRST = 20000 + _SPAN * (int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0) % 8)
+_next = itertools.count()
 
 
-def free_ports(n: int) -> int:
-    """The first of ``n`` consecutive free ports (simulated workers take consecutive ports)."""
-    for _ in range(200):
-        base = free_port()
+def free_ports(n: int = 1) -> int:
+    """The first of ``n`` consecutive ports that are free now, from this process's own range (simulated workers
+    take consecutive ports); a port is not handed out twice while the range lasts."""
+    for _ in range(_SPAN):
+        base = _FIRST + next(_next) % (_SPAN - n)
+        for _ in range(n - 1):
+            next(_next)
         socks = []
         try:
             for i in range(n):
@@ -70,6 +76,11 @@ def free_ports(n: int) -> int:
             for s in socks:
                 s.close()
     raise RuntimeError("no run of free ports")
+
+
+def free_port() -> int:
+    """A port that is free now, from this process's own range."""
+    return free_ports(1)
 
 
 @dataclass

@@ -18,7 +18,7 @@
  * group j). The activations are written in the matching order: per block (or quad), vector v (low nibbles of
  * chunk c: v = 2c; high: v = 2c + 1) holds in lane j the 4 inputs of group j that those nibbles multiply.
  *
- * Weight rows go to OpenMP threads in tiles of TILE rows; each tile meets the activation rows in passes of up
+ * Weight rows go to OpenMP threads in tiles of ROW_TILE rows; each tile meets the activation rows in passes of up
  * to PASS rows held in registers (two weight rows at once for one or two activation rows). VNNI (AVX-512 VL)
  * or AVX2 is chosen at run time; the caller keeps its fp32 path on other CPUs.
  */
@@ -26,9 +26,10 @@
 #include <stdlib.h>
 #include <string.h>
 #include <immintrin.h>
+#include "gemv_common.h"
 
 #define PASS 8   /* activation rows per register pass */
-#define TILE 16  /* weight rows per thread tile */
+#define ROW_TILE 16  /* weight rows per thread tile */
 #define SERIAL_ROWS 4  /* up to this many rows are quantised by the calling thread */
 
 static int isa_cap = 3;
@@ -54,20 +55,25 @@ int q4_int_cap_isa(int cap) {
  * holds levels p (low) and 8 + p (high) for p < 8, 8 + p and 16 + p for p >= 8 (see q4.py). */
 static const int RUN_VECTOR[8] = {0, 2, 1, 3, 4, 6, 5, 7};
 
-__attribute__((target("avx2,fma")))
-static inline float hsum(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-
+/* The largest of v's lanes (hsum8, from gemv_common.h, is their sum). */
 __attribute__((target("avx2,fma")))
 static inline float hmax(__m256 v) {
     __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_max_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_max_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
+    return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
+}
+
+/* A group's 32 inputs as four vectors, with their largest magnitude and their sum. */
+__attribute__((target("avx2,fma")))
+static inline void group_stats(const float *xg, __m256 v[4], float *top, float *sum) {
+    const __m256 sign = _mm256_set1_ps(-0.f);
+    __m256 amax = _mm256_setzero_ps(), total = _mm256_setzero_ps();
+    for (int t = 0; t < 4; t++) {
+        v[t] = _mm256_loadu_ps(xg + 8 * t);
+        amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[t]));
+        total = _mm256_add_ps(total, v[t]);
+    }
+    *top = hmax(amax), *sum = hsum8(total);
 }
 
 /* fp16 scales (the GGUF's own d and m, exactly) as fp32 lanes: 8, 4, or 4 repeated in both halves. */
@@ -86,20 +92,14 @@ static inline __m256 halves4x2(const uint16_t *h) {
 /* Row r's activations: int8 levels in the blocked order, per group the scale and the exact fp32 sum. */
 __attribute__((target("avx2,fma")))
 static void quantize_row(const float *x, int groups, int padded, int8_t *q, float *sx, float *xsum) {
-    const __m256 sign = _mm256_set1_ps(-0.f);
     memset(q + 256L * (groups / 8), 0, 32L * padded - 256L * (groups / 8));  /* the lanes of padding groups */
     for (int g = groups; g < padded; g++) sx[g] = xsum[g] = 0.f;
     const int full = padded / 8;
     for (int g = 0; g < groups; g++) {
-        const float *xg = x + 32L * g;
-        __m256 v[4], amax = _mm256_setzero_ps(), sum = _mm256_setzero_ps();
-        for (int t = 0; t < 4; t++) {
-            v[t] = _mm256_loadu_ps(xg + 8 * t);
-            amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[t]));
-            sum = _mm256_add_ps(sum, v[t]);
-        }
-        const float top = hmax(amax);
-        sx[g] = top / 127.f, xsum[g] = hsum(sum);
+        __m256 v[4];
+        float top;
+        group_stats(x + 32L * g, v, &top, xsum + g);
+        sx[g] = top / 127.f;
         const __m256 inv = _mm256_set1_ps(top > 0.f ? 127.f / top : 0.f);
         const int b = g / 8, j = g % 8, half = b == full;
         int8_t *base = q + 256L * b;
@@ -158,7 +158,7 @@ static void quantize_row(const float *x, int groups, int padded, int8_t *q, floa
                 z = _mm256_fmadd_ps(halves8(m + o * dstride + g), _mm256_loadu_ps(xsum + r * padded + g), z); \
             float tail = 0.f; \
             for (; g < padded; g++) tail += _cvtsh_ss(m[o * dstride + g]) * xsum[r * padded + g]; \
-            y[r * ldy + o] = hsum(_mm256_add_ps(acc[o][r], z)) + tail; \
+            y[r * ldy + o] = hsum8(_mm256_add_ps(acc[o][r], z)) + tail; \
         }
 
 /* Rows [0, rows) of the pass against weight rows [0, outs): unpacks each block once, then every activation
@@ -180,8 +180,8 @@ static inline void NAME(const int outs, const int rows, const uint8_t *w, long w
 #define DOT_VNNI(acc, w, x) _mm256_dpbusd_epi32(acc, w, x)
 #define DOT_AVX2(acc, w, x) _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1)))
 
-DEFINE_TILE(tile_vnni, "avx2,fma,f16c,avx512vnni,avx512vl", DOT_VNNI)
-DEFINE_TILE(tile_avx2, "avx2,fma,f16c", DOT_AVX2)
+DEFINE_TILE(tile8_vnni, "avx2,fma,f16c,avx512vnni,avx512vl", DOT_VNNI)
+DEFINE_TILE(tile8_avx2, "avx2,fma,f16c", DOT_AVX2)
 
 /* One pass (`rows` <= PASS activation rows) over weight rows [n0, n1), the counts fixed per call site. */
 #define PASS_OVER(TILEFN, R) { \
@@ -208,8 +208,8 @@ static void NAME(int rows, const uint8_t *w, long wstride, const uint16_t *d, co
     } \
 }
 
-DEFINE_PASS(pass_vnni, "avx2,fma,f16c,avx512vnni,avx512vl", tile_vnni, int8_t)
-DEFINE_PASS(pass_avx2, "avx2,fma,f16c", tile_avx2, int8_t)
+DEFINE_PASS(pass_vnni, "avx2,fma,f16c,avx512vnni,avx512vl", tile8_vnni, int8_t)
+DEFINE_PASS(pass_avx2, "avx2,fma,f16c", tile8_avx2, int8_t)
 
 /* ---- int16 activations: the same weights, 2^15 levels per group instead of 2^7 ----------------------------
  * Per quad of 4 groups and row: 8 vectors of 16 int16 (vector v as above, lane pair 2j, 2j + 1 group j of the
@@ -217,19 +217,13 @@ DEFINE_PASS(pass_avx2, "avx2,fma,f16c", tile_avx2, int8_t)
  * duplicated per lane pair. Half the integer throughput of int8, and the rounding of x is 256x finer. */
 __attribute__((target("avx2,fma")))
 static void quantize_row16(const float *x, int groups, int padded, int16_t *q, float *sxd, float *xsum) {
-    const __m256 sign = _mm256_set1_ps(-0.f);
     memset(q + 128L * (groups / 4), 0, 2 * (32L * padded - 128L * (groups / 4)));  /* the lanes of padding groups */
     for (int g = groups; g < padded; g++) sxd[2 * g] = sxd[2 * g + 1] = xsum[g] = 0.f;
     for (int g = 0; g < groups; g++) {
-        const float *xg = x + 32L * g;
-        __m256 v[4], amax = _mm256_setzero_ps(), sum = _mm256_setzero_ps();
-        for (int t = 0; t < 4; t++) {
-            v[t] = _mm256_loadu_ps(xg + 8 * t);
-            amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[t]));
-            sum = _mm256_add_ps(sum, v[t]);
-        }
-        const float top = hmax(amax);
-        sxd[2 * g] = sxd[2 * g + 1] = top / 32767.f, xsum[g] = hsum(sum);
+        __m256 v[4];
+        float top;
+        group_stats(x + 32L * g, v, &top, xsum + g);
+        sxd[2 * g] = sxd[2 * g + 1] = top / 32767.f;
         const __m256 inv = _mm256_set1_ps(top > 0.f ? 32767.f / top : 0.f);
         int16_t *base = q + 128L * (g / 4) + 4 * (g % 4);
         for (int t = 0; t < 4; t++) {
@@ -294,7 +288,7 @@ static int gemm(int bits, const float *x, long ldx, const uint8_t *w, const uint
     char *xq = malloc((size_t)rows * xstride + sizeof(float) * (size_t)rows * (per_row + padded) + 64);
     if (xq == NULL) return -2;
     float *sx = (float *)(xq + ((size_t)rows * xstride + 63) / 64 * 64), *xsum = sx + rows * per_row;
-    const int tiles = (n + TILE - 1) / TILE;
+    const int tiles = (n + ROW_TILE - 1) / ROW_TILE;
     /* a few rows are quantised here: splitting them would cost the threads a barrier more than it saves */
     #pragma omp parallel num_threads(rows > SERIAL_ROWS ? threads : 1)
     #pragma omp for schedule(static)
@@ -308,7 +302,7 @@ static int gemm(int bits, const float *x, long ldx, const uint8_t *w, const uint
     {
         #pragma omp for schedule(static)
         for (int t = 0; t < tiles; t++) {
-            const int n0 = t * TILE, n1 = n0 + TILE < n ? n0 + TILE : n;
+            const int n0 = t * ROW_TILE, n1 = n0 + ROW_TILE < n ? n0 + ROW_TILE : n;
             for (int r0 = 0; r0 < rows; r0 += PASS) {
                 const int r = rows - r0 < PASS ? rows - r0 : PASS;
                 const void *xr = xq + r0 * xstride;
