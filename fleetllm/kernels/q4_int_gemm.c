@@ -197,9 +197,10 @@ DEFINE_TILE(tile8_avx2, "avx2,fma,f16c", DOT_AVX2)
 #define DEFINE_PASS(NAME, TARGET, TILEFN, XTYPE) \
 __attribute__((target(TARGET))) \
 static void NAME(int rows, const uint8_t *w, long wstride, const uint16_t *d, const uint16_t *m, int padded, \
-                 const void *xv, long xstride, const float *sx, const float *xsum, float *y, long ldy, \
+                 const void *xv, long xbytes, const float *sx, const float *xsum, float *y, long ldy, \
                  int n0, int n1) { \
     const XTYPE *xq = xv; \
+    const long xstride = xbytes / (long)sizeof(XTYPE); \
     switch (rows) { \
         case 1: PASS_OVER(TILEFN, 1) break; case 2: PASS_OVER(TILEFN, 2) break; \
         case 3: PASS_OVER(TILEFN, 3) break; case 4: PASS_OVER(TILEFN, 4) break; \
@@ -278,6 +279,10 @@ DEFINE_TILE16(tile16_avx2, "avx2,fma,f16c", DOT16_AVX2)
 DEFINE_PASS(pass16_vnni, "avx2,fma,f16c,avx512vnni,avx512vl", tile16_vnni, int16_t)
 DEFINE_PASS(pass16_avx2, "avx2,fma,f16c", tile16_avx2, int16_t)
 
+/* One pass's function (a DEFINE_PASS): `xbytes` apart, the quantised activation rows of either width. */
+typedef void pass_fn(int rows, const uint8_t *w, long wstride, const uint16_t *d, const uint16_t *m, int padded,
+                     const void *xv, long xbytes, const float *sx, const float *xsum, float *y, long ldy, int n0, int n1);
+
 /* Quantises the rows (`bits` 8 or 16), then runs the passes over each thread's weight tiles. */
 static int gemm(int bits, const float *x, long ldx, const uint8_t *w, const uint16_t *d, const uint16_t *m, float *y,
                 long ldy, int rows, int n, int k_in, int threads) {
@@ -289,6 +294,7 @@ static int gemm(int bits, const float *x, long ldx, const uint8_t *w, const uint
     if (xq == NULL) return -2;
     float *sx = (float *)(xq + ((size_t)rows * xstride + 63) / 64 * 64), *xsum = sx + rows * per_row;
     const int tiles = (n + ROW_TILE - 1) / ROW_TILE;
+    pass_fn *const pass = bits == 8 ? (isa == 3 ? pass_vnni : pass_avx2) : (isa == 3 ? pass16_vnni : pass16_avx2);
     /* a few rows are quantised here: splitting them would cost the threads a barrier more than it saves */
     #pragma omp parallel num_threads(rows > SERIAL_ROWS ? threads : 1)
     #pragma omp for schedule(static)
@@ -306,11 +312,8 @@ static int gemm(int bits, const float *x, long ldx, const uint8_t *w, const uint
             for (int r0 = 0; r0 < rows; r0 += PASS) {
                 const int r = rows - r0 < PASS ? rows - r0 : PASS;
                 const void *xr = xq + r0 * xstride;
-                float *sr = sx + r0 * per_row, *zr = xsum + (long)r0 * padded, *yr = y + r0 * ldy;
-                if (bits == 8 && isa == 3) pass_vnni(r, w, wstride, d, m, padded, xr, xstride, sr, zr, yr, ldy, n0, n1);
-                else if (bits == 8) pass_avx2(r, w, wstride, d, m, padded, xr, xstride, sr, zr, yr, ldy, n0, n1);
-                else if (isa == 3) pass16_vnni(r, w, wstride, d, m, padded, xr, xstride / 2, sr, zr, yr, ldy, n0, n1);
-                else pass16_avx2(r, w, wstride, d, m, padded, xr, xstride / 2, sr, zr, yr, ldy, n0, n1);
+                pass(r, w, wstride, d, m, padded, xr, xstride, sx + r0 * per_row, xsum + (long)r0 * padded,
+                     y + r0 * ldy, ldy, n0, n1);
             }
         }
     }
