@@ -38,7 +38,9 @@ def test_sigterm_drains_in_flight_requests_then_exits(procs) -> None:
     w = sim_worker_processes(1, "--sim-speed", "3")
     procs.append(w)
     started, out = threading.Event(), {}
-    t = threading.Thread(target=_stream, args=(w.url, 40, started, out))
+    # long enough to outlast the checks below (the q4 profile decodes a token in ~12 ms: 40 tokens at speed 3 took
+    # 0.16 s, and the worker could finish draining and exit before the POST: "connection refused")
+    t = threading.Thread(target=_stream, args=(w.url, 400, started, out))
     t.start()
     assert started.wait(30)
     w.popen.send_signal(signal.SIGTERM)
