@@ -2,17 +2,18 @@
 
 At narrow steps the arithmetic of a layer is a few hundred microseconds of GEMV, and PyTorch's op-by-op
 dispatch of everything around it (norms, RoPE, splits, cache writes, residual adds: about forty ops a layer)
-cost as much again. :class:`DecodeStack` holds one layer table for the C function, which runs every layer
-for every row of a step whose rows are all single decode tokens, calling the Q4 GEMV and the paged attention
-kernel of their own libraries (passed as function pointers, so each kernel has one source). A step is taken
-when every row is a decode token or a query of a chunk whose queries × positions stay under ``MAX_CHUNK_KEYS``
-(speculative verification, short prompts); any other step (a long prompt's prefill, 48 rows or more, a kernel
-not built, a model it does not cover) takes the model's op-by-op path. ``FLEETLLM_DECODE_STACK=eager`` keeps every step there.
+cost as much again. :class:`DecodeStack` holds layer tables for the C function, which runs every layer for
+every row of a step, calling a GEMM and the paged attention kernel of their own libraries (passed as function
+pointers, so each kernel has one source): the Q4 one (int16 or int8 activations) and, for steps as wide as the
+linears' bf16 bound (``q4`` on a CPU with AVX-512 BF16), the bf16 one over the linears' bf16 weights. A step
+is taken when every row is a decode token or a query of a chunk whose queries × positions stay under
+``MAX_CHUNK_KEYS`` (speculative verification, short prompts); any other step (a long prompt's prefill, as many
+rows as the stack's bound or more, a kernel not built, a model it does not cover) takes the model's op-by-op
+path. ``FLEETLLM_DECODE_STACK=eager`` keeps every step there.
 
-Numerics: the same weights and the same GEMM (int16 or int8 activations, as the linears') and attention kernels
-as the op-by-op ``q4`` path; RMSNorm and
-SiLU round differently from PyTorch's (summation order, a polynomial ``exp``), RoPE the same. So a token's
-logits differ from the op-by-op path's by float rounding, as ``q4``'s already differ from fp32's.
+Numerics: the same weights and the same GEMMs and attention kernel as the op-by-op ``q4`` path at each width;
+RMSNorm and SiLU round differently from PyTorch's (summation order, a polynomial ``exp``), RoPE the same. So a
+token's logits differ from the op-by-op path's by float rounding, as ``q4``'s already differ from fp32's.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from typing import Any
 
 import torch
 
-from fleetllm.kernels import attention, q4_int
+from fleetllm.kernels import attention, bf16, q4_int
 from fleetllm.kernels.build import KernelLibrary
 
 _enabled = os.environ.get("FLEETLLM_DECODE_STACK", "auto") != "eager"
@@ -35,6 +36,7 @@ _enabled = os.environ.get("FLEETLLM_DECODE_STACK", "auto") != "eager"
 # 47-token prompt with nothing cached.
 MAX_CHUNK_KEYS = 16384
 P, INT, FLOAT = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+LINEARS = ("qkv", "o", "gate_up", "down")
 
 
 class _Q4(ctypes.Structure):
@@ -107,24 +109,37 @@ def _q4(linear: Any) -> Any:
     return module if isinstance(getattr(module, "q4", None), q4_int.BlockedQ4) else None
 
 
-def _struct(w: q4_int.BlockedQ4) -> _Q4:
+def _paired(linear: Any) -> bf16.PairedBF16 | None:
+    """The bf16 weight of a ``q4`` linear's wide steps (the wide side of a ``ByWidth``), else None."""
+    weight = getattr(getattr(linear, "wide", None), "w16", None)
+    return weight if isinstance(weight, bf16.PairedBF16) else None
+
+
+def _struct(w: q4_int.BlockedQ4 | bf16.PairedBF16) -> _Q4:
+    if isinstance(w, bf16.PairedBF16):
+        return _Q4(w.paired.data_ptr(), None, None)
     return _Q4(w.blocked.data_ptr(), w.d.data_ptr(), w.m.data_ptr())
+
+
+def _table(layers: list[dict[str, Any]], kind: str) -> ctypes.Array:
+    """The C layer table over ``layers``' weights of ``kind`` ("q4", or "bf16": the wide steps')."""
+    return (_Layer * len(layers))(*(
+        _Layer(ly["norm1"].data_ptr(), ly["norm2"].data_ptr(), *(_struct(ly[kind][name]) for name in LINEARS))
+        for ly in layers))
 
 
 class DecodeStack:
     """The C path for one ``q4`` Llama model's decode steps and short chunks; :meth:`build` says whether it covers it."""
 
-    def __init__(self, model: Any, layers: list[dict[str, Any]], max_rows: int, bits: int) -> None:
+    def __init__(self, model: Any, layers: list[dict[str, Any]], max_rows: int, bits: int, bf16_rows: int | None) -> None:
         cfg, attn = model.cfg, model.layers[0].attn
-        self.max_rows, self.bits = max_rows, bits
+        self.max_rows, self.bits, self.bf16_rows = max_rows, bits, bf16_rows
         self.hidden, self.inter = cfg.hidden_size, cfg.intermediate_size
         self.width = (attn.h + 2 * attn.hkv) * attn.d
         self.q_width = attn.h * attn.d
         self._keep = layers  # every weight pointer below points into these
-        self._layers = (_Layer * len(layers))(*(
-            _Layer(ly["norm1"].data_ptr(), ly["norm2"].data_ptr(), _struct(ly["qkv"].q4), _struct(ly["o"].q4),
-                   _struct(ly["gate_up"].q4), _struct(ly["down"].q4)) for ly in layers))
-        self._model = _Model(ctypes.addressof(self._layers), len(layers), cfg.hidden_size, attn.h, attn.hkv, attn.d,
+        self._tables = {kind: _table(layers, kind) for kind in ("q4", "bf16") if kind == "q4" or bf16_rows}
+        self._model = _Model(None, len(layers), cfg.hidden_size, attn.h, attn.hkv, attn.d,
                              cfg.intermediate_size, 0, 0, cfg.rms_norm_eps, attn.scale, None, None, None, None)
         self._caches: dict[tuple[int, ...], tuple[Any, Any]] = {}
 
@@ -141,18 +156,23 @@ class DecodeStack:
                 return None
             if getattr(attn.qkv, "bias", None) is not None:
                 return None
-            ws = {"qkv": _q4(attn.qkv), "o": _q4(attn.o), "gate_up": _q4(mlp.gate_up), "down": _q4(mlp.down),
+            linears = {"qkv": attn.qkv, "o": attn.o, "gate_up": mlp.gate_up, "down": mlp.down}
+            ws = {"q4": {k: getattr(_q4(v), "q4", None) for k, v in linears.items()}, "bf16": {k: _paired(v) for k, v in linears.items()},
                   "norm1": layer.input_norm.weight, "norm2": layer.post_attn_norm.weight}
-            if any(w is None for w in ws.values()):
+            if any(w is None for w in ws["q4"].values()):
                 return None
             layers.append(ws)
-        bits = {ly[k].bits for ly in layers for k in ("qkv", "o", "gate_up", "down")}
+        bits = {_q4(linear).bits for layer in model.layers for linear in (layer.attn.qkv, layer.attn.o, layer.mlp.gate_up, layer.mlp.down)}
+        # the bf16 table where every linear has one and all take it from the same width
+        widths = {getattr(linear, "rows", None) for layer in model.layers for linear in
+                  (layer.attn.qkv, layer.attn.o, layer.mlp.gate_up, layer.mlp.down)}
+        paired = all(ly["bf16"][k] is not None for ly in layers for k in LINEARS) and len(widths) == 1
         if len(bits) != 1:
             return None
         tensors = [ly[k] for ly in layers for k in ("norm1", "norm2")]
         if any(t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous() for t in tensors):
             return None
-        return cls(model, layers, max_rows, bits.pop())
+        return cls(model, layers, max_rows, bits.pop(), widths.pop() if paired else None)
 
     def plan(self, h: torch.Tensor, meta: Any, k_cache: torch.Tensor, rotary: Any) -> Rows | None:
         """The step's rows for the C path, or None when the step must go op by op (see the module doc)."""
@@ -180,7 +200,9 @@ class DecodeStack:
         md = _Model.from_buffer_copy(self._model)  # per call: engines sharing this model may run at once
         md.block_size, md.kv_dtype = meta.block_size, attention.KV_DTYPES[kv_cache[0][0].dtype]
         md.cos, md.sin = rotary.cos.data_ptr(), rotary.sin.data_ptr()
-        md.gemv = ctypes.cast(q4_int.gemm_function(self.bits), P).value
+        wide = self.bf16_rows is not None and n >= self.bf16_rows and bf16.kernel_ready()
+        md.layers = ctypes.addressof(self._tables["bf16" if wide else "q4"])
+        md.gemv = ctypes.cast(bf16.LIBRARY.lib.bf16_gemm if wide else q4_int.gemm_function(self.bits), P).value
         md.attend = ctypes.cast(attention.LIBRARY.lib.paged_attention, P).value
         table_of = None if rows.table_of is None else rows.table_of.data_ptr()
         step = _Step(h.data_ptr(), n, torch.get_num_threads(), positions.data_ptr(), slots.data_ptr(),

@@ -91,12 +91,12 @@ static void task_scalar(const PagedArgs *a, int row, int kvh, float *scores) {
     }
 }
 
-/* ---- AVX2 path: head_dim a multiple of 8 and at most 256 ---------------------------------------- */
+/* ---- AVX2 path: head_dim a multiple of 8 ---------------------------------------------------------- */
 
-#define MAX_VEC 32  /* 256 floats */
+#define BLOCK_VECS 8  /* vectors of head_dim (64 floats) held in registers at once: all of a 64-wide head */
 #define PARALLEL_MIN_KEYS 4096  /* (position, kv head) pairs below which one thread is faster */
 
-__attribute__((target("avx2,fma,f16c")))
+__attribute__((target("avx2,fma,f16c"), always_inline))
 static inline __m256 load8(const void *base, long idx, int dtype) {
     if (dtype == KV_F32) return _mm256_loadu_ps((const float *)base + idx);
     __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)base + idx));
@@ -104,23 +104,83 @@ static inline __m256 load8(const void *base, long idx, int dtype) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
 
+/* Scores of the g heads over the keys for head_dim's vectors v0 .. v0 + nb - 1: each key's vectors are loaded
+ * into registers once for all g heads (written by the first block, added to by the others). Inlined with nb and
+ * dtype constants, so the full block's loops unroll and its loads do not branch on the cache's type. */
+__attribute__((target("avx2,fma,f16c"), always_inline))
+static inline void score_block(const PagedArgs *a, const int32_t *table, int first, int n, int kvh, const float *q,
+                               float *scores, int v0, const int nb, const int dtype) {
+    const int d = a->head_dim, g = a->heads / a->kv_heads;
+    for (int j = 0; j < n; j++) {
+        const long base = (slot_of(a, table, first + j) * a->kv_heads + kvh) * d + 8 * v0;
+        __m256 k[BLOCK_VECS];
+        for (int v = 0; v < nb; v++) k[v] = load8(a->k_cache, base + 8 * v, dtype);
+        for (int h = 0; h < g; h++) {
+            const float *qh = q + h * d + 8 * v0;
+            __m256 acc = _mm256_setzero_ps();
+            for (int v = 0; v < nb; v++) acc = _mm256_fmadd_ps(_mm256_loadu_ps(qh + 8 * v), k[v], acc);
+            const float s = hsum8(acc) * a->scale;
+            scores[h * n + j] = v0 == 0 ? s : scores[h * n + j] + s;
+        }
+    }
+}
+
+/* out[h] += sum_j p[h, j] v_j over head_dim's vectors v0 .. v0 + nb - 1, in nb register accumulators per head. */
+__attribute__((target("avx2,fma,f16c"), always_inline))
+static inline void value_block(const PagedArgs *a, const int32_t *table, int first, int n, int kvh,
+                               const float *scores, float *out, int v0, const int nb, const int dtype) {
+    const int d = a->head_dim, g = a->heads / a->kv_heads;
+    for (int h = 0; h < g; h++) {
+        __m256 acc[BLOCK_VECS];
+        for (int v = 0; v < nb; v++) acc[v] = _mm256_setzero_ps();
+        for (int j = 0; j < n; j++) {
+            const long base = (slot_of(a, table, first + j) * a->kv_heads + kvh) * d + 8 * v0;
+            const __m256 p = _mm256_set1_ps(scores[h * n + j]);
+            for (int v = 0; v < nb; v++) acc[v] = _mm256_fmadd_ps(p, load8(a->v_cache, base + 8 * v, dtype), acc[v]);
+        }
+        for (int v = 0; v < nb; v++) _mm256_storeu_ps(out + h * d + 8 * (v0 + v), acc[v]);
+    }
+}
+
+/* A full block per cache type with everything constant; a last partial block (head_dim not a multiple of 64)
+ * with its width and type read at run time. */
+#define BY_BLOCK(CALL) do { \
+    if (nb < BLOCK_VECS) CALL(nb, a->kv_dtype); \
+    else if (a->kv_dtype == KV_F32) CALL(BLOCK_VECS, KV_F32); \
+    else if (a->kv_dtype == KV_F16) CALL(BLOCK_VECS, KV_F16); \
+    else CALL(BLOCK_VECS, KV_BF16); } while (0)
+
+__attribute__((target("avx2,fma,f16c")))
+static void scores_avx2(const PagedArgs *a, const int32_t *table, int first, int n, int kvh, const float *q,
+                        float *scores) {
+    const int nv = a->head_dim / 8;
+    for (int v0 = 0; v0 < nv; v0 += BLOCK_VECS) {
+        const int nb = nv - v0 < BLOCK_VECS ? nv - v0 : BLOCK_VECS;
+#define SCORES(NB, DT) score_block(a, table, first, n, kvh, q, scores, v0, NB, DT)
+        BY_BLOCK(SCORES);
+#undef SCORES
+    }
+}
+
+__attribute__((target("avx2,fma,f16c")))
+static void values_avx2(const PagedArgs *a, const int32_t *table, int first, int n, int kvh, const float *scores,
+                        float *out) {
+    const int nv = a->head_dim / 8;
+    for (int v0 = 0; v0 < nv; v0 += BLOCK_VECS) {
+        const int nb = nv - v0 < BLOCK_VECS ? nv - v0 : BLOCK_VECS;
+#define VALUES(NB, DT) value_block(a, table, first, n, kvh, scores, out, v0, NB, DT)
+        BY_BLOCK(VALUES);
+#undef VALUES
+    }
+}
+
 __attribute__((target("avx2,fma,f16c")))
 static void task_avx2(const PagedArgs *a, int row, int kvh, float *scores) {
-    const int d = a->head_dim, nv = d / 8, g = a->heads / a->kv_heads, len = a->context_lens[row];
+    const int d = a->head_dim, g = a->heads / a->kv_heads, len = a->context_lens[row];
     const int first = a->window > 0 && len > a->window ? len - a->window : 0, n = len - first;
     const int32_t *table = a->tables + (long)(a->table_of ? a->table_of[row] : row) * a->table_stride;
     const float *q = a->q + row * a->q_row_stride + (long)kvh * g * d;
-    float *out = a->out + row * a->out_row_stride + (long)kvh * g * d;
-    for (int j = 0; j < n; j++) {
-        long base = (slot_of(a, table, first + j) * a->kv_heads + kvh) * d;
-        __m256 k[MAX_VEC];
-        for (int v = 0; v < nv; v++) k[v] = load8(a->k_cache, base + 8 * v, a->kv_dtype);
-        for (int h = 0; h < g; h++) {
-            __m256 acc = _mm256_setzero_ps();
-            for (int v = 0; v < nv; v++) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + h * d + 8 * v), k[v], acc);
-            scores[h * n + j] = hsum8(acc) * a->scale;
-        }
-    }
+    scores_avx2(a, table, first, n, kvh, q, scores);
     for (int h = 0; h < g; h++) {
         float *sc = scores + h * n, m = -INFINITY, sum = 0.f;
         for (int j = 0; j < n; j++) m = sc[j] > m ? sc[j] : m;
@@ -128,16 +188,7 @@ static void task_avx2(const PagedArgs *a, int row, int kvh, float *scores) {
         float inv = 1.f / sum;
         for (int j = 0; j < n; j++) sc[j] *= inv;
     }
-    for (int h = 0; h < g; h++) {
-        __m256 acc[MAX_VEC];
-        for (int v = 0; v < nv; v++) acc[v] = _mm256_setzero_ps();
-        for (int j = 0; j < n; j++) {
-            long base = (slot_of(a, table, first + j) * a->kv_heads + kvh) * d;
-            __m256 p = _mm256_set1_ps(scores[h * n + j]);
-            for (int v = 0; v < nv; v++) acc[v] = _mm256_fmadd_ps(p, load8(a->v_cache, base + 8 * v, a->kv_dtype), acc[v]);
-        }
-        for (int v = 0; v < nv; v++) _mm256_storeu_ps(out + h * d + 8 * v, acc[v]);
-    }
+    values_avx2(a, table, first, n, kvh, scores, a->out + row * a->out_row_stride + (long)kvh * g * d);
 }
 
 /* ---- entry points --------------------------------------------------------------------------------- */
@@ -156,7 +207,7 @@ int paged_attention(const float *q, long q_row_stride, const void *k_cache, cons
                     int block_size, int window, float scale, int threads) {
     PagedArgs a = {q, q_row_stride, k_cache, v_cache, kv_dtype, tables, table_stride, table_of, context_lens,
                    out, out_row_stride, heads, kv_heads, head_dim, block_size, window, scale};
-    const int vec = paged_attention_isa() == 2 && head_dim % 8 == 0 && head_dim <= 8 * MAX_VEC;
+    const int vec = paged_attention_isa() == 2 && head_dim % 8 == 0;
     int max_len = 0, failed = 0;
     long keys = 0;
     for (int r = 0; r < rows; r++) {

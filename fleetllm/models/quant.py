@@ -13,14 +13,17 @@ are slower than fp32 there: ``benchmarks/quant_kernels.py``). ``int4`` keeps exa
 the outlier channels; ``benchmarks/fast_path_quality.py``). ``none`` keeps exact fp32.
 
 ``q4`` keeps the Q4_1 GGUF weights as they are (:mod:`fleetllm.kernels.q4`: 4-bit levels and fp32 scales
-recovered exactly from the fp32 weights) and runs every step of those linears through a C GEMM that rounds
-the activations to int16 per group of 32 and multiplies them with the levels in integer dot products
-(:mod:`fleetllm.kernels.q4_int`): greedy output and perplexity as fp32's; from ``INT16_WIDE_ROWS`` rows (long
-prefill chunks) fp32 ``F.linear`` is faster and takes over. ``q4-q8`` rounds them to int8
-instead (llama.cpp's arithmetic): 2-3× the GEMM's speed, but greedy output agrees with fp32 on only about 3
-of 16 prompts (``benchmarks/fast_path_quality.py``). The LM head, Q8_0 in the GGUF, gets the exact
-Q8_0 GEMV with fp32 activations for steps of fewer than ``Q4_WIDE_ROWS`` tokens (:mod:`fleetllm.kernels.q8`);
-linears that are neither, and the head's wide steps, stay fp32.
+recovered exactly from the fp32 weights) and runs the narrow steps of those linears through a C GEMM that
+rounds the activations to int16 per group of 32 and multiplies them with the levels in integer dot products
+(:mod:`fleetllm.kernels.q4_int`): greedy output and perplexity as fp32's. Wide steps are compute-bound, and
+there, on a CPU with AVX-512 BF16, the same weights rounded to bf16 take them from ``BF16_ROWS`` rows
+(:mod:`fleetllm.kernels.bf16`: 1.5-2.6× the int16 GEMM, greedy output equal to fp32's on 14-15 of 16 prompts,
+perplexity within 0.01%); without it fp32 ``F.linear`` takes them from ``INT16_WIDE_ROWS``. ``q4-q8`` rounds
+the activations to int8 at every width instead (llama.cpp's arithmetic): 2-3× the int16 GEMM's speed at narrow
+steps, but greedy output agrees with fp32 on only about 3 of 16 prompts (``benchmarks/fast_path_quality.py``).
+The LM head, Q8_0 in the GGUF, gets the exact Q8_0 GEMV with fp32 activations for narrow steps
+(:mod:`fleetllm.kernels.q8`) and the bf16 kernel (else fp32 from ``Q4_WIDE_ROWS``) for wide ones; linears
+that are neither Q4_1 nor Q8_0 stay fp32.
 
 :func:`quantize_model` never changes the model it is given: it returns a copy sharing the embeddings and
 norms, cached per (model, method), so engines over one set of loaded weights can differ in quantisation.
@@ -35,20 +38,28 @@ import weakref
 import torch
 from torch import nn
 
-from fleetllm.kernels import q8
+from fleetllm.kernels import bf16, q8
 from fleetllm.kernels.decode_stack import DecodeStack
 from fleetllm.kernels.q4 import recover_q4_1
 from fleetllm.kernels.q4_int import BlockedQ4, kernel_ready, q4_int_linear
 
 GROUP = 32
 WIDE_ROWS = 8  # steps of at least this many tokens take the int8 GEMM (issue #19: "int8 for batch ≥ 8")
-# Under "q4" (and "q4-q8"), the Q8_0 LM head's GEMV and the decode stack (fleetllm/kernels/decode_stack.py) take steps of fewer
-# rows than this; the Q8_0 GEMV loses to fp32 ``F.linear`` from ~64 rows (BENCHMARKS "q4 up to 48 rows")
+# Under "q4" (and "q4-q8") without AVX-512 BF16, the Q8_0 LM head's GEMV takes steps of fewer rows than this; it loses
+# to fp32 ``F.linear`` from ~64 rows (BENCHMARKS "q4 up to 48 rows")
 Q4_WIDE_ROWS = 48
 # "q4"'s Q4_1 linears take fp32 ``F.linear`` from here: per step of SmolLM2's decoder linears int16 activations are
 # 1.3-1.5x fp32 at 48-96 rows, 1.06x at 192-256 and lose at 512 (0.67-0.98x per shape); int8 wins at every width
 # measured (up to 2,048 rows), so "q4-q8" has no bound (``benchmarks/q4_gemv.py``)
 INT16_WIDE_ROWS = 256
+# The decode stack (fleetllm/kernels/decode_stack.py) takes decode steps of fewer rows than this, its GEMMs those of
+# the linears at the step's width: at 48 and 64 rows it is 1.28x and 1.22x the op-by-op step (its attention and
+# element-wise work; ``benchmarks/engine_step.py``); from here the op-by-op step's fp32 GEMMs are faster than int16
+STACK_ROWS = INT16_WIDE_ROWS
+# With AVX-512 BF16, "q4"'s Q4_1 linears and its Q8_0 head take the bf16 kernel from here: per step of the decoder
+# linears 1.05x the int16 Q4 kernel at 4 rows, 1.5x at 8, 2x at 32-64, 2.6x at 256-512; the head 1.1x the Q8_0
+# GEMV at 4 rows, 2x at 8 (``benchmarks/q4_gemv.py``)
+BF16_ROWS = 4
 METHODS = ("none", "int4", "int4-int8", "q4", "q4-q8")
 ACTIVATION_BITS = {"q4": 16, "q4-q8": 8}
 _CACHE: weakref.WeakKeyDictionary[nn.Module, dict[str, nn.Module]] = weakref.WeakKeyDictionary()
@@ -144,6 +155,20 @@ class Q4Linear(nn.Module):
         return self.linear(x) if y is None else y
 
 
+class BF16Linear(nn.Module):
+    """The weight rounded to bf16, times activations rounded to bf16, in fp32 (``bf16_gemm.c``: AVX-512 BF16); the
+    fp32 ``linear`` while the kernel is not built."""
+
+    def __init__(self, linear: nn.Linear, weight: bf16.PairedBF16) -> None:
+        super().__init__()
+        self.linear, self.w16 = linear, weight
+        bf16.kernel_ready()  # starts the kernel's background build
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = bf16.bf16_linear(x, self.w16, self.linear.bias)
+        return self.linear(x) if y is None else y
+
+
 class Q8Linear(nn.Module):
     """Exact Q8_0 weights, fp32 activations (``q8_gemv.c``); the fp32 ``linear`` while the kernel is not built."""
 
@@ -182,22 +207,37 @@ def _shallow(module: nn.Module) -> nn.Module:
     return c
 
 
+def _wide(linear: nn.Linear) -> tuple[nn.Module, int]:
+    """The kernel of ``linear``'s wide steps under "q4", and the rows from which it takes them: bf16 from
+    ``BF16_ROWS`` on a CPU with AVX-512 BF16, else fp32 from ``INT16_WIDE_ROWS``."""
+    paired = bf16.PairedBF16.of(linear.weight) if bf16.cpu_has_bf16() else None
+    return (linear, INT16_WIDE_ROWS) if paired is None else (BF16Linear(linear, paired), BF16_ROWS)
+
+
 def _q4_or_fp32(linear: nn.Linear, bits: int) -> nn.Module:
-    """``linear`` through the Q4 kernel when its weight is exactly Q4_1 (int16 activations: below
-    ``INT16_WIDE_ROWS`` rows), else ``linear`` itself."""
+    """``linear`` through the Q4 kernel when its weight is exactly Q4_1 (int16 activations: narrow steps, see
+    :func:`_wide`; int8: every step), else ``linear`` itself."""
     weight = recover_q4_1(linear.weight)
     blocked = None if weight is None else BlockedQ4.of(weight)
     if blocked is None:
         return linear
     q = Q4Linear(linear, blocked, bits)
-    return q if bits == 8 else ByWidth(q, linear, linear.weight, INT16_WIDE_ROWS)
+    if bits == 8:
+        return q
+    wide, rows = _wide(linear)
+    return ByWidth(q, wide, linear.weight, rows)
 
 
 def _q4_head(head: nn.Linear, bits: int) -> nn.Module:
     """The LM head under "q4": the Q8_0 kernel for narrow steps when its weight is exactly Q8_0 (the GGUF's
     tied head is), else exactly Q4_1 or fp32 as a decoder linear. The fp32 weight stays shared (tied embedding)."""
     weight = q8.recover_q8_0(head.weight)
-    return _q4_or_fp32(head, bits) if weight is None else ByWidth(Q8Linear(head, weight), head, head.weight, Q4_WIDE_ROWS)
+    if weight is None:
+        return _q4_or_fp32(head, bits)
+    wide, rows = _wide(head) if bits == 16 else (head, Q4_WIDE_ROWS)
+    if wide is head:  # fp32 wide steps: the Q8_0 GEMV loses to them from ~64 rows
+        rows = Q4_WIDE_ROWS
+    return ByWidth(Q8Linear(head, weight), wide, head.weight, rows)
 
 
 def _decoder_linear(linear: nn.Linear, method: str) -> nn.Module:
@@ -239,7 +279,7 @@ def quantize_model(model: nn.Module, method: str | None) -> nn.Module:
         head = model.lm_head
         if method in ACTIVATION_BITS:
             q.lm_head = _q4_head(head, ACTIVATION_BITS[method])
-            q.decode_stack = DecodeStack.build(q, Q4_WIDE_ROWS)  # None where it does not cover the model
+            q.decode_stack = DecodeStack.build(q, STACK_ROWS)  # None where it does not cover the model
         else:
             q.lm_head = ByWidth(Int8Linear(head), head if method == "int4" else Int8DynamicLinear(head), head.weight)
         cached[method] = q

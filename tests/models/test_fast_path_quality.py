@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from fleetllm.bench.quality import REFERENCE_PROMPTS, compare, prompt_ids, stdlib_text
+from fleetllm.models.quant import BF16_ROWS
 
 
 def test_exact_path_agrees_with_itself_in_every_batch_regime(loaded_model) -> None:
@@ -24,6 +25,19 @@ def test_q4_narrow_steps_agree_with_fp32(loaded_model) -> None:
     tok = loaded_model.tokenizer
     prompts = prompt_ids(tok, REFERENCE_PROMPTS[:1] + REFERENCE_PROMPTS[-1:], raw_from=1)
     q = compare(loaded_model, {"quantization": "q4"}, prompts, tokens=8, text=stdlib_text(tok, 120), window=60,
-                chunk=4)  # chunks of 4: every scored step narrow, through the Q4 kernel
+                chunk=BF16_ROWS - 1)  # every scored step narrow, through the Q4 kernel
     assert q.agree_one_by_one == 2
     assert abs(q.ppl_ratio - 1) < 1e-3, (q.ppl, q.ppl_fp32)
+
+
+def test_q4_wide_steps_in_bf16_stay_within_the_goal(loaded_model) -> None:
+    from fleetllm.kernels import bf16
+
+    if not bf16.kernel_ready(wait=True):
+        pytest.skip("no AVX-512 BF16 on this CPU, or its kernel is unavailable")
+    tok = loaded_model.tokenizer
+    prompts = prompt_ids(tok, REFERENCE_PROMPTS[:1] + REFERENCE_PROMPTS[-1:], raw_from=1)
+    q = compare(loaded_model, {"quantization": "q4"}, prompts, tokens=8, text=stdlib_text(tok, 120), window=60,
+                chunk=16)  # every scored step wide, through the bf16 kernel
+    assert q.agree_batched == 2
+    assert abs(q.ppl_ratio - 1) < 1e-2, (q.ppl, q.ppl_fp32)  # issue #19's bound

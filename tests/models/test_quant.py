@@ -100,18 +100,34 @@ def test_q4_linear_serves_fp32_until_its_kernel_is_built() -> None:
 
 
 def test_q4_keeps_the_q4_1_decoder_weights_and_the_q8_0_head(loaded_model) -> None:
-    from fleetllm.models.quant import INT16_WIDE_ROWS, Q4Linear, Q8Linear, quantize_model
+    from fleetllm.kernels import bf16
+    from fleetllm.models.quant import (
+        BF16_ROWS,
+        INT16_WIDE_ROWS,
+        Q4_WIDE_ROWS,
+        BF16Linear,
+        Q4Linear,
+        Q8Linear,
+        quantize_model,
+    )
 
     model = loaded_model.model
     q = quantize_model(model, "q4")
-    down = q.layers[0].mlp.down
-    assert isinstance(down, ByWidth) and isinstance(down.narrow, Q4Linear) and down.wide is model.layers[0].mlp.down
-    assert down.narrow.bits == 16 and down.rows == INT16_WIDE_ROWS
-    assert torch.equal(down.narrow.q4.unblock().dequantize(), model.layers[0].mlp.down.weight)  # the GGUF's Q4_1
+    down, fp32_down = q.layers[0].mlp.down, model.layers[0].mlp.down
+    assert isinstance(down, ByWidth) and isinstance(down.narrow, Q4Linear) and down.narrow.bits == 16
+    assert torch.equal(down.narrow.q4.unblock().dequantize(), fp32_down.weight)  # the GGUF's Q4_1
     head = q.lm_head  # Q8_0 in the GGUF, tied to the embedding: the fp32 weight stays shared, unchanged
-    assert isinstance(head, ByWidth) and isinstance(head.narrow, Q8Linear) and head.wide is model.lm_head
+    assert isinstance(head, ByWidth) and isinstance(head.narrow, Q8Linear)
     assert head.weight is model.lm_head.weight and isinstance(model.lm_head, nn.Linear)
     assert torch.equal(head.narrow.q8.dequantize(), model.lm_head.weight)
+    if bf16.cpu_has_bf16():  # wide steps: the same weights rounded to bf16
+        assert isinstance(down.wide, BF16Linear) and down.rows == BF16_ROWS
+        assert isinstance(head.wide, BF16Linear) and head.rows == BF16_ROWS
+        assert torch.equal(down.wide.w16.unpair(), fp32_down.weight.bfloat16())
+        assert torch.equal(head.wide.w16.unpair(), model.lm_head.weight.bfloat16())
+    else:  # fp32 ones
+        assert down.wide is fp32_down and down.rows == INT16_WIDE_ROWS
+        assert head.wide is model.lm_head and head.rows == Q4_WIDE_ROWS
 
 
 def test_q4_q8_rounds_activations_to_int8_at_every_width(loaded_model) -> None:
