@@ -39,11 +39,16 @@ class EngineConfig:
     num_threads: int | None = opt(None, "torch threads (default: all cores)")
     quantization: Literal["none", "int4", "int4-int8", "q4", "q4-q8"] = opt(
         "q4", "q4 (default): on CPU, a GGUF's Q4_1 weights kept as they are, times activations rounded to int16 "
-              "per group of 32 (integer dot products; greedy output agrees with fp32), the Q8_0 LM head with fp32 "
-              "activations for steps under 48 tokens; fp32 for weights that are not Q4_1; q4-q8: int8 activations "
+              "per group of 32 for steps under 4 tokens (integer dot products), the Q8_0 LM head with fp32 "
+              "activations likewise; wider steps the same weights in bf16 where the CPU has AVX-512 BF16 (else fp32 "
+              "from 256 tokens); fp32 for weights that are neither; q4-q8: int8 activations at every width "
               "(llama.cpp's arithmetic: faster, fails the greedy-agreement check); none: exact fp32 everywhere "
               "(equals HF transformers token for token); int4: int4 decoder / int8 LM-head weights for steps under "
               "8 tokens; int4-int8: int8 GEMMs for wider ones too (experimental: fails the greedy-agreement check)")
+    batch_invariant: bool = opt(False, "the same kernels at every step width, so that a request's output does not "
+                                       "change with what else is in the batch or with prefix-cache hits (beyond "
+                                       "float rounding): q4's int16 GEMMs and Q8_0 head at every width, slower "
+                                       "wide steps; none and q4-q8 only (none is invariant anyway)")
     speculative: str | dict | None = opt(
         None, "speculative decoding: method ngram | suffix | eagle | peagle, k draft tokens (default k: "
               "chosen from the measured verify cost), adaptive=0 to fix K", metavar="method=M,k=N")

@@ -48,7 +48,8 @@ class ModelExecutor:
         self.loaded = loaded or load_model(cfg.model, device=self.device, dtype=dtype, name=cfg.served_model_name,
                                              store=cfg.store)
         if cfg.quantization != "none" and self.device == "cpu":  # a quantised copy: shared weights stay as loaded
-            self.loaded = replace(self.loaded, model=quantize_model(self.loaded.model, cfg.quantization))
+            model = quantize_model(self.loaded.model, cfg.quantization, cfg.batch_invariant)
+            self.loaded = replace(self.loaded, model=model)
         self.step_profile = StepProfile() if cfg.profile_steps else None
         # hooks on the model: an engine sharing these weights with others removes them when done profiling
         self.attention_hooks = time_attention(self.loaded.model, self.step_profile, self.device) if self.step_profile else []

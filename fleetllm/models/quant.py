@@ -214,52 +214,60 @@ def _wide(linear: nn.Linear) -> tuple[nn.Module, int]:
     return (linear, INT16_WIDE_ROWS) if paired is None else (BF16Linear(linear, paired), BF16_ROWS)
 
 
-def _q4_or_fp32(linear: nn.Linear, bits: int) -> nn.Module:
+def _q4_or_fp32(linear: nn.Linear, bits: int, invariant: bool) -> nn.Module:
     """``linear`` through the Q4 kernel when its weight is exactly Q4_1 (int16 activations: narrow steps, see
-    :func:`_wide`; int8: every step), else ``linear`` itself."""
+    :func:`_wide`; int8, or ``invariant``: every step), else ``linear`` itself."""
     weight = recover_q4_1(linear.weight)
     blocked = None if weight is None else BlockedQ4.of(weight)
     if blocked is None:
         return linear
     q = Q4Linear(linear, blocked, bits)
-    if bits == 8:
+    if bits == 8 or invariant:
         return q
     wide, rows = _wide(linear)
     return ByWidth(q, wide, linear.weight, rows)
 
 
-def _q4_head(head: nn.Linear, bits: int) -> nn.Module:
-    """The LM head under "q4": the Q8_0 kernel for narrow steps when its weight is exactly Q8_0 (the GGUF's
-    tied head is), else exactly Q4_1 or fp32 as a decoder linear. The fp32 weight stays shared (tied embedding)."""
+def _q4_head(head: nn.Linear, bits: int, invariant: bool) -> nn.Module:
+    """The LM head under "q4": the Q8_0 kernel for narrow steps (``invariant``: every step) when its weight is
+    exactly Q8_0 (the GGUF's tied head is), else exactly Q4_1 or fp32 as a decoder linear. The fp32 weight stays
+    shared (tied embedding)."""
     weight = q8.recover_q8_0(head.weight)
     if weight is None:
-        return _q4_or_fp32(head, bits)
+        return _q4_or_fp32(head, bits, invariant)
+    if invariant:
+        return Q8Linear(head, weight)
     wide, rows = _wide(head) if bits == 16 else (head, Q4_WIDE_ROWS)
     if wide is head:  # fp32 wide steps: the Q8_0 GEMV loses to them from ~64 rows
         rows = Q4_WIDE_ROWS
     return ByWidth(Q8Linear(head, weight), wide, head.weight, rows)
 
 
-def _decoder_linear(linear: nn.Linear, method: str) -> nn.Module:
+def _decoder_linear(linear: nn.Linear, method: str, invariant: bool) -> nn.Module:
     if method in ACTIVATION_BITS:
-        return _q4_or_fp32(linear, ACTIVATION_BITS[method])
+        return _q4_or_fp32(linear, ACTIVATION_BITS[method], invariant)
     narrow = Int4Linear(linear) if linear.in_features % GROUP == 0 else Int8Linear(linear)
     if method == "int4":  # wide steps keep the exact fp32 weight (and GEMM)
         return ByWidth(narrow, linear, linear.weight)
     return ByWidth(narrow, Int8DynamicLinear(linear))
 
 
-def quantize_model(model: nn.Module, method: str | None) -> nn.Module:
+def quantize_model(model: nn.Module, method: str | None, batch_invariant: bool = False) -> nn.Module:
     """``model`` with quantised linears for ``method``: "none", ``model`` itself; "int4", int4 (LM head:
     int8) narrow steps and exact fp32 wide ones; "int4-int8", int8 GEMMs for wide steps too, no fp32 copy;
-    "q4", the Q4_1 kernel (int16 activations) for the Q4_1 linears, the Q8_0 one for a Q8_0 LM head's narrow
-    steps, fp32 elsewhere; "q4-q8", the same with int8 activations.
+    "q4", the Q4_1 kernel (int16 activations) for the Q4_1 linears' narrow steps and bf16 (or fp32) for wide
+    ones, the Q8_0 one for a Q8_0 LM head's narrow steps, fp32 elsewhere; "q4-q8", int8 activations at every
+    width. ``batch_invariant``: "q4" takes its narrow kernels at every width too (see the module doc); refused
+    with "int4" and "int4-int8".
 
     CPU only: on CUDA bf16 GEMMs are the fast path, and the model is returned unchanged.
     """
+    if batch_invariant and method in ("int4", "int4-int8"):
+        raise ValueError(f"batch_invariant is not implemented for quantization {method!r} (none, q4 or q4-q8)")
+    key = f"{method}, batch-invariant" if batch_invariant and method in ACTIVATION_BITS else method
     if model in _MADE:  # a quantised copy, e.g. an engine's shared through ``loaded``
         made, base = _MADE[model][0], _MADE[model][1]()
-        if method == made:
+        if key == made:
             return model
         if base is None:
             raise ValueError(f"this model was quantised as {made!r} and its unquantised form is gone")
@@ -269,20 +277,23 @@ def quantize_model(model: nn.Module, method: str | None) -> nn.Module:
     if method not in METHODS:
         raise ValueError(f"unknown quantization {method!r} (choices: {', '.join(METHODS)})")
     cached = _CACHE.setdefault(model, {})
-    if method not in cached:
-        q = _shallow(model)
-        q.layers = nn.ModuleList(_shallow(layer) for layer in model.layers)
-        for layer in q.layers:
-            layer.attn, layer.mlp = _shallow(layer.attn), _shallow(layer.mlp)
-            for parent, name in ((layer.attn, "qkv"), (layer.attn, "o"), (layer.mlp, "gate_up"), (layer.mlp, "down")):
-                setattr(parent, name, _decoder_linear(getattr(parent, name), method))
-        head = model.lm_head
-        if method in ACTIVATION_BITS:
-            q.lm_head = _q4_head(head, ACTIVATION_BITS[method])
-            q.decode_stack = DecodeStack.build(q, STACK_ROWS)  # None where it does not cover the model
-        else:
-            q.lm_head = ByWidth(Int8Linear(head), head if method == "int4" else Int8DynamicLinear(head), head.weight)
-        cached[method] = q
-        _MADE[q] = (method, weakref.ref(model))
-    return cached[method]
+    if key not in cached:
+        cached[key] = _quantized_copy(model, method, batch_invariant)
+        _MADE[cached[key]] = (key, weakref.ref(model))
+    return cached[key]
 
+
+def _quantized_copy(model: nn.Module, method: str, invariant: bool) -> nn.Module:
+    q = _shallow(model)
+    q.layers = nn.ModuleList(_shallow(layer) for layer in model.layers)
+    for layer in q.layers:
+        layer.attn, layer.mlp = _shallow(layer.attn), _shallow(layer.mlp)
+        for parent, name in ((layer.attn, "qkv"), (layer.attn, "o"), (layer.mlp, "gate_up"), (layer.mlp, "down")):
+            setattr(parent, name, _decoder_linear(getattr(parent, name), method, invariant))
+    head = model.lm_head
+    if method in ACTIVATION_BITS:
+        q.lm_head = _q4_head(head, ACTIVATION_BITS[method], invariant)
+        q.decode_stack = DecodeStack.build(q, STACK_ROWS)  # None where it does not cover the model
+    else:
+        q.lm_head = ByWidth(Int8Linear(head), head if method == "int4" else Int8DynamicLinear(head), head.weight)
+    return q

@@ -1,7 +1,7 @@
 """The first token of a remote prefill, over HTTP: sampled on the prefill worker, streamed by the decode worker.
 
 In-process workers over the session's weights: a prefill worker, a decode worker sharing its pool (direct
-writes), one keeping it private (frames), and the session's default worker as the colocated reference.
+writes), one keeping it private (frames), and a colocated reference, all with batch-invariant kernels.
 A request forwarded with its handoff (``x-fleetllm-kv-handoff``) must answer exactly what the colocated
 worker answers, whatever the prompt's length, sampling or stop; a handoff nobody claims, or a client gone
 mid-stream, must leave no block held.
@@ -22,9 +22,14 @@ BLOCK = 16
 
 
 @pytest.fixture(scope="module")
-def pd(worker_factory, worker):
-    return {"decode": worker_factory("--role", "decode"), "prefill": worker_factory("--role", "prefill"),
-            "private": worker_factory("--role", "decode", "--kv-pool-shm", "off"), "colocated": worker}
+def pd(worker_factory):
+    # batch-invariant kernels: a prompt computed whole (colocated) and one finished by another worker after a
+    # prefix-cache hit or in other chunks take the same arithmetic (else q4's bf16 steps from 4 rows and int16
+    # ones below round apart)
+    inv = "--batch-invariant"
+    return {"decode": worker_factory("--role", "decode", inv), "prefill": worker_factory("--role", "prefill", inv),
+            "private": worker_factory("--role", "decode", "--kv-pool-shm", "off", inv),
+            "colocated": worker_factory(inv)}
 
 
 def completion(n: int, salt: int, **kw: object) -> dict:

@@ -28,9 +28,10 @@ TEXT = ("The history of the printing press begins in the fifteenth century, when
 
 @pytest.fixture(scope="module")
 def engines(loaded_model: LoadedModel) -> tuple[LLMEngine, LLMEngine, LLMEngine]:
-    a = LLMEngine(EngineConfig(num_blocks=256, max_num_batched_tokens=64), loaded=loaded_model)
-    b = LLMEngine(EngineConfig(num_blocks=256), loaded=loaded_model)
-    c = LLMEngine(EngineConfig(num_blocks=256), loaded=loaded_model)
+    # batch-invariant kernels: a prompt prefilled in chunks of 64 here and whole there takes the same arithmetic
+    a = LLMEngine(EngineConfig(num_blocks=256, max_num_batched_tokens=64, batch_invariant=True), loaded=loaded_model)
+    b = LLMEngine(EngineConfig(num_blocks=256, batch_invariant=True), loaded=loaded_model)
+    c = LLMEngine(EngineConfig(num_blocks=256, batch_invariant=True), loaded=loaded_model)
     return a, b, c
 
 

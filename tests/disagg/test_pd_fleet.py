@@ -42,9 +42,11 @@ def fleet(worker_factory):
     in-process (the decode and colocated workers stop with the module, through ``worker_factory``)."""
     started = []
     try:
-        p = real_worker("--role", "prefill")
+        # batch-invariant kernels: outputs under concurrency compared with the colocated worker's (else q4's
+        # steps round differently below and from 4 rows, and batches differ between the fleets)
+        p = real_worker("--role", "prefill", "--batch-invariant")
         started.append(p)
-        d, c = worker_factory("--role", "decode"), worker_factory()
+        d, c = worker_factory("--role", "decode", "--batch-invariant"), worker_factory("--batch-invariant")
         r = router([p.url, d.url], "kv_aware", "--pd-threshold", "32")
         started.append(r)
         wait_state(r.url, lambda s: all(w["healthy"] and w["events_connected"] for w in s["workers"]), 60)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
@@ -138,3 +139,30 @@ def test_q4_q8_rounds_activations_to_int8_at_every_width(loaded_model) -> None:
     assert isinstance(down, Q4Linear) and down.bits == 8
     if q.decode_stack is not None:
         assert q.decode_stack.bits == 8
+
+
+def test_batch_invariant_q4_takes_the_narrow_kernels_at_every_width(loaded_model) -> None:
+    from fleetllm.models.quant import Q4Linear, Q8Linear, quantize_model
+
+    q = quantize_model(loaded_model.model, "q4", batch_invariant=True)
+    assert q is not quantize_model(loaded_model.model, "q4")
+    assert isinstance(q.layers[0].mlp.down, Q4Linear) and q.layers[0].mlp.down.bits == 16
+    assert isinstance(q.lm_head, Q8Linear)
+    assert quantize_model(q, "q4", batch_invariant=True) is q
+    with pytest.raises(ValueError, match="batch_invariant is not implemented for quantization 'int4'"):
+        quantize_model(loaded_model.model, "int4", batch_invariant=True)
+
+
+def test_batch_invariant_output_does_not_depend_on_the_batch(loaded_model) -> None:
+    from fleetllm import LLM, SamplingParams
+    from fleetllm.kernels import wait_for_kernels
+
+    wait_for_kernels()  # not the fp32 fallback for the first run's steps
+    tok = loaded_model.tokenizer
+    prompts = [tok.encode(f"Write a short note about the number {i}.") for i in range(8)]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=1)
+    llm = LLM(loaded=loaded_model, quantization="q4", batch_invariant=True, num_blocks=128)
+    alone = llm.generate([prompts[0]], params)[0].outputs[0]
+    batched = llm.generate(prompts, params)[0].outputs[0]  # 8 rows a step: q4 would take its wide kernels
+    assert batched.token_ids == alone.token_ids
+    assert max(abs(a.logprob - b.logprob) for a, b in zip(batched.logprobs, alone.logprobs, strict=True)) < 1e-4
