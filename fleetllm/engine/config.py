@@ -39,7 +39,7 @@ class EngineConfig:
     num_threads: int | None = opt(None, "torch threads (default: all cores)")
     quantization: Literal["none", "int4", "int4-int8", "q4", "q4-q8"] = opt(
         "q4", "q4 (default): on CPU, a GGUF's Q4_1 weights kept as they are, times activations rounded to int16 "
-              "per group of 32 for steps under 4 tokens (integer dot products), the Q8_0 LM head with fp32 "
+              "per group of 32 for steps under 7 tokens (integer dot products), the Q8_0 LM head with fp32 "
               "activations likewise; wider steps the same weights in bf16 where the CPU has AVX-512 BF16 (else fp32 "
               "from 256 tokens); fp32 for weights that are neither; q4-q8: int8 activations at every width "
               "(llama.cpp's arithmetic: faster, fails the greedy-agreement check); none: exact fp32 everywhere "

@@ -56,10 +56,12 @@ INT16_WIDE_ROWS = 256
 # the linears at the step's width: at 48 and 64 rows it is 1.28x and 1.22x the op-by-op step (its attention and
 # element-wise work; ``benchmarks/engine_step.py``); from here the op-by-op step's fp32 GEMMs are faster than int16
 STACK_ROWS = INT16_WIDE_ROWS
-# With AVX-512 BF16, "q4"'s Q4_1 linears and its Q8_0 head take the bf16 kernel from here: per step of the decoder
-# linears 1.05x the int16 Q4 kernel at 4 rows, 1.5x at 8, 2x at 32-64, 2.6x at 256-512; the head 1.1x the Q8_0
-# GEMV at 4 rows, 2x at 8 (``benchmarks/q4_gemv.py``)
-BF16_ROWS = 4
+# With AVX-512 BF16, "q4"'s Q4_1 linears and its Q8_0 head take the bf16 kernel from here. Per GEMM it wins from 4
+# rows (decoder linears 1.05x the int16 Q4 kernel at 4 rows, 1.5x at 8, 2x at 32-64, 2.6x at 256-512:
+# ``benchmarks/q4_gemv.py``), but a whole decode-stack step, whose 270 MB of bf16 weights stream from memory against
+# the Q4 ones' 100 MB, is slower at 4-5 rows (10.2 vs 8.4 ms at 4), even at 6 (12.0-14.2 vs 13.1-13.6) and faster
+# from 7 (12.7-13.0 vs 15.7-16.2; 13.4 vs 18.2 at 8); at a tie int16 keeps the finer rounding
+BF16_ROWS = 7
 METHODS = ("none", "int4", "int4-int8", "q4", "q4-q8")
 ACTIVATION_BITS = {"q4": 16, "q4-q8": 8}
 _CACHE: weakref.WeakKeyDictionary[nn.Module, dict[str, nn.Module]] = weakref.WeakKeyDictionary()

@@ -14,6 +14,7 @@ import pytest
 from fleetllm import LLM, SamplingParams
 from fleetllm.kernels import bf16
 from fleetllm.models.loader import LoadedModel
+from fleetllm.models.quant import BF16_ROWS
 from fleetllm.speculative.eagle import head_path
 from fleetllm.speculative.step_cost import StepCost
 
@@ -126,7 +127,7 @@ def test_one_request_at_a_time_equals_greedy_without(loaded: LoadedModel, prompt
 
 @pytest.mark.parametrize("wide", ["bf16", "int16"])
 def test_logprobs_of_verified_tokens_match_plain_decoding(loaded: LoadedModel, prompt_ids, wide: str) -> None:
-    """A verification step (the last token and 4 drafts: 5 rows) takes the bf16 kernel where this CPU has one,
+    """A verification step (the last token and 6 drafts: 7 rows) takes the bf16 kernel where this CPU has one,
     plain decoding (1 row) the int16 one: the tokens and top lists agree, the logprobs to bf16's rounding; with
     the bf16 kernel off both take the int16 one and the logprobs agree to float rounding."""
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
@@ -134,7 +135,7 @@ def test_logprobs_of_verified_tokens_match_plain_decoding(loaded: LoadedModel, p
     bf16.set_enabled(wide == "bf16")
     try:
         plain = LLM(loaded=loaded, num_blocks=64).generate([ids], params)[0].outputs[0].logprobs
-        llm = LLM(loaded=loaded, num_blocks=64, speculative="method=ngram,k=4,adaptive=0")
+        llm = LLM(loaded=loaded, num_blocks=64, speculative=f"method=ngram,k={BF16_ROWS - 1},adaptive=0")
         spec = llm.generate([ids], params)[0].outputs[0].logprobs
     finally:
         bf16.set_enabled(True)
