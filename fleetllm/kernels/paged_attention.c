@@ -150,26 +150,18 @@ static inline void value_block(const PagedArgs *a, const int32_t *table, int fir
     else if (a->kv_dtype == KV_F16) CALL(BLOCK_VECS, KV_F16); \
     else CALL(BLOCK_VECS, KV_BF16); } while (0)
 
+/* The scores (values == 0, into `scores`) or the weighted values (values == 1, into `out`), block by block. */
 __attribute__((target("avx2,fma,f16c")))
-static void scores_avx2(const PagedArgs *a, const int32_t *table, int first, int n, int kvh, const float *q,
-                        float *scores) {
+static void by_blocks_avx2(const PagedArgs *a, const int32_t *table, int first, int n, int kvh, const float *q,
+                           float *scores, float *out, int values) {
     const int nv = a->head_dim / 8;
     for (int v0 = 0; v0 < nv; v0 += BLOCK_VECS) {
         const int nb = nv - v0 < BLOCK_VECS ? nv - v0 : BLOCK_VECS;
 #define SCORES(NB, DT) score_block(a, table, first, n, kvh, q, scores, v0, NB, DT)
-        BY_BLOCK(SCORES);
-#undef SCORES
-    }
-}
-
-__attribute__((target("avx2,fma,f16c")))
-static void values_avx2(const PagedArgs *a, const int32_t *table, int first, int n, int kvh, const float *scores,
-                        float *out) {
-    const int nv = a->head_dim / 8;
-    for (int v0 = 0; v0 < nv; v0 += BLOCK_VECS) {
-        const int nb = nv - v0 < BLOCK_VECS ? nv - v0 : BLOCK_VECS;
 #define VALUES(NB, DT) value_block(a, table, first, n, kvh, scores, out, v0, NB, DT)
-        BY_BLOCK(VALUES);
+        if (values) BY_BLOCK(VALUES);
+        else BY_BLOCK(SCORES);
+#undef SCORES
 #undef VALUES
     }
 }
@@ -180,7 +172,7 @@ static void task_avx2(const PagedArgs *a, int row, int kvh, float *scores) {
     const int first = a->window > 0 && len > a->window ? len - a->window : 0, n = len - first;
     const int32_t *table = a->tables + (long)(a->table_of ? a->table_of[row] : row) * a->table_stride;
     const float *q = a->q + row * a->q_row_stride + (long)kvh * g * d;
-    scores_avx2(a, table, first, n, kvh, q, scores);
+    by_blocks_avx2(a, table, first, n, kvh, q, scores, NULL, 0);
     for (int h = 0; h < g; h++) {
         float *sc = scores + h * n, m = -INFINITY, sum = 0.f;
         for (int j = 0; j < n; j++) m = sc[j] > m ? sc[j] : m;
@@ -188,7 +180,7 @@ static void task_avx2(const PagedArgs *a, int row, int kvh, float *scores) {
         float inv = 1.f / sum;
         for (int j = 0; j < n; j++) sc[j] *= inv;
     }
-    values_avx2(a, table, first, n, kvh, scores, a->out + row * a->out_row_stride + (long)kvh * g * d);
+    by_blocks_avx2(a, table, first, n, kvh, q, scores, a->out + row * a->out_row_stride + (long)kvh * g * d, 1);
 }
 
 /* ---- entry points --------------------------------------------------------------------------------- */

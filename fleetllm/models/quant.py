@@ -143,45 +143,57 @@ class Int8DynamicLinear(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
-class Q4Linear(nn.Module):
-    """Exact Q4_1 weights times activations rounded to ``bits`` (``q4_int_gemm.c``) at every step width; the
-    fp32 ``linear`` while the kernel is not built or on a CPU without AVX2."""
+class KernelLinear(nn.Module):
+    """One linear through a C kernel (:meth:`kernel`), and through the fp32 ``linear`` while the kernel is not
+    built or where it cannot run (no compiler, an instruction set the CPU lacks, its switch off)."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.linear = linear
+
+    def kernel(self, x: torch.Tensor) -> torch.Tensor | None:
+        """``x @ W^T (+ bias)`` through the kernel, or None when it cannot serve now."""
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.kernel(x)
+        return self.linear(x) if y is None else y
+
+
+class Q4Linear(KernelLinear):
+    """Exact Q4_1 weights times activations rounded to ``bits`` (``q4_int_gemm.c``)."""
 
     def __init__(self, linear: nn.Linear, weight: BlockedQ4, bits: int) -> None:
-        super().__init__()
-        self.linear, self.q4, self.bits = linear, weight, bits
+        super().__init__(linear)
+        self.q4, self.bits = weight, bits
         kernel_ready()  # starts the kernel's background build
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = q4_int_linear(x, self.q4, self.linear.bias, self.bits)
-        return self.linear(x) if y is None else y
+    def kernel(self, x: torch.Tensor) -> torch.Tensor | None:
+        return q4_int_linear(x, self.q4, self.linear.bias, self.bits)
 
 
-class BF16Linear(nn.Module):
-    """The weight rounded to bf16, times activations rounded to bf16, in fp32 (``bf16_gemm.c``: AVX-512 BF16); the
-    fp32 ``linear`` while the kernel is not built."""
+class BF16Linear(KernelLinear):
+    """The weight rounded to bf16, times activations rounded to bf16, in fp32 (``bf16_gemm.c``: AVX-512 BF16)."""
 
     def __init__(self, linear: nn.Linear, weight: bf16.PairedBF16) -> None:
-        super().__init__()
-        self.linear, self.w16 = linear, weight
+        super().__init__(linear)
+        self.w16 = weight
         bf16.kernel_ready()  # starts the kernel's background build
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = bf16.bf16_linear(x, self.w16, self.linear.bias)
-        return self.linear(x) if y is None else y
+    def kernel(self, x: torch.Tensor) -> torch.Tensor | None:
+        return bf16.bf16_linear(x, self.w16, self.linear.bias)
 
 
-class Q8Linear(nn.Module):
-    """Exact Q8_0 weights, fp32 activations (``q8_gemv.c``); the fp32 ``linear`` while the kernel is not built."""
+class Q8Linear(KernelLinear):
+    """Exact Q8_0 weights, fp32 activations (``q8_gemv.c``)."""
 
     def __init__(self, linear: nn.Linear, weight: q8.Q8Weight) -> None:
-        super().__init__()
-        self.linear, self.q8 = linear, weight
+        super().__init__(linear)
+        self.q8 = weight
         q8.kernel_ready()  # starts the kernel's background build
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = q8.q8_linear(x, self.q8, self.linear.bias)
-        return self.linear(x) if y is None else y
+    def kernel(self, x: torch.Tensor) -> torch.Tensor | None:
+        return q8.q8_linear(x, self.q8, self.linear.bias)
 
 
 class ByWidth(nn.Module):
