@@ -149,29 +149,28 @@ class DecodeStack:
         a linear that is not Q4_1, q/k norms, attention biases, GeGLU, or a non-fp32 or non-contiguous tensor."""
         if not hasattr(model, "layers") or not hasattr(model, "rotary"):
             return None
-        layers = []
+        layers, modules = [], []
         for layer in model.layers:
             attn, mlp = layer.attn, layer.mlp
             if getattr(attn, "q_norm", None) is not None or getattr(mlp, "gelu", True) or type(layer).__name__ != "DecoderLayer":
                 return None
             if getattr(attn.qkv, "bias", None) is not None:
                 return None
-            linears = {"qkv": attn.qkv, "o": attn.o, "gate_up": mlp.gate_up, "down": mlp.down}
-            ws = {"q4": {k: getattr(_q4(v), "q4", None) for k, v in linears.items()}, "bf16": {k: _paired(v) for k, v in linears.items()},
-                  "norm1": layer.input_norm.weight, "norm2": layer.post_attn_norm.weight}
-            if any(w is None for w in ws["q4"].values()):
+            linears = dict(zip(LINEARS, (attn.qkv, attn.o, mlp.gate_up, mlp.down), strict=True))
+            q4s = {k: _q4(v) for k, v in linears.items()}
+            if any(q is None for q in q4s.values()):
                 return None
-            layers.append(ws)
-        bits = {_q4(linear).bits for layer in model.layers for linear in (layer.attn.qkv, layer.attn.o, layer.mlp.gate_up, layer.mlp.down)}
-        # the bf16 table where every linear has one and all take it from the same width
-        widths = {getattr(linear, "rows", None) for layer in model.layers for linear in
-                  (layer.attn.qkv, layer.attn.o, layer.mlp.gate_up, layer.mlp.down)}
-        paired = all(ly["bf16"][k] is not None for ly in layers for k in LINEARS) and len(widths) == 1
-        if len(bits) != 1:
-            return None
+            modules += linears.values()
+            layers.append({"q4": {k: q.q4 for k, q in q4s.items()}, "bf16": {k: _paired(v) for k, v in linears.items()},
+                           "norm1": layer.input_norm.weight, "norm2": layer.post_attn_norm.weight})
+        bits = {_q4(m).bits for m in modules}
         tensors = [ly[k] for ly in layers for k in ("norm1", "norm2")]
-        if any(t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous() for t in tensors):
+        if len(bits) != 1 or any(t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous()
+                                 for t in tensors):
             return None
+        # a bf16 table where every linear has bf16 weights for its wide steps, all taking them from one width
+        widths = {getattr(m, "rows", None) for m in modules}
+        paired = len(widths) == 1 and all(_paired(m) is not None for m in modules)
         return cls(model, layers, max_rows, bits.pop(), widths.pop() if paired else None)
 
     def plan(self, h: torch.Tensor, meta: Any, k_cache: torch.Tensor, rotary: Any) -> Rows | None:
