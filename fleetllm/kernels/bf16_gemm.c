@@ -25,9 +25,13 @@
 
 /* 1 where AVX-512 BF16 (with F, BW, VL) runs, else 0 (the caller must not call bf16_gemm). */
 int bf16_gemm_isa(void) {
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16");
+    static int isa = -1;  /* checked once: every GEMM asks */
+    if (isa < 0) {
+        __builtin_cpu_init();
+        isa = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+              __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16");
+    }
+    return isa;
 }
 
 /* fp32 -> bf16, round to nearest even (NaN kept a NaN): the scalar form of vcvtne2ps2bf16. */

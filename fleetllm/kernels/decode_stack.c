@@ -6,8 +6,8 @@
  * "rotate half" layout, each product and sum rounded as PyTorch's `q * cos + rotate_half(q) * sin` rounds
  * them), the new K/V written into the paged cache (fp32, fp16 or bf16), paged attention, the o GEMV and the
  * residual add; RMSNorm, the fused gate_up GEMV, SiLU(gate) * up, the down GEMV and the residual add. The
- * GEMVs and attention are q4_i8_gemm.c's and paged_attention.c's own functions, passed in as pointers from
- * their libraries, so this file holds only the glue that PyTorch would otherwise dispatch op by op (about
+ * GEMVs (q4_int_gemm.c's, or bf16_gemm.c's for wide steps) and attention (paged_attention.c's) are those
+ * libraries' own functions, passed in as pointers, so this file holds only the glue that PyTorch would otherwise dispatch op by op (about
  * forty ops a layer, which cost more than the arithmetic at narrow steps). Element-wise work runs on the
  * calling thread: at a few rows it is microseconds, and an OpenMP region would cost more to wake.
  * AVX2 + FMA is required (the caller checks `decode_stack_isa`); there is no scalar path: without AVX2 the

@@ -199,8 +199,9 @@ class Q8Linear(KernelLinear):
 class ByWidth(nn.Module):
     """One linear layer with a kernel per regime: ``narrow`` below ``rows`` rows, ``wide`` from there.
 
-    ``weight``: the fp32 weight, kept only where something else reads it (the LM head's, which EAGLE
-    drafters slice and which, tied, is the embedding table anyway); None for the decoder's linears.
+    ``weight``: the fp32 weight, for what reads ``.weight`` through the quantised copy (EAGLE drafters slice the
+    LM head's, which, tied, is the embedding table anyway); shared with the model under "int4" and "q4", None
+    under "int4-int8", which keeps no fp32 decoder weights.
     """
 
     def __init__(self, narrow: nn.Module, wide: nn.Module, weight: torch.Tensor | None = None,
@@ -221,11 +222,11 @@ def _shallow(module: nn.Module) -> nn.Module:
     return c
 
 
-def _wide(linear: nn.Linear) -> tuple[nn.Module, int]:
+def _wide(linear: nn.Linear, fp32_rows: int) -> tuple[nn.Module, int]:
     """The kernel of ``linear``'s wide steps under "q4", and the rows from which it takes them: bf16 from
-    ``BF16_ROWS`` on a CPU with AVX-512 BF16, else fp32 from ``INT16_WIDE_ROWS``."""
+    ``BF16_ROWS`` on a CPU with AVX-512 BF16, else ``linear`` itself (fp32) from ``fp32_rows``."""
     paired = bf16.PairedBF16.of(linear.weight) if bf16.cpu_has_bf16() else None
-    return (linear, INT16_WIDE_ROWS) if paired is None else (BF16Linear(linear, paired), BF16_ROWS)
+    return (linear, fp32_rows) if paired is None else (BF16Linear(linear, paired), BF16_ROWS)
 
 
 def _q4_or_fp32(linear: nn.Linear, bits: int, invariant: bool) -> nn.Module:
@@ -238,7 +239,7 @@ def _q4_or_fp32(linear: nn.Linear, bits: int, invariant: bool) -> nn.Module:
     q = Q4Linear(linear, blocked, bits)
     if bits == 8 or invariant:
         return q
-    wide, rows = _wide(linear)
+    wide, rows = _wide(linear, INT16_WIDE_ROWS)
     return ByWidth(q, wide, linear.weight, rows)
 
 
@@ -251,9 +252,8 @@ def _q4_head(head: nn.Linear, bits: int, invariant: bool) -> nn.Module:
         return _q4_or_fp32(head, bits, invariant)
     if invariant:
         return Q8Linear(head, weight)
-    wide, rows = _wide(head) if bits == 16 else (head, Q4_WIDE_ROWS)
-    if wide is head:  # fp32 wide steps: the Q8_0 GEMV loses to them from ~64 rows
-        rows = Q4_WIDE_ROWS
+    # fp32 wide steps take over from Q4_WIDE_ROWS: the Q8_0 GEMV loses to them from ~64 rows
+    wide, rows = _wide(head, Q4_WIDE_ROWS) if bits == 16 else (head, Q4_WIDE_ROWS)
     return ByWidth(Q8Linear(head, weight), wide, head.weight, rows)
 
 
