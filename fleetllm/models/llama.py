@@ -18,11 +18,13 @@ from torch import nn
 
 from fleetllm.kernels import chunk_rows, kernel_ready, paged_attention
 from fleetllm.kernels.decode_stack import DecodeStack
+from fleetllm.kernels.prefill import prefill_attention, prefill_ready
 from fleetllm.models.config import ModelConfig
 
 # Chunks over cached context of at most this many queries (speculative verification of a few drafts) use the
-# paged kernel, which reads the keys once per query; longer ones gather once and run SDPA, whose blocked GEMMs
-# reuse each key across queries (benchmarks/paged_attention.py, 1,024 positions: the kernel wins at 1-2 queries, SDPA from 4).
+# paged decode kernel, which reads the keys once per query; longer ones (and every fresh prompt) take the
+# prefill kernel, which reads each key once per tile of queries, or gather + SDPA where it cannot run
+# (benchmarks/paged_attention.py, 1,024 positions: the decode kernel wins at 1-2 queries, SDPA from 4).
 KERNEL_MAX_CHUNK = 3
 
 
@@ -175,6 +177,9 @@ class Attention(nn.Module):
                 rows, lens = chunk_rows(c.end - c.start, c.context_len)
                 paged_attention(qc, k_cache, v_cache, c.block_table.view(1, -1), lens, self.scale, meta.block_size,
                                 c.window, table_of=rows, out=out[c.start : c.end])
+            elif c.block_table is not None and prefill_ready(qc, k_cache):
+                prefill_attention(qc, k_cache, v_cache, c.block_table, c.context_len, self.scale, meta.block_size,
+                                  c.window, out=out[c.start : c.end])
             else:
                 out[c.start : c.end] = self._prefill(qc, k[c.start : c.end], v[c.start : c.end], c, k_cache, v_cache)
         return self.o(out.view(t, self.h * self.d))
