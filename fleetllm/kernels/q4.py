@@ -135,13 +135,17 @@ def q4_linear(x: torch.Tensor, weight: Q4Weight, bias: torch.Tensor | None = Non
 def gemv(x: torch.Tensor, n: int, k: int, bias: torch.Tensor | None, name: str,
          call: Callable[[torch.Tensor, torch.Tensor], int]) -> torch.Tensor:
     """``x [..., k]`` through a GEMV kernel ``call(rows [R, k], out [R, n]) -> status`` (rows with unit column
-    stride, ``out`` fresh fp32), plus ``bias``; a status other than 0 is a width not a multiple of the group."""
+    stride, ``out`` fresh fp32), plus ``bias``. The kernels' statuses: 0 done, -1 a shape they do not take,
+    -2 no memory for their scratch or a CPU without their instructions."""
     rows = x.reshape(-1, k)
     if rows.stride(1) != 1:
         rows = rows.contiguous()
     out = torch.empty(rows.shape[0], n, dtype=torch.float32)
-    if call(rows, out) != 0:
-        raise ValueError(f"{name}: input width {k} is not a multiple of {GROUP}")
+    status = call(rows, out)
+    if status == -2:
+        raise MemoryError(f"{name}: no memory for its scratch, or this CPU lacks its instructions")
+    if status != 0:
+        raise ValueError(f"{name}: a [{rows.shape[0]}, {k}] -> {n} product it does not take (status {status})")
     if bias is not None:
         out += bias
     return out.reshape(*x.shape[:-1], n)

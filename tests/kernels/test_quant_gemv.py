@@ -182,3 +182,11 @@ def test_the_q4_switch_sends_calls_to_the_fp32_path(kernel: Format) -> None:
     finally:
         q4.set_kernel_enabled(True)
     assert kernel.linear(torch.randn(1, 32).double(), weight) is None  # fp32 activations only
+
+
+@pytest.mark.parametrize(("status", "error"), [(-1, ValueError), (-2, MemoryError)])
+def test_a_kernels_status_names_what_went_wrong(status: int, error: type[Exception]) -> None:
+    from fleetllm.kernels.q4 import gemv
+
+    with pytest.raises(error, match="status -1" if status == -1 else "no memory"):
+        gemv(torch.zeros(2, 64), 16, 64, None, "q4_gemv", lambda rows, out: status)
