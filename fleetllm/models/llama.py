@@ -135,6 +135,12 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class Attention(nn.Module):
+    # Chunks of at most this many query-position pairs also read the cache through the paged decode kernel (0:
+    # only chunks of up to KERNEL_MAX_CHUNK queries). A batch-invariant ``q4`` copy sets the decode stack's bound
+    # (``MAX_CHUNK_KEYS``), so a short prompt's attention is the same whether its step went through the stack or
+    # op by op (a P/D prefill worker, a step the stack refuses): one kernel per row, not one per step shape.
+    in_place_chunk_keys = 0
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.h, self.hkv, self.d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -184,10 +190,11 @@ class Attention(nn.Module):
                 out[c.start : c.end] = self._prefill(qc, k[c.start : c.end], v[c.start : c.end], c, k_cache, v_cache)
         return self.o(out.view(t, self.h * self.d))
 
-    @staticmethod
-    def _chunk_in_place(c: PrefillChunk, q: torch.Tensor, k_cache: torch.Tensor) -> bool:
-        """Whether a chunk reads cached context through the paged kernel (see ``KERNEL_MAX_CHUNK``)."""
-        short = c.end - c.start <= KERNEL_MAX_CHUNK and not c.fresh
+    def _chunk_in_place(self, c: PrefillChunk, q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+        """Whether a chunk reads the cache through the paged decode kernel (``KERNEL_MAX_CHUNK``,
+        ``in_place_chunk_keys``)."""
+        n = c.end - c.start
+        short = (n <= KERNEL_MAX_CHUNK and not c.fresh) or n * c.context_len <= self.in_place_chunk_keys
         return short and c.block_table is not None and kernel_ready(q, k_cache)
 
     def _decode_paged(self, q: torch.Tensor, meta: AttentionMetadata, k_cache: torch.Tensor, v_cache: torch.Tensor,

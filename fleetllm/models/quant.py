@@ -39,7 +39,7 @@ import torch
 from torch import nn
 
 from fleetllm.kernels import bf16, q8
-from fleetllm.kernels.decode_stack import DecodeStack
+from fleetllm.kernels.decode_stack import MAX_CHUNK_KEYS, DecodeStack
 from fleetllm.kernels.q4 import recover_q4_1
 from fleetllm.kernels.q4_int import BlockedQ4, kernel_ready, q4_int_linear
 
@@ -308,6 +308,9 @@ def _quantized_copy(model: nn.Module, method: str, invariant: bool) -> nn.Module
     if method in ACTIVATION_BITS:
         q.lm_head = _q4_head(head, ACTIVATION_BITS[method], invariant)
         q.decode_stack = DecodeStack.build(q, STACK_ROWS)  # None where it does not cover the model
+        if invariant and q.decode_stack is not None:
+            for layer in q.layers:
+                layer.attn.in_place_chunk_keys = MAX_CHUNK_KEYS
     else:
         q.lm_head = ByWidth(Int8Linear(head), head if method == "int4" else Int8DynamicLinear(head), head.weight)
     return q

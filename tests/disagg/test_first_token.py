@@ -85,7 +85,10 @@ def test_logprobs_are_the_colocated_ones(pd):
     local = answer(pd["colocated"].url, body)["choices"][0]["logprobs"]
     assert remote["tokens"] == local["tokens"]
     assert [sorted(t) for t in remote["top_logprobs"]] == [sorted(t) for t in local["top_logprobs"]]
-    assert remote["token_logprobs"] == pytest.approx(local["token_logprobs"], abs=1e-3)
+    # the prefill worker runs its layers op by op (torch's norms, RoPE, SiLU) where the colocated one runs a short
+    # prompt through the C decode stack: the same kernels for GEMMs and attention, other float rounding elsewhere
+    # (measured: up to 1.3e-3 apart; a prompt whose KV went astray would be whole nats apart)
+    assert remote["token_logprobs"] == pytest.approx(local["token_logprobs"], abs=5e-3)
 
 
 @pytest.mark.parametrize("stop", ["max_tokens", "stop_string"])

@@ -132,7 +132,10 @@ def test_logprobs_of_the_first_token_come_from_the_prefill(engines):
     lg = [lp for o in got for lp in o.logprobs]
     assert [x.token_id for x in lg] == [x.token_id for x in lw]
     assert [[t for t, _ in x.top] for x in lg] == [[t for t, _ in x.top] for x in lw]
-    assert all(abs(x.logprob - y.logprob) < 1e-3 for x, y in zip(lg, lw, strict=True))
+    # a's observed prefill runs op by op (torch's norms, RoPE, SiLU), c's the C decode stack: the same GEMM and
+    # attention kernels, other rounding elsewhere, so b decodes over KV ~1e-6 apart (measured: up to 2.3e-3 in
+    # logprob; KV gone astray would be whole nats apart)
+    assert all(abs(x.logprob - y.logprob) < 5e-3 for x, y in zip(lg, lw, strict=True))
 
 
 def test_max_tokens_one_finishes_with_the_handed_over_token_and_no_step(engines):

@@ -166,3 +166,37 @@ def test_batch_invariant_output_does_not_depend_on_the_batch(loaded_model) -> No
     batched = llm.generate(prompts, params)[0].outputs[0]  # 8 rows a step: q4 would take its wide kernels
     assert batched.token_ids == alone.token_ids
     assert max(abs(a.logprob - b.logprob) for a, b in zip(batched.logprobs, alone.logprobs, strict=True)) < 1e-4
+
+
+def test_batch_invariant_short_prompts_take_the_stacks_attention_off_the_stack_too(loaded_model, monkeypatch) -> None:
+    """A prompt short enough for the decode stack reads the cache through the decode kernel when its step runs
+    op by op (a P/D prefill watched layer by layer): the same attention arithmetic either way. Without
+    ``batch_invariant`` such a chunk takes the prefill kernel."""
+    from fleetllm.kernels import wait_for_kernels
+    from fleetllm.kernels.decode_stack import MAX_CHUNK_KEYS
+    from fleetllm.kernels.prefill import prefill_ready
+    from fleetllm.models import llama
+    from fleetllm.models.quant import quantize_model
+
+    wait_for_kernels()
+    if quantize_model(loaded_model.model, "q4", batch_invariant=True).decode_stack is None:
+        pytest.skip("no decode stack on this CPU")
+    if not prefill_ready(torch.zeros(1, 9, 64), torch.zeros(1, 3, 64)):
+        pytest.skip("no prefill kernel on this CPU")
+    used = []
+    real = llama.prefill_attention
+    monkeypatch.setattr(llama, "prefill_attention", lambda *a, **kw: used.append(1) or real(*a, **kw))
+    cfg, n = loaded_model.config, 40
+    table = torch.arange(4, dtype=torch.int32)
+    slots = torch.arange(n)
+    cache = [(torch.zeros(64, cfg.num_kv_heads, cfg.head_dim), torch.zeros(64, cfg.num_kv_heads, cfg.head_dim))
+             for _ in range(cfg.num_layers)]
+    chunk = llama.PrefillChunk(0, n, slots, fresh=True, block_table=table, context_len=n)
+    meta = llama.AttentionMetadata(slot_mapping=slots, prefills=[chunk], block_size=16, layer_by_layer=True)
+    ids = torch.arange(100, 100 + n)
+    for invariant, prefill_kernel in ((True, False), (False, True)):
+        used.clear()
+        model = quantize_model(loaded_model.model, "q4", batch_invariant=invariant)
+        assert model.layers[0].attn.in_place_chunk_keys == (MAX_CHUNK_KEYS if invariant else 0)
+        model(ids, torch.arange(n), meta, cache)
+        assert bool(used) == prefill_kernel
