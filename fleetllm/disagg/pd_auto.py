@@ -1,27 +1,30 @@
 """``--pd-threshold auto``: per request, disaggregate only when it wins.
 
-A local prefill of ``U`` uncached tokens on the decode worker stalls each of the ``B`` requests decoding
-there for about ``U / R_d`` seconds (``R_d`` its prefill rate): ``B·U/R_d`` request-seconds of delay in
-all. The P/D path spares them that, but costs the request itself its wait and compute on the prefill
-worker plus the transfer instead of its wait and compute on the decode worker, and the decode worker
-still imports the frame (its streams wait out the transfer's import side, counted as the whole transfer
-time: the conservative side). So, in request-seconds of delay added::
+A local prefill of ``U`` uncached tokens on the decode worker takes ``T = U / R_d`` seconds (``R_d`` its
+prefill rate). It stalls each of the ``B`` requests decoding there for about ``T``, and each request that
+arrives meanwhile (at the worker's rate ``λ``, measured by the router: :class:`ArrivalRates`) waits behind it
+for ``T / 2`` on average: ``B·T + λ·T²/2`` request-seconds of delay in all. The P/D path spares them that, but
+costs the request itself its wait and compute on the prefill worker plus the transfer instead of its wait and
+compute on the decode worker, and the decode worker still imports the frame (its streams, and arrivals, wait
+out the transfer's import side, counted as the whole transfer time ``X``: the conservative side). So, in
+request-seconds of delay added::
 
-    local  = B · U / R_d
-    remote = B · transfer + B_p · U_p / R_p + max(0, (queue_p + U_p / R_p + transfer) − (queue_d + U / R_d))
+    local  = B · T + λ · T² / 2
+    remote = B · X + λ · X² / 2 + B_p · U_p / R_p + max(0, (queue_p + U_p / R_p + X) − (queue_d + T))
 
 (``B_p``: requests decoding on the prefill worker, 0 for a prefill-only one; with ``auto`` and no
 prefill workers, any other worker of the model may prefill for the chosen one, and an idle one wins)
 (the remote leg's fixed overhead, measured too, added to its TTFT) and the request goes the P/D way only
-when ``remote < local``: never with nobody decoding on the
-decode worker (``B = 0``), never when moving the KV takes longer than computing it there. Rates and
-bandwidth are measured from the remote prefills' answers (:class:`PdMeasurements`); until a first
-transfer has been measured it counts as free, so the first long prompt shows what a transfer costs.
-Torch-free, like the rest of the router.
+when ``remote < local``: never on an idle decode worker nobody is arriving at, never when moving the KV takes
+longer than computing it there. Rates and bandwidth are measured from the remote prefills' answers
+(:class:`PdMeasurements`); until a first transfer has been measured it counts as free, so the first long
+prompt shows what a transfer costs. The simulated fleet (:mod:`fleetllm.sim.pd_fleet`) decides with the same
+estimate and the same arrival measurement. Torch-free, like the rest of the router.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,11 +47,17 @@ class PdEstimate:
     transfer_s: float  # moving (and importing) the KV of ``uncached_tokens``
     overhead_s: float = 0.0  # the remote leg's fixed cost: the round trips and the bookkeeping around them
     prefill_batch: int = 0  # requests decoding on the prefill worker (a peer that also decodes: it stalls too)
+    arrival_rate: float = 0.0  # requests/s arriving at the decode worker (they queue behind whatever it computes)
+
+    def _blocked_s(self, seconds: float) -> float:
+        """Request-seconds of delay when the decode worker is busy for ``seconds``: its running requests the
+        whole time, those arriving meanwhile half of it on average."""
+        return self.decode_batch * seconds + self.arrival_rate * seconds * seconds / 2
 
     @property
     def stall_s(self) -> float:
-        """Request-seconds of delay a local prefill adds to the decode worker's running requests."""
-        return self.decode_batch * self.uncached_tokens / self.decode_rate
+        """Request-seconds of delay a local prefill adds to the decode worker's requests, running and arriving."""
+        return self._blocked_s(self.uncached_tokens / self.decode_rate)
 
     @property
     def remote_s(self) -> float:
@@ -56,7 +65,7 @@ class PdEstimate:
         local_ttft = self.decode_queue_s + self.uncached_tokens / self.decode_rate
         remote_ttft = self.prefill_queue_s + self.prefill_tokens / self.prefill_rate + self.transfer_s + self.overhead_s
         peer_stall = self.prefill_batch * self.prefill_tokens / self.prefill_rate
-        return self.decode_batch * self.transfer_s + peer_stall + max(0.0, remote_ttft - local_ttft)
+        return self._blocked_s(self.transfer_s) + peer_stall + max(0.0, remote_ttft - local_ttft)
 
     @property
     def disaggregate(self) -> bool:
@@ -71,6 +80,24 @@ def pd_threshold_value(text: str) -> int | str:
         return int(text)
     except ValueError:
         raise ValueError(f"--pd-threshold takes a token count or auto, not {text!r}") from None
+
+
+@dataclass
+class ArrivalRates:
+    """Requests/s routed to each worker: a count that decays with time constant ``horizon_s`` (each arrival adds
+    ``1 / horizon_s``), so a steady Poisson stream of rate λ reads λ after a horizon or two, and a burst fades."""
+
+    horizon_s: float = 30.0
+    _seen: dict[str, tuple[float, float]] = field(default_factory=dict)  # worker -> (rate, when last updated)
+
+    def observe(self, worker: str, now: float) -> None:
+        """A request was routed to ``worker`` at ``now`` (seconds, any monotonic clock)."""
+        self._seen[worker] = (self.rate(worker, now) + 1 / self.horizon_s, now)
+
+    def rate(self, worker: str, now: float) -> float:
+        """``worker``'s arrival rate as of ``now``; 0 for one nothing was routed to."""
+        rate, then = self._seen.get(worker, (0.0, now))
+        return rate * math.exp(-max(0.0, now - then) / self.horizon_s)
 
 
 def _ewma(old: float | None, new: float) -> float:

@@ -23,7 +23,7 @@ from urllib.parse import urlparse
 import httpx
 
 from fleetllm.disagg.handoffs import HEADER as HANDOFF_HEADER
-from fleetllm.disagg.pd_auto import AUTO, PdEstimate, PdMeasurements
+from fleetllm.disagg.pd_auto import AUTO, ArrivalRates, PdEstimate, PdMeasurements
 from fleetllm.router.forward import Forward
 from fleetllm.router.index import PrefixIndex
 from fleetllm.router.metrics import RouterMetrics
@@ -47,11 +47,15 @@ class RemotePrefill:
         self.events_index = events_index  # what each worker reported holding (KV events)
         self.on_failure = on_failure  # a prefill worker failed: its circuit breaker counts it
         self.measured = PdMeasurements(cfg.cost.prefill_tokens_per_s)  # what --pd-threshold auto decides on
+        self.arrivals = ArrivalRates()  # requests/s routed to each worker, for auto's stall estimate
 
     async def maybe_disaggregate(self, d: Decision, fwd: Forward, prefill_pool: list[WorkerState]) -> Decision:
         """``d`` with the prompt tokens its worker will find cached once the remote prefill (if any) is done.
 
         The decode worker's load is counted from here on."""
+        now = time.monotonic()
+        arriving = self.arrivals.rate(d.worker.name, now)  # before this request: it delays nobody by itself
+        self.arrivals.observe(d.worker.name, now)
         d = self._with_reported_blocks(d, fwd.route)
         uncached = d.uncached_tokens(fwd.route)
         auto = self.cfg.pd_threshold == AUTO
@@ -63,7 +67,7 @@ class RemotePrefill:
             self.metrics.pd_decisions.labels(decision="saturated").inc()
             return d
         p, computed = choice
-        if auto and not self._wins(self.estimate(d.worker, p, uncached, computed)):
+        if auto and not self._wins(self.estimate(d.worker, p, uncached, computed, arriving)):
             self.metrics.pd_decisions.labels(decision="local").inc()
             return d
         t0 = time.perf_counter()
@@ -87,15 +91,17 @@ class RemotePrefill:
         cached = min(max(d.cached_tokens, shipped), max(fwd.route.num_prompt_tokens - 1, 0))
         return Decision(d.worker, d.reason, cached)
 
-    def estimate(self, decode: WorkerState, p: WorkerState, uncached: int, computed: int) -> PdEstimate:
-        """Both paths' costs for a prompt ``decode`` lacks ``uncached`` tokens of and ``p`` lacks ``computed``."""
+    def estimate(self, decode: WorkerState, p: WorkerState, uncached: int, computed: int,
+                 arrival_rate: float = 0.0) -> PdEstimate:
+        """Both paths' costs for a prompt ``decode`` lacks ``uncached`` tokens of and ``p`` lacks ``computed``,
+        with requests arriving at ``decode`` at ``arrival_rate`` per second."""
         m = self.measured
         rate_d, rate_p = m.rate(decode.name), m.rate(p.name)
         return PdEstimate(uncached_tokens=uncached, prefill_tokens=computed, decode_batch=_decoding(decode),
                           prefill_batch=_decoding(p) if p.role != "prefill" else 0,
                           decode_rate=rate_d, prefill_rate=rate_p, decode_queue_s=_queued_tokens(decode) / rate_d,
                           prefill_queue_s=_queued_tokens(p) / rate_p, transfer_s=m.transfer_s(uncached),
-                          overhead_s=m.overhead_s)
+                          overhead_s=m.overhead_s, arrival_rate=arrival_rate)
 
     def _wins(self, est: PdEstimate) -> bool:
         """Whether the P/D path wins for ``est``; the decision and both sides of it are exported."""

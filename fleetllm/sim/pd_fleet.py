@@ -20,7 +20,7 @@ import random
 from collections import deque
 from dataclasses import dataclass, field
 
-from fleetllm.disagg.pd_auto import AUTO, PdEstimate
+from fleetllm.disagg.pd_auto import AUTO, ArrivalRates, PdEstimate
 from fleetllm.sim.profile import TimingProfile
 
 
@@ -115,13 +115,17 @@ def simulate_pd(profile: TimingProfile, traffic: PdTraffic, workers: int, prefil
     gaps: list[float] = []
     ttfts: tuple[list[float], list[float]] = ([], [])
     now, i, remote, longs = 0.0, 0, 0, 0
+    seen = ArrivalRates()  # what the router measures of the simulated decode worker
     while now < seconds:
         while i < len(arrivals) and arrivals[i].arrival <= now:
             r = arrivals[i]
             i += 1
+            if r.mine:
+                seen.observe("d", r.arrival)
             if not r.short:
                 longs += r.mine
-                if prefill and _goes_remote(r, w, pool, now, threshold, prefill_rate, bytes_per_token, bandwidth):
+                if prefill and _goes_remote(r, w, pool, now, threshold, prefill_rate, bytes_per_token, bandwidth,
+                                            seen.rate("d", now)):
                     remote += r.mine
                     k = min(range(prefill), key=pool.__getitem__)
                     pool[k] = max(pool[k], now) + profile.step_seconds(0, r.isl)
@@ -145,12 +149,13 @@ def simulate_pd(profile: TimingProfile, traffic: PdTraffic, workers: int, prefil
 
 
 def _goes_remote(r: _Req, w: _Worker, pool: list[float], now: float, threshold: int | str, rate: float,
-                 bytes_per_token: float, bandwidth: float) -> bool:
+                 bytes_per_token: float, bandwidth: float, arrival_rate: float) -> bool:
     if threshold != AUTO:
         return r.isl >= int(threshold)
     est = PdEstimate(uncached_tokens=r.isl, prefill_tokens=r.isl, decode_batch=len(w.running), decode_rate=rate,
                      prefill_rate=rate, decode_queue_s=w.queued_tokens() / rate,
-                     prefill_queue_s=max(0.0, min(pool) - now), transfer_s=r.isl * bytes_per_token / bandwidth)
+                     prefill_queue_s=max(0.0, min(pool) - now), transfer_s=r.isl * bytes_per_token / bandwidth,
+                     arrival_rate=arrival_rate)
     return est.disaggregate
 
 

@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import time
 
 import httpx
 import pytest
 
 from fleetllm.cli import build_parser
-from fleetllm.disagg.pd_auto import PdEstimate, PdMeasurements, pd_threshold_value
+from fleetllm.disagg.pd_auto import ArrivalRates, PdEstimate, PdMeasurements, pd_threshold_value
 from fleetllm.disagg.router_path import RemotePrefill
 from fleetllm.router.config import RouterConfig
 from fleetllm.router.forward import Forward
@@ -31,6 +32,22 @@ def test_a_long_prompt_goes_remote_when_others_decode_on_its_worker_and_the_tran
 
 def test_nobody_decoding_on_the_decode_worker_means_nothing_to_spare_a_stall():
     assert not dataclasses.replace(BUSY, decode_batch=0).disaggregate
+
+
+def test_requests_arriving_during_a_local_prefill_count_as_stalled_too():
+    idle = dataclasses.replace(BUSY, decode_batch=0)
+    arriving = dataclasses.replace(idle, arrival_rate=2.0)  # 2 requests/s wait behind 1 s of prefill: 1 s in all
+    assert arriving.stall_s == pytest.approx(2.0 * 1.0**2 / 2)
+    assert arriving.remote_s == pytest.approx(2.0 * 0.05**2 / 2 + 0.05)  # the import's stall, the longer TTFT
+    assert arriving.disaggregate and not idle.disaggregate
+
+
+def test_arrival_rates_read_a_steady_stream_and_forget_a_burst():
+    rates = ArrivalRates(horizon_s=10.0)
+    for i in range(400):  # 4 requests/s for 100 s
+        rates.observe("d", i * 0.25)
+    assert rates.rate("d", 100.0) == pytest.approx(4.0, rel=0.05) and rates.rate("p", 100.0) == 0.0
+    assert rates.rate("d", 150.0) < 0.05  # nothing for 5 horizons
 
 
 def test_a_transfer_slower_than_the_local_prefill_never_pays():
@@ -116,6 +133,18 @@ def test_the_router_disaggregates_in_auto_mode_only_when_it_wins_and_from_the_pr
     assert metrics.pd_auto.labels(decision="local")._value.get() == 1
     assert metrics.pd_auto.labels(decision="disaggregated")._value.get() == 1
     assert side.measured.bandwidth == pytest.approx(80e6)
+
+
+def test_the_router_counts_requests_arriving_at_an_idle_decode_worker():
+    asked: list[str] = []
+    side, metrics, _ = _router_side(asked)
+    route = RouteRequest(num_prompt_tokens=1600, block_hashes=list(range(1, 101)))
+    idle = _worker("d1", "decode")
+    for _ in range(90):  # 3 requests/s for the last 30 s, as the router saw them routed to d1
+        side.arrivals.observe("d1", time.monotonic())
+    decision = asyncio.run(side.maybe_disaggregate(Decision(idle, "cold"), _forward(route), [_worker("p1", "prefill")]))
+    assert asked == ["p1"] and decision.cached_tokens == 1599
+    assert metrics.pd_auto.labels(decision="disaggregated")._value.get() == 1
 
 
 def test_a_peer_that_decodes_too_would_stall_its_own_requests_instead():
