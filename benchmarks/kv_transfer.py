@@ -12,8 +12,10 @@
    (nothing is left to copy or check); the reservation (as the prefill starts: a prompt longer than one step's
    token budget computes its first chunk meanwhile) and the writes (during it) are shown as their own rows.
 2. **TTFT**: a prefill worker and a decode worker (one torch thread each) behind a router disaggregating
-   every prompt of >= 1024 uncached tokens. Fresh 2048-token prompts, alternately straight to the decode
-   worker (local prefill) and through the router (remote prefill + transfer), 1 output token, streamed.
+   every prompt of >= 1024 uncached tokens. Fresh 2048-token prompts, in turn straight to the decode worker
+   (local prefill), through the router (remote prefill + transfer) and through a second router in front of
+   the decode worker alone (local prefill with the router's hop, as a fleet without P/D serves it), 1 output
+   token, streamed.
    ``--control-pairs N``: N more pairs prefilled locally on each worker, no P/D: how far two identical
    workers differ on this machine (the noise the remote/local ratio sits in).
 3. **Quality**: greedy outputs after importing fp32, fp16 and bf16 frames of an fp32 pool vs a local prefill.
@@ -209,14 +211,13 @@ def memcpy(nbytes: int, repeats: int) -> dict[str, list[float]]:
             "memcpy into fresh memory (clone)": [timed(src.clone) for _ in range(repeats)]}
 
 
-def ttft(router_url: str, decode_url: str, tokens: int, repeats: int, seed: int,
-         names: tuple[str, str] = ("local prefill", "remote prefill")) -> dict[str, list[float]]:
-    """Client-side TTFT (s) of fresh prompts, local prefill on the decode worker vs remote via the router (or
-    any two URLs, named by ``names``)."""
+def ttft(urls: dict[str, str], tokens: int, repeats: int, seed: int) -> dict[str, list[float]]:
+    """Client-side TTFT (s) of fresh prompts sent to each of ``urls`` (name -> base URL) in turn, ``repeats``
+    rounds: e.g. a local prefill on the decode worker against a remote one through the router."""
     rng = random.Random(seed)
-    out: dict[str, list[float]] = {names[0]: [], names[1]: []}
+    out: dict[str, list[float]] = {name: [] for name in urls}
     for _ in range(repeats):
-        for name, url in zip(names, (decode_url, router_url), strict=True):
+        for name, url in urls.items():
             prompt = [rng.randrange(100, 40000) for _ in range(tokens)]
             body = {"model": MODEL, "prompt": prompt, "max_tokens": 1, "temperature": 0, "stream": True}
             t0 = time.perf_counter()
@@ -257,8 +258,8 @@ def router_ready(url: str) -> None:
 
 def run_version(name: str, checkout: Path, args: argparse.Namespace, log_dir: Path) -> dict:
     """Transfer and TTFT figures of the fleetllm in ``checkout``."""
-    port = free_ports(3)
-    d_url, p_url, r_url = (f"http://127.0.0.1:{port + i}" for i in range(3))
+    port = free_ports(4)
+    d_url, p_url, r_url, l_url = (f"http://127.0.0.1:{port + i}" for i in range(4))
     procs = [worker(port, "decode", checkout, log_dir)]
     try:
         res: dict = {"transfer": transfer(d_url, args.repeats, args.tokens // 16, None if name == "after" else checkout,
@@ -266,10 +267,15 @@ def run_version(name: str, checkout: Path, args: argparse.Namespace, log_dir: Pa
         procs.append(worker(port + 1, "prefill", checkout, log_dir))
         procs.append(start(["router", "--port", str(port + 2), "--workers", f"{p_url},{d_url}", "--pd-threshold",
                             "1024", "--log-level", "warning"], r_url, checkout, log_dir / f"router-{name}.log"))
+        # the same decode worker behind a router of its own, no P/D: what the router's hop costs a local prefill
+        procs.append(start(["router", "--port", str(port + 3), "--workers", d_url, "--log-level", "warning"], l_url,
+                           checkout, log_dir / f"router-local-{name}.log"))
         router_ready(r_url)
-        res["ttft"] = ttft(r_url, d_url, args.tokens, args.ttft_repeats, 7 + len(name))
+        router_ready(l_url)
+        res["ttft"] = ttft({"local prefill": d_url, "remote prefill": r_url, "local prefill via router": l_url},
+                           args.tokens, args.ttft_repeats, 7 + len(name))
         if args.control_pairs:  # the same local prefill on both workers: how far two identical workers differ here
-            res["control"] = ttft(p_url, d_url, args.tokens, args.control_pairs, 3, ("decode worker", "prefill worker"))
+            res["control"] = ttft({"decode worker": d_url, "prefill worker": p_url}, args.tokens, args.control_pairs, 3)
         res["pd_decisions"] = pd_decisions(r_url)
         res["sent_via"] = sent_via(p_url)
         return res
@@ -323,14 +329,17 @@ def report(results: dict, nbytes: int, q: dict) -> list[str]:
         for via, times in results.get(name, {}).get("transfer", {}).items():
             lines.append(f"| {name} | {via} | {median(times):.3f} | {nbytes / median(times) / 1e9:.2f} | "
                          f"{copy / median(times):.1%} |")
-    lines += ["", "| version | local prefill TTFT s (median, range) | remote prefill TTFT s | remote/local | P/D decisions "
-              "| MB sent, by way |", "|---|---|---|---|---|---|"]
+    lines += ["", "| version | local prefill TTFT s (median, range) | remote prefill TTFT s | remote/local | local via a "
+              "router of its own s | remote / local via router | P/D decisions | MB sent, by way |",
+              "|---|---|---|---|---|---|---|---|"]
     for name in ("before", "after"):
         t = results.get(name, {}).get("ttft")
         if t:
             lo, re_ = t["local prefill"], t["remote prefill"]
+            via = t.get("local prefill via router") or [float("nan")]
             lines.append(f"| {name} | {median(lo):.2f} ({min(lo):.2f}-{max(lo):.2f}) | {median(re_):.2f} "
-                         f"({min(re_):.2f}-{max(re_):.2f}) | {median(re_) / median(lo):.2f} | "
+                         f"({min(re_):.2f}-{max(re_):.2f}) | {median(re_) / median(lo):.2f} | {median(via):.2f} "
+                         f"({min(via):.2f}-{max(via):.2f}) | {median(re_) / median(via):.3f} | "
                          f"{json.dumps(results[name]['pd_decisions'])} | {json.dumps(results[name].get('sent_via'))} |")
     for name in ("before", "after"):
         c = results.get(name, {}).get("control")

@@ -11,7 +11,8 @@ is taken when every row is a decode token or a query of a chunk whose queries ×
 rows as the stack's bound or more, a kernel not built, a model it does not cover) takes the model's op-by-op
 path. ``FLEETLLM_DECODE_STACK=eager`` keeps every step there.
 
-Numerics: the same weights and the same GEMMs and attention kernel as the op-by-op ``q4`` path at each width;
+Numerics: the same weights and the same GEMMs as the op-by-op ``q4`` path at each width, and its attention kernel
+for decode rows (a chunk the stack takes may go through the prefill kernel op by op, unless batch-invariant);
 RMSNorm and SiLU round differently from PyTorch's (summation order, a polynomial ``exp``), RoPE the same. So a
 token's logits differ from the op-by-op path's by float rounding, as ``q4``'s already differ from fp32's.
 """
@@ -31,9 +32,10 @@ from fleetllm.kernels.build import KernelLibrary
 
 _enabled = os.environ.get("FLEETLLM_DECODE_STACK", "auto") != "eager"
 # A chunk (a prompt's, or a verification's) is taken while queries x positions stays under this: the paged kernel
-# reads every key once per query, where the op-by-op path's SDPA reuses it across queries (BENCHMARKS "Paged
-# attention": the kernel wins at 1-2 queries over 1,024 positions); e.g. 8 queries over 2,048 positions, or a
-# 47-token prompt with nothing cached.
+# reads every key once per query, where the op-by-op path's prefill kernel (or SDPA) reuses it across a tile of
+# queries (BENCHMARKS "Paged attention": the kernel wins at 1-2 queries over 1,024 positions); e.g. 8 queries over
+# 2,048 positions, or a 128-token prompt with nothing cached. A batch-invariant q4 model keeps such chunks on the
+# paged kernel off the stack too (``Attention.in_place_chunk_keys``).
 MAX_CHUNK_KEYS = 16384
 P, INT, FLOAT = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 LINEARS = ("qkv", "o", "gate_up", "down")
