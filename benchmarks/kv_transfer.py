@@ -258,17 +258,25 @@ def router_ready(url: str) -> None:
 
 def run_version(name: str, checkout: Path, args: argparse.Namespace, log_dir: Path) -> dict:
     """Transfer and TTFT figures of the fleetllm in ``checkout``."""
-    port = free_ports(4)
-    d_url, p_url, r_url, l_url = (f"http://127.0.0.1:{port + i}" for i in range(4))
-    procs = [worker(port, "decode", checkout, log_dir)]
+    # each port picked just before its process binds it: picked together, the later ones could be taken meanwhile
+    # by the earlier processes' own outgoing connections (ephemeral ports)
+    d_port = free_ports(1)
+    d_url = f"http://127.0.0.1:{d_port}"
+    procs = [worker(d_port, "decode", checkout, log_dir)]
     try:
         res: dict = {"transfer": transfer(d_url, args.repeats, args.tokens // 16, None if name == "after" else checkout,
                                             100 if name == "before" else 200)}
-        procs.append(worker(port + 1, "prefill", checkout, log_dir))
-        procs.append(start(["router", "--port", str(port + 2), "--workers", f"{p_url},{d_url}", "--pd-threshold",
+        p_port = free_ports(1)
+        p_url = f"http://127.0.0.1:{p_port}"
+        procs.append(worker(p_port, "prefill", checkout, log_dir))
+        r_port = free_ports(1)
+        r_url = f"http://127.0.0.1:{r_port}"
+        procs.append(start(["router", "--port", str(r_port), "--workers", f"{p_url},{d_url}", "--pd-threshold",
                             "1024", "--log-level", "warning"], r_url, checkout, log_dir / f"router-{name}.log"))
         # the same decode worker behind a router of its own, no P/D: what the router's hop costs a local prefill
-        procs.append(start(["router", "--port", str(port + 3), "--workers", d_url, "--log-level", "warning"], l_url,
+        l_port = free_ports(1)
+        l_url = f"http://127.0.0.1:{l_port}"
+        procs.append(start(["router", "--port", str(l_port), "--workers", d_url, "--log-level", "warning"], l_url,
                            checkout, log_dir / f"router-local-{name}.log"))
         router_ready(r_url)
         router_ready(l_url)
