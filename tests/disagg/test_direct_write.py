@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import httpx
@@ -278,6 +279,25 @@ def test_prefaulting_a_shared_pools_blocks_changes_no_byte_of_it():
         assert torch.equal(k0[3], torch.full_like(k0[3], 7.0)) and k0[4].abs().sum() == 0
     finally:
         f.close()
+
+
+def test_prefaulting_maps_the_blocks_pages_into_this_process():
+    block = 16 * 3 * 64 * 4  # 12 KiB: 3 pages per block and layer
+    f = SharedKVFile(shm_dir(), 2 * 2 * 64 * block)
+    try:
+        layout = PoolLayout(str(f.path), 2, 64, 16, 3, 64, "float32")
+        maps = PoolMaps()
+        maps.layers(layout)
+        before = _shared_pages()
+        maps.prefault(layout, list(range(32)))  # half the pool: 4 x 32 blocks x 3 pages
+        assert _shared_pages() - before >= 4 * 32 * 3
+    finally:
+        f.close()
+
+
+def _shared_pages() -> int:
+    """Resident pages of this process backed by files (/dev/shm included): statm's third field."""
+    return int(Path("/proc/self/statm").read_text().split()[2])
 
 
 @pytest.mark.parametrize(("n", "used"), [(2048, 2032), (100, 96), (17, 16), (10, 10)])
