@@ -14,6 +14,7 @@ the paged-attention switch (``FLEETLLM_ATTENTION=eager``, :func:`fleetllm.kernel
 from __future__ import annotations
 
 import ctypes
+import functools
 from pathlib import Path
 
 import torch
@@ -44,7 +45,13 @@ def prefill_ready(q: torch.Tensor, k_cache: torch.Tensor, wait: bool = False) ->
     if k_cache.dtype not in attention.KV_DTYPES:
         return False
     lib = LIBRARY.get(wait)
-    return lib is not None and lib.prefill_attention_isa() == 1
+    return lib is not None and _cpu_runs_it()
+
+
+@functools.cache
+def _cpu_runs_it() -> bool:
+    """Whether this CPU has what the loaded kernel needs (AVX-512F): asked once, not per layer."""
+    return LIBRARY.lib.prefill_attention_isa() == 1
 
 
 def prefill_attention(
