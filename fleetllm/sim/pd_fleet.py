@@ -120,12 +120,13 @@ def simulate_pd(profile: TimingProfile, traffic: PdTraffic, workers: int, prefil
         while i < len(arrivals) and arrivals[i].arrival <= now:
             r = arrivals[i]
             i += 1
+            arriving = seen.rate("d", now)  # before this request, as the router reads it
             if r.mine:
                 seen.observe("d", r.arrival)
             if not r.short:
                 longs += r.mine
                 if prefill and _goes_remote(r, w, pool, now, threshold, prefill_rate, bytes_per_token, bandwidth,
-                                            seen.rate("d", now)):
+                                            arriving):
                     remote += r.mine
                     k = min(range(prefill), key=pool.__getitem__)
                     pool[k] = max(pool[k], now) + profile.step_seconds(0, r.isl)
