@@ -13,7 +13,10 @@ prefill worker sends a frame) and answers ``{"lease", "lease_s", "blocks", "pool
 
 A prefill of the whole prompt hands it over (:mod:`.handoffs`): ``POST /pd/commit`` ``{"lease", "first"}``
 (the first token sampled), or ``POST /pd/kv?handoff=1`` then ``POST /pd/first`` ``{"handoff", "first"}``,
-keep every block held and answer the ``handoff`` id the request is then forwarded with.
+keep every block held and answer the ``handoff`` id the request is forwarded with. Both take the router's id
+for the transfer (``"transfer_id"`` in the commit, ``&transfer_id=`` on ``/pd/kv``): the handoff is then held
+under it, or (a plain import) the request already waiting for it runs; ``POST /pd/abandon``
+``{"transfer_id"}`` (the router: the remote leg failed) lets that request run at once with a local prefill.
 """
 
 from __future__ import annotations
@@ -92,7 +95,8 @@ class DecodeEndpoints:
         prompt's first token, hold them as a handoff too."""
         spec = await self.worker.request_body(request)
         first = spec.get("first") if isinstance(spec.get("first"), dict) else None
-        result = await asyncio.shield(self.leases.commit(str(spec.get("lease")), first))
+        transfer = _transfer(spec.get("transfer_id"))
+        result = await asyncio.shield(self.leases.commit(str(spec.get("lease")), first, transfer))
         if result is None:
             self.metrics.failures.labels(reason="lease_over").inc()
             raise APIError(409, "no such lease (expired or released): nothing imported", "lease")
@@ -108,6 +112,14 @@ class DecodeEndpoints:
             raise APIError(409, "no such handoff (expired or claimed), or no first token", "handoff")
         return JSONResponse({"handoff": spec["handoff"]})
 
+    async def abandon(self, request: Request) -> Response:
+        """The router gave the transfer up (its remote leg failed): the request waiting for it runs now."""
+        transfer = _transfer((await self.worker.request_body(request)).get("transfer_id"))
+        if transfer is None:
+            raise APIError(400, "give the transfer's id", "transfer_id")
+        self.worker.handoffs.ended(transfer)
+        return JSONResponse({"transfer_id": transfer})
+
     async def release(self, request: Request) -> Response:
         """The writer gave up: free the lease's blocks unregistered."""
         lease = str((await self.worker.request_body(request)).get("lease"))
@@ -118,11 +130,12 @@ class DecodeEndpoints:
         from fleetllm.disagg.frame import FrameError
 
         t0 = time.perf_counter()
+        transfer = _transfer(request.query_params.get("transfer_id"))
         arrival = await self._arrival(request)
         try:
             # shielded: a client gone mid-import must not leave pool blocks reserved or half written
             hold = request.query_params.get("handoff") == "1"  # the whole prompt: held for its request
-            result, nbytes = await asyncio.shield(asyncio.ensure_future(self._import(arrival, hold)))
+            result, nbytes = await asyncio.shield(asyncio.ensure_future(self._import(arrival, hold, transfer)))
         except FrameError as e:
             self.metrics.failures.labels(reason="bad_frame").inc()
             raise APIError(400, f"bad KV frame: {e}") from None
@@ -135,10 +148,11 @@ class DecodeEndpoints:
         self.metrics.blocks.labels(kind="already_cached").inc(result["already_cached"])
         return JSONResponse(result)
 
-    async def _import(self, arrival: Any, hold: bool) -> tuple[dict[str, Any], int]:
+    async def _import(self, arrival: Any, hold: bool, transfer: str | None) -> tuple[dict[str, Any], int]:
         """The layers in so far verified (CRC) and copied into reserved pool blocks, then those that arrive next
-        (a worker thread: the engine's steps go on), then the blocks committed (``hold``: as a handoff); a
-        failure cancels: nothing imported, nothing held."""
+        (a worker thread: the engine's steps go on), then the blocks committed (``hold``: as a handoff, under
+        ``transfer`` if given; else ``transfer``'s request runs now); a failure cancels: nothing imported,
+        nothing held."""
         from fleetllm.disagg.frame import FrameReader
         from fleetllm.disagg.kv_io import cancel, check_fits, commit, reserve
 
@@ -166,8 +180,11 @@ class DecodeEndpoints:
                 await engine.call(lambda e: cancel(e, res))
             raise
         if hold:
-            return await self.worker.handoffs.commit(res), reader.size
-        return await engine.call(lambda e: commit(e, res)), reader.size
+            return await self.worker.handoffs.commit(res, None, transfer), reader.size
+        result = await engine.call(lambda e: commit(e, res))
+        if transfer is not None:
+            self.worker.handoffs.ended(transfer)
+        return result, reader.size
 
     async def _arrival(self, request: Request) -> Any:
         """Where the frame's bytes come from: the body, or the shared-memory file it names (whole, or being filled)."""
@@ -193,6 +210,15 @@ class DecodeEndpoints:
 
 def _int_or_none(v: Any) -> int | None:
     return v if isinstance(v, int) and not isinstance(v, bool) else None
+
+
+def _transfer(value: Any) -> str | None:
+    from fleetllm.disagg.handoffs import transfer_id
+
+    try:
+        return transfer_id(value)
+    except ValueError as e:
+        raise APIError(400, str(e), "transfer_id") from None
 
 
 def _check_shm(p: Path) -> None:

@@ -138,11 +138,12 @@ async def reserve(client: httpx.AsyncClient, url: str, header: FrameHeader, maps
 
 
 async def commit(client: httpx.AsyncClient, leg: DirectLeg, timeout: float,
-                 first: dict[str, Any] | None = None) -> dict[str, Any]:
+                 first: dict[str, Any] | None = None, transfer: str | None = None) -> dict[str, Any]:
     """The decode worker registers the written blocks (with ``first``, the prompt's first token: and holds them
-    for the request, a handoff); its answer (imported, already cached, dropped, the handoff's id).
-    Raises ``httpx.HTTPError``, or ValueError when the decode worker refuses (the lease was over)."""
-    r = await client.post(leg.url + "/pd/commit", json={"lease": leg.lease, "first": first}, timeout=timeout)
+    for the request, a handoff, under ``transfer`` if given); its answer (imported, already cached, dropped, the
+    handoff's id). Raises ``httpx.HTTPError``, or ValueError when the decode worker refuses (the lease was over)."""
+    r = await client.post(leg.url + "/pd/commit", json={"lease": leg.lease, "first": first, "transfer_id": transfer},
+                          timeout=timeout)
     if r.status_code != 200:
         raise ValueError(f"the decode worker refused the commit ({r.status_code}): {r.text[:200]}")
     return r.json()

@@ -92,15 +92,20 @@ class Leases:
             self._watch = asyncio.create_task(self._expire())
         return lease
 
-    async def commit(self, lease_id: str, first: dict[str, Any] | None = None) -> dict[str, Any] | None:
+    async def commit(self, lease_id: str, first: dict[str, Any] | None = None,
+                     transfer: str | None = None) -> dict[str, Any] | None:
         """Register the lease's full blocks as cached prefix blocks (with ``first``, the prompt's first token:
-        and hold every block as a handoff); None if the lease is over (expired, released, unknown)."""
+        and hold every block as a handoff, under ``transfer`` if given; without: ``transfer``'s request runs
+        now); None if the lease is over (expired, released, unknown)."""
         lease = self._held.pop(lease_id, None)
         if lease is None:
             return None
         if first is not None:
-            return await self.handoffs.commit(lease.res, first)
-        return await self.engine.call(lambda e: commit(e, lease.res))
+            return await self.handoffs.commit(lease.res, first, transfer)
+        result = await self.engine.call(lambda e: commit(e, lease.res))
+        if transfer is not None:
+            self.handoffs.ended(transfer)
+        return result
 
     async def release(self, lease_id: str) -> bool:
         """Free the lease's blocks unregistered; False if it was already over."""

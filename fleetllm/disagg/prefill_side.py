@@ -1,7 +1,7 @@
 """The prefill side of disaggregation: ``POST /pd/prefill`` (any role; the router sends it to prefill workers)::
 
     {"path": "/v1/chat/completions", "body": {...the client's request...}, "decode_url": "http://...",
-     "transfer": "shm" | "http", "request_id": "...", "timeout_s": 120}
+     "transfer": "shm" | "http", "request_id": "...", "timeout_s": 120, "transfer_id": "..."}
 
 computes the whole prompt's KV, samples its first token with the request's own parameters (what the
 colocated path's last prefill chunk would sample) and hands both over to the decode worker, which streams
@@ -23,7 +23,9 @@ cache are computed then (:func:`prefilled_tokens`). It answers ``{"blocks", "byt
 "transfer_s", "via", "handoff", ...}`` or an error status (502: the decode worker failed or refused):
 ``prefill_s`` runs until the first token is sampled, ``transfer_s`` from then to the decode worker's answer
 (what the overlap left exposed); ``handoff`` (absent when nothing was handed over) is the id the request is
-forwarded with (header :data:`.handoffs.HEADER`).
+forwarded with (header :data:`.handoffs.HEADER`). ``transfer_id`` (the router's, optional) names the
+transfer to the decode worker: the handoff is held under it, and a request already waiting there for it (the
+router forwards it while this runs) takes it at once.
 """
 
 from __future__ import annotations
@@ -93,7 +95,7 @@ class PrefillEndpoints:
         path, body, decode_url = req.get("path", ""), req.get("body"), req.get("decode_url")
         if not isinstance(body, dict) or not isinstance(decode_url, str):
             raise APIError(400, "give body (the request) and decode_url")
-        job = await self._job(path, body, req.get("request_id"))
+        job = await self._job(path, body, req.get("request_id"), _transfer_id(req.get("transfer_id")))
         via, timeout = req.get("transfer") or "http", float(req.get("timeout_s") or 60.0)
         if via == "shm":
             return await self._prefill_same_host(request, job, decode_url, timeout)
@@ -116,7 +118,7 @@ class PrefillEndpoints:
         finally:
             await _cancel(early)  # done by now unless something failed first: then its engine request is aborted
 
-    async def _job(self, path: str, body: dict[str, Any], request_id: Any) -> PrefillJob:
+    async def _job(self, path: str, body: dict[str, Any], request_id: Any, transfer: str | None) -> PrefillJob:
         """What to compute for ``body``: its whole prompt and first token when it is one sub-request (the
         colocated path's parameters: the first choice's seed), else the full blocks with one greedy token."""
         kind = "chat" if path.endswith("/chat/completions") else "text"
@@ -124,9 +126,9 @@ class PrefillEndpoints:
         params = await self.worker.request_params(kind, body)
         rid = f"pd-{request_id or uuid.uuid4().hex}"
         if len(prompts) == 1 and params.n == 1:
-            return PrefillJob(rid, prompts[0], replace(params.for_choice(0), max_tokens=1), True)
+            return PrefillJob(rid, prompts[0], replace(params.for_choice(0), max_tokens=1), True, transfer)
         ids = prefilled_tokens(prompts[0], self.worker.engine.pool.block_size)
-        return PrefillJob(rid, ids, SamplingParams(max_tokens=1, temperature=0.0), False)
+        return PrefillJob(rid, ids, SamplingParams(max_tokens=1, temperature=0.0), False, transfer)
 
     async def _prefill_frame(self, request: Request, job: PrefillJob, via: str, decode_url: str, timeout: float,
                              early: asyncio.Future[RequestOutput] | None = None, t0: float | None = None) -> Response:
@@ -135,7 +137,7 @@ class PrefillEndpoints:
         shipped = False
         try:
             # sent while the prefill computes: each layer as soon as it is sealed
-            sending = asyncio.create_task(self._send(frame, buf, decode_url, sealed, timeout, job.handoff))
+            sending = asyncio.create_task(self._send(frame, buf, decode_url, sealed, timeout, job))
             try:
                 computing = await self._tap(job, stream, early)
                 out = await self.worker.until_disconnect(request, self._finish(computing, stream))  # gave up: abort
@@ -220,7 +222,8 @@ class PrefillEndpoints:
             computing = await self._tap(job, stream, early)
             out = await self.worker.until_disconnect(request, self._finish(computing, stream))
             prefill_s, t1 = time.perf_counter() - t0, time.perf_counter()
-            result = await direct.commit(self._client(), leg, timeout, first_of(out) if job.handoff else None)
+            result = await direct.commit(self._client(), leg, timeout, first_of(out) if job.handoff else None,
+                                         job.transfer)
             committed = True
         except FrameError as e:  # the lease ended before the last layer was written
             self.metrics.failures.labels(reason="lease_lost").inc()
@@ -302,10 +305,10 @@ class PrefillEndpoints:
         return self._http
 
     async def _send(self, f: FrameBuffer, buf: Buffer, decode_url: str, sealed: asyncio.Queue[int],
-                    timeout: float, handoff: bool) -> httpx.Response:
+                    timeout: float, job: PrefillJob) -> httpx.Response:
         """POST the frame to the decode worker's ``/pd/kv``, each layer as soon as it is sealed: its bytes (HTTP),
-        or one byte saying so (shared memory: the decode worker maps the file being filled). ``handoff``: the
-        whole prompt, for the decode worker to hold for its request."""
+        or one byte saying so (shared memory: the decode worker maps the file being filled); for ``job``'s
+        transfer, and (a handoff) the whole prompt for the decode worker to hold for its request."""
         import httpx
 
         from fleetllm.disagg.arrival import SHM_STREAM
@@ -321,8 +324,9 @@ class PrefillEndpoints:
                 await sealed.get()
                 yield b"\x01" if shm else f.layer_piece(i) if i < f.header.num_layers else f.trailer_piece()
 
+        query = {**({"handoff": "1"} if job.handoff else {}), **({"transfer_id": job.transfer} if job.transfer else {})}
         return await self._post_decode(
-            decode_url, "/pd/kv" + ("?handoff=1" if handoff else ""), "KV transfer", "the KV frame", content=pieces(),
+            decode_url, "/pd/kv", "KV transfer", "the KV frame", params=query, content=pieces(),
             headers={"content-type": SHM_STREAM if shm else "application/octet-stream"},
             timeout=httpx.Timeout(timeout, connect=3.0))
 
@@ -335,6 +339,7 @@ class PrefillJob:
     ids: list[int]
     params: SamplingParams
     handoff: bool  # the whole prompt and its first token, for the decode worker to go on from
+    transfer: str | None = None  # the router's id of the transfer, if it named one
 
 
 async def _cancel(task: asyncio.Future[Any] | None) -> None:
@@ -345,6 +350,15 @@ async def _cancel(task: asyncio.Future[Any] | None) -> None:
     await asyncio.wait({task})
     if not task.cancelled():
         task.exception()  # retrieved: asyncio does not log it as lost
+
+
+def _transfer_id(value: Any) -> str | None:
+    from fleetllm.disagg.handoffs import transfer_id
+
+    try:
+        return transfer_id(value)
+    except ValueError as e:
+        raise APIError(400, str(e), "transfer_id") from None
 
 
 def first_of(out: RequestOutput) -> dict[str, Any]:

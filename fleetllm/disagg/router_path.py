@@ -3,19 +3,25 @@
 The decode worker is chosen first (by the router's policy); the prompt is prefilled remotely only when
 that worker lacks at least ``pd_threshold`` of its tokens (with ``auto``: when the P/D path is expected to
 cost less, see :mod:`fleetllm.disagg.pd_auto`) and some prefill worker has room (``prefill_max_inflight``);
-of those, the one that would finish first, counting what it already holds of the prompt. The prefill worker computes the KV and pushes it to the decode worker
-(``POST /pd/prefill``, see :mod:`fleetllm.disagg.prefill_side`) with the prompt's first token; the request
-then goes to the decode worker naming that handoff (header :data:`fleetllm.disagg.handoffs.HEADER`), which
-streams the first token at once and decodes on from it (without a handoff: it finds the full blocks in its
-prefix cache and computes the rest). Whatever goes wrong on the remote leg (prefill worker down,
-transfer refused, timeout), the request goes on with a local prefill: counted, and invisible to the
-client. Torch-free, like the rest of the router.
+of those, the one that would finish first, counting what it already holds of the prompt. The prefill worker
+computes the KV and pushes it to the decode worker (``POST /pd/prefill``, see
+:mod:`fleetllm.disagg.prefill_side`) with the prompt's first token, under a transfer id minted here. The
+request goes to the decode worker at once, naming that id and how long to wait for it (headers
+:data:`fleetllm.disagg.handoffs.HEADER`, :data:`~fleetllm.disagg.handoffs.WAIT_HEADER`): it waits there while
+the prefill runs and streams the first token as soon as the handoff is committed, so neither this hop nor the
+prefill worker's answer stands between the prefill and the first token. Whatever goes wrong on the remote leg
+(prefill worker down, transfer refused, timeout), the router tells the decode worker (``POST /pd/abandon``)
+and the request goes on there with a local prefill: counted, and invisible to the client. An attempt that
+ends first (the client left, the decode worker failed) cancels the remote leg. Torch-free, like the rest of
+the router.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
+import uuid
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlparse
@@ -23,6 +29,7 @@ from urllib.parse import urlparse
 import httpx
 
 from fleetllm.disagg.handoffs import HEADER as HANDOFF_HEADER
+from fleetllm.disagg.handoffs import WAIT_HEADER
 from fleetllm.disagg.pd_auto import AUTO, ArrivalRates, PdEstimate, PdMeasurements
 from fleetllm.router.forward import Forward
 from fleetllm.router.index import PrefixIndex
@@ -34,6 +41,8 @@ if TYPE_CHECKING:
     from fleetllm.router.gateway import RouterConfig
 
 log = logging.getLogger(__name__)
+
+HANDED_OVER = ("/v1/completions", "/v1/chat/completions")  # the endpoints whose requests wait for a handoff
 
 
 class RemotePrefill:
@@ -48,14 +57,16 @@ class RemotePrefill:
         self.on_failure = on_failure  # a prefill worker failed: its circuit breaker counts it
         self.measured = PdMeasurements(cfg.cost.prefill_tokens_per_s)  # what --pd-threshold auto decides on
         self.arrivals = ArrivalRates()  # requests/s routed to each worker, for auto's stall estimate
+        self._legs: set[asyncio.Task[None]] = set()  # remote prefills under way (the loop keeps weak references)
 
     async def maybe_disaggregate(self, d: Decision, fwd: Forward, prefill_pool: list[WorkerState]) -> Decision:
-        """``d`` with the prompt tokens its worker will find cached once the remote prefill (if any) is done.
-
-        The decode worker's load is counted from here on."""
+        """``d``, with the remote prefill started when it is to be taken: then the headers naming its transfer
+        and the prompt tokens its worker will find cached once it is done."""
         now = time.monotonic()
         arriving = self.arrivals.rate(d.worker.name, now)  # before this request: it delays nobody by itself
         self.arrivals.observe(d.worker.name, now)
+        if fwd.path not in HANDED_OVER:
+            return d
         d = self._with_reported_blocks(d, fwd.route)
         uncached = d.uncached_tokens(fwd.route)
         auto = self.cfg.pd_threshold == AUTO
@@ -70,26 +81,53 @@ class RemotePrefill:
         if auto and not self._wins(self.estimate(d.worker, p, uncached, computed, arriving)):
             self.metrics.pd_decisions.labels(decision="local").inc()
             return d
+        transfer = uuid.uuid4().hex
+        leg = asyncio.create_task(self._remote_leg(p, d.worker, fwd, computed, transfer))
+        self._legs.add(leg)
+        leg.add_done_callback(self._legs.discard)
+
+        def ended(answered: bool) -> None:
+            # unanswered (the client left, the decode worker failed): nobody waits for the KV any more;
+            # answered: the decode worker has stopped waiting, and the leg's own answer is still to be counted
+            if not answered:
+                leg.cancel()
+
+        headers = {HANDOFF_HEADER: transfer, WAIT_HEADER: f"{self.cfg.pd_timeout_s:g}"}
+        cached = max(d.cached_tokens, fwd.route.num_prompt_tokens - 1)  # all but the first token, once handed over
+        return Decision(d.worker, d.reason, cached, headers, ended)
+
+    async def _remote_leg(self, p: WorkerState, decode: WorkerState, fwd: Forward, computed: int,
+                          transfer: str) -> None:
+        """Prefill on ``p`` into ``decode`` under ``transfer``; on failure, tell ``decode`` to prefill itself."""
         t0 = time.perf_counter()
-        ok, detail, prefill_at_fault = await self._prefill(p, d.worker, fwd, computed)
+        try:
+            ok, detail, prefill_at_fault = await self._prefill(p, decode, fwd, computed, transfer)
+        except asyncio.CancelledError:  # the attempt ended first: no request waits for this any more
+            self.metrics.pd_decisions.labels(decision="cancelled").inc()
+            raise
         if not ok:
             self.metrics.pd_decisions.labels(decision="fallback").inc()
             self.metrics.errors.labels(kind="pd_prefill_failed").inc()
             if prefill_at_fault:
                 self.on_failure(p)
             log.warning("request %s: remote prefill on %s failed (%s); prefilling on %s", fwd.rid, p.name, detail,
-                        d.worker.name)
-            return d
+                        decode.name)
+            await self._abandon(decode, transfer)
+            return
         p.breaker.success()
         self._learn(p, computed, detail, time.perf_counter() - t0)
         self.metrics.pd_decisions.labels(decision="disaggregated").inc()
         self.metrics.pd_seconds.observe(time.perf_counter() - t0)
         self.metrics.pd_bytes.inc(detail.get("bytes", 0))
-        if isinstance(detail.get("handoff"), str):  # the decode worker holds the prompt and its first token
-            fwd.headers[HANDOFF_HEADER] = detail["handoff"]
-        shipped = (detail.get("imported", 0) + detail.get("already_cached", 0)) * fwd.route.block_size
-        cached = min(max(d.cached_tokens, shipped), max(fwd.route.num_prompt_tokens - 1, 0))
-        return Decision(d.worker, d.reason, cached)
+
+    async def _abandon(self, decode: WorkerState, transfer: str) -> None:
+        """The request waiting on ``decode`` for ``transfer`` prefills there now (else when its wait is over)."""
+        try:
+            await self.client.post(decode.url + "/pd/abandon", json={"transfer_id": transfer},
+                                   timeout=self.cfg.connect_timeout_s + 5.0)
+        except httpx.HTTPError as e:
+            log.warning("could not tell %s to give up transfer %s (%s): its request waits out its wait",
+                        decode.name, transfer, type(e).__name__)
 
     def estimate(self, decode: WorkerState, p: WorkerState, uncached: int, computed: int,
                  arrival_rate: float = 0.0) -> PdEstimate:
@@ -145,19 +183,18 @@ class RemotePrefill:
         p = min(free, key=finish_s)
         return p, computed[p.name]
 
-    async def _prefill(self, p: WorkerState, decode: WorkerState, fwd: Forward,
-                       uncached: int) -> tuple[bool, Any, bool]:
+    async def _prefill(self, p: WorkerState, decode: WorkerState, fwd: Forward, uncached: int,
+                       transfer: str) -> tuple[bool, Any, bool]:
         """Ask ``p`` to prefill and ship to ``decode``: (ok, its answer or why not, whether ``p`` is to blame)."""
         via = self.cfg.pd_transfer
         if via == "auto":
             via = "shm" if _host(p.url) == _host(decode.url) else "http"
-        decode.inflight += 1  # load counted at dispatch, including while its KV is being prepared elsewhere
         p.inflight += 1
         p.pending_prefill_tokens += uncached
         try:
             r = await self.client.post(p.url + "/pd/prefill", json={
                 "path": fwd.path, "body": fwd.body, "decode_url": decode.url, "transfer": via, "request_id": fwd.rid,
-                "timeout_s": self.cfg.pd_timeout_s}, headers={"x-request-id": fwd.rid},
+                "timeout_s": self.cfg.pd_timeout_s, "transfer_id": transfer}, headers={"x-request-id": fwd.rid},
                 timeout=httpx.Timeout(self.cfg.pd_timeout_s, connect=self.cfg.connect_timeout_s))
             ok = r.status_code == 200
             detail = r.json() if ok else r.text[:200]
@@ -167,7 +204,6 @@ class RemotePrefill:
         except (httpx.HTTPError, ValueError) as e:
             return False, f"{type(e).__name__}: {e}", True
         finally:
-            decode.inflight -= 1
             p.inflight -= 1
             p.pending_prefill_tokens -= uncached
 

@@ -4,7 +4,8 @@
   worker: straight into its shared pool (same host, :mod:`.direct`), else as a frame (shared memory or HTTP).
 - Decode side (:mod:`.decode_side`): ``POST /pd/kv`` imports a frame; ``POST /pd/reserve``, ``/pd/commit``
   and ``/pd/release`` hold, register and free pool blocks for a direct write (:mod:`.leases`); ``POST
-  /pd/first`` gives a handed-over prompt its first token (:mod:`.handoffs`).
+  /pd/first`` gives a handed-over prompt its first token and ``POST /pd/abandon`` ends a transfer the router
+  gave up (:mod:`.handoffs`).
 
 Torch is imported lazily: simulated workers (no torch) serve the same app without these endpoints working.
 """
@@ -43,6 +44,11 @@ class TransferMetrics:
         self.failures = Counter("fleetllm:kv_transfer_failures", "Failed transfers by reason.", ["reason"], registry=r)
         self.prefill_seconds = Histogram("fleetllm:pd_prefill_seconds", "Remote-prefill time on this worker, until "
                                          "its KV frame is complete.", buckets=_SECONDS, registry=r)
+        self.handoff_waits = Histogram("fleetllm:pd_handoff_wait_seconds", "Time a request forwarded during its "
+                                       "remote prefill waited for it, by how the wait ended: handed_over (its KV "
+                                       "and first token arrived), ended (plainly imported, or the router abandoned "
+                                       "the transfer: prefilled here), timeout.", ["outcome"], buckets=_SECONDS,
+                                       registry=r)
 
 
 def frame_body_cap(engine: LLMEngine) -> int:
@@ -71,5 +77,7 @@ def pd_routes(worker: Worker, options: TransferOptions | None = None) -> list[Ro
 
     metrics = LazyMetrics(worker)
     p, d = PrefillEndpoints(worker, metrics, options), DecodeEndpoints(worker, metrics)
+    worker.handoffs.observe = lambda outcome, s: metrics.get().handoff_waits.labels(outcome=outcome).observe(s)
+    decode = ("reserve", "commit", "release", "first", "abandon")
     return [Route("/pd/prefill", p.prefill, methods=["POST"]), Route("/pd/kv", d.receive, methods=["POST"]),
-            *(Route(f"/pd/{name}", getattr(d, name), methods=["POST"]) for name in ("reserve", "commit", "release", "first"))]
+            *(Route(f"/pd/{name}", getattr(d, name), methods=["POST"]) for name in decode)]

@@ -230,10 +230,10 @@ class Forwarder:
 
     async def _attempt(self, fwd: Forward, d: Decision) -> Response:
         w = d.worker
-        load = _Load(self, w, d.uncached_tokens(fwd.route))
+        load = _Load(self, w, d.uncached_tokens(fwd.route), d.on_end)
         self._dispatch(w, load.uncached, fwd.route)
         fwd.dispatched = time.perf_counter()
-        resp, chunks, first = await self._first_byte(fwd, w, load)
+        resp, chunks, first = await self._first_byte(fwd, w, load, d.headers)
         fwd.first_byte = time.perf_counter()
         load.first_byte()
         w.breaker.success()
@@ -262,14 +262,15 @@ class Forwarder:
             return Response(body, status_code=status, headers=out_headers)
         return StreamingResponse(self._relay(fwd, first, chunks, resp, load), status_code=status, headers=out_headers)
 
-    async def _first_byte(self, fwd: Forward, w: WorkerState,
-                          load: _Load) -> tuple[httpx.Response, AsyncIterator[bytes], bytes]:
-        """Send the request and wait for its first byte; on failure release the load and raise AttemptFailed."""
+    async def _first_byte(self, fwd: Forward, w: WorkerState, load: _Load,
+                          headers: dict[str, str]) -> tuple[httpx.Response, AsyncIterator[bytes], bytes]:
+        """Send the request (with ``headers`` for ``w`` only) and wait for its first byte; on failure release the
+        load and raise AttemptFailed."""
         timeout = httpx.Timeout(self.cfg.request_timeout_s, connect=self.cfg.connect_timeout_s)
         try:
             resp = await _unless_lost(w, self.client.send(
-                self.client.build_request("POST", w.url + fwd.path, content=fwd.raw, headers=fwd.headers,
-                                          timeout=timeout),
+                self.client.build_request("POST", w.url + fwd.path, content=fwd.raw,
+                                          headers={**fwd.headers, **headers}, timeout=timeout),
                 stream=True))
         except (httpx.HTTPError, WorkerLost) as e:
             load.release()
@@ -381,8 +382,9 @@ async def _unless_lost(w: WorkerState, aw: Awaitable[T]) -> T:
 class _Load:
     """The load one attempt puts on its worker: pending prefill until the first byte, then decoding."""
 
-    def __init__(self, forwarder: Forwarder, w: WorkerState, uncached: int) -> None:
-        self.forwarder, self.worker, self.uncached = forwarder, w, uncached
+    def __init__(self, forwarder: Forwarder, w: WorkerState, uncached: int,
+                 on_end: Callable[[bool], None] | None = None) -> None:
+        self.forwarder, self.worker, self.uncached, self.on_end = forwarder, w, uncached, on_end
         self.first_seen = False
 
     def first_byte(self) -> None:
@@ -398,6 +400,8 @@ class _Load:
         else:
             w.pending_prefill_tokens -= self.uncached
         self.forwarder.load_changed(w)
+        if self.on_end is not None:
+            self.on_end(self.first_seen)
 
 
 def _pinned(fwd: Forward, candidates: list[WorkerState]) -> Decision | None:

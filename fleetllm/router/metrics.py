@@ -61,10 +61,11 @@ class RouterMetrics:
         """Disaggregated prefill/decode: placement decisions, estimates and the transfer."""
         self.pd_decisions = Counter("fleetllm_router_pd_decisions", "Prefill placement per request: disaggregated "
                                     "(remote prefill + KV transfer), local (below the threshold), saturated (no "
-                                    "prefill worker free), fallback (the remote leg failed; prefilled locally).",
+                                    "prefill worker free), fallback (the remote leg failed; prefilled locally), "
+                                    "cancelled (the request ended first).",
                                     ["decision"], registry=r)
-        self.pd_seconds = Histogram("fleetllm_router_pd_prefill_seconds", "Remote prefill plus KV transfer, as the "
-                                    "router waited for it.", buckets=_TTFB, registry=r)
+        self.pd_seconds = Histogram("fleetllm_router_pd_prefill_seconds", "Remote prefill plus KV transfer, until the "
+                                    "prefill worker answered.", buckets=_TTFB, registry=r)
         self.pd_auto = Counter("fleetllm_router_pd_auto_decisions", "--pd-threshold auto: requests whose estimates "
                                "favoured the P/D path (disaggregated) or a local prefill (local).", ["decision"],
                                registry=r)

@@ -33,6 +33,8 @@ from typing import TYPE_CHECKING, Protocol
 from fleetllm.router.index import PrefixIndex
 
 if TYPE_CHECKING:  # httpx, which upstream imports, is no part of a worker's start (the CLI imports this module)
+    from collections.abc import Callable
+
     from fleetllm.router.upstream import WorkerState
 
 
@@ -57,6 +59,8 @@ class Decision:
     worker: WorkerState
     reason: str
     cached_tokens: int = 0  # the router's estimate of this request's prefix hit on ``worker``
+    headers: dict[str, str] = field(default_factory=dict)  # sent to ``worker`` only (a P/D handoff's id)
+    on_end: Callable[[bool], None] | None = None  # once the attempt on ``worker`` ended: whether it answered
 
     def uncached_tokens(self, req: RouteRequest) -> int:
         return max(0, req.num_prompt_tokens - self.cached_tokens)

@@ -35,7 +35,7 @@ from starlette.routing import Route
 from fleetllm.capture.worker_tap import open_worker_tap
 from fleetllm.disagg.config import TransferOptions
 from fleetllm.disagg.handoffs import HEADER as HANDOFF_HEADER
-from fleetllm.disagg.handoffs import Handoffs
+from fleetllm.disagg.handoffs import Handoffs, wait_of
 from fleetllm.disagg.routes import frame_body_cap, pd_routes
 from fleetllm.engine.async_engine import AsyncEngine, EngineFailed
 from fleetllm.engine.omp_team import serial_executor
@@ -225,9 +225,10 @@ class Worker:
         return self.engine.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
 
     async def _run(self, request: Request, rid: str, kind: str, prompts: list[list[int]], params: SamplingParams,
-                   handoff: str | None = None) -> AsyncIterator[tuple[int, RequestOutput]]:
+                   handoff: str | None = None, handoff_wait_s: float = 0.0) -> AsyncIterator[tuple[int, RequestOutput]]:
         """Run every (prompt x n) sub-request; yield (choice index, output) as they arrive. ``handoff``: the id
-        of the prompt's prefill elsewhere (disaggregated serving), taken over when it is the one sub-request.
+        of the prompt's prefill elsewhere (disaggregated serving), taken over when it is the one sub-request;
+        waited for up to ``handoff_wait_s`` first (the router forwards the request while it computes).
 
         When it ends (finished, failed or abandoned) the request is logged and traced."""
         start = time.monotonic()
@@ -254,8 +255,11 @@ class Worker:
             finally:
                 await merged.put(None)
 
-        tasks = [asyncio.create_task(pump(*s)) for s in subs]
+        tasks: list[asyncio.Task[None]] = []
         try:
+            if handoff and handoff_wait_s > 0:  # its KV (handed over or plainly imported) before any prefill here
+                await self.handoffs.wait(handoff, handoff_wait_s)
+            tasks = [asyncio.create_task(pump(*s)) for s in subs]
             remaining = len(tasks)
             while remaining:
                 item = await merged.get()
@@ -378,7 +382,8 @@ class Worker:
         headers = {"x-request-id": rid, request_id.HEADER: fid}
         request.state.fleet_id = fid  # for the request's log line
         timeout = request_timeout(body, request.headers)
-        gen = self._run(request, rid, kind, prompts, params, request.headers.get(HANDOFF_HEADER))
+        gen = self._run(request, rid, kind, prompts, params, request.headers.get(HANDOFF_HEADER),
+                       wait_of(request.headers))
         if timeout is not None:
             gen = _until(gen, time.monotonic() + timeout, timeout)
         try:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -144,3 +145,90 @@ def test_only_the_full_blocks_of_a_handed_over_prompt_are_prefix_hits(pd):
     answer(pd["decode"].url, body, handed_over(pd, body))
     longer = {**body, "prompt": body["prompt"] + [200] * 40}  # shares the handed-over prompt, and more
     assert answer(pd["decode"].url, longer)["usage"]["prompt_tokens_details"]["cached_tokens"] == 4 * BLOCK
+
+
+# The router forwards the request as soon as the remote prefill starts (naming the transfer it minted and how
+# long to wait): the decode worker holds the request until the handoff is in, the transfer ends without one,
+# or the wait is over.
+
+def waits(pd: dict, outcome: str) -> float:
+    """How many requests on the decode worker ended their wait for a transfer with ``outcome``."""
+    name = f'fleetllm:pd_handoff_wait_seconds_count{{outcome="{outcome}"}}'
+    text = httpx.get(pd["decode"].url + "/metrics", timeout=10).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
+
+
+def early(pd: dict, body: dict, transfer: str, wait_s: float = 60.0, decode: str = "decode",
+          then: object = None) -> dict:  # noqa: ANN001
+    """``body`` sent to the decode worker naming ``transfer`` before ``then()`` (the prefill, an abandon) runs."""
+    with ThreadPoolExecutor(1) as pool:
+        waiting = pool.submit(httpx.post, pd[decode].url + "/v1/completions", json=body, timeout=120,
+                              headers={HANDOFF: transfer, handoffs.WAIT_HEADER: str(wait_s)})
+        time.sleep(0.3)  # the request is in, waiting
+        assert not waiting.done()
+        if then is not None:
+            then()
+        r = waiting.result()
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def prefill(pd: dict, body: dict, transfer: str, decode: str = "decode") -> dict:
+    r = httpx.post(pd["prefill"].url + "/pd/prefill", timeout=120, json={
+        "path": "/v1/completions", "body": body, "decode_url": pd[decode].url, "transfer": "shm",
+        "transfer_id": transfer})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+@pytest.mark.parametrize("via", ["decode", "private"])
+def test_a_request_forwarded_before_its_prefill_waits_for_the_handoff(pd, via):
+    body = completion(4 * BLOCK + 5, 20 + len(via))
+    before = waits(pd, "handed_over") if via == "decode" else None
+    got = early(pd, body, f"t-early-{via}", decode=via, then=lambda: prefill(pd, body, f"t-early-{via}", via))
+    assert got["choices"] == answer(pd["colocated"].url, body)["choices"]
+    assert got["usage"]["prompt_tokens_details"]["cached_tokens"] == got["usage"]["prompt_tokens"]  # none computed here
+    if before is not None:
+        assert waits(pd, "handed_over") == before + 1
+    no_blocks_held(pd[via])
+
+
+def test_an_abandoned_transfer_lets_its_waiting_request_prefill_here(pd):
+    body = completion(70, 22)
+    before = waits(pd, "ended")
+
+    def abandon() -> None:
+        r = httpx.post(pd["decode"].url + "/pd/abandon", json={"transfer_id": "t-gone"}, timeout=10)
+        assert r.status_code == 200, r.text
+
+    got = early(pd, body, "t-gone", then=abandon)
+    assert got["choices"] == answer(pd["colocated"].url, body)["choices"]
+    assert got["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert waits(pd, "ended") == before + 1
+    # the prefill finishing late (the router had given up on it) holds nothing for anyone
+    assert "handoff" not in prefill(pd, body, "t-gone")
+    no_blocks_held(pd["decode"])
+
+
+def test_a_request_whose_transfer_never_comes_prefills_here_once_its_wait_is_over(pd):
+    body = completion(40, 23)
+    before = waits(pd, "timeout")
+    got = early(pd, body, "t-never", wait_s=0.5)
+    assert got["choices"] == answer(pd["colocated"].url, body)["choices"] and waits(pd, "timeout") == before + 1
+
+
+def test_a_request_of_several_choices_waits_for_the_plain_import(pd):
+    body = {**completion(4 * BLOCK + 3, 24), "n": 2, "temperature": 0.8, "seed": 3}
+    got = early(pd, body, "t-two", then=lambda: prefill(pd, body, "t-two"))
+    # nothing handed over (two choices), but the full blocks were imported before the request ran
+    assert got["usage"]["prompt_tokens_details"]["cached_tokens"] == 4 * BLOCK
+    assert got["choices"] == answer(pd["colocated"].url, body)["choices"]
+    no_blocks_held(pd["decode"])
+
+
+@pytest.mark.parametrize("path", ["/pd/abandon", "/pd/prefill"])
+def test_a_malformed_transfer_id_is_refused_by_name(pd, path):
+    r = httpx.post(pd["prefill"].url + path, json={"transfer_id": "../etc", "path": "/v1/completions",
+                                                   "body": completion(20, 25), "decode_url": pd["decode"].url},
+                   timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "transfer_id"

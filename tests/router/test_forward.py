@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import Callable
 
 import httpx
 
+from fleetllm.disagg.handoffs import HEADER as HANDOFF
+from fleetllm.disagg.handoffs import WAIT_HEADER
 from fleetllm.disagg.router_path import RemotePrefill
 from fleetllm.router.forward import Forward, Forwarder
 from fleetllm.router.gateway import RouterConfig
@@ -102,27 +105,100 @@ def test_a_prompt_below_the_threshold_is_prefilled_locally() -> None:
     assert asyncio.run(pd.maybe_disaggregate(d, request(prompt_tokens=50), workers("p", role="prefill"))) == d
 
 
-def test_a_remote_prefill_credits_the_shipped_blocks_to_the_decode_worker() -> None:
-    pd, _ = remote_prefill(lambda r: httpx.Response(200, json={"bytes": 10, "imported": 5, "already_cached": 1}),
-                           pd_threshold=100)
-    d = Decision(workers("d")[0], "balance")
-    got = asyncio.run(pd.maybe_disaggregate(d, request(prompt_tokens=200), workers("p", role="prefill")))
-    assert got.worker is d.worker and got.cached_tokens == 6 * 16
+class Upstreams:
+    """Fake workers: each request's URL path, body and headers kept; answers from ``answer``."""
+
+    def __init__(self, answer: Callable[[httpx.Request], httpx.Response]) -> None:
+        self.answer = answer
+        self.seen: list[tuple[str, str, dict, dict[str, str]]] = []
+
+    async def __call__(self, r: httpx.Request) -> httpx.Response:
+        body = json.loads(r.content) if r.content else {}
+        self.seen.append((r.url.host, r.url.path, body, dict(r.headers)))
+        await asyncio.sleep(0.01)
+        return self.answer(r)
+
+    def posts(self, path: str) -> list[dict]:
+        return [b for _, p, b, _ in self.seen if p == path]
 
 
-def test_a_failed_remote_prefill_falls_back_to_local_and_blames_the_prefill_worker() -> None:
-    pd, failed = remote_prefill(lambda r: httpx.Response(500, text="boom"), pd_threshold=100)
-    d = Decision(workers("d")[0], "balance")
-    pool = workers("p", role="prefill")
-    assert asyncio.run(pd.maybe_disaggregate(d, request(prompt_tokens=200), pool)) == d
+def leg_outcome(pd: RemotePrefill, d: Decision, fwd: Forward, pool: list[WorkerState]) -> Decision:
+    """The decision, once its remote leg (if one started) has ended."""
+    async def run() -> Decision:
+        got = await pd.maybe_disaggregate(d, fwd, pool)
+        await asyncio.gather(*pd._legs)
+        return got
+
+    return asyncio.run(run())
+
+
+def test_a_remote_prefill_sends_the_request_on_at_once_naming_its_transfer() -> None:
+    up = Upstreams(lambda r: httpx.Response(200, json={"bytes": 10, "imported": 12, "already_cached": 0}))
+    pd, _ = remote_prefill(up, pd_threshold=100)
+    d, pool = Decision(workers("d")[0], "balance"), workers("p", role="prefill")
+    got = leg_outcome(pd, d, request(prompt_tokens=200), pool)
+    (sent,) = up.posts("/pd/prefill")
+    assert got.worker is d.worker and got.headers[HANDOFF] == sent["transfer_id"]
+    assert float(got.headers[WAIT_HEADER]) == RouterConfig(workers=[]).pd_timeout_s
+    assert got.cached_tokens == 199  # all but the first token, handed over
+    assert up.posts("/pd/abandon") == [] and no_load(pool + [d.worker])
+    assert pd.metrics.pd_decisions.labels(decision="disaggregated")._value.get() == 1
+
+
+def test_a_failed_remote_prefill_is_abandoned_on_the_decode_worker_and_blames_the_prefill_worker() -> None:
+    up = Upstreams(lambda r: httpx.Response(500, text="boom"))
+    pd, failed = remote_prefill(up, pd_threshold=100)
+    d, pool = Decision(workers("d")[0], "balance"), workers("p", role="prefill")
+    got = leg_outcome(pd, d, request(prompt_tokens=200), pool)
+    (sent,) = up.posts("/pd/prefill")
+    # the request waiting on the decode worker for this transfer is told to prefill there now
+    assert up.posts("/pd/abandon") == [{"transfer_id": sent["transfer_id"]}] == [{"transfer_id": got.headers[HANDOFF]}]
+    assert [h for h, path, _, _ in up.seen if path == "/pd/abandon"] == ["d"]
     assert failed == pool and no_load(pool + [d.worker])
+    assert pd.metrics.pd_decisions.labels(decision="fallback")._value.get() == 1
 
 
 def test_a_refused_transfer_does_not_blame_the_prefill_worker() -> None:
-    pd, failed = remote_prefill(lambda r: httpx.Response(502, text="decode refused"), pd_threshold=100)
-    d = Decision(workers("d")[0], "balance")
-    assert asyncio.run(pd.maybe_disaggregate(d, request(prompt_tokens=200), workers("p", role="prefill"))) == d
-    assert failed == []
+    up = Upstreams(lambda r: httpx.Response(502, text="decode refused"))
+    pd, failed = remote_prefill(up, pd_threshold=100)
+    leg_outcome(pd, Decision(workers("d")[0], "balance"), request(prompt_tokens=200), workers("p", role="prefill"))
+    assert failed == [] and len(up.posts("/pd/abandon")) == 1
+
+
+def test_an_attempt_ended_unanswered_cancels_its_remote_leg_and_an_answered_one_does_not() -> None:
+    async def slow(r: httpx.Request) -> httpx.Response:
+        await asyncio.sleep(0.3)
+        return httpx.Response(200, json={"imported": 1})
+
+    async def run(answered: bool) -> tuple[RemotePrefill, list[WorkerState]]:
+        pd, _ = remote_prefill(slow, pd_threshold=100)
+        pool = workers("p", role="prefill")
+        got = await pd.maybe_disaggregate(Decision(workers("d")[0], "balance"), request(prompt_tokens=200), pool)
+        await asyncio.sleep(0.05)
+        assert pool[0].inflight == 1  # the prefill is under way
+        assert got.on_end is not None
+        got.on_end(answered)
+        await asyncio.gather(*pd._legs, return_exceptions=True)
+        return pd, pool
+
+    pd, pool = asyncio.run(run(False))
+    assert pd.metrics.pd_decisions.labels(decision="cancelled")._value.get() == 1 and no_load(pool)
+    pd, pool = asyncio.run(run(True))
+    assert pd.metrics.pd_decisions.labels(decision="disaggregated")._value.get() == 1 and no_load(pool)
+
+
+def test_a_decisions_headers_go_to_its_worker_only_not_to_a_retry() -> None:
+    up = Upstreams(lambda r: httpx.Response(500, json={}) if r.url.host == "a" else httpx.Response(200, stream=Chunks(b"{}")))
+    ends: list[bool] = []
+    fw = forwarder(up)
+
+    async def prepare(d: Decision) -> Decision:
+        return Decision(d.worker, d.reason, 0, {HANDOFF: "t1"}, ends.append)
+
+    resp = asyncio.run(fw.forward(request(), workers("a", "b"), RoundRobin(), prepare))
+    assert resp.status_code == 200
+    assert [(h, HANDOFF in hdrs) for h, _, _, hdrs in up.seen] == [("a", True), ("b", False)]
+    assert ends == [False]  # the attempt on a ended without an answer
 
 
 def test_a_request_waiting_on_a_worker_that_stopped_answering_health_checks_is_retried_elsewhere() -> None:
