@@ -11,11 +11,12 @@
    into them (what the prefill does while it computes), then the commit. Exposed: the commit's round trip
    (nothing is left to copy or check); the reservation (as the prefill starts: a prompt longer than one step's
    token budget computes its first chunk meanwhile) and the writes (during it) are shown as their own rows.
-2. **TTFT**: a prefill worker and a decode worker (one torch thread each) behind a router disaggregating
-   every prompt of >= 1024 uncached tokens. Fresh 2048-token prompts, in turn straight to the decode worker
-   (local prefill), through the router (remote prefill + transfer) and through a second router in front of
-   the decode worker alone (local prefill with the router's hop, as a fleet without P/D serves it), 1 output
-   token, streamed.
+2. **TTFT**: a prefill worker and a decode worker (one torch thread each, pinned to cores 0 and 1 where the
+   machine has two) behind a router disaggregating every prompt of >= 1024 uncached tokens. Fresh
+   2048-token prompts, in turn straight to the decode worker (local prefill), through the router (remote
+   prefill + transfer) and through a second router in front of the decode worker alone (local prefill with
+   the router's hop, as a fleet without P/D serves it), 1 output token, streamed; each round starts with the
+   next path (no path always first), and each round's remote/local ratio is reported too.
    ``--control-pairs N``: N more pairs prefilled locally on each worker, no P/D: how far two identical
    workers differ on this machine (the noise the remote/local ratio sits in).
 3. **Quality**: greedy outputs after importing fp32, fp16 and bf16 frames of an fp32 pool vs a local prefill.
@@ -78,7 +79,8 @@ def start(args: list[str], url: str, pythonpath: Path, log: Path) -> subprocess.
 
 def worker(port: int, role: str, pythonpath: Path, log_dir: Path) -> subprocess.Popen[bytes]:
     # main refuses request bodies over 16 MiB, KV frames too: raised so that its HTTP path can be measured
-    return start(["worker", "--port", str(port), "--role", role, "--num-threads", "1", "--log-level", "warning",
+    pin = ["--cpus", "0" if role == "prefill" else "1"] if (os.cpu_count() or 1) >= 2 else []
+    return start(["worker", "--port", str(port), "--role", role, "--num-threads", "1", "--log-level", "warning", *pin,
                   "--kv-cache-gb", str(POOL_BYTES / (1 << 30)),
                   "--max-body-bytes", str(1 << 30)],
                  f"http://127.0.0.1:{port}", pythonpath, log_dir / f"worker-{port}.log")
@@ -216,13 +218,15 @@ def ttft(urls: dict[str, str], tokens: int, repeats: int, seed: int) -> dict[str
     rounds: e.g. a local prefill on the decode worker against a remote one through the router."""
     rng = random.Random(seed)
     out: dict[str, list[float]] = {name: [] for name in urls}
-    for _ in range(repeats):
-        for name, url in urls.items():
+    names = list(urls)
+    for r in range(repeats):
+        for name in names[r % len(names):] + names[: r % len(names)]:  # each path first in turn
+            url = urls[name]
             prompt = [rng.randrange(100, 40000) for _ in range(tokens)]
             body = {"model": MODEL, "prompt": prompt, "max_tokens": 1, "temperature": 0, "stream": True}
             t0 = time.perf_counter()
-            with httpx.stream("POST", url + "/v1/completions", json=body, timeout=600) as r:
-                for line in r.iter_lines():
+            with httpx.stream("POST", url + "/v1/completions", json=body, timeout=600) as resp:
+                for line in resp.iter_lines():
                     if line.startswith("data: {"):
                         out[name].append(time.perf_counter() - t0)
                         break
