@@ -19,6 +19,7 @@ import httpx
 import pytest
 import torch
 
+from fleetllm.disagg import shared_pool
 from fleetllm.disagg.direct import PoolTarget
 from fleetllm.disagg.frame import FrameError, FrameHeader
 from fleetllm.disagg.handoffs import HEADER as HANDOFF
@@ -291,6 +292,30 @@ def test_prefaulting_maps_the_blocks_pages_into_this_process():
         before = _shared_pages()
         maps.prefault(layout, list(range(32)))  # half the pool: 4 x 32 blocks x 3 pages
         assert _shared_pages() - before >= 4 * 32 * 3
+    finally:
+        f.close()
+
+
+def test_a_block_prefaulted_once_is_not_walked_again(monkeypatch):
+    f = SharedKVFile(shm_dir(), 2 * 2 * 8 * 16 * 3 * 64 * 4)
+    try:
+        layout = PoolLayout(str(f.path), 2, 8, 16, 3, 64, "float32")
+        maps = PoolMaps()
+        maps.layers(layout)
+        maps.prefault(layout, [1, 2])
+        calls: list[int] = []
+        real = shared_pool._libc()
+
+        class Counting:
+            def madvise(self, addr, length, advice):  # noqa: ANN001, ANN202 - libc's signature
+                calls.append(length.value)
+                return real.madvise(addr, length, advice)
+
+        monkeypatch.setattr(shared_pool, "_libc", lambda: Counting())
+        maps.prefault(layout, [1, 2])
+        assert calls == []  # mapped already: nothing to do
+        maps.prefault(layout, [2, 3])
+        assert len(calls) == 2 * 2 and all(n <= 16 * 3 * 64 * 4 + 4096 for n in calls)  # block 3 alone, K and V per layer
     finally:
         f.close()
 
