@@ -30,6 +30,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from fleetllm.disagg.buffers import PREFIX
+from fleetllm.disagg.handoffs import transfer_id
 from fleetllm.disagg.routes import SHM_DIR, LazyMetrics, TransferMetrics
 from fleetllm.server.protocol import APIError
 
@@ -95,7 +96,7 @@ class DecodeEndpoints:
         prompt's first token, hold them as a handoff too."""
         spec = await self.worker.request_body(request)
         first = spec.get("first") if isinstance(spec.get("first"), dict) else None
-        transfer = _transfer(spec.get("transfer_id"))
+        transfer = transfer_id(spec.get("transfer_id"))
         result = await asyncio.shield(self.leases.commit(str(spec.get("lease")), first, transfer))
         if result is None:
             self.metrics.failures.labels(reason="lease_over").inc()
@@ -114,7 +115,7 @@ class DecodeEndpoints:
 
     async def abandon(self, request: Request) -> Response:
         """The router gave the transfer up (its remote leg failed): the request waiting for it runs now."""
-        transfer = _transfer((await self.worker.request_body(request)).get("transfer_id"))
+        transfer = transfer_id((await self.worker.request_body(request)).get("transfer_id"))
         if transfer is None:
             raise APIError(400, "give the transfer's id", "transfer_id")
         self.worker.handoffs.ended(transfer)
@@ -130,7 +131,7 @@ class DecodeEndpoints:
         from fleetllm.disagg.frame import FrameError
 
         t0 = time.perf_counter()
-        transfer = _transfer(request.query_params.get("transfer_id"))
+        transfer = transfer_id(request.query_params.get("transfer_id"))
         arrival = await self._arrival(request)
         try:
             # shielded: a client gone mid-import must not leave pool blocks reserved or half written
@@ -210,15 +211,6 @@ class DecodeEndpoints:
 
 def _int_or_none(v: Any) -> int | None:
     return v if isinstance(v, int) and not isinstance(v, bool) else None
-
-
-def _transfer(value: Any) -> str | None:
-    from fleetllm.disagg.handoffs import transfer_id
-
-    try:
-        return transfer_id(value)
-    except ValueError as e:
-        raise APIError(400, str(e), "transfer_id") from None
 
 
 def _check_shm(p: Path) -> None:

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 from fleetllm.engine.handoff import Handoff
 from fleetllm.engine.outputs import TokenLogprob
+from fleetllm.server.protocol import APIError
 
 if TYPE_CHECKING:
     from fleetllm.disagg.kv_io import Reservation
@@ -168,11 +169,11 @@ class Handoffs:
 
 
 def transfer_id(value: Any) -> str | None:
-    """A transfer id as a prefill worker or the router may name it (None: absent); ValueError if malformed."""
+    """A transfer id as the router names it (None: absent); a 400 naming ``transfer_id`` if malformed."""
     if value is None:
         return None
     if not isinstance(value, str) or not _ID.fullmatch(value):
-        raise ValueError("a transfer id is 1-64 letters, digits, '-' or '_'")
+        raise APIError(400, "a transfer id is 1-64 letters, digits, '-' or '_'", "transfer_id")
     return value
 
 

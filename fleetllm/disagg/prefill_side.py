@@ -43,6 +43,7 @@ from starlette.responses import JSONResponse, Response
 
 from fleetllm.disagg.buffers import Buffer, FrameBuffers
 from fleetllm.disagg.config import TransferOptions
+from fleetllm.disagg.handoffs import transfer_id
 from fleetllm.disagg.routes import SHM_DIR, LazyMetrics, TransferMetrics
 from fleetllm.engine.outputs import RequestOutput
 from fleetllm.engine.params import SamplingParams
@@ -95,7 +96,7 @@ class PrefillEndpoints:
         path, body, decode_url = req.get("path", ""), req.get("body"), req.get("decode_url")
         if not isinstance(body, dict) or not isinstance(decode_url, str):
             raise APIError(400, "give body (the request) and decode_url")
-        job = await self._job(path, body, req.get("request_id"), _transfer_id(req.get("transfer_id")))
+        job = await self._job(path, body, req.get("request_id"), transfer_id(req.get("transfer_id")))
         via, timeout = req.get("transfer") or "http", float(req.get("timeout_s") or 60.0)
         if via == "shm":
             return await self._prefill_same_host(request, job, decode_url, timeout)
@@ -350,15 +351,6 @@ async def _cancel(task: asyncio.Future[Any] | None) -> None:
     await asyncio.wait({task})
     if not task.cancelled():
         task.exception()  # retrieved: asyncio does not log it as lost
-
-
-def _transfer_id(value: Any) -> str | None:
-    from fleetllm.disagg.handoffs import transfer_id
-
-    try:
-        return transfer_id(value)
-    except ValueError as e:
-        raise APIError(400, str(e), "transfer_id") from None
 
 
 def first_of(out: RequestOutput) -> dict[str, Any]:
