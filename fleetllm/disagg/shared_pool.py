@@ -73,8 +73,8 @@ class PoolMaps:
     """Writable mappings of decode workers' pool files, one per file while it exists and its worker runs."""
 
     def __init__(self) -> None:
-        self._maps: dict[str, tuple[tuple[int, int], mmap.mmap, Layers]] = {}
-        self._mapped: dict[str, set[int]] = {}  # per mapping, the blocks whose pages are mapped here already
+        # per file: its (device, inode), the mapping, its per-layer views, the blocks whose pages it maps already
+        self._maps: dict[str, tuple[tuple[int, int], mmap.mmap, Layers, set[int]]] = {}
         self._lock = threading.Lock()
 
     def layers(self, layout: PoolLayout) -> Layers:
@@ -96,8 +96,7 @@ class PoolMaps:
             2 * layout.num_layers, layout.num_blocks, layout.block_size, layout.num_kv_heads, layout.head_dim)
         views = [(t[2 * i], t[2 * i + 1]) for i in range(layout.num_layers)]
         with self._lock:
-            self._maps[layout.path] = ((st.st_dev, st.st_ino), m, views)
-            self._mapped[layout.path] = set()
+            self._maps[layout.path] = ((st.st_dev, st.st_ino), m, views, set())
         return views
 
     def prefault(self, layout: PoolLayout, blocks: list[int]) -> None:
@@ -110,10 +109,11 @@ class PoolMaps:
         block done once stays mapped (the mapping is kept, the pool never gives pages back): it is skipped,
         where walking its pages again would still cost 4-7 ms a prompt (on a pinned worker, its core's)."""
         with self._lock:
-            held, mapped = self._maps.get(layout.path), self._mapped.get(layout.path, set())
+            held = self._maps.get(layout.path)
+            if held is None:
+                return
+            mapped = held[3]
             todo = sorted({b for b in blocks if b >= 0} - mapped)
-        if held is None:
-            return
         base, per_block = held[2][0][0].data_ptr(), layout.nbytes // (2 * layout.num_layers * layout.num_blocks)
         for first, count in _runs(todo):
             for half in range(2 * layout.num_layers):
@@ -129,12 +129,10 @@ class PoolMaps:
         """Drop the mapping of ``path`` (its worker failed): unmapped once no transfer writes through it."""
         with self._lock:
             self._maps.pop(path, None)
-            self._mapped.pop(path, None)
 
     def _prune(self) -> None:
         for path in [p for p in self._maps if not _usable(Path(p))]:
             del self._maps[path]
-            self._mapped.pop(path, None)
         remove_stale_pools(shm_dir())
 
 
