@@ -160,3 +160,10 @@ def chromium() -> Iterator[Any]:
     finally:
         driver.quit()
         shutil.rmtree(profile, ignore_errors=True)
+
+
+def points(driver: Any, card: str) -> int:
+    """Chart points (or table rows) on a dashboard card; 0 while the card is not on the page yet: a tab's click
+    builds its view on the next hashchange event, which can come after the click returns."""
+    cards = driver.find_elements("id", "card-" + card)
+    return int(cards[0].get_attribute("data-points")) if cards else 0

@@ -19,7 +19,7 @@ from typing import Any
 
 import httpx
 import pytest
-from obs_tools import ROOT, Fleet, Prometheus, artifacts_dir, chromium, need, run_bench
+from obs_tools import ROOT, Fleet, Prometheus, artifacts_dir, chromium, need, points, run_bench
 from otlp_sink import OTLPSink
 
 SENT = 12  # requests of the first load; round robin puts half in each zone
@@ -146,13 +146,6 @@ const m = window.fleetDashboard.parseMetrics(text);
 const x = m.get("x")[0];
 return {label: x.labels.a, inf: String(x.value), nan: Number.isNaN(m.get("y")[0].value), bare: m.get("z")[0].value};
 """
-
-
-def points(driver: Any, card: str) -> int:
-    """Chart points (or table rows) on a card; 0 while the card is not on the page yet: a tab's click
-    builds its view on the next hashchange event, which can come after the click returns."""
-    cards = driver.find_elements("id", "card-" + card)
-    return int(cards[0].get_attribute("data-points")) if cards else 0
 
 
 def test_dashboard_renders_three_views_with_data_and_no_console_errors(fleet: Fleet, prom: Prometheus,

@@ -9,16 +9,11 @@ import time
 import httpx
 import pytest
 from fleet_helpers import router, wait_state
-from obs_tools import chromium
+from obs_tools import chromium, points
 
 pytestmark = pytest.mark.slow  # a browser
 
 PANELS = {"performance": "pd_latency", "capacity": "pd_decisions", "reliability": "pd_waits"}
-
-
-def points(driver, card: str) -> int:  # noqa: ANN001 - a selenium driver
-    cards = driver.find_elements("id", "card-" + card)
-    return int(cards[0].get_attribute("data-points")) if cards else 0
 
 
 def test_the_dashboard_shows_prefill_placement_remote_prefills_and_handoff_waits(worker_factory):
