@@ -6,9 +6,10 @@ the receiver unlinks it). Each layer is verified (CRC) as soon as it is in and c
 straight into pool blocks reserved for it, off the engine thread (see :mod:`.kv_io`); the blocks are
 registered only once the trailer checks out. A bad frame is a 400 and imports nothing.
 
-``POST /pd/reserve`` ``{"header": {...frame header...}, "lease_s", "pid", "pid_ns"}`` holds pool blocks for a
-prefill worker on this host to write into directly (this worker's pool must be shared: else 409, and the
-prefill worker sends a frame) and answers ``{"lease", "lease_s", "blocks", "pool"}``; ``POST /pd/commit``
+``POST /pd/reserve`` ``{"header": {...frame header...}, "lease_s", "pid", "pid_ns", "whole"}`` holds pool blocks
+for a prefill worker on this host to write into directly (this worker's pool must be shared: else 409, and the
+prefill worker sends a frame; ``whole``: a block for each of the prompt's, for a prefill computing in them) and
+answers ``{"lease", "lease_s", "blocks", "pool"}``; ``POST /pd/commit``
 ``{"lease"}`` registers them as an import would, ``POST /pd/release`` frees them (:mod:`.leases`).
 
 A prefill of the whole prompt hands it over (:mod:`.handoffs`): ``POST /pd/commit`` ``{"lease", "first"}``
@@ -85,7 +86,7 @@ class DecodeEndpoints:
             raise APIError(400, f"cannot reserve: {e}", "header") from None
         try:
             lease = await asyncio.shield(self.leases.reserve(header, lease_s, _int_or_none(spec.get("pid")),
-                                                             _int_or_none(spec.get("pid_ns"))))
+                                                             _int_or_none(spec.get("pid_ns")), spec.get("whole") is True))
         except FrameError as e:  # another model or layout, or hashes that do not match the tokens
             raise APIError(400, f"cannot reserve: {e}", "header") from None
         return JSONResponse({"lease": lease.id, "lease_s": lease.deadline - time.monotonic(), "blocks": lease.targets(),

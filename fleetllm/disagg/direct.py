@@ -90,6 +90,23 @@ class PoolTarget:
                 self._plans[key] = [(a, d, c) for a, d, c in runs]
         return self._plans[key]
 
+    @property
+    def flat(self) -> Layers:
+        """The pool's K and V per layer as flat ``[slots, kv_heads, head_dim]`` views (a prefill computing in it)."""
+        return [(k.view(-1, *k.shape[2:]), v.view(-1, *v.shape[2:])) for k, v in self.pool]
+
+    @property
+    def whole(self) -> bool:
+        """Whether every block of the prompt has a pool block (none cached there already): computable in place."""
+        return len(self.blocks) == self.header.num_blocks and min(self.blocks, default=0) >= 0
+
+    def check(self) -> None:
+        """Engine thread, before a layer computing in the pool writes: raise :class:`FrameError` once the lease's
+        time has passed or the target is closed (the blocks may be another request's by then)."""
+        if self.closed or time.monotonic() >= self.deadline:
+            self.missed = True
+            raise FrameError("the lease ended (or the write was abandoned) before every layer was written")
+
     def seal(self, i: int) -> None:
         return None  # nothing to checksum: see the module's doc
 
@@ -114,13 +131,15 @@ class DirectLeg:
 
 
 async def reserve(client: httpx.AsyncClient, url: str, header: FrameHeader, maps: PoolMaps,
-                  lease_s: float) -> DirectLeg | None:
+                  lease_s: float, whole: bool = False) -> DirectLeg | None:
     """Reserve blocks for ``header``'s prompt on the decode worker at ``url`` and map its pool; None when it
     cannot take a direct write (pool not shared, reservation refused, file not mappable here): send a frame.
+    ``whole``: a block for each of the prompt's, those cached there too (to compute in place).
     Raises ``httpx.HTTPError`` when the decode worker cannot be reached."""
     t0 = time.monotonic()
     r = await client.post(url + "/pd/reserve", json={
-        "header": header.to_json(), "lease_s": lease_s, "pid": os.getpid(), "pid_ns": pid_namespace()}, timeout=10.0)
+        "header": header.to_json(), "lease_s": lease_s, "pid": os.getpid(), "pid_ns": pid_namespace(),
+        "whole": whole}, timeout=10.0)
     if r.status_code != 200:
         return None
     answer = r.json()

@@ -116,12 +116,16 @@ def check_fits(engine: LLMEngine, header: FrameHeader) -> None:
         raise FrameError(f"frame for {got} ({header.dtype}) does not fit this engine {expect}")
 
 
-def reserve(engine: LLMEngine, header: FrameHeader) -> Reservation:
+def reserve(engine: LLMEngine, header: FrameHeader, whole: bool = False) -> Reservation:
     """Engine thread: pin the frame's blocks cached here, allocate pool blocks for the missing ones (as many as
-    fit above the scheduler's watermark). Raises :class:`FrameError` if the frame does not fit this engine."""
+    fit above the scheduler's watermark). Raises :class:`FrameError` if the frame does not fit this engine.
+
+    ``whole``: a fresh block for every one of the frame's blocks, those cached here too (a prefill computing in
+    place writes each block it computes, and must never write one other requests read); registering those at
+    the commit is a no-op (the cached one stays), and they go back unregistered when their request ends."""
     check_fits(engine, header)
     pool = engine.pool
-    missing, pinned = _walk(header, pool, engine.kv.extra_key)
+    missing, pinned = _walk(header, pool, engine.kv.extra_key, whole)
     for bid in pinned:  # a reference on what is cached: allocating below must not evict the chain's head
         pool.touch(bid)
     room = pool.num_free - engine.scheduler.watermark_blocks  # keep the scheduler's headroom
@@ -199,9 +203,9 @@ def import_blocks(engine: LLMEngine, header: FrameHeader, layers: Layers) -> dic
     return commit(engine, res)
 
 
-def _walk(header: FrameHeader, pool: BlockPool, extra: bytes) -> tuple[list[Missing], list[int]]:
-    """The frame's blocks not cached here as (frame index, hash, tokens, previous block's hash), and the pool
-    ids of those that are; FrameError if a hash does not match its tokens."""
+def _walk(header: FrameHeader, pool: BlockPool, extra: bytes, whole: bool = False) -> tuple[list[Missing], list[int]]:
+    """The frame's blocks not cached here (``whole``: all of them) as (frame index, hash, tokens, previous block's
+    hash), and the pool ids of those that are (``whole``: none); FrameError if a hash does not match its tokens."""
     bs = header.block_size
     parent = None
     missing, cached = [], []
@@ -210,7 +214,7 @@ def _walk(header: FrameHeader, pool: BlockPool, extra: bytes) -> tuple[list[Miss
         prev, parent = parent, hash_block(parent, chunk, extra)
         if parent != h:
             raise FrameError(f"block {i}: hash does not match its tokens")
-        bid = pool.lookup(h, chunk)
+        bid = None if whole else pool.lookup(h, chunk)
         if bid is None:
             missing.append((i, h, chunk, prev))
         else:

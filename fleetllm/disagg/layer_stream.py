@@ -10,22 +10,31 @@ handed to a sealer thread (a frame's CRC, then ``on_sealed``: the HTTP sender sh
 still compute; the last layer's seal finishes the target and completes :attr:`LayerStream.done`. Full
 blocks travel as they complete; the prompt's partial last block (when the target's header has one) in the
 step that completes the prompt.
+
+**In place** (``in_place``: a :class:`~fleetllm.disagg.direct.PoolTarget` holding a block for each of the
+prompt's): nothing is copied after the layers. Each step of the request computes straight in the decode
+worker's blocks (:meth:`LayerStream.place`, the model runner's :class:`~fleetllm.engine.model_runner.Placement`),
+in a step of its own; what it computed here before (a first chunk computed before the reservation was
+answered, prefix hits) is copied there first, once.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, cast
 
 import torch
 
 from fleetllm.engine.omp_team import make_serial
 
 if TYPE_CHECKING:
+    from fleetllm.disagg.direct import PoolTarget
     from fleetllm.disagg.frame import FrameHeader
+    from fleetllm.engine.model_runner import Placement
     from fleetllm.engine.sequence import Sequence
 
+Layers = list[tuple[torch.Tensor, torch.Tensor]]
 LayerFn = Callable[[int, torch.Tensor, torch.Tensor], None]
 
 
@@ -50,10 +59,12 @@ class Target(Protocol):
 class LayerStream:
     """Fills ``target`` from the forward passes of one request (its header lists the prompt blocks)."""
 
-    def __init__(self, target: Target, on_sealed: Callable[[int], None] | None = None) -> None:
-        """``on_sealed(i)``, in the sealer thread, once layer ``i`` is final (``num_layers``: the trailer)."""
+    def __init__(self, target: Target, on_sealed: Callable[[int], None] | None = None, in_place: bool = False) -> None:
+        """``on_sealed(i)``, in the sealer thread, once layer ``i`` is final (``num_layers``: the trailer);
+        ``in_place``: computed in the target's pool (see the module's doc)."""
         self.target = target
         self.on_sealed = on_sealed
+        self.in_place = in_place
         self.sent = 0  # blocks [0, sent) are in the target, every layer
         self.final = False  # the step that completes the prompt has begun
         self.done: concurrent.futures.Future[None] = concurrent.futures.Future()
@@ -81,6 +92,25 @@ class LayerStream:
                 self._sealer.submit(self._seal, i)
 
         return after_layer
+
+    def place(self, seq: Sequence, start: int, n: int, block_size: int, kv_cache: Layers) -> Placement | None:
+        """Engine thread, before :meth:`begin`: the target's pool for a step computing ``seq``'s tokens ``[start,
+        start + n)`` in place, the blocks it computed in ``kv_cache`` (this worker's pool) before copied into their
+        pool blocks first; None unless in place (or once the target is closed)."""
+        from fleetllm.engine.model_runner import Placement
+
+        t = cast("PoolTarget", self.target)
+        if not self.in_place or t.closed:
+            return None
+        done = -(-start // block_size)  # blocks holding tokens computed here before, the partial one too
+        if done > self.sent:
+            index = torch.tensor(seq.block_table[self.sent : done], dtype=torch.long, device=kv_cache[0][0].device)
+            for i, (kc, vc) in enumerate(kv_cache):
+                t.put(i, self.sent, kc.view(-1, block_size, *kc.shape[1:]), vc.view(-1, block_size, *vc.shape[1:]), index)
+        whole = start + n >= len(seq.prompt_token_ids)
+        end = t.header.num_blocks if whole else min((start + n) // block_size, t.header.num_blocks)
+        self.sent = max(self.sent, done, end)  # begin copies nothing of this step: it is written there already
+        return Placement(t.flat, t.blocks[: len(seq.block_table)], t.check)
 
     def _seal(self, i: int) -> None:
         try:

@@ -82,9 +82,11 @@ class Leases:
     def __len__(self) -> int:
         return len(self._held)
 
-    async def reserve(self, header: FrameHeader, lease_s: float, pid: int | None, pid_ns: int | None) -> Lease:
-        """Blocks for ``header``'s prompt under a new lease (FrameError if it does not fit this engine)."""
-        res = await self.engine.call(lambda e: reserve(e, header))
+    async def reserve(self, header: FrameHeader, lease_s: float, pid: int | None, pid_ns: int | None,
+                      whole: bool = False) -> Lease:
+        """Blocks for ``header``'s prompt under a new lease (FrameError if it does not fit this engine); ``whole``:
+        a fresh one for each of its blocks, cached ones too (:func:`fleetllm.disagg.kv_io.reserve`)."""
+        res = await self.engine.call(lambda e: reserve(e, header, whole))
         same_ns = pid is not None and pid_ns is not None and pid_ns == self._own_ns
         lease = Lease(uuid.uuid4().hex, res, time.monotonic() + min(lease_s, MAX_LEASE_S), pid if same_ns else None)
         self._held[lease.id] = lease

@@ -76,6 +76,13 @@ class PrefillEndpoints:
         return self._metrics.get()
 
     @property
+    def _in_place(self) -> bool:
+        """Whether a direct write computes in the decode worker's blocks themselves (no copy): on a prefill
+        worker, whose steps are all prefills (it takes steps of its own: a worker's decoding requests would
+        stall for the prefill's length)."""
+        return self.worker.role == "prefill"
+
+    @property
     def buffers(self) -> FrameBuffers:
         if self._buffers is None:
             self._buffers = FrameBuffers(SHM_DIR)
@@ -178,7 +185,7 @@ class PrefillEndpoints:
         return r
 
     def _shipped(self, via: str, blocks: int, nbytes: int, prompt_tokens: int, prefill_s: float, transfer_s: float,
-                 result: dict[str, Any], **extra: float) -> JSONResponse:
+                 result: dict[str, Any], **extra: float | bool) -> JSONResponse:
         self.metrics.prefill_seconds.observe(prefill_s)
         self.metrics.bytes.labels(direction="sent", via=via).inc(nbytes)
         self.metrics.seconds.labels(direction="sent").observe(transfer_s)
@@ -198,7 +205,7 @@ class PrefillEndpoints:
         hashes = hash_prefix_blocks(job.ids, engine.pool.block_size, engine.kv.extra_key)
         header = frame_header(engine, job.ids, hashes, tail=job.handoff)
         try:
-            leg = await direct.reserve(self._client(), decode_url, header, self.pool_maps, timeout)
+            leg = await direct.reserve(self._client(), decode_url, header, self.pool_maps, timeout, self._in_place)
         except httpx.HTTPError as e:
             self.metrics.failures.labels(reason="send").inc()
             raise APIError(502, f"KV transfer to {decode_url} failed: {type(e).__name__}: {e}") from None
@@ -217,7 +224,7 @@ class PrefillEndpoints:
         from fleetllm.disagg.layer_stream import LayerStream
 
         t0 = t0 if early is not None else time.perf_counter()
-        stream = LayerStream(leg.target)
+        stream = LayerStream(leg.target, in_place=self._in_place and leg.target.whole)
         committed = False
         try:
             computing = await self._tap(job, stream, early)
@@ -226,7 +233,9 @@ class PrefillEndpoints:
             result = await direct.commit(self._client(), leg, timeout, first_of(out) if job.handoff else None,
                                          job.transfer)
             committed = True
-        except FrameError as e:  # the lease ended before the last layer was written
+        except (FrameError, APIError) as e:  # the lease ended before the last layer was written
+            if isinstance(e, APIError) and not leg.target.missed:  # (in place: the step writing past it failed)
+                raise
             self.metrics.failures.labels(reason="lease_lost").inc()
             raise APIError(502, f"KV write into {leg.url}'s pool abandoned: {e}") from None
         except (httpx.HTTPError, ValueError) as e:
@@ -241,7 +250,7 @@ class PrefillEndpoints:
                 await asyncio.shield(direct.release(self._client(), leg.url, leg.lease))
         return self._shipped("pool", leg.target.header.num_blocks, leg.target.nbytes, len(job.ids), prefill_s,
                              time.perf_counter() - t1, result, reserve_s=leg.reserve_s,
-                             reserved_during_prefill=computing is early)
+                             reserved_during_prefill=computing is early, in_place=stream.in_place)
 
     async def _stream(self, job: PrefillJob, via: str) -> tuple[Buffer, FrameBuffer, LayerStream, asyncio.Queue[int]]:
         """A frame buffer for the job's blocks, filled by its forward passes from now on; and the queue of the

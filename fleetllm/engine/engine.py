@@ -73,6 +73,7 @@ class LLMEngine:
         self.max_model_len = min(cfg.max_model_len or 8192, mcfg.max_position_embeddings, fits)
         self.metrics = EngineMetrics(self.model_name, cfg.metric_labels, self.max_model_len, not cfg.disable_metrics)
         self.seqs: dict[str, Sequence] = {}
+        self._elsewhere: set[str] = set()  # labels of requests whose KV is computed in another worker's pool
         self.detok: dict[str, IncrementalDetokenizer] = {}
         self._pending: list[RequestOutput] = []  # outputs produced outside step() (aborts)
         self._drafts: dict[str, list[int]] = {}  # proposed after the last step, verified in the next
@@ -110,8 +111,17 @@ class LLMEngine:
 
     def observe_layers(self, label: str, observer: object | None) -> None:
         """Hand the KV of requests labelled ``label`` (ids ``label`` or ``label#n``) to ``observer`` as each
-        decoder layer writes it (a model runner ``LayerObserver``: the P/D sender); None stops."""
+        decoder layer writes it (a model runner ``LayerObserver``: the P/D sender); None stops.
+
+        An observer ``in_place`` has their KV computed in another worker's pool from the next step on: they are
+        marked so (:attr:`Sequence.kv_elsewhere`) for good, since what their blocks here hold is stale from then."""
         self.executor.observe_layers(label, observer)
+        if getattr(observer, "in_place", False):
+            self._elsewhere.add(label)
+            for rid, seq in self.seqs.items():
+                seq.kv_elsewhere = seq.kv_elsewhere or rid.split("#", 1)[0] == label
+        else:
+            self._elsewhere.discard(label)
 
     def prompt_pending(self, label: str) -> bool:
         """Whether a request labelled ``label`` is here with part of its prompt still to compute: an observer
@@ -153,6 +163,7 @@ class LLMEngine:
         max_tokens = check_prompt(prompt_token_ids, params, self.max_model_len, self.loaded.config.vocab_size,
                                   self.default_max_tokens)
         seq = Sequence(request_id, list(prompt_token_ids), params, max_tokens)
+        seq.kv_elsewhere = request_id.split("#", 1)[0] in self._elsewhere
         if params.structured is not None:
             seq.grammar = self._grammar_state(params)
         if arrival_time is not None:  # when the server received it: queueing before this call counts

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
@@ -28,11 +29,27 @@ def kv_dtype_of(name: str, model: LlamaModel) -> torch.dtype:
     return next(model.parameters()).dtype if name == "auto" else KV_DTYPES[name]
 
 
+@dataclass
+class Placement:
+    """Another worker's KV pool that one step of one request computes in (a direct remote prefill)."""
+
+    kv_cache: list[tuple[torch.Tensor, torch.Tensor]]  # that pool's flat K and V per layer, mapped here
+    block_table: list[int]  # the request's blocks there, in order
+    check: Callable[[], None]  # before each layer's writes: raises once the pool may no longer be written
+
+
 class LayerObserver(Protocol):
     """Sees a request's KV as each decoder layer writes it (disaggregated prefill streams it out)."""
 
     def begin(self, seq: Sequence, start: int, n: int, block_size: int) -> LayerFn | None:
         """Before a forward computing ``seq``'s tokens ``[start, start + n)``: what to call after each layer."""
+        ...
+
+    def place(self, seq: Sequence, start: int, n: int, block_size: int,
+              kv_cache: list[tuple[torch.Tensor, torch.Tensor]]) -> Placement | None:
+        """Before :meth:`begin`, for a sequence whose KV is computed elsewhere (``kv_elsewhere``): the pool this
+        step computes in, what ``seq`` computed in ``kv_cache`` (this worker's) before copied into it first;
+        None where it cannot."""
         ...
 
 
@@ -83,16 +100,37 @@ class ModelRunner:
 
         The LM head runs over those rows only (a decode step: one row per sequence, not the whole batch)."""
         with phase(self.profile, "prepare"):
-            ids, positions, meta = self._inputs(batch)
+            placed = self._placement(batch)
+            ids, positions, meta = self._inputs(batch, placed)
             rows = torch.tensor(logit_rows, dtype=torch.long, device=self.device)
-        with phase(self.profile, "forward"), self._observed(batch, meta):
-            out = self.model(ids, positions, meta, self.kv_cache, aux_layers)
+        kv = placed.kv_cache if placed else self.kv_cache
+        with phase(self.profile, "forward"), self._observed(batch, meta, kv, placed):
+            out = self.model(ids, positions, meta, kv, aux_layers)
             hidden, aux = out if aux_layers is not None else (out, None)
         with phase(self.profile, "logits"):
             return self.model.compute_logits(hidden[rows]), aux
 
-    def _inputs(self, batch: list[Scheduled]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        """Token ids, positions and attention metadata of the flat batch."""
+    def _placement(self, batch: list[Scheduled]) -> Placement | None:
+        """The other worker's pool this step computes in (a step of one sequence whose KV is computed there, which
+        the scheduler runs alone); None: this worker's. Raises for such a sequence whose observer is gone: its
+        blocks here are stale, a step over them would compute garbage (the step fails that request alone)."""
+        if not any(s.seq.kv_elsewhere for s in batch):
+            return None
+        s = batch[0]
+        o = self._observer(s.seq)
+        placed = o.place(s.seq, s.seq.num_computed_tokens, s.num_new_tokens, self.block_size, self.kv_cache) \
+            if o is not None and len(batch) == 1 else None
+        if placed is None:
+            raise RuntimeError(f"{s.seq.request_id}: its KV is computed in another worker's pool, out of reach now")
+        return placed
+
+    def _observer(self, seq: Sequence) -> LayerObserver | None:
+        return self.layer_observers.get(seq.request_id.split("#", 1)[0]) if self.layer_observers else None
+
+    def _inputs(self, batch: list[Scheduled],
+                placed: Placement | None = None) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """Token ids, positions and attention metadata of the flat batch (``placed``: its one sequence's blocks
+        are those of another worker's pool)."""
         ids: list[int] = []
         positions: list[int] = []
         slot_parts: list[torch.Tensor] = []
@@ -103,18 +141,18 @@ class ModelRunner:
         t = 0
         for s in batch:
             seq, n = s.seq, s.num_new_tokens
-            c = seq.num_computed_tokens
+            c, blocks = seq.num_computed_tokens, placed.block_table if placed else seq.block_table
             ids.extend(s.token_ids())
             positions.extend(range(c, c + n))
             if n == 1:
                 decode_idx.append(t)
-                decode_tables.append(seq.block_table)
+                decode_tables.append(blocks)
                 decode_lens.append(c + 1)
-                slot_parts.append(self._slots(seq.block_table, c, c + 1))
+                slot_parts.append(self._slots(blocks, c, c + 1))
             else:
-                ctx = self._slots(seq.block_table, 0, c + n)
+                ctx = self._slots(blocks, 0, c + n)
                 slot_parts.append(ctx[c:])
-                table = torch.tensor(seq.block_table[: -(-(c + n) // self.block_size)], dtype=torch.int32)
+                table = torch.tensor(blocks[: -(-(c + n) // self.block_size)], dtype=torch.int32)
                 prefills.append(PrefillChunk(t, t + n, ctx, fresh=(c == 0), block_table=table, context_len=c + n))
             t += n
 
@@ -126,20 +164,24 @@ class ModelRunner:
             meta.decode_lens = torch.tensor(decode_lens, dtype=torch.int32, device=self.device)
         return torch.tensor(ids, device=self.device), torch.tensor(positions, device=self.device), meta
 
-    def _observed(self, batch: list[Scheduled], meta: AttentionMetadata) -> contextlib.AbstractContextManager[None]:
-        """Hooks after each layer's attention for the observed requests of this step (none: no hooks at all);
-        with hooks, the step runs layer by layer (the fused decode stack would run none of them)."""
+    def _observed(self, batch: list[Scheduled], meta: AttentionMetadata, kv: list[tuple[torch.Tensor, torch.Tensor]],
+                  placed: Placement | None) -> contextlib.AbstractContextManager[None]:
+        """Hooks after each layer's attention for the observed requests of this step (none: no hooks at all), and
+        (``placed``) before it, checking the other pool may still be written; with hooks, the step runs layer by
+        layer (the fused decode stack would run none of them)."""
         calls = []
         for s in batch if self.layer_observers else ():
-            o = self.layer_observers.get(s.seq.request_id.split("#", 1)[0])
+            o = self._observer(s.seq)
             fn = o.begin(s.seq, s.seq.num_computed_tokens, s.num_new_tokens, self.block_size) if o else None
             if fn is not None:
                 calls.append(fn)
-        meta.layer_by_layer = bool(calls)
+        meta.layer_by_layer = bool(calls) or placed is not None
         stack = contextlib.ExitStack()
-        for i, (layer, (kc, vc)) in enumerate(zip(self.model.layers, self.kv_cache, strict=True)):
+        for i, (layer, (kc, vc)) in enumerate(zip(self.model.layers, kv, strict=True)):
             if calls:  # a forward hook on the attention: it has just written this layer's K and V
                 stack.enter_context(layer.attn.register_forward_hook(_after(calls, i, kc, vc)))
+            if placed is not None:
+                stack.enter_context(layer.attn.register_forward_pre_hook(lambda *_: placed.check()))
         return stack
 
     def _decode_slots(self, tables: list[list[int]], lens: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -3,7 +3,8 @@
 Each step every running sequence asks for the tokens it lacks (one decode token, 1 + K tokens when the
 step's input holds K draft tokens for it to verify, or the rest of its prompt as a chunk) within
 ``max_num_batched_tokens``; waiting sequences are admitted FCFS while budget, sequence slots and blocks
-last. Prefill and decode share one step; chunked prefill falls out of the budget. When blocks run out
+last. Prefill and decode share one step; chunked prefill falls out of the budget (a sequence whose KV is
+computed in another worker's pool takes a step of its own: the step's KV goes there). When blocks run out
 the most recently arrived running sequence is preempted (blocks freed, recomputed later — its prefix
 blocks usually survive in the prefix cache).
 """
@@ -111,8 +112,9 @@ class Scheduler:
         queue = list(self.running)
         while queue:
             seq = queue.pop(0)
-            if budget <= 0:
+            if budget <= 0 or (seq.kv_elsewhere and out.scheduled):
                 kept.append(seq)
+                budget = 0 if seq.kv_elsewhere else budget  # nothing after it: it goes once those before it end
                 continue
             n = min(seq.num_uncomputed, budget)
             proposed = drafts.get(seq.request_id, [])[: max(0, budget - n)] if n == seq.num_uncomputed else []
@@ -129,12 +131,14 @@ class Scheduler:
             if seq.status is Status.RUNNING:
                 kept.append(seq)
                 out.scheduled.append(Scheduled(seq, n + len(proposed), list(proposed)))
-                budget -= n + len(proposed)
+                budget = 0 if seq.kv_elsewhere else budget - n - len(proposed)
         self.running = kept
 
         watermark = self.watermark_blocks
         while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs and not out.preempted:
             seq = self.waiting[0]
+            if seq.kv_elsewhere and out.scheduled:
+                break
             cached = self.kv.admit(seq, budget, watermark)
             if cached is None:
                 break
@@ -145,7 +149,7 @@ class Scheduler:
             n = min(seq.num_uncomputed, budget)
             self.running.append(seq)
             out.scheduled.append(Scheduled(seq, n))
-            budget -= n
+            budget = 0 if seq.kv_elsewhere else budget - n
         return out
 
     def _preempt(self, seq: Sequence) -> None:

@@ -77,6 +77,7 @@ def test_a_direct_write_gives_the_tokens_of_a_colocated_prefill(pd):
     assert r.status_code == 200, r.text
     shipped = r.json()
     assert shipped["via"] == "pool" and shipped["imported"] + shipped["tail"] == shipped["blocks"] > 0
+    assert shipped["in_place"]  # a prefill worker computes in the decode worker's blocks themselves
     ttft_before = pd["decode"].metrics().get("vllm:time_to_first_token_seconds_count", 0.0)
     remote = httpx.post(d + "/v1/chat/completions", json=body, headers={HANDOFF: shipped["handoff"]}, timeout=120).json()
     local = httpx.post(pd["colocated"].url + "/v1/chat/completions", json=body, timeout=120).json()
@@ -159,6 +160,7 @@ def test_a_long_prompt_computes_its_first_chunk_while_the_reservation_is_answere
     body = long_chat("Reserved while the first chunk computes", pd)
     r = remote_prefill(p, d, body, timeout=120)
     assert r.status_code == 200 and r.json()["via"] == "pool" and r.json()["reserved_during_prefill"], r.text
+    assert r.json()["in_place"]  # computed in the decode pool: the first chunk, computed here, copied there first
     remote = httpx.post(d + "/v1/chat/completions", json=body, headers={HANDOFF: r.json()["handoff"]}, timeout=120)
     local = httpx.post(pd["colocated"].url + "/v1/chat/completions", json=body, timeout=120)
     assert remote.json()["choices"][0]["message"] == local.json()["choices"][0]["message"]
@@ -200,6 +202,7 @@ def test_a_reservation_answered_after_the_prompt_was_computed_has_it_prefilled_a
     r = httpx.post(pd["prefill"].url + "/pd/prefill", json={"path": "/v1/chat/completions", "body": body,
                    "decode_url": pd["decode"].url, "transfer": "shm", "request_id": "late-reservation"}, timeout=120)
     assert r.status_code == 200 and r.json()["via"] == "pool" and not r.json()["reserved_during_prefill"], r.text
+    assert r.json()["in_place"]  # the prefix hits here copied into the decode pool, the last block computed there
     remote = httpx.post(pd["decode"].url + "/v1/chat/completions", json=body, headers={HANDOFF: r.json()["handoff"]},
                         timeout=120)
     local = httpx.post(pd["colocated"].url + "/v1/chat/completions", json=body, timeout=120)
