@@ -10,7 +10,8 @@ registered only once the trailer checks out. A bad frame is a 400 and imports no
 for a prefill worker on this host to write into directly (this worker's pool must be shared: else 409, and the
 prefill worker sends a frame; ``whole``: a block for each of the prompt's, for a prefill computing in them) and
 answers ``{"lease", "lease_s", "blocks", "pool"}``; ``POST /pd/commit``
-``{"lease"}`` registers them as an import would, ``POST /pd/release`` frees them (:mod:`.leases`).
+``{"lease", "keep"}`` registers them as an import would (``keep``: and keeps them for the writer to read back
+until it releases the lease), ``POST /pd/release`` frees them (:mod:`.leases`).
 
 A prefill of the whole prompt hands it over (:mod:`.handoffs`): ``POST /pd/commit`` ``{"lease", "first"}``
 (the first token sampled), or ``POST /pd/kv?handoff=1`` then ``POST /pd/first`` ``{"handoff", "first"}``,
@@ -98,7 +99,8 @@ class DecodeEndpoints:
         spec = await self.worker.request_body(request)
         first = spec.get("first") if isinstance(spec.get("first"), dict) else None
         transfer = transfer_id(spec.get("transfer_id"))
-        result = await asyncio.shield(self.leases.commit(str(spec.get("lease")), first, transfer))
+        result = await asyncio.shield(self.leases.commit(str(spec.get("lease")), first, transfer,
+                                                         spec.get("keep") is True))
         if result is None:
             self.metrics.failures.labels(reason="lease_over").inc()
             raise APIError(409, "no such lease (expired or released): nothing imported", "lease")

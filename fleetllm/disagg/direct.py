@@ -5,10 +5,13 @@
    pool block to write (-1: skip).
 2. While the prefill computes, the :class:`~fleetllm.disagg.layer_stream.LayerStream` writes each layer's
    blocks into those pool blocks (:class:`PoolTarget`), converting to the pool's dtype if it differs; its first
-   step writes every block computed before the reservation was answered.
+   step writes every block computed before the reservation was answered. A prefill worker computes in them
+   instead (``whole``: a block reserved for each of the prompt's; the stream ``in_place``): nothing to copy.
 3. ``POST /pd/commit``: the decode worker registers the full blocks as cached prefix blocks and, given the
    prompt's first token, holds every block (the partial last one too) for the request (a handoff). Nothing
    is copied or checked after the prefill's last layer: the exposed cost is this round trip.
+4. Computed in place: the commit keeps the full blocks for :func:`read_back` into this worker's own prefix
+   cache, then the lease is released.
 
 No checksum on this path: the bytes never leave the host's memory (no wire, no file read back), so a CRC
 would only re-read what the writer just wrote; frames, which cross a wire or are read from a buffer the
@@ -22,7 +25,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -33,6 +36,8 @@ from fleetllm.disagg.shared_pool import PoolLayout, PoolMaps
 
 if TYPE_CHECKING:
     import httpx
+
+    from fleetllm.engine.async_engine import AsyncEngine
 
 Layers = list[tuple[torch.Tensor, torch.Tensor]]
 _MAX_RUNS = 8  # more runs of consecutive pool blocks than this: one indexed copy per tensor instead
@@ -156,16 +161,35 @@ async def reserve(client: httpx.AsyncClient, url: str, header: FrameHeader, maps
     return DirectLeg(url, str(answer["lease"]), target, layout, time.monotonic() - t0)
 
 
-async def commit(client: httpx.AsyncClient, leg: DirectLeg, timeout: float,
-                 first: dict[str, Any] | None = None, transfer: str | None = None) -> dict[str, Any]:
+async def commit(client: httpx.AsyncClient, leg: DirectLeg, timeout: float, first: dict[str, Any] | None = None,
+                 transfer: str | None = None, keep: bool = False) -> dict[str, Any]:
     """The decode worker registers the written blocks (with ``first``, the prompt's first token: and holds them
-    for the request, a handoff, under ``transfer`` if given); its answer (imported, already cached, dropped, the
-    handoff's id). Raises ``httpx.HTTPError``, or ValueError when the decode worker refuses (the lease was over)."""
-    r = await client.post(leg.url + "/pd/commit", json={"lease": leg.lease, "first": first, "transfer_id": transfer},
-                          timeout=timeout)
+    for the request, a handoff, under ``transfer`` if given; ``keep``: and keeps the full ones for
+    :func:`read_back` until the lease is released); its answer (imported, already cached, dropped, the
+    handoff's id, ``kept``). Raises ``httpx.HTTPError``, or ValueError when the decode worker refuses (the lease
+    was over)."""
+    r = await client.post(leg.url + "/pd/commit", json={"lease": leg.lease, "first": first, "transfer_id": transfer,
+                                                        "keep": keep}, timeout=timeout)
     if r.status_code != 200:
         raise ValueError(f"the decode worker refused the commit ({r.status_code}): {r.text[:200]}")
     return r.json()
+
+
+async def read_back(engine: AsyncEngine, leg: DirectLeg) -> int:
+    """After a commit with ``keep``: the prompt's full blocks, computed in place in the decode worker's pool,
+    copied into this worker's prefix cache (reserved and registered on the engine thread, copied off it), so
+    that its KV events list them and a prompt sharing them is not computed again here; the blocks copied."""
+    from fleetllm.disagg import kv_io
+
+    h = leg.target.header
+    full = replace(h, token_ids=h.token_ids[: len(h.block_hashes) * h.block_size])
+    res = await engine.call(lambda e: kv_io.reserve(e, full))
+    try:
+        await asyncio.to_thread(kv_io.write, engine.engine.kv_blocks(), leg.target.pool, res, leg.target.blocks)
+    except BaseException:
+        await engine.call(lambda e: kv_io.cancel(e, res))
+        raise
+    return (await engine.call(lambda e: kv_io.commit(e, res)))["imported"]
 
 
 async def release(client: httpx.AsyncClient, url: str, lease: str) -> None:

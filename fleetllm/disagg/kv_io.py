@@ -97,14 +97,19 @@ class Reservation:
     def runs(self) -> list[tuple[int, int, int]]:
         """The copy as runs ``(frame block, pool block, count)`` of consecutive blocks on both sides."""
         if self._runs is None:
-            runs: list[list[int]] = []
-            for src, dst in self.copies():
-                if runs and src == runs[-1][0] + runs[-1][2] and dst == runs[-1][1] + runs[-1][2]:
-                    runs[-1][2] += 1
-                else:
-                    runs.append([src, dst, 1])
-            self._runs = [(a, b, n) for a, b, n in runs]
+            self._runs = _runs(self.copies())
         return self._runs
+
+
+def _runs(pairs: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
+    """``(source, destination)`` block pairs as runs ``(source, destination, count)`` consecutive on both sides."""
+    runs: list[list[int]] = []
+    for src, dst in pairs:
+        if runs and src == runs[-1][0] + runs[-1][2] and dst == runs[-1][1] + runs[-1][2]:
+            runs[-1][2] += 1
+        else:
+            runs.append([src, dst, 1])
+    return [(a, b, n) for a, b, n in runs]
 
 
 def check_fits(engine: LLMEngine, header: FrameHeader) -> None:
@@ -136,12 +141,15 @@ def reserve(engine: LLMEngine, header: FrameHeader, whole: bool = False) -> Rese
     return res
 
 
-def write(views: Layers, layers: Layers, res: Reservation) -> None:
-    """Any thread: copy the reserved blocks of the frame (views over its bytes) into the pool blocks."""
+def write(views: Layers, layers: Layers, res: Reservation, rows: list[int] | None = None) -> None:
+    """Any thread: copy the reserved blocks of the frame (views over its bytes; with ``rows``, frame block ``i``
+    is row ``rows[i]`` of ``layers``, as when they are another pool's blocks) into the pool blocks."""
     copies = res.copies()
     if not copies:
         return
-    runs = res.runs()
+    if rows is not None:
+        copies = [(rows[a], b) for a, b in copies]
+    runs = res.runs() if rows is None else _runs(copies)
     scattered = len(runs) > _MAX_RUNS  # then one indexed copy per tensor, else a slice copy per run
     if scattered:
         device = views[0][0].device

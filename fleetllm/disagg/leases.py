@@ -12,6 +12,10 @@ in one of three ways:
 - **expiry**: ``lease_s`` + :data:`GRACE_S` passed, or the writer's process is gone (checked only when it
   runs in this worker's pid namespace). Freed unregistered: a dead prefill worker never leaks blocks.
 
+A commit with ``keep`` keeps a reference on the written full blocks under the same lease id, for the writer to
+read them back into its own prefix cache (a prefill computed in place here left nothing in its own pool):
+``POST /pd/release`` (read) or the same expiry drops it; the blocks stay registered, as any cached block.
+
 Fencing: the writer writes nothing once ``lease_s`` has passed since it *sent* the reservation (its own
 clock; it cannot start before this worker's), and blocks are freed only :data:`GRACE_S` after this worker's
 deadline, so a freed block is never written by that writer again. The writer's pid is trusted to be dead
@@ -61,6 +65,18 @@ class Lease:
         return now > self.deadline + GRACE_S or (self.writer_pid is not None and not alive(self.writer_pid))
 
 
+@dataclass
+class Kept:
+    """Full blocks a commit kept a reference on, for the writer to read back (a lease id's second life)."""
+
+    blocks: list[int]
+    deadline: float
+    writer_pid: int | None
+
+    def over(self, now: float) -> bool:
+        return now > self.deadline + GRACE_S or (self.writer_pid is not None and not alive(self.writer_pid))
+
+
 def pid_namespace() -> int | None:
     """This process's pid namespace (the inode of ``/proc/self/ns/pid``), None where there is none to read."""
     try:
@@ -76,11 +92,12 @@ class Leases:
         self.engine = engine
         self.handoffs = handoffs
         self._held: dict[str, Lease] = {}
+        self._kept: dict[str, Kept] = {}  # committed with keep: read back by the writer
         self._watch: asyncio.Task[None] | None = None
         self._own_ns = pid_namespace()
 
     def __len__(self) -> int:
-        return len(self._held)
+        return len(self._held) + len(self._kept)
 
     async def reserve(self, header: FrameHeader, lease_s: float, pid: int | None, pid_ns: int | None,
                       whole: bool = False) -> Lease:
@@ -90,36 +107,49 @@ class Leases:
         same_ns = pid is not None and pid_ns is not None and pid_ns == self._own_ns
         lease = Lease(uuid.uuid4().hex, res, time.monotonic() + min(lease_s, MAX_LEASE_S), pid if same_ns else None)
         self._held[lease.id] = lease
-        if self._watch is None or self._watch.done():
-            self._watch = asyncio.create_task(self._expire())
+        self._watching()
         return lease
 
-    async def commit(self, lease_id: str, first: dict[str, Any] | None = None,
-                     transfer: str | None = None) -> dict[str, Any] | None:
+    def _watching(self) -> None:
+        if self._watch is None or self._watch.done():
+            self._watch = asyncio.create_task(self._expire())
+
+    async def commit(self, lease_id: str, first: dict[str, Any] | None = None, transfer: str | None = None,
+                     keep: bool = False) -> dict[str, Any] | None:
         """Register the lease's full blocks as cached prefix blocks (with ``first``, the prompt's first token:
         and hold every block as a handoff, under ``transfer`` if given; without: ``transfer``'s request runs
-        now); None if the lease is over (expired, released, unknown)."""
+        now); ``keep``: and keep a reference on the written full blocks until released (see the module's doc).
+        None if the lease is over (expired, released, unknown)."""
         lease = self._held.pop(lease_id, None)
         if lease is None:
             return None
+        if keep:  # referenced before the commit: no moment in which they could be evicted
+            full = [bid for i, bid in lease.res.copies() if i < len(lease.res.header.block_hashes)]
+            await self.engine.call(lambda e: [e.pool.touch(b) for b in full])
+            self._kept[lease_id] = Kept(full, lease.deadline, lease.writer_pid)
+            self._watching()
+        kept = {"kept": len(self._kept[lease_id].blocks)} if keep else {}
         if first is not None:
-            return await self.handoffs.commit(lease.res, first, transfer)
+            return {**await self.handoffs.commit(lease.res, first, transfer), **kept}
         result = await self.engine.call(lambda e: commit(e, lease.res))
         if transfer is not None:
             self.handoffs.ended(transfer)
-        return result
+        return {**result, **kept}
 
     async def release(self, lease_id: str) -> bool:
-        """Free the lease's blocks unregistered; False if it was already over."""
-        lease = self._held.pop(lease_id, None)
+        """Free the lease's blocks unregistered (committed with keep: drop the reference kept); False if it was
+        already over."""
+        lease, kept = self._held.pop(lease_id, None), self._kept.pop(lease_id, None)
         if lease is not None:
             await self.engine.call(lambda e: cancel(e, lease.res))
-        return lease is not None
+        if kept is not None:
+            await self.engine.call(lambda e: e.pool.release(kept.blocks))
+        return lease is not None or kept is not None
 
     async def _expire(self) -> None:
-        while self._held:
+        while self._held or self._kept:
             await asyncio.sleep(TICK_S)
             now = time.monotonic()
-            for lease_id in [k for k, v in self._held.items() if v.over(now)]:
+            for lease_id in [k for k, v in [*self._held.items(), *self._kept.items()] if v.over(now)]:
                 with contextlib.suppress(Exception):  # the engine stopped: nothing left to free
                     await self.release(lease_id)

@@ -138,6 +138,37 @@ def test_a_released_reservation_frees_its_blocks_and_cannot_be_committed(pd):
     assert httpx.post(d + "/pd/commit", json={"lease": lease["lease"]}).status_code == 409
 
 
+@pytest.mark.parametrize("end", ["release", "expiry"])
+def test_a_commit_with_keep_holds_the_blocks_registered_until_the_writer_releases_them(pd, end):
+    d, tokens = pd["decode"].url, list(range(5100 + (end == "expiry") * 100, 5164 + (end == "expiry") * 100))
+    lease = reserve(d, tokens, lease_s=60 if end == "release" else 0.05, pid=os.getpid(), pid_ns=pid_namespace())
+    r = httpx.post(d + "/pd/commit", json={"lease": lease["lease"], "keep": True})
+    assert r.status_code == 200 and r.json()["kept"] == r.json()["imported"] == 4, r.text
+    assert held(pd["decode"]) > 0.0  # kept for the writer to read back
+    if end == "release":
+        assert httpx.post(d + "/pd/release", json={"lease": lease["lease"]}).json() == {"released": True}
+    no_blocks_held(pd["decode"])
+    assert len(pd["decode"].worker.engine.kv.cached_prefix(tokens)[0]) == 4  # registered all along
+
+
+def test_a_prompt_computed_in_place_is_read_back_into_the_prefill_workers_prefix_cache(pd):
+    p, d = pd["prefill"], pd["decode"]
+    body = long_chat("Read back after the commit", pd)
+    ids = p.worker.prompt_ids("chat", body)[0]
+    before = len(d.worker.engine.kv.cached_prefix(ids)[0])  # the chat template's first blocks, from other tests
+    r = remote_prefill(p.url, d.url, body, timeout=120)
+    assert r.status_code == 200 and r.json()["in_place"] and r.json()["read_back_s"] > 0, r.text
+    here, _ = p.worker.engine.kv.cached_prefix(ids)
+    there, _ = d.worker.engine.kv.cached_prefix(ids)
+    assert len(here) == len(there) == len(ids) // 16  # every full block, on both sides
+    # the blocks computed in the decode pool, byte for byte here too
+    for (pk, pv), (dk, dv) in zip(p.worker.engine.kv_blocks(), d.worker.engine.kv_blocks(), strict=True):
+        assert torch.equal(pk[here[before:]], dk[there[before:]]) and torch.equal(pv[here[before:]], dv[there[before:]])
+    httpx.post(d.url + "/v1/chat/completions", json=body, headers={HANDOFF: r.json()["handoff"]}, timeout=120)
+    no_blocks_held(d)  # the read's reference dropped too
+    no_blocks_held(p)
+
+
 def test_a_client_gone_mid_prefill_leaves_no_block_held(pd):
     p, d = pd["prefill"].url, pd["decode"].url
     body = chat("Abandoned before its KV is written: " + "a long log line about a restarted worker; " * 60)
