@@ -12,7 +12,9 @@
    (nothing is left to copy or check); the reservation (as the prefill starts: a prompt longer than one step's
    token budget computes its first chunk meanwhile) and the writes (during it) are shown as their own rows.
 2. **TTFT**: a prefill worker and a decode worker (one torch thread each, pinned to cores 0 and 1 where the
-   machine has two) behind a router disaggregating every prompt of >= 1024 uncached tokens. Fresh
+   machine has two, then to 1 and 0: every figure per layout, and the ratios' geometric mean over both, in
+   which each core's speed counts once on either side) behind a router disaggregating every prompt of >=
+   1024 uncached tokens. Fresh
    2048-token prompts, in turn straight to the decode worker (local prefill), through the router (remote
    prefill + transfer) and through a second router in front of the decode worker alone (local prefill with
    the router's hop, as a fleet without P/D serves it), 1 output token, streamed; each round starts with the
@@ -31,6 +33,7 @@ import argparse
 import dataclasses
 import importlib.util
 import json
+import math
 import os
 import random
 import subprocess
@@ -77,9 +80,14 @@ def start(args: list[str], url: str, pythonpath: Path, log: Path) -> subprocess.
     raise RuntimeError(f"{url} not healthy")
 
 
-def worker(port: int, role: str, pythonpath: Path, log_dir: Path) -> subprocess.Popen[bytes]:
+# (prefill worker's core, decode worker's core): each TTFT path is measured on both assignments, so that a core
+# faster than the other (measured: up to 2.4%, by the control below) favours neither path
+LAYOUTS = {"prefill on core 0, decode on 1": (0, 1), "prefill on core 1, decode on 0": (1, 0)}
+
+
+def worker(port: int, role: str, pythonpath: Path, log_dir: Path, core: int) -> subprocess.Popen[bytes]:
     # main refuses request bodies over 16 MiB, KV frames too: raised so that its HTTP path can be measured
-    pin = ["--cpus", "0" if role == "prefill" else "1"] if (os.cpu_count() or 1) >= 2 else []
+    pin = ["--cpus", str(core)] if (os.cpu_count() or 1) >= 2 else []
     return start(["worker", "--port", str(port), "--role", role, "--num-threads", "1", "--log-level", "warning", *pin,
                   "--kv-cache-gb", str(POOL_BYTES / (1 << 30)),
                   "--max-body-bytes", str(1 << 30)],
@@ -261,18 +269,28 @@ def router_ready(url: str) -> None:
 
 
 def run_version(name: str, checkout: Path, args: argparse.Namespace, log_dir: Path) -> dict:
-    """Transfer and TTFT figures of the fleetllm in ``checkout``."""
+    """Transfer and TTFT figures of the fleetllm in ``checkout`` (TTFT: on each core layout)."""
+    res: dict = {"ttft": {}, "control": {}, "pd_decisions": {}, "sent_via": {}}
+    for i, (layout, cores) in enumerate(LAYOUTS.items()):
+        run_layout(name, checkout, args, log_dir, layout, cores, res, with_transfer=i == 0)
+    return res
+
+
+def run_layout(name: str, checkout: Path, args: argparse.Namespace, log_dir: Path, layout: str,
+               cores: tuple[int, int], res: dict, with_transfer: bool) -> None:
+    """One core layout's figures into ``res`` (with_transfer: the transfer's too)."""
     # each port picked just before its process binds it: picked together, the later ones could be taken meanwhile
     # by the earlier processes' own outgoing connections (ephemeral ports)
     d_port = free_ports(1)
     d_url = f"http://127.0.0.1:{d_port}"
-    procs = [worker(d_port, "decode", checkout, log_dir)]
+    procs = [worker(d_port, "decode", checkout, log_dir, cores[1])]
     try:
-        res: dict = {"transfer": transfer(d_url, args.repeats, args.tokens // 16, None if name == "after" else checkout,
-                                            100 if name == "before" else 200)}
+        if with_transfer:
+            res["transfer"] = transfer(d_url, args.repeats, args.tokens // 16, None if name == "after" else checkout,
+                                       100 if name == "before" else 200)
         p_port = free_ports(1)
         p_url = f"http://127.0.0.1:{p_port}"
-        procs.append(worker(p_port, "prefill", checkout, log_dir))
+        procs.append(worker(p_port, "prefill", checkout, log_dir, cores[0]))
         r_port = free_ports(1)
         r_url = f"http://127.0.0.1:{r_port}"
         procs.append(start(["router", "--port", str(r_port), "--workers", f"{p_url},{d_url}", "--pd-threshold",
@@ -284,13 +302,13 @@ def run_version(name: str, checkout: Path, args: argparse.Namespace, log_dir: Pa
                            checkout, log_dir / f"router-local-{name}.log"))
         router_ready(r_url)
         router_ready(l_url)
-        res["ttft"] = ttft({"local prefill": d_url, "remote prefill": r_url, "local prefill via router": l_url},
-                           args.tokens, args.ttft_repeats, 7 + len(name))
+        res["ttft"][layout] = ttft({"local prefill": d_url, "remote prefill": r_url, "local prefill via router": l_url},
+                                   args.tokens, args.ttft_repeats, 7 + len(name) + cores[0])
         if args.control_pairs:  # the same local prefill on both workers: how far two identical workers differ here
-            res["control"] = ttft({"decode worker": d_url, "prefill worker": p_url}, args.tokens, args.control_pairs, 3)
-        res["pd_decisions"] = pd_decisions(r_url)
-        res["sent_via"] = sent_via(p_url)
-        return res
+            res["control"][layout] = ttft({"decode worker": d_url, "prefill worker": p_url}, args.tokens,
+                                          args.control_pairs, 3 + cores[0])
+        res["pd_decisions"][layout] = pd_decisions(r_url)
+        res["sent_via"][layout] = sent_via(p_url)
     finally:
         for p in reversed(procs):
             stop_process(p)
@@ -345,30 +363,38 @@ def report(results: dict, nbytes: int, q: dict) -> list[str]:
               "remote/local by round (median, range) | local via a router of its own s | remote / local via router "
               "| P/D decisions | MB sent, by way |", "|---|---|---|---|---|---|---|---|---|"]
     for name in ("before", "after"):
-        t = results.get(name, {}).get("ttft")
-        if t:
+        ratios = []
+        for layout, t in results.get(name, {}).get("ttft", {}).items():
             lo, re_ = t["local prefill"], t["remote prefill"]
             via = t.get("local prefill via router") or [float("nan")]
             # each round sends the paths one after the other: its ratio leaves out the machine's slower drifts
             rounds = [b / a for a, b in zip(lo, re_, strict=True)]
-            lines.append(f"| {name} | {median(lo):.2f} ({min(lo):.2f}-{max(lo):.2f}) | {median(re_):.2f} "
+            ratios.append((median(re_) / median(lo), median(rounds)))
+            lines.append(f"| {name}, {layout} | {median(lo):.2f} ({min(lo):.2f}-{max(lo):.2f}) | {median(re_):.2f} "
                          f"({min(re_):.2f}-{max(re_):.2f}) | {median(re_) / median(lo):.3f} | {median(rounds):.3f} "
                          f"({min(rounds):.3f}-{max(rounds):.3f}) | {median(via):.2f} "
                          f"({min(via):.2f}-{max(via):.2f}) | {median(re_) / median(via):.3f} | "
-                         f"{json.dumps(results[name]['pd_decisions'])} | {json.dumps(results[name].get('sent_via'))} |")
+                         f"{json.dumps(results[name]['pd_decisions'][layout])} | "
+                         f"{json.dumps(results[name]['sent_via'][layout])} |")
+        if len(ratios) > 1:  # the geometric mean over the layouts: each core's speed counts once on either side
+            lines.append(f"| {name}, both layouts (geometric mean) | | | {geomean([r for r, _ in ratios]):.3f} | "
+                         f"{geomean([r for _, r in ratios]):.3f} | | | | |")
     for name in ("before", "after"):
-        c = results.get(name, {}).get("control")
-        if c:
+        for layout, c in results.get(name, {}).get("control", {}).items():
             d, p = c["decode worker"], c["prefill worker"]
             pairs = [b / a for a, b in zip(d, p, strict=True)]
-            lines += ["", f"control ({name}): local prefill TTFT on the prefill worker / on the decode worker, no P/D: "
-                          f"{median(p) / median(d):.3f} (pairwise {median(pairs):.3f}, {min(pairs):.3f}-{max(pairs):.3f}, "
-                          f"{len(pairs)} pairs)"]
+            lines += ["", f"control ({name}, {layout}): local prefill TTFT on the prefill worker / on the decode "
+                          f"worker, no P/D: {median(p) / median(d):.3f} (pairwise {median(pairs):.3f}, "
+                          f"{min(pairs):.3f}-{max(pairs):.3f}, {len(pairs)} pairs)"]
     lines += ["", "| frame dtype (fp32 pool) | outputs identical to local prefill | median first divergence (token) |",
               "|---|---|---|"]
     for dtype, r in q.items():
         lines.append(f"| {dtype} | {r['identical']}/{r['prompts']} | {r['first_divergence_median']} |")
     return lines
+
+
+def geomean(xs: list[float]) -> float:
+    return math.exp(sum(math.log(x) for x in xs) / len(xs))
 
 
 def main() -> int:
