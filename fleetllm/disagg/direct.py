@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from fleetllm.disagg.frame import FrameError, FrameHeader, gather_into
-from fleetllm.disagg.leases import pid_namespace
+from fleetllm.disagg.leases import KEEP_S, pid_namespace
 from fleetllm.disagg.shared_pool import PoolLayout, PoolMaps
 
 if TYPE_CHECKING:
@@ -175,10 +175,12 @@ async def commit(client: httpx.AsyncClient, leg: DirectLeg, timeout: float, firs
     return r.json()
 
 
-async def read_back(engine: AsyncEngine, leg: DirectLeg) -> int:
-    """After a commit with ``keep``: the prompt's full blocks, computed in place in the decode worker's pool,
-    copied into this worker's prefix cache (reserved and registered on the engine thread, copied off it), so
-    that its KV events list them and a prompt sharing them is not computed again here; the blocks copied."""
+async def read_back(engine: AsyncEngine, leg: DirectLeg, committed_at: float) -> int:
+    """After a commit with ``keep`` (sent at ``committed_at``, this process's ``time.monotonic()``): the prompt's
+    full blocks, computed in place in the decode worker's pool, copied into this worker's prefix cache (reserved
+    and registered on the engine thread, copied off it), so that its KV events list them and a prompt sharing
+    them is not computed again here; the blocks copied. Nothing is registered when the copy ended after the
+    decode worker may have let the blocks go (:data:`~fleetllm.disagg.leases.KEEP_S`): FrameError."""
     from fleetllm.disagg import kv_io
 
     h = leg.target.header
@@ -186,6 +188,8 @@ async def read_back(engine: AsyncEngine, leg: DirectLeg) -> int:
     res = await engine.call(lambda e: kv_io.reserve(e, full))
     try:
         await asyncio.to_thread(kv_io.write, engine.engine.kv_blocks(), leg.target.pool, res, leg.target.blocks)
+        if time.monotonic() >= committed_at + KEEP_S:
+            raise FrameError(f"read back more than {KEEP_S:.0f} s after the commit: the blocks may be reused")
     except BaseException:
         await engine.call(lambda e: kv_io.cancel(e, res))
         raise

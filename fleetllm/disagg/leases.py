@@ -14,7 +14,9 @@ in one of three ways:
 
 A commit with ``keep`` keeps a reference on the written full blocks under the same lease id, for the writer to
 read them back into its own prefix cache (a prefill computed in place here left nothing in its own pool):
-``POST /pd/release`` (read) or the same expiry drops it; the blocks stay registered, as any cached block.
+``POST /pd/release`` (read), the writer's death or :data:`KEEP_S` after the commit (+ :data:`GRACE_S`) drops it;
+the blocks stay registered, as any cached block. The writer keeps nothing it read once :data:`KEEP_S` has passed
+since it sent the commit (the same fencing as the lease's).
 
 Fencing: the writer writes nothing once ``lease_s`` has passed since it *sent* the reservation (its own
 clock; it cannot start before this worker's), and blocks are freed only :data:`GRACE_S` after this worker's
@@ -41,6 +43,7 @@ if TYPE_CHECKING:
     from fleetllm.engine.async_engine import AsyncEngine
 
 GRACE_S = 2.0  # after the deadline, before the blocks are freed: the writer's last write is long over
+KEEP_S = 30.0  # a commit with keep: how long the writer has to read the blocks back
 MAX_LEASE_S = 600.0
 TICK_S = 0.25
 
@@ -126,7 +129,7 @@ class Leases:
         if keep:  # referenced before the commit: no moment in which they could be evicted
             full = [bid for i, bid in lease.res.copies() if i < len(lease.res.header.block_hashes)]
             await self.engine.call(lambda e: [e.pool.touch(b) for b in full])
-            self._kept[lease_id] = Kept(full, lease.deadline, lease.writer_pid)
+            self._kept[lease_id] = Kept(full, time.monotonic() + KEEP_S, lease.writer_pid)
             self._watching()
         kept = {"kept": len(self._kept[lease_id].blocks)} if keep else {}
         if first is not None:

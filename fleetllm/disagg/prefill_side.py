@@ -229,7 +229,7 @@ class PrefillEndpoints:
         try:
             computing = await self._tap(job, stream, early)
             out = await self.worker.until_disconnect(request, self._finish(computing, stream))
-            prefill_s, t1 = time.perf_counter() - t0, time.perf_counter()
+            prefill_s, t1, committed_at = time.perf_counter() - t0, time.perf_counter(), time.monotonic()
             result = await direct.commit(self._client(), leg, timeout, first_of(out) if job.handoff else None,
                                          job.transfer, keep=stream.in_place)
             committed, transfer_s = True, time.perf_counter() - t1
@@ -248,12 +248,12 @@ class PrefillEndpoints:
             stream.close()
             if not committed:
                 await asyncio.shield(direct.release(self._client(), leg.url, leg.lease))
-        read_back_s = await self._read_back(leg) if result.get("kept") else 0.0
+        read_back_s = await self._read_back(leg, committed_at) if result.get("kept") else 0.0
         return self._shipped("pool", leg.target.header.num_blocks, leg.target.nbytes, len(job.ids), prefill_s,
                              transfer_s, result, reserve_s=leg.reserve_s, reserved_during_prefill=computing is early,
                              in_place=stream.in_place, read_back_s=read_back_s)
 
-    async def _read_back(self, leg: DirectLeg) -> float:
+    async def _read_back(self, leg: DirectLeg, committed_at: float) -> float:
         """A prompt computed in place: its full blocks copied from the decode worker's pool into this worker's
         prefix cache (:func:`.direct.read_back`; the decode worker already streams), then the lease released;
         seconds it took. A failure costs the prefix cache here that prompt, nothing else: counted, not raised."""
@@ -261,7 +261,7 @@ class PrefillEndpoints:
 
         t = time.perf_counter()
         try:
-            await direct.read_back(self.worker.async_engine, leg)
+            await direct.read_back(self.worker.async_engine, leg, committed_at)
         except Exception:  # noqa: BLE001 - the request is served; only this worker's cache misses the prompt
             self.metrics.failures.labels(reason="read_back").inc()
         finally:

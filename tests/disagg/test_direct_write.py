@@ -138,16 +138,22 @@ def test_a_released_reservation_frees_its_blocks_and_cannot_be_committed(pd):
     assert httpx.post(d + "/pd/commit", json={"lease": lease["lease"]}).status_code == 409
 
 
-@pytest.mark.parametrize("end", ["release", "expiry"])
+@pytest.mark.parametrize("end", ["release", "writer gone"])
 def test_a_commit_with_keep_holds_the_blocks_registered_until_the_writer_releases_them(pd, end):
-    d, tokens = pd["decode"].url, list(range(5100 + (end == "expiry") * 100, 5164 + (end == "expiry") * 100))
-    lease = reserve(d, tokens, lease_s=60 if end == "release" else 0.05, pid=os.getpid(), pid_ns=pid_namespace())
-    r = httpx.post(d + "/pd/commit", json={"lease": lease["lease"], "keep": True})
-    assert r.status_code == 200 and r.json()["kept"] == r.json()["imported"] == 4, r.text
-    assert held(pd["decode"]) > 0.0  # kept for the writer to read back
-    if end == "release":
-        assert httpx.post(d + "/pd/release", json={"lease": lease["lease"]}).json() == {"released": True}
-    no_blocks_held(pd["decode"])
+    d, tokens = pd["decode"].url, list(range(5100 + (end != "release") * 100, 5164 + (end != "release") * 100))
+    writer = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        lease = reserve(d, tokens, pid=writer.pid, pid_ns=pid_namespace())
+        r = httpx.post(d + "/pd/commit", json={"lease": lease["lease"], "keep": True})
+        assert r.status_code == 200 and r.json()["kept"] == r.json()["imported"] == 4, r.text
+        time.sleep(0.6)  # past two of the leases' watch ticks
+        assert held(pd["decode"]) > 0.0  # kept for the writer to read back
+        if end == "release":
+            assert httpx.post(d + "/pd/release", json={"lease": lease["lease"]}).json() == {"released": True}
+    finally:
+        writer.kill()
+        writer.wait()
+    no_blocks_held(pd["decode"], 10.0)  # released, or its writer gone: within a tick (not at KEEP_S)
     assert len(pd["decode"].worker.engine.kv.cached_prefix(tokens)[0]) == 4  # registered all along
 
 
