@@ -65,8 +65,7 @@ class PoolTarget:
     def put(self, i: int, first: int, k: torch.Tensor, v: torch.Tensor, index: torch.Tensor) -> None:
         """Engine thread: prompt blocks ``[first, first + len(index))`` of layer ``i``, gathered from ``k`` and
         ``v`` (``[blocks, block_size, ...]``) at ``index``, into their pool blocks."""
-        if self.closed or time.monotonic() >= self.deadline:
-            self.missed = True
+        if self._fenced():
             return
         plan = self._plan(first, index)
         for src, dst in ((k, self.pool[i][0]), (v, self.pool[i][1])):
@@ -108,9 +107,14 @@ class PoolTarget:
     def check(self) -> None:
         """Engine thread, before a layer computing in the pool writes: raise :class:`FrameError` once the lease's
         time has passed or the target is closed (the blocks may be another request's by then)."""
-        if self.closed or time.monotonic() >= self.deadline:
-            self.missed = True
+        if self._fenced():
             raise FrameError("the lease ended (or the write was abandoned) before every layer was written")
+
+    def _fenced(self) -> bool:
+        """Whether nothing may be written any more (closed, or the lease's time passed): then marked missed."""
+        fenced = self.closed or time.monotonic() >= self.deadline
+        self.missed = self.missed or fenced
+        return fenced
 
     def seal(self, i: int) -> None:
         return None  # nothing to checksum: see the module's doc

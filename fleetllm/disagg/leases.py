@@ -65,7 +65,7 @@ class Lease:
         return out
 
     def over(self, now: float) -> bool:
-        return now > self.deadline + GRACE_S or (self.writer_pid is not None and not alive(self.writer_pid))
+        return _over(self.deadline, self.writer_pid, now)
 
 
 @dataclass
@@ -77,7 +77,12 @@ class Kept:
     writer_pid: int | None
 
     def over(self, now: float) -> bool:
-        return now > self.deadline + GRACE_S or (self.writer_pid is not None and not alive(self.writer_pid))
+        return _over(self.deadline, self.writer_pid, now)
+
+
+def _over(deadline: float, writer_pid: int | None, now: float) -> bool:
+    """Whether blocks held until ``deadline`` for the writer ``writer_pid`` may go: its grace passed, or it is gone."""
+    return now > deadline + GRACE_S or (writer_pid is not None and not alive(writer_pid))
 
 
 def pid_namespace() -> int | None:
@@ -131,7 +136,7 @@ class Leases:
             await self.engine.call(lambda e: [e.pool.touch(b) for b in full])
             self._kept[lease_id] = Kept(full, time.monotonic() + KEEP_S, lease.writer_pid)
             self._watching()
-        kept = {"kept": len(self._kept[lease_id].blocks)} if keep else {}
+        kept = {"kept": len(full)} if keep else {}
         if first is not None:
             return {**await self.handoffs.commit(lease.res, first, transfer), **kept}
         result = await self.engine.call(lambda e: commit(e, lease.res))

@@ -80,7 +80,7 @@ class PrefillEndpoints:
         """Whether a direct write computes in the decode worker's blocks themselves (no copy): on a prefill
         worker, whose steps are all prefills (it takes steps of its own: a worker's decoding requests would
         stall for the prefill's length), computing on the CPU (the mapped pool is host memory)."""
-        return self.worker.role == "prefill" and self.worker.engine.kv_blocks()[0][0].device.type == "cpu"
+        return self.worker.role == "prefill" and self.worker.engine.executor.device == "cpu"
 
     @property
     def buffers(self) -> FrameBuffers:
