@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Build llama.cpp's own `llama-server` (the real multi-slot peer, see DESIGN.md §7) from the
-# llama.cpp source vendored in the llama-cpp-python sdist, in a cache dir outside the repo.
+# Build llama.cpp's own `llama-server` (the real multi-slot peer: llama-cpp-python's own server answers
+# one request at a time) from the llama.cpp source vendored in the llama-cpp-python sdist, in a cache dir
+# outside the repo.
 # Idempotent: exits at once when the binary already exists.
 # GGML_NATIVE=ON compiles llama.cpp's AMX kernels where /proc/cpuinfo lists AMX; on VMs that list AMX
 # but do not grant it, the server dies at start (SIGILL/SIGSEGV in `tilezero`). engine_vs_peers.py then

@@ -6,7 +6,7 @@ OpenMP-managed threads than it has cores, libgomp lets a parked worker spin only
 ~300,000) before it sleeps, so every parallel region has to wake its workers through the kernel. A decode step
 at batch 1 is hundreds of short regions: on 2 cores, with the model loaded on the main thread and decoded on the
 engine thread, a Q4 GEMV took 80-114 us instead of 23-42 us and the worker ran 34-37 tok/s where the same
-engine in one thread ran 57-61 (BENCHMARKS "One OpenMP team per worker").
+engine in one thread ran 57-61 (git log -p BENCHMARKS.md: "One OpenMP team per worker").
 
 So a worker builds its engine on a thread that ends once it is built (its pool goes with it), warms it up on the
 engine thread, and every other thread that touches tensors runs its parallel regions alone (:func:`make_serial`),

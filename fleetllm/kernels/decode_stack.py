@@ -33,9 +33,9 @@ from fleetllm.kernels.build import KernelLibrary
 _enabled = os.environ.get("FLEETLLM_DECODE_STACK", "auto") != "eager"
 # A chunk (a prompt's, or a verification's) is taken while queries x positions stays under this: the paged kernel
 # reads every key once per query, where the op-by-op path's prefill kernel (or SDPA) reuses it across a tile of
-# queries (BENCHMARKS "Paged attention": the kernel wins at 1-2 queries over 1,024 positions); e.g. 8 queries over
-# 2,048 positions, or a 128-token prompt with nothing cached. A batch-invariant q4 model keeps such chunks on the
-# paged kernel off the stack too (``Attention.in_place_chunk_keys``).
+# queries (git log -p BENCHMARKS.md, "Paged attention kernel": the kernel wins at 1-2 queries over 1,024
+# positions); e.g. 8 queries over 2,048 positions, or a 128-token prompt with nothing cached. A batch-invariant
+# q4 model keeps such chunks on the paged kernel off the stack too (``Attention.in_place_chunk_keys``).
 MAX_CHUNK_KEYS = 16384
 P, INT, FLOAT = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 LINEARS = ("qkv", "o", "gate_up", "down")

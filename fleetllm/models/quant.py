@@ -46,7 +46,7 @@ from fleetllm.kernels.q4_int import BlockedQ4, kernel_ready, q4_int_linear
 GROUP = 32
 WIDE_ROWS = 8  # steps of at least this many tokens take the int8 GEMM (issue #19: "int8 for batch ≥ 8")
 # Under "q4" (and "q4-q8") without AVX-512 BF16, the Q8_0 LM head's GEMV takes steps of fewer rows than this; it loses
-# to fp32 ``F.linear`` from ~64 rows (BENCHMARKS "q4 up to 48 rows")
+# to fp32 ``F.linear`` from ~64 rows (git log -p BENCHMARKS.md: "q4 as the default")
 Q4_WIDE_ROWS = 48
 # "q4"'s Q4_1 linears take fp32 ``F.linear`` from here: per step of SmolLM2's decoder linears int16 activations are
 # 1.3-1.5x fp32 at 48-96 rows, 1.06x at 192-256 and lose at 512 (0.67-0.98x per shape); int8 wins at every width

@@ -210,7 +210,7 @@ def _with_context(config, tokens: int):  # type: ignore[no-untyped-def]
 class _Fleet:
     """Decode replicas (routed by the policy) and an optional prefill pool, stepped in time order.
 
-    P/D as the router does it (DESIGN.md §5): the decode replica is chosen first; a prompt whose tokens
+    P/D as the router does it (docs/architecture.md, "A request through a disaggregated fleet"): the decode replica is chosen first; a prompt whose tokens
     not cached there reach the threshold is prefilled on the least loaded prefill replica with fewer than
     the router's ``prefill_max_inflight`` prompts (none: the decode replica prefills it), its KV crosses
     the link and is imported (``frames``: the decode replica's verify and copy, which the request's first

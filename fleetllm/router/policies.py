@@ -11,7 +11,7 @@ Every policy implements :class:`Policy` and is registered by name in ``POLICIES`
 - ``fallback``  the policy lacked what it needs (no session key, no tokens): least load instead
 - ``retry``     a second or later attempt after a failure before the first byte (set by the gateway)
 
-The cost used by ``prefix`` and ``kv_aware`` is in estimated seconds (DESIGN.md §4):
+The cost used by ``prefix`` and ``kv_aware`` is in estimated seconds (docs/architecture.md, "Routing cost"):
 ``queue + this request's uncached tokens / prefill_rate + γ · decoding / decode_rate + KV-pressure
 penalty``, ties broken at random, over the workers whose in-flight count stays within ``balance`` times
 the mean (bounded load, as in the session policy). The queue is the time before this request's prefill

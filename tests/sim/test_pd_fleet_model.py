@@ -9,7 +9,8 @@ from fleetllm.sim.profile import TimingProfile
 
 # an fp32 profile kept as test data: these tests pin the P/D model's decisions, not what the shipped profile (which
 # follows the default engine) happens to measure; under q4's cheap decode steps few requests decode at any instant,
-# so in these 60-s runs `auto` moves no prefill (300 s: 28%; BENCHMARKS.md, "P/D at scale on paper with the q4 profile")
+# so in these 60-s runs `auto` moves no prefill (300 s: 28%; git log -p BENCHMARKS.md, "P/D at scale on paper with
+# the q4 profile")
 PROFILE = TimingProfile.load(Path(__file__).parents[1] / "data" / "timing_profile_1a4c4e1.json")
 KV = 46080  # SmolLM2-135M fp32 bytes per token
 
