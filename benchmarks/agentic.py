@@ -6,7 +6,7 @@ sessions: a shared system prompt with the tool schema, each session's own task c
 a few hundred to 1,500 tokens per turn, think time between turns, contexts growing to the model's 8k
 limit. Reported per configuration and sessions: per-user output tok/s (p10, p50), TTFT and prefix-cache
 hit rate per turn, and the most sessions that keep every user at or above ``--floor-tps``. A plot of
-per-user tok/s against sessions goes to docs/; the table to BENCHMARKS.md.
+per-user tok/s against sessions goes to docs/; the run to results/ (its figures go into BENCHMARKS.md).
 
     python benchmarks/agentic.py                       # the run in BENCHMARKS.md
     python benchmarks/agentic.py --sessions 1,2 --duration 30 --no-append   # a smaller one
@@ -26,7 +26,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import append_run, free_ports, stop_process, tail  # noqa: E402
+from common import free_ports, save_run, stop_process, tail  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 CLI = [sys.executable, "-m", "fleetllm.cli"]
@@ -154,7 +154,7 @@ def main() -> None:
     p.add_argument("--configs", default=",".join(c[0] for c in CONFIGS))
     p.add_argument("--kv-cache-gb", type=float, default=1.5)
     p.add_argument("--out", type=Path, default=ROOT / "results" / "agentic")
-    p.add_argument("--no-append", action="store_true", help="do not append to BENCHMARKS.md")
+    p.add_argument("--no-append", action="store_true", help="do not save the run to results/")
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     wanted = args.configs.split(",")
@@ -174,7 +174,7 @@ def main() -> None:
     print(text)
     if not args.no_append:
         cmd = "python benchmarks/agentic.py " + " ".join(sys.argv[1:])
-        append_run("## Agent sessions: per-user speed floor (issue 20)",
+        save_run("## Agent sessions: per-user speed floor (issue 20)",
                    "Agent sessions (`fleetllm bench --workload agentic`, see docs/agents.md) on two real SmolLM2 "
                    "workers behind a router. Flags: `" + " ".join(WORKLOAD) + f" --max-context {args.max_context}`.",
                    cmd, text + "\nLoad average (1 min) at each configuration's start: "

@@ -64,8 +64,7 @@ PEERS = Path.home() / ".cache/fleetllm-peers"
 MODEL_ALIAS = "smollm2-135m"
 AIPERF_DEFAULT = PEERS / "aiperf-venv/bin/aiperf"
 TOKENIZER_DEFAULT = PEERS / f"tokenizer-{MODEL_ALIAS}"
-BENCHMARKS_MD = REPO / "BENCHMARKS.md"
-HEADER = "# fleetllm benchmarks\n\nMeasured results, newest last in each section. Each entry names the command, date and machine.\n"
+RESULT_MD = REPO / "results" / "bench-vs-aiperf.md"  # git-ignored; BENCHMARKS.md takes its figures by hand
 SECTION = "## fleetllm bench vs AIPerf"
 SECTION_INTRO = (
     "`benchmarks/bench_vs_aiperf.py`: the same server and workload driven by `fleetllm bench` and by AIPerf "
@@ -541,32 +540,10 @@ def display_cmd(cmd: list[str]) -> str:
     return shlex.join(parts).replace(str(Path.home()), "~")
 
 
-def append_markdown(path: Path, entry: str) -> None:
-    """Add ``entry`` at the end of the section, creating the file or the section when missing.
-
-    Other scripts write their own sections of the same file, possibly at the same time: when this section
-    is missing or is the last one, the entry is *appended* (O_APPEND, no read-modify-write of other
-    sections); otherwise the file is re-read and the entry inserted before the next section.
-    """
-    text = path.read_text() if path.exists() else ""
-    if not text:
-        with open(path, "a") as f:
-            f.write(HEADER)
-        text = path.read_text()
-    if SECTION not in text:
-        with open(path, "a") as f:
-            f.write(("" if text.endswith("\n\n") else "\n" if text.endswith("\n") else "\n\n")
-                    + f"{SECTION}\n\n{SECTION_INTRO}\n{entry}")
-        return
-    start = text.index(SECTION) + len(SECTION)
-    nxt = text.find("\n## ", start)
-    if nxt < 0:
-        with open(path, "a") as f:
-            f.write(("\n" if text.endswith("\n") else "\n\n") + entry)
-        return
-    text = path.read_text()  # as late as possible
-    nxt = text.find("\n## ", text.index(SECTION) + len(SECTION))
-    path.write_text(text[:nxt].rstrip("\n") + "\n\n" + entry + "\n" + text[nxt + 1:])
+def save_markdown(path: Path, entry: str) -> None:
+    """Write this run's ``entry`` to ``path`` (by default ``results/bench-vs-aiperf.md``), replacing the last."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(f"{SECTION}\n\n{SECTION_INTRO}\n{entry}")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -659,8 +636,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-pin", action="store_true",
                    help="do not pin the server to all cores but the last and the tools to the last one")
     p.add_argument("--output-dir", default=None, help="keep both tools' artifacts here (default: a temp dir)")
-    p.add_argument("--benchmarks-md", default=str(BENCHMARKS_MD))
-    p.add_argument("--no-record", action="store_true", help="do not append to BENCHMARKS.md")
+    p.add_argument("--result-md", default=str(RESULT_MD), help="where this run is written (replacing the last)")
+    p.add_argument("--no-record", action="store_true", help="do not write --result-md")
     return p.parse_args(argv)
 
 
@@ -776,8 +753,8 @@ def main(argv: list[str] | None = None) -> int:
                                                             if (argv if argv is not None else sys.argv[1:]) else "")
         entry = render_markdown(targets, wl, args.rounds, command, machine_line(load_start, load_end), notes,
                                 tool_cmds, versions)
-        append_markdown(Path(args.benchmarks_md), entry)
-        console.print(f"appended to {args.benchmarks_md} under {SECTION!r}")
+        save_markdown(Path(args.result_md), entry)
+        console.print(f"this run: {args.result_md} (replace the figures of BENCHMARKS.md's {SECTION!r} with it)")
     return 0 if passed(worker, wl.requests) else 1
 
 

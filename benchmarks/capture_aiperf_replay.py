@@ -5,7 +5,7 @@ What it does:
      ``fleetllm bench`` (streaming chat), stops it (SIGTERM flushes the capture);
   2. starts the same fleet without capture and runs ``aiperf profile --input-file DIR/fleetllm/AllTraffic
      --custom-dataset-type sagemaker_data_capture --fixed-schedule`` against it;
-  3. prints the captured request count and token totals beside AIPerf's; ``--record`` appends to BENCHMARKS.md.
+  3. prints the captured request count and token totals beside AIPerf's; ``--record`` saves the run to results/.
 
 Setup (once): ``benchmarks/install_aiperf.sh``. Run:  python benchmarks/capture_aiperf_replay.py [--requests 24]
 """
@@ -13,9 +13,7 @@ Setup (once): ``benchmarks/install_aiperf.sh``. Run:  python benchmarks/capture_
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -24,7 +22,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_vs_aiperf import AIPERF_DEFAULT, TOKENIZER_DEFAULT, aiperf_env, ensure_tokenizer  # noqa: E402
 from capture_overhead import start  # noqa: E402
-from common import stop_process  # noqa: E402
+from common import save_run, stop_process  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 PORT = 18740
@@ -83,10 +81,8 @@ def main() -> int:
     line = f"captured {want}; AIPerf replayed {got} (log {tmp / 'aiperf.log'})"
     print(line)
     if args.record:
-        text = (f"\n### AIPerf replays a capture, {dt.datetime.now(dt.UTC):%Y-%m-%d %H:%M} UTC, load average "
-                f"{os.getloadavg()[0]:.2f}\n\n`python benchmarks/capture_aiperf_replay.py --requests {args.requests}`"
-                f"\n\n- {line.split(' (log')[0]}\n")
-        (ROOT / "BENCHMARKS.md").write_text((ROOT / "BENCHMARKS.md").read_text() + text)
+        save_run("## AIPerf replays a capture", "A captured fleet's traffic replayed by AIPerf.",
+                 f"python benchmarks/capture_aiperf_replay.py --requests {args.requests}", f"- {line.split(' (log')[0]}\n")
     return 0
 
 

@@ -12,7 +12,7 @@ What it does:
      machine's load hits both alike;
   4. prints output-token throughput and TTFT p50 per run, the medians, and the ratios on / off (goals:
      throughput >= 0.95, TTFT p50 <= 1.05); then stops the fleets (SIGTERM flushes) and counts the
-     captured endpoint and worker records against the requests sent. ``--record`` appends to BENCHMARKS.md.
+     captured endpoint and worker records against the requests sent. ``--record`` saves the run to results/.
 
 Run:  python benchmarks/capture_overhead.py [--concurrency 4 --requests 32 --isl 64 --osl 32 --rounds 3] [--record]
 """
@@ -33,7 +33,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import append_run, stop_process, tail  # noqa: E402
+from common import save_run, stop_process, tail  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 AWS = {"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench", "AWS_DEFAULT_REGION": "us-east-1"}
@@ -79,7 +79,7 @@ def main() -> int:
     ap.add_argument("--isl", type=int, default=64)
     ap.add_argument("--osl", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--record", action="store_true", help="append the result to BENCHMARKS.md")
+    ap.add_argument("--record", action="store_true", help="save the run to results/ (for BENCHMARKS.md)")
     args = ap.parse_args()
     cores = sorted(os.sched_getaffinity(0))
     fleet_cores, s3_cores = (cores[:-1], cores[-1:]) if len(cores) > 1 else (cores, cores)
@@ -189,7 +189,7 @@ def record(args: argparse.Namespace, runs: dict[str, list[tuple[float, float]]],
         ["--concurrency", str(args.concurrency), "--requests", str(args.requests), "--isl", str(args.isl),
          "--osl", str(args.osl), "--rounds", str(args.rounds)])
     per = " / ".join(f"{n}: " + ", ".join(f"{t:.2f} tok/s @ {f:.0f} ms" for t, f in v) for n, v in runs.items())
-    append_run("## Capture overhead", "`fleetllm serve` (router + one SmolLM2 worker) with every capture tier at 100% "
+    save_run("## Capture overhead", "`fleetllm serve` (router + one SmolLM2 worker) with every capture tier at 100% "
                "to S3 (moto on 127.0.0.1, its own core; SSE-KMS and client-side envelope encryption) against the same "
                "fleet with capture off, driven alternately by `fleetllm bench` (streaming chat).", cmd,
                f"- per run (output tok/s @ TTFT p50): {per}\n- {summary}\n")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime as dt
 import os
 import platform
+import re
 import socket
 import subprocess
 from pathlib import Path
@@ -38,16 +39,21 @@ def cpu_model() -> str:
     return platform.processor() or "unknown CPU"
 
 
-def append_run(heading: str, intro: str, cmd: str, lines: str) -> None:
-    """Append one dated run (its machine, ``cmd`` and result ``lines``) to BENCHMARKS.md, first adding the
-    section ``heading`` with its ``intro`` if the file has none."""
-    path = Path(__file__).resolve().parents[1] / "BENCHMARKS.md"
-    body = path.read_text()
-    if heading not in body:
-        body += f"\n{heading}\n\n{intro}\n"
-    stamp = (f"\n### {dt.datetime.now(dt.UTC):%Y-%m-%d %H:%M} UTC, {cpu_model()}, {os.cpu_count()} cores, "
+RESULTS = Path(__file__).resolve().parents[1] / "results"  # git-ignored: the last run of each benchmark
+
+
+def save_run(heading: str, intro: str, cmd: str, lines: str) -> Path:
+    """Write this run (its machine, ``cmd`` and result ``lines``) to ``results/<heading's slug>.md``, replacing the
+    last one, and say so. BENCHMARKS.md is the current results page, edited by hand: its section for this
+    capability takes the new figures in place of the old ones (a run never appends a log to it)."""
+    slug = re.sub(r"[^a-z0-9]+", "-", heading.lstrip("# ").lower()).strip("-")[:60]
+    RESULTS.mkdir(exist_ok=True)
+    path = RESULTS / f"{slug}.md"
+    stamp = (f"### {dt.datetime.now(dt.UTC):%Y-%m-%d %H:%M} UTC, {cpu_model()}, {os.cpu_count()} cores, "
              f"load average {os.getloadavg()[0]:.2f}\n\n`{cmd}`\n\n")
-    path.write_text(body + stamp + lines)
+    path.write_text(f"{heading}\n\n{intro}\n\n{stamp}{lines}")
+    print(f"this run: {path} (replace the figures of BENCHMARKS.md's section for it)")
+    return path
 
 
 def free_ports(n: int) -> int:

@@ -15,8 +15,9 @@ output tokens over the summed wall time of the waves (prefill included), TTFT is
 For HF the whole batch shares one TTFT: the time from the call until ``generate`` emits the first token.
 
 Run:  python benchmarks/engine_vs_peers.py [--concurrency 1,8,32] [--max-tokens 64] [--skip-hf] [--skip-llamacpp]
-      appends an entry (command, date, machine, tables) to BENCHMARKS.md under "Engine vs peers";
-      ``--quick`` (c=1,8, 16 tokens, one wave) is a smoke test and appends only with an explicit --output-md.
+      writes the run (command, date, machine, tables) to results/engine-vs-peers.md, replacing the last
+      (BENCHMARKS.md takes its figures by hand); ``--quick`` (c=1,8, 16 tokens, one wave) is a smoke test and
+      writes only with an explicit --output-md.
 Build the llama.cpp peer first (once, ~15-30 min on 2 cores): benchmarks/build_llama_server.sh
 Timings are only worth recording on a quiet machine: every system is given all ``--threads`` cores.
 """
@@ -39,7 +40,7 @@ from pathlib import Path
 
 import httpx
 from common import stop_process, tail
-from peers_report import Result, append_markdown, machine, print_tables
+from peers_report import Result, machine, print_tables, save_markdown
 
 from fleetllm.bench.client import ClientConfig, RequestSpec, make_http_client, send_request
 from fleetllm.models.loader import resolve
@@ -366,17 +367,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--skip-llamacpp", action="store_true")
     p.add_argument("--llama-server", default=None, help="path to llama-server (default: the build script's output)")
     p.add_argument("--ctx-per-slot", type=int, default=512, help="llama-server context per slot (default: %(default)s)")
-    p.add_argument("--output-md", default=None, help="file to append results to (default: BENCHMARKS.md)")
-    p.add_argument("--no-append", action="store_true", help="print only; do not append to --output-md")
+    p.add_argument("--output-md", default=None, help="file to write the run to (default: results/engine-vs-peers.md)")
+    p.add_argument("--no-append", action="store_true", help="print only; do not write --output-md")
     args = p.parse_args(argv)
     quick = args.quick
     args.concurrency = args.concurrency or ("1,8" if quick else "1,8,32")
     args.max_tokens = args.max_tokens or (16 if quick else 64)
     args.waves = args.waves or (1 if quick else 2)
     if args.output_md is None:
-        # Smoke figures are not results: a quick run appends only where it is told to.
+        # Smoke figures are not results: a quick run writes only where it is told to.
         args.no_append = args.no_append or quick
-        args.output_md = str(REPO / "BENCHMARKS.md")
+        args.output_md = str(REPO / "results" / "engine-vs-peers.md")
     return args
 
 
@@ -410,10 +411,10 @@ def main(argv: list[str] | None = None) -> int:
         notes.append(f"HF: transformers {_version('transformers')}, torch {_version('torch')}, fp32")
     print_tables(results)
     if args.no_append:
-        print(f"not appended to {args.output_md}" + (" (--quick without --output-md)" if args.quick else ""))
+        print(f"not written to {args.output_md}" + (" (--quick without --output-md)" if args.quick else ""))
     elif results:
-        append_markdown(Path(args.output_md), results, command, machine_line, notes)
-        print(f"appended to {args.output_md}")
+        save_markdown(Path(args.output_md), results, command, machine_line, notes)
+        print(f"this run: {args.output_md} (replace the figures of BENCHMARKS.md's section with it)")
     return 0
 
 

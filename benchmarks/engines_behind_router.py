@@ -29,7 +29,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import append_run  # noqa: E402
+from common import save_run  # noqa: E402
 from engine_vs_peers import MODEL_ALIAS, find_llama_server, free_port, server  # noqa: E402
 
 from fleetllm.bench.client import ClientConfig, RequestSpec, make_http_client, send_request  # noqa: E402
@@ -150,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sessions", type=int, default=6)
     p.add_argument("--turns", type=int, default=4)
     p.add_argument("--max-tokens", type=int, default=8)
-    p.add_argument("--no-record", action="store_true", help="do not append to BENCHMARKS.md")
+    p.add_argument("--no-record", action="store_true", help="do not save the run to results/")
     args = p.parse_args(argv)
     binary = find_llama_server(args.llama_server)
     if binary is None:
@@ -165,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     text = report(results)
     print(text)
     if not args.no_record:
-        append_run("## Other engines behind the router: llama.cpp's llama-server and a fleetllm worker",
+        save_run("## Other engines behind the router: llama.cpp's llama-server and a fleetllm worker",
                    "`benchmarks/engines_behind_router.py`: the router fronting a real `llama-server` "
                    "(`llamacpp+http://`) and a real fleetllm worker at once, fresh engines per policy "
                    "(see docs/scale-out.md (other engines)).",

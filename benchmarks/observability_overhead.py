@@ -9,7 +9,7 @@ What it does:
      drift in the machine's load hits both alike;
   3. prints output-token throughput per run, the median of each, and the ratio full / bare (the goal:
      overhead = 1 - ratio < 3 %); also the in-process cost of the engine's metric events per generated
-     token. ``--record`` appends the result and the exact command to BENCHMARKS.md.
+     token. ``--record`` saves the result and the exact command to results/.
 
 Both workers run side by side, but only one is ever under load; the idle one sleeps in its queue wait.
 
@@ -33,7 +33,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import append_run, stop_process, tail  # noqa: E402
+from common import save_run, stop_process, tail  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -115,7 +115,7 @@ def main() -> int:
     ap.add_argument("--isl", type=int, default=64)
     ap.add_argument("--osl", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--record", action="store_true", help="append the result to BENCHMARKS.md")
+    ap.add_argument("--record", action="store_true", help="save the run to results/ (for BENCHMARKS.md)")
     args = ap.parse_args()
 
     sink, sink_url = start_sink()
@@ -153,7 +153,7 @@ def record(args: argparse.Namespace, tput: dict[str, list[float]], summary: str)
         ["--concurrency", str(args.concurrency), "--requests", str(args.requests), "--isl", str(args.isl),
          "--osl", str(args.osl), "--rounds", str(args.rounds)])
     runs = " / ".join(f"{n}: " + ", ".join(f"{v:.2f}" for v in vs) for n, vs in tput.items())
-    append_run("## Observability overhead", "A worker with metrics, request log lines and OTLP export (metrics every "
+    save_run("## Observability overhead", "A worker with metrics, request log lines and OTLP export (metrics every "
                "5 s and one span per request, to a local sink) against the same worker with all of it off "
                "(`--disable-metrics --disable-log-requests`), driven alternately by `fleetllm bench`.", cmd,
                f"- per run (output tok/s): {runs}\n- {summary}\n")

@@ -1,5 +1,5 @@
 """Results of ``engine_vs_peers.py``: one record per system and concurrency, the tables and the
-BENCHMARKS.md section they are appended to.
+run's entry written to results/ (its figures go into BENCHMARKS.md by hand).
 
 Ratios are always fleetllm / peer at the same concurrency: above 1 is better for tok/s, below 1 is
 better for TTFT.
@@ -19,7 +19,6 @@ from rich.console import Console
 from rich.table import Table
 
 PEERS = ("hf", "llama.cpp")
-HEADER = "# fleetllm benchmarks\n\nMeasured results, newest last in each section. Each entry names the command, date and machine.\n"
 SECTION = "## Engine vs peers"
 
 
@@ -141,14 +140,7 @@ def _md_table(columns: list[str], rows: list[list[str]]) -> list[str]:
     return out + ["| " + " | ".join(row) + " |" for row in rows]
 
 
-def append_markdown(path: Path, results: list[Result], command: str, machine_line: str, notes: list[str]) -> None:
-    """Add an entry at the end of the "Engine vs peers" section, creating the file or section if missing."""
-    text = path.read_text() if path.exists() else HEADER
-    if SECTION not in text:
-        text = text.rstrip("\n") + f"\n\n{SECTION}\n\n" + "One run of `benchmarks/engine_vs_peers.py`: the same " \
-            "prompts, output length and threads for every system; each system runs alone.\n"
-    start = text.index(SECTION) + len(SECTION)
-    end = text.find("\n## ", start)
-    end = len(text) if end < 0 else end + 1
-    entry = render_markdown(results, command, machine_line, notes).rstrip("\n")
-    path.write_text(text[:end].rstrip("\n") + "\n\n" + entry + "\n" + ("\n" + text[end:] if end < len(text) else ""))
+def save_markdown(path: Path, results: list[Result], command: str, machine_line: str, notes: list[str]) -> None:
+    """Write this run's entry to ``path`` (by default ``results/engine-vs-peers.md``), replacing the last one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(f"{SECTION}\n\n" + render_markdown(results, command, machine_line, notes))

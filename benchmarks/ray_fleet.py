@@ -21,7 +21,7 @@ from pathlib import Path
 from rich.console import Console
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import append_run, cpu_model  # noqa: E402
+from common import cpu_model, save_run  # noqa: E402
 from routing import WORKLOADS, report, run_one  # noqa: E402
 
 from fleetllm.fleet.ray_local import LocalNode, LocalRayCluster  # noqa: E402
@@ -35,7 +35,7 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="a quarter of the requests, half the concurrency")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--out", default="results/ray_fleet")
-    ap.add_argument("--record", action="store_true", help="append the result to BENCHMARKS.md")
+    ap.add_argument("--record", action="store_true", help="save the run to results/ (for BENCHMARKS.md)")
     args = ap.parse_args()
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -62,7 +62,7 @@ def main() -> int:
                "verdicts": verdicts, "load_average": load, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     (out_dir / "ray_fleet.json").write_text(json.dumps(summary, indent=2))
     if args.record:
-        append_run("## Routing on a Ray fleet (issue 18)", INTRO, "python " + " ".join(sys.argv),
+        save_run("## Routing on a Ray fleet (issue 18)", INTRO, "python " + " ".join(sys.argv),
                    _table(rows) + "\n" + "\n".join(f"- {v}" for v in verdicts) + f"\n\nLoad average: {load}.\n")
     return 0
 

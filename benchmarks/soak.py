@@ -16,7 +16,7 @@ Checks at the end:
 - RSS growth under 10%: the router, and each worker process that lived a third of the run or more after
   its first minute, from its first sample a minute into its life to its last.
 
-    PYTHONPATH=. python benchmarks/soak.py                 # 10 minutes; appends to BENCHMARKS.md
+    PYTHONPATH=. python benchmarks/soak.py                 # 10 minutes; saves the run to results/
     PYTHONPATH=. python benchmarks/soak.py --duration 120 --no-record
 """
 
@@ -39,7 +39,7 @@ from pathlib import Path
 
 import httpx
 import yaml
-from common import append_run, free_ports, stop_process, tail
+from common import free_ports, save_run, stop_process, tail
 
 HUNG_S = 300.0  # a request not ended after this long is a hung client
 SETTLE_S = 60.0  # RSS baselines are taken this long into a process's life (imports, arenas, caches settle)
@@ -285,7 +285,7 @@ def main() -> int:
     ap.add_argument("--kill-every", type=float, default=120.0, help="seconds between SIGKILLs of a worker")
     ap.add_argument("--roll-at", type=float, default=30.0, help="when the rolling restart starts (s)")
     ap.add_argument("--port", type=int, default=None, help="the router's (workers take the next ones; default: free)")
-    ap.add_argument("--no-record", action="store_true", help="do not append to BENCHMARKS.md")
+    ap.add_argument("--no-record", action="store_true", help="do not save the run to results/")
     args = ap.parse_args()
     args.port = args.port or free_ports(args.workers + 1)
     work = Path(tempfile.mkdtemp(prefix="fleetllm-soak-"))
@@ -314,7 +314,7 @@ def main() -> int:
     text, ok = report(out, kv, growth(out, args.duration), args, load)
     print(text)
     if not args.no_record:
-        append_run("## Soak: a saturated real fleet under faults (issue #13)",
+        save_run("## Soak: a saturated real fleet under faults (issue #13)",
                    "`benchmarks/soak.py`: real SmolLM2 workers behind a kv_aware router, saturated by closed-loop "
                    "clients (streaming and not, client drops, duplicate ids) through a rolling restart and a "
                    "SIGKILLed worker every 2 minutes.", "PYTHONPATH=. python " + " ".join(sys.argv), text)
