@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from fleetllm.capture.config import TIERS
+from fleetllm.capture.private import write_private
 from fleetllm.capture.reader import CaptureSource, forget
 from fleetllm.capture.records import record_id, record_status, record_time
 
@@ -61,9 +62,7 @@ def cmd_decrypt(args: argparse.Namespace) -> int:
         if args.output is None:
             sys.stdout.buffer.write(data)
             continue
-        path = Path(args.output) / key.removesuffix(".enc")
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_bytes(data)
+        write_private(Path(args.output) / key.removesuffix(".enc"), data)  # plaintext: this user's eyes only
     return 0
 
 

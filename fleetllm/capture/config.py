@@ -46,7 +46,8 @@ class CaptureConfig:
     redact_hook: str | None = opt(None, "module:function called with (tier, record) before writing; returns "
                                         "the record, or None to drop it", flag="--capture-redact-hook")
     spool_dir: str | None = opt(None, "write-ahead spool (default: DESTINATION/.spool for a directory, "
-                                      "TMPDIR/fleetllm-capture-spool/BUCKET/PREFIX for S3)",
+                                      "a private per-user directory for S3: XDG_RUNTIME_DIR, TMPDIR/...-UID or ~/.cache; "
+                                      "must be owned by this user, not writable by others)",
                                 flag="--capture-spool-dir")
     spool_max_mb: int = opt(1024, "spool size beyond which new records are dropped", flag="--capture-spool-max-mb")
     disk_threshold_percent: float = opt(75.0, "capture stops while the spool's disk is fuller than this",

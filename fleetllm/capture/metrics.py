@@ -3,6 +3,8 @@
 ``records_total{tier, outcome}``: ``written``, ``sampled_out`` and ``dropped`` (the spool refused it),
 ``skipped`` (over the payload limit with ``oversize: skip``, or dropped by the redaction hook) are
 exclusive; ``truncated`` and ``redacted`` count written records that were cut or had a pattern masked.
+``spool_rejected_total{reason}`` counts files in the spool that were set aside unshipped (``symlink``,
+``foreign_owner``, ``hard_link``, ``not_regular``, ``name``, ``malformed``, ``unreadable``).
 """
 
 from __future__ import annotations
@@ -26,6 +28,9 @@ class CaptureMetrics:
                                    registry=r)
         self.spool_segments = Gauge("fleetllm_capture_spool_segments", "Spool segments not yet shipped.", registry=r)
         self.spool_bytes = Gauge("fleetllm_capture_spool_bytes", "Bytes in the spool not yet shipped.", registry=r)
+        self.spool_rejected = Counter("fleetllm_capture_spool_rejected", "Files in the spool set aside "
+                                      "unshipped: not written by capture, or not whole JSON lines.", ["reason"],
+                                      registry=r)
         self._children: dict[tuple[int, str, str], Counter] = {}
         self.active = Gauge("fleetllm_capture_active", "1 while capture writes; 0 while paused (spool disk past "
                             "its use threshold).", registry=r)

@@ -11,7 +11,6 @@ import contextlib
 import json
 import logging
 import re
-import tempfile
 from collections.abc import Iterable, Iterator
 from datetime import UTC, datetime
 from pathlib import Path
@@ -22,6 +21,7 @@ from prometheus_client import CollectorRegistry
 from fleetllm.capture import envelope
 from fleetllm.capture.config import CaptureConfig
 from fleetllm.capture.metrics import CaptureMetrics
+from fleetllm.capture.private import default_root, private_dir
 from fleetllm.capture.redaction import Redactor
 from fleetllm.capture.sampling import sampled
 from fleetllm.capture.sinks import Sink, make_sink
@@ -44,8 +44,9 @@ class Capture:
         self.metrics = CaptureMetrics(registry)
         self.redactor = Redactor(cfg.redact, cfg.redact_hook)
         self.max_payload = cfg.max_payload_kb * 1024
-        self.spool = Spool(spool_dir(cfg) / self.component, cfg.batch_records, cfg.spool_max_mb * 1024 * 1024,
-                           cfg.disk_threshold_percent)
+        self.spool = Spool(private_dir(spool_dir(cfg)) / self.component, cfg.batch_records,
+                           cfg.spool_max_mb * 1024 * 1024, cfg.disk_threshold_percent,
+                           lambda reason: self.metrics.spool_rejected.labels(reason=reason).inc())
         self.sink = sink or make_sink(cfg.destination, cfg.s3_endpoint_url, cfg.kms_key_id)
         encode = None
         if cfg.envelope:
@@ -82,11 +83,12 @@ class Capture:
         """``input`` / ``output``: whether the capture mode keeps that side of a request."""
         return self.cfg.capture_mode in ("both", side)
 
-    def payload(self, tier: str, text: str, flags: set[str]) -> str | None:
-        """``text`` redacted and within the payload limit; None when it must be skipped.
+    def payload(self, tier: str, text: str, flags: set[str], is_json: bool = False) -> str | None:
+        """``text`` redacted (string by string when ``is_json``) and within the payload limit; None when it
+        must be skipped.
 
         ``flags`` collects ``redacted`` / ``truncated`` for the record's counters."""
-        text, hit = self.redactor.text(text)
+        text, hit = self.redactor.json_text(text) if is_json else self.redactor.text(text)
         if hit:
             flags.add("redacted")
         size = len(text.encode())
@@ -136,13 +138,14 @@ class Capture:
 
 
 def spool_dir(cfg: CaptureConfig) -> Path:
-    """The spool's root: configured, else beside a local destination, else per S3 destination in TMPDIR."""
+    """The spool's root: configured, else beside a local destination, else per S3 destination in a private
+    per-user directory (:func:`.private.default_root`: ``$XDG_RUNTIME_DIR``, ``TMPDIR/...-UID``, ``~/.cache``)."""
     if cfg.spool_dir:
         return Path(cfg.spool_dir)
     dest = cfg.destination or ""
     if not dest.startswith("s3://"):
         return Path(dest) / ".spool"
-    return Path(tempfile.gettempdir()) / "fleetllm-capture-spool" / _safe(dest[5:])
+    return default_root("fleetllm-capture-spool") / _safe(dest[5:])
 
 
 def _safe(name: str) -> str:

@@ -13,6 +13,9 @@ import uuid
 from datetime import UTC, datetime
 from typing import Any
 
+# refused before authentication (or authorisation): the body is a stranger's, never captured; metadata only
+REFUSED = frozenset({401, 403})
+
 # the access tier's fields, in the order every line holds them (times in seconds, -1 when unknown)
 ACCESS_FIELDS = (
     "time", "client", "client_port", "method", "path", "status", "bytes_in", "bytes_out",

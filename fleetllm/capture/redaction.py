@@ -1,13 +1,16 @@
 """What is removed before anything is written: credentials always, then the operator's patterns and hook.
 
-Payloads are redacted as text (the JSON a record carries), so a pattern sees every field. Credentials
-never reach a record: headers are not captured at all, and secret-looking JSON fields and bearer tokens
-in a body are masked even with no pattern configured.
+A JSON payload (a request body, a response) is redacted string by string, after decoding: a pattern
+sees ``"sk-\\u0041BC"`` as ``sk-ABC`` and ``\\u00e9`` as ``é``, as the reader of the capture will, and a
+mask never cuts through the JSON's structure. Other payloads (the worker tier's prompt and output text)
+are redacted as they are. Credentials never reach a record: headers are not captured at all, and
+secret-looking JSON fields and bearer tokens are masked even with no pattern configured.
 """
 
 from __future__ import annotations
 
 import importlib
+import json
 import re
 from collections.abc import Callable
 from typing import Any
@@ -21,6 +24,9 @@ _CREDENTIALS = re.compile(
 
 # the credential pattern runs only on text holding one of these (lowercased): a substring test is ~50x cheaper
 _TRIGGERS = ('"api', '"authorization', '"x-api-key', '"password', '"secret', '"access', "bearer")
+# a decoded JSON field whose name says it holds a secret (compared lowercased, '-' as '_')
+_SECRET_FIELDS = frozenset({"api_key", "apikey", "authorization", "x_api_key", "password", "secret", "access_token"})
+_BEARER = re.compile(r"(Bearer\s+)[A-Za-z0-9._~+/=-]+", re.IGNORECASE)
 
 Hook = Callable[[str, dict[str, Any]], "dict[str, Any] | None"]
 
@@ -42,6 +48,44 @@ class Redactor:
             s, n = p.subn(MASK, s)
             hit = hit or n > 0
         return s, hit
+
+    def json_text(self, s: str) -> tuple[str, bool]:
+        """Like :meth:`text`, for JSON text: every decoded string redacted, secret-named fields masked.
+
+        Text that is not JSON is redacted as text. Unchanged JSON is returned as it came (byte for byte)."""
+        if not self.patterns and "\\" not in s and not any(t in s.lower() for t in _TRIGGERS):
+            return s, False  # no escapes: no credential hides in the decoded strings either
+        try:
+            doc = json.loads(s)
+        except ValueError:
+            return self.text(s)
+        hits = [False, False]  # [anything changed, an operator pattern matched]
+        doc = self._walk(doc, hits)
+        if not hits[0]:
+            return s, False
+        return json.dumps(doc, ensure_ascii=False, separators=(",", ":")), hits[1]
+
+    def _walk(self, node: Any, hits: list[bool]) -> Any:
+        if isinstance(node, str):
+            out, n = _BEARER.subn(lambda m: m.group(1) + MASK, node)
+            for p in self.patterns:
+                out, k = p.subn(MASK, out)
+                hits[1] = hits[1] or k > 0
+                n += k
+            hits[0] = hits[0] or n > 0
+            return out
+        if isinstance(node, list):
+            return [self._walk(v, hits) for v in node]
+        if isinstance(node, dict):
+            out = {}
+            for k, v in node.items():
+                if isinstance(v, str) and k.lower().replace("-", "_") in _SECRET_FIELDS:
+                    hits[0] = True
+                    out[k] = MASK
+                else:
+                    out[k] = self._walk(v, hits)
+            return out
+        return node
 
     def record(self, tier: str, record: dict[str, Any]) -> dict[str, Any] | None:
         """The hook's verdict on a finished record (None: drop it)."""

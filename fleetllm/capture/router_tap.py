@@ -4,7 +4,8 @@ The gateway opens a :class:`RequestTap` when a completion request arrives and ha
 is about to return; the tap records when the answer is complete. A plain response is recorded at once;
 a stream is watched as it is relayed (assembled, never buffered as SSE) and recorded as its ``[DONE]``
 event passes, before that last byte goes out; a stream the client or the worker broke off is recorded
-when it ends, marked ``aborted``. Headers are never captured: the client's credentials stay out.
+when it ends, marked ``aborted``. Headers are never captured: the client's credentials stay out. A
+request refused for its credentials (401, 403) gets its access line only: its body is never read here.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from fleetllm.capture.recorder import Capture
-from fleetllm.capture.records import access_record, endpoint_record, iso_time, payload
+from fleetllm.capture.records import REFUSED, access_record, endpoint_record, iso_time, payload
 from fleetllm.capture.stream import StreamAssembler
 
 if TYPE_CHECKING:
@@ -40,6 +41,11 @@ class RequestTap:
 
     async def finish(self, response: Response) -> Response:
         """Record ``response`` (now, or as its stream ends) and return it to be sent."""
+        if response.status_code in REFUSED:
+            self.endpoint = False
+            self._record(response.status_code, None, None, len(getattr(response, "body", b"")), time.perf_counter(),
+                         False)
+            return response
         self.raw = await self.request.body()  # read already: starlette keeps it
         if isinstance(response, StreamingResponse):
             response.body_iterator = self._relay(response.body_iterator, response.status_code)
@@ -102,7 +108,7 @@ class RequestTap:
         allowed = c.cfg.content_types
         request = response = None
         if c.keeps("input") and req_type in allowed:
-            text = c.payload("endpoint", self.raw.decode(errors="replace"), flags)
+            text = c.payload("endpoint", self.raw.decode(errors="replace"), flags, is_json="json" in req_type)
             if text is None:
                 c.write("endpoint", None)
                 return
@@ -110,7 +116,7 @@ class RequestTap:
         if c.keeps("output") and out_type in allowed:
             if asm is not None:
                 body = json.dumps(asm.result(self._prompt_tokens(asm))).encode()
-            text = c.payload("endpoint", (body or b"").decode(errors="replace"), flags)
+            text = c.payload("endpoint", (body or b"").decode(errors="replace"), flags, is_json=True)
             if text is None:
                 c.write("endpoint", None)
                 return

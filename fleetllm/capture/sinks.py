@@ -9,11 +9,12 @@ directory expires its own objects; for S3, a bucket lifecycle rule does it.
 from __future__ import annotations
 
 import io
-import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Protocol
+
+from fleetllm.capture.private import write_private
 
 MULTIPART_BYTES = 8 * 1024 * 1024  # larger objects go up in parts
 
@@ -28,17 +29,14 @@ class Sink(Protocol):
 
 
 class LocalSink:
-    """Objects as files under ``root`` (written to a temporary name and renamed: never half there)."""
+    """Objects as files under ``root`` (written to a temporary name and renamed: never half there), each
+    readable by this user only (files 0600, the directories capture makes 0700)."""
 
     def __init__(self, root: str | Path) -> None:
         self.root = Path(root)
 
     def put(self, key: str, data: bytes) -> None:
-        path = self.root / key
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        tmp.write_bytes(data)
-        tmp.replace(path)
+        write_private(self.root / key, data)
 
     def keys(self, prefix: str = "") -> Iterator[str]:
         base = self.root / prefix if prefix else self.root

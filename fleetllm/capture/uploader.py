@@ -4,7 +4,8 @@ A segment is deleted only after its ``put`` returned; a failed put is retried wi
 (0.5 s doubling to 30 s) while the sink is down, and the same segment always goes to the same object
 key, so a retry after an unconfirmed success overwrites rather than duplicates. ``close`` (SIGTERM,
 via the server's shutdown) seals what is open and makes one last attempt; whatever it cannot ship stays
-in the spool for the next start.
+in the spool for the next start. A segment the spool rejects (not its own, or not JSON lines) is set
+aside and counted; it never holds up the ones behind it.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import time
 from collections.abc import Callable
 
 from fleetllm.capture.metrics import CaptureMetrics
+from fleetllm.capture.private import UnsafePath
 from fleetllm.capture.sinks import Sink
 from fleetllm.capture.spool import Segment, Spool
 
@@ -46,15 +48,22 @@ class Uploader:
     def _run(self) -> None:
         tick = max(0.05, min(1.0, self.flush_interval_s / 2))
         while not self._stop.is_set():
-            self._check_disk()
-            self.spool.seal_due(self.flush_interval_s)
-            if self.max_age_s is not None and time.monotonic() >= self._next_expiry:
-                self._next_expiry = time.monotonic() + 60.0  # retention is checked once a minute
-                self._expire(self.max_age_s)
-            ok = self.drain()
+            try:
+                ok = self._round()
+            except Exception:  # noqa: BLE001 - the thread outlives whatever one round met
+                log.exception("capture uploader: a round failed; retrying")
+                ok = False
             self.backoff = 0.0 if ok else min(BACKOFF_MAX_S, max(BACKOFF_MIN_S, self.backoff * 2))
             self.wake.wait(self.backoff or tick)
             self.wake.clear()
+
+    def _round(self) -> bool:
+        self._check_disk()
+        self.spool.seal_due(self.flush_interval_s)
+        if self.max_age_s is not None and time.monotonic() >= self._next_expiry:
+            self._next_expiry = time.monotonic() + 60.0  # retention is checked once a minute
+            self._expire(self.max_age_s)
+        return self.drain()
 
     def _expire(self, max_age_s: float) -> None:
         """Retention: old spool segments, and old objects of a sink that keeps its own (a local directory)."""
@@ -85,9 +94,19 @@ class Uploader:
             return True
 
     def _ship(self, seg: Segment) -> bool:
+        """True when ``seg`` is done with (shipped, or rejected as none of the spool's own)."""
         t = time.perf_counter()
         try:
-            data = seg.path.read_bytes()
+            data = self.spool.read(seg)
+        except UnsafePath as e:  # planted, foreign or garbled: set aside; the next segments go on
+            self.spool.reject(seg.path, e.reason, counted=True)
+            return True
+        except FileNotFoundError:  # removed meanwhile (retention, a concurrent final drain)
+            return True
+        except OSError:  # unreadable (permissions, I/O error): never retried forever in front of the rest
+            self.spool.reject(seg.path, "unreadable", counted=True)
+            return True
+        try:
             self.sink.put(self.key(seg), self.encode(data) if self.encode else data)
         except Exception as e:  # noqa: BLE001 - any sink failure is retried; the segment stays
             self.metrics.sink_errors.inc()

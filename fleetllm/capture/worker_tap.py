@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from fleetllm.capture.records import iso_time
+from fleetllm.capture.records import REFUSED, iso_time
 from fleetllm.engine.outputs import RequestOutput, RequestTiming
 
 if TYPE_CHECKING:
@@ -44,6 +44,8 @@ class WorkerTap:
             self._end(status)
 
     def _end(self, status: int) -> None:
+        if status in REFUSED:  # a caller without the credentials: nothing of its request is kept
+            return
         c, flags = self.capture, set()
         finished = [o for o in self.last.values() if o.finished]
         aborted = status == 200 and len(finished) < self.expected
