@@ -42,6 +42,9 @@ is optional; the smallest config is ``models: [{source: smollm2-135m}]``. Exampl
     capture:                          # inference data capture (docs/capture.md; --capture-* flags)
       destination: s3://bucket/captures
       sampling: {endpoint: 10, worker: 10}
+    identity: {aws_role_arn: "arn:aws:iam::123456789012:role/router"}  # Kubernetes: the router's cloud role;
+                                      # a model's own `identity:` too (fleetllm/fleet/cluster.py)
+    domain: llm.example.com           # Kubernetes: the router's Ingress (TLS, external-dns), docs/scale-out.md
 """
 
 from __future__ import annotations
@@ -54,6 +57,7 @@ import yaml
 
 from fleetllm.capture.config import CaptureConfig
 from fleetllm.fleet.autoscaler import ScalingPolicy
+from fleetllm.fleet.cluster import Domain, Identity
 
 ROLES = ("both", "prefill", "decode")
 
@@ -129,6 +133,7 @@ class ModelSpec:
     simulate: bool = False  # timing-model copies (no weights)
     variant: str | None = None  # entries sharing a name are variants of one model (a canary), each with its copies
     traffic: float = 1.0  # this variant's weight in its model's traffic split (sticky per session)
+    identity: Identity | None = None  # Kubernetes: the cloud role this model's pods act as (IRSA / Pod Identity)
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -183,6 +188,8 @@ class FleetConfig:
     startup_timeout_s: float = 300.0
     capture: CaptureConfig = field(default_factory=CaptureConfig)  # the router's and every worker's
     ray: RaySettings | None = None  # copies as Ray actors (``fleetllm serve --ray``)
+    identity: Identity | None = None  # Kubernetes: the router's cloud role (a capture bucket, say)
+    domain: Domain | None = None  # Kubernetes: the router's public host name (Ingress, TLS, external-dns)
 
     def __post_init__(self) -> None:
         names: dict[str, str] = {}
@@ -223,6 +230,11 @@ class FleetConfig:
         if d.get("ray") is not None:  # `ray: auto` or `ray: {address: ..., namespace: ...}`
             r = d["ray"]
             d["ray"] = RaySettings(address=r) if isinstance(r, str) else RaySettings(**_checked(RaySettings, r, "ray"))
+        if d.get("identity") is not None:
+            d["identity"] = Identity(**_checked(Identity, d["identity"], "identity"))
+        if d.get("domain") is not None:  # `domain: llm.example.com` or `domain: {host: ..., cluster_issuer: ...}`
+            h = d["domain"]
+            d["domain"] = Domain(host=h) if isinstance(h, str) else Domain(**_checked(Domain, h, "domain"))
         return cls(**d)
 
     @classmethod
@@ -274,4 +286,6 @@ def _model(d: Any) -> ModelSpec:
     for key in ("aliases", "zones"):
         if isinstance(d.get(key), str):
             d[key] = [d[key]]
+    if d.get("identity") is not None:
+        d["identity"] = Identity(**_checked(Identity, d["identity"], "identity"))
     return ModelSpec(**d)

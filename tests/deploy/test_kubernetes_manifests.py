@@ -29,8 +29,8 @@ def by_kind(docs: list[dict], kind: str) -> dict[str, dict]:
 def test_every_object_of_a_two_model_fleet_is_valid(fleet: FleetConfig) -> None:
     docs = kubernetes_manifests(fleet, namespace="llm", image="registry.example/fleetllm:1.0")
     assert sorted({d["kind"] for d in docs}) == [
-        "ConfigMap", "Deployment", "PodDisruptionBudget", "Role", "RoleBinding", "ScaledObject", "Service",
-        "ServiceAccount", "ServiceMonitor", "StatefulSet"]
+        "ConfigMap", "Deployment", "Ingress", "NetworkPolicy", "PodDisruptionBudget", "Role", "RoleBinding",
+        "ScaledObject", "Service", "ServiceAccount", "ServiceMonitor", "StatefulSet"]
     alternatives = kubernetes_manifests(fleet, namespace="llm", monitor="podmonitor", autoscaler="hpa")
     docs += [d for d in alternatives if d["kind"] in ("PodMonitor", "HorizontalPodAutoscaler")]
     docs += kubernetes_manifests(fleet, namespace="llm", ray=True)
@@ -126,12 +126,17 @@ def test_deploy_kubernetes_writes_the_manifests_and_the_secrets_to_create(tmp_pa
 
     assert main(["deploy", "kubernetes", "--config", str(DATA / "fleet-2-models.yaml"), "--out", str(tmp_path),
                  "--namespace", "llm", "--ray"]) == 0
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["00-config.yaml", "10-ray.yaml", "30-monitoring.yaml", "README.md"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "00-config.yaml", "05-service-accounts.yaml", "10-ray.yaml", "15-ingress.yaml", "30-monitoring.yaml",
+        "50-network-policies.yaml", "README.md"]
     ray = list(yaml.safe_load_all((tmp_path / "10-ray.yaml").read_text()))
     controller = ray[1]["spec"]["template"]["spec"]["containers"][0]["args"]
     assert controller[:4] == ["serve", "--config", "/etc/fleetllm/fleet.yaml", "--ray"]
     readme = (tmp_path / "README.md").read_text()
     assert "fleetllm-worker-secret" in readme and "fleetllm-api-keys" in readme and "fleetllm-model-tokens" in readme
+    assert "fleetllm-ray-token" in readme
+    assert ("--service-account fleetllm-chat-prefill --role-arn arn:aws:iam::123456789012:role/chat-weights"
+            in readme)  # the Pod Identity association to make
 
 
 def test_names_that_are_no_dns_labels_get_a_hash_and_bad_variants_are_refused() -> None:

@@ -39,6 +39,10 @@ class KubernetesOptions:
     drain_timeout_s: float = opt(WorkerOptions.drain_timeout_s, "seconds a worker drains on SIGTERM (its "
                                                                  "pod's grace period is 15 s longer)")
     ray: bool = opt(False, "KubeRay mode: a RayService (workers as Ray actors) and the fleet controller")
+    run_as_user: int = opt(1000, "the non-root user (and group) every container runs as; the image must let it "
+                                 "read fleetllm")
+    monitoring_namespace: str = opt("monitoring", "namespace of the Prometheus that scrapes the workers (their "
+                                                  "NetworkPolicy lets it in)")
 
     def __post_init__(self) -> None:
         if not re.fullmatch(r"[a-z]([-a-z0-9]*[a-z0-9])?", self.name) or len(self.name) > MAX_NAME:
@@ -46,6 +50,8 @@ class KubernetesOptions:
                              f"letter, at most {MAX_NAME} characters")
         if not re.fullmatch(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?", self.namespace) or len(self.namespace) > 63:
             raise ValueError(f"namespace {self.namespace!r} is not a DNS label")
+        if self.run_as_user <= 0:
+            raise ValueError(f"run-as-user {self.run_as_user}: pods run as a non-root user (a uid above 0)")
         if self.worker_secret is None:
             self.worker_secret = f"{self.name}-worker-secret"
 

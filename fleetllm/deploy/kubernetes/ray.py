@@ -7,6 +7,11 @@ and ``max``; with any autoscaled unit, KubeRay's in-tree autoscaler adds Ray nod
 room. fleetllm's Ray mode places its own actors (no Ray Serve application), so the RayService carries no
 ``serveConfigV2``. The controller reads the fleet config from the ConfigMap and reaches the cluster
 through the RayService's head Service (Ray Client, port 10001); its router finds the workers through Ray.
+
+Ray's token authentication is on (``RAY_AUTH_MODE=token``, Ray >= 2.52): every Ray node and the controller
+read the token from a Secret mounted as a file (``RAY_AUTH_TOKEN_PATH``), and Ray refuses any GCS, raylet,
+Ray Client or dashboard call without it. The dashboard listens on the head's loopback only (reach it
+with ``kubectl port-forward``).
 """
 
 from __future__ import annotations
@@ -16,12 +21,29 @@ from typing import Any
 from fleetllm.deploy.kubernetes import names
 from fleetllm.deploy.kubernetes.options import KubernetesOptions
 from fleetllm.deploy.kubernetes.router import CONFIG_DIR, KEYS_DIR, RESOURCES, router_name
-from fleetllm.deploy.kubernetes.workers import resources, secret_env
+from fleetllm.deploy.kubernetes.workers import SECRET_FILE_MODE, resources, secret_env
 from fleetllm.fleet.config import FleetConfig, ModelSpec
 from fleetllm.server.worker_secret import ENV as SECRET_ENV
 
 RAY_VERSION = "2.60.0"  # pyproject's pin
 CLIENT_PORT = 10001
+RAY_TOKEN_DIR = "/etc/fleetllm/ray-token"
+RAY_TOKEN_KEY = "auth_token"
+
+
+def ray_token_secret(opts: KubernetesOptions) -> str:
+    return f"{opts.name}-ray-token"
+
+
+def with_ray_token(pod: dict[str, Any], opts: KubernetesOptions) -> dict[str, Any]:
+    """``pod`` (a pod spec) with Ray's token authentication on in every container, the token as a file."""
+    pod.setdefault("volumes", []).append({"name": "ray-token", "secret": {"secretName": ray_token_secret(opts),
+                                                                          "defaultMode": SECRET_FILE_MODE}})
+    for c in pod["containers"]:
+        c.setdefault("env", []).extend([{"name": "RAY_AUTH_MODE", "value": "token"},
+                                        {"name": "RAY_AUTH_TOKEN_PATH", "value": f"{RAY_TOKEN_DIR}/{RAY_TOKEN_KEY}"}])
+        c.setdefault("volumeMounts", []).append({"name": "ray-token", "mountPath": RAY_TOKEN_DIR, "readOnly": True})
+    return pod
 
 
 def ray_address(opts: KubernetesOptions) -> str:
@@ -32,11 +54,11 @@ def ray_address(opts: KubernetesOptions) -> str:
 def ray_service(cfg: FleetConfig, opts: KubernetesOptions) -> dict[str, Any]:
     head_ports = [{"name": "gcs", "containerPort": 6379}, {"name": "client", "containerPort": CLIENT_PORT},
                   {"name": "dashboard", "containerPort": 8265}]
-    head = {"rayStartParams": {"num-cpus": "0", "dashboard-host": "0.0.0.0"},
+    head_pod = {"containers": [{"name": "ray-head", "image": opts.image, "ports": head_ports,
+                                "resources": {"requests": {"cpu": "1", "memory": "2Gi"}, "limits": {"memory": "2Gi"}}}]}
+    head = {"rayStartParams": {"num-cpus": "0", "dashboard-host": "127.0.0.1"},
             "template": {"metadata": {"labels": names.fleet_labels(opts, "ray-head")},
-                         "spec": {"containers": [{"name": "ray-head", "image": opts.image, "ports": head_ports,
-                                                  "resources": {"requests": {"cpu": "1", "memory": "2Gi"},
-                                                                "limits": {"memory": "2Gi"}}}]}}}
+                         "spec": with_ray_token(head_pod, opts)}}
     cluster = {"rayVersion": RAY_VERSION, "enableInTreeAutoscaling": any(m.autoscaled for m in cfg.models),
                "headGroupSpec": head, "workerGroupSpecs": [worker_group(m, opts) for m in cfg.models]}
     return {"apiVersion": "ray.io/v1", "kind": "RayService",
@@ -50,13 +72,14 @@ def worker_group(m: ModelSpec, opts: KubernetesOptions) -> dict[str, Any]:
     params = {"num-cpus": str(m.resources.cores or 1)}
     if m.resources.accelerators:
         params["num-gpus"] = str(m.resources.accelerators)
-    pod = {"containers": [{"name": "ray-worker", "image": opts.image, "resources": res}],
+    pod = {"serviceAccountName": names.unit_name(opts, m),  # the model's cloud role (:mod:`.identity`)
+           "containers": [{"name": "ray-worker", "image": opts.image, "resources": res}],
            "terminationGracePeriodSeconds": opts.grace_period_s}
     return {"groupName": names.unit_slug(m), "replicas": m.replicas.initial, "minReplicas": m.replicas.min,
             "maxReplicas": m.replicas.max, "rayStartParams": params,
             # not the plain mode's worker labels: these pods are Ray nodes, whatever actors they end up holding
             "template": {"metadata": {"labels": {**names.fleet_labels(opts, "ray-worker"),
-                                                 names.UNIT: names.unit_slug(m)}}, "spec": pod}}
+                                                 names.UNIT: names.unit_slug(m)}}, "spec": with_ray_token(pod, opts)}}
 
 
 def controller_deployment(cfg: FleetConfig, opts: KubernetesOptions) -> dict[str, Any]:
@@ -75,8 +98,9 @@ def controller_deployment(cfg: FleetConfig, opts: KubernetesOptions) -> dict[str
                  "env": [secret_env(SECRET_ENV, opts.worker_secret, "secret")], "resources": RESOURCES,
                  "volumeMounts": mounts, "readinessProbe": {**tcp, "failureThreshold": 1},
                  "livenessProbe": {**tcp, "failureThreshold": 3}}
-    pod = {"containers": [container], "volumes": volumes, "enableServiceLinks": False,
-           "terminationGracePeriodSeconds": opts.grace_period_s}
+    pod = {"serviceAccountName": router_name(opts), "containers": [container], "volumes": volumes,
+           "enableServiceLinks": False, "terminationGracePeriodSeconds": opts.grace_period_s}
+    with_ray_token(pod, opts)
     # one controller: two would each start the fleet's actors
     return {"apiVersion": "apps/v1", "kind": "Deployment",
             "metadata": {"name": router_name(opts), "namespace": opts.namespace, "labels": labels},

@@ -2,7 +2,9 @@
 
 Plain mode: ConfigMap, router (RBAC, Deployment, Service), per unit a Service, workload and
 PodDisruptionBudget, the Prometheus operator monitors, per autoscaled unit a ScaledObject or HPA. Ray
-mode: ConfigMap, RayService, the controller's Deployment and Service, the router's monitor.
+mode: ConfigMap, RayService, the controller's Deployment and Service, the router's monitor. Both: a
+ServiceAccount per unit (:mod:`.identity`), the router's Ingress when the fleet has a ``domain:``
+(:mod:`.ingress`), NetworkPolicies (:mod:`.network`), and every pod hardened (:mod:`.security`).
 Secrets are referenced, never written: the directory's README.md says which to create.
 """
 
@@ -14,11 +16,15 @@ from typing import Any
 import yaml
 
 from fleetllm.deploy.kubernetes import names
+from fleetllm.deploy.kubernetes.identity import pod_identity_lines, service_account, unit_accounts
+from fleetllm.deploy.kubernetes.ingress import ingress_objects
 from fleetllm.deploy.kubernetes.monitoring import monitor_objects
+from fleetllm.deploy.kubernetes.network import network_policies
 from fleetllm.deploy.kubernetes.options import KubernetesOptions
-from fleetllm.deploy.kubernetes.ray import controller_deployment, ray_service
-from fleetllm.deploy.kubernetes.router import fleet_config_map, router_objects, router_service
+from fleetllm.deploy.kubernetes.ray import RAY_TOKEN_KEY, controller_deployment, ray_service, ray_token_secret
+from fleetllm.deploy.kubernetes.router import fleet_config_map, router_name, router_objects, router_service
 from fleetllm.deploy.kubernetes.scaling import scaler_objects
+from fleetllm.deploy.kubernetes.security import harden, pod_templates
 from fleetllm.deploy.kubernetes.workers import worker_objects
 from fleetllm.fleet.config import FleetConfig
 from fleetllm.store.pin import token_envs
@@ -31,11 +37,16 @@ def render(cfg: FleetConfig, opts: KubernetesOptions) -> dict[str, list[dict[str
     dup = next((u for u in units if units.count(u) > 1), None)
     if dup is not None:
         raise ValueError(f"two models map onto the object name {dup!r}: rename one")
-    files: dict[str, list[dict[str, Any]]] = {"00-config.yaml": [fleet_config_map(cfg, opts)]}
+    files: dict[str, list[dict[str, Any]]] = {"00-config.yaml": [fleet_config_map(cfg, opts)],
+                                              "05-service-accounts.yaml": unit_accounts(cfg, opts),
+                                              "15-ingress.yaml": ingress_objects(cfg, opts, router_name(opts)),
+                                              "50-network-policies.yaml": network_policies(opts)}
     if opts.ray:
         labels = names.fleet_labels(opts, "router")
+        files["05-service-accounts.yaml"].insert(0, service_account(
+            {"name": router_name(opts), "namespace": opts.namespace, "labels": labels}, cfg.identity))
         files["10-ray.yaml"] = [ray_service(cfg, opts), controller_deployment(cfg, opts),
-                             router_service(cfg, opts, labels)]
+                                router_service(cfg, opts, labels)]
         files["30-monitoring.yaml"] = monitor_objects(opts, workers=False)
     else:
         files["10-router.yaml"] = router_objects(cfg, opts)
@@ -43,7 +54,14 @@ def render(cfg: FleetConfig, opts: KubernetesOptions) -> dict[str, list[dict[str
             files[f"20-worker-{unit.removeprefix(opts.name + '-')}.yaml"] = worker_objects(cfg, m, opts)
         files["30-monitoring.yaml"] = monitor_objects(opts, workers=True)
         files["40-autoscaling.yaml"] = scaler_objects(cfg.models, opts)
-    return {name: docs for name, docs in files.items() if docs}
+    autoscaled_ray = opts.ray and any(m.autoscaled for m in cfg.models)
+    for doc in (d for docs in files.values() for d in docs):
+        for template in pod_templates(doc):
+            component = template["metadata"]["labels"][names.COMPONENT]
+            # the API server is called by the router's discovery and by KubeRay's autoscaler in the head
+            token = (component == "router" and not opts.ray) or (component == "ray-head" and autoscaled_ray)
+            harden(template, opts, api_token=token, ray_node=component.startswith("ray-"))
+    return {name: docs for name, docs in sorted(files.items()) if docs}
 
 
 class _Dumper(yaml.SafeDumper):
@@ -91,10 +109,15 @@ def secrets_readme(cfg: FleetConfig, opts: KubernetesOptions) -> str:
         lines += ["", "API keys (`fleetllm keys create --file keys.yaml ...`; re-apply after every change):", "",
                   f"    kubectl -n {ns} create secret generic {opts.name}-api-keys --from-file=keys.yaml="
                   f"{cfg.keys_file} --dry-run=client -o yaml | kubectl apply -f -"]
+    if opts.ray:
+        lines += ["", "Ray's token (every Ray node and the controller authenticate with it):", "",
+                  f"    kubectl -n {ns} create secret generic {ray_token_secret(opts)} "
+                  f"--from-literal={RAY_TOKEN_KEY}=\"$(openssl rand -hex 32)\""]
     tokens = sorted({v for m in cfg.models for v in token_envs(m.engine)})
     if tokens:
         lines += ["", "Hub tokens of gated models:", "",
                   f"    kubectl -n {ns} create secret generic {opts.name}-model-tokens "
                   + " ".join(f"--from-literal={v}=\"${v}\"" for v in tokens)]
+    lines += pod_identity_lines(cfg, opts, router_name(opts))
     lines += ["", "Then: `kubectl apply -f .`", ""]
     return "\n".join(lines)

@@ -18,6 +18,7 @@ import yaml
 
 from fleetllm.cli_options import to_argv
 from fleetllm.deploy.kubernetes import names
+from fleetllm.deploy.kubernetes.identity import service_account
 from fleetllm.deploy.kubernetes.options import KubernetesOptions
 from fleetllm.deploy.kubernetes.workers import secret_env
 from fleetllm.fleet.config import FleetConfig
@@ -41,7 +42,7 @@ def router_objects(cfg: FleetConfig, opts: KubernetesOptions) -> list[dict[str, 
     binding = {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding", "metadata": meta,
                "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
                "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": opts.namespace}]}
-    return [{"apiVersion": "v1", "kind": "ServiceAccount", "metadata": meta},
+    return [service_account(meta, cfg.identity),
             {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role", "metadata": meta, "rules": [rule]},
             binding, router_deployment(cfg, opts), router_service(cfg, opts, labels)]
 

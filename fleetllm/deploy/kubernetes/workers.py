@@ -12,10 +12,14 @@ Service the router discovers the pods through, and a PodDisruptionBudget.
   path inside the image) run as a Deployment with a scratch cache.
 - Copies spread over zones (``topology.kubernetes.io/zone``) and nodes; a model's ``zones`` restrict
   its pods to those zones.
+- A unit's pods run as its own ServiceAccount (:mod:`.identity`: the model's cloud role). A gated model's
+  hub token is a file from a Secret (``--token-file``), never an environment variable: only this model's
+  pods mount it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
@@ -27,6 +31,8 @@ from fleetllm.server.worker_secret import ENV as SECRET_ENV
 from fleetllm.store.pin import token_envs
 
 CACHE_DIR = "/var/cache/fleetllm"
+TOKENS_DIR = "/etc/fleetllm/model-token"
+SECRET_FILE_MODE = 0o440  # a secret's files: read by the pod's user (the volume's group is its fsGroup), no one else
 ZONE_KEY = "topology.kubernetes.io/zone"
 
 
@@ -60,7 +66,7 @@ def workload(cfg: FleetConfig, m: ModelSpec, opts: KubernetesOptions) -> dict[st
                             "selector": {"matchLabels": names.unit_selector(opts, m)}, "template": template}
     meta = {"name": name, "namespace": opts.namespace, "labels": labels}
     if not stateful(m):
-        template["spec"]["volumes"] = [{"name": "model-cache", "emptyDir": {}}]
+        template["spec"].setdefault("volumes", []).append({"name": "model-cache", "emptyDir": {}})
         # a new copy first, then an old one goes: the model never runs below its count during a rollout
         spec["strategy"] = {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}}
         return {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": meta, "spec": spec}
@@ -76,8 +82,14 @@ def pod_spec(cfg: FleetConfig, m: ModelSpec, opts: KubernetesOptions) -> dict[st
     selector = {"matchLabels": names.unit_selector(opts, m)}
     spread = [{"maxSkew": 1, "topologyKey": key, "whenUnsatisfiable": "ScheduleAnyway", "labelSelector": selector}
               for key in (ZONE_KEY, "kubernetes.io/hostname")]
-    spec: dict[str, Any] = {"terminationGracePeriodSeconds": opts.grace_period_s, "enableServiceLinks": False,
+    spec: dict[str, Any] = {"serviceAccountName": names.unit_name(opts, m),
+                            "terminationGracePeriodSeconds": opts.grace_period_s, "enableServiceLinks": False,
                             "containers": [container(cfg, m, opts)], "topologySpreadConstraints": spread}
+    tokens = token_envs(m.engine)
+    if tokens:  # this model's key of the hub-token Secret, as a file
+        spec["volumes"] = [{"name": "model-token", "secret": {"secretName": f"{opts.name}-model-tokens",
+                                                              "items": [{"key": v, "path": v} for v in tokens],
+                                                              "defaultMode": SECRET_FILE_MODE}}]
     if m.zones:
         term = {"matchExpressions": [{"key": ZONE_KEY, "operator": "In", "values": list(m.zones)}]}
         spec["affinity"] = {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution":
@@ -88,11 +100,13 @@ def pod_spec(cfg: FleetConfig, m: ModelSpec, opts: KubernetesOptions) -> dict[st
 def container(cfg: FleetConfig, m: ModelSpec, opts: KubernetesOptions) -> dict[str, Any]:
     port = worker_port(cfg)
     probe = {"httpGet": {"path": "/health", "port": names.HTTP}, "timeoutSeconds": 3}
+    mounts = [{"name": "model-cache", "mountPath": CACHE_DIR}]
+    if token_envs(m.engine):
+        mounts.append({"name": "model-token", "mountPath": TOKENS_DIR, "readOnly": True})
     return {
         "name": "worker", "image": opts.image, "command": ["fleetllm"], "args": worker_args(cfg, m, opts),
         "ports": [{"name": names.HTTP, "containerPort": port, "protocol": "TCP"}],
-        "env": worker_env(m, opts), "resources": resources(m, opts),
-        "volumeMounts": [{"name": "model-cache", "mountPath": CACHE_DIR}],
+        "env": worker_env(m, opts), "resources": resources(m, opts), "volumeMounts": mounts,
         "startupProbe": {**probe, "periodSeconds": 5, "failureThreshold": math.ceil(cfg.startup_timeout_s / 5)},
         "livenessProbe": {**probe, "periodSeconds": 10, "failureThreshold": 3},
         "readinessProbe": {"httpGet": {"path": "/ready", "port": names.HTTP}, "timeoutSeconds": 2,
@@ -103,8 +117,12 @@ def container(cfg: FleetConfig, m: ModelSpec, opts: KubernetesOptions) -> dict[s
 
 def worker_args(cfg: FleetConfig, m: ModelSpec, opts: KubernetesOptions) -> list[str]:
     """``fleetllm worker`` flags of one copy; its metric label ``worker`` is the pod's name."""
+    engine = dict(m.engine)
+    var = engine.pop("token_env", None)
+    if var:  # the token's file where the pod mounts it, in place of the variable
+        engine["token_file"] = f"{TOKENS_DIR}/{var}"
     args = ["worker", *(["--simulate"] if m.simulate else []), "--model", m.source,
-            "--served-model-name", m.served_name, *m.worker_args()]
+            "--served-model-name", m.served_name, *dataclasses.replace(m, engine=engine).worker_args()]
     if m.resources.cores and not m.simulate and "num_threads" not in m.engine:
         args += ["--num-threads", str(m.resources.cores)]
     args += ["--host", "0.0.0.0", "--port", str(worker_port(cfg)), "--role", m.role, "--worker-id", "$(POD_NAME)",
@@ -115,11 +133,9 @@ def worker_args(cfg: FleetConfig, m: ModelSpec, opts: KubernetesOptions) -> list
 
 
 def worker_env(m: ModelSpec, opts: KubernetesOptions) -> list[dict[str, Any]]:
-    env = [{"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
-           secret_env(SECRET_ENV, opts.worker_secret, "secret"),
-           {"name": "FLEETLLM_CACHE_DIR", "value": CACHE_DIR}, {"name": "HF_HOME", "value": f"{CACHE_DIR}/hf"}]
-    # a gated model's hub token: only this model's pods see it
-    return env + [secret_env(var, f"{opts.name}-model-tokens", var) for var in token_envs(m.engine)]
+    return [{"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+            secret_env(SECRET_ENV, opts.worker_secret, "secret"),
+            {"name": "FLEETLLM_CACHE_DIR", "value": CACHE_DIR}, {"name": "HF_HOME", "value": f"{CACHE_DIR}/hf"}]
 
 
 def secret_env(var: str, secret: str | None, key: str) -> dict[str, Any]:
