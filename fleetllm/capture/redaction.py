@@ -53,8 +53,8 @@ class Redactor:
         """Like :meth:`text`, for JSON text: every decoded string redacted, secret-named fields masked.
 
         Text that is not JSON is redacted as text. Unchanged JSON is returned as it came (byte for byte)."""
-        if not self.patterns and "\\" not in s and not any(t in s.lower() for t in _TRIGGERS):
-            return s, False  # no escapes: no credential hides in the decoded strings either
+        if not self.patterns and "\\u" not in s and not any(t in s.lower() for t in _TRIGGERS):
+            return s, False  # only a \uXXXX escape could hide a trigger's letters from this test
         try:
             doc = json.loads(s)
         except ValueError:
