@@ -88,10 +88,15 @@ def test_network_policies_admit_only_the_fleets_own_traffic(docs: list[dict]):
         assert rule == {"from": [{"podSelector": {"matchLabels": {"app.kubernetes.io/name": "fleetllm",
                                                                   "app.kubernetes.io/instance": "fleetllm"}}}]}
         return
-    [rule] = _named(docs, "NetworkPolicy")["fleetllm-workers"]["spec"]["ingress"]
-    sources = [s.get("podSelector", {}).get("matchLabels", {}).get("app.kubernetes.io/component")
-               or s["namespaceSelector"]["matchLabels"]["kubernetes.io/metadata.name"] for s in rule["from"]]
-    assert sources == ["router", "worker", "monitoring"] and rule["ports"] == [{"protocol": "TCP", "port": "http"}]
+    # a model's workers: from the router, the model's own workers (P/D peers) and Prometheus, on their port
+    [rule] = _named(docs, "NetworkPolicy")["fleetllm-workers-chat"]["spec"]["ingress"]
+    router_pods, peers, monitoring = rule["from"]
+    assert router_pods["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == "router"
+    assert monitoring == {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}
+    assert rule["ports"] == [{"protocol": "TCP", "port": "http"}]
+    units = {t["metadata"]["labels"].get("fleetllm.io/unit"): t["metadata"]["labels"] for t in pods}
+    assert {u for u, labels in units.items() if u and _selects(peers["podSelector"], labels)} == {
+        "chat-prefill", "chat-decode"}  # not the coder's workers
 
 
 def test_each_unit_runs_as_its_own_service_account_with_its_models_identity(docs: list[dict]):

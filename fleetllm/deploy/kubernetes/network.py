@@ -3,9 +3,10 @@ models come from hubs and buckets).
 
 - the router (or Ray mode's controller) takes its API port from anywhere: clients, the Ingress
   controller, Prometheus; it checks credentials itself;
-- workers take their port from the router, from the fleet's other workers (P/D peers: a decode worker
-  reads KV from a prefill worker) and from Prometheus's namespace (``--monitoring-namespace``), nothing
-  else;
+- a model's workers (one policy per served model) take their port from the router, from the model's
+  other workers (P/D peers: a decode worker reads KV from a prefill worker, any copy may prefill for
+  another with ``pd_threshold: auto``) and from Prometheus's namespace (``--monitoring-namespace``),
+  nothing else: another model's workers cannot reach them;
 - Ray's head and worker nodes take any port (GCS, raylets, object transfers, Ray Client) only from the
   fleet's own pods.
 
@@ -17,26 +18,31 @@ from __future__ import annotations
 from typing import Any
 
 from fleetllm.deploy.kubernetes import names
-from fleetllm.deploy.kubernetes.options import KubernetesOptions
+from fleetllm.deploy.kubernetes.options import MAX_OBJECT_NAME, KubernetesOptions
+from fleetllm.fleet.config import FleetConfig
 
 API = "networking.k8s.io/v1"
 _HTTP = [{"protocol": "TCP", "port": names.HTTP}]
 
 
-def network_policies(opts: KubernetesOptions) -> list[dict[str, Any]]:
-    """The router's policy, and the workers' (plain mode) or the Ray nodes' (Ray mode)."""
+def network_policies(cfg: FleetConfig, opts: KubernetesOptions) -> list[dict[str, Any]]:
+    """The router's policy, and each model's workers' (plain mode) or the Ray nodes' (Ray mode)."""
     router = _policy(opts, "router", {"matchLabels": names.fleet_labels(opts, "router")}, [{"ports": _HTTP}])
     if opts.ray:
         nodes = {"matchLabels": {names.INSTANCE: opts.name},
                  "matchExpressions": [{"key": names.COMPONENT, "operator": "In", "values": ["ray-head", "ray-worker"]}]}
         fleet = {"podSelector": {"matchLabels": {names.NAME: "fleetllm", names.INSTANCE: opts.name}}}
         return [router, _policy(opts, "ray", nodes, [{"from": [fleet]}])]
-    sources = [{"podSelector": {"matchLabels": names.fleet_labels(opts, "router")}},
-               {"podSelector": {"matchLabels": names.fleet_labels(opts, "worker")}},
-               {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": opts.monitoring_namespace}}}]
-    workers = _policy(opts, "workers", {"matchLabels": names.fleet_labels(opts, "worker")},
-                      [{"from": sources, "ports": _HTTP}])
-    return [router, workers]
+    policies = [router]
+    for model in dict.fromkeys(m.served_name for m in cfg.models):
+        units = {"matchLabels": names.fleet_labels(opts, "worker"), "matchExpressions": [
+            {"key": names.UNIT, "operator": "In",
+             "values": [names.unit_slug(m) for m in cfg.models if m.served_name == model]}]}
+        sources = [{"podSelector": {"matchLabels": names.fleet_labels(opts, "router")}}, {"podSelector": units},
+                   {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": opts.monitoring_namespace}}}]
+        what = "workers-" + names.slug(model, MAX_OBJECT_NAME - len(opts.name) - len("-workers-"))
+        policies.append(_policy(opts, what, units, [{"from": sources, "ports": _HTTP}]))
+    return policies
 
 
 def _policy(opts: KubernetesOptions, what: str, pods: dict[str, Any], rules: list[dict[str, Any]]) -> dict[str, Any]:

@@ -40,7 +40,7 @@ def render(cfg: FleetConfig, opts: KubernetesOptions) -> dict[str, list[dict[str
     files: dict[str, list[dict[str, Any]]] = {"00-config.yaml": [fleet_config_map(cfg, opts)],
                                               "05-service-accounts.yaml": unit_accounts(cfg, opts),
                                               "15-ingress.yaml": ingress_objects(cfg, opts, router_name(opts)),
-                                              "50-network-policies.yaml": network_policies(opts)}
+                                              "50-network-policies.yaml": network_policies(cfg, opts)}
     if opts.ray:
         labels = names.fleet_labels(opts, "router")
         files["05-service-accounts.yaml"].insert(0, service_account(
