@@ -8,19 +8,22 @@ component (where a server listens, a worker's labels, ``serve``'s fleet shape).
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import importlib
 import json
 import logging
+import re
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Literal, NoReturn
 
 from fleetllm.capture.config import CaptureConfig
 from fleetllm.cli_options import add_options, cli_fields, from_args, opt
 from fleetllm.disagg.config import TransferOptions
 from fleetllm.engine.config import EngineConfig
+from fleetllm.errors import UsageError, did_you_mean, existing_file, one_line
 from fleetllm.fleet.runfile import RunDirOption
 from fleetllm.router.config import RouterConfig
 from fleetllm.server.body_limit import DEFAULT_MAX_BODY_BYTES
@@ -29,6 +32,7 @@ from fleetllm.server.header_timeout import DEFAULT_HEADER_TIMEOUT_S
 from fleetllm.server.pinning import PinningOptions, pin_process
 from fleetllm.sim.config import SimConfig
 from fleetllm.store.config import StoreConfig
+from fleetllm.store.errors import StoreError
 from fleetllm.tools.config import ToolConfig
 
 if TYPE_CHECKING:
@@ -54,7 +58,10 @@ def tls_files(args: argparse.Namespace) -> TLSFiles | None:
     from fleetllm.server.uvicorn_runner import TLSFiles
 
     if bool(args.tls_certfile) != bool(args.tls_keyfile):
-        raise SystemExit("fleetllm: --tls-certfile and --tls-keyfile go together")
+        given, other = ("--tls-certfile", "--tls-keyfile") if args.tls_certfile else ("--tls-keyfile", "--tls-certfile")
+        raise UsageError(f"{given} needs {other} too (a certificate chain and its private key, both PEM)")
+    for path in filter(None, (args.tls_certfile, args.tls_keyfile)):
+        existing_file(path, "TLS file")
     return TLSFiles(args.tls_certfile, args.tls_keyfile) if args.tls_certfile else None
 
 
@@ -112,7 +119,8 @@ class ServeOptions:
 def load_profile(args: argparse.Namespace):  # -> TimingProfile
     from fleetllm.sim.profile import TimingProfile
 
-    return TimingProfile.load(args.profile) if args.profile else TimingProfile.default()
+    return TimingProfile.load(existing_file(args.profile, "--profile timing profile")) if args.profile \
+        else TimingProfile.default()
 
 
 def worker_identity(args: argparse.Namespace, port: int | None = None) -> dict[str, str]:
@@ -160,11 +168,12 @@ def cmd_worker(args: argparse.Namespace) -> int:
     # OpenMP's wait policy stays libgomp's default (a parked thread spins ~3 ms, then sleeps): PASSIVE made every
     # parallel region wake its threads through the kernel (Q4 batch-1 decode 30 -> 52 tok/s without it), ACTIVE
     # starves the HTTP thread at c=8. The spin only holds with one OpenMP team in the process: see omp_team.
+    check_worker_args(args)
     if args.cpus:  # before torch starts its thread pool, which then fits the pinned cores
         try:
             cpus = pin_process(args.cpus)
         except ValueError as e:
-            raise SystemExit(f"fleetllm worker: {e}") from None
+            raise UsageError(f"--cpus {args.cpus}: {e}") from None
         args.num_threads = args.num_threads or len(cpus)
     from prometheus_client import disable_created_metrics
 
@@ -184,13 +193,11 @@ def cmd_worker(args: argparse.Namespace) -> int:
     from fleetllm.engine.omp_team import run_on_passing_thread
     from fleetllm.server.app import Worker
     from fleetllm.server.uvicorn_runner import make_server
-    from fleetllm.store.errors import StoreError
 
     try:
         engine = run_on_passing_thread(lambda: LLMEngine(engine_config(args)))  # its OpenMP pool ends with it
-    except StoreError as e:  # no access, no such model, source down without a cached copy: say so, no traceback
-        logging.getLogger("fleetllm").error("cannot start: %s", e)
-        return 2
+    except StoreError as e:  # no access, no such model, source down without a cached copy: one line, exit 2
+        raise UsageError(f"cannot start: {e}") from None
     gc.freeze()
     gc.enable()
     logging.getLogger("fleetllm").info(
@@ -208,6 +215,18 @@ def cmd_worker(args: argparse.Namespace) -> int:
     worker.on_fatal = server.exit_now
     server.run()
     return 1 if worker.async_engine.failure else 0  # non-zero: the supervisor restarts this worker
+
+
+def check_worker_args(args: argparse.Namespace) -> None:
+    """Refuse, before anything loads, what a worker cannot start with (UsageError, one line)."""
+    from fleetllm.models.source import check_ref
+
+    check_ref(args.model)
+    tls_files(args)
+    if args.count < 1:
+        raise UsageError(f"--count {args.count}: a simulated worker count is 1 or more")
+    if args.profile:
+        existing_file(args.profile, "--profile timing profile")
 
 
 def cmd_sim_worker(args: argparse.Namespace) -> int:
@@ -238,6 +257,9 @@ def sim_config(args: argparse.Namespace) -> SimConfig:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    from fleetllm.models.source import check_ref
+
+    check_ref(args.model)
     from fleetllm.engine.llm import LLM
     from fleetllm.engine.sampling import SamplingParams
 
@@ -260,13 +282,14 @@ def build_router(args: argparse.Namespace):  # -> Router
         try:
             router.background.append(KubernetesDiscovery(from_args(KubernetesDiscoveryConfig, args)).run)
         except ValueError as e:
-            raise SystemExit(f"fleetllm router: {e}") from None
+            raise UsageError(str(e)) from None
     return router
 
 
 def cmd_router(args: argparse.Namespace) -> int:
     from fleetllm.server.uvicorn_runner import run_app
 
+    tls = tls_files(args)  # before anything starts: a missing half is the user's to fix
     router = build_router(args)
     router.capture = capture_for(args, "router", ("endpoint", "access"), router.metrics.registry)
     logging.getLogger("fleetllm").info("router on %s:%d over %d workers, policy %s", args.host, args.port,
@@ -280,7 +303,7 @@ def cmd_router(args: argparse.Namespace) -> int:
         pusher.start()
     try:
         run_app(router.app, args.host, args.port, args.log_level, on_exit=lambda: setattr(router, "closing", True),
-                header_timeout_s=args.header_timeout_s, tls=tls_files(args))
+                header_timeout_s=args.header_timeout_s, tls=tls)
     finally:
         if pusher:
             pusher.stop()
@@ -299,6 +322,7 @@ def fleet_config(args: argparse.Namespace):  # -> FleetConfig
     """The fleet a ``fleetllm serve`` command line describes: its YAML, with the flags given overriding it."""
     from fleetllm.fleet.config import FleetConfig
 
+    check_serve_args(args)
     if args.config:
         cfg = FleetConfig.from_yaml(args.config)
     else:
@@ -321,7 +345,30 @@ def fleet_config(args: argparse.Namespace):  # -> FleetConfig
     return cfg
 
 
+def check_serve_args(args: argparse.Namespace) -> None:
+    """Refuse flags that contradict each other or a fleet with nothing to run (UsageError, one line)."""
+    shape = [flag for flag, given in (("--simulate", args.simulate), ("--prefill", args.prefill),
+                                      ("--decode", args.decode), ("--num-threads", args.num_threads),
+                                      ("--cores-per-worker", args.cores_per_worker)) if given]
+    if args.config and shape:
+        raise UsageError(f"{', '.join(shape)}: flags that describe a fleet without a config, but --config "
+                         f"{args.config} gives its models: set them in the YAML instead")
+    if bool(args.prefill) != bool(args.decode):
+        raise UsageError("a disaggregated fleet needs both roles: give --prefill N and --decode M (or neither)")
+    if min(args.replicas, args.prefill, args.decode) < 0:
+        raise UsageError("--replicas, --prefill and --decode count workers: 0 or more")
+    if not (args.config or args.replicas or args.prefill):
+        raise UsageError("--replicas 0: a fleet runs 1 or more workers")
+    if not args.config:
+        from fleetllm.models.source import check_ref
+
+        check_ref(args.model)
+
+
 def cmd_calibrate(args: argparse.Namespace) -> int:
+    from fleetllm.models.source import check_ref
+
+    check_ref(args.model)
     from fleetllm.sim.calibrate import calibrate
 
     prof = calibrate(args.model, threads=args.num_threads, repeats=args.repeats)
@@ -334,6 +381,9 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 def cmd_spec_train(args: argparse.Namespace) -> int:
     from pathlib import Path
 
+    from fleetllm.models.source import check_ref
+
+    check_ref(args.target)
     from fleetllm.speculative.eagle import head_path
     from fleetllm.speculative.train import train
 
@@ -440,8 +490,7 @@ def cmd_keys(args: argparse.Namespace) -> int:
         try:
             print(f"revoked {store.revoke(args.id).id}")
         except KeyError as e:
-            print(e.args[0], file=sys.stderr)
-            return 1
+            raise UsageError(e.args[0]) from None
     else:
         for rec in store.records():
             print(json.dumps(rec.public()))
@@ -505,9 +554,37 @@ COMMANDS: dict[str, Callable[[argparse._SubParsersAction], object] | str] = {
 }
 
 
+@functools.cache
+def worker_flags() -> frozenset[str]:
+    """Every long flag of ``fleetllm worker`` (what a fleet YAML's ``engine:`` settings become)."""
+    parser = build_parser("worker")
+    return frozenset(f for f in command_parser(parser, parser.parse_args(["worker"]))._option_string_actions
+                     if f.startswith("--") and f != "--help")
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse's parser whose mistakes are a :class:`UsageError` (one line, the nearest choice named): every
+    subcommand's parser is one too (argparse makes subparsers of the parent's class)."""
+
+    def error(self, message: str) -> NoReturn:
+        choice = re.match(r"argument .*: invalid choice: '(.*)' \(choose from (.*)\)$", message)
+        if choice:
+            message += did_you_mean(choice[1], re.findall(r"'([^']*)'", choice[2]))
+        for sub in (a for a in self._actions if isinstance(a, argparse._SubParsersAction)):
+            if message == f"the following arguments are required: {sub.dest}":  # its name is no word of the user's
+                message = f"a command is required: {', '.join(sub.choices)}"
+        raise UsageError(f"{message} (see `{self.prog} --help`)", prog=self.prog)
+
+    def reject_extras(self, extras: list[str]) -> NoReturn:
+        """Refuse arguments no parser took, naming the nearest flag of this (sub)command."""
+        flag = next((e.split("=", 1)[0] for e in extras if e.startswith("--")), None)
+        self.error(f"unrecognized arguments: {' '.join(extras)}"
+                   + (did_you_mean(flag, self._option_string_actions) if flag else ""))
+
+
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The CLI; with ``command`` (one of :data:`COMMANDS`), only that command's parser."""
-    parser = argparse.ArgumentParser(prog="fleetllm", description=__doc__)
+    parser = Parser(prog="fleetllm", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     for name in [command] if command in COMMANDS else COMMANDS:
         add = COMMANDS[name]
@@ -526,12 +603,33 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per health check otherwise
+    logging.getLogger("botocore").setLevel(logging.WARNING)  # "Found credentials in ...": noise on every S3 command
     # httpx's own command line (httpx._main, which imports rich, click and pygments: ~50 ms) is no part of
     # fleetllm; marked absent, ``import httpx`` skips it (the router, the fleet and bench import httpx).
     sys.modules.setdefault("httpx._main", None)  # type: ignore[arg-type]
     argv = sys.argv[1:] if argv is None else argv
-    args = build_parser(argv[0] if argv else None).parse_args(argv)
-    return args.func(args) or 0
+    parser = build_parser(argv[0] if argv else None)
+    prog = parser.prog
+    try:
+        args, extras = parser.parse_known_args(argv)
+        leaf = command_parser(parser, args)
+        if extras:
+            leaf.reject_extras(extras)
+        prog = leaf.prog
+        return args.func(args) or 0
+    except (UsageError, StoreError) as e:  # a user's mistake, or a model source that refused: one line, exit 2
+        print(f"{getattr(e, 'prog', None) or prog}: error: {one_line(str(e))}", file=sys.stderr)
+        return 2
+
+
+def command_parser(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Parser:
+    """The parser of the (sub)command ``args`` was parsed for: ``fleetllm models pull``'s for that command."""
+    while True:
+        sub = next((a for a in parser._actions if isinstance(a, argparse._SubParsersAction)), None)
+        name = getattr(args, sub.dest, None) if sub else None
+        if name not in (sub.choices if sub else {}):
+            return parser  # type: ignore[return-value]  # built by Parser, as every subparser
+        parser = sub.choices[name]
 
 
 if __name__ == "__main__":

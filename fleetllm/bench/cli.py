@@ -35,6 +35,7 @@ from fleetllm.bench.workloads import (
     Workload,
     long_short_workload,
 )
+from fleetllm.errors import UsageError, existing_file
 
 WORKLOADS = ("synthetic", "shared-prefix", "multi-turn", "agentic", "long-short", "trace", "prompts")
 
@@ -145,11 +146,7 @@ def build_workload(args: argparse.Namespace, builder: PromptBuilder) -> Workload
         return long_short_workload(builder, args.long_isl, args.long_osl, int(args.isl), int(args.osl),
                                    args.long_fraction)
     if w == "trace":
-        if not args.trace:
-            raise SystemExit("--workload trace needs --trace FILE")
         return TraceWorkload(args.trace, builder, args.trace_speedup, int(args.osl))
-    if not args.prompts:
-        raise SystemExit("--workload prompts needs --prompts FILE")
     return PromptFileWorkload(args.prompts, int(args.osl))
 
 
@@ -169,8 +166,7 @@ def run_bench(args: argparse.Namespace, console: Console | None = None) -> dict[
     console = console or Console()
     # The main CLI logs at INFO; one line per HTTP request would bury the progress bar.
     logging.getLogger("httpx").setLevel(logging.WARNING)
-    if not args.model:
-        raise SystemExit("--model is required")
+    check_args(args)
     concurrency = [int(v) for v in _floats(args.concurrency)]
     rates = _floats(args.request_rate)
     client = ClientConfig(args.url, args.model, args.endpoint, args.api_key, args.timeout,
@@ -233,7 +229,7 @@ def _measure_points(args: argparse.Namespace, measure: Measurer, base: LoadConfi
         return runs, extra
     if args.find_max_load:
         if not any(s.stat for s in slos):
-            raise SystemExit("--find-max-load needs aggregate SLOs, e.g. --slo ttft_p99_ms=800")
+            raise UsageError("--find-max-load needs aggregate SLOs, e.g. --slo ttft_p99_ms=800")
         start = (int(values[0]) if kind == "concurrency" else values[0]) if values else 1
         report, runs = find_max_load(measure, base, kind, start=start, max_value=args.max_load)
         return runs, {"find_max_load": report}
@@ -264,11 +260,49 @@ def agent_line(agent: dict[str, Any]) -> str:
 def run_compare(files: list[str], console: Console | None = None) -> list[dict[str, Any]]:
     """``bench compare a.json b.json``: ratios b/a of the key numbers, run by run."""
     if len(files) != 2:
-        raise SystemExit("usage: fleetllm bench compare a.json b.json")
-    a, b = (json.loads(Path(f).read_text()) for f in files)
+        raise UsageError(f"compare takes two result files (fleetllm bench compare a.json b.json), not {len(files)}")
+    a, b = (_result_file(f) for f in files)
     rows = compare(a, b)
     print_compare(console or Console(), rows, files[0], files[1])
     return rows
+
+
+def _result_file(path: str) -> dict[str, Any]:
+    text = existing_file(path, "result file").read_text()
+    try:
+        return json.loads(text)
+    except ValueError as e:
+        raise UsageError(f"result file {path!r} is not JSON ({e}): give what `fleetllm bench --output` wrote") from None
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """Refuse, before any request, what no run can be made of (UsageError, one line)."""
+    if not args.model:
+        raise UsageError("--model is required: the model name the server serves (its /v1/models)")
+    try:
+        json.loads(args.extra_body)
+    except ValueError as e:
+        raise UsageError(f"--extra-body is not JSON ({e}): e.g. --extra-body '{{\"top_p\": 0.9}}'") from None
+    parse_slos(args.slo)
+    for flag, text in (("--concurrency", args.concurrency), ("--request-rate", args.request_rate)):
+        try:
+            _floats(text)
+        except ValueError:
+            raise UsageError(f"{flag} {text!r}: a number or a comma list of numbers (1,2,4)") from None
+    if args.workload == "trace" and not args.trace:
+        raise UsageError("--workload trace needs --trace FILE (a JSONL trace or a capture directory)")
+    if args.workload == "prompts" and not args.prompts:
+        raise UsageError("--workload prompts needs --prompts FILE (text lines or JSONL)")
+    for flag, path in (("--trace", args.trace), ("--prompts", args.prompts)):
+        if path and not str(path).startswith("s3://") and not Path(path).exists():
+            raise UsageError(f"{flag} {str(path)!r}: no such file or directory")
+    import httpx
+
+    try:  # any answer will do (a 401 or 404 too): a run against nothing would only count connection errors
+        httpx.get(f"{args.url.rstrip('/')}/v1/models", timeout=10)
+    except httpx.TransportError as e:
+        raise UsageError(f"--url {args.url}: no server answers ({type(e).__name__}): start one, or give its "
+                         "address") from None
 
 
 def run_bench_command(args: argparse.Namespace) -> int:
@@ -285,7 +319,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="fleetllm bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_bench_arguments(parser)
-    return run_bench_command(parser.parse_args(argv))
+    try:
+        return run_bench_command(parser.parse_args(argv))
+    except UsageError as e:
+        print(f"fleetllm bench: error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

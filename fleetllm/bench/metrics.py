@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from fleetllm.bench.client import RequestRecord
+from fleetllm.errors import UsageError, did_you_mean
 
 PERCENTILES = (50, 90, 95, 99)
 PER_REQUEST = ("ttft_ms", "ttst_ms", "itl_ms", "tpot_ms", "e2e_ms", "output_tps_per_user", "input_tokens",
@@ -85,8 +86,12 @@ def parse_slos(text: str) -> list[SloLimit]:
         metric = "_".join(p for p in parts if p != stat)
         known = set(LATENCY_METRICS) | {"output_tps_per_user"}
         if metric not in known:
-            raise ValueError(f"unknown SLO metric {metric!r} in {item!r}; known: {sorted(known)}")
-        limits.append(SloLimit(metric, stat, float(value)))
+            raise UsageError(f"unknown SLO metric {metric!r} in {item!r}{did_you_mean(metric, known)} (known: "
+                             f"{', '.join(sorted(known))}; e.g. ttft_ms=500 or ttft_p99_ms=800)")
+        try:
+            limits.append(SloLimit(metric, stat, float(value)))
+        except ValueError:
+            raise UsageError(f"SLO {item!r}: the limit is a number (e.g. {key}=500)") from None
     return limits
 
 

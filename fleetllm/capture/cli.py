@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -17,10 +18,39 @@ from fleetllm.capture.config import TIERS
 from fleetllm.capture.private import write_private
 from fleetllm.capture.reader import CaptureSource, forget
 from fleetllm.capture.records import record_id, record_status, record_time
+from fleetllm.errors import UsageError
 
 
-def _when(text: str) -> float:
-    return datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
+def _when(text: str, flag: str = "--since") -> float:
+    try:
+        return datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
+    except ValueError:
+        raise UsageError(f"{flag} {text!r}: an ISO time, e.g. 2026-05-01T12:00:00Z") from None
+
+
+def source(args: argparse.Namespace) -> CaptureSource:
+    """The captures ``LOCATION`` names; one that cannot hold any is refused (UsageError, one line)."""
+    location = args.location
+    if location.startswith("s3://"):
+        if not location[5:].split("/", 1)[0]:
+            raise UsageError(f"{location!r}: an S3 location is s3://bucket[/prefix]")
+    elif not Path(location).exists():
+        raise UsageError(f"{location!r}: no such capture directory or file (or give s3://bucket/prefix)")
+    return CaptureSource(location, args.s3_endpoint_url)
+
+
+def s3_errors(command: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
+    """``command`` with a bucket that cannot be reached or read said in one line (UsageError)."""
+
+    def run(args: argparse.Namespace) -> int:
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        try:
+            return command(args)
+        except (BotoCoreError, ClientError) as e:
+            raise UsageError(f"{args.location}: {type(e).__name__}: {e}") from None
+
+    return run
 
 
 def matches(args: argparse.Namespace, tier: str, record: dict[str, Any]) -> bool:
@@ -32,18 +62,21 @@ def matches(args: argparse.Namespace, tier: str, record: dict[str, Any]) -> bool
     if args.status is not None and record_status(tier, record) != args.status:
         return False
     t = record_time(tier, record)
-    return not ((args.since and t < _when(args.since)) or (args.until and t >= _when(args.until)))
+    return not ((args.since and t < _when(args.since)) or (args.until and t >= _when(args.until, "--until")))
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
-    src = CaptureSource(args.location, args.s3_endpoint_url)
+    src = source(args)
     for key in src.keys():
         print(key)
     return 0
 
 
 def cmd_show(args: argparse.Namespace) -> int:
-    src = CaptureSource(args.location, args.s3_endpoint_url)
+    for flag, text in (("--since", args.since), ("--until", args.until)):
+        if text:
+            _when(text, flag)  # refused before any object is read
+    src = source(args)
     shown = 0
     for _, tier, rec in src.records():
         if matches(args, tier, rec):
@@ -56,7 +89,7 @@ def cmd_show(args: argparse.Namespace) -> int:
 
 def cmd_decrypt(args: argparse.Namespace) -> int:
     """Every object's plaintext: to stdout, or mirrored under ``--output`` (``.enc`` dropped)."""
-    src = CaptureSource(args.location, args.s3_endpoint_url)
+    src = source(args)
     for key in src.keys():
         data = src.read(key)
         if args.output is None:
@@ -67,7 +100,7 @@ def cmd_decrypt(args: argparse.Namespace) -> int:
 
 
 def cmd_forget(args: argparse.Namespace) -> int:
-    n = forget(CaptureSource(args.location, args.s3_endpoint_url), args.id)
+    n = forget(source(args), args.id)
     print(f"deleted {n} record(s) of request {args.id}")
     return 0
 
@@ -81,7 +114,7 @@ def add_capture_parser(sub: argparse._SubParsersAction) -> None:
         p = cs.add_parser(name, help=doc)
         p.add_argument("location", help="capture directory or file, or s3://bucket/prefix")
         p.add_argument("--s3-endpoint-url", default=None, help="S3 / KMS endpoint (default: boto3's)")
-        p.set_defaults(func=func)
+        p.set_defaults(func=s3_errors(func))
         if name == "show":
             p.add_argument("--tier", choices=TIERS, default=None)
             p.add_argument("--id", default=None, help="one request (the x-fleetllm-request-id)")

@@ -10,6 +10,7 @@ from dataclasses import dataclass, fields
 from typing import Any, Literal
 
 from fleetllm.cli_options import opt
+from fleetllm.errors import UsageError, unknown_key
 
 TIERS = ("endpoint", "access", "worker")
 
@@ -66,9 +67,9 @@ class CaptureConfig:
     def __post_init__(self) -> None:
         unknown = (set(self.tiers) | set(self.sampling)) - set(TIERS)
         if unknown:
-            raise ValueError(f"unknown capture tiers {', '.join(sorted(unknown))} (tiers: {', '.join(TIERS)})")
+            raise UsageError(f"unknown capture tiers {', '.join(sorted(unknown))} (tiers: {', '.join(TIERS)})")
         if self.envelope and not self.kms_key_id:
-            raise ValueError("capture envelope encryption needs a kms_key_id")
+            raise UsageError("capture envelope encryption needs a KMS key (kms_key_id, --capture-kms-key-id)")
 
     @property
     def enabled(self) -> bool:
@@ -79,12 +80,14 @@ class CaptureConfig:
         return float(self.sampling.get(tier, 100.0))
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any] | None) -> CaptureConfig:
-        """From the fleet YAML's ``capture:`` block (keys are the field names)."""
+    def from_dict(cls, d: dict[str, Any] | None, where: str = "capture") -> CaptureConfig:
+        """From the fleet YAML's ``capture:`` block (keys are the field names; ``where`` is its path, which an
+        unknown key's error names)."""
         d = dict(d or {})
-        unknown = set(d) - {f.name for f in fields(cls)}
-        if unknown:
-            raise ValueError(f"unknown capture keys: {', '.join(sorted(unknown))}")
+        known = {f.name for f in fields(cls)}
+        for key in d:
+            if key not in known:
+                raise UsageError(unknown_key(f"{where}.{key}", known))
         for key in ("tiers", "content_types", "redact"):
             if isinstance(d.get(key), str):
                 d[key] = [d[key]]

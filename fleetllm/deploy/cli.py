@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import sys
 from dataclasses import dataclass
 
 from fleetllm.cli_options import add_options, from_args, opt
 from fleetllm.deploy.kubernetes.options import KubernetesOptions
+from fleetllm.errors import UsageError
 
 
 @dataclass
@@ -25,9 +25,10 @@ def cmd_kubernetes(args: argparse.Namespace) -> int:
     try:
         opts = from_args(KubernetesOptions, args)
         paths = write(FleetConfig.from_yaml(args.config), opts, args.out)
-    except (ValueError, OSError) as e:  # a config the cluster cannot take: say which, no traceback
-        print(f"fleetllm deploy kubernetes: {e}", file=sys.stderr)
-        return 2
+    except UsageError:
+        raise
+    except (ValueError, OSError) as e:  # a config the cluster cannot take, an --out not writable: one line
+        raise UsageError(str(e)) from None
     for p in paths:
         print(p)
     print(f"create the Secrets of {paths[-1]} first, then: kubectl apply -f {args.out}")

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fleetllm.cli_options import add_options, opt
+from fleetllm.errors import UsageError
 from fleetllm.fleet import runfile
 
 
@@ -31,7 +32,7 @@ class FleetTarget:
 
 
 def find(args: argparse.Namespace) -> tuple[Path, runfile.RunState]:
-    """The state file and state of the fleet the flags name; SystemExit with the reason when there is none."""
+    """The state file and state of the fleet the flags name; a UsageError with the reason when there is none."""
     port = args.port
     if port is None and args.config:
         from fleetllm.fleet.config import FleetConfig
@@ -41,14 +42,16 @@ def find(args: argparse.Namespace) -> tuple[Path, runfile.RunState]:
         path = runfile.state_path(port, args.run_dir)
         state = runfile.read(path)
         if state is None:
-            raise SystemExit(f"no fleetllm serve with its router on port {port} (no live {path})")
+            raise UsageError(f"no fleetllm serve with its router on port {port} (no live {path}): start one, or "
+                             "name the running fleet's --port")
         return path, state
     live = [(p, s) for p in sorted(runfile.run_dir(args.run_dir).glob("serve-*.json"))
             if (s := runfile.read(p)) is not None]
     if not live:
-        raise SystemExit(f"no fleetllm serve running (no live state file in {runfile.run_dir(args.run_dir)})")
+        raise UsageError(f"no fleetllm serve running (no live state file in {runfile.run_dir(args.run_dir)}; "
+                         "--run-dir names another)")
     if len(live) > 1:
-        raise SystemExit(f"{len(live)} fleets running ({', '.join(s.url for _, s in live)}): name one with --port")
+        raise UsageError(f"{len(live)} fleets running ({', '.join(s.url for _, s in live)}): name one with --port")
     return live[0]
 
 

@@ -56,6 +56,7 @@ from typing import Any
 import yaml
 
 from fleetllm.capture.config import CaptureConfig
+from fleetllm.errors import UsageError, existing_file, unknown_key, yaml_error
 from fleetllm.fleet.autoscaler import ScalingPolicy
 from fleetllm.fleet.cluster import Domain, Identity
 
@@ -111,7 +112,7 @@ class Replicas:
         if self.max is None:
             self.max = max(self.initial, self.min)
         if not 0 <= self.min <= self.initial <= self.max:
-            raise ValueError(f"replicas need 0 <= min <= initial <= max, got min={self.min} "
+            raise UsageError(f"replicas need 0 <= min <= initial <= max, got min={self.min} "
                              f"initial={self.initial} max={self.max}")
 
 
@@ -137,7 +138,7 @@ class ModelSpec:
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
-            raise ValueError(f"model {self.served_name!r}: role must be one of {', '.join(ROLES)}, not {self.role!r}")
+            raise UsageError(f"model {self.served_name!r}: role must be one of {', '.join(ROLES)}, not {self.role!r}")
         if self.resources.memory_gb is None:
             self.resources.memory_gb = 0.05 if self.simulate else 2.0
 
@@ -196,18 +197,18 @@ class FleetConfig:
         for m in self.models:
             for n in [m.served_name, *m.aliases]:
                 if names.get(n, m.served_name) != m.served_name:
-                    raise ValueError(f"model name {n!r} is used by two models ({names[n]!r} and {m.served_name!r})")
+                    raise UsageError(f"model name {n!r} is used by two models ({names[n]!r} and {m.served_name!r})")
                 names[n] = m.served_name
         units = [m.unit for m in self.models]
         dup = next((u for u in units if units.count(u) > 1), None)
         if dup is not None:
-            raise ValueError(f"model {dup!r} is listed twice: give each entry of one model its own `variant`")
+            raise UsageError(f"model {dup!r} is listed twice: give each entry of one model its own `variant`")
         for name in dict.fromkeys(m.served_name for m in self.models):
             entries = [m for m in self.models if m.served_name == name]
             if any(m.variant for m in entries) and not all(m.variant for m in entries):
-                raise ValueError(f"model {name!r}: either every entry names its `variant` or none does")
+                raise UsageError(f"model {name!r}: either every entry names its `variant` or none does")
             if any(not 0 <= m.traffic < float("inf") for m in entries) or not sum(m.traffic for m in entries) > 0:
-                raise ValueError(f"model {name!r}: `traffic` weights must be non-negative, and one positive")
+                raise UsageError(f"model {name!r}: `traffic` weights must be non-negative, and one positive")
 
     def traffic_splits(self) -> dict[str, str]:
         """``{model: "variant:weight,..."}`` for every model served as variants (the router's ``--traffic``)."""
@@ -219,14 +220,17 @@ class FleetConfig:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> FleetConfig:
-        d = _checked(cls, d, "fleet config")
+        """The fleet a YAML document describes; a key no schema has, at any level, is refused by its path
+        (``models[0].enginee``) with the nearest valid key (UsageError)."""
+        d = _checked(cls, d, "")
         if "models" in d:
-            d["models"] = [_model(m) for m in d["models"] or []]
+            d["models"] = [_model(m, f"models[{i}]") for i, m in enumerate(_listed(d["models"], "models"))]
         if "machines" in d:
-            d["machines"] = [Machine(**_checked(Machine, m, "machine")) for m in d["machines"] or []]
+            d["machines"] = [Machine(**_checked(Machine, m, f"machines[{i}]"))
+                             for i, m in enumerate(_listed(d["machines"], "machines"))]
         d["router_args"] = [str(a) for a in d.get("router_args", [])]
         if "capture" in d:
-            d["capture"] = CaptureConfig.from_dict(d["capture"])
+            d["capture"] = CaptureConfig.from_dict(d["capture"], "capture")
         if d.get("ray") is not None:  # `ray: auto` or `ray: {address: ..., namespace: ...}`
             r = d["ray"]
             d["ray"] = RaySettings(address=r) if isinstance(r, str) else RaySettings(**_checked(RaySettings, r, "ray"))
@@ -239,7 +243,14 @@ class FleetConfig:
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> FleetConfig:
-        return cls.from_dict(yaml.safe_load(Path(path).read_text()) or {})
+        """The fleet of a YAML file; any mistake in it is one line naming the file (UsageError)."""
+        p = existing_file(path, "fleet YAML")
+        try:
+            return cls.from_dict(yaml.safe_load(p.read_text()) or {})
+        except yaml.YAMLError as e:
+            raise yaml_error(path, e) from None
+        except UsageError as e:
+            raise UsageError(f"{path}: {e}") from None
 
     @classmethod
     def single_model(cls, source: str, replicas: int, simulate: bool = False, prefill: int = 0, decode: int = 0,
@@ -264,25 +275,51 @@ class FleetConfig:
         return sum(m.replicas.initial for m in self.models) + len(self.external)
 
 
-def _checked(cls: type, d: Any, what: str) -> dict[str, Any]:
-    """``d`` as a dict whose keys are all fields of ``cls`` (a clear error naming any other)."""
+def _checked(cls: type, d: Any, where: str) -> dict[str, Any]:
+    """``d`` as a dict whose keys are all fields of ``cls``; ``where`` is its path in the file (``models[0]``,
+    ``""`` for the top level), which an error names with the key."""
+    return dict(checked_keys(d, {f.name for f in fields(cls)}, where))
+
+
+def checked_keys(d: Any, known: set[str], where: str) -> dict[str, Any]:
+    """``d`` if it is a mapping of ``known`` keys only; else a UsageError naming the key's path and the nearest
+    valid key."""
     if not isinstance(d, dict):
-        raise ValueError(f"{what}: expected a mapping, got {d!r}")
-    unknown = set(d) - {f.name for f in fields(cls)}
-    if unknown:
-        raise ValueError(f"unknown {what} keys: {', '.join(sorted(unknown))}")
-    return dict(d)
+        raise UsageError(f"`{where or 'the file'}` must be a mapping (key: value), not {d!r}")
+    for key in d:
+        if key not in known:
+            raise UsageError(unknown_key(f"{where}.{key}" if where else str(key), known))
+    return d
 
 
-def _model(d: Any) -> ModelSpec:
-    d = _checked(ModelSpec, d, "model")
+def worker_settings() -> set[str]:
+    """What a model's ``engine:`` may set: every ``fleetllm worker`` flag, as :meth:`ModelSpec.worker_args`
+    spells it (``max_num_seqs`` for ``--max-num-seqs``)."""
+    from fleetllm.cli import worker_flags
+
+    return {flag.removeprefix("--").replace("-", "_") for flag in worker_flags()}
+
+
+def _listed(items: Any, where: str) -> list[Any]:
+    if items is None:
+        return []
+    if not isinstance(items, list):
+        raise UsageError(f"`{where}` must be a list (- item), not {items!r}")
+    return items
+
+
+def _model(d: Any, where: str) -> ModelSpec:
+    d = _checked(ModelSpec, d, where)
     if "resources" in d:
-        d["resources"] = Resources(**_checked(Resources, d["resources"], "resources"))
+        d["resources"] = Resources(**_checked(Resources, d["resources"], f"{where}.resources"))
     if "autoscale" in d:
-        d["autoscale"] = ScalingPolicy(**_checked(ScalingPolicy, d["autoscale"], "autoscale"))
+        d["autoscale"] = ScalingPolicy(**_checked(ScalingPolicy, d["autoscale"], f"{where}.autoscale"))
+    if "engine" in d:
+        checked_keys(d["engine"], worker_settings(), f"{where}.engine")
     if "replicas" in d:
         r = d["replicas"]
-        d["replicas"] = Replicas(min=r, initial=r, max=r) if isinstance(r, int) else Replicas(**_checked(Replicas, r, "replicas"))
+        d["replicas"] = Replicas(min=r, initial=r, max=r) if isinstance(r, int) \
+            else Replicas(**_checked(Replicas, r, f"{where}.replicas"))
     for key in ("aliases", "zones"):
         if isinstance(d.get(key), str):
             d[key] = [d[key]]

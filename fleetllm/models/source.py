@@ -15,9 +15,10 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from fleetllm.errors import UsageError
 from fleetllm.models.config import ModelConfig
 from fleetllm.models.tokenizer import TokenizerWrapper
-from fleetllm.store.uri import is_remote
+from fleetllm.store.uri import ModelURI, is_remote
 
 if TYPE_CHECKING:
     from fleetllm.store.config import StoreConfig
@@ -73,8 +74,22 @@ def resolve(ref: str, store: StoreConfig | None = None) -> Path:
     p = Path(ref).expanduser()
     if p.exists():
         return p
-    raise FileNotFoundError(f"model {ref!r} not found: give a .gguf file, a HF directory, hf://org/name[@revision], "
-                            f"s3://bucket/prefix, or one of {sorted(ALIASES)}")
+    raise FileNotFoundError(_not_found(ref))
+
+
+def _not_found(ref: str) -> str:
+    return (f"model {ref!r} not found: give a .gguf file, a HF directory, hf://org/name[@revision], "
+            f"s3://bucket/prefix, or one of {sorted(ALIASES)}")
+
+
+def check_ref(ref: str) -> None:
+    """Refuse, before anything loads, a reference that names no model: a malformed store URI, or neither an alias
+    nor an existing path (:class:`~fleetllm.errors.UsageError`, one line). Whether a remote model exists is
+    the store's to find out."""
+    if "://" in ref:
+        ModelURI.parse(ref)  # UsageError when malformed or of an unknown scheme
+    elif ref not in ALIASES and not Path(ref).expanduser().exists():
+        raise UsageError(_not_found(ref))
 
 
 def fetch(ref: str, store: StoreConfig | None = None, weights: bool = True) -> Fetched:

@@ -13,6 +13,8 @@ from typing import Any
 
 import yaml
 
+from fleetllm.errors import UsageError, did_you_mean, existing_file
+
 DEFAULT_CATALOGUE = Path(__file__).parent / "hardware.yaml"
 WIDER = {"fp4": "fp8", "fp8": "bf16", "int8": "bf16", "bf16": "fp32", "fp32": None}
 
@@ -75,10 +77,32 @@ class Catalogue:
                 return i
         raise KeyError(f"no instance {name!r} in {self.path}; known: {', '.join(i.name for i in self.instances)}")
 
+    def select(self, names: list[str]) -> list[str]:
+        """The instance types ``names`` ask for: each an instance type (``p5.48xlarge``) or an accelerator, which
+        stands for every instance with it (``H100``, ``RTX PRO 6000``: the leading words of the catalogue's
+        ``H100 SXM``, ``RTX PRO 6000 Blackwell``; any case). A name that matches nothing is refused listing
+        what would (UsageError)."""
+        chosen: list[str] = []
+        for name in names:
+            found = [i.name for i in self.instances if i.name == name or _names_accelerator(name, i.accelerator)]
+            if not found:
+                accelerators = ", ".join(dict.fromkeys(i.accelerator for i in self.instances))
+                raise UsageError(f"--instances {name!r}: no such instance type or accelerator in {self.path}"
+                                 f"{did_you_mean(name, [i.name for i in self.instances])} (instance types: "
+                                 f"{', '.join(i.name for i in self.instances)}; accelerators: {accelerators})")
+            chosen += [n for n in found if n not in chosen]
+        return chosen
+
+
+def _names_accelerator(name: str, accelerator: str) -> bool:
+    """``name``'s words are the leading words of ``accelerator`` (``H100`` of ``H100 SXM``, not of ``H200``)."""
+    asked, words = name.lower().split(), accelerator.lower().split()
+    return bool(asked) and words[:len(asked)] == asked
+
 
 def load_catalogue(path: str | Path | None = None) -> Catalogue:
     """The catalogue at ``path`` (default: the shipped ``hardware.yaml``); refuses unknown keys by name."""
-    p = Path(path) if path else DEFAULT_CATALOGUE
+    p = existing_file(path, "--catalogue") if path else DEFAULT_CATALOGUE
     doc = yaml.safe_load(p.read_text()) or {}
     formats = {name: Format(name=name, **_known(Format, d, f"format {name}")) for name, d in (doc.get("formats") or {}).items()}
     instances = [Instance(**_known(Instance, d, f"instance {d.get('name', '?')}")) for d in doc.get("instances") or []]

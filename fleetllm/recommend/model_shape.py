@@ -14,6 +14,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
+from fleetllm.errors import UsageError, did_you_mean
 from fleetllm.models.config import ModelConfig, UnsupportedModel
 
 
@@ -124,5 +125,5 @@ def load_shape(ref: str) -> ModelShape:
         return from_hf_config(p.parent.name or p.stem, json.loads(p.read_text()))
     if p.is_file() and p.suffix == ".gguf":
         return from_gguf(p)
-    raise ValueError(f"unknown model {ref!r}: give a config.json, a model directory, a .gguf file or one of "
-                     f"{', '.join(CATALOGUE)}")
+    raise UsageError(f"unknown model {ref!r}: give a config.json, a model directory, a .gguf file or one of "
+                     f"{', '.join(CATALOGUE)}{did_you_mean(key, CATALOGUE)}")

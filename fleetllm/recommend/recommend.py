@@ -9,6 +9,7 @@ from typing import Any
 
 from rich.console import Console
 
+from fleetllm.errors import UsageError, did_you_mean, existing_file
 from fleetllm.recommend.calibration import Calibration
 from fleetllm.recommend.candidate import LATENCY_KEYS
 from fleetllm.recommend.catalogue import load_catalogue
@@ -31,8 +32,12 @@ def parse_slo(text: str) -> dict[str, float]:
     for item in filter(None, (s.strip() for s in text.split(","))):
         key, sep, value = item.partition("=")
         if not sep or key not in LATENCY_KEYS:
-            raise ValueError(f"unknown SLO {item!r}; known: {', '.join(LATENCY_KEYS)} (KEY=VALUE)")
-        out[key] = float(value)
+            raise UsageError(f"--slo: unknown SLO {item!r}{did_you_mean(key, LATENCY_KEYS)} (known: "
+                             f"{', '.join(LATENCY_KEYS)}, as KEY=VALUE,...)")
+        try:
+            out[key] = float(value)
+        except ValueError:
+            raise UsageError(f"--slo {key}={value}: the limit is a number (e.g. {key}=500)") from None
     return out
 
 
@@ -63,26 +68,39 @@ def rate_for(cfg: RecommendConfig, w: WorkloadShape) -> float:
     """Requests/s: --traffic, or --users turned into a rate by Little's law over a first-guess E2E."""
     if cfg.traffic:
         return cfg.traffic
-    if not cfg.users:
-        raise ValueError("give --traffic RATE or --users N")
+    assert cfg.users, "check_inputs refuses a config without traffic"
     guess_e2e = 0.5 + w.osl_mean * 0.05  # refined by the caller with the best candidate's prediction
     return cfg.users / guess_e2e
 
 
+def check_inputs(cfg: RecommendConfig) -> None:
+    """Refuse a missing or contradictory load, and files that are not there (UsageError, one line)."""
+    if cfg.traffic is not None and cfg.users is not None:
+        raise UsageError("give --traffic RATE (requests/s, open loop) or --users N (closed loop), not both")
+    if not (cfg.traffic or cfg.users):
+        raise UsageError("the load is missing: give --traffic RATE (requests/s, e.g. --traffic 5) or --users N")
+    if (cfg.traffic or 0) < 0 or (cfg.users or 0) < 0:
+        raise UsageError("--traffic and --users are positive")
+    if cfg.calibration:
+        existing_file(cfg.calibration, "--calibration")
+
+
 def run_recommend(cfg: RecommendConfig, console: Console | None = None) -> dict[str, Any]:
     """Everything ``fleetllm recommend`` does; returns the JSON document (also written to ``cfg.out``)."""
+    check_inputs(cfg)
     console = console or Console(stderr=cfg.json, width=200)
     shape, w, slos, cat = load_shape(cfg.model), workload_of(cfg), parse_slo(cfg.slo), load_catalogue(cfg.catalogue)
+    instances = cat.select(cfg.instances) or None
     rate = rate_for(cfg, w)
     calibration = Calibration.load(cfg.calibration)
     eff = Efficiency(kv_cache_bytes=1.0 if cfg.kv_cache == "fp8" else 2.0)
     result = search(shape, w, rate, slos, cat, max_quality_loss=cfg.max_quality_loss, eff=eff,
-                    instances=cfg.instances or None, calibration=calibration)
+                    instances=instances, calibration=calibration)
     ranked = rank(result, cfg.objective, w, rate, slos)
     if cfg.users and ranked and ranked[0].meets_slos:  # closed loop: users / (E2E) with the best one's E2E
         rate = cfg.users / max(1e-3, ranked[0].prediction.e2e_p90_s / 1.3)
         result = search(shape, w, rate, slos, cat, max_quality_loss=cfg.max_quality_loss, eff=eff,
-                        instances=cfg.instances or None, calibration=calibration)
+                        instances=instances, calibration=calibration)
         ranked = rank(result, cfg.objective, w, rate, slos)
     if cfg.simulate_top:
         ranked = refine(ranked, result, w, rate, slos, cfg.simulate_top, cfg.sim_requests, cfg.seed)

@@ -17,6 +17,8 @@ from typing import Any
 
 import numpy as np
 
+from fleetllm.errors import UsageError
+
 CHARS_PER_TOKEN = 4.0  # to size captured prompts given as text without a token count
 SAMPLES = 2000
 
@@ -114,14 +116,16 @@ def from_bench(name: str, isl: float = 512, osl: float = 128, isl_std: float = 0
                              category="agentic" if name == "agentic" else "chat",
                              params={**params, "turns": turns, "system_len": system_len, "context_len": context_len,
                                      "step_len": step_len})
-    raise ValueError(f"unknown workload {name!r}: a bench workload (synthetic, shared-prefix, multi-turn, "
+    raise UsageError(f"unknown workload {name!r}: a bench workload (synthetic, shared-prefix, multi-turn, "
                      "agentic, long-short), isl=MEAN:STD,osl=MEAN:STD, or a capture directory")
 
 
 def from_distribution(text: str, seed: int = 0) -> WorkloadShape:
     """``isl=512:128,osl=128:32`` (mean:std, std optional)."""
     rng = np.random.default_rng(seed)
-    parts = dict(item.split("=", 1) for item in text.split(","))
+    parts = dict(item.split("=", 1) for item in text.split(",") if "=" in item)
+    if set(parts) != {"isl", "osl"}:
+        raise UsageError(f"--workload {text!r}: a distribution is isl=MEAN[:STD],osl=MEAN[:STD]")
     isl_mean, _, isl_std = parts["isl"].partition(":")
     osl_mean, _, osl_std = parts["osl"].partition(":")
     return WorkloadShape(text, _lengths(rng, float(isl_mean), float(isl_std or 0)),

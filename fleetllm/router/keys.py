@@ -18,11 +18,13 @@ import secrets
 import threading
 import time
 from collections import deque
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 import yaml
+
+from fleetllm.errors import UsageError, one_line, unknown_key, yaml_error
 
 PREFIX = "flk-"
 
@@ -81,8 +83,7 @@ class KeyStore:
             return
         if mtime == self._mtime:
             return
-        data = yaml.safe_load(self.path.read_text()) or {}
-        records = [KeyRecord(**r) for r in data.get("keys", [])]
+        records = _read_records(self.path)
         self._by_hash, self._mtime = {r.hash: r for r in records}, mtime
 
     def records(self) -> list[KeyRecord]:
@@ -180,3 +181,22 @@ class KeyLimiter:
         if tokens:
             self._tokens.setdefault(rec.id, deque()).append((self.clock(), tokens))
 
+
+def _read_records(path: Path) -> list[KeyRecord]:
+    """The records of a keys file; a file that is not one is refused naming it (UsageError, one line)."""
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise yaml_error(path, e) from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise UsageError(f"keys file {str(path)!r} cannot be read: {one_line(str(e))}") from None
+    entries = data.get("keys") if isinstance(data, dict) else None
+    if not isinstance(entries, list) or not all(isinstance(r, dict) for r in entries):
+        raise UsageError(f"keys file {str(path)!r} is not a keys file (`keys:` a list of records, as "
+                         f"`fleetllm keys create --file` writes it)")
+    known = {f.name for f in fields(KeyRecord)}
+    for i, r in enumerate(entries):
+        for key in r:
+            if key not in known:
+                raise UsageError(f"keys file {str(path)!r}: {unknown_key(f'keys[{i}].{key}', known)}")
+    return [KeyRecord(**r) for r in entries]

@@ -49,7 +49,7 @@ def pin_process(text: str) -> list[int]:
     allowed = os.sched_getaffinity(0)
     missing = [c for c in cpus if c not in allowed]
     if missing:
-        raise ValueError(f"--cpus {text}: cores {format_cpus(missing)} are not available to this process "
+        raise ValueError(f"cores {format_cpus(missing)} are not available to this process "
                          f"(it may use {format_cpus(sorted(allowed))})")
     os.sched_setaffinity(0, cpus)
     return cpus

@@ -5,6 +5,8 @@ Layout under the cache root::
     <repo key>/refs/<revision>           the commit a branch or tag last resolved to (for offline starts)
     <repo key>/<commit>/files/...        the model directory the loader reads (memory-mapped in place)
     <repo key>/<commit>/manifest.json    the revision's files: size and SHA-256 of each, as verified
+    <repo key>/<commit>/quarantine/...   files `fleetllm models verify` found changed: out of ``files/`` and of the
+                                         manifest (so never served), kept to look at until fetched again
     <repo key>/<commit>/.staging/        downloads in progress (resumed by the next pull)
     <repo key>/<commit>.lock             held while a process downloads this revision: one download per node
     <repo key>/<commit>.inuse            held shared by every process serving it: eviction skips it
@@ -62,6 +64,7 @@ class Manifest:
     # name -> {"size", "sha256", "mtime_ns", "ino"}: the SHA-256 verified, and the file's identity when it was
     files: dict[str, dict] = field(default_factory=dict)
     created: float = field(default_factory=time.time)
+    quarantined: dict[str, str] = field(default_factory=dict)  # name -> why verify set it aside (until fetched again)
 
     def size(self) -> int:
         return sum(f["size"] for f in self.files.values())
@@ -122,6 +125,26 @@ class Revision:
             os.fsync(f.fileno())
         os.replace(downloaded, target)
         fsync_dir(target.parent)
+        (self.dir / "quarantine" / name).unlink(missing_ok=True)  # the damaged copy it replaces
+
+    def quarantine(self, damaged: dict[str, tuple[dict, str]]) -> list[str]:
+        """Set aside files whose bytes no longer match their manifest entry (``name -> (entry, why)``, as
+        ``fleetllm models verify`` hashed them): each leaves ``files/`` and the manifest, so no start serves it;
+        the next fetch gets it again from the source. Under the download lock; a file a fetch replaced since it
+        was hashed (its entry changed) is left alone. Returns the names set aside."""
+        with self.download_lock():
+            m = self.manifest()
+            names = [n for n, (entry, _) in damaged.items() if m is not None and m.files.get(n) == entry]
+            for name in names:
+                aside = self.dir / "quarantine" / name
+                aside.parent.mkdir(parents=True, exist_ok=True)
+                with contextlib.suppress(FileNotFoundError):  # a file gone is set aside already
+                    os.replace(self.files / name, aside)
+                del m.files[name]
+                m.quarantined[name] = damaged[name][1]
+            if names:
+                self.write_manifest(m)
+        return names
 
     @contextlib.contextmanager
     def download_lock(self) -> Iterator[None]:

@@ -3,7 +3,11 @@
     fleetllm models pull hf://HuggingFaceTB/SmolLM2-135M-Instruct@main [--load]
     fleetllm models ls
     fleetllm models rm hf://HuggingFaceTB/SmolLM2-135M-Instruct[@<commit>]
-    fleetllm models verify [SOURCE]
+    fleetllm models verify [SOURCE] [--repair]
+
+``verify`` hashes every cached file; one whose bytes no longer match its manifest (bit rot, a stray write) is
+quarantined: moved out of the model's files and dropped from the manifest, so the next start fetches it again
+from the source, or, offline, refuses to start and says why. ``--repair`` fetches it again now.
 """
 
 from __future__ import annotations
@@ -13,8 +17,8 @@ import sys
 import time
 
 from fleetllm.cli_options import add_options, from_args
+from fleetllm.errors import UsageError
 from fleetllm.store.config import StoreConfig
-from fleetllm.store.errors import StoreError
 from fleetllm.store.phases import format_phases
 
 
@@ -64,8 +68,7 @@ def _matching(args: argparse.Namespace):  # -> list[(Revision, Manifest)]
 def cmd_rm(args: argparse.Namespace) -> int:
     found = _matching(args)
     if not found:
-        print(f"nothing cached for {args.source}", file=sys.stderr)
-        return 1
+        raise UsageError(f"nothing cached for {args.source} (`fleetllm models ls` lists what is)")
     for rev, m in found:
         if not rev.unused():
             print(f"{m.uri}: in use by a running worker, kept", file=sys.stderr)
@@ -75,29 +78,40 @@ def cmd_rm(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_verify(args: argparse.Namespace) -> int:
+def damaged_files(rev, m) -> dict[str, tuple[dict, str]]:  # noqa: ANN001 - Revision, Manifest
+    """Every file of ``m`` whose bytes no longer hash to its entry, or gone: ``name -> (entry, why)``."""
     from fleetllm.store.checksum import Checksum, check
 
-    bad = 0
+    damaged = {}
+    for name, entry in sorted(m.files.items()):
+        try:
+            check(rev.files / name, Checksum("sha256", entry["sha256"]))
+        except (OSError, ValueError) as e:
+            damaged[name] = (entry, str(e))
+    return damaged
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    store, left = _store(args), 0
     for rev, m in _matching(args):
-        for name, f in sorted(m.files.items()):
-            try:
-                check(rev.files / name, Checksum("sha256", f["sha256"]))
-            except (OSError, ValueError) as e:
-                bad += 1
-                print(f"{m.uri}: {name}: {e}")
+        damaged = damaged_files(rev, m)
+        for name in rev.quarantine(damaged):
+            print(f"{m.uri}: {name}: {damaged[name][1]}: quarantined (the next start fetches it again)")
         print(f"{m.uri}: {len(m.files)} files checked")
-    print(f"{bad} corrupt or missing file(s)" if bad else "all files match their manifests")
-    return 1 if bad else 0
+        aside = sorted((rev.manifest() or m).quarantined)
+        if aside and args.repair:
+            for name in store.repair(m.uri, m.commit):
+                print(f"{m.uri}: {name}: fetched again from the source")
+        elif aside:
+            print(f"{m.uri}: {', '.join(aside)} set aside: `fleetllm models verify --repair` fetches it now")
+            left += len(aside)
+    print(f"{left} file(s) quarantined, not yet fetched again" if left else "all files match their manifests")
+    return 1 if left else 0
 
 
 def cmd_models(args: argparse.Namespace) -> int:
     commands = {"pull": cmd_pull, "ls": cmd_ls, "rm": cmd_rm, "verify": cmd_verify}
-    try:
-        return commands[args.models_command](args) or 0
-    except StoreError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    return commands[args.models_command](args) or 0
 
 
 def add_models_parser(sub: argparse._SubParsersAction) -> None:
@@ -111,6 +125,9 @@ def add_models_parser(sub: argparse._SubParsersAction) -> None:
                        ("verify", "check every cached file against its manifest's SHA-256")):
         c = ms.add_parser(name, help=text)
         c.add_argument("source", nargs="?" if name == "verify" else None, default=None)
+        if name == "verify":
+            c.add_argument("--repair", action="store_true",
+                           help="fetch again now every file verify quarantined (default: the next start does)")
     for c in ms.choices.values():
         add_options(c, StoreConfig, title="model store")
     p.set_defaults(func=cmd_models)

@@ -121,9 +121,34 @@ class ModelStore:
             reason = "offline mode"
         commit = self.cache.recall(uri.key, uri.revision or DEFAULT_REF) or uri.revision
         if commit is None or not self._cached(uri, commit):
-            raise StoreError(f"model {uri}: {reason}, and this node has no cached copy of it", 503)
+            raise StoreError(f"model {uri}: {reason}, and this node has no {self._incomplete(uri, commit)}", 503)
         log.warning("model %s: %s; serving revision %s from the local cache (offline)", uri, reason, commit)
         return None, commit, True
+
+    def _incomplete(self, uri: ModelURI, commit: str | None) -> str:
+        """What the cache lacks to serve ``commit`` offline: a copy, or the files verify set aside (named)."""
+        m = self.cache.revision(uri.key, commit).manifest() if commit else None
+        if m is None or not m.quarantined:
+            return "cached copy of it"
+        return (f"complete cached copy: `fleetllm models verify` set {', '.join(sorted(m.quarantined))} aside (its "
+                f"bytes no longer matched the manifest); `fleetllm models verify --repair` fetches it again once "
+                f"the source answers")
+
+    def repair(self, uri_text: str, commit: str) -> list[str]:
+        """Fetch again, now, the files ``fleetllm models verify`` set aside from a cached revision; their names."""
+        uri = ModelURI.parse(uri_text)
+        rev = self.cache.revision(uri.key, commit)
+        with rev.download_lock():
+            m = rev.manifest()
+            names = sorted(n for n in (m.quarantined if m else {}) if n not in m.files)
+            if not names:
+                return []
+            if self.cfg.offline:
+                raise StoreError(f"model {uri}: offline mode: cannot fetch {', '.join(names)} again", 503)
+            listing = self._listing_for_refetch(uri, commit, names)
+            self._download(uri, listing, names, rev, m, Phases())
+            rev.write_manifest(m)
+        return names
 
     def _cached(self, uri: ModelURI, commit: str) -> bool:
         m = self.cache.revision(uri.key, commit).manifest()
@@ -190,6 +215,7 @@ class ModelStore:
         for name, (path, _), record in zip(names, got, records, strict=True):
             rev.place(path, name)
             m.files[name] = record
+            m.quarantined.pop(name, None)
         return names
 
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from fleetllm.errors import UsageError
+
 SCHEMES = ("hf", "s3")
 _SAFE = re.compile(r"[^A-Za-z0-9._-]+")
 
@@ -30,17 +32,17 @@ class ModelURI:
 
     @classmethod
     def parse(cls, ref: str) -> ModelURI:
-        """``hf://org/name[/file.gguf][@rev]`` or ``s3://bucket/prefix[/file.gguf][@rev]``; ValueError otherwise."""
+        """``hf://org/name[/file.gguf][@rev]`` or ``s3://bucket/prefix[/file.gguf][@rev]``; UsageError (a ValueError) otherwise."""
         scheme, sep, rest = ref.partition("://")
         if not sep or scheme not in SCHEMES:
-            raise ValueError(f"{ref!r}: not a store URI (hf://org/name[@revision] or s3://bucket/prefix)")
+            raise UsageError(f"{ref!r}: not a store URI (hf://org/name[@revision] or s3://bucket/prefix)")
         rest, _, revision = rest.partition("@")
         parts = [p for p in rest.strip("/").split("/") if p]
         file = parts.pop() if parts and parts[-1].endswith(".gguf") else None
         if scheme == "hf" and len(parts) != 2:
-            raise ValueError(f"{ref!r}: a hub model is hf://org/name[/file.gguf][@revision]")
+            raise UsageError(f"{ref!r}: a hub model is hf://org/name[/file.gguf][@revision]")
         if scheme == "s3" and not parts:
-            raise ValueError(f"{ref!r}: an S3 model is s3://bucket/prefix")
+            raise UsageError(f"{ref!r}: an S3 model is s3://bucket/prefix")
         return cls(scheme, "/".join(parts), file, revision or None)
 
     @property

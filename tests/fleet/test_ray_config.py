@@ -13,7 +13,7 @@ def test_the_ray_block_is_an_address_or_a_mapping() -> None:
     cfg = FleetConfig.from_dict({"ray": {"address": "10.0.0.1:6379", "namespace": "prod", "strategy": "DEFAULT"}})
     assert cfg.ray == RaySettings(address="10.0.0.1:6379", namespace="prod", strategy="DEFAULT")
     assert FleetConfig.from_dict({}).ray is None
-    with pytest.raises(ValueError, match="unknown ray keys: adress"):
+    with pytest.raises(ValueError, match="unknown key `ray.adress`; did you mean `address`"):
         FleetConfig.from_dict({"ray": {"adress": "auto"}})
 
 

@@ -160,8 +160,8 @@ def test_endpoints_reads_ports_by_name_ipv6_and_unknown_readiness() -> None:
         "http://[fd00::8]:8001": (DiscoveredWorker("http://[fd00::8]:8001", role="decode"), False)}
 
 
-def test_a_router_without_api_access_refuses_to_start(tmp_path: Path) -> None:
+def test_a_router_without_api_access_refuses_to_start(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from fleetllm.cli import main
 
-    with pytest.raises(SystemExit, match="no Kubernetes API access"):
-        main(["router", "--discover", "kubernetes", "--kubeconfig", str(tmp_path / "missing")])
+    assert main(["router", "--discover", "kubernetes", "--kubeconfig", str(tmp_path / "missing")]) == 2
+    assert "fleetllm router: error: no Kubernetes API access" in capsys.readouterr().err
