@@ -15,11 +15,15 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from typing import TYPE_CHECKING
 
 from fleetllm.cli_options import add_options, from_args
 from fleetllm.errors import UsageError
 from fleetllm.store.config import StoreConfig
 from fleetllm.store.phases import format_phases
+
+if TYPE_CHECKING:
+    from fleetllm.store.cache import Manifest, Revision
 
 
 def _store(args: argparse.Namespace):  # -> ModelStore
@@ -78,7 +82,7 @@ def cmd_rm(args: argparse.Namespace) -> int:
     return 0
 
 
-def damaged_files(rev, m) -> dict[str, tuple[dict, str]]:  # noqa: ANN001 - Revision, Manifest
+def damaged_files(rev: Revision, m: Manifest) -> dict[str, tuple[dict, str]]:
     """Every file of ``m`` whose bytes no longer hash to its entry, or gone: ``name -> (entry, why)``."""
     from fleetllm.store.checksum import Checksum, check
 

@@ -1,11 +1,12 @@
-"""The node's cache: LRU eviction that spares revisions in use, checks on load that hash only what changed, and
-`fleetllm models ls|verify|rm`."""
+"""The node's cache: LRU eviction that spares revisions in use, checks on load that hash only what changed,
+`fleetllm models ls|verify|rm`, and the quarantine of what verify finds damaged."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
 import os
+from pathlib import Path
 
 import fleetllm.store.cache as cache_module
 from fleetllm.store.store import ModelStore
@@ -55,23 +56,66 @@ def test_a_start_hashes_only_the_cached_files_that_changed(hub, store_cfg, monke
     fetched.release()
 
 
-def test_bytes_changed_behind_the_filesystem_are_found_by_models_verify(hub, store_cfg, capsys):
-    """What the start's check cannot see (the inode, size and mtime all unchanged, as after a media error) is
-    what `fleetllm models verify` is for."""
+def rot(path: Path) -> None:
+    """Flip bytes of ``path`` the way a media error does: its inode, size and mtime stay as they were."""
+    st = path.stat()
+    with open(path, "r+b") as f:
+        f.seek(100)
+        flipped = bytes(b ^ 0xFF for b in f.read(8))
+        f.seek(100)
+        f.write(flipped)
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+
+def test_bytes_changed_behind_the_filesystem_are_quarantined_by_verify_and_fetched_again_by_the_next_start(
+        hub, hub_repos, store_cfg, capsys):
+    """What the start's check cannot see (the inode, size and mtime all unchanged) is what `fleetllm models
+    verify` is for: the damaged file leaves the model's files and its manifest, so the next start fetches it."""
     from fleetllm.cli import main
 
     store = ModelStore(store_cfg)
     fetched = store.fetch("hf://test/tiny")
     weights = fetched.path / "model.safetensors"
-    st = weights.stat()
-    with open(weights, "r+b") as f:
-        f.seek(100)
-        f.write(b"\x00" * 8)
-    os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns))
-    assert store.fetch("hf://test/tiny").downloaded == []
+    rot(weights)
+    assert store.fetch("hf://test/tiny").downloaded == []  # unseen by a start's check
     flags = ["--cache-dir", store_cfg.cache_dir, "--hf-endpoint", hub.endpoint]
     assert main(["models", "verify", "hf://test/tiny", *flags]) == 1
     assert "model.safetensors" in capsys.readouterr().out
     manifest = json.loads((fetched.path.parent / "manifest.json").read_text())
-    assert manifest["files"]["model.safetensors"]["mtime_ns"] == st.st_mtime_ns
+    assert "model.safetensors" not in manifest["files"] and "model.safetensors" in manifest["quarantined"]
+    assert not weights.exists() and (fetched.path.parent / "quarantine" / "model.safetensors").exists()
+    assert store.fetch("hf://test/tiny").downloaded == ["model.safetensors"]
+    source = hub_repos["test/tiny"].commits[fetched.revision]["model.safetensors"]
+    assert weights.read_bytes() == source.read_bytes()
+    assert not (fetched.path.parent / "quarantine" / "model.safetensors").exists()
+    fetched.release()
+
+
+def test_an_offline_start_after_a_quarantine_refuses_naming_the_file(hub, store_cfg, capsys):
+    from fleetllm.cli import main
+
+    fetched = ModelStore(store_cfg).fetch("hf://test/tiny")
+    rot(fetched.path / "config.json")
+    flags = ["--cache-dir", store_cfg.cache_dir, "--hf-endpoint", hub.endpoint]
+    assert main(["models", "verify", *flags]) == 1
+    capsys.readouterr()
+    assert main(["models", "pull", "hf://test/tiny", "--offline", *flags]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and "set config.json aside" in err[0] and "--repair" in err[0], err
+    fetched.release()
+
+
+def test_verify_repair_fetches_a_damaged_file_again_now(hub, store_cfg, capsys):
+    from fleetllm.cli import main
+
+    store = ModelStore(store_cfg)
+    fetched = store.fetch("hf://test/tiny")
+    good = (fetched.path / "tokenizer.json").read_bytes()
+    rot(fetched.path / "tokenizer.json")
+    flags = ["--cache-dir", store_cfg.cache_dir, "--hf-endpoint", hub.endpoint]
+    assert main(["models", "verify", "--repair", *flags]) == 0
+    assert "tokenizer.json: fetched again" in capsys.readouterr().out
+    assert (fetched.path / "tokenizer.json").read_bytes() == good
+    assert store.fetch("hf://test/tiny").downloaded == []  # whole again: nothing left for a start to fetch
+    assert main(["models", "verify", *flags]) == 0
     fetched.release()
