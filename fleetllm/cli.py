@@ -17,6 +17,7 @@ import re
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Literal, NoReturn
 
 from fleetllm.capture.config import CaptureConfig
@@ -36,6 +37,7 @@ from fleetllm.store.errors import StoreError
 from fleetllm.tools.config import ToolConfig
 
 if TYPE_CHECKING:
+    from fleetllm.fleet.config import FleetConfig
     from fleetllm.server.uvicorn_runner import TLSFiles
 
 
@@ -222,11 +224,52 @@ def check_worker_args(args: argparse.Namespace) -> None:
     from fleetllm.models.source import check_ref
 
     check_ref(args.model)
+    check_engine_args(args)
     tls_files(args)
+    check_json_flag("--kv-events-config", args.kv_events_config)
     if args.count < 1:
         raise UsageError(f"--count {args.count}: a simulated worker count is 1 or more")
     if args.profile:
         existing_file(args.profile, "--profile timing profile")
+
+
+# Engine flags that count something: 0 or less is a typo, which the engine would only find after the model loads.
+POSITIVE_ENGINE_FLAGS = ("block_size", "num_blocks", "kv_cache_gb", "max_model_len", "max_num_seqs",
+                         "max_num_batched_tokens", "num_threads")
+
+
+def check_engine_args(args: argparse.Namespace) -> None:
+    """The engine flags' values that no engine takes, refused before the model loads (UsageError)."""
+    from fleetllm.speculative.config import SpeculativeConfig
+
+    for name in POSITIVE_ENGINE_FLAGS:
+        value = getattr(args, name, None)
+        if value is not None and value <= 0:
+            raise UsageError(f"--{name.replace('_', '-')} {value}: give a positive number (or leave it out)")
+    try:
+        SpeculativeConfig.parse(args.speculative)
+    except ValueError as e:
+        raise UsageError(f"--speculative {args.speculative}: {e} (e.g. method=suffix,k=4)") from None
+
+
+def check_json_flag(flag: str, text: str | None) -> None:
+    """A flag whose value is a JSON object (vLLM's --kv-events-config), refused unless it is one."""
+    if text is None:
+        return
+    try:
+        ok = isinstance(json.loads(text), dict)
+    except ValueError:
+        ok = False
+    if not ok:
+        raise UsageError(f"{flag} {text!r}: a JSON object, e.g. '{{\"endpoint\": \"tcp://*:5557\"}}'")
+
+
+def writable_dir(path: str, flag: str) -> None:
+    """``path``'s directory exists (created if need be) before a long run that writes there at its end."""
+    try:
+        Path(path).mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UsageError(f"{flag} {path}: cannot create it ({e.strerror})") from None
 
 
 def cmd_sim_worker(args: argparse.Namespace) -> int:
@@ -260,6 +303,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from fleetllm.models.source import check_ref
 
     check_ref(args.model)
+    check_engine_args(args)
+    if args.max_tokens < 1 or args.temperature < 0:
+        raise UsageError("--max-tokens is 1 or more and --temperature 0 (greedy) or more")
     from fleetllm.engine.llm import LLM
     from fleetllm.engine.sampling import SamplingParams
 
@@ -286,9 +332,28 @@ def build_router(args: argparse.Namespace):  # -> Router
     return router
 
 
+def check_router_args(args: argparse.Namespace) -> None:
+    """Refuse, before the router starts, worker specs and traffic splits it cannot read (UsageError)."""
+    from fleetllm.router.backends import parse_worker
+    from fleetllm.router.traffic import parse_weights
+
+    for spec in args.workers:
+        try:
+            parse_worker(spec)
+        except ValueError as e:
+            raise UsageError(f"--workers: {e}") from None
+    for model, split in args.traffic.items():
+        try:
+            parse_weights(split)
+        except ValueError as e:
+            raise UsageError(f"--traffic {model}={split}: {e}") from None
+    check_json_flag("--kv-events-config", args.kv_events_config)
+
+
 def cmd_router(args: argparse.Namespace) -> int:
     from fleetllm.server.uvicorn_runner import run_app
 
+    check_router_args(args)
     tls = tls_files(args)  # before anything starts: a missing half is the user's to fix
     router = build_router(args)
     router.capture = capture_for(args, "router", ("endpoint", "access"), router.metrics.registry)
@@ -315,7 +380,20 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from fleetllm.fleet.runfile import state_path
 
     cfg = fleet_config(args)
+    if cfg.ray is None:  # copies start here: each source must name a model here (a Ray node may have its own)
+        check_sources(cfg, args.config)
     return run_fleet(cfg, state_path(cfg.port, args.run_dir))
+
+
+def check_sources(cfg: FleetConfig, config: str | None) -> None:
+    """Every model's ``source`` names a model on this machine, or is a store URI (UsageError naming the entry)."""
+    from fleetllm.models.source import check_ref
+
+    for i, m in enumerate(cfg.models):
+        try:
+            check_ref(m.source)
+        except UsageError as e:
+            raise UsageError(f"{config}: models[{i}].source: {e}" if config else str(e)) from None
 
 
 def fleet_config(args: argparse.Namespace):  # -> FleetConfig
@@ -359,16 +437,13 @@ def check_serve_args(args: argparse.Namespace) -> None:
         raise UsageError("--replicas, --prefill and --decode count workers: 0 or more")
     if not (args.config or args.replicas or args.prefill):
         raise UsageError("--replicas 0: a fleet runs 1 or more workers")
-    if not args.config:
-        from fleetllm.models.source import check_ref
-
-        check_ref(args.model)
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
     from fleetllm.models.source import check_ref
 
     check_ref(args.model)
+    writable_dir(str(Path(args.output).parent), "--output")
     from fleetllm.sim.calibrate import calibrate
 
     prof = calibrate(args.model, threads=args.num_threads, repeats=args.repeats)
@@ -384,6 +459,8 @@ def cmd_spec_train(args: argparse.Namespace) -> int:
     from fleetllm.models.source import check_ref
 
     check_ref(args.target)
+    if args.output:
+        writable_dir(str(Path(args.output).parent), "--output")
     from fleetllm.speculative.eagle import head_path
     from fleetllm.speculative.train import train
 
@@ -558,7 +635,7 @@ COMMANDS: dict[str, Callable[[argparse._SubParsersAction], object] | str] = {
 def worker_flags() -> frozenset[str]:
     """Every long flag of ``fleetllm worker`` (what a fleet YAML's ``engine:`` settings become)."""
     parser = build_parser("worker")
-    return frozenset(f for f in command_parser(parser, parser.parse_args(["worker"]))._option_string_actions
+    return frozenset(f for f in command_parsers(parser, parser.parse_args(["worker"]))[-1]._option_string_actions
                      if f.startswith("--") and f != "--help")
 
 
@@ -575,11 +652,15 @@ class Parser(argparse.ArgumentParser):
                 message = f"a command is required: {', '.join(sub.choices)}"
         raise UsageError(f"{message} (see `{self.prog} --help`)", prog=self.prog)
 
-    def reject_extras(self, extras: list[str]) -> NoReturn:
-        """Refuse arguments no parser took, naming the nearest flag of this (sub)command."""
+    def reject_extras(self, extras: list[str], parents: list[argparse.ArgumentParser]) -> NoReturn:
+        """Refuse arguments no parser took, naming the nearest flag of this (sub)command, or the command before
+        it that a flag belongs to (``fleetllm keys --file F create``)."""
         flag = next((e.split("=", 1)[0] for e in extras if e.startswith("--")), None)
-        self.error(f"unrecognized arguments: {' '.join(extras)}"
-                   + (did_you_mean(flag, self._option_string_actions) if flag else ""))
+        owner = next((p for p in reversed(parents) if flag in p._option_string_actions), None)
+        hint = did_you_mean(flag, self._option_string_actions) if flag else ""
+        if owner is not None:
+            hint = f"; {flag} is a flag of `{owner.prog}`: give it before `{self.prog.removeprefix(owner.prog).strip()}`"
+        self.error(f"unrecognized arguments: {' '.join(extras)}{hint}")
 
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
@@ -612,24 +693,27 @@ def main(argv: list[str] | None = None) -> int:
     prog = parser.prog
     try:
         args, extras = parser.parse_known_args(argv)
-        leaf = command_parser(parser, args)
+        chain = command_parsers(parser, args)
         if extras:
-            leaf.reject_extras(extras)
-        prog = leaf.prog
+            chain[-1].reject_extras(extras, chain[:-1])
+        prog = chain[-1].prog
         return args.func(args) or 0
     except (UsageError, StoreError) as e:  # a user's mistake, or a model source that refused: one line, exit 2
         print(f"{getattr(e, 'prog', None) or prog}: error: {one_line(str(e))}", file=sys.stderr)
         return 2
 
 
-def command_parser(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Parser:
-    """The parser of the (sub)command ``args`` was parsed for: ``fleetllm models pull``'s for that command."""
+def command_parsers(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[Parser]:
+    """The parsers from ``parser`` down to the (sub)command ``args`` was parsed for: ``fleetllm``, ``fleetllm
+    models``, ``fleetllm models pull`` for that command."""
+    chain = [parser]
     while True:
         sub = next((a for a in parser._actions if isinstance(a, argparse._SubParsersAction)), None)
         name = getattr(args, sub.dest, None) if sub else None
         if name not in (sub.choices if sub else {}):
-            return parser  # type: ignore[return-value]  # built by Parser, as every subparser
+            return chain  # type: ignore[return-value]  # built by Parser, as every subparser
         parser = sub.choices[name]
+        chain.append(parser)
 
 
 if __name__ == "__main__":

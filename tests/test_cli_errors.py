@@ -37,10 +37,15 @@ CASES: list[tuple[list[str], str]] = [
     (["worker", "--cpus", "0-x"], "--cpus"),
     (["worker", "--simulate", "--count", "0"], "--count"),
     (["worker", "--simulate", "--profile", "{tmp}/none.json"], "no such file"),
+    (["worker", "--max-model-len", "-5"], "positive"),
+    (["worker", "--speculative", "method=suffix,kk=4"], "unknown --speculative keys"),
+    (["worker", "--simulate", "--kv-events-config", "tcp://*:5557"], "a JSON object"),
     # router
     (["router", "--tls-keyfile", "{tmp}/cert.pem"], "--tls-certfile"),
     (["router", "--profile", "{tmp}/none.json"], "no such file"),
     (["router", "--policy", "fastest"], "invalid choice"),
+    (["router", "--traffic", "chat=stable"], "VARIANT:WEIGHT"),
+    (["router", "--workers", "vllmm+http://127.0.0.1:1"], "unknown engine kind"),
     # serve
     (["serve", "--config", "{tmp}/none.yaml"], "no such file"),
     (["serve", "--config", "{tmp}/top.yaml"], "unknown key `workers`"),
@@ -49,6 +54,7 @@ CASES: list[tuple[list[str], str]] = [
     (["serve", "--config", "{tmp}/replicas.yaml"], "min <= initial <= max"),
     (["serve", "--config", "{tmp}/broken.yaml"], "broken.yaml:3:1: not valid YAML"),
     (["serve", "--config", "{tmp}/list.yaml"], "`models[0]` must be a mapping"),
+    (["serve", "--config", "{tmp}/source.yaml"], "models[0].source: model '/nowhere/m.gguf' not found"),
     (["serve", "--config", "{tmp}/top.yaml", "--simulate"], "--simulate"),
     (["serve", "--prefill", "1"], "--decode"),
     (["serve", "--replicas", "0"], "1 or more"),
@@ -56,10 +62,12 @@ CASES: list[tuple[list[str], str]] = [
     # calibrate, generate, spec
     (["calibrate"], "--output"),
     (["calibrate", "--model", "{tmp}/none.gguf", "--output", "{tmp}/p.json"], "not found"),
+    (["calibrate", "--output", "{tmp}/cert.pem/p.json"], "cannot create"),
     (["generate"], "prompt"),
     (["generate", "hello", "--model", "{tmp}/none.gguf"], "not found"),
     (["generate", "hello", "--model", "s3://"], "s3://bucket/prefix"),
     (["generate", "hello", "--temperature", "warm"], "invalid float value"),
+    (["generate", "hello", "--max-tokens", "0"], "--max-tokens"),
     (["spec", "train"], "--method"),
     (["spec", "train", "--method", "medusa"], "invalid choice"),
     (["spec", "train", "--method", "eagle", "--target", "{tmp}/none"], "not found"),
@@ -70,6 +78,7 @@ CASES: list[tuple[list[str], str]] = [
     (["keys", "--file", "{tmp}", "ls"], "cannot be read"),
     (["keys", "--file", "{tmp}/top.yaml", "ls"], "not a keys file"),
     (["keys", "create", "--rpm-limit", "many"], "invalid int value"),
+    (["keys", "create", "--file", "{tmp}/keys.yaml"], "give it before `create`"),
     # capture
     (["capture", "ls", "{tmp}/no-captures"], "no such"),
     (["capture", "show", "{tmp}", "--since", "yesterday"], "--since"),
@@ -85,6 +94,7 @@ CASES: list[tuple[list[str], str]] = [
      "S3 unreachable"),
     (["models", "rm", "hf://org/name", "--cache-dir", "{tmp}/cache"], "nothing cached"),
     (["models", "verify", "smollm2-135m", "--cache-dir", "{tmp}/cache"], "not a store URI"),
+    (["models", "verify", "hf://org/name", "--cache-dir", "{tmp}/cache"], "nothing cached"),
     (["models", "prune"], "invalid choice"),
     # recommend
     (["recommend"], "--traffic"),
@@ -96,6 +106,7 @@ CASES: list[tuple[list[str], str]] = [
     (["recommend", "--traffic", "5", "--workload", "bursty"], "unknown workload"),
     (["recommend", "--traffic", "5", "--workload", "isl=512"], "isl=MEAN"),
     (["recommend", "--traffic", "5", "--objective", "speed"], "invalid choice"),
+    (["recommend", "--traffic", "5", "--out", "{tmp}/cert.pem/out"], "cannot create"),
     # fleet
     (["fleet", "restart", "--run-dir", "{tmp}"], "no fleetllm serve running"),
     (["fleet", "restart", "--port", "1", "--run-dir", "{tmp}"], "port 1"),
@@ -124,7 +135,8 @@ def bad_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     tmp = tmp_path_factory.mktemp("bad-inputs")
     for name, text in (("top.yaml", FLEET_BAD_TOP), ("model.yaml", FLEET_BAD_MODEL), ("engine.yaml", FLEET_BAD_ENGINE),
                        ("replicas.yaml", FLEET_BAD_REPLICAS), ("broken.yaml", "models: [\n  {source: x\n"),
-                       ("list.yaml", "models: [smollm2-135m]\n"), ("cert.pem", "not checked before its key is given\n"),
+                       ("list.yaml", "models: [smollm2-135m]\n"),
+                       ("source.yaml", "models: [{source: /nowhere/m.gguf}]\n"), ("cert.pem", "not checked before its key is given\n"),
                        ("keys.yaml", "keys: []\n"),
                        ("a.json", "{}")):
         (tmp / name).write_text(text)

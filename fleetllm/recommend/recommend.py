@@ -83,6 +83,10 @@ def check_inputs(cfg: RecommendConfig) -> None:
         raise UsageError("--traffic and --users are positive")
     if cfg.calibration:
         existing_file(cfg.calibration, "--calibration")
+    try:
+        Path(cfg.out).mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UsageError(f"--out {cfg.out}: cannot create it ({e.strerror})") from None
 
 
 def run_recommend(cfg: RecommendConfig, console: Console | None = None) -> dict[str, Any]:

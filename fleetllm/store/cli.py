@@ -58,22 +58,23 @@ def cmd_ls(args: argparse.Namespace) -> None:
         print(f"{m.uri}  {m.size() / 1e6:.1f} MB  {len(m.files)} files  last used {used}  {state}  {rev.files}")
 
 
-def _matching(args: argparse.Namespace):  # -> list[(Revision, Manifest)]
+def _matching(args: argparse.Namespace) -> list[tuple[Revision, Manifest]]:
+    """The cached revisions SOURCE names (every one without SOURCE); none for a SOURCE is a UsageError."""
     from fleetllm.store.uri import ModelURI
 
     revs = _store(args).cache.revisions()
     if not args.source:
         return revs
     uri = ModelURI.parse(args.source)
-    return [(r, m) for r, m in revs if ModelURI.parse(m.uri).key == uri.key
-            and (uri.revision is None or uri.revision == m.commit)]
+    found = [(r, m) for r, m in revs if ModelURI.parse(m.uri).key == uri.key
+             and (uri.revision is None or uri.revision == m.commit)]
+    if not found:
+        raise UsageError(f"nothing cached for {args.source} (`fleetllm models ls` lists what is)")
+    return found
 
 
 def cmd_rm(args: argparse.Namespace) -> int:
-    found = _matching(args)
-    if not found:
-        raise UsageError(f"nothing cached for {args.source} (`fleetllm models ls` lists what is)")
-    for rev, m in found:
+    for rev, m in _matching(args):
         if not rev.unused():
             print(f"{m.uri}: in use by a running worker, kept", file=sys.stderr)
             continue
