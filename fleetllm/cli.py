@@ -659,7 +659,8 @@ class Parser(argparse.ArgumentParser):
         owner = next((p for p in reversed(parents) if flag in p._option_string_actions), None)
         hint = did_you_mean(flag, self._option_string_actions) if flag else ""
         if owner is not None:
-            hint = f"; {flag} is a flag of `{owner.prog}`: give it before `{self.prog.removeprefix(owner.prog).strip()}`"
+            sub = self.prog.removeprefix(owner.prog).strip()
+            hint = f"; {flag} is a flag of `{owner.prog}`: give it before `{sub}`"
         self.error(f"unrecognized arguments: {' '.join(extras)}{hint}")
 
 

@@ -136,7 +136,8 @@ def bad_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     for name, text in (("top.yaml", FLEET_BAD_TOP), ("model.yaml", FLEET_BAD_MODEL), ("engine.yaml", FLEET_BAD_ENGINE),
                        ("replicas.yaml", FLEET_BAD_REPLICAS), ("broken.yaml", "models: [\n  {source: x\n"),
                        ("list.yaml", "models: [smollm2-135m]\n"),
-                       ("source.yaml", "models: [{source: /nowhere/m.gguf}]\n"), ("cert.pem", "not checked before its key is given\n"),
+                       ("source.yaml", "models: [{source: /nowhere/m.gguf}]\n"),
+                       ("cert.pem", "not checked before its key is given\n"),
                        ("keys.yaml", "keys: []\n"),
                        ("a.json", "{}")):
         (tmp / name).write_text(text)

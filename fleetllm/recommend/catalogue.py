@@ -86,10 +86,11 @@ class Catalogue:
         for name in names:
             found = [i.name for i in self.instances if i.name == name or _names_accelerator(name, i.accelerator)]
             if not found:
-                accelerators = ", ".join(dict.fromkeys(i.accelerator for i in self.instances))
+                types, accelerators = [i.name for i in self.instances], list(dict.fromkeys(i.accelerator
+                                                                                           for i in self.instances))
                 raise UsageError(f"--instances {name!r}: no such instance type or accelerator in {self.path}"
-                                 f"{did_you_mean(name, [i.name for i in self.instances])} (instance types: "
-                                 f"{', '.join(i.name for i in self.instances)}; accelerators: {accelerators})")
+                                 f"{did_you_mean(name, types + accelerators)} (instance types: {', '.join(types)}; "
+                                 f"accelerators: {', '.join(accelerators)})")
             chosen += [n for n in found if n not in chosen]
         return chosen
 

@@ -32,7 +32,8 @@ class ModelURI:
 
     @classmethod
     def parse(cls, ref: str) -> ModelURI:
-        """``hf://org/name[/file.gguf][@rev]`` or ``s3://bucket/prefix[/file.gguf][@rev]``; UsageError (a ValueError) otherwise."""
+        """``hf://org/name[/file.gguf][@rev]`` or ``s3://bucket/prefix[/file.gguf][@rev]``; a UsageError (a
+        ValueError) otherwise."""
         scheme, sep, rest = ref.partition("://")
         if not sep or scheme not in SCHEMES:
             raise UsageError(f"{ref!r}: not a store URI (hf://org/name[@revision] or s3://bucket/prefix)")
