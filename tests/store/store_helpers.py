@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 GATED_TOKEN = "hf_TESTtoken-9f2c41d7e0b35a86c1"  # a made-up token of the gated test repo: tests grep for it
 
 
@@ -22,3 +25,14 @@ def greedy(loaded) -> list[int]:  # noqa: ANN001 - a LoadedModel
     return res.outputs[0].token_ids
 
 
+
+
+def rot(path: Path) -> None:
+    """Flip bytes of ``path`` the way a media error does: its inode, size and mtime stay as they were."""
+    st = path.stat()
+    with open(path, "r+b") as f:
+        f.seek(st.st_size // 2)
+        flipped = bytes(b ^ 0xFF for b in f.read(8))
+        f.seek(st.st_size // 2)
+        f.write(flipped)
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))

@@ -6,7 +6,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from pathlib import Path
+
+from store_helpers import rot
 
 import fleetllm.store.cache as cache_module
 from fleetllm.store.store import ModelStore
@@ -54,17 +55,6 @@ def test_a_start_hashes_only_the_cached_files_that_changed(hub, store_cfg, monke
     store.fetch("hf://test/tiny")
     assert hashed == ["config.json"]
     fetched.release()
-
-
-def rot(path: Path) -> None:
-    """Flip bytes of ``path`` the way a media error does: its inode, size and mtime stay as they were."""
-    st = path.stat()
-    with open(path, "r+b") as f:
-        f.seek(100)
-        flipped = bytes(b ^ 0xFF for b in f.read(8))
-        f.seek(100)
-        f.write(flipped)
-    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
 
 
 def test_bytes_changed_behind_the_filesystem_are_quarantined_by_verify_and_fetched_again_by_the_next_start(

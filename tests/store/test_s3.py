@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from store_helpers import greedy
+from store_helpers import greedy, rot
 
 from fleetllm.models.loader import load_model
 from fleetllm.store.config import StoreConfig
@@ -73,3 +73,18 @@ def test_an_interrupted_download_resumes_from_its_part_file(s3_server, bucket, s
     (staging / "model.safetensors.part").write_bytes(body[:5000])  # what a killed pull left
     fetched = store.fetch(f"s3://{BUCKET}/resume")
     assert (fetched.path / "model.safetensors").read_bytes() == body  # the rest appended, MD5 ETag checked
+
+
+def test_verify_repair_fetches_a_rotten_file_again_from_the_bucket(s3_server, bucket, s3_cfg, capsys):
+    from fleetllm.cli import main
+
+    client = s3_server.client("s3")
+    client.put_object(Bucket=BUCKET, Key="rot/config.json", Body=b'{"a": 1}')
+    client.put_object(Bucket=BUCKET, Key="rot/model.safetensors", Body=bytes(range(256)))
+    fetched = ModelStore(s3_cfg).fetch(f"s3://{BUCKET}/rot")
+    rot(fetched.path / "model.safetensors")
+    flags = ["--cache-dir", s3_cfg.cache_dir, "--s3-endpoint-url", s3_cfg.s3_endpoint_url]
+    assert main(["models", "verify", f"s3://{BUCKET}/rot", "--repair", *flags]) == 0
+    assert "model.safetensors: fetched again" in capsys.readouterr().out
+    assert (fetched.path / "model.safetensors").read_bytes() == bytes(range(256))
+    fetched.release()
