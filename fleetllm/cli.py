@@ -229,8 +229,6 @@ def check_worker_args(args: argparse.Namespace) -> None:
     check_json_flag("--kv-events-config", args.kv_events_config)
     if args.count < 1:
         raise UsageError(f"--count {args.count}: a simulated worker count is 1 or more")
-    if args.profile:
-        existing_file(args.profile, "--profile timing profile")
 
 
 # Engine flags that count something: 0 or less is a typo, which the engine would only find after the model loads.
@@ -454,8 +452,6 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
 
 def cmd_spec_train(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
     from fleetllm.models.source import check_ref
 
     check_ref(args.target)
