@@ -116,6 +116,8 @@ CASES: list[tuple[list[str], str]] = [
     (["deploy", "kubernetes"], "--config"),
     (["deploy", "kubernetes", "--config", "{tmp}/none.yaml"], "no such file"),
     (["deploy", "kubernetes", "--config", "{tmp}/model.yaml", "--out", "{tmp}/k8s"], "models[0].enginee"),
+    (["deploy", "kubernetes", "--config", "{tmp}/identity.yaml", "--out", "{tmp}/k8s"],
+     "`models[0].identity.role_arn`; did you mean `aws_role_arn`"),
     (["deploy", "helm"], "invalid choice"),
     # bench
     (["bench"], "--model"),
@@ -137,6 +139,7 @@ def bad_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
                        ("replicas.yaml", FLEET_BAD_REPLICAS), ("broken.yaml", "models: [\n  {source: x\n"),
                        ("list.yaml", "models: [smollm2-135m]\n"),
                        ("source.yaml", "models: [{source: /nowhere/m.gguf}]\n"),
+                       ("identity.yaml", "models: [{source: hf://o/m, identity: {role_arn: x}}]\n"),
                        ("cert.pem", "not checked before its key is given\n"),
                        ("keys.yaml", "keys: []\n"),
                        ("a.json", "{}")):

@@ -15,6 +15,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from fleetllm.errors import UsageError
+
 _ROLE_ARN = re.compile(r"arn:aws[a-z-]*:iam::\d{12}:role/[\w+=,.@/-]+")
 _HOST = re.compile(r"(?=.{1,253}$)(\*\.)?([a-z0-9]([-a-z0-9]*[a-z0-9])?\.)+[a-z]([-a-z0-9]*[a-z0-9])?")
 
@@ -28,9 +30,9 @@ class Identity:
 
     def __post_init__(self) -> None:
         if self.aws_role_arn is None:
-            raise ValueError("identity: aws_role_arn is required (arn:aws:iam::ACCOUNT:role/NAME)")
+            raise UsageError("identity: aws_role_arn is required (arn:aws:iam::ACCOUNT:role/NAME)")
         if not _ROLE_ARN.fullmatch(self.aws_role_arn):
-            raise ValueError(f"identity: {self.aws_role_arn!r} is not an IAM role ARN (arn:aws:iam::ACCOUNT:role/NAME)")
+            raise UsageError(f"identity: {self.aws_role_arn!r} is not an IAM role ARN (arn:aws:iam::ACCOUNT:role/NAME)")
 
     @property
     def annotations(self) -> dict[str, str]:
@@ -49,4 +51,4 @@ class Domain:
 
     def __post_init__(self) -> None:
         if not _HOST.fullmatch(self.host):
-            raise ValueError(f"domain: {self.host!r} is not a DNS name (host: llm.example.com)")
+            raise UsageError(f"domain: {self.host!r} is not a DNS name (host: llm.example.com)")

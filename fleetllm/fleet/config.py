@@ -324,5 +324,5 @@ def _model(d: Any, where: str) -> ModelSpec:
         if isinstance(d.get(key), str):
             d[key] = [d[key]]
     if d.get("identity") is not None:
-        d["identity"] = Identity(**_checked(Identity, d["identity"], "identity"))
+        d["identity"] = Identity(**_checked(Identity, d["identity"], f"{where}.identity"))
     return ModelSpec(**d)

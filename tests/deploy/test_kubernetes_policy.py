@@ -161,7 +161,7 @@ def test_secrets_reach_the_pods_as_files_and_ray_takes_only_its_token(docs: list
 
 @pytest.mark.parametrize("key, value, error", [
     ("identity", {"aws_role_arn": "my-role"}, "is not an IAM role ARN"),
-    ("identity", {"role": "arn:aws:iam::123456789012:role/x"}, "unknown identity keys: role"),
+    ("identity", {"role": "arn:aws:iam::123456789012:role/x"}, "unknown key `identity.role`"),
     ("domain", "not a host", "is not a DNS name"),
 ])
 def test_a_bad_identity_or_domain_is_one_line_naming_it(tmp_path: Path, capsys, key: str, value: Any, error: str):
