@@ -106,16 +106,16 @@ def test_with_the_hub_stopped_a_cached_model_still_starts(hub, hub_repos, model_
         worker.stop()
 
 
-def test_a_gated_repo_without_a_token_fails_naming_the_model(hub, store_cfg, caplog):
+def test_a_gated_repo_without_a_token_fails_naming_the_model(hub, store_cfg, capsys):
     from fleetllm.cli import main
 
-    with caplog.at_level(logging.ERROR, logger="fleetllm"):
-        rc = main(["worker", "--model", "hf://test/tiny-gated", "--cache-dir", store_cfg.cache_dir,
-                   "--hf-endpoint", hub.endpoint])
+    rc = main(["worker", "--model", "hf://test/tiny-gated", "--cache-dir", store_cfg.cache_dir,
+               "--hf-endpoint", hub.endpoint])
     assert rc == 2
-    assert "hf://test/tiny-gated: the hub answered 401: the repository is gated or private and give its token" \
-        in caplog.text
-    assert "Traceback" not in caplog.text
+    err = capsys.readouterr().err
+    assert "fleetllm worker: error: cannot start: model hf://test/tiny-gated: the hub answered 401: the repository " \
+           "is gated or private and give its token" in err
+    assert "Traceback" not in err
 
 
 def test_a_simulated_worker_takes_its_tokenizer_through_the_store_flags(hub, store_cfg):
