@@ -11,7 +11,6 @@ from __future__ import annotations
 import socket
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -150,7 +149,7 @@ def bad_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     return {"tmp": str(tmp), "closed": closed}
 
 
-@pytest.mark.parametrize(("argv", "says"), CASES, ids=[" ".join(a[:3]) or "(none)" for a, _ in CASES])
+@pytest.mark.parametrize(("argv", "says"), CASES, ids=[f"{' '.join(a[:2]) or '(none)'}: {s}" for a, s in CASES])
 def test_a_mistake_is_one_line_on_stderr_and_exit_2(argv, says, bad_files, capsys, monkeypatch):
     monkeypatch.delenv("HF_ENDPOINT", raising=False)
     for name, value in (("AWS_ACCESS_KEY_ID", "testing"), ("AWS_SECRET_ACCESS_KEY", "testing"),
@@ -194,7 +193,7 @@ def test_a_real_bug_keeps_its_traceback(monkeypatch):
 def test_the_fleetllm_process_exits_2_with_one_line():
     """The installed command's own exit status (the process is the point)."""
     done = subprocess.run([sys.executable, "-m", "fleetllm.cli", "recommend", "--instances", "H100"],
-                          capture_output=True, text=True, timeout=60, cwd=Path(__file__).parent)
+                          capture_output=True, text=True, timeout=60)
     assert done.returncode == 2
     assert done.stderr.splitlines() == ["fleetllm recommend: error: the load is missing: give --traffic RATE "
                                         "(requests/s, e.g. --traffic 5) or --users N"]
