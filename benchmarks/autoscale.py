@@ -32,7 +32,7 @@ from pathlib import Path
 
 import httpx
 import yaml
-from common import stop_process, tail
+from common import admin_token, stop_process, tail
 from rich.console import Console
 from rich.table import Table
 
@@ -52,6 +52,7 @@ class Run:
     name: str
     records: list[tuple[float, str, int, float | None]] = field(default_factory=list)  # t, model, status, ttft
     samples: list[Sample] = field(default_factory=list)
+    admin: dict[str, str] = field(default_factory=dict)  # the header that reads /router/state
 
 
 def real_fleet_yaml(port: int) -> dict:
@@ -128,7 +129,7 @@ async def arrivals(client, model, rate, end, run, t0, rng, tasks) -> None:
 async def sample(client: httpx.AsyncClient, run: Run, t0: float) -> None:
     while True:
         try:
-            state = (await client.get("/router/state")).json()
+            state = (await client.get("/router/state", headers=run.admin)).json()
             copies: dict[str, int] = {}
             for w in state["workers"]:
                 if w["healthy"] and not w.get("draining") and w["model"]:
@@ -147,7 +148,7 @@ def serve(cfg: dict, log_dir: Path) -> subprocess.Popen:
     path.write_text(yaml.safe_dump(cfg))
     log = open(log_dir / "serve.log", "wb")  # noqa: SIM115 (closed with the process)
     p = subprocess.Popen([sys.executable, "-m", "fleetllm.cli", "serve", "--config", str(path), "--log-dir",
-                          str(log_dir)], stdout=log, stderr=subprocess.STDOUT)
+                          str(log_dir), *admin_token(log_dir)[0]], stdout=log, stderr=subprocess.STDOUT)
     end = time.monotonic() + 120
     while "fleet ready" not in (log_dir / "serve.log").read_text(errors="replace"):
         if p.poll() is not None or time.monotonic() > end:
@@ -235,7 +236,7 @@ def main() -> int:
     for kind in args.fleets.split(","):
         log_dir = Path(tempfile.mkdtemp(prefix=f"fleetllm-autoscale-{kind}-"))
         proc = serve(fleet_yaml(kind, args.port, args.speed), log_dir)
-        run = Run(kind)
+        run = Run(kind, admin=admin_token(log_dir)[1])
         try:
             console.print(f"[bold]{kind}[/]: {len(steps)} steps of {args.step_s:g}s (logs {log_dir})")
             asyncio.run(drive(f"http://127.0.0.1:{args.port}", steps, args.step_s, run))

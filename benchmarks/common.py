@@ -73,3 +73,14 @@ def free_ports(n: int) -> int:
             for s in socks:
                 s.close()
     raise RuntimeError("no run of free ports")
+
+
+def admin_token(directory: Path) -> tuple[list[str], dict[str, str]]:
+    """An admin token minted into ``directory`` for a router or fleet the benchmark starts: the flags that give
+    it to ``fleetllm router``/``serve``, and the header that reads ``/router/state`` with it."""
+    from fleetllm.router.admin_token import FILE_NAME, admin_headers, mint_token
+
+    path = Path(directory) / FILE_NAME
+    if not path.exists():
+        mint_token(path)
+    return ["--admin-token-file", str(path)], admin_headers(path)

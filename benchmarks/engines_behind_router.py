@@ -21,6 +21,7 @@ import json
 import os
 import statistics
 import sys
+import tempfile
 import time
 from contextlib import ExitStack
 from pathlib import Path
@@ -29,7 +30,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import save_run  # noqa: E402
+from common import admin_token, save_run  # noqa: E402
 from engine_vs_peers import MODEL_ALIAS, find_llama_server, free_port, server  # noqa: E402
 
 from fleetllm.bench.client import ClientConfig, RequestSpec, make_http_client, send_request  # noqa: E402
@@ -100,17 +101,19 @@ def run_policy(binary: Path, policy: str, args: argparse.Namespace) -> dict:
     with ExitStack() as stack:
         specs, extra, urls = engines(stack, binary, args.fleetllm_mode)
         rport = free_port()
+        token_args, admin = admin_token(Path(stack.enter_context(tempfile.TemporaryDirectory())))
         router = stack.enter_context(server([*PY, "router", "--workers", ",".join(specs), "--policy", policy,
-                                             "--port", str(rport), "--health-interval", "0.5", *extra], rport, "router"))
+                                             "--port", str(rport), "--health-interval", "0.5", *token_args, *extra],
+                                            rport, "router"))
         t0 = time.monotonic()
-        while not all(w["model"] for w in httpx.get(router + "/router/state", timeout=5).json()["workers"]):
+        while not all(w["model"] for w in httpx.get(router + "/router/state", headers=admin, timeout=5).json()["workers"]):
             if time.monotonic() - t0 > 60:
                 raise RuntimeError("router never learnt the engines' models")
             time.sleep(0.5)
         start = time.monotonic()
         ttft = asyncio.run(conversations(router, args.sessions, args.turns, args.max_tokens))
         wall = time.monotonic() - start
-        state = httpx.get(router + "/router/state", timeout=5).json()
+        state = httpx.get(router + "/router/state", headers=admin, timeout=5).json()
         metrics = httpx.get(router + "/metrics?federate=0", timeout=5).text
         return {"policy": policy, "ttft": ttft, "wall_s": wall, "cache": cache_share(urls), "state": state,
                 "metrics": metrics}

@@ -48,7 +48,7 @@ import httpx
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import cpu_model, free_ports, stop_process  # noqa: E402
+from common import admin_token, cpu_model, free_ports, stop_process  # noqa: E402
 
 from fleetllm.disagg import frame  # noqa: E402
 from fleetllm.disagg.buffers import FrameBuffers  # noqa: E402
@@ -259,9 +259,9 @@ def sent_via(prefill_url: str) -> dict[str, float]:
     return out
 
 
-def router_ready(url: str) -> None:
+def router_ready(url: str, admin: dict[str, str]) -> None:
     for _ in range(300):
-        s = httpx.get(url + "/router/state", timeout=5).json()
+        s = httpx.get(url + "/router/state", headers=admin, timeout=5).json()
         if all(w["healthy"] and w["events_connected"] for w in s["workers"]):
             return
         time.sleep(0.2)
@@ -293,15 +293,18 @@ def run_layout(name: str, checkout: Path, args: argparse.Namespace, log_dir: Pat
         procs.append(worker(p_port, "prefill", checkout, log_dir, cores[0]))
         r_port = free_ports(1)
         r_url = f"http://127.0.0.1:{r_port}"
+        # a checkout from before the admin token had open admin endpoints and no such flag
+        token, admin = admin_token(log_dir) if "admin_token_file" in (
+            checkout / "fleetllm/router/config.py").read_text() else ([], {})
         procs.append(start(["router", "--port", str(r_port), "--workers", f"{p_url},{d_url}", "--pd-threshold",
-                            "1024", "--log-level", "warning"], r_url, checkout, log_dir / f"router-{name}.log"))
+                            "1024", "--log-level", "warning", *token], r_url, checkout, log_dir / f"router-{name}.log"))
         # the same decode worker behind a router of its own, no P/D: what the router's hop costs a local prefill
         l_port = free_ports(1)
         l_url = f"http://127.0.0.1:{l_port}"
-        procs.append(start(["router", "--port", str(l_port), "--workers", d_url, "--log-level", "warning"], l_url,
-                           checkout, log_dir / f"router-local-{name}.log"))
-        router_ready(r_url)
-        router_ready(l_url)
+        procs.append(start(["router", "--port", str(l_port), "--workers", d_url, "--log-level", "warning", *token],
+                           l_url, checkout, log_dir / f"router-local-{name}.log"))
+        router_ready(r_url, admin)
+        router_ready(l_url, admin)
         res["ttft"][layout] = ttft({"local prefill": d_url, "remote prefill": r_url, "local prefill via router": l_url},
                                    args.tokens, args.ttft_repeats, 7 + len(name) + cores[0])
         if args.control_pairs:  # the same local prefill on both workers: how far two identical workers differ here

@@ -39,7 +39,7 @@ from pathlib import Path
 
 import httpx
 import yaml
-from common import free_ports, save_run, stop_process, tail
+from common import admin_token, free_ports, save_run, stop_process, tail
 
 HUNG_S = 300.0  # a request not ended after this long is a hung client
 SETTLE_S = 60.0  # RSS baselines are taken this long into a process's life (imports, arenas, caches settle)
@@ -201,19 +201,20 @@ def faults(serve: subprocess.Popen, args: argparse.Namespace, run_dir: Path, t0:
         rolling.join()
 
 
-def settle(url: str, timeout_s: float = 60.0) -> dict:
+def settle(url: str, admin: dict[str, str], timeout_s: float = 60.0) -> dict:
     """Once the load stops: wait until no request is in flight at the router and every worker's KV usage is
-    0; return what was seen last."""
+    0 (read from the router's federated /metrics: the workers answer only their fleet); return what was seen
+    last."""
     end = time.monotonic() + timeout_s
     seen: dict = {}
     while time.monotonic() < end:
         try:
-            state = httpx.get(url + "/router/state", timeout=5).json()
+            state = httpx.get(url + "/router/state", headers=admin, timeout=5).json()
             seen = {"router inflight": sum(w.get("inflight", 0) for w in state["workers"])}
+            page = httpx.get(url + "/metrics", timeout=5).text
             for w in state["workers"]:
-                page = httpx.get(w["url"] + "/metrics", timeout=5).text
                 usage = [float(line.rsplit(" ", 1)[1]) for line in page.splitlines()
-                         if line.startswith("vllm:kv_cache_usage_perc")]
+                         if line.startswith("vllm:kv_cache_usage_perc") and f'worker="{w["name"]}"' in line]
                 seen[w["url"]] = usage[0] if usage else None
             if all(v == 0 for v in seen.values()):
                 return seen
@@ -261,7 +262,7 @@ def start_fleet(args: argparse.Namespace, work: Path) -> subprocess.Popen:
     (work / "fleet.yaml").write_text(yaml.safe_dump(fleet_yaml(args.port, args.workers)))
     log = open(work / "serve.log", "wb")  # noqa: SIM115 (closed with the process)
     p = subprocess.Popen([sys.executable, "-m", "fleetllm.cli", "serve", "--config", str(work / "fleet.yaml"),
-                          "--log-dir", str(work), "--run-dir", str(work)], stdout=log, stderr=subprocess.STDOUT,
+                          "--log-dir", str(work), "--run-dir", str(work), *admin_token(work)[0]], stdout=log, stderr=subprocess.STDOUT,
                          env={**os.environ, "PYTHONUNBUFFERED": "1"})
     end = time.monotonic() + 600
     while "fleet ready" not in (work / "serve.log").read_text(errors="replace"):
@@ -301,7 +302,7 @@ def main() -> int:
         asyncio.run(drive(url, args, out))
         stop.set()
         hands.join(600)
-        kv = settle(url)
+        kv = settle(url, admin_token(work)[1])
         out.rss += [(time.monotonic() - t0, k, p, rss(p)) for k, p in fleet_pids(serve.pid).items()]
     finally:
         stop.set()

@@ -31,6 +31,7 @@ from fleetllm.server.body_limit import DEFAULT_MAX_BODY_BYTES
 from fleetllm.server.config import KVEventsOptions, ObservabilityConfig
 from fleetllm.server.header_timeout import DEFAULT_HEADER_TIMEOUT_S
 from fleetllm.server.pinning import PinningOptions, pin_process
+from fleetllm.server.worker_secret import warn_if_open, worker_secret
 from fleetllm.sim.config import SimConfig
 from fleetllm.store.config import StoreConfig
 from fleetllm.store.errors import StoreError
@@ -79,6 +80,9 @@ class WorkerOptions:
     instance_type: str | None = opt(None, "label `instance_type` (default: cpu, or the GPU's name)")
     drain_timeout_s: float = opt(30.0, "on SIGTERM: seconds to let in-flight requests finish (/ready answers "
                                        "503 draining meanwhile) before exiting")
+    api_key: str | None = opt(None, "clients must send `Authorization: Bearer KEY` (probes excepted); a fleet's "
+                                    "workers take their fleet's secret (FLEETLLM_WORKER_SECRET) instead; with "
+                                    "neither, the worker serves anyone")
 
 
 @dataclass
@@ -112,6 +116,9 @@ class ServeOptions:
                                              "(fleetllm worker --cpus); default: the workers share the cores")
     restart: bool = opt(True, "restart worker processes that die")
     log_dir: str | None = opt(None, "where worker and router logs go (default: a temp dir)")
+    admin_token_file: str | None = opt(None, "the router's admin token (Authorization: Bearer, for /admin/* and "
+                                             "/router/state): read from this file, else minted into it (mode "
+                                             "0600); default: admin-token in the log directory")
     host: str | None = opt(None, "router address (default: the config's, else 127.0.0.1)")
     port: int | None = opt(None, "router port (default: the config's, else 8000); workers use the next ones")
     ray: str | None = opt(None, "run every copy as an actor on this Ray cluster (auto or HOST:PORT); the "
@@ -209,7 +216,9 @@ def cmd_worker(args: argparse.Namespace) -> int:
     capture = capture_for(args, "worker-" + worker_identity(args)["worker"], ("worker",), engine.metrics.registry)
     worker = Worker(engine, observability_config(args), role=args.role, capture=capture,
                     max_body_bytes=args.max_body_bytes, tools=from_args(ToolConfig, args),
-                    kv_events=from_args(KVEventsOptions, args), transfer=from_args(TransferOptions, args))
+                    kv_events=from_args(KVEventsOptions, args), transfer=from_args(TransferOptions, args),
+                    api_key=args.api_key)
+    warn_if_open(args.host, worker.secret, args.api_key)
     server = make_server(worker.app, args.host, args.port, args.log_level,
                          on_exit=lambda: setattr(worker, "closing", True),
                          drain=lambda: worker.drain(args.drain_timeout_s), header_timeout_s=args.header_timeout_s,
@@ -283,10 +292,11 @@ def cmd_sim_worker(args: argparse.Namespace) -> int:
                                                      e.metrics.registry)
     if args.kv_events_config:  # vLLM-format KV events: one publisher per simulated worker, ports counted up
         extra["kv_events"] = from_args(KVEventsOptions, args)
+    warn_if_open(args.host, worker_secret(), args.api_key)
     failed = serve_simulated(args.model, args.host, args.port, args.count, cfg, load_profile(args), args.log_level,
                              identities=identities, obs=observability_config(args),
                              drain_timeout_s=args.drain_timeout_s, header_timeout_s=args.header_timeout_s,
-                             store=from_args(StoreConfig, args), tls=tls_files(args), **extra)
+                             store=from_args(StoreConfig, args), tls=tls_files(args), api_key=args.api_key, **extra)
     return 1 if failed else 0
 
 
@@ -348,11 +358,25 @@ def check_router_args(args: argparse.Namespace) -> None:
     check_json_flag("--kv-events-config", args.kv_events_config)
 
 
+def admin_token_file(args: argparse.Namespace) -> None:
+    """``--admin-token-file``: read, or minted (into a new private directory when not given); its path
+    printed for the operator, and set on ``args`` for the router to read."""
+    from fleetllm.router.admin_token import load_or_mint
+
+    try:
+        _, path = load_or_mint(args.admin_token_file)
+    except (OSError, ValueError) as e:
+        raise UsageError(f"--admin-token-file {args.admin_token_file}: {one_line(e)}") from None
+    args.admin_token_file = str(path)
+    print(f"admin token file: {path}", flush=True)
+
+
 def cmd_router(args: argparse.Namespace) -> int:
     from fleetllm.server.uvicorn_runner import run_app
 
     check_router_args(args)
     tls = tls_files(args)  # before anything starts: a missing half is the user's to fix
+    admin_token_file(args)
     router = build_router(args)
     router.capture = capture_for(args, "router", ("endpoint", "access"), router.metrics.registry)
     logging.getLogger("fleetllm").info("router on %s:%d over %d workers, policy %s", args.host, args.port,
@@ -411,6 +435,7 @@ def fleet_config(args: argparse.Namespace):  # -> FleetConfig
     cfg.restart = cfg.restart and args.restart  # on unless the YAML or --no-restart turns it off
     if args.log_dir:
         cfg.log_dir = args.log_dir
+    cfg.admin_token_file = args.admin_token_file or cfg.admin_token_file
     cfg.otlp_endpoint = args.otlp_endpoint or cfg.otlp_endpoint
     if args.ray:
         from fleetllm.fleet.config import RaySettings

@@ -10,8 +10,10 @@ that kill or restart a process.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import itertools
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -28,6 +30,28 @@ from unittest import mock
 import httpx
 import pytest
 import uvicorn
+
+# The admin token of every router the tests start (in-process, `fleetllm router`, `fleetllm serve`): one file for
+# the test process, removed when it exits; ADMIN is what a test sends to /admin/* and /router/state.
+_ADMIN_DIR = tempfile.mkdtemp(prefix="fleetllm-test-admin-")
+atexit.register(shutil.rmtree, _ADMIN_DIR, True)
+ADMIN_TOKEN_FILE = os.path.join(_ADMIN_DIR, "admin-token")
+
+
+def _admin() -> dict[str, str]:
+    from fleetllm.router.admin_token import admin_headers, mint_token
+
+    mint_token(ADMIN_TOKEN_FILE)
+    return admin_headers(ADMIN_TOKEN_FILE)
+
+
+ADMIN = _admin()
+
+
+def with_admin_token(args: list[str]) -> list[str]:
+    """``fleetllm router`` / ``serve`` arguments with the tests' admin token file unless they name one."""
+    return args if "--admin-token-file" in args else [*args, "--admin-token-file", ADMIN_TOKEN_FILE]
+
 
 # Workers in tests get a quarter GiB of KV cache (5.8k tokens) unless their flags size it: the default GiB is
 # zeroed page by page at every start, which on a busy machine costs more than the tests' requests.
@@ -108,6 +132,8 @@ class Proc:
 def start_cli(args: list[str], urls: list[str], timeout: float = 120.0, ready: tuple[int, ...] = (200,)) -> Proc:
     """Run ``fleetllm ARGS``; return once each of ``urls`` answers /health with a status in ``ready``."""
     fd, name = tempfile.mkstemp(prefix="fleetllm-test-", suffix=".log")
+    if args[0] in ("router", "serve"):
+        args = with_admin_token(args)
     popen = subprocess.Popen([sys.executable, "-m", "fleetllm.cli", *args], stdout=fd, stderr=subprocess.STDOUT,
                              env={**os.environ, "PYTHONUNBUFFERED": "1"})
     os.close(fd)
@@ -188,7 +214,8 @@ def router(workers: list[str], policy: str = "kv_aware", *extra: str) -> ThreadS
 
     port = free_port()
     args = build_parser().parse_args(["router", "--workers", ",".join(workers), "--policy", policy, "--host",
-                                      "127.0.0.1", "--port", str(port), "--health-interval", "0.5", *extra])
+                                      "127.0.0.1", "--port", str(port), "--health-interval", "0.5",
+                                      *with_admin_token(list(extra))])
     assert not args.otlp_endpoint, "an in-process router pushes no OTLP: start `fleetllm router` for that"
     r = Router(router_config(args))
     return ThreadServers([r.app], port, on_exit=lambda: setattr(r, "closing", True), startup_timeout=30).start()
@@ -197,7 +224,7 @@ def router(workers: list[str], policy: str = "kv_aware", *extra: str) -> ThreadS
 def wait_state(router_url: str, ok: Callable[[dict], bool], deadline_s: float = 20.0) -> dict:
     end = time.monotonic() + deadline_s
     while True:
-        state = httpx.get(router_url + "/router/state", timeout=5).json()
+        state = httpx.get(router_url + "/router/state", headers=ADMIN, timeout=5).json()
         if ok(state):
             return state
         if time.monotonic() > end:

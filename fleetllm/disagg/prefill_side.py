@@ -48,7 +48,6 @@ from fleetllm.disagg.routes import SHM_DIR, LazyMetrics, TransferMetrics
 from fleetllm.engine.outputs import RequestOutput
 from fleetllm.engine.params import SamplingParams
 from fleetllm.server.protocol import APIError
-from fleetllm.server.worker_secret import worker_secret
 
 if TYPE_CHECKING:
     import httpx
@@ -100,8 +99,8 @@ class PrefillEndpoints:
         """Compute the prompt's KV into the decode worker's pool (same host, pool shared) or a frame shipped to
         it, and its first token; answer what was shipped."""
         req = await self.worker.request_body(request)
-        path, body, decode_url = req.get("path", ""), req.get("body"), req.get("decode_url")
-        if not isinstance(body, dict) or not isinstance(decode_url, str):
+        path, body, decode_url = req.get("path", ""), req.get("body"), peer_url(req.get("decode_url"))
+        if not isinstance(body, dict):
             raise APIError(400, "give body (the request) and decode_url")
         job = await self._job(path, body, req.get("request_id"), transfer_id(req.get("transfer_id")))
         via, timeout = req.get("transfer") or "http", float(req.get("timeout_s") or 60.0)
@@ -325,7 +324,7 @@ class PrefillEndpoints:
         if self._http is None:
             import httpx  # only a prefill worker sends; httpx (with its CLI's rich/click) stays out of every start
 
-            secret = worker_secret()  # a fleet with keys: the decode worker takes requests from its fleet only
+            secret = self.worker.secret  # the decode worker takes requests from its fleet only
             self._http = httpx.AsyncClient(headers={"authorization": f"Bearer {secret}"} if secret else None,
                                            limits=httpx.Limits(max_keepalive_connections=8))
         return self._http
@@ -376,6 +375,23 @@ async def _cancel(task: asyncio.Future[Any] | None) -> None:
     await asyncio.wait({task})
     if not task.cancelled():
         task.exception()  # retrieved: asyncio does not log it as lost
+
+
+def peer_url(value: Any) -> str:
+    """A decode worker's base URL as the router names its workers: ``http(s)://host[:port]`` and nothing else
+    (no path, query or user), so that only the ``/pd/*`` endpoints below it are ever called; 400 otherwise.
+    Who may name one at all is settled before: ``/pd/*`` takes the fleet's secret only."""
+    from urllib.parse import urlsplit
+
+    try:
+        u = urlsplit(value) if isinstance(value, str) else None
+        _ = u.port if u is not None else None  # a port out of range raises
+    except ValueError:
+        u = None
+    if (u is None or u.scheme not in ("http", "https") or not u.hostname or u.path not in ("", "/") or u.query
+            or u.fragment or u.username or u.password):
+        raise APIError(400, "decode_url must be a worker's base URL: http(s)://host[:port]", "decode_url")
+    return value.rstrip("/")
 
 
 def first_of(out: RequestOutput) -> dict[str, Any]:

@@ -51,10 +51,22 @@ class TransferMetrics:
                                        registry=r)
 
 
+CONTROL_BODY_BYTES = 64 * 2**10  # a commit, release, first token (its sampler state included) or abandon
+
+
 def frame_body_cap(engine: LLMEngine) -> int:
     """The largest KV frame worth reading (``POST /pd/kv``): the whole KV pool in fp32, its header included."""
     cfg, tokens = engine.loaded.config, engine.pool.num_blocks * engine.pool.block_size
     return tokens * (2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 4 + 8) + engine.pool.num_blocks * 24
+
+
+def pd_body_caps(engine: LLMEngine, max_body_bytes: int) -> dict[str, int]:
+    """Each ``/pd/*`` route's largest body: a frame (``/pd/kv``) the pool's size; a reservation its header (a
+    token id and a share of a block hash per token of the longest prompt); the other control messages
+    small; ``/pd/prefill`` carries a client's request (``max_body_bytes``)."""
+    caps = dict.fromkeys(("/pd/commit", "/pd/release", "/pd/first", "/pd/abandon"), CONTROL_BODY_BYTES)
+    return {**caps, "/pd/kv": max_body_bytes + frame_body_cap(engine),
+            "/pd/reserve": CONTROL_BODY_BYTES + 16 * engine.max_model_len}
 
 
 class LazyMetrics:

@@ -182,6 +182,7 @@ class FleetConfig:
     router_args: list[str] = field(default_factory=list)
     restart: bool = True  # restart worker processes that die (a dead engine exits non-zero)
     keys_file: str | None = None  # API keys on: the router admits only keys of this file (fleetllm keys)
+    admin_token_file: str | None = None  # the router's admin token (default: admin-token in log_dir), read or minted
     pd_threshold: int | str | None = None  # router: disaggregate above this many uncached prompt tokens (default
     # 4096), or "auto": when the router expects the P/D path to delay requests less (fleetllm/disagg/pd_auto.py)
     log_dir: str | None = None

@@ -36,15 +36,15 @@ log = logging.getLogger(__name__)
 class RouterAdmin:
     """The router's admin endpoints, as the controller uses them."""
 
-    def __init__(self, url: str, admin_key: str | None = None) -> None:
-        headers = {"authorization": f"Bearer {admin_key}"} if admin_key else {}
+    def __init__(self, url: str, admin_token: str | None = None) -> None:
+        headers = {"authorization": f"Bearer {admin_token}"} if admin_token else {}
         self.client = httpx.Client(base_url=url, headers=headers, timeout=10.0)
 
     def state(self) -> dict[str, Any]:
         return self.client.get("/router/state").raise_for_status().json()
 
     def add_worker(self, url: str, zone: str, role: str, model: str, variant: str = "") -> None:
-        self.client.post("/admin/workers", json={"url": url, "zone": zone, "role": role, "model": model,
+        self.client.post("/admin/workers", json={"url": "fleetllm+" + url, "zone": zone, "role": role, "model": model,
                                                  "variant": variant}).raise_for_status()
 
     def drain_worker(self, url: str) -> None:
@@ -108,7 +108,7 @@ class FleetController:
         pages = {}
         for u in urls:
             try:
-                r = httpx.get(u + "/metrics", timeout=2.0)
+                r = httpx.get(u + "/metrics", headers=self.fleet.worker_headers, timeout=2.0)
                 if r.status_code == 200:
                     pages[u] = r.text
             except httpx.HTTPError:

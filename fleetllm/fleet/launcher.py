@@ -36,8 +36,11 @@ from fleetllm.fleet import runfile
 from fleetllm.fleet.config import FleetConfig, ModelSpec
 from fleetllm.fleet.placement import Copy, Placer, place
 from fleetllm.fleet.router_args import model_router_args
+from fleetllm.router.admin_token import FILE_NAME as ADMIN_TOKEN_FILE
+from fleetllm.router.admin_token import load_or_mint
 from fleetllm.server.pinning import format_cpus
 from fleetllm.server.worker_secret import ENV as SECRET_ENV
+from fleetllm.server.worker_secret import worker_secret
 from fleetllm.store.pin import pin, token_envs
 
 log = logging.getLogger(__name__)
@@ -94,9 +97,13 @@ class Fleet:
         self._next_port = cfg.worker_port or cfg.port + 1
         self._otlp = ["--otlp-endpoint", cfg.otlp_endpoint] if cfg.otlp_endpoint else []
         self._capture = to_argv(cfg.capture)  # the --capture-* flags of the router and every real worker
-        # with keys on, workers must take requests from the router only (fleetllm/server/worker_secret.py)
-        self.secret = secrets.token_urlsafe(32) if cfg.keys_file else None
-        self._env = {SECRET_ENV: self.secret} if self.secret else {}
+        # workers take requests from their fleet only (fleetllm/server/worker_secret.py); the secret lives in
+        # the processes' environment, never in a file or on a command line
+        self.secret = worker_secret() or secrets.token_urlsafe(32)  # a platform's (Kubernetes: a Secret), else new
+        self._env = {SECRET_ENV: self.secret}
+        # the admin credential (fleetllm/router/admin_token.py), distinct from the secret: the controller's and
+        # the operator's, in a 0600 file
+        self.admin_token, self.admin_token_file = load_or_mint(cfg.admin_token_file or self.log_dir / ADMIN_TOKEN_FILE)
         # hf:// and s3:// sources resolve once, now: every copy and the router's tokenizer get the same commit
         pinned = {id(m): pin(m.source, m.engine) for m in cfg.models}
         self._sources = {k: source for k, (source, _) in pinned.items()}
@@ -106,6 +113,11 @@ class Fleet:
     @property
     def url(self) -> str:
         return f"http://{self.cfg.host}:{self.cfg.port}"
+
+    @property
+    def worker_headers(self) -> dict[str, str]:
+        """What the fleet's own workers take a request with (reading their /metrics, say)."""
+        return {"authorization": f"Bearer {self.secret}"}
 
     @property
     def worker_urls(self) -> list[str]:
@@ -186,7 +198,8 @@ class Fleet:
 
     def _worker_list_args(self) -> list[str]:
         """The router's worker list: every copy's URL and labels (a Ray fleet's router discovers its own)."""
-        args = ["--workers", ",".join(self.worker_urls)]
+        own = ["fleetllm+" + u for p in self.workers for u in p.urls]  # shown the secret from the first request
+        args = ["--workers", ",".join(own + list(self.cfg.external))]
         if self.worker_urls:
             args += ["--worker-models", ",".join(self.models)]
         if any(self.variants):
@@ -206,7 +219,7 @@ class Fleet:
             args += ["--pd-threshold", str(cfg.pd_threshold)]
         if cfg.keys_file:
             args += ["--keys-file", cfg.keys_file]
-        return args + cfg.router_args
+        return args + ["--admin-token-file", str(self.admin_token_file)] + cfg.router_args
 
     # ---- copies added and removed while the fleet runs (the autoscaler's hands) ---------------------
     def add_copy(self, m: ModelSpec) -> Proc:
@@ -263,7 +276,7 @@ class Fleet:
         n = len(self.worker_urls)
         while time.monotonic() < deadline:
             try:
-                auth = {"authorization": f"Bearer {self.secret}"} if self.secret else {}
+                auth = {"authorization": f"Bearer {self.admin_token}"}
                 state = httpx.get(self.url + "/router/state", headers=auth, timeout=2).json()
                 if sum(w["healthy"] for w in state["workers"]) == n:
                     return
@@ -356,12 +369,16 @@ def _terminate(procs: list[Proc], grace_s: float) -> None:
 def run_fleet(cfg: FleetConfig, state_file: Path | None = None) -> int:
     """``fleetllm serve``: start the fleet, serve until SIGINT/SIGTERM, stop it cleanly. Once ready it
     leaves ``state_file`` (:mod:`fleetllm.fleet.runfile`) for ``fleetllm fleet restart`` and removes it on exit."""
-    if cfg.ray is not None:
-        from fleetllm.fleet.ray_launcher import RayFleet
+    try:
+        if cfg.ray is not None:
+            from fleetllm.fleet.ray_launcher import RayFleet
 
-        fleet: Fleet = RayFleet(cfg)
-    else:
-        fleet = Fleet(cfg)
+            fleet: Fleet = RayFleet(cfg)
+        else:
+            fleet = Fleet(cfg)
+    except OSError as e:  # the log directory or the admin token file cannot be made or read
+        print(f"fleetllm serve: {e}", file=sys.stderr)
+        return 2
     stop = {"now": False, "restart": False}
 
     def on_signal(sig: int, frame: object) -> None:
@@ -379,6 +396,7 @@ def run_fleet(cfg: FleetConfig, state_file: Path | None = None) -> int:
     signal.signal(signal.SIGHUP, on_hup)
     n = cfg.num_workers
     print(f"starting {n} worker(s) and the router (logs in {fleet.log_dir}) ...", flush=True)
+    print(f"admin token file: {fleet.admin_token_file}", flush=True)
     t0 = time.monotonic()
     try:
         fleet.start()
@@ -391,7 +409,7 @@ def run_fleet(cfg: FleetConfig, state_file: Path | None = None) -> int:
     if any(m.autoscaled for m in cfg.models):
         from fleetllm.fleet.controller import FleetController, RouterAdmin
 
-        tick = FleetController(fleet, RouterAdmin(fleet.url, fleet.secret)).tick
+        tick = FleetController(fleet, RouterAdmin(fleet.url, fleet.admin_token)).tick
     state = runfile.RunState(os.getpid(), fleet.url, str(fleet.log_dir))
 
     def rolled(error: str) -> None:

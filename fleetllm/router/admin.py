@@ -4,8 +4,8 @@
 passes); ``POST /admin/workers/drain`` ``{url}`` stops new requests to it (in-flight ones finish);
 ``POST /admin/workers/remove`` ``{url}`` forgets it; ``POST /admin/autoscaler`` records a decision
 (exported as ``fleetllm_autoscaler_*``); ``POST /admin/traffic`` ``{model, weights: {variant: weight}}``
-shifts a split model's traffic (promote or roll back a canary); ``GET /admin/usage`` is the per-key usage. All need the fleet's
-secret or an admin key when the fleet has either (:meth:`Router.require_admin`).
+shifts a split model's traffic (promote or roll back a canary); ``GET /admin/usage`` is the per-key usage. All need
+the admin token or an admin key, checked before the body is read (:mod:`fleetllm.router.guard`).
 """
 
 from __future__ import annotations
@@ -29,7 +29,6 @@ log = logging.getLogger(__name__)
 
 def admin_routes(router: Router) -> list[Route]:
     async def body(request: Request) -> dict[str, Any]:
-        router.require_admin(request)
         d = json_object(await request.body())
         if request.url.path.startswith("/admin/workers") and not isinstance(d.get("url"), str):
             raise APIError(400, "`url` (a worker's base URL) is required", "url")
@@ -76,7 +75,6 @@ def admin_routes(router: Router) -> list[Route]:
         return JSONResponse({"model": model, "weights": router.traffic.splits[model]})
 
     async def usage(request: Request) -> Response:
-        router.require_admin(request)
         gate = router.gate
         if gate is None:
             return JSONResponse({"keys": []})

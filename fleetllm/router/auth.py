@@ -2,7 +2,7 @@
 
 Off unless the router has a keys file. With it: ``/v1/*`` needs ``Authorization: Bearer <key>`` (401
 without a live key, 403 for a model the key may not use, 429 with ``Retry-After`` past a limit), and
-``/metrics``, ``/router/state`` and ``/admin/*`` need a key marked ``admin``. Usage (requests, prompt and
+a key marked ``admin`` opens ``/router/state`` and ``/admin/*`` as the admin token does. Usage (requests, prompt and
 output tokens) is metered per key id. The key itself is never logged, counted or forwarded: the router
 presents its own worker secret upstream instead.
 """
@@ -73,10 +73,3 @@ class KeyGate:
         u.completion_tokens += completion_tokens
         self.tokens.labels(key=rec.id, kind="prompt").inc(prompt_tokens)
         self.tokens.labels(key=rec.id, kind="completion").inc(completion_tokens)
-
-    def require_admin(self, authorization: str | None) -> None:
-        rec = self.authenticate(authorization)
-        if rec is None:
-            raise APIError(401, "a valid admin API key is required: send `Authorization: Bearer <key>`")
-        if not rec.admin:
-            raise APIError(403, f"key {rec.id} is not an admin key")

@@ -69,6 +69,10 @@ class RouterConfig:
     responses_store: int = opt(4096, "Responses API turns remembered (previous_response_id -> the worker "
                                      "holding it, and the turn's items to re-send if it is gone)")
     keys_file: str | None = opt(None, "API keys file (fleetllm keys): only its keys may call /v1/*")
+    admin_token_file: str | None = opt(None, "the admin token (Authorization: Bearer, for /admin/* and "
+                                             "/router/state): read from this file, minted into it (mode 0600) "
+                                             "when it does not exist; default: minted into a new private "
+                                             "directory, its path printed")
     worker_ca_file: str | None = opt(None, "CA bundle (PEM) that signed the workers' certificates: https:// worker "
                                            "URLs are verified against it (default: the system's CAs)")
     kv_events_config: str | None = opt(None, "the vLLM workers' --kv-events-config JSON: the router subscribes to "

@@ -125,17 +125,18 @@ class TokenCount:
         return True
 
 
-def upstream_headers(client_headers: Mapping[str, str], rid: str, secret: str | None = None) -> dict[str, str]:
+def upstream_headers(client_headers: Mapping[str, str], rid: str, pass_credentials: bool = True) -> dict[str, str]:
     """The client's headers a worker needs, plus the ids that tie their logs together: the router's own
     ``rid`` as ``x-fleetllm-request-id`` and the client's ``x-request-id`` (``rid`` when it sent none).
 
-    With a worker secret the router presents it instead of the client's credentials, which never leave
-    the router."""
+    The client's ``Authorization`` passes only when ``pass_credentials`` (a router with neither keys nor a
+    worker secret: a plain proxy); otherwise it never leaves the router, which presents its own secret
+    (:mod:`fleetllm.router.worker_auth`)."""
     headers = {k: v for k, v in client_headers.items() if k.lower() in _FORWARD_HEADERS}
     headers["x-request-id"] = client_headers.get("x-request-id") or rid
     headers[FLEET_ID_HEADER] = rid
-    if secret:
-        headers["authorization"] = f"Bearer {secret}"
+    if not pass_credentials:
+        headers.pop("authorization", None)
     return headers
 
 

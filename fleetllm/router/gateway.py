@@ -33,11 +33,13 @@ from fleetllm.disagg.router_path import RemotePrefill
 from fleetllm.observability.dashboard import dashboard_routes
 from fleetllm.observability.federate import fleet_metrics
 from fleetllm.router.admin import admin_routes
+from fleetllm.router.admin_token import read_token
 from fleetllm.router.auth import KeyGate
 from fleetllm.router.backends import parse_worker
 from fleetllm.router.backends.setup import EngineSetup
 from fleetllm.router.config import RouterConfig
 from fleetllm.router.forward import Forward, Forwarder, error_response, upstream_headers
+from fleetllm.router.guard import ADMIN_BODY_BYTES, ADMIN_PATHS, RouterGuard
 from fleetllm.router.hold import ColdStartHold
 from fleetllm.router.index import PrefixIndex
 from fleetllm.router.keys import KeyLimiter, KeyRecord, KeyStore
@@ -50,11 +52,12 @@ from fleetllm.router.tokens import PromptTokenizer, block_hashes
 from fleetllm.router.traffic import TrafficSplit, parse_weights
 from fleetllm.router.transport import PerHostTransport
 from fleetllm.router.upstream import Breaker, WorkerMonitor, WorkerState
+from fleetllm.router.worker_auth import UNKNOWN, Origin, WorkerAuth, origin
 from fleetllm.server.anthropic_errors import reshape
 from fleetllm.server.body_limit import DEFAULT_MAX_BODY_BYTES, BodyLimit
 from fleetllm.server.openapi import openapi_schema
 from fleetllm.server.protocol import APIError, json_object
-from fleetllm.server.worker_secret import worker_secret
+from fleetllm.server.worker_secret import matches, worker_secret
 
 
 class Router:
@@ -66,6 +69,7 @@ class Router:
         self.capture = capture  # the endpoint and access tiers (fleetllm/capture/)
         self.metrics = RouterMetrics()
         self.workers: list[WorkerState] = []
+        self._at: dict[Origin, WorkerState] = {}  # who listens where: the secret goes to fleetllm workers only
         self.engines = EngineSetup(cfg)  # other engines' kinds, vLLM block hashes and KV-event sources
         for i, spec in enumerate(cfg.workers):
             self._add_state(spec, _at(cfg.zones, i, ""), _at(cfg.roles, i, "both"), _at(cfg.models, i, "") or None,
@@ -84,7 +88,9 @@ class Router:
         self.traffic = TrafficSplit({m: parse_weights(spec) for m, spec in cfg.traffic.items()})
         self.sessions = ResponseSessions(cfg.responses_store)  # previous_response_id -> worker
         self.hold = ColdStartHold(cfg.hold_max_waiting, cfg.hold_timeout_s)
-        self.secret = worker_secret()  # presented to workers; also opens the admin endpoints to the fleet
+        self.secret = worker_secret()  # presented to fleetllm workers (fleetllm/router/worker_auth.py)
+        # the admin credential (fleetllm/router/admin_token.py): none configured, only admin keys open admin routes
+        self.admin_token = read_token(cfg.admin_token_file) if cfg.admin_token_file else None
         self.gate = KeyGate(KeyStore(cfg.keys_file), KeyLimiter(), self.metrics.registry) if cfg.keys_file else None
         # these four live while the app runs (they share the HTTP client its lifespan opens)
         self.client: httpx.AsyncClient | None = None
@@ -118,7 +124,9 @@ class Router:
             exception_handlers={APIError: lambda r, e: JSONResponse(e.body(), status_code=e.status, headers=e.headers),
                                 404: self._not_found, 405: self._not_found},
         )
-        self.app = BodyLimit(self.app, max_body_bytes)
+        admin_caps = {r.path: ADMIN_BODY_BYTES for r in self.app.routes if r.path.startswith("/admin/")}
+        self.app = BodyLimit(self.app, max_body_bytes, {**admin_caps, **dict.fromkeys(ADMIN_PATHS, ADMIN_BODY_BYTES)})
+        self.app = RouterGuard(self.app, self)  # credentials first, before any body is read
 
     def _add_state(self, spec: str, zone: str, role: str, model: str | None, variant: str = "") -> WorkerState:
         kind, url = parse_worker(spec)
@@ -126,6 +134,7 @@ class Router:
                         breaker=Breaker(self.cfg.breaker_threshold, self.cfg.breaker_cooldown_s))
         self.engines.configure(w)
         self.workers.append(w)
+        self._at[origin(w.url)] = w
         self.metrics.healthy.labels(worker=w.name, zone=w.zone).set(0)
         self.metrics.breaker_open.labels(worker=w.name).set(0)
         return w
@@ -151,31 +160,51 @@ class Router:
     async def remove_worker(self, url: str) -> None:
         w = self.worker(url)
         self.workers.remove(w)
+        self._at.pop(origin(w.url), None)
         if self.monitor is not None:
             await self.monitor.unwatch(w)
         self.index.drop(w.name)
         self.metrics.healthy.labels(worker=w.name, zone=w.zone).set(0)
 
-    def require_admin(self, request: Request) -> None:
-        """Admin endpoints, /metrics and /router/state: open without keys; else an admin key or the fleet secret."""
-        auth = request.headers.get("authorization")
-        if self.secret and auth == f"Bearer {self.secret}":
+    # ---- credentials: checked by RouterGuard from the headers, before a body is read --------------------
+    def require_admin(self, authorization: str | None) -> None:
+        """``/admin/*`` and ``/router/state``: the admin token or an admin key; any other valid credential
+        (a client key, the workers' secret) is a 403, none a 401."""
+        given = (KeyGate.bearer(authorization) or "").encode()
+        if matches(given, self.admin_token.encode() if self.admin_token else None):
             return
-        if self.gate is not None:
-            self.gate.require_admin(auth)
-        elif self.secret:
-            raise APIError(401, "this router's admin endpoints need the fleet's secret")
+        rec = self.gate.authenticate(authorization) if self.gate is not None else None
+        if rec is not None and rec.admin:
+            return
+        if rec is not None:
+            raise APIError(403, f"key {rec.id} is not an admin key")
+        if matches(given, self.secret.encode() if self.secret else None):
+            raise APIError(403, "the workers' secret does not open admin endpoints: send the admin token")
+        raise APIError(401, "an admin credential is required: send `Authorization: Bearer <admin token>` (the "
+                            "file `fleetllm serve` prints) or an admin API key")
 
-    def require_key(self, request: Request) -> None:
-        """/v1/models and the tokenizer endpoints: any live key when keys are on (not counted against limits)."""
-        if self.gate is not None and self.gate.authenticate(request.headers.get("authorization")) is None:
+    def require_reader(self, authorization: str | None) -> None:
+        """``/metrics``: open without keys (as a vLLM server's); with keys, an admin credential or the secret."""
+        if self.gate is None:
+            return
+        given = (KeyGate.bearer(authorization) or "").encode()
+        if not matches(given, self.secret.encode() if self.secret else None):
+            self.require_admin(authorization)
+
+    def require_key(self, authorization: str | None) -> None:
+        """The client API: any live key when keys are on (its model and limits are checked with the body)."""
+        if self.gate is not None and self.gate.authenticate(authorization) is None:
             raise APIError(401, "a valid API key is required: send `Authorization: Bearer <key>`")
+
+    def _kind_at(self, where: Origin) -> str | None:
+        w = self._at.get(where)
+        return UNKNOWN if w is None else w.kind
 
     @contextlib.asynccontextmanager
     async def _lifespan(self, app: Starlette) -> AsyncIterator[None]:
-        headers = {"authorization": f"Bearer {self.secret}"} if self.secret else None  # workers answer only us
+        auth = WorkerAuth(self.secret, self._kind_at) if self.secret else None  # fleetllm workers answer only us
         verify = ssl.create_default_context(cafile=self.cfg.worker_ca_file) if self.cfg.worker_ca_file else True
-        self.client = httpx.AsyncClient(transport=PerHostTransport(verify), timeout=None, headers=headers)
+        self.client = httpx.AsyncClient(transport=PerHostTransport(verify), timeout=None, auth=auth)
         self.forwarder = Forwarder(self.client, self.cfg, self.metrics, self.index, self.uses_prefix)
         self.remote_prefill = RemotePrefill(self.client, self.cfg, self.metrics, self.events_index,
                                             on_failure=self.forwarder.failed)
@@ -307,7 +336,7 @@ class Router:
                                       bool(prefill_pool) or peers)
         variant, group = self._variant(name, group, req.session_key or fid)
         # the router's own id (minted at arrival) keys the request; the client's x-request-id travels beside it
-        fwd = Forward(request.url.path, raw, body, upstream_headers(request.headers, fid, self.secret), fid, req, t0)
+        fwd = Forward(request.url.path, raw, body, upstream_headers(request.headers, fid, not (self.secret or self.gate)), fid, req, t0)
         if variant is not None:
             fwd.variant = (name, variant)
             fwd.response_headers["x-fleetllm-variant"] = variant
@@ -353,7 +382,6 @@ class Router:
     # ---- other endpoints --------------------------------------------------------------------------
     async def models(self, request: Request) -> Response:
         assert self.client is not None
-        self.require_key(request)
         healthy = [w for w in self.workers if w.healthy]
 
         async def one(w: WorkerState) -> list[dict[str, Any]]:
@@ -372,7 +400,6 @@ class Router:
     async def forward_any(self, request: Request) -> Response:
         """Tokenizer endpoints: any healthy worker answers the same."""
         assert self.client is not None
-        self.require_key(request)
         raw = await request.body()
         now = time.monotonic()
         for w in sorted((w for w in self.workers if w.routable(now)), key=lambda w: w.inflight)[: self.cfg.max_retries + 1]:
@@ -389,14 +416,14 @@ class Router:
         return JSONResponse(openapi_schema("fleetllm router", ("/health", "/metrics", "/router/state")))
 
     async def health(self, request: Request) -> Response:
-        body = {"status": "ok" if any(w.healthy for w in self.workers) else "no healthy worker",
-                "workers": [{"name": w.name, "url": w.url, "healthy": w.healthy, "zone": w.zone} for w in self.workers]}
-        return JSONResponse(body, status_code=200 if body["status"] == "ok" else 503)
+        """Liveness and readiness for probes (no credential): a status word, nothing about the workers
+        (who they are and where is for admins: ``/router/state``)."""
+        ok = any(w.healthy for w in self.workers)
+        return JSONResponse({"status": "ok" if ok else "no healthy worker"}, status_code=200 if ok else 503)
 
     async def metrics_endpoint(self, request: Request) -> Response:
         """The router's own series, then every worker's re-exported with ``worker=<name>`` (one scrape
         target per fleet); ``?federate=0`` for the router's own only."""
-        self.require_admin(request)
         own = generate_latest(self.metrics.registry).decode()
         if request.query_params.get("federate") == "0" or self.client is None:
             return Response(own, media_type=CONTENT_TYPE_LATEST)
@@ -405,7 +432,6 @@ class Router:
 
     async def state(self, request: Request) -> Response:
         """Every worker as the router sees it (for people and tests); ``?hashes=1`` adds the exact index."""
-        self.require_admin(request)
         with_hashes = request.query_params.get("hashes") == "1"
         workers = []
         for w in self.workers:

@@ -25,6 +25,7 @@ import httpx
 from fleetllm.router.backends import detect
 from fleetllm.router.backends.watch import watch_engine
 from fleetllm.router.index import PrefixIndex
+from fleetllm.server.worker_secret import CHALLENGE
 
 log = logging.getLogger(__name__)
 
@@ -207,6 +208,9 @@ class WorkerMonitor:
                 async with self.client.stream("GET", w.url + "/kv/events", timeout=httpx.Timeout(5.0, read=10.0)) as r:
                     if r.status_code in (404, 405) and w.kind is None:
                         return
+                    if r.status_code == 401 and w.kind is None and _fleetllm_challenge(r):
+                        w.kind = "fleetllm"  # a fleet's worker: asked again, now with the secret
+                        continue
                     if r.status_code != 200:
                         raise httpx.HTTPError(f"/kv/events answered {r.status_code}")
                     async for line in r.aiter_lines():
@@ -252,3 +256,8 @@ async def _cancel(tasks: list[asyncio.Task[None]]) -> None:
     for t in tasks:
         with contextlib.suppress(asyncio.CancelledError, Exception):
             await t
+
+
+def _fleetllm_challenge(r: httpx.Response) -> bool:
+    """Whether a 401 is a fleet's worker asking for its fleet's secret (:data:`~fleetllm.server.worker_secret.CHALLENGE`)."""
+    return r.headers.get(CHALLENGE[0].decode(), "") == CHALLENGE[1].decode()

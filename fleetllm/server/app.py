@@ -36,7 +36,7 @@ from fleetllm.capture.worker_tap import open_worker_tap
 from fleetllm.disagg.config import TransferOptions
 from fleetllm.disagg.handoffs import HEADER as HANDOFF_HEADER
 from fleetllm.disagg.handoffs import Handoffs, wait_of
-from fleetllm.disagg.routes import frame_body_cap, pd_routes
+from fleetllm.disagg.routes import pd_body_caps, pd_routes
 from fleetllm.engine.async_engine import AsyncEngine, EngineFailed
 from fleetllm.engine.omp_team import serial_executor
 from fleetllm.engine.outputs import RequestOutput
@@ -86,7 +86,10 @@ class Worker:
     def __init__(self, engine: LLMEngine, obs: ObservabilityConfig | None = None, role: str = "both",
                  capture: Capture | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
                  tools: ToolConfig | None = None, kv_events: KVEventsOptions | None = None,
-                 kv_events_index: int = 0, transfer: TransferOptions | None = None) -> None:
+                 kv_events_index: int = 0, transfer: TransferOptions | None = None, api_key: str | None = None,
+                 secret: str | None = None) -> None:
+        """``secret``: the fleet's (default: :func:`worker_secret`, from the environment); ``api_key``: what a
+        client must present (``fleetllm worker --api-key``); with neither, the worker serves anyone."""
         self.engine = engine
         self.capture = capture  # the worker tier (fleetllm/capture/)
         self.tool_parser = parser_for((tools or ToolConfig()).tool_call_parser, engine.tokenizer.chat_template)
@@ -130,10 +133,10 @@ class Worker:
                                 405: self._not_found, 500: self._internal},
         )
         self.app = self.inflight = InFlight(self.app)
-        self.app = BodyLimit(self.app, max_body_bytes, {"/pd/kv": max_body_bytes + frame_body_cap(engine)})
-        secret = worker_secret()
-        if secret:  # a fleet with API keys: only the router may call this worker
-            self.app = RequireSecret(self.app, secret)
+        self.app = BodyLimit(self.app, max_body_bytes, pd_body_caps(engine, max_body_bytes))
+        self.secret = secret or worker_secret()  # presented to decode workers too (the P/D path)
+        if self.secret or api_key:  # credentials first, before any body is read
+            self.app = RequireSecret(self.app, self.secret, api_key)
 
     def _observe(self, engine: LLMEngine) -> None:
         """Host metrics, the cold-start phases and, with an OTLP endpoint, request spans and pushed metrics."""

@@ -7,7 +7,7 @@ import json
 
 import httpx
 import pytest
-from fleet_helpers import router, sim_workers, wait_state
+from fleet_helpers import ADMIN, router, sim_workers, wait_state
 
 from fleetllm.router.sessions import ResponseSessions, Turn, resend_body
 
@@ -96,6 +96,6 @@ def test_a_turn_whose_worker_is_gone_is_resent_with_its_conversation(fleet):
     rid, first, u1 = _turn(r.url, None, "Hello again")
     rid, _, u2 = _turn(r.url, rid, "one more")
     gone = next(u for u in workers.urls if u.endswith(first.split(":")[1]))
-    httpx.post(r.url + "/admin/workers/drain", json={"url": gone}, timeout=5).raise_for_status()
+    httpx.post(r.url + "/admin/workers/drain", json={"url": gone}, headers=ADMIN, timeout=5).raise_for_status()
     _, worker, u3 = _turn(r.url, rid, "and now?")
     assert worker != first and u3["input_tokens"] > u2["input_tokens"] > u1["input_tokens"]

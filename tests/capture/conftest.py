@@ -10,6 +10,8 @@ from typing import Any
 
 import pytest
 from fleet_helpers import (
+    ADMIN,
+    ADMIN_TOKEN_FILE,
     ThreadServer,
     ThreadServers,
     procs,  # noqa: F401  (fixture)
@@ -65,7 +67,7 @@ def capture_fleet() -> Iterator[Callable[..., CaptureFleet]]:
             caps.append(w.capture)
         ws = ThreadServers([w.app for w in sims], on_exit=lambda: [setattr(w, "closing", True) for w in sims]).start()
         args = build_parser().parse_args(["router", "--workers", ",".join(ws.urls), "--policy", "round_robin",
-                                          "--health-interval", "0.2"])
+                                          "--health-interval", "0.2", "--admin-token-file", ADMIN_TOKEN_FILE])
         r = Router(router_config(args))
         r.capture = Capture(cfg, "router", ("endpoint", "access"), r.metrics.registry, sink=sink)
         rs = ThreadServer(r.app, on_exit=lambda: setattr(r, "closing", True)).start()
@@ -86,7 +88,7 @@ def _wait_healthy(url: str) -> None:
 
     end = time.monotonic() + 20
     while time.monotonic() < end:
-        state = httpx.get(url + "/router/state", timeout=5).json()
+        state = httpx.get(url + "/router/state", headers=ADMIN, timeout=5).json()
         if all(w.get("healthy") for w in state.get("workers", [])):
             return
         time.sleep(0.05)

@@ -20,7 +20,7 @@ import httpx
 import openai
 import pytest
 import yaml
-from fleet_helpers import TEST_KV_GB, free_ports, listening, stop_process
+from fleet_helpers import ADMIN, TEST_KV_GB, free_ports, listening, stop_process, with_admin_token
 from prometheus_client.parser import text_string_to_metric_families
 
 SIM = {"source": "smollm2-135m", "simulate": True, "engine": {"sim_speed": 20}}
@@ -34,7 +34,8 @@ class Serve:
         (tmp / "fleet.yaml").write_text(yaml.safe_dump(cfg))
         fd, name = tempfile.mkstemp(prefix="fleetllm-serve-", suffix=".log")
         self.log_path = Path(name)
-        self.popen = subprocess.Popen([sys.executable, "-m", "fleetllm.cli", "serve", "--config", str(tmp / "fleet.yaml")],
+        argv = with_admin_token(["serve", "--config", str(tmp / "fleet.yaml")])
+        self.popen = subprocess.Popen([sys.executable, "-m", "fleetllm.cli", *argv],
                                       stdout=fd, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
         os.close(fd)
         self.url = f"http://127.0.0.1:{self.port}"
@@ -147,7 +148,7 @@ def test_a_model_scales_from_zero_for_a_held_request_and_back_to_zero_when_idle(
     assert 'fleetllm_router_cold_start_seconds_count{model="z"} 1.0' in metrics
     # idle: drained and stopped, and the router forgets it
     end = time.monotonic() + 40
-    while any(w["model"] == "z" for w in httpx.get(url + "/router/state").json()["workers"]):
+    while any(w["model"] == "z" for w in httpx.get(url + "/router/state", headers=ADMIN).json()["workers"]):
         assert time.monotonic() < end, fleet.log()
         time.sleep(0.5)
     metrics = httpx.get(url + "/metrics", params={"federate": "0"}).text
@@ -173,7 +174,7 @@ def test_a_real_fleet_of_smollm2_and_gemma3_routes_each_model_to_its_own_workers
         {"name": "smollm2", "source": "smollm2-135m", "replicas": 2, "speculative": "method=ngram,adaptive=0",
          "engine": {"num_threads": 1, "kv_cache_gb": TEST_KV_GB}},
         {"name": "gemma", "source": "gemma3-270m", "engine": {"num_threads": 1, "kv_cache_gb": TEST_KV_GB}}]})
-    state = httpx.get(fleet.url + "/router/state").json()
+    state = httpx.get(fleet.url + "/router/state", headers=ADMIN).json()
     workers = {m: {w["name"] for w in state["workers"] if w["model"] == m} for m in ("smollm2", "gemma")}
     assert (len(workers["smollm2"]), len(workers["gemma"])) == (2, 1)
     assert {m["id"] for m in httpx.get(fleet.url + "/v1/models").json()["data"]} == {"smollm2", "gemma"}
@@ -211,7 +212,7 @@ def test_a_canary_gets_its_share_sticky_per_user_on_its_own_copies_and_is_promot
         {**SIM, "name": "m", "variant": "stable", "traffic": 80, "replicas": 2},
         {**SIM, "name": "m", "variant": "canary", "traffic": 20, "replicas": 1}]})
     url = fleet.url
-    state = httpx.get(url + "/router/state").json()
+    state = httpx.get(url + "/router/state", headers=ADMIN).json()
     copies = {v: {w["name"] for w in state["workers"] if w["variant"] == v} for v in ("stable", "canary")}
     assert len(copies["stable"]) == 2 and len(copies["canary"]) == 1
     assert state["traffic"] == {"m": {"stable": 80.0, "canary": 20.0}}
@@ -234,7 +235,8 @@ def test_a_canary_gets_its_share_sticky_per_user_on_its_own_copies_and_is_promot
     assert f'fleetllm_router_variant_requests_total{{model="m",variant="canary"}} {canary + sum(chosen[u] == "canary" for u in users[:40])}.0' in metrics
     assert 'fleetllm_router_variant_responses_total{model="m",status="200",variant="stable"}' in metrics
     # promote: every request to the canary, without a restart; a bad weight is refused by name
-    bad = httpx.post(url + "/admin/traffic", json={"model": "m", "weights": {"canary": -1}})
+    bad = httpx.post(url + "/admin/traffic", json={"model": "m", "weights": {"canary": -1}}, headers=ADMIN)
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "weights"
-    assert httpx.post(url + "/admin/traffic", json={"model": "m", "weights": {"stable": 0, "canary": 1}}).status_code == 200
+    assert httpx.post(url + "/admin/traffic", json={"model": "m", "weights": {"stable": 0, "canary": 1}},
+                      headers=ADMIN).status_code == 200
     assert {r.headers["x-fleetllm-variant"] for r in asyncio.run(send(users[:20]))} == {"canary"}

@@ -41,10 +41,10 @@ def test_each_copy_asks_ray_for_its_resources_and_is_spread_and_restarted() -> N
     assert no_restart["num_cpus"] == 0 and no_restart["max_restarts"] == 0 and "label_selector" not in no_restart
 
 
-def test_the_router_of_a_ray_fleet_gets_the_cluster_not_a_worker_list() -> None:
+def test_the_router_of_a_ray_fleet_gets_the_cluster_not_a_worker_list(tmp_path) -> None:
     from fleetllm.fleet.ray_launcher import RayFleet
 
-    cfg = FleetConfig.from_dict({"ray": {"address": "127.0.0.2:6379", "namespace": "ns"},
+    cfg = FleetConfig.from_dict({"ray": {"address": "127.0.0.2:6379", "namespace": "ns"}, "log_dir": str(tmp_path),
                                  "models": [{"source": "smollm2-135m", "simulate": True, "replicas": 3}]})
     fleet = RayFleet(cfg)  # nothing runs until start()
     args = fleet.router.cmd

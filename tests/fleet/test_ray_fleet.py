@@ -22,7 +22,7 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
-from fleet_helpers import free_ports, stop_process, wait_state
+from fleet_helpers import free_ports, stop_process, wait_state, with_admin_token
 
 from fleetllm.fleet.ray_local import LocalNode, LocalRayCluster
 
@@ -53,7 +53,8 @@ def ray_fleet(ray_cluster: LocalRayCluster) -> Iterator[str]:
                        "engine": {"sim_speed": 20}}]}
     (tmp / "fleet.yaml").write_text(yaml.safe_dump(cfg))
     log = open(tmp / "serve.log", "wb")
-    popen = subprocess.Popen([sys.executable, "-m", "fleetllm.cli", "serve", "--config", str(tmp / "fleet.yaml")],
+    argv = with_admin_token(["serve", "--config", str(tmp / "fleet.yaml")])
+    popen = subprocess.Popen([sys.executable, "-m", "fleetllm.cli", *argv],
                              stdout=log, stderr=subprocess.STDOUT, env={**ray_cluster.env, "PYTHONUNBUFFERED": "1"})
     url = f"http://127.0.0.1:{port}"
     try:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import threading
 
 import httpx
-from fleet_helpers import ThreadServer, router, sim_workers, wait_state
+from fleet_helpers import ADMIN, ThreadServer, router, sim_workers, wait_state
 from starlette.applications import Starlette
 from starlette.responses import JSONResponse
 from starlette.routing import Route
@@ -31,7 +31,7 @@ def _full_worker() -> Starlette:
 
 
 def _breakers(url: str) -> list[str]:
-    return [w["breaker"] for w in httpx.get(url + "/router/state").json()["workers"]]
+    return [w["breaker"] for w in httpx.get(url + "/router/state", headers=ADMIN).json()["workers"]]
 
 
 def test_a_full_worker_is_skipped_without_tripping_its_breaker(procs) -> None:

@@ -4,7 +4,7 @@ one goes away the other keeps routing to the cached prefix."""
 from __future__ import annotations
 
 import httpx
-from fleet_helpers import router, sim_workers, wait_state
+from fleet_helpers import ADMIN, router, sim_workers, wait_state
 
 SYSTEM = "You are the on-call assistant. Cite the runbook section and keep answers short. " * 4
 
@@ -14,7 +14,7 @@ def _chat(i: int) -> dict:
 
 
 def _exact(url: str) -> dict[str, list[int]]:
-    state = httpx.get(url + "/router/state?hashes=1").json()
+    state = httpx.get(url + "/router/state?hashes=1", headers=ADMIN).json()
     return {w["name"]: w["exact_hashes"] for w in state["workers"]}
 
 

@@ -127,12 +127,16 @@ def test_the_gate_meters_usage_per_key_id_and_never_names_the_key(tmp_path):
     assert key not in text and rec.hash not in text
 
 
-def test_admin_routes_need_an_admin_key(tmp_path):
+def test_admin_routes_take_an_admin_key_and_refuse_other_keys_with_403(tmp_path):
+    from fleetllm.router.config import RouterConfig
+    from fleetllm.router.gateway import Router
     from fleetllm.server.protocol import APIError
 
-    g, _, key = gate(tmp_path)
-    _, admin = g.store.create("ops", admin=True)
-    g.require_admin(f"Bearer {admin}")
+    store = KeyStore(tmp_path / "keys.yaml")
+    _, key = store.create("t")
+    _, admin = store.create("ops", admin=True)
+    r = Router(RouterConfig(keys_file=str(tmp_path / "keys.yaml")))
+    r.require_admin(f"Bearer {admin}")
     with pytest.raises(APIError) as e:
-        g.require_admin(f"Bearer {key}")
+        r.require_admin(f"Bearer {key}")
     assert e.value.status == 403

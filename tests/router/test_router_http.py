@@ -9,7 +9,7 @@ import time
 
 import httpx
 import pytest
-from fleet_helpers import ThreadServer, router, sim_worker_processes, sim_workers, wait_state
+from fleet_helpers import ADMIN, ThreadServer, router, sim_worker_processes, sim_workers, wait_state
 from starlette.applications import Starlette
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -186,7 +186,7 @@ def test_a_failing_worker_is_retried_elsewhere_and_its_breaker_opens(procs):
         metrics = httpx.get(r.url + "/metrics").text
         assert f'fleetllm_router_breaker_trips_total{{worker="{bad.url[7:]}"}} 1.0' in metrics
         assert f'fleetllm_router_breaker_open{{worker="{bad.url[7:]}"}} 1.0' in metrics
-        state = json.loads(httpx.get(r.url + "/router/state").text)
+        state = json.loads(httpx.get(r.url + "/router/state", headers=ADMIN).text)
         assert state["workers"][0]["breaker"] == "open"
 
 
@@ -236,7 +236,7 @@ def test_the_exact_index_tracks_evictions_on_the_worker(procs):
     truth = kv_snapshot(sims.url)
     state = wait_state(r.url, lambda s: s["workers"][0]["exact_blocks"] == len(truth))
     assert 0 < len(truth) <= 48
-    assert set(httpx.get(r.url + "/router/state?hashes=1").json()["workers"][0]["exact_hashes"]) == truth
+    assert set(httpx.get(r.url + "/router/state?hashes=1", headers=ADMIN).json()["workers"][0]["exact_hashes"]) == truth
     assert state["workers"][0]["exact_blocks"] == len(truth)
 
 

@@ -12,14 +12,15 @@ from pathlib import Path
 
 import httpx
 import pytest
-from fleet_helpers import free_ports, listening
+from fleet_helpers import ADMIN, free_ports, listening, with_admin_token
 
 from fleetllm.fleet.config import FleetConfig
 
 
 def start_serve(*args: str, port: int) -> tuple[subprocess.Popen[bytes], Path]:
     fd, name = tempfile.mkstemp(prefix="fleetllm-serve-", suffix=".log")
-    p = subprocess.Popen([sys.executable, "-m", "fleetllm.cli", "serve", "--port", str(port), *args],
+    argv = with_admin_token(["serve", "--port", str(port), *args])
+    p = subprocess.Popen([sys.executable, "-m", "fleetllm.cli", *argv],
                          stdout=fd, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     os.close(fd)
     log = Path(name)
@@ -42,8 +43,8 @@ def test_serve_from_a_yaml_config_with_zones_and_simulated_workers(tmp_path):
                    "  - {source: smollm2-135m, simulate: true, replicas: 4, engine: {max_num_seqs: 8}}\n")
     p, log = start_serve("--config", str(cfg), port=port)
     try:
-        health = httpx.get(f"http://127.0.0.1:{port}/health").json()
-        assert sorted(w["zone"] for w in health["workers"]) == ["zone-a", "zone-a", "zone-b", "zone-b"]
+        state = httpx.get(f"http://127.0.0.1:{port}/router/state", headers=ADMIN).json()
+        assert sorted(w["zone"] for w in state["workers"]) == ["zone-a", "zone-a", "zone-b", "zone-b"]
         for i in range(4):
             r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json={"prompt": f"n{i}", "max_tokens": 4},
                            timeout=30)
@@ -76,3 +77,42 @@ def test_a_disaggregated_fleet_plan_gives_workers_their_roles_and_the_router_its
     assert rcmd[rcmd.index("--roles") + 1] == "prefill,decode,decode"
     assert rcmd[rcmd.index("--pd-threshold") + 1] == "1024"
     assert fleet.worker_urls == [f"http://127.0.0.1:{9001 + i}" for i in range(3)]
+
+
+def test_a_fleet_always_has_its_own_worker_secret_and_admin_token_file(tmp_path):
+    from fleetllm.fleet.launcher import Fleet
+    from fleetllm.server.worker_secret import ENV
+
+    (tmp_path / "keys.yaml").write_text("keys: []\n")
+    cfg = FleetConfig.single_model("smollm2-135m", 2, simulate=True)
+    cfg.log_dir, cfg.keys_file = str(tmp_path), str(tmp_path / "keys.yaml")
+    fleet = Fleet(cfg)
+    token = tmp_path / "admin-token"
+    assert fleet.admin_token_file == token and token.stat().st_mode & 0o777 == 0o600
+    assert token.read_text().strip() == fleet.admin_token and fleet.admin_token != fleet.secret
+    rcmd = fleet.router.cmd
+    assert rcmd[rcmd.index("--admin-token-file") + 1] == str(token)
+    assert all(u.startswith("fleetllm+http://") for u in rcmd[rcmd.index("--workers") + 1].split(","))
+    procs = [*fleet.workers, fleet.router]
+    assert all(p.env[ENV] == fleet.secret and fleet.secret not in " ".join(p.cmd) for p in procs)
+    assert (tmp_path / "keys.yaml").read_text() == "keys: []\n"  # never written into the keys file
+
+
+def test_a_router_started_alone_mints_an_admin_token_and_prints_its_file(tmp_path, capsys):
+    import shutil
+
+    from fleetllm.cli import admin_token_file, build_parser
+
+    args = build_parser("router").parse_args(["router"])
+    admin_token_file(args)
+    path = Path(args.admin_token_file)
+    try:
+        assert capsys.readouterr().out == f"admin token file: {path}\n"
+        assert path.stat().st_mode & 0o777 == 0o600 and path.parent.stat().st_mode & 0o777 == 0o700
+    finally:
+        shutil.rmtree(path.parent)
+    given = build_parser("router").parse_args(["router", "--admin-token-file", str(tmp_path / "t")])
+    admin_token_file(given)
+    first = (tmp_path / "t").read_text()
+    admin_token_file(given)
+    assert (tmp_path / "t").read_text() == first  # an existing file is read, never rewritten

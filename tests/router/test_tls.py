@@ -19,7 +19,7 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
-from fleet_helpers import free_port, router, start_cli
+from fleet_helpers import ADMIN, free_port, router, start_cli
 
 pytestmark = pytest.mark.slow  # a worker process
 
@@ -79,7 +79,7 @@ def test_a_router_given_the_ca_routes_to_an_https_worker_and_one_without_it_does
             r = httpx.post(trusted.url + "/v1/completions", json=body, timeout=30)
             assert r.status_code == 200, r.text
             assert r.json()["usage"]["completion_tokens"] == 4
-            state = httpx.get(untrusted.url + "/router/state", timeout=5).json()
+            state = httpx.get(untrusted.url + "/router/state", headers=ADMIN, timeout=5).json()
             assert not state["workers"][0]["healthy"]  # an unverifiable certificate is no worker
             assert httpx.post(untrusted.url + "/v1/completions", json=body, timeout=30).status_code >= 500
         finally:

@@ -19,7 +19,7 @@ from unittest import mock
 import httpx
 import pytest
 import zmq
-from fleet_helpers import ThreadServers, free_ports, router, wait_state
+from fleet_helpers import ADMIN, ThreadServers, free_ports, router, wait_state
 
 from fleetllm.router.backends import vllm_events
 from fleetllm.router.backends.vllm_events import EventSource, VllmEventSubscriber
@@ -280,7 +280,7 @@ def test_kv_aware_over_vllm_events_hits_as_over_native_events(procs: list, one_t
                    for w, row in zip(workers, st["workers"], strict=True))
 
     end = time.monotonic() + 15
-    while not same_index(st := httpx.get(state["url"] + "/router/state?hashes=1", timeout=5).json()):
+    while not same_index(st := httpx.get(state["url"] + "/router/state?hashes=1", headers=ADMIN, timeout=5).json()):
         assert time.monotonic() < end, [(len(r["exact_hashes"]), len(w.kv_publisher.digests))
                                         for w, r in zip(workers, st["workers"], strict=True)]
         time.sleep(0.1)

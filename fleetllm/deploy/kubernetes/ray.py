@@ -20,7 +20,14 @@ from typing import Any
 
 from fleetllm.deploy.kubernetes import names
 from fleetllm.deploy.kubernetes.options import KubernetesOptions
-from fleetllm.deploy.kubernetes.router import CONFIG_DIR, KEYS_DIR, RESOURCES, router_name
+from fleetllm.deploy.kubernetes.router import (
+    ADMIN_TOKEN_ARGS,
+    CONFIG_DIR,
+    KEYS_DIR,
+    RESOURCES,
+    admin_token_volume,
+    router_name,
+)
 from fleetllm.deploy.kubernetes.workers import SECRET_FILE_MODE, resources, secret_env
 from fleetllm.fleet.config import FleetConfig, ModelSpec
 from fleetllm.server.worker_secret import ENV as SECRET_ENV
@@ -85,13 +92,14 @@ def worker_group(m: ModelSpec, opts: KubernetesOptions) -> dict[str, Any]:
 def controller_deployment(cfg: FleetConfig, opts: KubernetesOptions) -> dict[str, Any]:
     """``fleetllm serve --config fleet.yaml --ray ADDRESS``: the fleet controller and its router, one pod."""
     labels = names.fleet_labels(opts, "router")
-    mounts = [{"name": "fleet", "mountPath": CONFIG_DIR, "readOnly": True}]
-    volumes = [{"name": "fleet", "configMap": {"name": f"{opts.name}-fleet"}}]
+    mount, volume = admin_token_volume(opts)
+    mounts = [{"name": "fleet", "mountPath": CONFIG_DIR, "readOnly": True}, mount]
+    volumes = [{"name": "fleet", "configMap": {"name": f"{opts.name}-fleet"}}, volume]
     if cfg.keys_file:
         mounts.append({"name": "api-keys", "mountPath": KEYS_DIR, "readOnly": True})
         volumes.append({"name": "api-keys", "secret": {"secretName": f"{opts.name}-api-keys"}})
     args = ["serve", "--config", f"{CONFIG_DIR}/fleet.yaml", "--ray", ray_address(opts), "--host", "0.0.0.0",
-            "--port", str(cfg.port)]
+            "--port", str(cfg.port), *ADMIN_TOKEN_ARGS]
     tcp = {"tcpSocket": {"port": names.HTTP}, "periodSeconds": 5}
     container = {"name": "controller", "image": opts.image, "command": ["fleetllm"], "args": args,
                  "ports": [{"name": names.HTTP, "containerPort": cfg.port, "protocol": "TCP"}],

@@ -104,7 +104,11 @@ def secrets_readme(cfg: FleetConfig, opts: KubernetesOptions) -> str:
              "The router and workers share a random secret (workers answer only the router; Prometheus reads",
              "`/metrics` with it):", "",
              f"    kubectl -n {ns} create secret generic {opts.worker_secret} "
-             "--from-literal=secret=\"$(openssl rand -base64 32)\""]
+             "--from-literal=secret=\"$(openssl rand -base64 32)\"", "",
+             "The admin token (`Authorization: Bearer` for `/admin/*` and `/router/state`; keep it with the",
+             "operators, never in a worker):", "",
+             f"    kubectl -n {ns} create secret generic {opts.name}-admin-token "
+             "--from-literal=token=\"$(openssl rand -base64 32)\""]
     if cfg.keys_file:
         lines += ["", "API keys (`fleetllm keys create --file keys.yaml ...`; re-apply after every change):", "",
                   f"    kubectl -n {ns} create secret generic {opts.name}-api-keys --from-file=keys.yaml="

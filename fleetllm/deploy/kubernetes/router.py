@@ -5,8 +5,9 @@ The router's probes are TCP checks, not ``/health``: ``/health`` answers 503 whi
 and a router must stay up then (a scale-from-zero model's requests wait in it while a copy starts).
 With ``keys_file`` in the fleet, the keys file comes from a Secret mounted as a directory (the router
 re-reads the file when the Secret changes). Router and workers share the fleet's secret
-(``FLEETLLM_WORKER_SECRET`` from a Secret): workers answer only the router, and the router's
-``/metrics`` and admin endpoints answer the secret's holders (Prometheus included).
+(``FLEETLLM_WORKER_SECRET`` from a Secret): workers answer only the router (and Prometheus, which scrapes
+``/metrics`` with it). The admin endpoints take the admin token, another Secret mounted as a file
+(``--admin-token-file``): never the workers' secret.
 """
 
 from __future__ import annotations
@@ -20,12 +21,13 @@ from fleetllm.cli_options import to_argv
 from fleetllm.deploy.kubernetes import names
 from fleetllm.deploy.kubernetes.identity import service_account
 from fleetllm.deploy.kubernetes.options import KubernetesOptions
-from fleetllm.deploy.kubernetes.workers import secret_env
+from fleetllm.deploy.kubernetes.workers import SECRET_FILE_MODE, secret_env
 from fleetllm.fleet.config import FleetConfig
 from fleetllm.fleet.router_args import model_router_args
 from fleetllm.server.worker_secret import ENV as SECRET_ENV
 
 KEYS_DIR = "/etc/fleetllm/keys"
+ADMIN_DIR = "/etc/fleetllm/admin"
 CONFIG_DIR = "/etc/fleetllm"
 RESOURCES = {"requests": {"cpu": "1", "memory": "1Gi"}, "limits": {"memory": "2Gi"}}
 
@@ -54,10 +56,22 @@ def router_service(cfg: FleetConfig, opts: KubernetesOptions, labels: dict[str, 
                      "ports": [{"name": names.HTTP, "port": cfg.port, "targetPort": names.HTTP}]}}
 
 
+def admin_token_volume(opts: KubernetesOptions) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The mount and volume of the admin token's Secret (key ``token``), read by ``--admin-token-file``."""
+    return ({"name": "admin-token", "mountPath": ADMIN_DIR, "readOnly": True},
+            {"name": "admin-token", "secret": {"secretName": f"{opts.name}-admin-token",
+                                                "defaultMode": SECRET_FILE_MODE}})
+
+
+ADMIN_TOKEN_ARGS = ["--admin-token-file", f"{ADMIN_DIR}/token"]
+
+
 def router_deployment(cfg: FleetConfig, opts: KubernetesOptions) -> dict[str, Any]:
     labels = names.fleet_labels(opts, "router")
     tcp = {"tcpSocket": {"port": names.HTTP}, "periodSeconds": 5}
-    mounts, volumes = [{"name": "hf-cache", "mountPath": "/var/cache/fleetllm"}], [{"name": "hf-cache", "emptyDir": {}}]
+    mount, volume = admin_token_volume(opts)
+    mounts = [{"name": "hf-cache", "mountPath": "/var/cache/fleetllm"}, mount]
+    volumes = [{"name": "hf-cache", "emptyDir": {}}, volume]
     if cfg.keys_file:
         mounts.append({"name": "api-keys", "mountPath": KEYS_DIR, "readOnly": True})
         volumes.append({"name": "api-keys", "secret": {"secretName": f"{opts.name}-api-keys"}})
@@ -80,7 +94,7 @@ def router_args(cfg: FleetConfig, opts: KubernetesOptions) -> list[str]:
     """``fleetllm router`` flags: discovery of this fleet's worker pods, then the models' settings."""
     args = ["router", "--discover", "kubernetes", "--k8s-namespace", opts.namespace,
             "--k8s-selector", names.worker_selector(opts), "--policy", cfg.policy, "--host", "0.0.0.0",
-            "--port", str(cfg.port), *model_router_args(cfg)]
+            "--port", str(cfg.port), *ADMIN_TOKEN_ARGS, *model_router_args(cfg)]
     if cfg.external:  # workers run outside the cluster's pods: given by hand, never removed by discovery
         args += ["--workers", ",".join(cfg.external)]
     if cfg.pd_threshold is not None:

