@@ -20,7 +20,15 @@ import httpx
 import openai
 import pytest
 import yaml
-from fleet_helpers import ADMIN, TEST_KV_GB, free_ports, listening, stop_process, with_admin_token
+from fleet_helpers import (
+    ADMIN,
+    ADMIN_TOKEN_FILE,
+    TEST_KV_GB,
+    free_ports,
+    listening,
+    stop_process,
+    with_admin_token,
+)
 from prometheus_client.parser import text_string_to_metric_families
 
 SIM = {"source": "smollm2-135m", "simulate": True, "engine": {"sim_speed": 20}}
@@ -90,6 +98,7 @@ def test_keys_gate_a_two_model_fleet_and_workers_answer_only_the_router(serve, t
                    "models": [{**SIM, "name": "a", "aliases": ["alpha"], "replicas": 2},
                               {**SIM, "name": "b", "replicas": 1}]})
     url = fleet.url
+    assert f"admin token file: {ADMIN_TOKEN_FILE}" in fleet.log().splitlines()[:3]
     assert complete(url, "a").status_code == 401
     assert complete(url, "a", "flk-not-a-key").status_code == 401
     r = complete(url, "b", key)
