@@ -47,12 +47,17 @@ class KeyGate:
         """The live key an ``Authorization`` header carries, or None."""
         return self.store.authenticate(self.bearer(authorization))
 
-    def admit(self, authorization: str | None, model: str | None) -> KeyRecord:
-        """The caller's key record, its request counted; raises a 401 / 403 / 429 ``APIError``."""
+    def require_live(self, authorization: str | None) -> KeyRecord:
+        """The live key an ``Authorization`` header carries; a 401 ``APIError`` (counted) when it carries none."""
         rec = self.authenticate(authorization)
         if rec is None:
             self.requests.labels(key="none", outcome="unauthorized").inc()
             raise APIError(401, "a valid API key is required: send `Authorization: Bearer <key>`")
+        return rec
+
+    def admit(self, authorization: str | None, model: str | None) -> KeyRecord:
+        """The caller's key record, its request counted; raises a 401 / 403 / 429 ``APIError``."""
+        rec = self.require_live(authorization)
         if not rec.allows(model):
             self.requests.labels(key=rec.id, outcome="forbidden").inc()
             raise APIError(403, f"key {rec.id} may not use model `{model}`", "model")

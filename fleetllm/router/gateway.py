@@ -193,8 +193,8 @@ class Router:
 
     def require_key(self, authorization: str | None) -> None:
         """The client API: any live key when keys are on (its model and limits are checked with the body)."""
-        if self.gate is not None and self.gate.authenticate(authorization) is None:
-            raise APIError(401, "a valid API key is required: send `Authorization: Bearer <key>`")
+        if self.gate is not None:
+            self.gate.require_live(authorization)
 
     def _kind_at(self, where: Origin) -> str | None:
         w = self._at.get(where)
