@@ -14,6 +14,7 @@ import importlib
 import json
 import logging
 import re
+import shutil
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -358,17 +359,20 @@ def check_router_args(args: argparse.Namespace) -> None:
     check_json_flag("--kv-events-config", args.kv_events_config)
 
 
-def admin_token_file(args: argparse.Namespace) -> None:
+def admin_token_file(args: argparse.Namespace) -> str | None:
     """``--admin-token-file``: read, or minted (into a new private directory when not given); its path
-    printed for the operator, and set on ``args`` for the router to read."""
+    printed for the operator, and set on ``args`` for the router to read. Returns that new directory (the
+    token lives as long as the router: the caller removes it), else None."""
     from fleetllm.router.admin_token import load_or_mint
 
+    given = args.admin_token_file
     try:
-        _, path = load_or_mint(args.admin_token_file)
+        _, path = load_or_mint(given)
     except (OSError, ValueError) as e:
         raise UsageError(f"--admin-token-file {args.admin_token_file}: {one_line(e)}") from None
     args.admin_token_file = str(path)
     print(f"admin token file: {path}", flush=True)
+    return None if given else str(path.parent)
 
 
 def cmd_router(args: argparse.Namespace) -> int:
@@ -376,7 +380,7 @@ def cmd_router(args: argparse.Namespace) -> int:
 
     check_router_args(args)
     tls = tls_files(args)  # before anything starts: a missing half is the user's to fix
-    admin_token_file(args)
+    minted_dir = admin_token_file(args)
     router = build_router(args)
     router.capture = capture_for(args, "router", ("endpoint", "access"), router.metrics.registry)
     logging.getLogger("fleetllm").info("router on %s:%d over %d workers, policy %s", args.host, args.port,
@@ -388,8 +392,14 @@ def cmd_router(args: argparse.Namespace) -> int:
         pusher = OTLPMetricsPusher(router.metrics.registry, args.otlp_endpoint,
                                    resource_for("fleetllm-router", {"router": f"{args.host}:{args.port}"}), args.otlp_interval_s)
         pusher.start()
+
+    def on_exit() -> None:  # when shutdown starts (uvicorn ends a SIGTERM'd process by re-raising the signal)
+        router.closing = True
+        if minted_dir:  # the token was this process's alone; it holds it in memory from start-up
+            shutil.rmtree(minted_dir, ignore_errors=True)
+
     try:
-        run_app(router.app, args.host, args.port, args.log_level, on_exit=lambda: setattr(router, "closing", True),
+        run_app(router.app, args.host, args.port, args.log_level, on_exit=on_exit,
                 header_timeout_s=args.header_timeout_s, tls=tls)
     finally:
         if pusher:

@@ -104,15 +104,16 @@ def test_a_router_started_alone_mints_an_admin_token_and_prints_its_file(tmp_pat
     from fleetllm.cli import admin_token_file, build_parser
 
     args = build_parser("router").parse_args(["router"])
-    admin_token_file(args)
+    minted = admin_token_file(args)
     path = Path(args.admin_token_file)
+    assert minted == str(path.parent)  # the router removes it when it exits
     try:
         assert capsys.readouterr().out == f"admin token file: {path}\n"
         assert path.stat().st_mode & 0o777 == 0o600 and path.parent.stat().st_mode & 0o777 == 0o700
     finally:
         shutil.rmtree(path.parent)
     given = build_parser("router").parse_args(["router", "--admin-token-file", str(tmp_path / "t")])
-    admin_token_file(given)
+    assert admin_token_file(given) is None  # a file given is the operator's: kept
     first = (tmp_path / "t").read_text()
     admin_token_file(given)
     assert (tmp_path / "t").read_text() == first  # an existing file is read, never rewritten
