@@ -29,6 +29,7 @@ from fleetllm.fleet.config import ModelSpec
 from fleetllm.fleet.launcher import Fleet, Proc
 from fleetllm.fleet.placement import PlacementError
 from fleetllm.fleet.signals import model_signals
+from fleetllm.router.backends import fleetllm_spec
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +45,7 @@ class RouterAdmin:
         return self.client.get("/router/state").raise_for_status().json()
 
     def add_worker(self, url: str, zone: str, role: str, model: str, variant: str = "") -> None:
-        self.client.post("/admin/workers", json={"url": "fleetllm+" + url, "zone": zone, "role": role, "model": model,
+        self.client.post("/admin/workers", json={"url": fleetllm_spec(url), "zone": zone, "role": role, "model": model,
                                                  "variant": variant}).raise_for_status()
 
     def drain_worker(self, url: str) -> None:

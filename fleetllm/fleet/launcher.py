@@ -38,6 +38,7 @@ from fleetllm.fleet.placement import Copy, Placer, place
 from fleetllm.fleet.router_args import model_router_args
 from fleetllm.router.admin_token import FILE_NAME as ADMIN_TOKEN_FILE
 from fleetllm.router.admin_token import load_or_mint
+from fleetllm.router.backends import fleetllm_spec
 from fleetllm.server.pinning import format_cpus
 from fleetllm.server.worker_secret import ENV as SECRET_ENV
 from fleetllm.server.worker_secret import worker_secret
@@ -198,7 +199,7 @@ class Fleet:
 
     def _worker_list_args(self) -> list[str]:
         """The router's worker list: every copy's URL and labels (a Ray fleet's router discovers its own)."""
-        own = ["fleetllm+" + u for p in self.workers for u in p.urls]  # shown the secret from the first request
+        own = [fleetllm_spec(u) for p in self.workers for u in p.urls]
         args = ["--workers", ",".join(own + list(self.cfg.external))]
         if self.worker_urls:
             args += ["--worker-models", ",".join(self.models)]

@@ -336,7 +336,8 @@ class Router:
                                       bool(prefill_pool) or peers)
         variant, group = self._variant(name, group, req.session_key or fid)
         # the router's own id (minted at arrival) keys the request; the client's x-request-id travels beside it
-        fwd = Forward(request.url.path, raw, body, upstream_headers(request.headers, fid, not (self.secret or self.gate)), fid, req, t0)
+        headers = upstream_headers(request.headers, fid, pass_credentials=not (self.secret or self.gate))
+        fwd = Forward(request.url.path, raw, body, headers, fid, req, t0)
         if variant is not None:
             fwd.variant = (name, variant)
             fwd.response_headers["x-fleetllm-variant"] = variant

@@ -18,6 +18,12 @@ BACKENDS: dict[str, Backend] = {m.BACKEND.kind: m.BACKEND for m in (fleetllm, vl
 KINDS = tuple(BACKENDS)
 
 
+def fleetllm_spec(url: str) -> str:
+    """A fleet's own copy as the router is told of it: named a fleetllm worker, so that it is shown the
+    fleet's secret from the first request (:mod:`fleetllm.router.worker_auth`)."""
+    return "fleetllm+" + url
+
+
 def parse_worker(spec: str) -> tuple[str | None, str]:
     """``KIND+http://host:port`` -> (kind, base URL); a plain URL (scheme optional) -> (None, URL)."""
     head, sep, rest = spec.partition("+")

@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from fleetllm.router.backends import fleetllm_spec
+
 if TYPE_CHECKING:
     from fleetllm.router.gateway import Router
 
@@ -35,8 +37,7 @@ async def reconcile(gateway: Router, wanted: set[DiscoveredWorker], owned: set[s
     for w in wanted:
         url = w.url.rstrip("/")
         if url not in known:
-            # the fleet's own copies: fleetllm workers, shown the fleet's secret from the first request
-            gateway.add_worker("fleetllm+" + url, zone=w.zone, role=w.role, model=w.model, variant=w.variant)
+            gateway.add_worker(fleetllm_spec(url), zone=w.zone, role=w.role, model=w.model, variant=w.variant)
     urls = {w.url.rstrip("/") for w in wanted}
     for url in owned - urls:
         if url in {w.url for w in gateway.workers}:
