@@ -68,6 +68,13 @@ def test_the_worker_secret_opens_no_admin_route(fleet, http: httpx.Client, metho
     assert _openai_error(r, 403), r.text
 
 
+@pytest.mark.parametrize("path", ["/router/state/", "//router/state", "/router/%73tate", "/router/state?hashes=1",
+                                  "/admin/usage/", "/admin//usage"])
+def test_a_disguised_admin_path_shows_nothing(fleet, http: httpx.Client, path: str) -> None:
+    r = http.get(fleet[1].url + path, headers=WORKER)
+    assert r.status_code in (307, 403, 404) and '"url"' not in r.text and '"keys":' not in r.text, r.text
+
+
 def test_a_rogue_worker_is_not_registered_and_the_real_one_not_drained(fleet, http: httpx.Client) -> None:
     w, r = fleet
     for headers in ({}, WORKER, {"authorization": "Bearer guess"}):
