@@ -39,7 +39,7 @@ from fleetllm.router.backends import parse_worker
 from fleetllm.router.backends.setup import EngineSetup
 from fleetllm.router.config import RouterConfig
 from fleetllm.router.forward import Forward, Forwarder, error_response, upstream_headers
-from fleetllm.router.guard import ADMIN_BODY_BYTES, ADMIN_PATHS, RouterGuard
+from fleetllm.router.guard import guarded
 from fleetllm.router.hold import ColdStartHold
 from fleetllm.router.index import PrefixIndex
 from fleetllm.router.keys import KeyLimiter, KeyRecord, KeyStore
@@ -54,7 +54,7 @@ from fleetllm.router.transport import PerHostTransport
 from fleetllm.router.upstream import Breaker, WorkerMonitor, WorkerState
 from fleetllm.router.worker_auth import UNKNOWN, Origin, WorkerAuth, origin
 from fleetllm.server.anthropic_errors import reshape
-from fleetllm.server.body_limit import DEFAULT_MAX_BODY_BYTES, BodyLimit
+from fleetllm.server.body_limit import DEFAULT_MAX_BODY_BYTES
 from fleetllm.server.openapi import openapi_schema
 from fleetllm.server.protocol import APIError, json_object
 from fleetllm.server.worker_secret import matches, worker_secret
@@ -89,7 +89,7 @@ class Router:
         self.sessions = ResponseSessions(cfg.responses_store)  # previous_response_id -> worker
         self.hold = ColdStartHold(cfg.hold_max_waiting, cfg.hold_timeout_s)
         self.secret = worker_secret()  # presented to fleetllm workers (fleetllm/router/worker_auth.py)
-        # the admin credential (fleetllm/router/admin_token.py): none configured, only admin keys open admin routes
+        # (fleetllm/router/admin_token.py) none configured: only admin keys open the admin routes
         self.admin_token = read_token(cfg.admin_token_file) if cfg.admin_token_file else None
         self.gate = KeyGate(KeyStore(cfg.keys_file), KeyLimiter(), self.metrics.registry) if cfg.keys_file else None
         # these four live while the app runs (they share the HTTP client its lifespan opens)
@@ -105,28 +105,28 @@ class Router:
             self.background.append(RayDiscovery(self.cfg.ray_address, self.cfg.ray_namespace).run)
         self.closing = False
         self.app = Starlette(
-            routes=[
-                Route("/v1/chat/completions", self.completion, methods=["POST"]),
-                Route("/v1/completions", self.completion, methods=["POST"]),
-                Route("/v1/messages", self.completion, methods=["POST"]),
-                Route("/v1/responses", self.completion, methods=["POST"]),
-                Route("/v1/models", self.models, methods=["GET"]),
-                Route("/tokenize", self.forward_any, methods=["POST"]),
-                Route("/detokenize", self.forward_any, methods=["POST"]),
-                Route("/health", self.health, methods=["GET"]),
-                Route("/metrics", self.metrics_endpoint, methods=["GET"]),
-                Route("/router/state", self.state, methods=["GET"]),
-                Route("/openapi.json", self.openapi, methods=["GET"]),
-                *admin_routes(self),
-                *dashboard_routes(),
-            ],
-            lifespan=self._lifespan,
+            routes=self._routes(), lifespan=self._lifespan,
             exception_handlers={APIError: lambda r, e: JSONResponse(e.body(), status_code=e.status, headers=e.headers),
                                 404: self._not_found, 405: self._not_found},
         )
-        admin_caps = {r.path: ADMIN_BODY_BYTES for r in self.app.routes if r.path.startswith("/admin/")}
-        self.app = BodyLimit(self.app, max_body_bytes, {**admin_caps, **dict.fromkeys(ADMIN_PATHS, ADMIN_BODY_BYTES)})
-        self.app = RouterGuard(self.app, self)  # credentials first, before any body is read
+        self.app = guarded(self.app, self, max_body_bytes)  # credentials first, then body caps, then the routes
+
+    def _routes(self) -> list[Route]:
+        return [
+            Route("/v1/chat/completions", self.completion, methods=["POST"]),
+            Route("/v1/completions", self.completion, methods=["POST"]),
+            Route("/v1/messages", self.completion, methods=["POST"]),
+            Route("/v1/responses", self.completion, methods=["POST"]),
+            Route("/v1/models", self.models, methods=["GET"]),
+            Route("/tokenize", self.forward_any, methods=["POST"]),
+            Route("/detokenize", self.forward_any, methods=["POST"]),
+            Route("/health", self.health, methods=["GET"]),
+            Route("/metrics", self.metrics_endpoint, methods=["GET"]),
+            Route("/router/state", self.state, methods=["GET"]),
+            Route("/openapi.json", self.openapi, methods=["GET"]),
+            *admin_routes(self),
+            *dashboard_routes(),
+        ]
 
     def _add_state(self, spec: str, zone: str, role: str, model: str | None, variant: str = "") -> WorkerState:
         kind, url = parse_worker(spec)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from fleetllm.server.body_limit import BodyLimit
 from fleetllm.server.protocol import APIError
 from fleetllm.server.worker_secret import send_error
 
@@ -31,6 +32,13 @@ ADMIN_BODY_BYTES = 64 * 2**10
 
 def is_admin_path(path: str) -> bool:
     return path.startswith(ADMIN_PREFIX) or path in ADMIN_PATHS
+
+
+def guarded(app: Any, router: Router, max_body_bytes: int) -> RouterGuard:
+    """The router's Starlette ``app`` behind its door: credentials checked first, then each body capped
+    (admin routes at ``ADMIN_BODY_BYTES``, the rest at ``max_body_bytes``) before it is read."""
+    admin = [r.path for r in app.routes if is_admin_path(r.path)]
+    return RouterGuard(BodyLimit(app, max_body_bytes, dict.fromkeys(admin, ADMIN_BODY_BYTES)), router)
 
 
 class RouterGuard:
