@@ -45,6 +45,8 @@ CASES: list[tuple[list[str], str]] = [
     (["router", "--policy", "fastest"], "invalid choice"),
     (["router", "--traffic", "chat=stable"], "VARIANT:WEIGHT"),
     (["router", "--workers", "vllmm+http://127.0.0.1:1"], "unknown engine kind"),
+    (["router", "--admin-token-file", "{tmp}/no-dir/token"], "--admin-token-file"),
+    (["router", "--admin-token-file", "{tmp}/empty"], "is empty"),
     # serve
     (["serve", "--config", "{tmp}/none.yaml"], "no such file"),
     (["serve", "--config", "{tmp}/top.yaml"], "unknown key `workers`"),
@@ -141,7 +143,7 @@ def bad_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
                        ("identity.yaml", "models: [{source: hf://o/m, identity: {role_arn: x}}]\n"),
                        ("cert.pem", "not checked before its key is given\n"),
                        ("keys.yaml", "keys: []\n"),
-                       ("a.json", "{}")):
+                       ("a.json", "{}"), ("empty", "")):
         (tmp / name).write_text(text)
     with socket.socket() as s:  # bound, never listening: connections are refused
         s.bind(("127.0.0.1", 0))

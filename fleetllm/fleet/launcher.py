@@ -32,6 +32,7 @@ from pathlib import Path
 import httpx
 
 from fleetllm.cli_options import to_argv
+from fleetllm.errors import UsageError, one_line
 from fleetllm.fleet import runfile
 from fleetllm.fleet.config import FleetConfig, ModelSpec
 from fleetllm.fleet.placement import Copy, Placer, place
@@ -377,9 +378,8 @@ def run_fleet(cfg: FleetConfig, state_file: Path | None = None) -> int:
             fleet: Fleet = RayFleet(cfg)
         else:
             fleet = Fleet(cfg)
-    except OSError as e:  # the log directory or the admin token file cannot be made or read
-        print(f"fleetllm serve: {e}", file=sys.stderr)
-        return 2
+    except (OSError, ValueError) as e:  # the log directory or the admin token file cannot be made or read
+        raise UsageError(one_line(e)) from None
     stop = {"now": False, "restart": False}
 
     def on_signal(sig: int, frame: object) -> None:
