@@ -381,7 +381,12 @@ def cmd_router(args: argparse.Namespace) -> int:
     check_router_args(args)
     tls = tls_files(args)  # before anything starts: a missing half is the user's to fix
     minted_dir = admin_token_file(args)
-    router = build_router(args)
+    try:
+        router = build_router(args)
+    except BaseException:  # a mistake found while building it (a profile, discovery settings): no token left behind
+        if minted_dir:
+            shutil.rmtree(minted_dir, ignore_errors=True)
+        raise
     router.capture = capture_for(args, "router", ("endpoint", "access"), router.metrics.registry)
     logging.getLogger("fleetllm").info("router on %s:%d over %d workers, policy %s", args.host, args.port,
                                        len(args.workers), args.policy)
