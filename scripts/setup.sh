@@ -3,10 +3,11 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-# Debian tools the observability tests drive: a real Prometheus (and promtool), headless Chromium and
-# chromedriver. Installed only when one is missing (CI runs as root; elsewhere sudo if it needs no password).
+# Debian tools the tests drive: a real Prometheus (and promtool), headless Chromium and chromedriver
+# (observability), and redis-server (the routers' shared limits and state). Installed only when one is
+# missing (CI runs as root; elsewhere sudo if it needs no password).
 missing=0
-for bin in prometheus promtool chromium chromedriver; do
+for bin in prometheus promtool chromium chromedriver redis-server; do
   command -v "$bin" >/dev/null 2>&1 || missing=1
 done
 if [ "$missing" = 1 ]; then
@@ -15,9 +16,9 @@ if [ "$missing" = 1 ]; then
   if $SUDO true 2>/dev/null; then
     $SUDO apt-get update -q >/dev/null
     DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -q --no-install-recommends \
-      prometheus chromium chromium-driver >/dev/null
+      prometheus chromium chromium-driver redis-server >/dev/null
   else
-    echo "setup.sh: cannot install prometheus/chromium/chromium-driver (not root, no sudo): observability tests will fail" >&2
+    echo "setup.sh: cannot install prometheus/chromium/chromium-driver/redis-server (not root, no sudo): observability and shared-state tests will fail" >&2
   fi
 fi
 

@@ -34,6 +34,12 @@ class EngineConfig:
     max_num_batched_tokens: int = opt(SchedulerConfig.max_num_batched_tokens,
                                       "token budget of one step: prefill chunks, decode and verify tokens")
     max_waiting: int = opt(SchedulerConfig.max_waiting, "queue bound; beyond it requests get 503")
+    scheduling_policy: Literal["fcfs", "priority"] = opt(
+        SchedulerConfig.policy, "fcfs: first come, first served; priority: by each request's `priority` (lower "
+                                "first, then arrival), the worst-ranked running request preempted first")
+    priority_aging_s: float = opt(SchedulerConfig.priority_aging_s,
+                                  "--scheduling-policy priority: seconds of waiting that improve a request's "
+                                  "priority by one level, so none starves (0: no ageing)")
     enable_prefix_caching: bool = opt(True, "reuse the KV blocks of prompt prefixes computed before",
                                       flag="--no-prefix-caching")
     num_threads: int | None = opt(None, "torch threads (default: all cores)")

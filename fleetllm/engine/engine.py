@@ -64,7 +64,8 @@ class LLMEngine:
         self.pool = BlockPool(executor.num_blocks, cfg.block_size)
         self.kv = KVCacheManager(self.pool, cfg.enable_prefix_caching, extra_key=self.model_name.encode())
         self.scheduler = Scheduler(
-            SchedulerConfig(cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.max_waiting), self.kv
+            SchedulerConfig(cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.max_waiting,
+                            policy=cfg.scheduling_policy, priority_aging_s=cfg.priority_aging_s), self.kv
         )
         mcfg = self.loaded.config
         # A sequence must fit the pool on its own (admission keeps the watermark free), or it would wait

@@ -23,6 +23,9 @@ class PromptTooLong(InvalidParameter):
         super().__init__(param, message)
 
 
+# A request's scheduling priority (``priority``, as vLLM's): lower is served first; a signed 32-bit integer.
+PRIORITY_MIN, PRIORITY_MAX = -(2**31), 2**31 - 1
+
 MAX_STOP = 64  # stop strings per request: each is checked against every new token's text
 MAX_STOP_CHARS = 512
 
@@ -48,6 +51,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     n: int = 1
     structured: GrammarSpec | None = None  # constrain the output (JSON schema, regex, choice, grammar)
+    priority: int = 0  # lower is served first under --scheduling-policy priority (ignored under fcfs)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -68,6 +72,8 @@ class SamplingParams:
             ("repetition_penalty", 0.0 < self.repetition_penalty <= 10.0, "must be in (0, 10]"),
             ("logprobs", self.logprobs is None or 0 <= self.logprobs <= 20, "must be in [0, 20]"),
             ("n", 1 <= self.n <= 16, "must be in [1, 16]"),
+            ("priority", PRIORITY_MIN <= self.priority <= PRIORITY_MAX,
+             f"must be an integer in [{PRIORITY_MIN}, {PRIORITY_MAX}]"),
             ("seed", self.seed is None or -(2**63) <= self.seed < 2**63, "must fit in a signed 64-bit integer"),
             ("stop", len(self.stop) <= MAX_STOP and all(len(x) <= MAX_STOP_CHARS for x in self.stop),
              f"must be at most {MAX_STOP} strings of at most {MAX_STOP_CHARS} characters"),

@@ -7,14 +7,23 @@ last. Prefill and decode share one step; chunked prefill falls out of the budget
 computed in another worker's pool takes a step of its own: the step's KV goes there). When blocks run out
 the most recently arrived running sequence is preempted (blocks freed, recomputed later — its prefix
 blocks usually survive in the prefix cache).
+
+Under the ``priority`` policy (vLLM's ``--scheduling-policy priority``) both orders follow each request's
+rank instead of its arrival alone: waiting sequences are admitted best rank first, running ones are served
+best rank first, and the worst-ranked running sequence is the one preempted. The rank ages so that no
+request starves: a request's effective priority improves by one level for every ``priority_aging_s``
+seconds since it arrived, which orders requests by ``priority * priority_aging_s + arrival_time`` (a
+request of priority 5 arriving now ranks like one of priority 0 arriving 5 ageing periods later).
 """
 
 from __future__ import annotations
 
+import bisect
 import time
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Literal
 
 from fleetllm.engine.kv_cache_manager import KVCacheManager
 from fleetllm.engine.sequence import Sequence, Status
@@ -26,6 +35,14 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 512
     max_waiting: int = 1024  # bounded queue: beyond this, new requests are refused (HTTP 503)
     watermark: float = 0.01  # fraction of blocks kept free when admitting new work
+    policy: Literal["fcfs", "priority"] = "fcfs"  # admission and preemption order
+    priority_aging_s: float = 1.0  # under "priority": seconds of waiting worth one priority level (0: no ageing)
+
+    def rank(self, seq: Sequence) -> tuple[float, float]:
+        """``seq``'s place in the priority order (smaller is served first, preempted last)."""
+        if self.priority_aging_s > 0:  # the same for every request at any instant: priority minus age / rate
+            return seq.params.priority * self.priority_aging_s + seq.arrival_time, seq.arrival_time
+        return float(seq.params.priority), seq.arrival_time
 
 
 @dataclass
@@ -82,7 +99,10 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         if len(self.waiting) >= self.cfg.max_waiting:
             raise QueueFull(f"{len(self.waiting)} requests already waiting")
-        self.waiting.append(seq)
+        if self.cfg.policy == "priority":
+            bisect.insort(self.waiting, seq, key=self.cfg.rank)  # the head is always the best-ranked
+        else:
+            self.waiting.append(seq)
 
     def has_room(self) -> bool:
         """Whether one more sequence may run now (a sequence slot is free)."""
@@ -109,7 +129,8 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.cfg.max_num_batched_tokens
         kept: list[Sequence] = []
-        queue = list(self.running)
+        # served in order, and preempted from the back: FCFS keeps arrival order, priority the best rank first
+        queue = sorted(self.running, key=self.cfg.rank) if self.cfg.policy == "priority" else list(self.running)
         while queue:
             seq = queue.pop(0)
             if budget <= 0 or (seq.kv_elsewhere and out.scheduled):
@@ -122,7 +143,7 @@ class Scheduler:
                 if proposed:  # lookahead slots for drafts are the first thing to give up
                     proposed = []
                     continue
-                # preempt the newest running sequence that is not yet scheduled; else this one
+                # preempt the last running sequence not yet scheduled (newest, or worst-ranked); else this one
                 victim = queue.pop() if queue else seq
                 self._preempt(victim)
                 out.preempted.append(victim)
@@ -158,7 +179,10 @@ class Scheduler:
         seq.num_preemptions += 1
         self.num_preemptions += 1
         seq.transition(Status.PREEMPTED)
-        self.waiting.appendleft(seq)
+        if self.cfg.policy == "priority":
+            bisect.insort(self.waiting, seq, key=self.cfg.rank)
+        else:
+            self.waiting.appendleft(seq)  # it arrived before anything still waiting
 
     def finish(self, seq: Sequence, status: Status) -> None:
         """Free a sequence's blocks and move it to a finished state, wherever it is."""

@@ -11,7 +11,7 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from fleetllm.engine.params import InvalidParameter, SamplingParams
+from fleetllm.engine.params import PRIORITY_MAX, PRIORITY_MIN, InvalidParameter, SamplingParams
 
 
 class APIError(Exception):
@@ -95,6 +95,17 @@ def request_timeout(body: Mapping[str, Any], headers: Mapping[str, str]) -> floa
     return float(value)
 
 
+def request_priority(body: Mapping[str, Any]) -> int:
+    """The request's ``priority`` (0 when absent): APIError 400 naming it unless an integer in range."""
+    value = body.get("priority")
+    if value is None:
+        return 0
+    if isinstance(value, bool) or not isinstance(value, int) or not PRIORITY_MIN <= value <= PRIORITY_MAX:
+        raise APIError(400, f"priority must be an integer in [{PRIORITY_MIN}, {PRIORITY_MAX}], got "
+                            f"{json.dumps(value)[:40]}", "priority")
+    return value
+
+
 def sampling_from_body(body: dict[str, Any], chat: bool) -> SamplingParams:
     """Build :class:`SamplingParams` from an OpenAI request body (chat or completions)."""
     reject_unsupported(body)
@@ -135,6 +146,7 @@ def sampling_from_body(body: dict[str, Any], chat: bool) -> SamplingParams:
             logprobs=logprobs,
             skip_special_tokens=bool(body.get("skip_special_tokens", True)),
             n=_num(body, "n", int, 1),
+            priority=request_priority(body),
         )
     except InvalidParameter as e:
         param = e.param

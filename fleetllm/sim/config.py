@@ -21,6 +21,8 @@ class SimConfig:
     max_num_seqs: int = EngineConfig.max_num_seqs
     max_num_batched_tokens: int = EngineConfig.max_num_batched_tokens
     max_waiting: int = EngineConfig.max_waiting
+    scheduling_policy: str = EngineConfig.scheduling_policy
+    priority_aging_s: float = EngineConfig.priority_aging_s
     num_blocks: int | None = None  # default: the profile's
     block_size: int | None = None  # default: the profile's
     enable_prefix_caching: bool = True

@@ -23,6 +23,7 @@ def sim_engine(cfg: SimConfig, tokenizer: TokenizerWrapper, model_config: ModelC
         max_model_len=cfg.max_model_len, max_num_seqs=cfg.max_num_seqs,
         max_num_batched_tokens=cfg.max_num_batched_tokens, max_waiting=cfg.max_waiting,
         enable_prefix_caching=cfg.enable_prefix_caching, metric_labels=identity or {},
+        scheduling_policy=cfg.scheduling_policy, priority_aging_s=cfg.priority_aging_s,
     )
     executor = TimingExecutor(SimulatedModel(cfg.model_name, model_config, tokenizer), profile, num_blocks, cfg.speed)
     return LLMEngine(engine_cfg, executor=executor, default_max_tokens=cfg.default_max_tokens)
