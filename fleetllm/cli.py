@@ -597,7 +597,8 @@ def cmd_keys(args: argparse.Namespace) -> int:
     if args.keys_command == "create":
         rec, key = store.create(args.name, models=args.models.split(",") if args.models else [],
                                 rpm_limit=args.rpm_limit, tpm_limit=args.tpm_limit,
-                                max_parallel_requests=args.max_parallel_requests, admin=args.admin)
+                                max_parallel_requests=args.max_parallel_requests,
+                                priority_floor=args.priority_floor, admin=args.admin)
         print(f"{rec.id}  {key}\n(the key is shown once; {args.file} keeps only its hash)")
     elif args.keys_command == "revoke":
         try:
@@ -620,6 +621,9 @@ def add_keys_parser(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--rpm-limit", type=int, default=None, help="requests per minute")
     c.add_argument("--tpm-limit", type=int, default=None, help="prompt + output tokens per minute")
     c.add_argument("--max-parallel-requests", type=int, default=None, help="requests in flight at once")
+    c.add_argument("--priority-floor", type=int, default=None,
+                   help="the most urgent priority its requests may ask for (more urgent ones, the default 0 "
+                        "included, are served at this one)")
     c.add_argument("--admin", action="store_true", help="may read /metrics, /router/state and /admin/*")
     ks.add_parser("ls", help="every key's id, name, limits (never the key)")
     r = ks.add_parser("revoke", help="refuse a key from the next request on")

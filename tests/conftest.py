@@ -43,6 +43,7 @@ import pytest  # noqa: E402
 from fleet_helpers import ThreadServer, free_port, kv_sized  # noqa: E402
 
 if TYPE_CHECKING:
+    from fleetllm.fleet.redis_server import RedisServer
     from fleetllm.models.loader import LoadedModel
 
 MODEL = "smollm2-135m"
@@ -324,5 +325,17 @@ class S3Server:
 def s3_server() -> Iterator[S3Server]:
     """The session's S3 + KMS endpoint (started on first use, stopped at the end of the session)."""
     server = S3Server()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def redis_server() -> Iterator[RedisServer]:
+    """One ``redis-server`` for the whole session on a free 127.0.0.1 port, nothing kept on disk; stopped at
+    the end. Tests share it: each names its own keys (a fresh API key id, say). A test that kills it must
+    ``start()`` it again before it ends (same port, empty)."""
+    from fleetllm.fleet.redis_server import RedisServer
+
+    server = RedisServer().start()
     yield server
     server.stop()

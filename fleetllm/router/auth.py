@@ -3,8 +3,9 @@
 Off unless the router has a keys file. With it: ``/v1/*`` needs ``Authorization: Bearer <key>`` (401
 without a live key, 403 for a model the key may not use, 429 with ``Retry-After`` past a limit), and
 a key marked ``admin`` opens ``/router/state`` and ``/admin/*`` as the admin token does. Usage (requests, prompt and
-output tokens) is metered per key id. The key itself is never logged, counted or forwarded: the router
-presents its own worker secret upstream instead.
+output tokens) is metered per key id. With ``--state-url`` the limits are counted in Redis, shared by every
+router of the fleet (:mod:`fleetllm.router.shared_limits`). The key itself is never logged, counted or
+forwarded: the router presents its own worker secret upstream instead.
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter
 
-from fleetllm.router.keys import KeyLimiter, KeyRecord, KeyStore
+from fleetllm.router.keys import KeyLimiter, KeyRecord, KeyStore, Refusal
+from fleetllm.router.shared_limits import SharedLimiter
 from fleetllm.server.protocol import APIError
 
 
@@ -29,6 +31,7 @@ class KeyGate:
     store: KeyStore
     limiter: KeyLimiter
     registry: CollectorRegistry
+    shared: SharedLimiter | None = None  # --state-url: limits counted in a store every router shares
     usage: dict[str, Usage] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -55,24 +58,45 @@ class KeyGate:
             raise APIError(401, "a valid API key is required: send `Authorization: Bearer <key>`")
         return rec
 
-    def admit(self, authorization: str | None, model: str | None) -> KeyRecord:
-        """The caller's key record, its request counted; raises a 401 / 403 / 429 ``APIError``."""
+    def identify(self, authorization: str | None, model: str | None) -> KeyRecord:
+        """The caller's key record, allowed ``model``; raises a 401 / 403 ``APIError`` (limits not checked)."""
         rec = self.require_live(authorization)
         if not rec.allows(model):
             self.requests.labels(key=rec.id, outcome="forbidden").inc()
             raise APIError(403, f"key {rec.id} may not use model `{model}`", "model")
-        refusal = self.limiter.admit(rec)
+        return rec
+
+    async def limit(self, rec: KeyRecord) -> Refusal | None:
+        """Count one request of ``rec`` against its limits (shared by every router with a state store);
+        the refusal when one is reached (nothing counted then)."""
+        refusal = await self.shared.admit(rec) if self.shared is not None else self.limiter.admit(rec)
+        return self._counted(rec, refusal)
+
+    def admit(self, authorization: str | None, model: str | None) -> KeyRecord:
+        """The caller's key record, its request counted by this router alone; raises a 401 / 403 / 429."""
+        rec = self.identify(authorization, model)
+        refusal = self._counted(rec, self.limiter.admit(rec))
+        if refusal is not None:
+            raise self.refusal_error(refusal)
+        return rec
+
+    def _counted(self, rec: KeyRecord, refusal: Refusal | None) -> Refusal | None:
         if refusal is not None:
             self.requests.labels(key=rec.id, outcome="limited").inc()
-            retry = str(max(1, int(refusal.retry_after + 0.999))) if refusal.retry_after is not None else "1"
-            raise APIError(refusal.status, refusal.message, headers={"Retry-After": retry})
+            return refusal
         self.requests.labels(key=rec.id, outcome="admitted").inc()
         self.usage.setdefault(rec.id, Usage()).requests += 1
-        return rec
+        return None
+
+    @staticmethod
+    def refusal_error(refusal: Refusal) -> APIError:
+        """A refusal as the client's error, with ``Retry-After`` in whole seconds."""
+        retry = str(max(1, int(refusal.retry_after + 0.999))) if refusal.retry_after is not None else "1"
+        return APIError(refusal.status, refusal.message, headers={"Retry-After": retry})
 
     def done(self, rec: KeyRecord, prompt_tokens: int, completion_tokens: int) -> None:
         """A request of ``rec`` ended: free its parallel slot and meter its tokens."""
-        self.limiter.done(rec, prompt_tokens + completion_tokens)
+        (self.shared or self.limiter).done(rec, prompt_tokens + completion_tokens)
         u = self.usage.setdefault(rec.id, Usage())
         u.prompt_tokens += prompt_tokens
         u.completion_tokens += completion_tokens

@@ -11,6 +11,7 @@ from typing import Literal
 from fleetllm.cli_options import opt
 from fleetllm.disagg.pd_auto import pd_threshold_value
 from fleetllm.router.policies import POLICY_NAMES, CostModel
+from fleetllm.router.state_url import state_url_value
 
 
 @dataclass
@@ -73,6 +74,10 @@ class RouterConfig:
                                              "/router/state): read from this file, minted into it (mode 0600) "
                                              "when it does not exist; default: minted into a new private "
                                              "directory, its path printed")
+    state_url: str | None = opt(None, "Redis server every router of the fleet shares (redis://[:PASSWORD@]HOST:PORT"
+                                      "[/DB] or rediss://): the keys' limits hold across all of them; unreachable, "
+                                      "this router limits alone until it is back (default: alone)",
+                                parse=state_url_value, metavar="URL")
     worker_ca_file: str | None = opt(None, "CA bundle (PEM) that signed the workers' certificates: https:// worker "
                                            "URLs are verified against it (default: the system's CAs)")
     kv_events_config: str | None = opt(None, "the vLLM workers' --kv-events-config JSON: the router subscribes to "

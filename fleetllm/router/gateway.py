@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import ssl
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -48,6 +49,9 @@ from fleetllm.router.policies import RouteRequest, make_policy
 from fleetllm.router.request_id import HEADER as REQUEST_ID_HEADER
 from fleetllm.router.request_id import mint
 from fleetllm.router.sessions import ResponseSessions, resend_body
+from fleetllm.router.shared_limits import SharedLimiter
+from fleetllm.router.state_url import redact
+from fleetllm.router.tenancy import TenantMetrics, effective_priority
 from fleetllm.router.tokens import PromptTokenizer, block_hashes
 from fleetllm.router.traffic import TrafficSplit, parse_weights
 from fleetllm.router.transport import PerHostTransport
@@ -58,6 +62,8 @@ from fleetllm.server.body_limit import DEFAULT_MAX_BODY_BYTES
 from fleetllm.server.openapi import openapi_schema
 from fleetllm.server.protocol import APIError, json_object
 from fleetllm.server.worker_secret import matches, worker_secret
+
+log = logging.getLogger(__name__)
 
 
 class Router:
@@ -91,7 +97,11 @@ class Router:
         self.secret = worker_secret()  # presented to fleetllm workers (fleetllm/router/worker_auth.py)
         # (fleetllm/router/admin_token.py) none configured: only admin keys open the admin routes
         self.admin_token = read_token(cfg.admin_token_file) if cfg.admin_token_file else None
-        self.gate = KeyGate(KeyStore(cfg.keys_file), KeyLimiter(), self.metrics.registry) if cfg.keys_file else None
+        # --state-url: the keys' limits counted in one store for every router (else each router counts alone)
+        self.shared = SharedLimiter(cfg.state_url, self.metrics.registry) if cfg.state_url else None
+        self.gate = (KeyGate(KeyStore(cfg.keys_file), KeyLimiter(), self.metrics.registry, self.shared)
+                     if cfg.keys_file else None)
+        self.tenants = TenantMetrics(self.metrics.registry)
         # these four live while the app runs (they share the HTTP client its lifespan opens)
         self.client: httpx.AsyncClient | None = None
         self.forwarder: Forwarder | None = None
@@ -215,14 +225,28 @@ class Router:
         if self.capture is not None:
             self.capture.start()
         tasks = [asyncio.create_task(run(self), name=f"background-{i}") for i, run in enumerate(self.background)]
+        self._log_state()
         yield
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         await self.monitor.stop()
+        if self.shared is not None:
+            await self.shared.close()
         if self.capture is not None:
             await asyncio.to_thread(self.capture.close)  # SIGTERM flushes the capture spool
         await self.client.aclose()
+
+    def _log_state(self) -> None:
+        """One line at start: whether this router's limits are shared with the fleet's other routers."""
+        if self.cfg.state_url:
+            log.info("router state shared through %s: keys' limits hold across every router using it",
+                     redact(self.cfg.state_url))
+        elif self.gate is not None:
+            log.warning("router state is this router's own (no --state-url): each router of the fleet enforces "
+                        "the keys' limits alone, so N routers admit up to N times a key's limit")
+        else:
+            log.info("router state is this router's own (no --state-url)")
 
     def _on_worker_change(self, w: WorkerState) -> None:
         self.metrics.healthy.labels(worker=w.name, zone=w.zone).set(1 if w.healthy else 0)
@@ -304,10 +328,10 @@ class Router:
         try:
             raw = await request.body()
             body = json_object(raw)
-            if self.gate is not None:
-                model = body.get("model")
-                key = self.gate.admit(request.headers.get("authorization"),
-                                      self.cfg.aliases.get(model, model) if isinstance(model, str) else None)
+            asked = body.get("priority")
+            key, priority = await self._admit(request, body)
+            if body.get("priority") != asked:  # clamped to the key's floor: the workers serve it there
+                raw = json.dumps(body).encode()
             name, group = self._group(body.get("model"))
             held = await self._wait_for_copy(name, group)
             if held is not None:
@@ -322,11 +346,26 @@ class Router:
             body["model"] = name
             raw = json.dumps(body).encode()
         self.metrics.model_requests.labels(model=name or "").inc()
-        return await self._forward(request, raw, body, name, group, t0, key, held, fid, tap)
+        self.tenants.admitted(key, priority)
+        return await self._forward(request, raw, body, name, group, t0, (key, priority), held, fid, tap)
+
+    async def _admit(self, request: Request, body: dict[str, Any]) -> tuple[KeyRecord | None, int]:
+        """The caller's key (None without keys) and the request's priority as served; 400 / 401 / 403 / 429."""
+        if self.gate is None:
+            return None, effective_priority(body, None)
+        model = body.get("model")
+        rec = self.gate.identify(request.headers.get("authorization"),
+                                 self.cfg.aliases.get(model, model) if isinstance(model, str) else None)
+        priority = effective_priority(body, rec)
+        refusal = await self.gate.limit(rec)
+        if refusal is not None:
+            self.tenants.refused(rec, priority, refusal.reason)
+            raise self.gate.refusal_error(refusal)
+        return rec, priority
 
     async def _forward(self, request: Request, raw: bytes, body: dict[str, Any], name: str | None,
-                       group: list[WorkerState], t0: float, key: KeyRecord | None, held: float | None,
-                       fid: str, tap: RequestTap | None) -> Response:
+                       group: list[WorkerState], t0: float, tenant: tuple[KeyRecord | None, int],
+                       held: float | None, fid: str, tap: RequestTap | None) -> Response:
         prefill_pool = [w for w in group if w.role == "prefill"]
         group = [w for w in group if w.role != "prefill"]
         # --pd-threshold auto without prefill workers: another worker of the model may prefill, when it wins
@@ -350,15 +389,24 @@ class Router:
             self._follow_session(fwd)
         if held is not None:
             fwd.response_headers["x-fleetllm-cold-start-ms"] = f"{held * 1000:.0f}"
+        key, priority = tenant
         if key is not None:
-            gate = self.gate
-            fwd.on_end = lambda prompt, completion: gate.done(key, prompt, completion)
+            gate, tenants = self.gate, self.tenants
+
+            def on_end(prompt: int, completion: int) -> None:
+                gate.done(key, prompt, completion)
+                tenants.used(key, priority, prompt, completion)
+
+            fwd.on_end = on_end
         assert self.forwarder is not None and self.remote_prefill is not None
         pd = self.remote_prefill
         pool = group if peers else prefill_pool  # (peers: of the variant chosen)
         prepare = (lambda d: pd.maybe_disaggregate(d, fwd, pool)) if pool else None
         policy = self.model_policies.get(name, self.policy) if name else self.policy
-        return await self.forwarder.forward(fwd, group, policy, prepare)
+        response = await self.forwarder.forward(fwd, group, policy, prepare)
+        if fwd.dispatched is not None:
+            self.tenants.queued(key, priority, fwd.dispatched - t0)
+        return response
 
     def _follow_session(self, fwd: Forward) -> None:
         """A Responses turn: recorded when answered; a follow-up pinned to its previous turn's worker."""

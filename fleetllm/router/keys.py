@@ -47,6 +47,9 @@ class KeyRecord:
     rpm_limit: int | None = None
     tpm_limit: int | None = None
     max_parallel_requests: int | None = None
+    # the most urgent `priority` its requests may ask for: a request asking for a more urgent one (a smaller
+    # number, the default 0 included) is served at this one instead (None: any priority)
+    priority_floor: int | None = None
     admin: bool = False  # may read /metrics, /router/state and the admin endpoints
     created: float = 0.0
     revoked: bool = False
@@ -139,6 +142,7 @@ class Refusal:
     status: int
     message: str
     retry_after: float | None = None
+    reason: str = ""  # the limit that refused it: rpm_limit, tpm_limit or max_parallel_requests
 
 
 class KeyLimiter:
@@ -165,13 +169,14 @@ class KeyLimiter:
         while toks and toks[0][0] <= now - self.window_s:
             toks.popleft()
         if rec.max_parallel_requests is not None and self._parallel.get(rec.id, 0) >= rec.max_parallel_requests:
-            return Refusal(429, f"key {rec.id}: max_parallel_requests ({rec.max_parallel_requests}) reached", 1.0)
+            return Refusal(429, f"key {rec.id}: max_parallel_requests ({rec.max_parallel_requests}) reached", 1.0,
+                           "max_parallel_requests")
         if rec.rpm_limit is not None and len(reqs) >= rec.rpm_limit:
             return Refusal(429, f"key {rec.id}: rpm_limit ({rec.rpm_limit} per {self.window_s:g}s) reached",
-                           reqs[0] + self.window_s - now)
+                           reqs[0] + self.window_s - now, "rpm_limit")
         if rec.tpm_limit is not None and sum(n for _, n in toks) >= rec.tpm_limit:
             return Refusal(429, f"key {rec.id}: tpm_limit ({rec.tpm_limit} per {self.window_s:g}s) reached",
-                           toks[0][0] + self.window_s - now)
+                           toks[0][0] + self.window_s - now, "tpm_limit")
         reqs.append(now)
         self._parallel[rec.id] = self._parallel.get(rec.id, 0) + 1
         return None
