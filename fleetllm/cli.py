@@ -28,6 +28,7 @@ from fleetllm.engine.config import EngineConfig
 from fleetllm.errors import UsageError, did_you_mean, existing_file, one_line
 from fleetllm.fleet.runfile import RunDirOption
 from fleetllm.router.config import RouterConfig
+from fleetllm.router.state_url import fleet_state_url_value
 from fleetllm.server.body_limit import DEFAULT_MAX_BODY_BYTES
 from fleetllm.server.config import KVEventsOptions, ObservabilityConfig
 from fleetllm.server.header_timeout import DEFAULT_HEADER_TIMEOUT_S
@@ -124,6 +125,9 @@ class ServeOptions:
     port: int | None = opt(None, "router port (default: the config's, else 8000); workers use the next ones")
     ray: str | None = opt(None, "run every copy as an actor on this Ray cluster (auto or HOST:PORT); the "
                                 "config's `ray:` block gives the rest")
+    state_url: str | None = opt(None, "the router's shared state (fleetllm router --state-url), or auto: a private "
+                                      "redis-server on a free 127.0.0.1 port, stopped with the fleet (overrides the "
+                                      "config's state_url)", parse=fleet_state_url_value, metavar="URL|auto")
 
 
 def load_profile(args: argparse.Namespace):  # -> TimingProfile
@@ -447,6 +451,8 @@ def fleet_config(args: argparse.Namespace):  # -> FleetConfig
         cfg.pd_threshold = args.pd_threshold
     cfg.host, cfg.port = args.host or cfg.host, args.port or cfg.port
     cfg.policy = args.policy or cfg.policy
+    cfg.keys_file = args.keys_file or cfg.keys_file
+    cfg.state_url = args.state_url or cfg.state_url
     cfg.restart = cfg.restart and args.restart  # on unless the YAML or --no-restart turns it off
     if args.log_dir:
         cfg.log_dir = args.log_dir
@@ -545,8 +551,8 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     add_options(s, RunDirOption)
     add_options(s, EngineConfig, only=["model", "speculative"], title="every real worker")
     # None: the fleet config's value stands unless the flag is given (the help shows the router's default).
-    add_options(s, RouterConfig, only=["policy", "pd_threshold"], title="router",
-                defaults={"policy": None, "pd_threshold": None})
+    add_options(s, RouterConfig, only=["policy", "pd_threshold", "keys_file"], title="router",
+                defaults={"policy": None, "pd_threshold": None, "keys_file": None})
     add_options(s, ObservabilityConfig, only=["otlp_endpoint"], title="router and every worker")
     # None: the fleet YAML's capture block stands unless a flag is given
     add_options(s, CaptureConfig, title="capture (router and every worker)",

@@ -59,6 +59,7 @@ from fleetllm.capture.config import CaptureConfig
 from fleetllm.errors import UsageError, existing_file, unknown_key, yaml_error
 from fleetllm.fleet.autoscaler import ScalingPolicy
 from fleetllm.fleet.cluster import Domain, Identity
+from fleetllm.router.state_url import fleet_state_url_value
 
 ROLES = ("both", "prefill", "decode")
 
@@ -183,6 +184,9 @@ class FleetConfig:
     restart: bool = True  # restart worker processes that die (a dead engine exits non-zero)
     keys_file: str | None = None  # API keys on: the router admits only keys of this file (fleetllm keys)
     admin_token_file: str | None = None  # the router's admin token (default: admin-token in log_dir), read or minted
+    # the router's shared state (its --state-url: redis://HOST:PORT), or "auto": a private redis-server started
+    # and stopped with the fleet; several routers (or fleets) given one store enforce each key's limits together
+    state_url: str | None = None
     pd_threshold: int | str | None = None  # router: disaggregate above this many uncached prompt tokens (default
     # 4096), or "auto": when the router expects the P/D path to delay requests less (fleetllm/disagg/pd_auto.py)
     log_dir: str | None = None
@@ -194,6 +198,8 @@ class FleetConfig:
     domain: Domain | None = None  # Kubernetes: the router's public host name (Ingress, TLS, external-dns)
 
     def __post_init__(self) -> None:
+        if self.state_url is not None:
+            self.state_url = fleet_state_url_value(str(self.state_url))
         names: dict[str, str] = {}
         for m in self.models:
             for n in [m.served_name, *m.aliases]:

@@ -36,10 +36,12 @@ from fleetllm.errors import UsageError, one_line
 from fleetllm.fleet import runfile
 from fleetllm.fleet.config import FleetConfig, ModelSpec
 from fleetllm.fleet.placement import Copy, Placer, place
+from fleetllm.fleet.redis_server import RedisServer, RedisUnavailable
 from fleetllm.fleet.router_args import model_router_args
 from fleetllm.router.admin_token import FILE_NAME as ADMIN_TOKEN_FILE
 from fleetllm.router.admin_token import load_or_mint
 from fleetllm.router.backends import fleetllm_spec
+from fleetllm.router.state_url import AUTO
 from fleetllm.server.pinning import format_cpus
 from fleetllm.server.worker_secret import ENV as SECRET_ENV
 from fleetllm.server.worker_secret import worker_secret
@@ -221,6 +223,8 @@ class Fleet:
             args += ["--pd-threshold", str(cfg.pd_threshold)]
         if cfg.keys_file:
             args += ["--keys-file", cfg.keys_file]
+        if cfg.state_url:  # run_fleet has started the store by now when it is `auto`
+            args += ["--state-url", cfg.state_url]
         return args + ["--admin-token-file", str(self.admin_token_file)] + cfg.router_args
 
     # ---- copies added and removed while the fleet runs (the autoscaler's hands) ---------------------
@@ -368,9 +372,26 @@ def _terminate(procs: list[Proc], grace_s: float) -> None:
             p.popen.wait()  # type: ignore[union-attr]
 
 
+def _with_private_store(cfg: FleetConfig, state_file: Path | None) -> int:
+    """``run_fleet`` with a redis-server of its own as the router's ``--state-url``."""
+    try:
+        store = RedisServer().start()
+    except RedisUnavailable as e:
+        print(f"fleet failed to start: --state-url auto: {e}", file=sys.stderr)
+        return 1
+    cfg.state_url = store.url
+    try:
+        return run_fleet(cfg, state_file)
+    finally:
+        store.stop()
+
+
 def run_fleet(cfg: FleetConfig, state_file: Path | None = None) -> int:
     """``fleetllm serve``: start the fleet, serve until SIGINT/SIGTERM, stop it cleanly. Once ready it
-    leaves ``state_file`` (:mod:`fleetllm.fleet.runfile`) for ``fleetllm fleet restart`` and removes it on exit."""
+    leaves ``state_file`` (:mod:`fleetllm.fleet.runfile`) for ``fleetllm fleet restart`` and removes it on exit.
+    ``state_url: auto`` starts a private redis-server first and stops it last."""
+    if cfg.state_url == AUTO:
+        return _with_private_store(cfg, state_file)
     try:
         if cfg.ray is not None:
             from fleetllm.fleet.ray_launcher import RayFleet

@@ -115,7 +115,7 @@ class SharedLimiter:
                 member, self.lease_ms]
         try:
             code, retry_ms = await self._admit(keys=keys, args=args)
-        except (RedisError, OSError) as e:
+        except Exception as e:  # whatever goes wrong with the store, the request goes on (limited here)
             self._degrade(e)
             return self._admit_locally(rec)
         if code:
@@ -142,7 +142,7 @@ class SharedLimiter:
         try:
             await self._done(keys=[PREFIX + rec.id + ":tok", PREFIX + rec.id + ":par"],
                              args=[member, tokens, self.window_ms])
-        except (RedisError, OSError) as e:  # the slot's lease lapses by itself
+        except Exception as e:  # the slot's lease lapses by itself
             self._degrade(e)
 
     def _admit_locally(self, rec: KeyRecord) -> Refusal | None:

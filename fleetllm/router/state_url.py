@@ -7,10 +7,18 @@ reaches a log line: :func:`redact` replaces it.
 
 from __future__ import annotations
 
+import argparse
 from urllib.parse import urlsplit, urlunsplit
+
+from fleetllm.errors import UsageError
 
 AUTO = "auto"
 SCHEMES = ("redis", "rediss")
+
+
+class StateURLError(UsageError, argparse.ArgumentTypeError):
+    """A --state-url that is no Redis URL: one line, the password redacted (argparse prints an
+    ``ArgumentTypeError``'s message as it is)."""
 
 
 def fleet_state_url_value(text: str) -> str:
@@ -28,7 +36,7 @@ def state_url_value(text: str) -> str:
     except ValueError:
         ok = False
     if not ok:
-        raise ValueError(f"--state-url takes redis://HOST:PORT or rediss://HOST:PORT (fleetllm serve: or auto), "
+        raise StateURLError(f"a state URL is redis://HOST:PORT or rediss://HOST:PORT (fleetllm serve: or auto), "
                          f"not {redact(text)!r}")
     return text
 

@@ -157,3 +157,24 @@ def test_a_traffic_split_is_a_stable_weighted_choice_among_the_variants_that_are
     for bad in ("stable", "stable:x", "a:-1", "a:0"):
         with pytest.raises(ValueError):
             parse_weights(bad)
+
+
+def test_serve_flags_for_keys_and_shared_state_override_the_yaml_and_reach_the_router(tmp_path):
+    from fleetllm.cli import build_parser, fleet_config
+
+    yaml_path = tmp_path / "fleet.yaml"
+    yaml_path.write_text("state_url: redis://127.0.0.1:1\nkeys_file: yaml-keys.yaml\n"
+                         "models: [{source: smollm2-135m, engine: {scheduling_policy: priority}}]\n")
+    args = build_parser().parse_args(["serve", "--config", str(yaml_path), "--state-url", "redis://:pw@10.0.0.9:6380",
+                                      "--keys-file", "flag-keys.yaml", "--log-dir", str(tmp_path)])
+    f = Fleet(fleet_config(args))
+    rcmd = f.router.cmd
+    assert rcmd[rcmd.index("--state-url") + 1] == "redis://:pw@10.0.0.9:6380"
+    assert rcmd[rcmd.index("--keys-file") + 1] == "flag-keys.yaml"
+    assert f.workers[0].cmd[f.workers[0].cmd.index("--scheduling-policy") + 1] == "priority"
+
+
+@pytest.mark.parametrize("url", ["http://127.0.0.1:6379", "redis://", "127.0.0.1:6379"])
+def test_a_state_url_that_is_not_a_redis_url_is_refused(url):
+    with pytest.raises(ValueError, match="redis://HOST:PORT"):
+        FleetConfig.from_dict({"state_url": url})

@@ -136,7 +136,7 @@ def test_every_grafana_panel_query_runs(prom: Prometheus) -> None:
 MUST_HAVE_DATA = {
     "performance": ["ttft", "itl", "e2e", "throughput", "requests", "phases", "ttfb"],
     "capacity": ["kv", "running", "waiting", "load", "zones", "replica_tps", "prefix", "decisions", "cpu"],
-    "reliability": ["errors", "status", "health", "coldstart"],
+    "reliability": ["errors", "status", "health", "coldstart", "tenant_requests", "tenant_queue"],
 }
 
 # the page's own Prometheus text parser on escapes, +Inf, NaN and a sample without labels

@@ -117,3 +117,34 @@ def test_a_router_started_alone_mints_an_admin_token_and_prints_its_file(tmp_pat
     first = (tmp_path / "t").read_text()
     admin_token_file(given)
     assert (tmp_path / "t").read_text() == first  # an existing file is read, never rewritten
+
+
+@pytest.mark.slow
+def test_serve_with_state_url_auto_runs_a_private_redis_for_its_router_and_stops_it_with_the_fleet(tmp_path):
+    import re
+    import socket
+
+    from fleetllm.router.keys import KeyStore
+
+    keys = KeyStore(tmp_path / "keys.yaml")
+    _, key = keys.create("team", rpm_limit=100)
+    _, admin = keys.create("ops", admin=True)
+    port = free_ports(2)
+    p, log = start_serve("--simulate", "--replicas", "1", "--state-url", "auto", "--keys-file", str(keys.path),
+                         "--log-dir", str(tmp_path / "logs"), port=port)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        r = httpx.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=30,
+                       headers={"authorization": f"Bearer {key}"})
+        assert r.status_code == 200
+        metrics = httpx.get(url + "/metrics?federate=0", headers={"authorization": f"Bearer {admin}"}).text
+        assert "fleetllm:router_state_degraded 0.0" in metrics
+        store = int(re.search(r"router state shared through redis://127\.0\.0\.1:(\d+)",
+                              (tmp_path / "logs" / "router.log").read_text()).group(1))
+        socket.create_connection(("127.0.0.1", store), timeout=2).close()
+    finally:
+        p.send_signal(signal.SIGINT)
+        assert p.wait(timeout=60) == 0
+    with pytest.raises(OSError):
+        socket.create_connection(("127.0.0.1", store), timeout=2).close()
+    log.unlink()
