@@ -27,6 +27,9 @@ CASES: list[tuple[list[str], str]] = [
     (["serv"], "did you mean `serve`"),
     # worker
     (["worker", "--model", "{tmp}/none.gguf"], "not found"),
+    (["worker", "--scheduling-policy", "lifo"], "invalid choice"),
+    (["router", "--state-url", "memcached://127.0.0.1:11211"], "redis://HOST:PORT"),
+    (["serve", "--state-url", "redis://:secret@"], "redis://:***@"),
     (["worker", "--model", "hf://just-a-name"], "hf://org/name"),
     (["worker", "--model", "gs://bucket/model"], "not a store URI"),
     (["worker", "--tls-certfile", "{tmp}/cert.pem"], "--tls-keyfile"),
@@ -79,6 +82,7 @@ CASES: list[tuple[list[str], str]] = [
     (["keys", "--file", "{tmp}", "ls"], "cannot be read"),
     (["keys", "--file", "{tmp}/top.yaml", "ls"], "not a keys file"),
     (["keys", "create", "--rpm-limit", "many"], "invalid int value"),
+    (["keys", "create", "--priority-floor", "soon"], "invalid int value"),
     (["keys", "create", "--file", "{tmp}/keys.yaml"], "give it before `create`"),
     # capture
     (["capture", "ls", "{tmp}/no-captures"], "no such"),

@@ -372,8 +372,12 @@ def _terminate(procs: list[Proc], grace_s: float) -> None:
             p.popen.wait()  # type: ignore[union-attr]
 
 
-def _with_private_store(cfg: FleetConfig, state_file: Path | None) -> int:
-    """``run_fleet`` with a redis-server of its own as the router's ``--state-url``."""
+def run_fleet(cfg: FleetConfig, state_file: Path | None = None) -> int:
+    """``fleetllm serve``: start the fleet, serve until SIGINT/SIGTERM, stop it cleanly. Once ready it
+    leaves ``state_file`` (:mod:`fleetllm.fleet.runfile`) for ``fleetllm fleet restart`` and removes it on exit.
+    ``state_url: auto`` starts a private redis-server first (the router's ``--state-url``) and stops it last."""
+    if cfg.state_url != AUTO:
+        return _serve(cfg, state_file)
     try:
         store = RedisServer().start()
     except RedisUnavailable as e:
@@ -381,17 +385,13 @@ def _with_private_store(cfg: FleetConfig, state_file: Path | None) -> int:
         return 1
     cfg.state_url = store.url
     try:
-        return run_fleet(cfg, state_file)
+        return _serve(cfg, state_file)
     finally:
         store.stop()
 
 
-def run_fleet(cfg: FleetConfig, state_file: Path | None = None) -> int:
-    """``fleetllm serve``: start the fleet, serve until SIGINT/SIGTERM, stop it cleanly. Once ready it
-    leaves ``state_file`` (:mod:`fleetllm.fleet.runfile`) for ``fleetllm fleet restart`` and removes it on exit.
-    ``state_url: auto`` starts a private redis-server first and stops it last."""
-    if cfg.state_url == AUTO:
-        return _with_private_store(cfg, state_file)
+def _serve(cfg: FleetConfig, state_file: Path | None) -> int:
+    """:func:`run_fleet` once its state store (if any) is up."""
     try:
         if cfg.ray is not None:
             from fleetllm.fleet.ray_launcher import RayFleet

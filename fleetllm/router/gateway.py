@@ -98,7 +98,9 @@ class Router:
         # (fleetllm/router/admin_token.py) none configured: only admin keys open the admin routes
         self.admin_token = read_token(cfg.admin_token_file) if cfg.admin_token_file else None
         # --state-url: the keys' limits counted in one store for every router (else each router counts alone)
-        self.shared = SharedLimiter(cfg.state_url, self.metrics.registry) if cfg.state_url else None
+        # (a request's parallel slot is a lease that outlives its longest forward, should this router die)
+        self.shared = (SharedLimiter(cfg.state_url, self.metrics.registry, lease_s=cfg.request_timeout_s + 60)
+                       if cfg.state_url else None)
         self.gate = (KeyGate(KeyStore(cfg.keys_file), KeyLimiter(), self.metrics.registry, self.shared)
                      if cfg.keys_file else None)
         self.tenants = TenantMetrics(self.metrics.registry)

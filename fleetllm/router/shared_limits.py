@@ -87,7 +87,7 @@ class SharedLimiter:
     """:class:`KeyLimiter`'s limits in Redis at ``url``, with ``local`` as the fallback while Redis is out."""
 
     def __init__(self, url: str, registry: CollectorRegistry, local: KeyLimiter | None = None,
-                 lease_s: float = 3600.0, probe_s: float = 1.0, timeout_s: float = 0.5) -> None:
+                 lease_s: float = 660.0, probe_s: float = 1.0, timeout_s: float = 0.5) -> None:
         self.url = url
         self.local = local or KeyLimiter()
         self.window_ms = int(self.local.window_s * 1000)
