@@ -1,8 +1,8 @@
 """A key's limits held in Redis (``--state-url``), so that every router of a fleet counts against one window.
 
 Per key id (limits are per key, whichever fleet a router serves), under ``fleetllm:rl:<key id>:``:
-``req`` a sorted set of the requests admitted (scored by admission time, trimmed to the window),
-``tok`` a hash of tokens per second of the window, ``par`` a sorted set of the requests in flight scored by
+``req`` a sorted set of the requests admitted (scored by admission time in ms, trimmed to the window),
+``tok`` a hash of tokens per second of the window (a second partly in the window counts whole), ``par`` a sorted set of the requests in flight scored by
 a lease's expiry (a router that dies mid-request leaks nothing: its leases lapse). One Lua script checks
 all three limits and counts the request atomically, on the Redis server's own clock, so routers whose
 clocks differ still share one window; the semantics are :class:`~fleetllm.router.keys.KeyLimiter`'s.
@@ -52,7 +52,7 @@ if tpm >= 0 then
   local buckets = redis.call('HGETALL', KEYS[2])
   for i = 1, #buckets, 2 do
     local s = tonumber(buckets[i])
-    if s <= first then
+    if s < first then  -- the window's first second still counts, whole: a token limit errs on the safe side
       redis.call('HDEL', KEYS[2], buckets[i])
     else
       sum = sum + tonumber(buckets[i + 1])
@@ -170,11 +170,15 @@ class SharedLimiter:
         self.degraded = False
         self.gauge.set(0)
 
+    async def drain(self) -> None:
+        """Wait for the releases in flight (each a round trip, or a failure that degrades)."""
+        await asyncio.gather(*self._pending, return_exceptions=True)
+
     async def close(self) -> None:
-        for t in [self._probe, *self._pending]:
-            if t is not None:
-                t.cancel()
-        await asyncio.gather(*(t for t in [self._probe, *self._pending] if t is not None), return_exceptions=True)
+        await self.drain()
+        if self._probe is not None:
+            self._probe.cancel()
+            await asyncio.gather(self._probe, return_exceptions=True)
         await self.client.aclose()
 
 

@@ -99,3 +99,31 @@ def test_redis_down_fails_no_request_and_sets_the_degraded_gauge_until_it_is_bac
         assert ask(r.url, key) == 200
         assert store.zcard(f"fleetllm:rl:{rec.id}:req") == 1  # counted in the store again
     store.close()
+
+
+def test_parallel_and_token_limits_are_shared_too(redis_server):
+    import asyncio
+
+    from prometheus_client import CollectorRegistry
+
+    from fleetllm.router.keys import KeyRecord
+    from fleetllm.router.shared_limits import SharedLimiter
+
+    rec = KeyRecord("5e" * 32, tpm_limit=100, max_parallel_requests=2)
+
+    async def run() -> list:
+        a, b = (SharedLimiter(redis_server.url, CollectorRegistry()) for _ in range(2))  # two routers
+        seen = [await a.admit(rec), await b.admit(rec), await a.admit(rec)]  # the third: 2 already in flight
+        a.done(rec, 60)
+        b.done(rec, 60)
+        await a.drain()
+        await b.drain()
+        seen.append(await b.admit(rec))  # 120 tokens in the window
+        await a.close()
+        await b.close()
+        return seen
+
+    seen = asyncio.run(run())
+    assert seen[:2] == [None, None]
+    assert seen[2].reason == "max_parallel_requests" and seen[3].reason == "tpm_limit"
+    assert 0 < seen[3].retry_after <= 61  # when the tokens' second leaves the 60 s window
