@@ -452,6 +452,9 @@ def fleet_config(args: argparse.Namespace):  # -> FleetConfig
     cfg.host, cfg.port = args.host or cfg.host, args.port or cfg.port
     cfg.policy = args.policy or cfg.policy
     cfg.keys_file = args.keys_file or cfg.keys_file
+    if args.scheduling_policy:
+        for m in cfg.models:
+            m.engine["scheduling_policy"] = args.scheduling_policy
     cfg.state_url = args.state_url or cfg.state_url
     cfg.restart = cfg.restart and args.restart  # on unless the YAML or --no-restart turns it off
     if args.log_dir:
@@ -550,6 +553,8 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     add_options(s, ServeOptions)
     add_options(s, RunDirOption)
     add_options(s, EngineConfig, only=["model", "speculative"], title="every real worker")
+    add_options(s, EngineConfig, only=["scheduling_policy"], defaults={"scheduling_policy": None},
+                title="every worker (overrides the config's engine settings)")
     # None: the fleet config's value stands unless the flag is given (the help shows the router's default).
     add_options(s, RouterConfig, only=["policy", "pd_threshold", "keys_file"], title="router",
                 defaults={"policy": None, "pd_threshold": None, "keys_file": None})

@@ -159,19 +159,28 @@ def test_a_traffic_split_is_a_stable_weighted_choice_among_the_variants_that_are
             parse_weights(bad)
 
 
-def test_serve_flags_for_keys_and_shared_state_override_the_yaml_and_reach_the_router(tmp_path):
+def test_serve_flags_for_keys_shared_state_and_scheduling_override_the_yaml_and_reach_router_and_workers(tmp_path):
     from fleetllm.cli import build_parser, fleet_config
 
     yaml_path = tmp_path / "fleet.yaml"
     yaml_path.write_text("state_url: redis://127.0.0.1:1\nkeys_file: yaml-keys.yaml\n"
                          "models: [{source: smollm2-135m, engine: {scheduling_policy: priority}}]\n")
-    args = build_parser().parse_args(["serve", "--config", str(yaml_path), "--state-url", "redis://:pw@10.0.0.9:6380",
-                                      "--keys-file", "flag-keys.yaml", "--log-dir", str(tmp_path)])
-    f = Fleet(fleet_config(args))
-    rcmd = f.router.cmd
-    assert rcmd[rcmd.index("--state-url") + 1] == "redis://:pw@10.0.0.9:6380"
-    assert rcmd[rcmd.index("--keys-file") + 1] == "flag-keys.yaml"
-    assert f.workers[0].cmd[f.workers[0].cmd.index("--scheduling-policy") + 1] == "priority"
+    base = ["serve", "--config", str(yaml_path), "--log-dir", str(tmp_path)]
+
+    def plan(*flags: str) -> Fleet:
+        return Fleet(fleet_config(build_parser().parse_args([*base, *flags])))
+
+    def flag(cmd: list[str], name: str) -> str:
+        return cmd[cmd.index(name) + 1]
+
+    from_yaml = plan()
+    assert flag(from_yaml.router.cmd, "--state-url") == "redis://127.0.0.1:1"
+    assert flag(from_yaml.workers[0].cmd, "--scheduling-policy") == "priority"
+    f = plan("--state-url", "redis://:pw@10.0.0.9:6380", "--keys-file", "flag-keys.yaml",
+             "--scheduling-policy", "fcfs")
+    assert flag(f.router.cmd, "--state-url") == "redis://:pw@10.0.0.9:6380"
+    assert flag(f.router.cmd, "--keys-file") == "flag-keys.yaml"
+    assert flag(f.workers[0].cmd, "--scheduling-policy") == "fcfs"
 
 
 @pytest.mark.parametrize("url", ["http://127.0.0.1:6379", "redis://", "127.0.0.1:6379"])
