@@ -169,3 +169,18 @@ def test_every_container_command_line_is_one_fleetllm_accepts(fleet: FleetConfig
         args = parser.parse_args(container["args"])
         assert args.port == next(p["containerPort"] for p in container["ports"] if p["name"] == "http")
     assert len(pods) == 5
+
+
+def test_the_router_pods_share_the_fleets_state_url_and_refuse_auto_or_a_password(fleet: FleetConfig) -> None:
+    import dataclasses
+
+    from fleetllm.errors import UsageError
+
+    shared = dataclasses.replace(fleet, state_url="redis://redis.llm.svc:6379/0")
+    docs = kubernetes_manifests(shared, namespace="llm")
+    args = by_kind(docs, "Deployment")["fleetllm-router"]["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[args.index("--state-url") + 1] == "redis://redis.llm.svc:6379/0"
+    for url, words in (("auto", "a Redis the cluster runs"), ("redis://:hunter2@redis:6379", "written into the router")):
+        with pytest.raises(UsageError, match=words) as refused:
+            kubernetes_manifests(dataclasses.replace(fleet, state_url=url))
+        assert "hunter2" not in str(refused.value)  # the message redacts it

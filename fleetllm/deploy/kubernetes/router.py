@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 from typing import Any
+from urllib.parse import urlsplit
 
 import yaml
 
@@ -22,8 +23,10 @@ from fleetllm.deploy.kubernetes import names
 from fleetllm.deploy.kubernetes.identity import service_account
 from fleetllm.deploy.kubernetes.options import KubernetesOptions
 from fleetllm.deploy.kubernetes.workers import SECRET_FILE_MODE, secret_env
+from fleetllm.errors import UsageError
 from fleetllm.fleet.config import FleetConfig
 from fleetllm.fleet.router_args import model_router_args
+from fleetllm.router.state_url import AUTO, redact
 from fleetllm.server.worker_secret import ENV as SECRET_ENV
 
 KEYS_DIR = "/etc/fleetllm/keys"
@@ -101,9 +104,23 @@ def router_args(cfg: FleetConfig, opts: KubernetesOptions) -> list[str]:
         args += ["--pd-threshold", str(cfg.pd_threshold)]
     if cfg.keys_file:
         args += ["--keys-file", f"{KEYS_DIR}/keys.yaml"]
+    if cfg.state_url:
+        args += ["--state-url", cluster_state_url(cfg.state_url)]
     if cfg.otlp_endpoint:
         args += ["--otlp-endpoint", cfg.otlp_endpoint]
     return args + to_argv(cfg.capture) + cfg.router_args
+
+
+def cluster_state_url(url: str) -> str:
+    """The fleet's ``state_url`` as the router pods take it: a Redis the cluster runs (``auto`` starts one beside
+    ``fleetllm serve`` only), with no password (a manifest's arguments are no place for a secret)."""
+    if url == AUTO:
+        raise UsageError("state_url: auto starts a redis-server beside `fleetllm serve`; in Kubernetes give the "
+                         "redis://HOST:PORT of a Redis the cluster runs")
+    if urlsplit(url).password:
+        raise UsageError(f"state_url {redact(url)}: a password would be written into the router's manifest; "
+                         "use a Redis reachable without one from the router pods (NetworkPolicy)")
+    return url
 
 
 def fleet_config_map(cfg: FleetConfig, opts: KubernetesOptions) -> dict[str, Any]:
