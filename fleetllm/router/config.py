@@ -78,6 +78,8 @@ class RouterConfig:
                                       "[/DB] or rediss://): the keys' limits hold across all of them; unreachable, "
                                       "this router limits alone until it is back (default: alone)",
                                 parse=state_url_value, metavar="URL")
+    state_namespace: str = opt("fleet", "this fleet's name in the shared state store: what names workers (the "
+                                        "Responses API's turns) is kept apart from other fleets using the store")
     worker_ca_file: str | None = opt(None, "CA bundle (PEM) that signed the workers' certificates: https:// worker "
                                            "URLs are verified against it (default: the system's CAs)")
     kv_events_config: str | None = opt(None, "the vLLM workers' --kv-events-config JSON: the router subscribes to "

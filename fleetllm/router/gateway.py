@@ -50,6 +50,7 @@ from fleetllm.router.request_id import HEADER as REQUEST_ID_HEADER
 from fleetllm.router.request_id import mint
 from fleetllm.router.sessions import ResponseSessions, resend_body
 from fleetllm.router.shared_limits import SharedLimiter
+from fleetllm.router.shared_turns import SharedTurns
 from fleetllm.router.state_url import redact
 from fleetllm.router.tenancy import TenantMetrics, effective_priority
 from fleetllm.router.tokens import PromptTokenizer, block_hashes
@@ -92,7 +93,9 @@ class Router:
         self.uses_prefix = bool({cfg.policy, *cfg.model_policies.values()} & {"prefix", "kv_aware"})
         self.tokens = PromptTokenizer(cfg.tokenizers)
         self.traffic = TrafficSplit({m: parse_weights(spec) for m, spec in cfg.traffic.items()})
-        self.sessions = ResponseSessions(cfg.responses_store)  # previous_response_id -> worker
+        # previous_response_id -> worker; with --state-url also in the store, for the fleet's other routers
+        self.shared_turns = SharedTurns(cfg.state_url, cfg.state_namespace) if cfg.state_url else None
+        self.sessions = ResponseSessions(cfg.responses_store, self.shared_turns.save if self.shared_turns else None)
         self.hold = ColdStartHold(cfg.hold_max_waiting, cfg.hold_timeout_s)
         self.secret = worker_secret()  # presented to fleetllm workers (fleetllm/router/worker_auth.py)
         # (fleetllm/router/admin_token.py) none configured: only admin keys open the admin routes
@@ -233,8 +236,9 @@ class Router:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         await self.monitor.stop()
-        if self.shared is not None:
-            await self.shared.close()
+        for store in (self.shared, self.shared_turns):
+            if store is not None:
+                await store.close()
         if self.capture is not None:
             await asyncio.to_thread(self.capture.close)  # SIGTERM flushes the capture spool
         await self.client.aclose()
@@ -388,7 +392,7 @@ class Router:
             # a stream without usage is captured with the prompt's tokens counted here, only when needed
             tap.count_prompt = lambda: len(self.tokens.token_ids(name, request.url.path, body) or ()) if name else 0
         if request.url.path == "/v1/responses":
-            self._follow_session(fwd)
+            await self._follow_session(fwd)
         if held is not None:
             fwd.response_headers["x-fleetllm-cold-start-ms"] = f"{held * 1000:.0f}"
         key, priority = tenant
@@ -410,8 +414,14 @@ class Router:
             self.tenants.queued(key, priority, fwd.dispatched - t0)
         return response
 
-    def _follow_session(self, fwd: Forward) -> None:
-        """A Responses turn: recorded when answered; a follow-up pinned to its previous turn's worker."""
+    async def _follow_session(self, fwd: Forward) -> None:
+        """A Responses turn: recorded when answered; a follow-up pinned to its previous turn's worker (a turn
+        another router answered comes from the shared state store)."""
+        prev_id = fwd.body.get("previous_response_id")
+        if self.shared_turns is not None and isinstance(prev_id, str) and self.sessions.get(prev_id) is None:
+            turn = await self.shared_turns.load(prev_id)
+            if turn is not None:
+                self.sessions.put(prev_id, turn)
         fwd.watch = self.sessions.watch(fwd.body)
         prev = self.sessions.get(fwd.body.get("previous_response_id"))
         if prev is not None:

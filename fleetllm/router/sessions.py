@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import json
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,6 +31,7 @@ class Turn:
     worker: str  # the worker's name (host:port), as in WorkerState.name
     items: list[dict[str, Any]]  # this turn's input items, then its output items
     parent: Turn | None = None
+    response_id: str = ""  # the response's id (its turn is stored under it)
 
     def history(self) -> list[dict[str, Any]]:
         """Every item of the conversation up to and including this turn, oldest first."""
@@ -43,8 +45,9 @@ class Turn:
 class ResponseSessions:
     """The last ``capacity`` response ids this router saw answered, each with its :class:`Turn`."""
 
-    def __init__(self, capacity: int = 4096) -> None:
+    def __init__(self, capacity: int = 4096, on_record: Callable[[str, Turn], None] | None = None) -> None:
         self.capacity = capacity
+        self.on_record = on_record  # also told of every turn answered here (--state-url: shared with other routers)
         self._turns: OrderedDict[str, Turn] = OrderedDict()
 
     def __len__(self) -> int:
@@ -61,6 +64,12 @@ class ResponseSessions:
         self._turns.move_to_end(response_id)
         while len(self._turns) > self.capacity:
             self._turns.popitem(last=False)
+
+    def record(self, response_id: str, turn: Turn) -> None:
+        """A turn answered through this router."""
+        self.put(response_id, turn)
+        if self.on_record is not None:
+            self.on_record(response_id, turn)
 
     def watch(self, body: dict[str, Any]) -> ResponseWatch | None:
         """A watch that records the answer to ``body`` (None when the answer will not be stored)."""
@@ -116,4 +125,4 @@ class ResponseWatch:
         if status != 200 or not isinstance(r, dict) or not isinstance(r.get("id"), str) or r.get("store") is False:
             return
         output = [it for it in r.get("output") or [] if it.get("type") in ("message", "function_call")]
-        self.sessions.put(r["id"], Turn(worker, self.items + output, self.parent))
+        self.sessions.record(r["id"], Turn(worker, self.items + output, self.parent, r["id"]))

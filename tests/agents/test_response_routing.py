@@ -99,3 +99,18 @@ def test_a_turn_whose_worker_is_gone_is_resent_with_its_conversation(fleet):
     httpx.post(r.url + "/admin/workers/drain", json={"url": gone}, headers=ADMIN, timeout=5).raise_for_status()
     _, worker, u3 = _turn(r.url, rid, "and now?")
     assert worker != first and u3["input_tokens"] > u2["input_tokens"] > u1["input_tokens"]
+
+
+def test_routers_sharing_a_store_pin_each_others_follow_up_turns_to_the_worker_holding_the_session(fleet, redis_server):
+    _, workers = fleet
+    a, b = (router(workers.urls, "round_robin", "--state-url", redis_server.url) for _ in range(2))
+    try:
+        for r in (a, b):
+            wait_state(r.url, lambda st: all(w["healthy"] for w in st["workers"]))
+        rid, first, _ = _turn(a.url, None, "Hello through a")
+        for i, via in enumerate([b, a, b]):  # each turn through a router that did not see the turn before it
+            rid, worker, _ = _turn(via.url, rid, f"turn {i}")
+            assert worker == first
+    finally:
+        a.stop()
+        b.stop()
