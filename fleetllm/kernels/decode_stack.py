@@ -148,14 +148,17 @@ class DecodeStack:
     @classmethod
     def build(cls, model: Any, max_rows: int) -> DecodeStack | None:
         """The stack for ``model`` (a ``q4`` copy of a Llama model), or None when any layer is not covered:
-        a linear that is not Q4_1, q/k norms, attention biases, GeGLU, or a non-fp32 or non-contiguous tensor."""
-        if not hasattr(model, "layers") or not hasattr(model, "rotary"):
+        a linear that is not Q4_1, q/k norms, attention biases, GeGLU, experts, sliding windows, soft-capping or sinks,
+        or a non-fp32 or non-contiguous tensor."""
+        if not hasattr(model, "layers") or not hasattr(model, "rotary") or getattr(model.rotary, "partial", False):
             return None
         layers, modules = [], []
         for layer in model.layers:
             attn, mlp = layer.attn, layer.mlp
             if getattr(attn, "q_norm", None) is not None or getattr(mlp, "gelu", True) or type(layer).__name__ != "DecoderLayer":
                 return None
+            if getattr(layer, "sliding", False) or getattr(attn, "eager", False) or getattr(attn.o, "bias", None) is not None:
+                return None  # sliding windows, soft-capping, sinks: the C step has none of them
             if getattr(attn.qkv, "bias", None) is not None:
                 return None
             linears = dict(zip(LINEARS, (attn.qkv, attn.o, mlp.gate_up, mlp.down), strict=True))

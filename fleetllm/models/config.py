@@ -1,4 +1,5 @@
-"""Architecture description of a decoder (Llama family, Gemma 3), read from HF config.json or GGUF metadata.
+"""Architecture description of a decoder (the Llama family, its mixture-of-experts relatives, Gemma 2 and 3),
+read from HF config.json or GGUF metadata.
 
 Anything fleetllm cannot run exactly — another architecture, a RoPE scaling it does not apply — raises
 :class:`UnsupportedModel` naming it, here at load: a model that ran as a near-Llama would answer, wrongly.
@@ -9,9 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-HF_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}  # besides gemma3 / gemma3_text
+from fleetllm.models.rope import SCALINGS
+
+HF_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}  # besides models/hf_families.py's
 GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")
-ROPE_SCALINGS = ("default", "linear", "llama3")  # what models/llama.py rope_inv_freq applies
 
 
 class UnsupportedModel(ValueError):
@@ -20,19 +22,20 @@ class UnsupportedModel(ValueError):
 
 def _check_rope_scaling(scaling: dict[str, Any] | None) -> dict[str, Any] | None:
     kind = (scaling or {}).get("rope_type") or (scaling or {}).get("type") or "default"
-    if kind not in ROPE_SCALINGS:
-        raise UnsupportedModel(f"RoPE scaling {kind!r} is not supported (supported: {', '.join(ROPE_SCALINGS)})")
+    if kind not in SCALINGS:
+        raise UnsupportedModel(f"RoPE scaling {kind!r} is not supported (supported: {', '.join(SCALINGS)})")
     return scaling
 
 
 @dataclass
 class ModelConfig:
-    """Shape and numerics of a decoder: Llama family (Llama, SmolLM2, Qwen2, Qwen3) or Gemma 3.
+    """Shape and numerics of a decoder: Llama family (Llama, SmolLM2, Qwen2, Qwen3, Mistral, Phi-3), its
+    mixture-of-experts relatives (Qwen2-MoE, Qwen3-MoE, Mixtral, GPT-OSS), Gemma 2 or Gemma 3.
 
-    The fields after ``eos_token_ids`` are Gemma 3's; their defaults describe a Llama-family model.
+    The fields after ``eos_token_ids`` describe what some families add; their defaults describe a Llama model.
     """
 
-    architecture: str  # "llama", "qwen2", "qwen3", "gemma3"
+    architecture: str  # a HF model_type: "llama", "qwen2", "qwen3", "gemma3", "mixtral", ... (hf_families.py)
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -55,6 +58,26 @@ class ModelConfig:
     layer_types: list[str] | None = None  # per layer "sliding_attention" or "full_attention"; None: all full
     rope_local_theta: float | None = None  # RoPE base of the sliding-window layers (unscaled)
     final_logit_softcapping: float | None = None  # logits -> cap * tanh(logits / cap)
+    attn_logit_softcapping: float | None = None  # Gemma 2: attention scores -> cap * tanh(scores / cap)
+    attention_sinks: bool = False  # GPT-OSS: a learned logit per head joins every softmax, then is dropped
+    o_bias: bool = False  # GPT-OSS: the attention output projection has a bias
+    partial_rotary_factor: float = 1.0  # the share of each head's dimensions that rotate (Phi-3 family)
+    # Mixture of experts (num_experts 0: a dense model)
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    router: str = "softmax_topk"  # "softmax_topk" (Qwen, Mixtral) or "topk_softmax" (GPT-OSS: softmax of the k chosen)
+    norm_topk_prob: bool = False  # softmax_topk: the k chosen weights renormalised to sum to 1
+    router_bias: bool = False
+    expert_bias: bool = False  # the experts' projections have biases (GPT-OSS)
+    swiglu_limit: float | None = None  # GPT-OSS's clamped SwiGLU: gate <= limit, |up| <= limit, (up + 1) * glu
+    swiglu_alpha: float = 1.0  # ... glu = gate * sigmoid(alpha * gate)
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE: a dense expert every token takes, scaled by a sigmoid gate
+    dense_layers: list[int] = field(default_factory=list)  # layers with a dense MLP in a mixture-of-experts model
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether ``layer``'s MLP is a mixture of experts."""
+        return self.num_experts > 0 and layer not in self.dense_layers
 
     def is_sliding(self, layer: int) -> bool:
         """Whether ``layer`` attends only to the last ``sliding_window`` positions."""
@@ -64,12 +87,17 @@ class ModelConfig:
     def from_hf(cls, cfg: dict[str, Any]) -> ModelConfig:
         """Build from a HF ``config.json`` dictionary."""
         model_type = cfg.get("model_type")
+        from fleetllm.models.hf_families import FAMILIES, supported_model_types
+
         if model_type in ("gemma3_text", "gemma3"):
             return _gemma3_from_hf(cfg.get("text_config") or cfg)
+        if model_type in FAMILIES:
+            base = cls.from_hf({**cfg, "model_type": "llama"})
+            return FAMILIES[model_type](base, cfg)
         if model_type not in HF_MODEL_TYPES:
             named = f"model_type {model_type!r}" if model_type else "a config.json without model_type"
             raise UnsupportedModel(f"{named} (architectures {cfg.get('architectures')}) is not supported; fleetllm "
-                                   f"runs {', '.join([*HF_MODEL_TYPES, 'gemma3'])}")
+                                   f"runs {', '.join(supported_model_types())}")
         arch = HF_MODEL_TYPES[model_type]
         heads = cfg["num_attention_heads"]
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads

@@ -8,7 +8,6 @@ model runner computed once per step (:class:`AttentionMetadata`).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
@@ -20,6 +19,9 @@ from fleetllm.kernels import chunk_rows, kernel_ready, paged_attention
 from fleetllm.kernels.decode_stack import DecodeStack
 from fleetllm.kernels.prefill import prefill_attention, prefill_ready
 from fleetllm.models.config import ModelConfig
+from fleetllm.models.eager_attention import eager_attention
+from fleetllm.models.moe import MoE
+from fleetllm.models.rope import rope_tables, rotary_dim
 
 # Chunks over cached context of at most this many queries (speculative verification of a few drafts) use the
 # paged decode kernel, which reads the keys once per query; longer ones (and every fresh prompt) take the
@@ -89,44 +91,34 @@ class RMSNorm(nn.Module):
         return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 
 
-def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
-    """Inverse RoPE frequencies, with the config's scaling (linear, llama3, dynamic-free yarn-less)."""
-    dim = cfg.head_dim
-    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
-    sc = cfg.rope_scaling or {}
-    kind = sc.get("rope_type") or sc.get("type")
-    if kind == "linear":
-        inv = inv / sc["factor"]
-    elif kind == "llama3":
-        factor, low, high = sc["factor"], sc.get("low_freq_factor", 1.0), sc.get("high_freq_factor", 4.0)
-        old_ctx = sc.get("original_max_position_embeddings", 8192)
-        wavelen = 2 * math.pi / inv
-        low_wl, high_wl = old_ctx / low, old_ctx / high
-        smooth = (old_ctx / wavelen - low) / (high - low)
-        scaled = torch.where(wavelen > low_wl, inv / factor, inv)
-        mid = (wavelen <= low_wl) & (wavelen >= high_wl)
-        inv = torch.where(mid, (1 - smooth) * inv / factor + smooth * inv, scaled)
-    return inv.float()
-
-
 class Rotary(nn.Module):
-    """Rotary position embedding in the HF "rotate half" layout, cos/sin tables precomputed."""
+    """Rotary position embedding in the HF "rotate half" layout, cos/sin tables precomputed (:mod:`.rope`).
+
+    With a ``partial_rotary_factor`` below 1 only each head's first dimensions rotate.
+    """
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         # Computed on the CPU even inside the loader's meta-device context: these are no weights (``init_rotary``
         # moves them), and arithmetic on meta tensors imports ``torch._dynamo`` (seconds of a cold start).
         with torch.device("cpu"):
-            t = torch.arange(cfg.max_position_embeddings, dtype=torch.float32)
-            freqs = torch.outer(t, rope_inv_freq(cfg))
-            emb = torch.cat([freqs, freqs], dim=-1)
-        self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin(), persistent=False)
+            cos, sin = rope_tables(cfg)
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
+        self.partial = rotary_dim(cfg) < cfg.head_dim
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
         cos = self.cos[positions].unsqueeze(1).to(q.dtype)  # [T, 1, D]; tables stay fp32 for accuracy
         sin = self.sin[positions].unsqueeze(1).to(q.dtype)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        if self.partial:
+            r = cos.shape[-1]
+            return (torch.cat([_rotate(q[..., :r], cos, sin), q[..., r:]], dim=-1),
+                    torch.cat([_rotate(k[..., :r], cos, sin), k[..., r:]], dim=-1))
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    return x * cos + _rotate_half(x) * sin
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -145,10 +137,17 @@ class Attention(nn.Module):
         super().__init__()
         self.h, self.hkv, self.d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.qkv = nn.Linear(cfg.hidden_size, (self.h + 2 * self.hkv) * self.d, bias=cfg.attention_bias)
-        self.o = nn.Linear(self.h * self.d, cfg.hidden_size, bias=False)
+        self.o = nn.Linear(self.h * self.d, cfg.hidden_size, bias=cfg.o_bias)
         self.q_norm = RMSNorm(self.d, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.d, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.scale = (cfg.query_pre_attn_scalar or self.d) ** -0.5
+        self.softcap = cfg.attn_logit_softcapping  # Gemma 2; with sinks, only the eager path computes these
+        self.sinks = nn.Parameter(torch.empty(self.h), requires_grad=False) if cfg.attention_sinks else None
+
+    @property
+    def eager(self) -> bool:
+        """Whether attention writes its scores out (soft-capping, sinks): no kernel or SDPA computes them."""
+        return self.softcap is not None or self.sinks is not None
 
     def forward(
         self,
@@ -171,6 +170,9 @@ class Attention(nn.Module):
         v_cache.index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
 
         out = torch.empty(t, self.h, self.d, dtype=x.dtype, device=x.device)
+        if self.eager:
+            eager_attention(q, k_cache, v_cache, meta, self.scale, self.softcap, self.sinks, out)
+            return self.o(out.view(t, self.h * self.d))
         if meta.decode_idx is None:
             pass
         elif meta.decode_tables is not None and kernel_ready(q, k_cache):
@@ -239,11 +241,11 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, intermediate_size: int | None = None) -> None:
         super().__init__()
-        self.inter = cfg.intermediate_size
-        self.gate_up = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.inter = intermediate_size or cfg.intermediate_size
+        self.gate_up = nn.Linear(cfg.hidden_size, 2 * self.inter, bias=False)
+        self.down = nn.Linear(self.inter, cfg.hidden_size, bias=False)
         self.gelu = cfg.hidden_act == "gelu_tanh"  # GeGLU (Gemma) instead of SwiGLU
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -253,12 +255,13 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, index: int = 0) -> None:
         super().__init__()
+        self.sliding = cfg.is_sliding(index)  # attends to the last ``cfg.sliding_window`` positions only
         self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.attn = Attention(cfg)
         self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = MoE(cfg) if cfg.is_moe_layer(index) else MLP(cfg)
 
 
 class LlamaModel(nn.Module):
@@ -274,7 +277,7 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.embed = uninitialised_embedding(cfg)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rotary = Rotary(cfg)
@@ -297,8 +300,11 @@ class LlamaModel(nn.Module):
             stack.run(h, positions, meta, kv_cache, self.rotary, rows)
             return self.norm(h)
         aux = []
+        # sliding-window layers read each query's window only (AttentionMetadata.within_window)
+        local = meta.within_window(positions, self.cfg.sliding_window) if self.cfg.sliding_window else meta
         for i, (layer, (kc, vc)) in enumerate(zip(self.layers, kv_cache, strict=True)):
-            h = h + layer.attn(layer.input_norm(h), positions, self.rotary, meta, kc, vc)
+            m = local if layer.sliding else meta
+            h = h + layer.attn(layer.input_norm(h), positions, self.rotary, m, kc, vc)
             h = h + layer.mlp(layer.post_attn_norm(h))
             if aux_layers and i in aux_layers:
                 aux.append(h)
@@ -319,14 +325,13 @@ class LlamaModel(nn.Module):
 
         The checkpoint's tensors become the parameters (see :func:`set_weight`): only fused weights are copied.
         """
+        from fleetllm.models.hf_weights import load_layer
+
         take = state_taker(sd)
         with torch.no_grad():
             load_embeddings(self, sd, take)
             for i, layer in enumerate(self.layers):
-                p = f"model.layers.{i}."
-                load_attention_and_mlp(layer, self.cfg, p, take)
-                set_weight(layer.input_norm, take(p + "input_layernorm.weight"))
-                set_weight(layer.post_attn_norm, take(p + "post_attention_layernorm.weight"))
+                load_layer(layer, self.cfg, f"model.layers.{i}.", take, sd)
         check_all_used(sd)
 
 

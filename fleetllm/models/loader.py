@@ -29,6 +29,7 @@ import torch
 from fleetllm.models.config import ModelConfig
 from fleetllm.models.gemma3 import Gemma3Model
 from fleetllm.models.gguf_file import read_gguf_file
+from fleetllm.models.hf_families import GEMMA_FAMILIES
 from fleetllm.models.llama import LlamaModel
 from fleetllm.models.safetensors_mmap import LazyTensor, map_safetensors, write_safetensors
 from fleetllm.models.source import ALIASES, cache_dir, dequant_cache_dir, read_cached_tokenizer, resolve
@@ -85,7 +86,7 @@ def build_model(cfg: ModelConfig, sd: dict[str, torch.Tensor], device: str, dtyp
     fp32 weights memory-mapped from a safetensors file stay mapped, not copied (see ``LlamaModel.load_hf_state_dict``).
     """
     with torch.device("meta"):
-        model = (Gemma3Model if cfg.architecture == "gemma3" else LlamaModel)(cfg)
+        model = (Gemma3Model if cfg.architecture in GEMMA_FAMILIES else LlamaModel)(cfg)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # copies are memory-bound; a 2nd thread descheduled on a busy node stalls them 10x
     try:

@@ -42,6 +42,7 @@ from fleetllm.kernels import bf16, q8
 from fleetllm.kernels.decode_stack import MAX_CHUNK_KEYS, DecodeStack
 from fleetllm.kernels.q4 import recover_q4_1
 from fleetllm.kernels.q4_int import BlockedQ4, kernel_ready, q4_int_linear
+from fleetllm.models.llama import MLP
 
 GROUP = 32
 WIDE_ROWS = 8  # steps of at least this many tokens take the int8 GEMM (issue #19: "int8 for batch ≥ 8")
@@ -301,8 +302,12 @@ def _quantized_copy(model: nn.Module, method: str, invariant: bool) -> nn.Module
     q = _shallow(model)
     q.layers = nn.ModuleList(_shallow(layer) for layer in model.layers)
     for layer in q.layers:
-        layer.attn, layer.mlp = _shallow(layer.attn), _shallow(layer.mlp)
-        for parent, name in ((layer.attn, "qkv"), (layer.attn, "o"), (layer.mlp, "gate_up"), (layer.mlp, "down")):
+        layer.attn = _shallow(layer.attn)
+        linears = [(layer.attn, "qkv"), (layer.attn, "o")]
+        if isinstance(layer.mlp, MLP):  # experts stay as loaded (exact fp32) for now
+            layer.mlp = _shallow(layer.mlp)
+            linears += [(layer.mlp, "gate_up"), (layer.mlp, "down")]
+        for parent, name in linears:
             setattr(parent, name, _decoder_linear(getattr(parent, name), method, invariant))
     head = model.lm_head
     if method in ACTIVATION_BITS:

@@ -1,0 +1,93 @@
+"""One decoder layer's weights under each family's HF checkpoint names, into :class:`~fleetllm.models.llama.DecoderLayer`.
+
+Attention: ``q_proj``/``k_proj``/``v_proj`` (fused here), or Phi-3's ``qkv_proj``; biases (Qwen2, GPT-OSS), an
+output bias and sinks (GPT-OSS), q/k norms (Qwen3). Dense MLP: ``gate_proj``/``up_proj`` (fused here) or Phi-3's
+``gate_up_proj``. Experts, stacked into ``[E, 2I, H]`` and ``[E, H, I]``:
+
+- Qwen2-MoE / Qwen3-MoE: ``mlp.gate`` (router), ``mlp.experts.{e}.{gate,up,down}_proj``; Qwen2-MoE's
+  ``mlp.shared_expert.*`` and ``mlp.shared_expert_gate``;
+- Mixtral: ``block_sparse_moe.gate``, ``block_sparse_moe.experts.{e}.w1`` (gate), ``w3`` (up), ``w2`` (down);
+- GPT-OSS: ``mlp.router`` (with bias), ``mlp.experts.gate_up_proj [E, H, 2I]`` with gate and up interleaved
+  column by column (and its bias), ``mlp.experts.down_proj [E, I, H]`` (and bias): transposed and split here.
+
+Stacking copies the experts once at load (the checkpoint keeps one tensor per expert).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from fleetllm.models.config import ModelConfig
+from fleetllm.models.llama import fuse, set_weight
+from fleetllm.models.moe import MoE
+
+Take = Callable[[str], torch.Tensor]
+
+
+def load_layer(layer: nn.Module, cfg: ModelConfig, p: str, take: Take, sd: dict[str, torch.Tensor]) -> None:
+    """Weights of the layer under prefix ``p`` (``model.layers.{i}.``), taken out of ``sd`` by ``take``."""
+    load_attention(layer.attn, cfg, p + "self_attn.", take, sd)
+    set_weight(layer.input_norm, take(p + "input_layernorm.weight"))
+    set_weight(layer.post_attn_norm, take(p + "post_attention_layernorm.weight"))
+    if isinstance(layer.mlp, MoE):
+        load_moe(layer.mlp, cfg, p, take, sd)
+    else:
+        load_mlp(layer.mlp, p + "mlp.", take, sd)
+
+
+def load_attention(a: nn.Module, cfg: ModelConfig, p: str, take: Take, sd: dict[str, torch.Tensor]) -> None:
+    if p + "qkv_proj.weight" in sd:
+        set_weight(a.qkv, take(p + "qkv_proj.weight"))
+    else:
+        set_weight(a.qkv, fuse([take(p + f"{n}_proj.weight") for n in "qkv"]))
+    if cfg.attention_bias:
+        set_weight(a.qkv, fuse([take(p + f"{n}_proj.bias") for n in "qkv"]), "bias")
+    set_weight(a.o, take(p + "o_proj.weight"))
+    if cfg.o_bias:
+        set_weight(a.o, take(p + "o_proj.bias"), "bias")
+    if cfg.attention_sinks:
+        set_weight(a, take(p + "sinks"), "sinks")
+    if cfg.qk_norm:
+        set_weight(a.q_norm, take(p + "q_norm.weight"))
+        set_weight(a.k_norm, take(p + "k_norm.weight"))
+
+
+def load_mlp(mlp: nn.Module, p: str, take: Take, sd: dict[str, torch.Tensor]) -> None:
+    """A dense gated MLP: ``gate_up_proj`` as it is, or ``gate_proj`` + ``up_proj`` fused."""
+    if p + "gate_up_proj.weight" in sd:
+        set_weight(mlp.gate_up, take(p + "gate_up_proj.weight"))
+    else:
+        set_weight(mlp.gate_up, fuse([take(p + "gate_proj.weight"), take(p + "up_proj.weight")]))
+    set_weight(mlp.down, take(p + "down_proj.weight"))
+
+
+def load_moe(moe: MoE, cfg: ModelConfig, p: str, take: Take, sd: dict[str, torch.Tensor]) -> None:
+    if cfg.architecture == "gpt_oss":
+        _load_gpt_oss_experts(moe, p + "mlp.", take)
+        return
+    mixtral = p + "block_sparse_moe.gate.weight" in sd
+    q = p + ("block_sparse_moe." if mixtral else "mlp.")
+    set_weight(moe.router, take(q + "gate.weight"))
+    names = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
+    experts = range(cfg.num_experts)
+    gate_up = [torch.cat([take(f"{q}experts.{e}.{names[0]}.weight"), take(f"{q}experts.{e}.{names[1]}.weight")])
+               for e in experts]
+    set_weight(moe, torch.stack(gate_up), "gate_up")
+    set_weight(moe, torch.stack([take(f"{q}experts.{e}.{names[2]}.weight") for e in experts]), "down")
+    if moe.shared is not None:
+        load_mlp(moe.shared, q + "shared_expert.", take, sd)
+        set_weight(moe.shared_gate, take(q + "shared_expert_gate.weight"))
+
+
+def _load_gpt_oss_experts(moe: MoE, q: str, take: Take) -> None:
+    set_weight(moe.router, take(q + "router.weight"))
+    set_weight(moe.router, take(q + "router.bias"), "bias")
+    w = take(q + "experts.gate_up_proj")  # [E, H, 2I]: column 2j is gate j, 2j + 1 is up j
+    set_weight(moe, torch.cat([w[..., 0::2], w[..., 1::2]], dim=-1).transpose(1, 2).contiguous(), "gate_up")
+    b = take(q + "experts.gate_up_proj_bias")
+    set_weight(moe, torch.cat([b[..., 0::2], b[..., 1::2]], dim=-1).contiguous(), "gate_up_bias")
+    set_weight(moe, take(q + "experts.down_proj").transpose(1, 2).contiguous(), "down")
+    set_weight(moe, take(q + "experts.down_proj_bias"), "down_bias")

@@ -1,0 +1,89 @@
+"""A mixture-of-experts MLP: a router picks ``k`` of ``E`` experts per token, their outputs are summed by weight.
+
+Compute is grouped by expert: the step's (token, choice) pairs are sorted by expert, and each expert that any
+token chose runs one matrix product over all of its tokens. A decode step therefore reads only the chosen
+experts' weights (k of E per token, fewer distinct ones as the batch grows), and a prefill chunk reads each
+chosen expert once, however many of its tokens chose it. Experts are summed into each token in ascending expert
+order, as HF transformers does, so exact mode reproduces its floats up to the products' own rounding.
+
+Routers, as each family has it:
+
+- ``softmax_topk`` (Qwen2-MoE, Qwen3-MoE, Mixtral): softmax over all experts in fp32, the top ``k``, renormalised to
+  sum to 1 when ``norm_topk_prob`` (Mixtral always, Qwen3-MoE per config, Qwen2-MoE usually not).
+- ``topk_softmax`` (GPT-OSS): the top ``k`` logits (the router has a bias), softmax over those ``k`` only.
+
+Qwen2-MoE adds a shared expert every token takes, scaled by ``sigmoid(shared_expert_gate(x))``. GPT-OSS's experts
+have biases and a clamped SwiGLU: ``gate <= limit``, ``-limit <= up <= limit``, ``(up + 1) * gate * sigmoid(alpha * gate)``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fleetllm.models.config import ModelConfig
+
+
+class MoE(nn.Module):
+    """Router + stacked expert weights (``gate_up [E, 2I, H]``, ``down [E, H, I]``) + optional shared expert."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        e, h, i = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        self.num_experts, self.top_k, self.inter = e, cfg.num_experts_per_tok, i
+        self.router_kind, self.norm_topk = cfg.router, cfg.norm_topk_prob
+        self.limit, self.alpha = cfg.swiglu_limit, cfg.swiglu_alpha
+        self.router = nn.Linear(h, e, bias=cfg.router_bias)
+        self.gate_up = nn.Parameter(torch.empty(e, 2 * i, h), requires_grad=False)
+        self.down = nn.Parameter(torch.empty(e, h, i), requires_grad=False)
+        self.gate_up_bias = nn.Parameter(torch.empty(e, 2 * i), requires_grad=False) if cfg.expert_bias else None
+        self.down_bias = nn.Parameter(torch.empty(e, h), requires_grad=False) if cfg.expert_bias else None
+        self.shared = None
+        if cfg.shared_expert_intermediate_size:
+            from fleetllm.models.llama import MLP
+
+            self.shared = MLP(cfg, cfg.shared_expert_intermediate_size)
+            self.shared_gate = nn.Linear(h, 1, bias=False)
+        self.expert_counts: torch.Tensor | None = None  # tokens per expert of the last step (metrics)
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights ``[T, k]``, expert ids ``[T, k]``) of each token."""
+        logits = self.router(x)
+        if self.router_kind == "topk_softmax":
+            top, idx = torch.topk(logits, self.top_k, dim=-1)
+            return torch.softmax(top, dim=-1), idx
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        top, idx = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk:
+            top = top / top.sum(dim=-1, keepdim=True)
+        return top.to(x.dtype), idx
+
+    def _expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        gu = F.linear(x, self.gate_up[e], None if self.gate_up_bias is None else self.gate_up_bias[e])
+        gate, up = gu.split(self.inter, dim=-1)
+        if self.limit is None:
+            act = F.silu(gate) * up
+        else:
+            gate, up = gate.clamp(max=self.limit), up.clamp(-self.limit, self.limit)
+            act = (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
+        return F.linear(act, self.down[e], None if self.down_bias is None else self.down_bias[e])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, idx = self.route(x)
+        flat = idx.flatten()
+        order = torch.argsort(flat, stable=True)  # (token, choice) pairs grouped by expert, tokens in order
+        counts = torch.bincount(flat, minlength=self.num_experts)
+        self.expert_counts = counts
+        token_of = order // self.top_k
+        w = weights.flatten()[order].unsqueeze(1)
+        out = torch.zeros_like(x)
+        start = 0
+        for e, n in enumerate(counts.tolist()):
+            if n:
+                rows = token_of[start : start + n]
+                out.index_add_(0, rows, self._expert(e, x[rows]) * w[start : start + n])
+                start += n
+        if self.shared is not None:
+            out = out + torch.sigmoid(self.shared_gate(x)) * self.shared(x)
+        return out
