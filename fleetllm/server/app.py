@@ -390,10 +390,12 @@ class Worker:
         if timeout is not None:
             gen = _until(gen, time.monotonic() + timeout, timeout)
         try:
+            with_ids = return_token_ids(body)
             if not body.get("stream"):
                 outs = await self.until_disconnect(request, self._collect(gen))
                 resp = fmt.completion_response(kind, cid, self.model_name, int(time.time()), outs,
-                                               len(prompts) * params.n, params.n, self.token_text)
+                                               len(prompts) * params.n, params.n, self.token_text,
+                                               prompts if with_ids else None)
                 if tools is not None:
                     resp["choices"] = [rewrite_message(c, tools.parser) for c in resp["choices"]]
                 return JSONResponse(resp, headers=headers)
@@ -406,12 +408,14 @@ class Worker:
             raise
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
         rewrite = ToolStream(tools.parser).rewrite if tools is not None else None
-        return StreamingResponse(self._sse(kind, cid, first, gen, include_usage, params.n, rewrite),
+        return StreamingResponse(self._sse(kind, cid, first, gen, include_usage, params.n, rewrite,
+                                           prompts if with_ids else None),
                                  media_type="text/event-stream", headers=headers)
 
     async def _sse(self, kind: str, cid: str, first: tuple[int, RequestOutput],
                    gen: AsyncIterator[tuple[int, RequestOutput]], include_usage: bool, n: int,
-                   rewrite: Callable[[dict[str, Any]], list[dict[str, Any]]] | None = None) -> AsyncIterator[str]:
+                   rewrite: Callable[[dict[str, Any]], list[dict[str, Any]]] | None = None,
+                   prompts: list[list[int]] | None = None) -> AsyncIterator[str]:
         created = int(time.time())
         counts: dict[int, fmt.TokenCounts] = {}
         try:
@@ -421,7 +425,10 @@ class Worker:
                     continue
                 opened = index in counts
                 counts[index] = fmt.token_counts(out)
-                for choice in fmt.stream_choices(kind, index, out, not opened, self.token_text):
+                choices = fmt.stream_choices(kind, index, out, not opened, self.token_text)
+                if prompts is not None:
+                    fmt.add_token_ids(choices, out, prompts[index // n] if not opened else None)
+                for choice in choices:
                     for c in rewrite(choice) if rewrite else [choice]:
                         yield fmt.chunk_event(kind, cid, self.model_name, created, [c])
             if include_usage:
@@ -537,6 +544,14 @@ class Worker:
                 self.async_engine.unsubscribe_kv_events(q)
 
         return StreamingResponse(stream(), media_type="text/event-stream")
+
+
+def return_token_ids(body: dict[str, Any]) -> bool:
+    """vLLM's ``return_token_ids``: the answer carries prompt and output token ids (a boolean, else 400)."""
+    value = body.get("return_token_ids")
+    if value is not None and not isinstance(value, bool):
+        raise APIError(400, "return_token_ids must be a boolean", "return_token_ids")
+    return bool(value)
 
 
 async def _prepend(first: T, rest: AsyncIterator[T]) -> AsyncIterator[T]:

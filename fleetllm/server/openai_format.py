@@ -84,23 +84,30 @@ def object_name(kind: str, stream: bool) -> str:
 
 # ---- a whole response -------------------------------------------------------------------------------
 def completion_response(kind: str, cid: str, model: str, created: int, outs: list[tuple[int, RequestOutput]],
-                        num_choices: int, n: int, token_text: TokenText) -> dict[str, Any]:
+                        num_choices: int, n: int, token_text: TokenText,
+                        prompts: list[list[int]] | None = None) -> dict[str, Any]:
     """The non-streamed response from every (choice index, output) of a request, in arrival order.
 
+    ``prompts`` (vLLM's ``return_token_ids``): each choice also carries its ``prompt_token_ids`` and ``token_ids``.
     Raises :class:`APIError` (500) if an output carries an engine error."""
     texts = [""] * num_choices
+    ids: list[list[int]] = [[] for _ in range(num_choices)]
     with_logprobs: list[list[RequestOutput]] = [[] for _ in range(num_choices)]
     final: dict[int, RequestOutput] = {}
     for index, out in outs:
         if out.error:
             raise APIError(500, out.error)
         texts[index] += out.new_text
+        ids[index] += out.new_token_ids
         if out.logprobs:
             with_logprobs[index].append(out)
         if out.finished:
             final[index] = out
     make = _chat_choice if kind == "chat" else _text_choice
     choices = [make(i, texts[i], final[i], with_logprobs[i], token_text) for i in range(num_choices)]
+    if prompts is not None:
+        for i, c in enumerate(choices):
+            c["prompt_token_ids"], c["token_ids"] = prompts[i // n], ids[i]
     counts = {i: token_counts(f) for i, f in final.items()}
     return {"id": cid, "object": object_name(kind, stream=False), "created": created, "model": model,
             "choices": choices, "usage": total_usage(counts, n)}
@@ -126,6 +133,16 @@ def _text_choice(index: int, text: str, final: RequestOutput, parts: list[Reques
 
 
 # ---- a streamed response ------------------------------------------------------------------------------
+def add_token_ids(choices: list[dict[str, Any]], out: RequestOutput, prompt: list[int] | None) -> None:
+    """``return_token_ids`` on a stream: the first chunk of ``out`` carries its new token ids (the rest none), and
+    the choice's first chunk its ``prompt_token_ids`` (``prompt`` given)."""
+    carrier = next((k for k, c in enumerate(choices) if c.get("text") or (c.get("delta") or {}).get("content")), 0)
+    for k, c in enumerate(choices):
+        c["token_ids"] = list(out.new_token_ids) if k == carrier else []
+    if prompt is not None and choices:
+        choices[0]["prompt_token_ids"] = prompt
+
+
 def stream_choices(kind: str, index: int, out: RequestOutput, first: bool, token_text: TokenText) -> list[dict[str, Any]]:
     """The chunk choices one output of choice ``index`` streams, one chunk each (possibly none).
 

@@ -26,7 +26,7 @@ _SAMPLING = {
     "include_stop_str_in_output": _BOOL, "stream": _BOOL,
     "stream_options": {"type": "object", "properties": {"include_usage": _BOOL}},
     "timeout": {**_NUM, "minimum": 0, "exclusiveMinimum": True, "description": "seconds; past it the request is aborted (408)"},
-    "user": _STR,
+    "user": _STR, "return_token_ids": {**_BOOL, "description": "vLLM's: choices carry prompt_token_ids and token_ids"},
 }
 _MESSAGE = {"type": "object", "required": ["role", "content"], "properties": {
     "role": {"enum": ["system", "developer", "user", "assistant", "tool"]},
@@ -39,7 +39,9 @@ _CHAT = {"type": "object", "required": ["messages"], "properties": {
 _COMPLETION = {"type": "object", "required": ["prompt"], "properties": {
     **_SAMPLING, "logprobs": {**_INT, "minimum": 0, "maximum": 20},
     "prompt": {"oneOf": [_STR, {"type": "array", "items": _STR, "minItems": 1},
-                         {"type": "array", "items": {**_INT, "minimum": 0}, "minItems": 1}]}}}
+                         {"type": "array", "items": {**_INT, "minimum": 0}, "minItems": 1},
+                         {"type": "array", "items": {"type": "array", "items": {**_INT, "minimum": 0}, "minItems": 1},
+                          "minItems": 1}]}}}
 _TOKENIZE = {"type": "object", "properties": {"prompt": _STR, "add_special_tokens": _BOOL,
                                               "messages": {"type": "array", "items": _MESSAGE, "minItems": 1}}}
 _DETOKENIZE = {"type": "object", "required": ["tokens"],

@@ -1,0 +1,40 @@
+"""Every family fleetllm runs beyond Llama/Qwen/Gemma 3 generates HF transformers' greedy tokens, in exact mode.
+
+Through ``LLM`` with the prompts batched, long prompts chunked (16-token steps), sliding windows shorter than the
+prompts, and a second request continuing a first one's output from the prefix cache. Log-probabilities of every
+chosen token within 1e-4 of HF's, computed as HF's ``generate`` does (tests/models/families.py).
+"""
+
+from __future__ import annotations
+
+import pytest
+from families import FAMILIES, hf_greedy_logprobs
+
+from fleetllm import LLM, SamplingParams
+
+PROMPTS = [[5, 17, 99, 3, 42, 42, 7], list(range(10, 130, 3)), [200, 201], list(range(300, 325))]
+NEW = 32
+
+
+def assert_matches_hf(model, prompt: list[int], out: list[int], logprobs: list[float]) -> None:
+    ref = hf_greedy_logprobs(model, prompt, out)
+    assert ref.argmax(-1).tolist() == out
+    chosen = ref[range(len(out)), out]
+    assert max(abs(a - b) for a, b in zip(chosen.tolist(), logprobs, strict=True)) < 1e-4
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_family_greedy_equals_transformers(family: str, family_models) -> None:
+    path, hf = family_models.get(family)
+    llm = LLM(str(path), quantization="none", max_num_batched_tokens=16, num_blocks=64)
+    params = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True, logprobs=0)
+    results = llm.generate(PROMPTS, params)
+    for prompt, r in zip(PROMPTS, results, strict=True):
+        c = r.outputs[0]
+        assert len(c.token_ids) == NEW
+        assert_matches_hf(hf, prompt, c.token_ids, [lp.logprob for lp in c.logprobs])
+    # the long prompt and 8 of its tokens again: its blocks come from the prefix cache, the rest is the same greedy
+    again = PROMPTS[1] + results[1].outputs[0].token_ids[:8]
+    hit = llm.generate([again], SamplingParams(max_tokens=NEW - 8, temperature=0.0, ignore_eos=True))[0]
+    assert hit.num_cached_tokens >= 32
+    assert hit.outputs[0].token_ids == results[1].outputs[0].token_ids[8:]
