@@ -205,12 +205,14 @@ def cmd_worker(args: argparse.Namespace) -> int:
     prefetch.start(args.model, from_args(StoreConfig, args))  # the store's part of a cold start overlaps the imports
     from fleetllm.engine.engine import LLMEngine
     from fleetllm.engine.omp_team import run_on_passing_thread
+    from fleetllm.models.config import UnsupportedModel
     from fleetllm.server.app import Worker
     from fleetllm.server.uvicorn_runner import make_server
 
     try:
         engine = run_on_passing_thread(lambda: LLMEngine(engine_config(args)))  # its OpenMP pool ends with it
-    except StoreError as e:  # no access, no such model, source down without a cached copy: one line, exit 2
+    except (StoreError, UnsupportedModel) as e:  # no access, no such model, source down without a cached copy, an
+        # architecture fleetllm does not run: one line, exit 2
         raise UsageError(f"cannot start: {e}") from None
     gc.freeze()
     gc.enable()
@@ -321,8 +323,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise UsageError("--max-tokens is 1 or more and --temperature 0 (greedy) or more")
     from fleetllm.engine.llm import LLM
     from fleetllm.engine.sampling import SamplingParams
+    from fleetllm.models.config import UnsupportedModel
 
-    llm = LLM(**vars(from_args(EngineConfig, args, store=from_args(StoreConfig, args))))
+    try:
+        llm = LLM(**vars(from_args(EngineConfig, args, store=from_args(StoreConfig, args))))
+    except UnsupportedModel as e:  # an architecture fleetllm does not run: one line, exit 2
+        raise UsageError(f"cannot start: {e}") from None
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
     res = llm.chat([{"role": "user", "content": args.prompt}], params)
     print(res.outputs[0].text)

@@ -43,6 +43,8 @@ import pytest  # noqa: E402
 from fleet_helpers import ThreadServer, free_port, kv_sized  # noqa: E402
 
 if TYPE_CHECKING:
+    from families import FamilyModels
+
     from fleetllm.fleet.redis_server import RedisServer
     from fleetllm.models.loader import LoadedModel
 
@@ -137,6 +139,17 @@ def loaded_model() -> LoadedModel:
 
     device = EngineConfig().resolved_device()
     return load_model(MODEL, device=device, dtype=torch.float32 if device == "cpu" else torch.bfloat16)
+
+
+@pytest.fixture(scope="session")
+def family_models(tmp_path_factory: pytest.TempPathFactory, loaded_model: LoadedModel) -> Iterator[FamilyModels]:
+    """Tiny HF models of every family beyond Llama/Qwen/Gemma 3 (tests/families.py), each built on first use."""
+    pytest.importorskip("transformers")
+    from families import FamilyModels
+
+    models = FamilyModels(tmp_path_factory.mktemp("families"), loaded_model.tokenizer.tok.to_str())
+    yield models
+    models.remove()
 
 
 class ThreadLog(logging.Handler):

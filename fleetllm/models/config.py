@@ -10,10 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from fleetllm.models.rope import SCALINGS
-
 HF_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}  # besides models/hf_families.py's
+ROPE_SCALINGS = ("default", "linear", "llama3", "yarn", "longrope")  # what models/rope.py computes
 GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")
+GGUF_ROPE_SCALINGS = ("default", "linear", "llama3")  # the GGUF metadata fleetllm maps (yarn's parameters: not yet)
 
 
 class UnsupportedModel(ValueError):
@@ -22,8 +22,8 @@ class UnsupportedModel(ValueError):
 
 def _check_rope_scaling(scaling: dict[str, Any] | None) -> dict[str, Any] | None:
     kind = (scaling or {}).get("rope_type") or (scaling or {}).get("type") or "default"
-    if kind not in SCALINGS:
-        raise UnsupportedModel(f"RoPE scaling {kind!r} is not supported (supported: {', '.join(SCALINGS)})")
+    if kind not in ROPE_SCALINGS:
+        raise UnsupportedModel(f"RoPE scaling {kind!r} is not supported (supported: {', '.join(ROPE_SCALINGS)})")
     return scaling
 
 
@@ -146,6 +146,9 @@ class ModelConfig:
         rope_scaling = None
         if get("rope.scaling.type") not in (None, "none"):
             rope_scaling = {"rope_type": get("rope.scaling.type"), "factor": get("rope.scaling.factor", 1.0)}
+            if rope_scaling["rope_type"] not in GGUF_ROPE_SCALINGS:
+                raise UnsupportedModel(f"GGUF RoPE scaling {rope_scaling['rope_type']!r} is not supported "
+                                       f"(supported: {', '.join(GGUF_ROPE_SCALINGS)})")
         eos = meta.get("tokenizer.ggml.eos_token_id")
         gemma = _gemma3_from_gguf(get, hidden, heads, head_dim) if arch == "gemma3" else {}
         return cls(

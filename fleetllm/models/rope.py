@@ -16,9 +16,6 @@ import torch
 if TYPE_CHECKING:
     from fleetllm.models.config import ModelConfig
 
-SCALINGS = ("default", "linear", "llama3", "yarn", "longrope")
-
-
 def scaling_kind(cfg: ModelConfig) -> str:
     sc = cfg.rope_scaling or {}
     return sc.get("rope_type") or sc.get("type") or "default"

@@ -2,7 +2,7 @@
 
 Through ``LLM`` with the prompts batched, long prompts chunked (16-token steps), sliding windows shorter than the
 prompts, and a second request continuing a first one's output from the prefix cache. Log-probabilities of every
-chosen token within 1e-4 of HF's, computed as HF's ``generate`` does (tests/models/families.py).
+chosen token within 1e-4 of HF's, computed as HF's ``generate`` does (tests/families.py).
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ def _gguf(arch: str, **extra) -> dict:
 @pytest.mark.parametrize("cfg,named", [
     ({**LLAMA, "model_type": "mamba", "architectures": ["MambaForCausalLM"]}, "mamba"),
     ({k: v for k, v in LLAMA.items() if k != "model_type"}, "model_type"),
-    ({**LLAMA, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "yarn"),
+    ({**LLAMA, "rope_scaling": {"type": "su", "factor": 4.0}}, "su"),
     ({**LLAMA, "rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}}, "dynamic"),
 ])
 def test_an_unsupported_hf_config_fails_naming_it(cfg: dict, named: str) -> None:
@@ -37,6 +37,7 @@ def test_an_unsupported_gguf_fails_naming_it(meta: dict, named: str) -> None:
 
 def test_supported_scalings_still_load() -> None:
     for scaling in (None, {"rope_type": "linear", "factor": 2.0}, {"type": "linear", "factor": 2.0},
-                    {"rope_type": "llama3", "factor": 8.0}, {"rope_type": "default"}):
+                    {"rope_type": "llama3", "factor": 8.0}, {"rope_type": "default"},
+                    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}):
         assert ModelConfig.from_hf({**LLAMA, "rope_scaling": scaling}).architecture == "llama"
     assert ModelConfig.from_hf({**LLAMA, "model_type": "qwen2"}).architecture == "qwen2"
