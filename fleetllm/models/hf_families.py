@@ -75,6 +75,9 @@ def phi3(base: ModelConfig, cfg: dict[str, Any]) -> ModelConfig:
 
 
 def gpt_oss(base: ModelConfig, cfg: dict[str, Any]) -> ModelConfig:
+    quant = (cfg.get("quantization_config") or {}).get("quant_method")
+    if quant:
+        raise UnsupportedModel(f"gpt_oss with {quant} weights is not supported (its bf16 or fp32 checkpoints are)")
     out = replace(base, architecture="gpt_oss", attention_bias=True, o_bias=True, attention_sinks=True,
                   num_experts=cfg["num_local_experts"], num_experts_per_tok=cfg["num_experts_per_tok"],
                   moe_intermediate_size=cfg["intermediate_size"], router="topk_softmax", router_bias=True,

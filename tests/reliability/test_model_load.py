@@ -41,3 +41,10 @@ def test_supported_scalings_still_load() -> None:
                     {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}):
         assert ModelConfig.from_hf({**LLAMA, "rope_scaling": scaling}).architecture == "llama"
     assert ModelConfig.from_hf({**LLAMA, "model_type": "qwen2"}).architecture == "qwen2"
+
+
+def test_mxfp4_gpt_oss_weights_fail_naming_them() -> None:
+    cfg = {**LLAMA, "model_type": "gpt_oss", "num_local_experts": 4, "num_experts_per_tok": 2,
+           "quantization_config": {"quant_method": "mxfp4"}}
+    with pytest.raises(UnsupportedModel, match="mxfp4"):
+        ModelConfig.from_hf(cfg)
