@@ -64,6 +64,8 @@ class EngineConfig:
                                       "write prompts' KV straight into its blocks (set from --kv-pool-shm and the role)",
                                cli=False)
     disable_metrics: bool = opt(False, "record no engine metrics (overhead baseline)")
+    moe_expert_metrics: bool = opt(False, "mixture-of-experts models: also count the tokens routed to each expert of "
+                                          "each layer (layers x experts series; the imbalance histogram is always on)")
     profile_steps: bool = opt(False, "time each step's phases (schedule, forward, attention, sampling, ...): "
                                      "LLMEngine.profile; a debugging aid, off costs nothing")
     store: StoreConfig = opt(doc="where hf:// and s3:// models are cached and how they are reached (its own flags)",

@@ -21,6 +21,7 @@ from fleetllm.engine.block_pool import BlockPool
 from fleetllm.engine.config import EngineConfig
 from fleetllm.engine.detokenizer import IncrementalDetokenizer
 from fleetllm.engine.executor import Executor, ModelOutput, Sampled
+from fleetllm.engine.expert_metrics import ExpertLoadMetrics
 from fleetllm.engine.handoff import Handoff, sampler_state
 from fleetllm.engine.kv_cache_manager import KVCacheManager
 from fleetllm.engine.metrics import EngineMetrics
@@ -73,6 +74,7 @@ class LLMEngine:
         fits = (self.pool.num_blocks - self.scheduler.watermark_blocks) * cfg.block_size
         self.max_model_len = min(cfg.max_model_len or 8192, mcfg.max_position_embeddings, fits)
         self.metrics = EngineMetrics(self.model_name, cfg.metric_labels, self.max_model_len, not cfg.disable_metrics)
+        self.expert_load = ExpertLoadMetrics.of(self.loaded.model, self.metrics, cfg.moe_expert_metrics)
         self.seqs: dict[str, Sequence] = {}
         self._elsewhere: set[str] = set()  # labels of requests whose KV is computed in another worker's pool
         self.detok: dict[str, IncrementalDetokenizer] = {}
@@ -232,6 +234,8 @@ class LLMEngine:
                 with phase(prof, "propose"):
                     self._drafts = self._propose()
         self._update_gauges()
+        if self.expert_load is not None:
+            self.expert_load.observe()
         if prof is not None:
             prof.step_done(time.perf_counter() - t0, sum(len(o.new_token_ids) for o in outputs))
         return outputs

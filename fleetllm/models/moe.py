@@ -45,7 +45,7 @@ class MoE(nn.Module):
 
             self.shared = MLP(cfg, cfg.shared_expert_intermediate_size)
             self.shared_gate = nn.Linear(h, 1, bias=False)
-        self.expert_counts: torch.Tensor | None = None  # tokens per expert of the last step (metrics)
+        self.expert_counts: list[int] | None = None  # tokens per expert since metrics last took them
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights ``[T, k]``, expert ids ``[T, k]``) of each token."""
@@ -73,13 +73,14 @@ class MoE(nn.Module):
         weights, idx = self.route(x)
         flat = idx.flatten()
         order = torch.argsort(flat, stable=True)  # (token, choice) pairs grouped by expert, tokens in order
-        counts = torch.bincount(flat, minlength=self.num_experts)
-        self.expert_counts = counts
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        seen = self.expert_counts
+        self.expert_counts = counts if seen is None else [a + b for a, b in zip(seen, counts, strict=True)]
         token_of = order // self.top_k
         w = weights.flatten()[order].unsqueeze(1)
         out = torch.zeros_like(x)
         start = 0
-        for e, n in enumerate(counts.tolist()):
+        for e, n in enumerate(counts):
             if n:
                 rows = token_of[start : start + n]
                 out.index_add_(0, rows, self._expert(e, x[rows]) * w[start : start + n])
