@@ -2,8 +2,8 @@
 
 Only the numbers the performance model needs: parameters (all, and active per token for a
 mixture-of-experts), bytes of KV cache per token, and the attention's size. A dense decoder's shape is
-read through fleetllm's own :class:`fleetllm.models.config.ModelConfig` (the loader's reader); MoE and
-other architectures fleetllm does not run are read from the usual config.json keys.
+read through fleetllm's own :class:`fleetllm.models.config.ModelConfig` (the loader's reader), mixture-of-experts
+families fleetllm runs included; other architectures are read from the usual config.json keys.
 """
 
 from __future__ import annotations
@@ -80,10 +80,11 @@ ALIASES = {"meta-llama/Llama-3.1-8B-Instruct": "llama-3.1-8b", "meta-llama/Llama
 
 
 def from_model_config(name: str, cfg: ModelConfig, runs_here: str | None = None) -> ModelShape:
-    """The shape of a model fleetllm can load (dense Llama family, Gemma 3)."""
+    """The shape of a model fleetllm can load (its experts: all of them count for memory, the chosen for compute)."""
     return ModelShape(name, cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-                      cfg.vocab_size, cfg.intermediate_size, tied=cfg.tie_word_embeddings,
-                      max_context=cfg.max_position_embeddings, runs_here=runs_here)
+                      cfg.vocab_size, cfg.intermediate_size, experts=cfg.num_experts,
+                      experts_per_token=cfg.num_experts_per_tok, moe_intermediate=cfg.moe_intermediate_size,
+                      tied=cfg.tie_word_embeddings, max_context=cfg.max_position_embeddings, runs_here=runs_here)
 
 
 def from_hf_config(name: str, d: dict[str, Any], runs_here: str | None = None) -> ModelShape:
@@ -91,11 +92,10 @@ def from_hf_config(name: str, d: dict[str, Any], runs_here: str | None = None) -
     usual keys (``num_local_experts``/``num_experts``, ``num_experts_per_tok``, ``moe_intermediate_size``)."""
     d = d.get("text_config") or d
     experts = int(d.get("num_local_experts") or d.get("num_experts") or d.get("n_routed_experts") or 0)
-    if not experts:
-        try:
-            return from_model_config(name, ModelConfig.from_hf(d), runs_here)
-        except UnsupportedModel:
-            pass
+    try:
+        return from_model_config(name, ModelConfig.from_hf(d), runs_here)
+    except (UnsupportedModel, KeyError):
+        pass
     heads = int(d["num_attention_heads"])
     return ModelShape(
         name, int(d["num_hidden_layers"]), int(d["hidden_size"]), heads, int(d.get("num_key_value_heads") or heads),

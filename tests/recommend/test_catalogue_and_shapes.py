@@ -55,6 +55,18 @@ def test_a_moe_config_json_gives_active_parameters() -> None:
     assert shape.active_params == pytest.approx(12.9e9, rel=0.03)
 
 
+def test_a_qwen3_moe_config_json_is_read_through_fleetllms_own_reader(tmp_path) -> None:
+    """A family the engine runs: its shape comes from the loader's reader, equal to the catalogue's 30B-A3B."""
+    d = {"model_type": "qwen3_moe", "hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 48,
+         "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128, "vocab_size": 151936,
+         "num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768, "norm_topk_prob": True,
+         "max_position_embeddings": 40960}
+    (tmp_path / "config.json").write_text(json.dumps(d))
+    shape, ref = load_shape(str(tmp_path)), CATALOGUE["qwen3-30b-a3b"]
+    assert shape.runs_here == str(tmp_path)
+    assert (shape.params, shape.active_params) == (ref.params, ref.active_params)
+
+
 def test_an_unknown_model_name_is_refused_with_the_known_ones() -> None:
     with pytest.raises(ValueError, match="llama-3.1-8b"):
         load_shape("no-such-model")
