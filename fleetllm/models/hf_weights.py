@@ -7,6 +7,8 @@ output bias and sinks (GPT-OSS), q/k norms (Qwen3). Dense MLP: ``gate_proj``/``u
 - Qwen2-MoE / Qwen3-MoE: ``mlp.gate`` (router), ``mlp.experts.{e}.{gate,up,down}_proj``; Qwen2-MoE's
   ``mlp.shared_expert.*`` and ``mlp.shared_expert_gate``;
 - Mixtral: ``block_sparse_moe.gate``, ``block_sparse_moe.experts.{e}.w1`` (gate), ``w3`` (up), ``w2`` (down);
+- GGUF (``qwen2moe``, ``qwen3moe``): ``mlp.experts.{gate,up,down}_proj`` stacked already (the loader's names for
+  ``ffn_{gate,up,down}_exps``);
 - GPT-OSS: ``mlp.router`` (with bias), ``mlp.experts.gate_up_proj [E, H, 2I]`` with gate and up interleaved
   column by column (and its bias), ``mlp.experts.down_proj [E, I, H]`` (and bias): transposed and split here.
 
@@ -71,15 +73,26 @@ def load_moe(moe: MoE, cfg: ModelConfig, p: str, take: Take, sd: dict[str, torch
     mixtral = p + "block_sparse_moe.gate.weight" in sd
     q = p + ("block_sparse_moe." if mixtral else "mlp.")
     set_weight(moe.router, take(q + "gate.weight"))
+    if q + "experts.gate_proj" in sd:  # stacked already (from GGUF's *_exps tensors)
+        gate_up = torch.cat([take(q + "experts.gate_proj"), take(q + "experts.up_proj")], dim=1)
+        set_weight(moe, gate_up, "gate_up")
+        set_weight(moe, take(q + "experts.down_proj"), "down")
+        _load_shared(moe, q, take, sd)
+        return
     names = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
     experts = range(cfg.num_experts)
     gate_up = [torch.cat([take(f"{q}experts.{e}.{names[0]}.weight"), take(f"{q}experts.{e}.{names[1]}.weight")])
                for e in experts]
     set_weight(moe, torch.stack(gate_up), "gate_up")
     set_weight(moe, torch.stack([take(f"{q}experts.{e}.{names[2]}.weight") for e in experts]), "down")
+    _load_shared(moe, q, take, sd)
+
+
+def _load_shared(moe: MoE, q: str, take: Take, sd: dict[str, torch.Tensor]) -> None:
     if moe.shared is not None:
         load_mlp(moe.shared, q + "shared_expert.", take, sd)
-        set_weight(moe.shared_gate, take(q + "shared_expert_gate.weight"))
+        gate = take(q + "shared_expert_gate.weight")
+        set_weight(moe.shared_gate, gate.view(1, -1))  # GGUF stores it as a vector
 
 
 def _load_gpt_oss_experts(moe: MoE, q: str, take: Take) -> None:

@@ -1,0 +1,49 @@
+"""A mixture-of-experts model converted to GGUF by llama.cpp's own converter loads to HF transformers' outputs:
+F32 equal to the HF model, Q8_0 equal to the HF model whose weights are rounded as Q8_0 rounds them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from families import converter, hf_greedy_logprobs, q8_0
+
+from fleetllm import LLM, SamplingParams
+
+PROMPTS = [[5, 17, 99, 3, 42, 42, 7], list(range(10, 130, 3)), [200, 201]]
+NEW = 32
+
+pytestmark = pytest.mark.skipif(converter() is None, reason="llama.cpp's converter is not unpacked (scripts/setup.sh)")
+
+
+def greedy(path, quantization: str = "none") -> list[tuple[list[int], list[float]]]:
+    llm = LLM(str(path), quantization=quantization, max_num_batched_tokens=16, num_blocks=64)
+    res = llm.generate(PROMPTS, SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True, logprobs=0))
+    return [(r.outputs[0].token_ids, [lp.logprob for lp in r.outputs[0].logprobs]) for r in res]
+
+
+def assert_equal_to(hf, outs: list[tuple[list[int], list[float]]]) -> None:
+    for prompt, (out, logprobs) in zip(PROMPTS, outs, strict=True):
+        ref = hf_greedy_logprobs(hf, prompt, out)
+        assert ref.argmax(-1).tolist() == out
+        assert (ref[range(NEW), out] - torch.tensor(logprobs)).abs().max() < 1e-4
+
+
+def test_an_f32_qwen3_moe_gguf_equals_transformers(family_models) -> None:
+    path, hf = family_models.gguf("qwen3_moe", "f32")
+    assert_equal_to(hf, greedy(path))
+
+
+@pytest.fixture(scope="module")
+def q8_reference(family_models):
+    """The HF model with every weight llama.cpp stores as Q8_0 rounded so (norms and the router stay F32)."""
+    path, hf = family_models.gguf("qwen3_moe", "q8_0")
+    rounded = type(hf)(hf.config).eval()
+    with torch.no_grad():
+        for (name, p), (_, q) in zip(rounded.named_parameters(), hf.named_parameters(), strict=True):
+            p.copy_(q8_0(q) if q.dim() >= 2 and not name.endswith("mlp.gate.weight") else q)
+    return path, rounded
+
+
+def test_a_q8_0_qwen3_moe_gguf_equals_transformers_on_its_rounded_weights(q8_reference) -> None:
+    path, hf = q8_reference
+    assert_equal_to(hf, greedy(path))
