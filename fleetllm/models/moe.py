@@ -18,10 +18,13 @@ have biases and a clamped SwiGLU: ``gate <= limit``, ``-limit <= up <= limit``, 
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fleetllm.kernels import q8
 from fleetllm.models.config import ModelConfig
 
 
@@ -46,6 +49,10 @@ class MoE(nn.Module):
             self.shared = MLP(cfg, cfg.shared_expert_intermediate_size)
             self.shared_gate = nn.Linear(h, 1, bias=False)
         self.expert_counts: list[int] | None = None  # tokens per expert since metrics last took them
+        # Set on quantised copies (models/quant.py): each expert's exact Q8_0 (gate_up, down), taken by groups of
+        # fewer than ``q8_rows`` tokens through the Q8_0 GEMV (fp32 activations); wider groups take fp32 products.
+        self.q8: list[tuple[Any, Any]] | None = None
+        self.q8_rows = 0
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights ``[T, k]``, expert ids ``[T, k]``) of each token."""
@@ -59,15 +66,25 @@ class MoE(nn.Module):
             top = top / top.sum(dim=-1, keepdim=True)
         return top.to(x.dtype), idx
 
+    def _linear(self, x: torch.Tensor, e: int, which: int) -> torch.Tensor:
+        """Expert ``e``'s gate_up (``which`` 0) or down (1) product, through the Q8_0 kernel where it serves."""
+        bias = (self.gate_up_bias, self.down_bias)[which]
+        b = None if bias is None else bias[e]
+        if self.q8 is not None and x.shape[0] < self.q8_rows:
+            y = q8.q8_linear(x, self.q8[e][which], b)
+            if y is not None:
+                return y
+        return F.linear(x, (self.gate_up, self.down)[which][e], b)
+
     def _expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
-        gu = F.linear(x, self.gate_up[e], None if self.gate_up_bias is None else self.gate_up_bias[e])
+        gu = self._linear(x, e, 0)
         gate, up = gu.split(self.inter, dim=-1)
         if self.limit is None:
             act = F.silu(gate) * up
         else:
             gate, up = gate.clamp(max=self.limit), up.clamp(-self.limit, self.limit)
             act = (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
-        return F.linear(act, self.down[e], None if self.down_bias is None else self.down_bias[e])
+        return self._linear(act, e, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, idx = self.route(x)

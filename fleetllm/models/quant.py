@@ -43,6 +43,7 @@ from fleetllm.kernels.decode_stack import MAX_CHUNK_KEYS, DecodeStack
 from fleetllm.kernels.q4 import recover_q4_1
 from fleetllm.kernels.q4_int import BlockedQ4, kernel_ready, q4_int_linear
 from fleetllm.models.llama import MLP
+from fleetllm.models.moe import MoE
 
 GROUP = 32
 WIDE_ROWS = 8  # steps of at least this many tokens take the int8 GEMM (issue #19: "int8 for batch ≥ 8")
@@ -267,6 +268,22 @@ def _decoder_linear(linear: nn.Linear, method: str, invariant: bool) -> nn.Modul
     return ByWidth(narrow, Int8DynamicLinear(linear))
 
 
+def _q8_experts(moe: MoE, invariant: bool) -> MoE:
+    """``moe`` whose experts' narrow products take the exact Q8_0 GEMV when every expert weight is exactly Q8_0 (a
+    Q8_0 GGUF's ``*_exps``), fp32 ``F.linear`` from ``Q4_WIDE_ROWS`` tokens (``invariant``: never), as the Q8_0 LM
+    head; otherwise ``moe`` itself. Each expert's group is its own product, so the bound is per expert."""
+    weights = []
+    for e in range(moe.num_experts):
+        pair = (q8.recover_q8_0(moe.gate_up[e]), q8.recover_q8_0(moe.down[e]))
+        if pair[0] is None or pair[1] is None:
+            return moe
+        weights.append(pair)
+    q = _shallow(moe)
+    q.q8, q.q8_rows = weights, (1 << 62) if invariant else Q4_WIDE_ROWS
+    q8.kernel_ready()  # starts the kernel's background build
+    return q
+
+
 def quantize_model(model: nn.Module, method: str | None, batch_invariant: bool = False) -> nn.Module:
     """``model`` with quantised linears for ``method``: "none", ``model`` itself; "int4", int4 (LM head:
     int8) narrow steps and exact fp32 wide ones; "int4-int8", int8 GEMMs for wide steps too, no fp32 copy;
@@ -304,9 +321,11 @@ def _quantized_copy(model: nn.Module, method: str, invariant: bool) -> nn.Module
     for layer in q.layers:
         layer.attn = _shallow(layer.attn)
         linears = [(layer.attn, "qkv"), (layer.attn, "o")]
-        if isinstance(layer.mlp, MLP):  # experts stay as loaded (exact fp32) for now
+        if isinstance(layer.mlp, MLP):
             layer.mlp = _shallow(layer.mlp)
             linears += [(layer.mlp, "gate_up"), (layer.mlp, "down")]
+        elif method in ACTIVATION_BITS:
+            layer.mlp = _q8_experts(layer.mlp, invariant)
         for parent, name in linears:
             setattr(parent, name, _decoder_linear(getattr(parent, name), method, invariant))
     head = model.lm_head

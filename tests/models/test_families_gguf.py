@@ -47,3 +47,12 @@ def q8_reference(family_models):
 def test_a_q8_0_qwen3_moe_gguf_equals_transformers_on_its_rounded_weights(q8_reference) -> None:
     path, hf = q8_reference
     assert_equal_to(hf, greedy(path))
+
+
+def test_q8_0_experts_run_quantised_by_default_to_the_same_outputs(q8_reference) -> None:
+    """Under the default quantization the experts keep their Q8_0 levels (the Q8_0 GEMV, fp32 activations)."""
+    path, hf = q8_reference
+    llm = LLM(str(path), max_num_batched_tokens=16, num_blocks=64)
+    assert all(layer.mlp.q8 is not None for layer in llm.engine.loaded.model.layers)
+    res = llm.generate(PROMPTS, SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True, logprobs=0))
+    assert_equal_to(hf, [(r.outputs[0].token_ids, [lp.logprob for lp in r.outputs[0].logprobs]) for r in res])
