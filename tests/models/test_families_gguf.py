@@ -1,5 +1,6 @@
-"""A mixture-of-experts model converted to GGUF by llama.cpp's own converter loads to HF transformers' outputs:
-F32 equal to the HF model, Q8_0 equal to the HF model whose weights are rounded as Q8_0 rounds them."""
+"""Mixture-of-experts models converted to GGUF by llama.cpp's own converter load to HF transformers' outputs:
+F32 (Qwen3-MoE, Qwen2-MoE with its shared expert) equal to the HF model, Q8_0 (Qwen3-MoE) equal to the HF model
+whose weights are rounded as Q8_0 rounds them, in exact mode and with the experts on the Q8_0 kernel."""
 
 from __future__ import annotations
 
@@ -28,8 +29,9 @@ def assert_equal_to(hf, outs: list[tuple[list[int], list[float]]]) -> None:
         assert (ref[range(NEW), out] - torch.tensor(logprobs)).abs().max() < 1e-4
 
 
-def test_an_f32_qwen3_moe_gguf_equals_transformers(family_models) -> None:
-    path, hf = family_models.gguf("qwen3_moe", "f32")
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe"])
+def test_an_f32_moe_gguf_equals_transformers(family: str, family_models) -> None:
+    path, hf = family_models.gguf(family, "f32")
     assert_equal_to(hf, greedy(path))
 
 
