@@ -1,7 +1,8 @@
 """Every family fleetllm runs beyond Llama/Qwen/Gemma 3 generates HF transformers' greedy tokens, in exact mode.
 
 Through ``LLM`` with the prompts batched, long prompts chunked (16-token steps), sliding windows shorter than the
-prompts, and a second request continuing a first one's output from the prefix cache. Log-probabilities of every
+prompts, a KV pool too small for all of them at once (requests are preempted and recomputed), and a second request
+continuing a first one's output from the prefix cache. Log-probabilities of every
 chosen token within 1e-4 of HF's, computed as HF's ``generate`` does (tests/families.py).
 """
 
@@ -23,12 +24,19 @@ def assert_matches_hf(model, prompt: list[int], out: list[int], logprobs: list[f
     assert max(abs(a - b) for a, b in zip(chosen.tolist(), logprobs, strict=True)) < 1e-4
 
 
+def preemptions(llm: LLM) -> float:
+    return sum(s.value for m in llm.engine.metrics.registry.collect() for s in m.samples
+               if s.name == "vllm:num_preemptions_total")
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_family_greedy_equals_transformers(family: str, family_models) -> None:
     path, hf = family_models.get(family)
-    llm = LLM(str(path), quantization="none", max_num_batched_tokens=16, num_blocks=64)
+    # 9 blocks of 16 tokens: the 4 requests need 15 by their ends
+    llm = LLM(str(path), quantization="none", max_num_batched_tokens=16, num_blocks=9, block_size=16)
     params = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True, logprobs=0)
     results = llm.generate(PROMPTS, params)
+    assert preemptions(llm) > 0
     for prompt, r in zip(PROMPTS, results, strict=True):
         c = r.outputs[0]
         assert len(c.token_ids) == NEW
