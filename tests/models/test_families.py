@@ -46,3 +46,15 @@ def test_family_greedy_equals_transformers(family: str, family_models) -> None:
     hit = llm.generate([again], SamplingParams(max_tokens=NEW - 8, temperature=0.0, ignore_eos=True))[0]
     assert hit.num_cached_tokens >= 32
     assert hit.outputs[0].token_ids == results[1].outputs[0].token_ids[8:]
+
+
+@pytest.mark.parametrize("method", ["ngram", "suffix"])
+def test_speculative_decoding_keeps_a_moe_models_greedy_output(method: str, family_models) -> None:
+    """Verify steps (several rows per request through the router and experts) accept drafts and change nothing."""
+    path, _ = family_models.get("qwen3_moe")
+    prompts = [[7, 8, 9, 10] * 6, PROMPTS[1]]
+    params = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True)
+    plain = [r.outputs[0].token_ids for r in LLM(str(path), quantization="none").generate(prompts, params)]
+    spec = LLM(str(path), quantization="none", speculative=f"method={method},k=3")
+    assert [r.outputs[0].token_ids for r in spec.generate(prompts, params)] == plain
+    assert spec.engine.executor.spec.num_accepted > 0
