@@ -152,9 +152,10 @@ class ModelConfig:
                                        f"(supported: {', '.join(GGUF_ROPE_SCALINGS)})")
         eos = meta.get("tokenizer.ggml.eos_token_id")
         gemma = _gemma3_from_gguf(get, hidden, heads, head_dim) if arch == "gemma3" else {}
-        moe = _moe_from_gguf(get, arch) if arch in GGUF_MOE else {}
+        mixtral = arch == "llama" and bool(get("expert_count"))  # llama.cpp writes Mixtral as llama with experts
+        moe = _moe_from_gguf(get, arch) if arch in GGUF_MOE or mixtral else {}
         return cls(
-            architecture=GGUF_MOE.get(arch, arch),
+            architecture="mixtral" if mixtral else GGUF_MOE.get(arch, arch),
             vocab_size=vocab_size,
             hidden_size=hidden,
             intermediate_size=get("feed_forward_length"),
@@ -178,9 +179,11 @@ class ModelConfig:
 
 def _moe_from_gguf(get: Any, arch: str) -> dict[str, Any]:
     """The experts of a GGUF mixture-of-experts model. llama.cpp renormalises the chosen experts' weights for
-    Qwen3-MoE and not for Qwen2-MoE (the GGUF has no key for it), so the same here."""
+    Qwen3-MoE and Mixtral (``llama`` with experts) and not for Qwen2-MoE (the GGUF has no key for it), so the same
+    here. Mixtral's experts are as wide as its ``feed_forward_length``."""
+    width = get("expert_feed_forward_length") or get("feed_forward_length")
     return dict(num_experts=get("expert_count"), num_experts_per_tok=get("expert_used_count"),
-                moe_intermediate_size=get("expert_feed_forward_length"), norm_topk_prob=arch == "qwen3moe",
+                moe_intermediate_size=width, norm_topk_prob=arch != "qwen2moe",
                 shared_expert_intermediate_size=get("expert_shared_feed_forward_length", 0) or 0)
 
 

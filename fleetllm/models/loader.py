@@ -248,7 +248,7 @@ def _hf_weight(t: Any, cfg: ModelConfig) -> Iterator[torch.Tensor]:
     """One GGUF tensor dequantised into its HF checkpoint's layout, a few MB of rows at a time: NumPy's
     temporaries stay small enough for the allocator to reuse, instead of faulting in fresh pages (slow
     on VMs) for every tensor."""
-    if cfg.architecture == "llama" and t.name.endswith(("attn_q.weight", "attn_q.bias", "attn_k.weight", "attn_k.bias")):
+    if cfg.architecture in ("llama", "mixtral") and t.name.endswith(("attn_q.weight", "attn_q.bias", "attn_k.weight", "attn_k.bias")):
         heads = cfg.num_heads if ".attn_q." in t.name else cfg.num_kv_heads
         yield _unpermute(torch.from_numpy(dequantize_tensor(t)), heads)  # rows move between chunks: whole
         return

@@ -29,7 +29,7 @@ def assert_equal_to(hf, outs: list[tuple[list[int], list[float]]]) -> None:
         assert (ref[range(NEW), out] - torch.tensor(logprobs)).abs().max() < 1e-4
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe", "mixtral"])
 def test_an_f32_moe_gguf_equals_transformers(family: str, family_models) -> None:
     path, hf = family_models.gguf(family, "f32")
     assert_equal_to(hf, greedy(path))
