@@ -84,6 +84,8 @@ def nothing_left_behind() -> Iterator[None]:
 _PREPARATIONS = {
     # HF transformers' own conversion of SmolLM2's GGUF (~17 s of CPU), saved as a HF directory
     "hf_reference.py": ("engine/test_hf_equivalence.py", "models/test_loader.py", "models/test_families_gguf.py"),
+    # tiny mixture-of-experts models converted by llama.cpp's own converter (~17 s each)
+    "families.py": ("models/test_families_gguf.py",),
     # Gemma-3-270M's weights dequantised (~13 s)
     "-c from pathlib import Path; from fleetllm.models.loader import read_gguf, resolve; read_gguf(Path(resolve('gemma3-270m')))":
         ("models/test_gemma3.py", "fleet/test_fleet_control.py"),

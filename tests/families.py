@@ -129,12 +129,22 @@ def convert_to_gguf(model_dir: Path, outtype: str) -> Path:
     target = cache_dir() / "gguf-families" / f"{model_dir.name}-{digest}-{outtype}.gguf"
     with _lock(target):
         if not target.exists():
+            for stale in target.parent.glob(f"{target.name}.*.tmp"):  # a killed conversion's (we hold the lock)
+                stale.unlink()
             tmp = target.with_name(f"{target.name}.{os.getpid()}.tmp")
             env = {**os.environ, "PYTHONPATH": str(LLAMA_CPP / "gguf-py")}
             subprocess.run([sys.executable, str(converter()), str(model_dir), "--outtype", outtype, "--outfile", str(tmp)],
-                           check=True, env=env, capture_output=True, timeout=300)
+                           check=True, env=env, capture_output=True, timeout=300, preexec_fn=_die_with_parent)
             os.replace(tmp, target)
     return target
+
+
+def _die_with_parent() -> None:
+    """The converter ends with whoever started it (the session's background preparation is killed at its end)."""
+    import ctypes
+    import signal
+
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
 @contextlib.contextmanager
@@ -154,3 +164,23 @@ def q8_0(w: torch.Tensor) -> torch.Tensor:
     a = scaled.abs()
     q = torch.sign(scaled) * (a.floor() + (2 * (a - a.floor())).floor())
     return (d.half().float() * q).reshape(w.shape)
+
+
+GGUF_CASES = (("qwen3_moe", "f32"), ("qwen3_moe", "q8_0"), ("qwen2_moe", "f32"), ("mixtral", "f32"))  # what tests read
+
+
+def prepare_ggufs() -> None:
+    """Convert every GGUF the tests read into the per-machine cache (the suite runs this from its start, in the
+    background: tests/conftest.py); a test that gets there first waits on the entry's lock instead."""
+    import tempfile
+
+    if converter() is None:
+        return
+    with tempfile.TemporaryDirectory() as d:
+        models = FamilyModels(Path(d), "")
+        for family, outtype in GGUF_CASES:
+            models.gguf(family, outtype)
+
+
+if __name__ == "__main__":
+    prepare_ggufs()
