@@ -88,20 +88,28 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, idx = self.route(x)
+        idx, perm = idx.sort(dim=-1)  # each token's choices in ascending expert order: the order HF sums them in
+        weights = weights.gather(1, perm)
+        t, k = idx.shape
         flat = idx.flatten()
         order = torch.argsort(flat, stable=True)  # (token, choice) pairs grouped by expert, tokens in order
         counts = torch.bincount(flat, minlength=self.num_experts).tolist()
         seen = self.expert_counts
         self.expert_counts = counts if seen is None else [a + b for a, b in zip(seen, counts, strict=True)]
-        token_of = order // self.top_k
-        w = weights.flatten()[order].unsqueeze(1)
-        out = torch.zeros_like(x)
+        xs = x.index_select(0, order // k)
+        ys = torch.empty_like(xs)
         start = 0
         for e, n in enumerate(counts):
             if n:
-                rows = token_of[start : start + n]
-                out.index_add_(0, rows, self._expert(e, x[rows]) * w[start : start + n])
+                ys[start : start + n] = self._expert(e, xs[start : start + n])
                 start += n
+        ys *= weights.flatten()[order].unsqueeze(1)
+        pairs = torch.empty_like(ys)
+        pairs[order] = ys  # back to (token, choice) order; index_add_ was ~10 ms a call on these CPUs
+        pairs = pairs.view(t, k, -1)
+        out = pairs[:, 0].clone()
+        for j in range(1, k):  # one add at a time, as HF's index_add_ accumulates
+            out += pairs[:, j]
         if self.shared is not None:
             out = out + torch.sigmoid(self.shared_gate(x)) * self.shared(x)
         return out
