@@ -2,7 +2,7 @@
 
 Both run the same safetensors in fp32 (fleetllm ``--quantization none``), greedy, ``--new`` tokens after a short
 prompt: HF's ``generate`` one request at a time (c=1), fleetllm's ``LLM`` at c=1 and c=8 (8 prompts batched).
-The first tokens are greedy-checked against each other. A shape the size of the issue's realistic one (hidden 1024,
+The first tokens are greedy-checked against each other; each figure is the best of 3 alternating runs. A shape the size of the issue's realistic one (hidden 1024,
 64 experts of 512, top 8, 16 layers) takes ~7 GB in fp32: scale ``--layers`` down on a shared machine.
 
     python benchmarks/moe_vs_hf.py --hidden 512 --experts 32 --expert-width 256 --top-k 4 --layers 8
@@ -63,10 +63,14 @@ def main() -> None:
         hf = build(args, d)
         params = sum(p.numel() for p in hf.parameters())
         prompt = list(range(100, 116))
-        hf1, hf_out = hf_tok_s(hf, prompt, args.new)
+        # best of 3 each, alternating: a shared machine's other work comes and goes
         llm = LLM(d, quantization="none", num_threads=args.threads)
-        fl1, fl_out = fleet_tok_s(llm, [prompt], args.new)
-        fl8, _ = fleet_tok_s(llm, [[t + i for t in prompt] for i in range(8)], args.new)
+        batch = [[t + i for t in prompt] for i in range(8)]
+        hf1 = fl1 = fl8 = 0.0
+        for _ in range(3):
+            (h, hf_out), (f, fl_out), (f8, _) = (hf_tok_s(hf, prompt, args.new), fleet_tok_s(llm, [prompt], args.new),
+                                                 fleet_tok_s(llm, batch, args.new))
+            hf1, fl1, fl8 = max(hf1, h), max(fl1, f), max(fl8, f8)
     same = next((i for i, (a, b) in enumerate(zip(hf_out, fl_out, strict=False)) if a != b), len(fl_out))
     print(f"Qwen3-MoE random: {params / 1e6:.0f}M params, {args.experts} experts x {args.expert_width}, top {args.top_k}, "
           f"{args.layers} layers, hidden {args.hidden}; {args.threads} threads, load {os.getloadavg()[0]:.1f}")
