@@ -143,6 +143,20 @@ def loaded_model() -> LoadedModel:
     return load_model(MODEL, device=device, dtype=torch.float32 if device == "cpu" else torch.bfloat16)
 
 
+@pytest.fixture
+def model_worker() -> Iterator[Callable[..., InProcessWorker]]:
+    """``start(loaded, *flags)`` -> a started worker over another model's weights; stopped with the test."""
+    started: list[InProcessWorker] = []
+
+    def start(loaded: LoadedModel, *flags: str) -> InProcessWorker:
+        started.append(InProcessWorker(loaded, *flags))
+        return started[-1]
+
+    yield start
+    for w in started:
+        w.stop()
+
+
 @pytest.fixture(scope="session")
 def family_models(tmp_path_factory: pytest.TempPathFactory, loaded_model: LoadedModel) -> Iterator[FamilyModels]:
     """Tiny HF models of every family beyond Llama/Qwen/Gemma 3 (tests/families.py), each built on first use."""
