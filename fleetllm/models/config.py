@@ -93,6 +93,9 @@ class ModelConfig:
         if model_type in ("gemma3_text", "gemma3"):
             return _gemma3_from_hf(cfg.get("text_config") or cfg)
         if model_type in FAMILIES:
+            act = cfg.get("hidden_act") or "silu"
+            if model_type != "gemma2" and act != "silu":
+                raise UnsupportedModel(f"{model_type} with hidden_act {act!r} is not supported (silu)")
             base = cls.from_hf({**cfg, "model_type": "llama"})
             return FAMILIES[model_type](base, cfg)
         if model_type not in HF_MODEL_TYPES:

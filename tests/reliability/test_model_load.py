@@ -48,3 +48,8 @@ def test_mxfp4_gpt_oss_weights_fail_naming_them() -> None:
            "quantization_config": {"quant_method": "mxfp4"}}
     with pytest.raises(UnsupportedModel, match="mxfp4"):
         ModelConfig.from_hf(cfg)
+
+
+def test_a_family_with_another_activation_fails_naming_it() -> None:
+    with pytest.raises(UnsupportedModel, match="gelu"):
+        ModelConfig.from_hf({**LLAMA, "model_type": "mistral", "hidden_act": "gelu"})
