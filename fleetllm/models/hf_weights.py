@@ -7,12 +7,12 @@ output bias and sinks (GPT-OSS), q/k norms (Qwen3). Dense MLP: ``gate_proj``/``u
 - Qwen2-MoE / Qwen3-MoE: ``mlp.gate`` (router), ``mlp.experts.{e}.{gate,up,down}_proj``; Qwen2-MoE's
   ``mlp.shared_expert.*`` and ``mlp.shared_expert_gate``;
 - Mixtral: ``block_sparse_moe.gate``, ``block_sparse_moe.experts.{e}.w1`` (gate), ``w3`` (up), ``w2`` (down);
-- GGUF (``qwen2moe``, ``qwen3moe``): ``mlp.experts.{gate,up,down}_proj`` stacked already (the loader's names for
-  ``ffn_{gate,up,down}_exps``);
+- GGUF (``qwen2moe``, ``qwen3moe``, Mixtral): ``mlp.experts.gate_up_proj`` and ``down_proj`` stacked already (the
+  loader's cache of ``ffn_{gate,up,down}_exps``, gate and up fused there): views of the map, no copy;
 - GPT-OSS: ``mlp.router`` (with bias), ``mlp.experts.gate_up_proj [E, H, 2I]`` with gate and up interleaved
   column by column (and its bias), ``mlp.experts.down_proj [E, I, H]`` (and bias): transposed and split here.
 
-Stacking copies the experts once at load (the checkpoint keeps one tensor per expert).
+Stacking a safetensors checkpoint's experts copies them once at load (it keeps one tensor per expert).
 """
 
 from __future__ import annotations
@@ -73,8 +73,10 @@ def load_moe(moe: MoE, cfg: ModelConfig, p: str, take: Take, sd: dict[str, torch
     mixtral = p + "block_sparse_moe.gate.weight" in sd
     q = p + ("block_sparse_moe." if mixtral else "mlp.")
     set_weight(moe.router, take(q + "gate.weight"))
-    if q + "experts.gate_proj" in sd:  # stacked already (from GGUF's *_exps tensors)
-        gate_up = torch.cat([take(q + "experts.gate_proj"), take(q + "experts.up_proj")], dim=1)
+    if q + "experts.gate_up_proj" in sd or q + "experts.gate_proj" in sd:  # stacked (a GGUF's *_exps, cached)
+        fused = sd.get(q + "experts.gate_up_proj")
+        gate_up = take(q + "experts.gate_up_proj") if fused is not None else torch.cat(
+            [take(q + "experts.gate_proj"), take(q + "experts.up_proj")], dim=1)  # a cache entry from before fusing
         set_weight(moe, gate_up, "gate_up")
         set_weight(moe, take(q + "experts.down_proj"), "down")
         _load_shared(moe, q, take, sd)

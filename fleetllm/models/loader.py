@@ -241,7 +241,28 @@ def _dequantise_gguf(path: Path) -> tuple[ModelConfig, list[LazyTensor], Tokeniz
             hf = f"model.layers.{parts[1]}.{layer_names[parts[2]]}"
         shape = tuple(int(x) for x in reversed(t.shape))
         tensors.append((hf, shape, functools.partial(_hf_weight, t, cfg)))
-    return cfg, tensors, tok
+    return cfg, _fuse_expert_gate_up(tensors), tok
+
+
+def _fuse_expert_gate_up(tensors: list[LazyTensor]) -> list[LazyTensor]:
+    """Each layer's stacked expert gate and up weights as the one ``[E, 2I, H]`` tensor the model multiplies by,
+    written so into the cache: loaded, it is a view of the map (stacking them at load would copy every expert)."""
+    by_name = {name: (shape, make) for name, shape, make in tensors}
+    out: list[LazyTensor] = []
+    for name, shape, make in tensors:
+        if name.endswith("mlp.experts.gate_proj"):
+            up_shape, up = by_name[name.replace("gate_proj", "up_proj")]
+            fused = (shape[0], shape[1] + up_shape[1], shape[2])
+            out.append((name.replace("gate_proj", "gate_up_proj"), fused, functools.partial(_cat_experts, make, up)))
+        elif not name.endswith("mlp.experts.up_proj"):
+            out.append((name, shape, make))
+    return out
+
+
+def _cat_experts(gate: Any, up: Any) -> Iterator[torch.Tensor]:
+    """Chunks (whole experts) of gate and up, each expert's gate rows then its up rows."""
+    for g, u in zip(gate(), up(), strict=True):
+        yield torch.cat([g, u], dim=1)
 
 
 def _hf_weight(t: Any, cfg: ModelConfig) -> Iterator[torch.Tensor]:
