@@ -74,7 +74,7 @@ class LLMEngine:
         fits = (self.pool.num_blocks - self.scheduler.watermark_blocks) * cfg.block_size
         self.max_model_len = min(cfg.max_model_len or 8192, mcfg.max_position_embeddings, fits)
         self.metrics = EngineMetrics(self.model_name, cfg.metric_labels, self.max_model_len, not cfg.disable_metrics)
-        self.expert_load = ExpertLoadMetrics.of(self.loaded.model, self.metrics, cfg.moe_expert_metrics)
+        self.expert_load = ExpertLoadMetrics.of(getattr(self.loaded, "model", None), self.metrics, cfg.moe_expert_metrics)
         self.seqs: dict[str, Sequence] = {}
         self._elsewhere: set[str] = set()  # labels of requests whose KV is computed in another worker's pool
         self.detok: dict[str, IncrementalDetokenizer] = {}

@@ -22,10 +22,13 @@ IMBALANCE_BUCKETS = (1.0, 1.25, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0, 16.0, 32.0, 64.0)
 
 
 def moe_layers(model: Any) -> list[tuple[int, Any]]:
-    """(layer index, its MoE module) of every mixture-of-experts layer of ``model`` (none for a dense one)."""
+    """(layer index, its MoE module) of every mixture-of-experts layer of ``model`` (none for a dense one, or for
+    no model: a simulated worker has none, and imports no torch)."""
+    layers = getattr(model, "layers", None) or []
+    if not layers:
+        return []
     from fleetllm.models.moe import MoE
 
-    layers = getattr(model, "layers", None) or []
     return [(i, layer.mlp) for i, layer in enumerate(layers) if isinstance(getattr(layer, "mlp", None), MoE)]
 
 
