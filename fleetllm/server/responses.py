@@ -242,7 +242,7 @@ def responses_route(worker: Worker, store: ConversationStore) -> Route:
         body = await worker.request_body(request)
         prev = body.get("previous_response_id")
         chat = chat_body(body, store.get(prev) if prev else [])
-        ids = worker.prompt_ids("chat", chat)
+        ids = await worker.prompt_ids("chat", chat)
         tools = tool_request(chat, worker.tool_parser)
         params = await worker.constrained(sampling_from_body(chat, chat=True), chat, tools.grammar)
         rid = uuid.uuid4().hex

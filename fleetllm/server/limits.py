@@ -1,0 +1,83 @@
+"""What a request may carry, checked before anything is allocated for it or parsed further.
+
+Every number in a JSON body is finite (``NaN`` and ``Infinity``, which Python's ``json`` accepts, are refused,
+as is a float literal too large for a double) and every integer literal has at most :data:`MAX_INT_DIGITS`
+digits (Python would parse 4,000 of them, and refuse 5,000 with an error that is no JSON error). A request's
+prompts are capped in count (:data:`MAX_PROMPTS`; a chat's messages: :data:`MAX_MESSAGES`) and in characters (:data:`MAX_PROMPT_CHARS`, far above any
+context a served model has), so a body under the size cap still cannot ask for millions of sub-requests or
+seconds of tokenising. Torch-free: the router checks the same limits.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+from fleetllm.server.errors import APIError
+
+MAX_INT_DIGITS = 40  # 2**128 has 39 digits: no field of any API here needs more
+MAX_PROMPTS = 1024  # prompts in one completions request (each is a sub-request, times n)
+MAX_PROMPT_CHARS = 4 * 2**20  # characters of a request's prompts or messages, all together
+MAX_MESSAGES = 16384  # messages in one chat (a template renders each: a million empty ones would take seconds)
+LARGE_INPUT_CHARS = 16 * 2**10  # from here, parsing and tokenising go off the event loop (a few ms and more)
+_DIGITS = bytes.maketrans(b"0123456789", b"9999999999")
+_LONG_RUN = b"9" * (MAX_INT_DIGITS + 1)
+
+
+def loads(raw: bytes | str) -> Any:
+    """``json.loads`` with every number finite and integer literals bounded (APIError 400).
+
+    The common body has no run of more than :data:`MAX_INT_DIGITS` digits anywhere (one C-speed scan finds out)
+    and is parsed at full speed; only one that has such a run (in a string, or an integer literal) is parsed
+    with a check on each integer."""
+    data = raw.encode() if isinstance(raw, str) else raw
+    long_run = _LONG_RUN in data.translate(_DIGITS)
+    return json.loads(data, parse_float=_finite, parse_constant=_no_constant,
+                      **({"parse_int": _bounded_int} if long_run else {}))
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise APIError(400, f"number {text[:40]} is out of range (not a finite double)")
+    return value
+
+
+def _no_constant(name: str) -> float:
+    raise APIError(400, f"{name} is not a number JSON allows: every number must be finite")
+
+
+def _bounded_int(text: str) -> int:
+    if len(text.lstrip("-")) > MAX_INT_DIGITS:
+        raise APIError(400, f"an integer of {len(text.lstrip('-'))} digits: at most {MAX_INT_DIGITS} are accepted")
+    return int(text)
+
+
+def number(value: Any, name: str, low: float, high: float, default: float) -> float:
+    """``value`` (None: ``default``) as a float in ``[low, high]``; APIError 400 naming ``name`` if it
+    is no number, not finite or out of range (a string is parsed: query parameters are strings)."""
+    if value is None:
+        return default
+    try:
+        if isinstance(value, bool) or not isinstance(value, int | float | str):
+            raise ValueError
+        f = float(value)
+    except (ValueError, OverflowError):
+        raise APIError(400, f"{name} must be a number, got {str(value)[:40]!r}", name) from None
+    if not (math.isfinite(f) and low <= f <= high):
+        raise APIError(400, f"{name} must be a number in [{low:g}, {high:g}], got {str(value)[:40]}", name)
+    return f
+
+
+def check_prompts(prompts: list[Any], param: str = "prompt") -> None:
+    """At most :data:`MAX_PROMPTS` prompts of at most :data:`MAX_PROMPT_CHARS` characters (texts) or token ids
+    (lists) in all."""
+    if len(prompts) > MAX_PROMPTS:
+        raise APIError(400, f"{len(prompts)} prompts in one request: at most {MAX_PROMPTS}", param)
+    check_chars(sum(len(p) for p in prompts if isinstance(p, str | list)), param)
+
+
+def check_chars(total: int, param: str) -> None:
+    if total > MAX_PROMPT_CHARS:
+        raise APIError(400, f"{param} holds {total} characters: at most {MAX_PROMPT_CHARS} in one request", param)
