@@ -79,10 +79,10 @@ class DecodeEndpoints:
         from fleetllm.disagg.shared_pool import PoolLayout
 
         spec = await self.worker.request_body(request)
+        lease_s = number(spec.get("lease_s"), "lease_s", 0.001, MAX_TIMEOUT_S, 60.0)  # longer: cut to MAX_LEASE_S
         pool = self.worker.engine.kv_pool_file()
         if pool is None:
             raise APIError(409, "this worker's KV pool is not shared: send a frame", "pool")
-        lease_s = number(spec.get("lease_s"), "lease_s", 0.001, MAX_TIMEOUT_S, 60.0)  # longer: cut to MAX_LEASE_S
         try:
             header = FrameHeader.parse(spec.get("header"))
         except (ValueError, TypeError) as e:  # FrameError included

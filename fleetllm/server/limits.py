@@ -81,3 +81,26 @@ def check_prompts(prompts: list[Any], param: str = "prompt") -> None:
 def check_chars(total: int, param: str) -> None:
     if total > MAX_PROMPT_CHARS:
         raise APIError(400, f"{param} holds {total} characters: at most {MAX_PROMPT_CHARS} in one request", param)
+
+
+def check_inputs(path: str, body: dict[str, Any]) -> None:
+    """The router's check of a request's prompts or messages against these limits, whatever engine serves it
+    (the worker checks each field in full): ``prompt`` in count and characters, ``messages`` in count and text."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        check_chars(len(prompt), "prompt")
+    elif isinstance(prompt, list) and prompt:
+        check_prompts(prompt if isinstance(prompt[0], str | list) else [prompt])
+    messages = body.get("messages") if path.endswith(("/chat/completions", "/messages")) else None
+    if isinstance(messages, list):
+        if len(messages) > MAX_MESSAGES:
+            raise APIError(400, f"{len(messages)} messages in one request: at most {MAX_MESSAGES}", "messages")
+        check_chars(sum(_text_chars(m.get("content")) for m in messages if isinstance(m, dict)), "messages")
+
+
+def _text_chars(content: Any) -> int:
+    if isinstance(content, str):
+        return len(content)
+    if isinstance(content, list):
+        return sum(len(p["text"]) for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
+    return 0
