@@ -69,9 +69,7 @@ class Streamed:
             first += await self._next(len(first))
         from fleetllm.disagg.frame import FrameReader
 
-        reader = FrameReader(first)
-        self.check(reader.header)
-        size = reader.size  # the head says how long the frame is: one buffer, written in place
+        size = FrameReader(first, self.check).size  # the head says how long the frame is: one buffer, written in place
         if len(first) > size:
             raise FrameError("overlong frame")
         self.buf = bytearray(size)

@@ -162,9 +162,9 @@ class DecodeEndpoints:
         from fleetllm.disagg.frame import FrameReader
         from fleetllm.disagg.kv_io import cancel, check_fits, commit, reserve
 
-        reader = FrameReader(await arrival.head())
-        check_fits(self.worker.engine, reader.header)  # refused before its layers are read
-        engine, views, res = self.worker.async_engine, self.worker.engine.kv_blocks(), None
+        engine = self.worker.engine
+        reader = FrameReader(await arrival.head(), lambda header: check_fits(engine, header))  # before its layers
+        engine, views, res = self.worker.async_engine, engine.kv_blocks(), None
         n, i = reader.header.num_layers, 0
         try:
             while i < n:

@@ -25,7 +25,7 @@ from __future__ import annotations
 import json
 import struct
 import warnings
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -218,11 +218,15 @@ class FrameReader:
     """A frame read in place as its bytes arrive: each layer verified on its own, then the trailer.
 
     ``buf`` holds the frame at its offsets (a mapping, or memory an HTTP body is written into); only the
-    head need be there when the reader is made. :meth:`layer` returns views over ``buf`` (no copy)."""
+    head need be there when the reader is made. :meth:`layer` returns views over ``buf`` (no copy). ``check``
+    sees the header first (the receiver's :func:`fleetllm.disagg.kv_io.check_fits`): nothing sized by a header
+    it refuses is made."""
 
-    def __init__(self, buf: memoryview | bytearray | bytes) -> None:
+    def __init__(self, buf: memoryview | bytearray | bytes, check: Callable[[FrameHeader], None] | None = None) -> None:
         self.mv = memoryview(buf).cast("B")
         self.header, self._head = parse_head(self.mv)
+        if check is not None:
+            check(self.header)
         self._n, self._dtype = self.header.layer_bytes, DTYPES[self.header.dtype]
         self.size = self.header.frame_bytes(self._head)
         self._crcs: list[int | None] = [None] * self.header.num_layers
