@@ -130,7 +130,7 @@ class PrefillEndpoints:
         """What to compute for ``body``: its whole prompt and first token when it is one sub-request (the
         colocated path's parameters: the first choice's seed), else the full blocks with one greedy token."""
         kind = "chat" if path.endswith("/chat/completions") else "text"
-        prompts = await self.worker.prompt_ids(kind, body)
+        prompts = await self.worker.encoded(kind, body)
         params = await self.worker.request_params(kind, body)
         rid = f"pd-{request_id or uuid.uuid4().hex}"
         if len(prompts) == 1 and params.n == 1:

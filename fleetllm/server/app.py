@@ -51,7 +51,7 @@ from fleetllm.server.anthropic import messages_route
 from fleetllm.server.body_limit import DEFAULT_MAX_BODY_BYTES, BodyLimit
 from fleetllm.server.config import KVEventsOptions, ObservabilityConfig
 from fleetllm.server.inflight import InFlight
-from fleetllm.server.limits import LARGE_INPUT_CHARS, check_chars, number
+from fleetllm.server.limits import LARGE_INPUT_CHARS, check_chars, input_chars, number
 from fleetllm.server.openapi import openapi_schema
 from fleetllm.server.protocol import (
     APIError,
@@ -333,20 +333,19 @@ class Worker:
         return await self.until_disconnect(request, self._collect(gen))
 
     # ---- endpoints ---------------------------------------------------------------------------------
-    async def prompt_ids(self, kind: str, body: dict[str, Any]) -> list[list[int]]:
+    def prompt_ids(self, kind: str, body: dict[str, Any]) -> list[list[int]]:
         """The token ids of a chat (``kind="chat"``: template applied) or completions request's prompts, checked
-        in count and size first (:mod:`.limits`); a large input is rendered and tokenised on a thread
-        (milliseconds per 10k characters, which on the event loop would stall every stream)."""
+        in count and size first (:mod:`.limits`)."""
         if kind != "chat":
-            prompts = completion_prompts(body)
-            size = sum(len(p) for p in prompts if isinstance(p, str))
-            work = lambda: [self._encode(p) for p in prompts]  # noqa: E731
-        else:
-            messages = chat_messages(body)
-            tools = tool_request(body, self.tool_parser)
-            size = sum(len(m["content"]) for m in messages)
-            work = lambda: [self._chat_ids(messages, tools, body)]  # noqa: E731
-        return await asyncio.to_thread(work) if size >= LARGE_INPUT_CHARS else work()
+            return [self._encode(p) for p in completion_prompts(body)]
+        return [self._chat_ids(chat_messages(body), tool_request(body, self.tool_parser), body)]
+
+    async def encoded(self, kind: str, body: dict[str, Any]) -> list[list[int]]:
+        """:meth:`prompt_ids`, on a thread for a large input (milliseconds per 10k characters, which on the event
+        loop would stall every stream)."""
+        if input_chars(body) < LARGE_INPUT_CHARS:
+            return self.prompt_ids(kind, body)
+        return await asyncio.to_thread(self.prompt_ids, kind, body)
 
     def _chat_ids(self, messages: list[dict[str, Any]], tools: ToolRequest, body: dict[str, Any]) -> list[int]:
         try:
@@ -368,7 +367,7 @@ class Worker:
     async def chat(self, request: Request) -> Response:
         body = await self.request_body(request)
         params = await self.request_params("chat", body)  # checked before the prompt is tokenised
-        ids = await self.prompt_ids("chat", body)
+        ids = await self.encoded("chat", body)
         tools = tool_request(body, self.tool_parser)
         return await self._respond(request, "chat", body, ids, params, tools if tools.parses_calls else None)
 
@@ -388,7 +387,7 @@ class Worker:
         if body.get("echo"):
             raise APIError(400, "echo is not supported", "echo")
         params = await self.request_params("text", body)
-        prompts = await self.prompt_ids("text", body)
+        prompts = await self.encoded("text", body)
         return await self._respond(request, "text", body, prompts, params)
 
     async def _respond(self, request: Request, kind: str, body: dict[str, Any], prompts: list[list[int]],

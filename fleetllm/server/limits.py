@@ -98,6 +98,18 @@ def check_inputs(path: str, body: dict[str, Any]) -> None:
         check_chars(sum(_text_chars(m.get("content")) for m in messages if isinstance(m, dict)), "messages")
 
 
+def input_chars(body: dict[str, Any]) -> int:
+    """About how many characters a request's prompts or messages hold (what tokenising them costs)."""
+    prompt, messages = body.get("prompt"), body.get("messages")
+    if isinstance(prompt, str):
+        return len(prompt)
+    if isinstance(prompt, list):
+        return sum(len(p) for p in prompt if isinstance(p, str))
+    if isinstance(messages, list):
+        return sum(_text_chars(m.get("content")) for m in messages if isinstance(m, dict))
+    return 0
+
+
 def _text_chars(content: Any) -> int:
     if isinstance(content, str):
         return len(content)

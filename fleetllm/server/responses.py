@@ -230,7 +230,7 @@ def responses_route(worker: Worker, store: ConversationStore) -> Route:
         body = await worker.request_body(request)
         prev, owner = body.get("previous_response_id"), request.headers.get(OWNER_HEADER, "")
         chat = chat_body(body, store.get(prev, owner) if prev else [])
-        ids = await worker.prompt_ids("chat", chat)
+        ids = await worker.encoded("chat", chat)
         tools = tool_request(chat, worker.tool_parser)
         params = await worker.constrained(sampling_from_body(chat, chat=True), chat, tools.grammar)
         rid = uuid.uuid4().hex
