@@ -32,9 +32,8 @@ def loads(raw: bytes | str) -> Any:
     and is parsed at full speed; only one that has such a run (in a string, or an integer literal) is parsed
     with a check on each integer."""
     data = raw.encode() if isinstance(raw, str) else raw
-    long_run = _LONG_RUN in data.translate(_DIGITS)
-    return json.loads(data, parse_float=_finite, parse_constant=_no_constant,
-                      **({"parse_int": _bounded_int} if long_run else {}))
+    text = raw if isinstance(raw, str) else data.decode(json.detect_encoding(data), "surrogatepass")  # as json.loads
+    return (_CHECKING_INTS if _LONG_RUN in data.translate(_DIGITS) else _DECODER).decode(text)
 
 
 def _finite(text: str) -> float:
@@ -52,6 +51,11 @@ def _bounded_int(text: str) -> int:
     if len(text.lstrip("-")) > MAX_INT_DIGITS:
         raise APIError(400, f"an integer of {len(text.lstrip('-'))} digits: at most {MAX_INT_DIGITS} are accepted")
     return int(text)
+
+
+# made once: json.loads with hooks would build a decoder on every call
+_DECODER = json.JSONDecoder(parse_float=_finite, parse_constant=_no_constant)
+_CHECKING_INTS = json.JSONDecoder(parse_float=_finite, parse_constant=_no_constant, parse_int=_bounded_int)
 
 
 def number(value: Any, name: str, low: float, high: float, default: float) -> float:
