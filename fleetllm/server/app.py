@@ -51,7 +51,7 @@ from fleetllm.server.anthropic import messages_route
 from fleetllm.server.body_limit import DEFAULT_MAX_BODY_BYTES, BodyLimit
 from fleetllm.server.config import KVEventsOptions, ObservabilityConfig
 from fleetllm.server.inflight import InFlight
-from fleetllm.server.limits import LARGE_INPUT_CHARS, check_chars, input_chars, number
+from fleetllm.server.limits import LARGE_INPUT_CHARS, check_chars, check_inputs, input_chars, number, off_loop
 from fleetllm.server.openapi import openapi_schema
 from fleetllm.server.protocol import (
     APIError,
@@ -222,7 +222,7 @@ class Worker:
         """The request's JSON object; APIError 400 if it is none, 404 if it names another model."""
         raw = await request.body()
         # a large body parses on a thread (a 16 MiB one takes a fraction of a second: every stream would stall)
-        body = json_object(raw) if len(raw) < LARGE_INPUT_CHARS else await asyncio.to_thread(json_object, raw)
+        body = json_object(raw) if len(raw) < LARGE_INPUT_CHARS else await off_loop(json_object, raw)
         model = body.get("model")
         if model is not None and model != self.model_name:
             raise APIError(404, f"The model `{model}` does not exist. Served: {self.model_name}", "model")
@@ -345,7 +345,7 @@ class Worker:
         loop would stall every stream)."""
         if input_chars(body) < LARGE_INPUT_CHARS:
             return self.prompt_ids(kind, body)
-        return await asyncio.to_thread(self.prompt_ids, kind, body)
+        return await off_loop(self.prompt_ids, kind, body)
 
     def _chat_ids(self, messages: list[dict[str, Any]], tools: ToolRequest, body: dict[str, Any]) -> list[int]:
         try:
@@ -366,7 +366,8 @@ class Worker:
 
     async def chat(self, request: Request) -> Response:
         body = await self.request_body(request)
-        params = await self.request_params("chat", body)  # checked before the prompt is tokenised
+        check_inputs(request.url.path, body)  # sizes, then parameters, before anything is tokenised
+        params = await self.request_params("chat", body)
         ids = await self.encoded("chat", body)
         tools = tool_request(body, self.tool_parser)
         return await self._respond(request, "chat", body, ids, params, tools if tools.parses_calls else None)
@@ -386,6 +387,7 @@ class Worker:
         body = await self.request_body(request)
         if body.get("echo"):
             raise APIError(400, "echo is not supported", "echo")
+        check_inputs(request.url.path, body)
         params = await self.request_params("text", body)
         prompts = await self.encoded("text", body)
         return await self._respond(request, "text", body, prompts, params)
@@ -484,7 +486,7 @@ class Worker:
             work = lambda: tok.encode(body["prompt"], bool(body.get("add_special_tokens", True)))  # noqa: E731
         else:
             raise APIError(400, "give prompt (a string) or messages", "prompt")
-        ids = await asyncio.to_thread(work) if size >= LARGE_INPUT_CHARS else work()
+        ids = await off_loop(work) if size >= LARGE_INPUT_CHARS else work()
         return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": self.engine.max_model_len})
 
     async def detokenize(self, request: Request) -> Response:
@@ -497,7 +499,7 @@ class Worker:
         if any(t < 0 or t >= vocab for t in toks):
             raise APIError(400, f"token ids must be in [0, {vocab})", "tokens")
         work = lambda: self.engine.tokenizer.decode(toks, skip_special_tokens=False)  # noqa: E731
-        return JSONResponse({"prompt": await asyncio.to_thread(work) if len(toks) >= LARGE_INPUT_CHARS else work()})
+        return JSONResponse({"prompt": await off_loop(work) if len(toks) >= LARGE_INPUT_CHARS else work()})
 
     async def health(self, request: Request) -> Response:
         """Liveness: the engine thread runs (a draining or warming worker is alive)."""

@@ -10,9 +10,12 @@ seconds of tokenising. Torch-free: the router checks the same limits.
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import json
 import math
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from fleetllm.server.errors import APIError
 
@@ -21,8 +24,17 @@ MAX_PROMPTS = 1024  # prompts in one completions request (each is a sub-request,
 MAX_PROMPT_CHARS = 4 * 2**20  # characters of a request's prompts or messages, all together
 MAX_MESSAGES = 16384  # messages in one chat (a template renders each: a million empty ones would take seconds)
 LARGE_INPUT_CHARS = 16 * 2**10  # from here, parsing and tokenising go off the event loop (a few ms and more)
+# Parsing and tokenising need no tensors: their threads are not the worker's default executor's, which set up
+# OpenMP for tensor work (and so import torch, which a simulated worker never loads).
+_INPUT_THREADS = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="request-input")
+T = TypeVar("T")
 _DIGITS = bytes.maketrans(b"0123456789", b"9999999999")
 _LONG_RUN = b"9" * (MAX_INT_DIGITS + 1)
+
+
+async def off_loop(fn: Callable[..., T], *args: Any) -> T:
+    """``fn(*args)`` on a request-input thread (a large body's parsing, a long prompt's tokenising)."""
+    return await asyncio.get_running_loop().run_in_executor(_INPUT_THREADS, fn, *args)
 
 
 def loads(raw: bytes | str) -> Any:
