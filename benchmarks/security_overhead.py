@@ -95,9 +95,9 @@ def main() -> int:
         ap.error(f"--before {args.before}: not a fleetllm checkout (no fleetllm/__init__.py there)")
     tmp = Path(tempfile.mkdtemp(prefix="fleetllm-security-overhead-"))
     keys, key = make_key(tmp)
-    base = free_ports(2)
+    base = free_ports(4)  # each fleet: its router's port, then its worker's (serve's default: port + 1)
     trees = {"before": args.before.resolve(), "after": ROOT}
-    ports = {"before": base, "after": base + 1}
+    ports = {"before": base, "after": base + 2}
     procs: dict[str, subprocess.Popen[bytes]] = {}
     tput: dict[str, list[float]] = {"before": [], "after": []}
     try:

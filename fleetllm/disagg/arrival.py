@@ -20,11 +20,11 @@ import mmap
 import os
 import threading
 from collections import OrderedDict
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
-from fleetllm.disagg.frame import FrameError, head_size
+from fleetllm.disagg.frame import FrameError, FrameHeader, head_size
 
 SHM_STREAM = "application/x-fleetllm-kv-shm"
 
@@ -52,22 +52,24 @@ class Whole:
 
 
 class Streamed:
-    """A frame arriving as an HTTP body, copied once into a buffer of its size."""
+    """A frame arriving as an HTTP body, copied once into a buffer of its size: its head is read (at most
+    ``max_head`` bytes) and ``check`` passes its header (it fits this engine, so its size is bounded by the pool's)
+    before that buffer is made."""
 
     via = "http"
 
-    def __init__(self, chunks: AsyncIterator[bytes]) -> None:
-        self.chunks = chunks
+    def __init__(self, chunks: AsyncIterator[bytes], check: Callable[[FrameHeader], None], max_head: int) -> None:
+        self.chunks, self.check, self.max_head = chunks, check, max_head
         self.buf = bytearray()
         self.got = 0
 
     async def head(self) -> bytearray:
         first = bytearray()
-        while (n := head_size(first)) is None or len(first) < n:
+        while (n := head_size(first, self.max_head)) is None or len(first) < n:
             first += await self._next(len(first))
         from fleetllm.disagg.frame import FrameReader
 
-        size = FrameReader(first).size  # the head says how long the frame is: one buffer, written in place
+        size = FrameReader(first, self.check).size  # the head says how long the frame is: one buffer, written in place
         if len(first) > size:
             raise FrameError("overlong frame")
         self.buf = bytearray(size)

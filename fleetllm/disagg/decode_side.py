@@ -34,7 +34,8 @@ from starlette.responses import JSONResponse, Response
 from fleetllm.disagg.buffers import PREFIX
 from fleetllm.disagg.handoffs import transfer_id
 from fleetllm.disagg.routes import SHM_DIR, LazyMetrics, TransferMetrics
-from fleetllm.server.protocol import APIError
+from fleetllm.server.limits import number
+from fleetllm.server.protocol import MAX_TIMEOUT_S, APIError
 
 if TYPE_CHECKING:
     from fleetllm.disagg.arrival import Mappings
@@ -78,11 +79,12 @@ class DecodeEndpoints:
         from fleetllm.disagg.shared_pool import PoolLayout
 
         spec = await self.worker.request_body(request)
+        lease_s = number(spec.get("lease_s"), "lease_s", 0.001, MAX_TIMEOUT_S, 60.0)  # longer: cut to MAX_LEASE_S
         pool = self.worker.engine.kv_pool_file()
         if pool is None:
             raise APIError(409, "this worker's KV pool is not shared: send a frame", "pool")
         try:
-            header, lease_s = FrameHeader.parse(spec.get("header")), float(spec.get("lease_s") or 60.0)
+            header = FrameHeader.parse(spec.get("header"))
         except (ValueError, TypeError) as e:  # FrameError included
             raise APIError(400, f"cannot reserve: {e}", "header") from None
         try:
@@ -160,9 +162,9 @@ class DecodeEndpoints:
         from fleetllm.disagg.frame import FrameReader
         from fleetllm.disagg.kv_io import cancel, check_fits, commit, reserve
 
-        reader = FrameReader(await arrival.head())
-        check_fits(self.worker.engine, reader.header)  # refused before its layers are read
-        engine, views, res = self.worker.async_engine, self.worker.engine.kv_blocks(), None
+        engine = self.worker.engine
+        reader = FrameReader(await arrival.head(), lambda header: check_fits(engine, header))  # before its layers
+        engine, views, res = self.worker.async_engine, engine.kv_blocks(), None
         n, i = reader.header.num_layers, 0
         try:
             while i < n:
@@ -198,7 +200,12 @@ class DecodeEndpoints:
         if ctype.startswith(SHM_STREAM):
             return Notified(request.stream(), _check_shm, self.mappings)
         if not ctype.startswith("application/json"):
-            return Streamed(request.stream())
+            from fleetllm.disagg.frame import max_head_bytes
+            from fleetllm.disagg.kv_io import check_fits
+
+            engine = self.worker.engine
+            return Streamed(request.stream(), lambda header: check_fits(engine, header),
+                            max_head_bytes(engine.max_model_len, engine.pool.block_size))
         spec = await self.worker.request_body(request)
         p = Path(str(spec.get("shm", "")))
         _check_shm(p)

@@ -154,15 +154,32 @@ async def reserve(client: httpx.AsyncClient, url: str, header: FrameHeader, maps
     answer = r.json()
     try:
         layout = PoolLayout.parse(answer.get("pool"))
+        blocks, lease_s = _lease_of(answer, header, layout)  # checked before anything is mapped or written
         pool = maps.layers(layout)
     except (OSError, ValueError):
         await release(client, url, str(answer.get("lease")))
         return None
-    target = PoolTarget(header, pool, [int(b) for b in answer["blocks"]], t0 + float(answer["lease_s"]))
+    target = PoolTarget(header, pool, blocks, t0 + lease_s)
     # the blocks' pages mapped here on a spare thread while the prefill starts, not one fault per 4 KiB of the
     # engine thread's writes (not awaited: it writes nothing, so it may finish whenever)
     asyncio.get_running_loop().run_in_executor(None, maps.prefault, layout, target.blocks)
     return DirectLeg(url, str(answer["lease"]), target, layout, time.monotonic() - t0)
+
+
+def _lease_of(answer: dict[str, Any], header: FrameHeader, layout: PoolLayout) -> tuple[list[int], float]:
+    """A reservation's blocks and seconds; ValueError unless the pool is laid out as ``header``'s KV, there is a
+    block (or -1) for each of its blocks, each in the pool, and the lease is a finite positive time: a write
+    past the pool would fail the prefill worker's step, and with it every request in that step."""
+    blocks, lease_s = answer.get("blocks"), answer.get("lease_s")
+    shape = (layout.num_layers, layout.block_size, layout.num_kv_heads, layout.head_dim)
+    if shape != (header.num_layers, header.block_size, header.num_kv_heads, header.head_dim):
+        raise ValueError(f"a pool laid out as {shape} for a prompt of {header.shape}")
+    if not (isinstance(blocks, list) and len(blocks) == header.num_blocks
+            and all(isinstance(b, int) and -1 <= b < layout.num_blocks for b in blocks)):
+        raise ValueError("the reservation's blocks are not one per prompt block, each in the pool")
+    if isinstance(lease_s, bool) or not isinstance(lease_s, int | float) or not 0 < lease_s < float("inf"):
+        raise ValueError(f"a lease of {str(lease_s)[:40]} seconds")
+    return blocks, float(lease_s)
 
 
 async def commit(client: httpx.AsyncClient, leg: DirectLeg, timeout: float, first: dict[str, Any] | None = None,

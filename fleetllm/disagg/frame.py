@@ -25,7 +25,7 @@ from __future__ import annotations
 import json
 import struct
 import warnings
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -84,6 +84,11 @@ class FrameHeader:
             header = cls(**d)
         except TypeError as e:
             raise FrameError(f"bad frame header: {e}") from None
+        sizes = (header.num_layers, header.num_kv_heads, header.head_dim, header.block_size)
+        if not (isinstance(header.model, str) and all(_count(v) and v > 0 for v in sizes)
+                and isinstance(header.token_ids, list) and isinstance(header.block_hashes, list)
+                and all(_count(t) for t in header.token_ids) and all(_count(h) for h in header.block_hashes)):
+            raise FrameError("bad frame header: sizes must be positive integers, token ids and hashes lists of them")
         if header.dtype not in DTYPES:
             raise FrameError(f"unsupported dtype {header.dtype}")
         if not 0 <= len(header.token_ids) - len(header.block_hashes) * header.block_size < header.block_size:
@@ -99,6 +104,16 @@ class FrameHeader:
         """The whole frame's length."""
         head_len = len(self.head()) if head_len is None else head_len
         return head_len + self.num_layers * (4 + 2 * self.layer_bytes) + 8
+
+
+def _count(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def max_head_bytes(max_tokens: int, block_size: int) -> int:
+    """The longest header a frame of at most ``max_tokens`` tokens can have (token ids of up to 10 digits, 64-bit
+    hashes, and room for the rest): a receiver reads no more before it knows the frame is one it takes."""
+    return _PREFIX + 1024 + 12 * max_tokens + 22 * (max_tokens // block_size + 1)
 
 
 def _trailer(crcs: list[int]) -> bytes:
@@ -203,11 +218,15 @@ class FrameReader:
     """A frame read in place as its bytes arrive: each layer verified on its own, then the trailer.
 
     ``buf`` holds the frame at its offsets (a mapping, or memory an HTTP body is written into); only the
-    head need be there when the reader is made. :meth:`layer` returns views over ``buf`` (no copy)."""
+    head need be there when the reader is made. :meth:`layer` returns views over ``buf`` (no copy). ``check``
+    sees the header first (the receiver's :func:`fleetllm.disagg.kv_io.check_fits`): nothing sized by a header
+    it refuses is made."""
 
-    def __init__(self, buf: memoryview | bytearray | bytes) -> None:
+    def __init__(self, buf: memoryview | bytearray | bytes, check: Callable[[FrameHeader], None] | None = None) -> None:
         self.mv = memoryview(buf).cast("B")
         self.header, self._head = parse_head(self.mv)
+        if check is not None:
+            check(self.header)
         self._n, self._dtype = self.header.layer_bytes, DTYPES[self.header.dtype]
         self.size = self.header.frame_bytes(self._head)
         self._crcs: list[int | None] = [None] * self.header.num_layers
@@ -250,13 +269,17 @@ def decode(data: bytes | bytearray | memoryview) -> tuple[FrameHeader, list[tupl
     return r.header, layers
 
 
-def head_size(prefix: bytes | memoryview) -> int | None:
-    """How many bytes the frame's head (magic to header) takes, from its first bytes (None: not enough yet)."""
+def head_size(prefix: bytes | memoryview, max_head: int) -> int | None:
+    """How many bytes the frame's head (magic to header) takes, from its first bytes (None: not enough yet);
+    :class:`FrameError` past ``max_head`` (:func:`max_head_bytes`)."""
     if len(prefix) < _PREFIX:
         return None
     if bytes(prefix[:4]) != MAGIC:
         raise FrameError("not a KV frame (bad magic)")
-    return _PREFIX + struct.unpack_from("<I", prefix, 6)[0]
+    size = _PREFIX + struct.unpack_from("<I", prefix, 6)[0]
+    if size > max_head:
+        raise FrameError(f"a frame header of {size} bytes: at most {max_head} for this engine")
+    return size
 
 
 def parse_head(mv: memoryview) -> tuple[FrameHeader, int]:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import math
 import re
 import time
 import uuid
@@ -180,9 +181,10 @@ def transfer_id(value: Any) -> str | None:
 def wait_of(headers: Mapping[str, str]) -> float:
     """Seconds a request may wait for its handoff (:data:`WAIT_HEADER`; 0: absent or malformed)."""
     try:
-        return min(max(float(headers.get(WAIT_HEADER) or 0.0), 0.0), MAX_WAIT_S)
+        wait = float(headers.get(WAIT_HEADER) or 0.0)
     except ValueError:
         return 0.0
+    return min(max(wait, 0.0), MAX_WAIT_S) if math.isfinite(wait) else 0.0
 
 
 def first_token_json(token: int, logprob: TokenLogprob | None, sampler_state: bytes | None) -> dict[str, Any]:

@@ -113,12 +113,16 @@ def _runs(pairs: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
 
 
 def check_fits(engine: LLMEngine, header: FrameHeader) -> None:
-    """Any thread: raise :class:`FrameError` unless the frame's model and layout are this engine's."""
+    """Any thread: raise :class:`FrameError` unless the frame's model and layout are this engine's and its prompt
+    fits its context and pool (so the frame's size, which follows from the header, is bounded by the pool's)."""
     cfg = engine.loaded.config
     expect = (engine.model_name, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, engine.pool.block_size)
     got = (header.model, header.num_layers, header.num_kv_heads, header.head_dim, header.block_size)
     if got != expect or header.dtype not in DTYPES:
-        raise FrameError(f"frame for {got} ({header.dtype}) does not fit this engine {expect}")
+        raise FrameError(f"frame for {str(got)[:200]} ({header.dtype}) does not fit this engine {expect}")
+    if len(header.token_ids) > engine.max_model_len or header.num_blocks > engine.pool.num_blocks:
+        raise FrameError(f"a frame of {len(header.token_ids)} tokens in {header.num_blocks} blocks: this engine "
+                         f"holds at most {engine.max_model_len} tokens in {engine.pool.num_blocks} blocks")
 
 
 def reserve(engine: LLMEngine, header: FrameHeader, whole: bool = False) -> Reservation:

@@ -47,7 +47,8 @@ from fleetllm.disagg.handoffs import transfer_id
 from fleetllm.disagg.routes import SHM_DIR, LazyMetrics, TransferMetrics
 from fleetllm.engine.outputs import RequestOutput
 from fleetllm.engine.params import SamplingParams
-from fleetllm.server.protocol import APIError
+from fleetllm.server.limits import number
+from fleetllm.server.protocol import MAX_TIMEOUT_S, APIError
 
 if TYPE_CHECKING:
     import httpx
@@ -103,7 +104,7 @@ class PrefillEndpoints:
         if not isinstance(body, dict):
             raise APIError(400, "give body (the request) and decode_url")
         job = await self._job(path, body, req.get("request_id"), transfer_id(req.get("transfer_id")))
-        via, timeout = req.get("transfer") or "http", float(req.get("timeout_s") or 60.0)
+        via, timeout = req.get("transfer") or "http", number(req.get("timeout_s"), "timeout_s", 0.001, MAX_TIMEOUT_S, 60.0)
         if via == "shm":
             return await self._prefill_same_host(request, job, decode_url, timeout)
         return await self._prefill_frame(request, job, via, decode_url, timeout)
@@ -129,7 +130,7 @@ class PrefillEndpoints:
         """What to compute for ``body``: its whole prompt and first token when it is one sub-request (the
         colocated path's parameters: the first choice's seed), else the full blocks with one greedy token."""
         kind = "chat" if path.endswith("/chat/completions") else "text"
-        prompts = self.worker.prompt_ids(kind, body)
+        prompts = await self.worker.encoded(kind, body)
         params = await self.worker.request_params(kind, body)
         rid = f"pd-{request_id or uuid.uuid4().hex}"
         if len(prompts) == 1 and params.n == 1:

@@ -26,8 +26,8 @@ from fleetllm.engine.handoff import Handoff, sampler_state
 from fleetllm.engine.kv_cache_manager import KVCacheManager
 from fleetllm.engine.metrics import EngineMetrics
 from fleetllm.engine.outputs import RequestOutput, RequestTiming, TokenLogprob
-from fleetllm.engine.params import InvalidParameter, PromptTooLong, SamplingParams, check_prompt
-from fleetllm.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from fleetllm.engine.params import InvalidParameter, PromptTooLong, SamplingParams, check_params, check_prompt
+from fleetllm.engine.scheduler import Scheduled, Scheduler, SchedulerConfig, SchedulerOutput
 from fleetllm.engine.sequence import Sequence, Status
 from fleetllm.engine.step_profile import StepProfile, phase
 
@@ -224,11 +224,9 @@ class LLMEngine:
             sched = self.scheduler.schedule(drafts)
             self._note_scheduled(sched)
         if sched.scheduled:
-            try:
-                result = self.executor.execute(sched)
-            except Exception as e:  # a failed step fails its requests, never the engine
-                outputs += self._fail(sched, f"{type(e).__name__}: {e}")
-            else:
+            result, failed = self._execute(sched)
+            outputs += failed
+            if result is not None:
                 with phase(prof, "update"):
                     outputs += self.update_from_output(sched, result)
                 with phase(prof, "propose"):
@@ -239,6 +237,41 @@ class LLMEngine:
         if prof is not None:
             prof.step_done(time.perf_counter() - t0, sum(len(o.new_token_ids) for o in outputs))
         return outputs
+
+    def _execute(self, sched: SchedulerOutput) -> tuple[ModelOutput | None, list[RequestOutput]]:
+        """The step's model output, and the outputs of the requests it failed.
+
+        A step that raises fails only the requests :meth:`_blame` finds at fault (parameters a check refuses,
+        which could only have reached the step by bypassing the edge's checks) and runs again without them
+        (``sched`` loses them); one that raises with nobody to blame, or again, fails every request it held —
+        never the engine."""
+        try:
+            return self.executor.execute(sched), []
+        except Exception as e:
+            blamed = self._blame(sched)
+            if not blamed:
+                logger.exception("a step failed with no request to blame; failing its %d", len(sched.scheduled))
+                return None, self._fail(sched.scheduled, f"{type(e).__name__}: {e}")
+        logger.warning("a step failed on the parameters of %d request(s); running it again without them", len(blamed))
+        failed = self._fail([s for s in sched.scheduled if s.seq.request_id in blamed], blamed)
+        sched.scheduled = [s for s in sched.scheduled if s.seq.request_id not in blamed]
+        if not sched.scheduled:
+            return None, failed
+        try:
+            return self.executor.execute(sched), failed
+        except Exception as e:
+            logger.exception("the step failed again without the blamed requests; failing its %d", len(sched.scheduled))
+            return None, failed + self._fail(sched.scheduled, f"{type(e).__name__}: {e}")
+
+    def _blame(self, sched: SchedulerOutput) -> dict[str, str]:
+        """The scheduled requests whose parameters the per-request check refuses, each with why."""
+        blamed = {}
+        for s in sched.scheduled:
+            try:
+                check_params(s.seq.params, self.loaded.config.vocab_size)
+            except Exception as e:  # noqa: BLE001 - a check that cannot even run on them blames them too
+                blamed[s.seq.request_id] = f"{type(e).__name__}: {e}"
+        return blamed
 
     def _note_scheduled(self, sched: SchedulerOutput) -> None:
         if sched.preempted:
@@ -321,11 +354,13 @@ class LLMEngine:
         grammar = self.seqs[rid].grammar
         return rid, drafts if grammar is None else drafts[: grammar.valid_prefix(drafts)]
 
-    def _fail(self, sched: SchedulerOutput, error: str) -> list[RequestOutput]:
+    def _fail(self, scheduled: list[Scheduled], error: str | dict[str, str]) -> list[RequestOutput]:
+        """Finish ``scheduled``'s requests with ``error`` (one for all, or by request id)."""
         outputs = []
-        for s in sched.scheduled:
+        for s in scheduled:
             self.scheduler.finish(s.seq, Status.FINISHED_ERROR)
-            outputs.append(self._finish_output(s.seq, [], None, error=error))
+            why = error if isinstance(error, str) else error[s.seq.request_id]
+            outputs.append(self._finish_output(s.seq, [], None, error=why))
         return outputs
 
     def _finish_output(self, seq: Sequence, new: list[int], lp: list[TokenLogprob] | None, error: str | None = None) -> RequestOutput:

@@ -28,6 +28,7 @@ PRIORITY_MIN, PRIORITY_MAX = -(2**31), 2**31 - 1
 
 MAX_STOP = 64  # stop strings per request: each is checked against every new token's text
 MAX_STOP_CHARS = 512
+MAX_STOP_TOKEN_IDS = 256  # stop token ids per request: each new token is looked up among them
 
 
 @dataclass
@@ -77,6 +78,9 @@ class SamplingParams:
             ("seed", self.seed is None or -(2**63) <= self.seed < 2**63, "must fit in a signed 64-bit integer"),
             ("stop", len(self.stop) <= MAX_STOP and all(len(x) <= MAX_STOP_CHARS for x in self.stop),
              f"must be at most {MAX_STOP} strings of at most {MAX_STOP_CHARS} characters"),
+            ("stop_token_ids", len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS
+             and all(0 <= t < 2**31 for t in self.stop_token_ids),
+             f"must be at most {MAX_STOP_TOKEN_IDS} token ids"),
         ]
         for name, ok, msg in checks:
             if not ok:
@@ -98,11 +102,25 @@ class SamplingParams:
 
 
 
+def check_params(params: SamplingParams, vocab_size: int) -> None:
+    """Raise :class:`InvalidParameter` naming the first parameter out of range for a model of ``vocab_size``
+    tokens: the worker's check at its edge, the engine's when a request is added, and the check that blames a
+    request for a failed step (its parameters may have changed since)."""
+    params.validate()
+    if params.top_k > vocab_size:
+        raise InvalidParameter("top_k", f"top_k must be -1 (off) or at most the vocabulary's {vocab_size} tokens, "
+                               f"got {_short(params.top_k)}")
+    if params.logprobs is not None and params.logprobs > vocab_size:
+        raise InvalidParameter("logprobs", f"logprobs must be at most the vocabulary's {vocab_size} tokens")
+
+
 def check_prompt(prompt_token_ids: list[int], params: SamplingParams, max_model_len: int, vocab_size: int,
                  default_max_tokens: int | None = None) -> int:
-    """Validate a prompt against the context and vocabulary; return the request's resolved max_tokens.
+    """Validate a prompt (and the parameters, :func:`check_params`) against the context and vocabulary;
+    return the request's resolved max_tokens.
 
     ``default_max_tokens`` caps an unset ``max_tokens`` (None: all the room left in the context)."""
+    check_params(params, vocab_size)
     n = len(prompt_token_ids)
     if n == 0:
         raise InvalidParameter("prompt", "the prompt is empty")

@@ -19,12 +19,14 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from fleetllm.router.auth import Usage
+from fleetllm.server.limits import number
 from fleetllm.server.protocol import APIError, json_object
 
 if TYPE_CHECKING:
     from fleetllm.router.gateway import Router
 
 log = logging.getLogger(__name__)
+MAX_COPIES = 10_000  # the most copies of a model an autoscaler decision may name
 
 
 def admin_routes(router: Router) -> list[Route]:
@@ -56,7 +58,7 @@ def admin_routes(router: Router) -> list[Route]:
     async def autoscaler(request: Request) -> Response:
         d = await body(request)
         model, m = str(d.get("model")), router.metrics
-        m.desired.labels(model=model).set(float(d.get("desired", 0)))
+        m.desired.labels(model=model).set(number(d.get("desired"), "desired", 0, MAX_COPIES, 0))
         m.scale_decisions.labels(model=model, direction=str(d.get("direction")), reason=str(d.get("reason"))).inc()
         return JSONResponse({"ok": True})
 

@@ -60,8 +60,10 @@ from fleetllm.router.upstream import Breaker, WorkerMonitor, WorkerState
 from fleetllm.router.worker_auth import UNKNOWN, Origin, WorkerAuth, origin
 from fleetllm.server.anthropic_errors import reshape
 from fleetllm.server.body_limit import DEFAULT_MAX_BODY_BYTES
+from fleetllm.server.limits import LARGE_INPUT_CHARS, check_inputs, off_loop
 from fleetllm.server.openapi import openapi_schema
 from fleetllm.server.protocol import APIError, json_object
+from fleetllm.server.stored_turns import OWNER_HEADER, normalize_items
 from fleetllm.server.worker_secret import matches, worker_secret
 
 log = logging.getLogger(__name__)
@@ -333,12 +335,16 @@ class Router:
         key = None
         try:
             raw = await request.body()
-            body = json_object(raw)
+            # a large body parses on a thread (a 16 MiB one takes a fraction of a second: every stream would stall)
+            body = json_object(raw) if len(raw) < LARGE_INPUT_CHARS else await off_loop(json_object, raw)
             asked = body.get("priority")
             key, priority = await self._admit(request, body)
             if body.get("priority") != asked:  # clamped to the key's floor: the workers serve it there
                 raw = json.dumps(body).encode()
             name, group = self._group(body.get("model"))
+            check_inputs(request.url.path, body)
+            if request.url.path == "/v1/responses":
+                normalize_items(body.get("input"))  # refused here, never stored in the router's sessions
             held = await self._wait_for_copy(name, group)
             if held is not None:
                 name, group = self._group(name)
@@ -383,6 +389,9 @@ class Router:
         # the router's own id (minted at arrival) keys the request; the client's x-request-id travels beside it
         headers = upstream_headers(request.headers, fid, pass_credentials=not (self.secret or self.gate))
         fwd = Forward(request.url.path, raw, body, headers, fid, req, t0)
+        owner = tenant[0].id if tenant[0] is not None else ""
+        if owner:  # the workers scope what they keep (stored Responses turns) to the key
+            fwd.headers[OWNER_HEADER] = owner
         if variant is not None:
             fwd.variant = (name, variant)
             fwd.response_headers["x-fleetllm-variant"] = variant
@@ -392,7 +401,7 @@ class Router:
             # a stream without usage is captured with the prompt's tokens counted here, only when needed
             tap.count_prompt = lambda: len(self.tokens.token_ids(name, request.url.path, body) or ()) if name else 0
         if request.url.path == "/v1/responses":
-            await self._follow_session(fwd)
+            await self._follow_session(fwd, owner)
         if held is not None:
             fwd.response_headers["x-fleetllm-cold-start-ms"] = f"{held * 1000:.0f}"
         key, priority = tenant
@@ -414,16 +423,16 @@ class Router:
             self.tenants.queued(key, priority, fwd.dispatched - t0)
         return response
 
-    async def _follow_session(self, fwd: Forward) -> None:
+    async def _follow_session(self, fwd: Forward, owner: str) -> None:
         """A Responses turn: recorded when answered; a follow-up pinned to its previous turn's worker (a turn
-        another router answered comes from the shared state store)."""
+        another router answered comes from the shared state store), one of ``owner``'s turns only."""
         prev_id = fwd.body.get("previous_response_id")
-        if self.shared_turns is not None and isinstance(prev_id, str) and self.sessions.get(prev_id) is None:
+        if self.shared_turns is not None and isinstance(prev_id, str) and self.sessions.get(prev_id, owner) is None:
             turn = await self.shared_turns.load(prev_id)
             if turn is not None:
                 self.sessions.put(prev_id, turn)
-        fwd.watch = self.sessions.watch(fwd.body)
-        prev = self.sessions.get(fwd.body.get("previous_response_id"))
+        fwd.watch = self.sessions.watch(fwd.body, owner)
+        prev = self.sessions.get(prev_id, owner)
         if prev is not None:
             body = fwd.body
             fwd.pinned, fwd.resend = prev.worker, lambda: resend_body(body, prev)
@@ -459,19 +468,44 @@ class Router:
         return JSONResponse({"object": "list", "data": list(merged.values())})
 
     async def forward_any(self, request: Request) -> Response:
-        """Tokenizer endpoints: any healthy worker answers the same."""
+        """Tokenizer endpoints: any healthy worker answers the same. With keys, ``/tokenize`` is metered as a
+        completion is (a request against the key's limits, its tokens as prompt tokens): tokenising costs a
+        worker what a prompt does."""
         assert self.client is not None
+        key = None
+        if request.url.path == "/tokenize" and self.gate is not None:
+            key = self.gate.require_live(request.headers.get("authorization"))
+            refusal = await self.gate.limit(key)
+            if refusal is not None:
+                return error_response(self.metrics, self.gate.refusal_error(refusal))
+        counted = 0
+        try:
+            r = await self._tokenizer_call(request)
+            if key is not None and r.status_code == 200:
+                with contextlib.suppress(ValueError, TypeError, AttributeError):
+                    counted = int(r.json().get("count", 0))
+        finally:
+            if key is not None:
+                self.gate.done(key, counted, 0)
+        if r.status_code >= 500:
+            return error_response(self.metrics, APIError(503, "no healthy worker is available; retry later"), "no_worker")
+        return Response(r.content, status_code=r.status_code, media_type="application/json")
+
+    async def _tokenizer_call(self, request: Request) -> httpx.Response:
+        """The request, tried on the least loaded routable workers; the last answer (503 when none came)."""
         raw = await request.body()
+        check_inputs(request.url.path, json_object(raw))
         now = time.monotonic()
+        r = httpx.Response(503)
         for w in sorted((w for w in self.workers if w.routable(now)), key=lambda w: w.inflight)[: self.cfg.max_retries + 1]:
             try:
-                r = await self.client.post(w.url + request.url.path, content=raw,
-                                           headers={"content-type": "application/json"}, timeout=10.0)
+                r = await self.client.post(w.url + request.url.path, content=raw, timeout=10.0,
+                                           headers={"content-type": "application/json"})
             except httpx.HTTPError:
                 continue
             if r.status_code < 500:
-                return Response(r.content, status_code=r.status_code, media_type="application/json")
-        return error_response(self.metrics, APIError(503, "no healthy worker is available; retry later"), "no_worker")
+                return r
+        return r
 
     async def openapi(self, request: Request) -> Response:
         return JSONResponse(openapi_schema("fleetllm router", ("/health", "/metrics", "/router/state")))

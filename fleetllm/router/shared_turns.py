@@ -42,7 +42,8 @@ class SharedTurns:
 
     def save(self, response_id: str, turn: Turn) -> None:
         """Record ``turn`` in the background (the answer it belongs to is not held up)."""
-        doc = {"worker": turn.worker, "items": turn.items, "parent": turn.parent.response_id if turn.parent else None}
+        doc = {"worker": turn.worker, "items": turn.items, "parent": turn.parent.response_id if turn.parent else None,
+               "owner": turn.owner}
         task = asyncio.get_running_loop().create_task(self._write(response_id, json.dumps(doc)))
         self._pending.add(task)
         task.add_done_callback(self._pending.discard)
@@ -71,7 +72,7 @@ class SharedTurns:
             return None
         turn = None
         for rid, doc in reversed(docs):  # the oldest first: each turn links to the one before
-            turn = Turn(str(doc["worker"]), list(doc["items"]), turn, rid)
+            turn = Turn(str(doc["worker"]), list(doc["items"]), turn, rid, str(doc.get("owner") or ""))
         return turn
 
     def _failed(self, e: BaseException) -> None:

@@ -198,7 +198,7 @@ def messages_route(worker: Worker) -> Route:
 
     async def answer(request: Request) -> Response:
         body = chat_body(await worker.request_body(request))
-        ids = worker.prompt_ids("chat", body)
+        ids = await worker.encoded("chat", body)
         tools = tool_request(body, worker.tool_parser)
         params = await worker.constrained(sampling_from_body(body, chat=True), body, tools.grammar)
         if params.n != 1:

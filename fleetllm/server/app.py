@@ -40,7 +40,7 @@ from fleetllm.disagg.routes import pd_body_caps, pd_routes
 from fleetllm.engine.async_engine import AsyncEngine, EngineFailed
 from fleetllm.engine.omp_team import serial_executor
 from fleetllm.engine.outputs import RequestOutput
-from fleetllm.engine.params import InvalidParameter, SamplingParams
+from fleetllm.engine.params import InvalidParameter, SamplingParams, check_params
 from fleetllm.engine.scheduler import QueueFull
 from fleetllm.observability.dashboard import dashboard_routes
 from fleetllm.observability.process import ColdStart, ProcessHostCollector
@@ -51,6 +51,7 @@ from fleetllm.server.anthropic import messages_route
 from fleetllm.server.body_limit import DEFAULT_MAX_BODY_BYTES, BodyLimit
 from fleetllm.server.config import KVEventsOptions, ObservabilityConfig
 from fleetllm.server.inflight import InFlight
+from fleetllm.server.limits import LARGE_INPUT_CHARS, check_chars, check_inputs, input_chars, number, off_loop
 from fleetllm.server.openapi import openapi_schema
 from fleetllm.server.protocol import (
     APIError,
@@ -73,6 +74,7 @@ if TYPE_CHECKING:
     from fleetllm.engine.engine import LLMEngine
 
 T = TypeVar("T")
+MAX_EVENTS_INTERVAL_S = 3600.0  # /kv/events: the longest a subscriber may go without a load report
 request_log = logging.getLogger("fleetllm.requests")
 
 
@@ -218,7 +220,9 @@ class Worker:
     # ---- helpers (public ones are what the disaggregation endpoints build on) -------------------------
     async def request_body(self, request: Request) -> dict[str, Any]:
         """The request's JSON object; APIError 400 if it is none, 404 if it names another model."""
-        body = json_object(await request.body())
+        raw = await request.body()
+        # a large body parses on a thread (a 16 MiB one takes a fraction of a second: every stream would stall)
+        body = json_object(raw) if len(raw) < LARGE_INPUT_CHARS else await off_loop(json_object, raw)
         model = body.get("model")
         if model is not None and model != self.model_name:
             raise APIError(404, f"The model `{model}` does not exist. Served: {self.model_name}", "model")
@@ -330,18 +334,27 @@ class Worker:
 
     # ---- endpoints ---------------------------------------------------------------------------------
     def prompt_ids(self, kind: str, body: dict[str, Any]) -> list[list[int]]:
-        """The token ids of a chat (``kind="chat"``: template applied) or completions request's prompts."""
+        """The token ids of a chat (``kind="chat"``: template applied) or completions request's prompts, checked
+        in count and size first (:mod:`.limits`)."""
         if kind != "chat":
             return [self._encode(p) for p in completion_prompts(body)]
-        messages = chat_messages(body)
-        tools = tool_request(body, self.tool_parser)
+        return [self._chat_ids(chat_messages(body), tool_request(body, self.tool_parser), body)]
+
+    async def encoded(self, kind: str, body: dict[str, Any]) -> list[list[int]]:
+        """:meth:`prompt_ids`, on a thread for a large input (milliseconds per 10k characters, which on the event
+        loop would stall every stream)."""
+        if input_chars(body) < LARGE_INPUT_CHARS:
+            return self.prompt_ids(kind, body)
+        return await off_loop(self.prompt_ids, kind, body)
+
+    def _chat_ids(self, messages: list[dict[str, Any]], tools: ToolRequest, body: dict[str, Any]) -> list[int]:
         try:
             kwargs = body.get("chat_template_kwargs") or {}
             text = render_prompt(self.engine.tokenizer, messages, tools, body.get("add_generation_prompt", True),
                                  **kwargs)
         except Exception as e:
             raise APIError(400, f"chat template failed: {e}", "messages") from None
-        return [self.engine.tokenizer.encode_pieces(text)]  # a resent history: only its new turn is encoded
+        return self.engine.tokenizer.encode_pieces(text)  # a resent history: only its new turn is encoded
 
     async def request_params(self, kind: str, body: dict[str, Any]) -> SamplingParams:
         """The sampling parameters of a chat (``kind="chat"``) or completions request, its output constraint
@@ -353,23 +366,30 @@ class Worker:
 
     async def chat(self, request: Request) -> Response:
         body = await self.request_body(request)
-        ids = self.prompt_ids("chat", body)
-        tools = tool_request(body, self.tool_parser)
+        check_inputs(request.url.path, body)  # sizes, then parameters, before anything is tokenised
         params = await self.request_params("chat", body)
+        ids = await self.encoded("chat", body)
+        tools = tool_request(body, self.tool_parser)
         return await self._respond(request, "chat", body, ids, params, tools if tools.parses_calls else None)
 
     async def constrained(self, params: SamplingParams, body: dict[str, Any], forced: Any = None) -> SamplingParams:
-        """``params`` with the request's output constraint, compiled off the event loop (a new schema takes
-        milliseconds; building the compiler, at the first constrained request, imports torch and llguidance:
-        seconds, tens on a busy host, which on the loop would stall every request and health check)."""
+        """``params``, checked against the model (:func:`check_params`), with the request's output constraint,
+        compiled off the event loop (a new schema takes milliseconds; building the compiler, at the first
+        constrained request, imports torch and llguidance: seconds, tens on a busy host, which on the loop would
+        stall every request and health check)."""
+        try:
+            check_params(params, self.engine.loaded.config.vocab_size)
+        except InvalidParameter as e:
+            raise APIError(400, str(e), e.param) from None
         return await asyncio.to_thread(constrain, params, body, lambda: self.engine.grammars, forced)
 
     async def completions(self, request: Request) -> Response:
         body = await self.request_body(request)
         if body.get("echo"):
             raise APIError(400, "echo is not supported", "echo")
-        prompts = self.prompt_ids("text", body)
+        check_inputs(request.url.path, body)
         params = await self.request_params("text", body)
+        prompts = await self.encoded("text", body)
         return await self._respond(request, "text", body, prompts, params)
 
     async def _respond(self, request: Request, kind: str, body: dict[str, Any], prompts: list[list[int]],
@@ -452,14 +472,21 @@ class Worker:
              "max_model_len": self.engine.max_model_len}]})
 
     async def tokenize(self, request: Request) -> Response:
+        """A prompt's or chat's token ids; its size checked as a completion's, a large one tokenised on a thread."""
         body = await self.request_body(request)
+        tok = self.engine.tokenizer
         if "messages" in body:
-            text = self.engine.tokenizer.apply_chat_template(chat_messages(body), body.get("add_generation_prompt", True))
-            ids = self.engine.tokenizer.encode(text, add_special_tokens=False)
+            messages = chat_messages(body)
+            size = sum(len(m["content"]) for m in messages)
+            work = lambda: tok.encode(tok.apply_chat_template(messages, body.get("add_generation_prompt", True)),  # noqa: E731
+                                      add_special_tokens=False)
         elif isinstance(body.get("prompt"), str):
-            ids = self.engine.tokenizer.encode(body["prompt"], bool(body.get("add_special_tokens", True)))
+            size = len(body["prompt"])
+            check_chars(size, "prompt")
+            work = lambda: tok.encode(body["prompt"], bool(body.get("add_special_tokens", True)))  # noqa: E731
         else:
             raise APIError(400, "give prompt (a string) or messages", "prompt")
+        ids = await off_loop(work) if size >= LARGE_INPUT_CHARS else work()
         return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": self.engine.max_model_len})
 
     async def detokenize(self, request: Request) -> Response:
@@ -467,10 +494,12 @@ class Worker:
         toks = body.get("tokens")
         if not isinstance(toks, list) or not all(isinstance(t, int) for t in toks):
             raise APIError(400, "tokens must be a list of integers", "tokens")
+        check_chars(len(toks), "tokens")
         vocab = self.engine.loaded.config.vocab_size
         if any(t < 0 or t >= vocab for t in toks):
             raise APIError(400, f"token ids must be in [0, {vocab})", "tokens")
-        return JSONResponse({"prompt": self.engine.tokenizer.decode(toks, skip_special_tokens=False)})
+        work = lambda: self.engine.tokenizer.decode(toks, skip_special_tokens=False)  # noqa: E731
+        return JSONResponse({"prompt": await off_loop(work) if len(toks) >= LARGE_INPUT_CHARS else work()})
 
     async def health(self, request: Request) -> Response:
         """Liveness: the engine thread runs (a draining or warming worker is alive)."""
@@ -515,7 +544,7 @@ class Worker:
         every ``interval`` seconds.
         Hashes are :func:`fleetllm.engine.block_pool.hash_block` chains keyed by the served model name.
         """
-        interval = float(request.query_params.get("interval", "0.5"))
+        interval = number(request.query_params.get("interval"), "interval", 0.01, MAX_EVENTS_INTERVAL_S, 0.5)
         q, snapshot = await self.async_engine.subscribe_kv_events()
 
         async def stream() -> AsyncIterator[str]:

@@ -9,6 +9,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from fleetllm.engine.params import MAX_STOP_TOKEN_IDS
+from fleetllm.server.limits import MAX_MESSAGES, MAX_PROMPTS
+
 _NUM = {"type": "number"}
 _INT = {"type": "integer"}
 _BOOL = {"type": "boolean"}
@@ -16,13 +19,14 @@ _STR = {"type": "string"}
 
 _SAMPLING = {
     "model": _STR, "max_tokens": {**_INT, "minimum": 1}, "temperature": {**_NUM, "minimum": 0, "maximum": 100},
-    "top_p": {**_NUM, "minimum": 0, "exclusiveMinimum": True, "maximum": 1}, "top_k": {**_INT, "minimum": -1},
+    "top_p": {**_NUM, "minimum": 0, "exclusiveMinimum": True, "maximum": 1}, "top_k": {**_INT, "minimum": -1, "description": "-1 or 0: off; at most the vocabulary's size"},
     "min_p": {**_NUM, "minimum": 0, "maximum": 1}, "n": {**_INT, "minimum": 1, "maximum": 16},
     "seed": {**_INT, "minimum": -(2**63), "maximum": 2**63 - 1},
     "presence_penalty": {**_NUM, "minimum": -2, "maximum": 2}, "frequency_penalty": {**_NUM, "minimum": -2, "maximum": 2},
     "repetition_penalty": {**_NUM, "minimum": 0, "exclusiveMinimum": True, "maximum": 10},
     "stop": {"oneOf": [_STR, {"type": "array", "items": _STR, "maxItems": 64}]},
-    "stop_token_ids": {"type": "array", "items": _INT}, "ignore_eos": _BOOL, "skip_special_tokens": _BOOL,
+    "stop_token_ids": {"type": "array", "items": {**_INT, "minimum": 0, "maximum": 2**31 - 1},
+                       "maxItems": MAX_STOP_TOKEN_IDS}, "ignore_eos": _BOOL, "skip_special_tokens": _BOOL,
     "include_stop_str_in_output": _BOOL, "stream": _BOOL,
     "stream_options": {"type": "object", "properties": {"include_usage": _BOOL}},
     "timeout": {**_NUM, "minimum": 0, "exclusiveMinimum": True, "description": "seconds; past it the request is aborted (408)"},
@@ -33,15 +37,15 @@ _MESSAGE = {"type": "object", "required": ["role", "content"], "properties": {
     "content": {"oneOf": [_STR, {"type": "array", "items": {"type": "object", "required": ["type", "text"],
                                                            "properties": {"type": {"enum": ["text"]}, "text": _STR}}}]}}}
 _CHAT = {"type": "object", "required": ["messages"], "properties": {
-    **_SAMPLING, "messages": {"type": "array", "items": _MESSAGE, "minItems": 1},
+    **_SAMPLING, "messages": {"type": "array", "items": _MESSAGE, "minItems": 1, "maxItems": MAX_MESSAGES},
     "max_completion_tokens": {**_INT, "minimum": 1}, "logprobs": _BOOL, "top_logprobs": {**_INT, "minimum": 0, "maximum": 20},
     "add_generation_prompt": _BOOL}}
 _COMPLETION = {"type": "object", "required": ["prompt"], "properties": {
     **_SAMPLING, "logprobs": {**_INT, "minimum": 0, "maximum": 20},
-    "prompt": {"oneOf": [_STR, {"type": "array", "items": _STR, "minItems": 1},
+    "prompt": {"oneOf": [_STR, {"type": "array", "items": _STR, "minItems": 1, "maxItems": MAX_PROMPTS},
                          {"type": "array", "items": {**_INT, "minimum": 0}, "minItems": 1},
                          {"type": "array", "items": {"type": "array", "items": {**_INT, "minimum": 0}, "minItems": 1},
-                          "minItems": 1}]}}}
+                          "minItems": 1, "maxItems": MAX_PROMPTS}]}}}
 _TOKENIZE = {"type": "object", "properties": {"prompt": _STR, "add_special_tokens": _BOOL,
                                               "messages": {"type": "array", "items": _MESSAGE, "minItems": 1}}}
 _DETOKENIZE = {"type": "object", "required": ["tokens"],

@@ -12,30 +12,14 @@ from collections.abc import Mapping
 from typing import Any
 
 from fleetllm.engine.params import PRIORITY_MAX, PRIORITY_MIN, InvalidParameter, SamplingParams
-
-
-class APIError(Exception):
-    """An error answered to the client as ``{"error": {...}}`` with ``status``."""
-
-    TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-             404: "not_found_error", 408: "timeout_error", 413: "invalid_request_error", 429: "rate_limit_error",
-             500: "internal_server_error", 503: "service_unavailable"}
-
-    def __init__(self, status: int, message: str, param: str | None = None,
-                 headers: dict[str, str] | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.param = status, message, param
-        self.headers = headers or {}  # e.g. Retry-After on a 429 or 503
-
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.TYPES.get(self.status, "error"),
-                          "param": self.param, "code": self.status}}
+from fleetllm.server.errors import APIError
+from fleetllm.server.limits import MAX_MESSAGES, check_chars, check_prompts, loads
 
 
 def json_object(raw: bytes) -> dict[str, Any]:
     """A request body that must be a JSON object (APIError 400 otherwise)."""
     try:
-        body = json.loads(raw)
+        body = loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise APIError(400, f"malformed JSON body: {e}") from None
     except RecursionError:
@@ -160,7 +144,9 @@ def chat_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
     msgs = body.get("messages")
     if not isinstance(msgs, list) or not msgs:
         raise APIError(400, "messages must be a non-empty list", "messages")
-    out = []
+    if len(msgs) > MAX_MESSAGES:
+        raise APIError(400, f"{len(msgs)} messages in one request: at most {MAX_MESSAGES}", "messages")
+    out, chars = [], 0
     for i, m in enumerate(msgs):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise APIError(400, f"messages[{i}] must be an object with a role", "messages")
@@ -179,7 +165,9 @@ def chat_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
             content = ""
         elif not isinstance(content, str):
             raise APIError(400, f"messages[{i}].content must be a string or a list of parts", "messages")
+        chars += len(content)
         out.append({**m, "content": content})
+    check_chars(chars, "messages")
     return out
 
 
@@ -187,8 +175,10 @@ def completion_prompts(body: dict[str, Any]) -> list[str | list[int]]:
     """``prompt`` as a list of prompts, each text or token ids."""
     p = body.get("prompt")
     if isinstance(p, str):
+        check_chars(len(p), "prompt")
         return [p]
     if isinstance(p, list) and p:
+        check_prompts(p if isinstance(p[0], list | str) else [p])
         if all(isinstance(x, int) and not isinstance(x, bool) for x in p):
             return [p]
         if all(isinstance(x, str) for x in p):

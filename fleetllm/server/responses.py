@@ -14,8 +14,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections import OrderedDict
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
 
 from starlette.requests import Request
@@ -24,6 +23,13 @@ from starlette.routing import Route
 
 from fleetllm.server import openai_format as fmt
 from fleetllm.server.protocol import APIError, sampling_from_body
+from fleetllm.server.stored_turns import (
+    MAX_STORED_CHARS,
+    OWNER_HEADER,
+    BoundedStore,
+    items_chars,
+    normalize_items,
+)
 from fleetllm.tools.request import tool_request
 from fleetllm.tools.stream import ToolStream, rewrite_message
 
@@ -32,23 +38,21 @@ if TYPE_CHECKING:
 
 
 class ConversationStore:
-    """The last ``capacity`` stored responses' conversations (chat messages), by response id."""
+    """Stored responses' conversations (chat messages) by response id, each found only by the key that stored
+    it (:mod:`.stored_turns`): the last ``capacity``, at most :data:`MAX_STORED_CHARS` characters in all."""
 
-    def __init__(self, capacity: int = 1024) -> None:
-        self.capacity = capacity
-        self._items: OrderedDict[str, list[dict[str, Any]]] = OrderedDict()
+    def __init__(self, capacity: int = 1024, max_chars: int = MAX_STORED_CHARS) -> None:
+        self._items: BoundedStore[list[dict[str, Any]]] = BoundedStore(capacity, max_chars)
 
-    def get(self, response_id: str) -> list[dict[str, Any]]:
-        if response_id not in self._items:
-            raise APIError(404, f"previous response {response_id!r} not found (expired or on another worker)",
-                           "previous_response_id")
-        self._items.move_to_end(response_id)
-        return self._items[response_id]
+    def get(self, response_id: str, owner: str = "") -> list[dict[str, Any]]:
+        found = self._items.get(response_id, owner)
+        if found is None:
+            raise APIError(404, f"previous response {str(response_id)[:80]!r} not found (expired or on another "
+                           "worker)", "previous_response_id")
+        return found
 
-    def put(self, response_id: str, messages: list[dict[str, Any]]) -> None:
-        self._items[response_id] = messages
-        while len(self._items) > self.capacity:
-            self._items.popitem(last=False)
+    def put(self, response_id: str, messages: list[dict[str, Any]], owner: str = "") -> None:
+        self._items.put(response_id, messages, owner, items_chars(messages))
 
 
 # ---- request ----------------------------------------------------------------------------------------
@@ -80,36 +84,20 @@ def chat_body(body: dict[str, Any], history: list[dict[str, Any]]) -> dict[str, 
 
 
 def input_messages(items: Any) -> list[dict[str, Any]]:
-    """Chat messages from a Responses ``input``."""
-    if isinstance(items, str):
-        return [{"role": "user", "content": items}]
-    if not isinstance(items, list) or not items:
-        raise APIError(400, "input must be a string or a non-empty list of items", "input")
+    """Chat messages from a Responses ``input`` (checked and normalised first: :func:`normalize_items`)."""
     out: list[dict[str, Any]] = []
-    for i, it in enumerate(items):
-        kind = it.get("type", "message") if isinstance(it, dict) else None
-        if kind == "message":
-            role = {"developer": "system"}.get(it.get("role"), it.get("role"))
-            out.append({"role": role, "content": _content(it.get("content"), i)})
-        elif kind == "function_call":
+    for it in normalize_items(items):
+        if it["type"] == "message":
+            out.append({"role": {"developer": "system"}.get(it["role"], it["role"]), "content": it["content"]})
+        elif it["type"] == "function_call":
             call = {"id": it["call_id"], "type": "function", "function": {"name": it["name"], "arguments": it["arguments"]}}
             if out and out[-1]["role"] == "assistant" and out[-1].get("tool_calls"):
                 out[-1]["tool_calls"].append(call)
             else:
                 out.append({"role": "assistant", "content": None, "tool_calls": [call]})
-        elif kind == "function_call_output":
-            out.append({"role": "tool", "tool_call_id": it.get("call_id"), "content": str(it.get("output", ""))})
         else:
-            raise APIError(400, f"input[{i}]: unsupported item type {kind!r}", "input")
+            out.append({"role": "tool", "tool_call_id": it["call_id"], "content": it["output"]})
     return out
-
-
-def _content(content: Any, i: int) -> str:
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        return "".join(p.get("text", "") for p in content if p.get("type") in ("input_text", "output_text", "text"))
-    raise APIError(400, f"input[{i}].content must be a string or a list of parts", "input")
 
 
 def _tool(t: Any, i: int) -> dict[str, Any]:
@@ -240,9 +228,9 @@ def responses_route(worker: Worker, store: ConversationStore) -> Route:
 
     async def responses(request: Request) -> Response:
         body = await worker.request_body(request)
-        prev = body.get("previous_response_id")
-        chat = chat_body(body, store.get(prev) if prev else [])
-        ids = worker.prompt_ids("chat", chat)
+        prev, owner = body.get("previous_response_id"), request.headers.get(OWNER_HEADER, "")
+        chat = chat_body(body, store.get(prev, owner) if prev else [])
+        ids = await worker.encoded("chat", chat)
         tools = tool_request(chat, worker.tool_parser)
         params = await worker.constrained(sampling_from_body(chat, chat=True), chat, tools.grammar)
         rid = uuid.uuid4().hex
@@ -255,17 +243,20 @@ def responses_route(worker: Worker, store: ConversationStore) -> Route:
             obj = response_object("resp_" + rid, worker.model_name, body, output_items(choice["message"]),
                                   choice["finish_reason"], response_usage(resp["usage"]))
             if body.get("store", True):
-                store.put(obj["id"], conversation(chat, choice["message"]))
+                store.put(obj["id"], conversation(chat, choice["message"]), owner)
             return JSONResponse(obj, headers={"x-request-id": rid})
         first = await worker.until_disconnect(request, gen.__anext__())
-        return StreamingResponse(_stream(worker, store, body, chat, rid, first, gen, ToolStream(tools.parser)),
+        kept = (lambda rid_, messages: store.put(rid_, messages, owner)) if body.get("store", True) else None
+        return StreamingResponse(_stream(worker, kept, body, chat, rid, first, gen, ToolStream(tools.parser)),
                                  media_type="text/event-stream", headers={"x-request-id": rid})
 
     return Route("/v1/responses", responses, methods=["POST"])
 
 
-async def _stream(worker: Worker, store: ConversationStore, body: dict[str, Any], chat: dict[str, Any], rid: str,
-                  first: Any, gen: AsyncIterator[Any], tools: ToolStream) -> AsyncIterator[str]:
+async def _stream(worker: Worker, keep: Callable[[str, list[dict[str, Any]]], None] | None, body: dict[str, Any],
+                  chat: dict[str, Any], rid: str, first: Any, gen: AsyncIterator[Any], tools: ToolStream
+                  ) -> AsyncIterator[str]:
+    """The ``response.*`` events of a streamed turn; ``keep(response id, conversation)`` stores it at the end."""
     rs = ResponseStream()
     resp_id = "resp_" + rid
     start = response_object(resp_id, worker.model_name, body, [], None, None, "in_progress")
@@ -287,8 +278,8 @@ async def _stream(worker: Worker, store: ConversationStore, body: dict[str, Any]
                             yield e
                         usage = response_usage(fmt.total_usage({0: fmt.token_counts(out)}, 1))
                         final = response_object(resp_id, worker.model_name, body, rs.output, out.finish_reason, usage)
-                        if body.get("store", True):
-                            store.put(resp_id, conversation(chat, _message(rs.output)))
+                        if keep is not None:
+                            keep(resp_id, conversation(chat, _message(rs.output)))
                         yield rs.event("response.completed" if final["status"] == "completed"
                                        else "response.incomplete", response=final)
             try:

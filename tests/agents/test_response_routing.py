@@ -10,6 +10,7 @@ import pytest
 from fleet_helpers import ADMIN, router, sim_workers, wait_state
 
 from fleetllm.router.sessions import ResponseSessions, Turn, resend_body
+from fleetllm.server.protocol import APIError
 
 
 # ---- the store ----------------------------------------------------------------------------------------
@@ -50,6 +51,43 @@ def test_a_resent_turn_carries_the_conversation_and_drops_the_previous_id():
                                   prev))
     assert body == {"model": "m", "input": [{"type": "message", "role": "user", "content": "a"},
                                             {"type": "message", "role": "user", "content": "b"}]}
+
+
+def _said(text: str) -> dict:
+    return {"type": "message", "role": "user", "content": text}
+
+
+def test_a_stored_turn_keeps_its_items_checked_and_normalised():
+    s = ResponseSessions()
+    parts = [{"type": "input_text", "text": "a"}, {"type": "input_text", "text": "b"}]
+    watch = s.watch({"input": [{"type": "message", "role": "user", "id": "m1", "content": parts}]})
+    out = {"type": "message", "id": "x", "status": "completed", "role": "assistant",
+           "content": [{"type": "output_text", "text": "c", "annotations": []}]}
+    watch.body(json.dumps({"id": "resp_1", "output": [out]}).encode())
+    watch.finish("w1", 200)
+    assert s.get("resp_1").history() == [_said("ab"), {"type": "message", "role": "assistant", "content": "c"}]
+
+
+@pytest.mark.parametrize("item", [{**_said("a"), "junk": 1}, {**_said("a"), "role": "wizard"},
+                                  {"type": "message", "role": "user", "content": [{"type": "input_image"}]},
+                                  {"type": "function_call", "name": "f", "arguments": "{}"}, _said("a" * 2**23)])
+def test_a_malformed_or_oversized_input_item_is_a_400_and_nothing_is_stored(item):
+    with pytest.raises(APIError) as e:
+        ResponseSessions().watch({"input": [item]})
+    assert e.value.status == 400 and e.value.param == "input"
+
+
+def test_the_store_drops_the_least_recently_used_turns_past_its_characters():
+    s = ResponseSessions(capacity=100, max_chars=250)
+    for rid in ("r1", "r2", "r3"):
+        s.put(rid, Turn("w1", [_said("a" * 100)]))  # 111 characters each: "message", "user" and the text
+    assert s.get("r1") is None and s.get("r2") is not None and s.get("r3") is not None
+
+
+def test_a_turn_is_found_only_with_the_key_that_stored_it():
+    s = ResponseSessions()
+    s.put("r1", Turn("w1", [_said("a")], owner="key-a"))
+    assert s.get("r1", "key-b") is None and s.get("r1") is None and s.get("r1", "key-a") is not None
 
 
 # ---- on a 2-worker fleet -------------------------------------------------------------------------------

@@ -19,7 +19,7 @@ import httpx
 import pytest
 import torch
 
-from fleetllm.disagg import shared_pool
+from fleetllm.disagg import direct, shared_pool
 from fleetllm.disagg.direct import PoolTarget
 from fleetllm.disagg.frame import FrameError, FrameHeader
 from fleetllm.disagg.handoffs import HEADER as HANDOFF
@@ -307,6 +307,30 @@ def test_a_pool_target_writes_nothing_once_its_lease_is_over_or_it_is_closed(why
     assert t.pool[0][0].abs().sum() == 0
     with pytest.raises(FrameError):
         t.finish()  # never committed
+
+
+@pytest.mark.parametrize("answer", [{"blocks": [0, 4096]}, {"blocks": [0]}, {"lease_s": "NaN"},
+                                    {"pool": {"num_blocks": 128, "block_size": 8}}],
+                         ids=["outside", "too-few", "lease", "layout"])
+def test_a_reservation_answer_the_prompt_cannot_be_written_by_is_released_unused(answer):
+    tokens = list(range(32))
+    header = FrameHeader("m", 2, 3, 64, "float32", 16, tokens, hash_prefix_blocks(tokens, 16, b"m"))
+    f = SharedKVFile(shm_dir(), 2 * 2 * 64 * 16 * 3 * 64 * 4)  # a real pool file: mapping it would succeed
+    layout = {**PoolLayout(str(f.path), 2, 64, 16, 3, 64, "float32").to_json(), **answer.get("pool", {})}
+    sent: list[str] = []
+
+    def decode_worker(request: httpx.Request) -> httpx.Response:
+        sent.append(request.url.path)
+        return httpx.Response(200, json={"lease": "l1", "lease_s": 30.0, "blocks": [0, 1], **answer, "pool": layout})
+
+    async def run() -> object:
+        async with httpx.AsyncClient(transport=httpx.MockTransport(decode_worker)) as client:
+            return await direct.reserve(client, "http://decode", header, PoolMaps(), 30.0)
+
+    try:
+        assert asyncio.run(run()) is None and sent == ["/pd/reserve", "/pd/release"]
+    finally:
+        f.close()
 
 
 def test_prefaulting_a_shared_pools_blocks_changes_no_byte_of_it():

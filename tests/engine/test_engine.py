@@ -112,6 +112,24 @@ def test_the_same_seed_reproduces_a_sampled_completion(llm: LLM) -> None:
     assert a.outputs[0].token_ids == b.outputs[0].token_ids
 
 
+def test_a_request_whose_parameters_break_the_step_fails_alone(llm: LLM, reference: tuple[str, list[int]]) -> None:
+    eng, ids = llm.engine, llm.engine.tokenizer.encode(PROMPT)
+    for i in range(3):
+        eng.add_request(f"innocent-{i}", ids, greedy(max_tokens=8, ignore_eos=True))
+    eng.add_request("hostile", ids, SamplingParams(temperature=0.8, top_k=5, max_tokens=8))
+    eng.seqs["hostile"].params.top_k = 2**63  # past every check, as a bug would let it through: sampling raises
+    tokens: dict[str, list[int]] = {}
+    finals = {}
+    for out in drain(llm):
+        tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+        if out.finished:
+            finals[out.request_id] = out
+    assert finals["hostile"].finish_reason == "error" and "top_k" in finals["hostile"].error
+    for i in range(3):
+        assert finals[f"innocent-{i}"].finish_reason == "length" and finals[f"innocent-{i}"].error is None
+        assert tokens[f"innocent-{i}"] == reference[1]
+
+
 def test_a_repeated_prompt_is_served_from_the_prefix_cache(llm: LLM) -> None:
     ids = list(range(1000, 1040))
     llm.generate([ids], greedy(max_tokens=1))

@@ -15,11 +15,12 @@ BS, LAYERS, HEADS, DIM = 2, 1, 1, 4
 
 
 def _engine(num_blocks: int) -> SimpleNamespace:
-    """What import_blocks reads of an engine: its pool, KV views, layout and the scheduler's headroom."""
+    """What import_blocks reads of an engine: its pool, KV views, layout, context and the scheduler's headroom."""
     pool = BlockPool(num_blocks, BS)
     views = [(torch.zeros(num_blocks, BS, HEADS, DIM), torch.zeros(num_blocks, BS, HEADS, DIM))]
     cfg = SimpleNamespace(num_layers=LAYERS, num_kv_heads=HEADS, head_dim=DIM)
     return SimpleNamespace(pool=pool, kv_blocks=lambda: views, loaded=SimpleNamespace(config=cfg), model_name="m",
+                           max_model_len=num_blocks * BS,
                            kv=SimpleNamespace(extra_key=b"m"), scheduler=SimpleNamespace(watermark_blocks=0))
 
 
