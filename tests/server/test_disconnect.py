@@ -17,6 +17,10 @@ import pytest
 # long enough to outlast every client timeout below at the default q4 speed (~110 tok/s): every such request is
 # aborted, never run to its end
 LONG = {"max_tokens": 2000, "ignore_eos": True, "temperature": 0}
+# How long the clients below wait for a response before giving up. The running request decodes at full speed all
+# that time (what these tests cost), and the request only has to be seen running or queued before it: one engine
+# step, tens of milliseconds, on an idle worker.
+GIVE_UP_S = 2.0
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +81,7 @@ def test_a_non_streaming_client_timeout_frees_its_blocks(one_seq_worker: Any) ->
     def call() -> None:
         try:
             httpx.post(one_seq_worker.base_url + "/v1/completions", json={"prompt": "Tell me a long story.", **LONG},
-                       timeout=httpx.Timeout(60, read=5.0))
+                       timeout=httpx.Timeout(60, read=GIVE_UP_S))
         except httpx.TimeoutException as e:
             result["error"] = e
 
@@ -97,7 +101,7 @@ def leave_while_waiting(worker: Any, stream: bool) -> None:
     def call() -> None:
         try:
             httpx.post(worker.base_url + "/v1/completions",
-                       json={"prompt": "Another story.", "stream": stream, **LONG}, timeout=httpx.Timeout(60, read=4.0))
+                       json={"prompt": "Another story.", "stream": stream, **LONG}, timeout=httpx.Timeout(60, read=GIVE_UP_S))
         except httpx.TimeoutException as e:
             gave_up["error"] = e
 
