@@ -208,8 +208,9 @@ def test_a_decode_worker_dying_under_the_p_d_path_costs_no_request(fleet, worker
 
 def test_a_prefill_worker_killed_mid_prefill_costs_no_request(fleet):
     r, c = fleet["router"].url, fleet["colocated"].url
-    # a prompt long enough that its remote prefill takes a while on one CPU thread
-    q = ["Summarise this log for an on-call engineer: " + "worker 3 restarted after an out of memory error; " * 100]
+    # a prompt long enough that its remote prefill takes a while on one CPU thread (~600 tokens: over a second of
+    # batch-invariant prefill, killed half a second in); the decode worker and the colocated one compute it again
+    q = ["Summarise this log for an on-call engineer: " + "worker 3 restarted after an out of memory error; " * 50]
 
     async def run() -> list[str]:
         async with httpx.AsyncClient(timeout=300) as client:
