@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import ctypes
+import sys
 import threading
 from collections.abc import Callable
 from functools import cache
@@ -54,9 +55,12 @@ def _omp_set_num_threads() -> Callable[[int], None] | None:
 
 
 def make_serial() -> None:
-    """Let the calling thread's parallel regions run on it alone, starting no OpenMP pool of its own."""
-    import torch  # here: the simulated worker, which shares the server, never loads torch
-
+    """Let the calling thread's parallel regions run on it alone, starting no OpenMP pool of its own. Nothing to
+    do in a process without torch: the simulated worker shares the server (and its thread pool) but never loads
+    it, and importing it here cost each simulated worker process ~1 s of CPU at its first request."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return
     torch.get_num_threads()  # torch's per-thread set-up first: it sets this thread's OpenMP thread count itself
     set_threads = _omp_set_num_threads()
     if set_threads is not None:

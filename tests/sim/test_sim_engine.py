@@ -79,14 +79,14 @@ def test_the_context_limit_is_the_real_engines_rule(model) -> None:
 
 NO_TORCH = """
 import sys
-from fleetllm.engine.params import SamplingParams
+from starlette.testclient import TestClient
 from fleetllm.sim.engine import SimConfig
 from fleetllm.sim.server import build_workers
 
 (worker,) = build_workers("smollm2-135m", 1, SimConfig(speed=1000.0), None)
-worker.engine.add_request("a", [100, 101], SamplingParams(max_tokens=3))
-while worker.engine.has_unfinished():
-    worker.engine.step()
+with TestClient(worker.app) as client:  # served: the app's lifespan, engine thread and thread pool
+    r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3})
+    assert r.status_code == 200, r.text
 assert "torch" not in sys.modules, "torch was imported"
 """
 
