@@ -205,14 +205,16 @@ def cmd_worker(args: argparse.Namespace) -> int:
     prefetch.start(args.model, from_args(StoreConfig, args))  # the store's part of a cold start overlaps the imports
     from fleetllm.engine.engine import LLMEngine
     from fleetllm.engine.omp_team import run_on_passing_thread
+    from fleetllm.kernels.health import KernelsMissing
     from fleetllm.models.config import UnsupportedModel
     from fleetllm.server.app import Worker
     from fleetllm.server.uvicorn_runner import make_server
 
     try:
         engine = run_on_passing_thread(lambda: LLMEngine(engine_config(args)))  # its OpenMP pool ends with it
-    except (StoreError, UnsupportedModel) as e:  # no access, no such model, source down without a cached copy, an
-        # architecture fleetllm does not run: one line, exit 2
+    except (StoreError, UnsupportedModel, KernelsMissing) as e:  # no access, no such model, source down without a
+        # cached copy, an architecture fleetllm does not run, FLEETLLM_REQUIRE_KERNELS=1 without a kernel: one line,
+        # exit 2
         raise UsageError(f"cannot start: {e}") from None
     gc.freeze()
     gc.enable()
@@ -685,6 +687,7 @@ COMMANDS: dict[str, Callable[[argparse._SubParsersAction], object] | str] = {
     "fleet": "fleetllm.fleet.cli:add_fleet_parser",
     "deploy": "fleetllm.deploy.cli:add_deploy_parser",
     "bench": "fleetllm.bench.cli:add_bench_parser",  # left out when its extras are not installed
+    "doctor": "fleetllm.doctor:add_doctor_parser",
 }
 
 

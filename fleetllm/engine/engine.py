@@ -35,6 +35,7 @@ if TYPE_CHECKING:
     import torch
 
     from fleetllm.engine.kv_memory import SharedKVFile
+    from fleetllm.kernels.health import KernelStatus
     from fleetllm.models.loader import LoadedModel
     from fleetllm.speculative.decoder import SpecDecoder
     from fleetllm.structured.compiler import GrammarCompiler
@@ -75,6 +76,8 @@ class LLMEngine:
         self.max_model_len = min(cfg.max_model_len or 8192, mcfg.max_position_embeddings, fits)
         self.metrics = EngineMetrics(self.model_name, cfg.metric_labels, self.max_model_len, not cfg.disable_metrics)
         self.expert_load = ExpertLoadMetrics.of(getattr(self.loaded, "model", None), self.metrics, cfg.moe_expert_metrics)
+        self.kernels: list[KernelStatus] = getattr(executor, "kernels", [])  # a simulated executor runs none
+        self.metrics.kernels(self.kernels)
         self.seqs: dict[str, Sequence] = {}
         self._elsewhere: set[str] = set()  # labels of requests whose KV is computed in another worker's pool
         self.detok: dict[str, IncrementalDetokenizer] = {}

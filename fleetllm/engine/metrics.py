@@ -23,6 +23,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 if TYPE_CHECKING:
     from fleetllm.engine.sequence import Sequence
+    from fleetllm.kernels.health import KernelStatus
 
 # vLLM's buckets
 _TTFT = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
@@ -122,6 +123,16 @@ class EngineMetrics:
             [*self.labels, "position"], registry=self.registry,
         )
         self._spec_seen: tuple[int, int, int, list[int]] = (0, 0, 0, [])
+
+    def kernels(self, statuses: list[KernelStatus]) -> None:
+        """``fleetllm:kernel_available{kernel, variant}``: 1 per C kernel this CPU should run and runs, 0 for one
+        missing (``variant``: the build loaded, else the one this CPU should have)."""
+        gauge = Gauge("fleetllm:kernel_available", "1 while the C kernel this CPU should run is loaded from its best "
+                      "build; 0 when it is missing (the engine serves through a slower PyTorch path).",
+                      [*self.labels, "kernel", "variant"], registry=self.registry)
+        for s in statuses:
+            if s.expected is not None:
+                gauge.labels(**self.labels, kernel=s.kernel, variant=s.variant or s.expected).set(0 if s.missing else 1)
 
     # ---- events from the engine (monotonic seconds) ------------------------------------------------------
     def scheduled_first(self, seq: Sequence, now: float) -> None:

@@ -23,6 +23,7 @@ from fleetllm.engine.sampling import Sampler
 from fleetllm.engine.scheduler import Scheduled, SchedulerOutput
 from fleetllm.engine.sequence import Sequence
 from fleetllm.engine.step_profile import StepProfile, phase
+from fleetllm.kernels import health
 from fleetllm.models.loader import LoadedModel, load_model
 from fleetllm.models.quant import quantize_model
 from fleetllm.speculative.config import SpeculativeConfig
@@ -44,6 +45,8 @@ class ModelExecutor:
         if cfg.num_threads:
             torch.set_num_threads(cfg.num_threads)
         self.device = cfg.resolved_device()
+        if self.device == "cpu":
+            health.statuses(wait=False)  # the kernels load (or build, in a checkout) while the weights load
         dtype = torch.float32 if self.device == "cpu" else torch.bfloat16
         self.loaded = loaded or load_model(cfg.model, device=self.device, dtype=dtype, name=cfg.served_model_name,
                                              store=cfg.store)
@@ -61,6 +64,8 @@ class ModelExecutor:
         self.sampler = Sampler()
         spec_cfg = SpeculativeConfig.parse(cfg.speculative)
         self.spec = SpecDecoder(spec_cfg, self.loaded, self.runner, self.device) if spec_cfg else None
+        # the C kernels this process runs: a missing one is an ERROR line (fatal with FLEETLLM_REQUIRE_KERNELS=1)
+        self.kernels = health.check() if self.device == "cpu" else []
 
     def execute(self, sched: SchedulerOutput) -> ModelOutput:
         batch = sched.scheduled

@@ -23,7 +23,8 @@ from pathlib import Path
 import torch
 
 from fleetllm.kernels import q4
-from fleetllm.kernels.build import KernelLibrary, cpu_flags
+from fleetllm.kernels.build import KernelLibrary
+from fleetllm.kernels.variants import KERNELS, cpu_info
 
 PANEL = 16  # outputs per panel of the paired layout
 _enabled = True
@@ -42,8 +43,7 @@ LIBRARY = KernelLibrary(Path(__file__).with_name("bf16_gemm.c"), _declare)
 @cache
 def cpu_has_bf16() -> bool:
     """Whether this CPU reports AVX-512 BF16 (with F, BW and VL), read from ``/proc/cpuinfo``."""
-    flags = set(cpu_flags().rpartition("|")[2].split())
-    return {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"} <= flags
+    return KERNELS["bf16_gemm"].needs <= cpu_info()[1]
 
 
 @dataclass(frozen=True)

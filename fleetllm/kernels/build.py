@@ -1,14 +1,17 @@
-"""Builds fleetllm's C kernels on first use and caches the shared objects on disk.
+"""Loads fleetllm's C kernels: the wheel's prebuilt object for this CPU, else a build on first use, cached on disk.
 
-A kernel is plain C (no torch headers): ``gcc -O3 -fopenmp -shared`` takes about a second, where a
-``torch.utils.cpp_extension`` build takes most of a minute. The build runs in a background thread while
-the eager PyTorch path serves; callers ask :meth:`KernelLibrary.get` and get ``None`` until it is loaded.
+A wheel carries every kernel compiled per instruction-set variant (``setup.py``; :mod:`.variants`): loading
+one is a ``dlopen``, and the target machine needs no compiler. A source checkout has no prebuilt objects (or
+ones built from an older source: their names hold the source's hash), so the first use compiles the variant
+this CPU runs with ``gcc -O3 -fopenmp -shared`` (about a second: no torch headers) in a background thread
+while the eager PyTorch path serves; callers ask :meth:`KernelLibrary.get` and get ``None`` until it is loaded.
 
-The cache key holds the source's hash, the compiler's version and the CPU's instruction-set flags: an object
-built for one CPU can die with an illegal instruction on another one sharing the cache directory (a node
-pool's volume). The object is written under a temporary name and renamed into place, so processes building
-the same key at once each see either nothing or a whole file. No compiler, or a failed build: a single
-warning, and the eager path for good.
+The cache key of a first-use build holds the source's hash, the compiler's version, the CPU's instruction-set
+flags and the variant's flags: an object built for one CPU can die with an illegal instruction on another one
+sharing the cache directory (a node pool's volume). The object is written under a temporary name and renamed
+into place, so processes building the same key at once each see either nothing or a whole file. No prebuilt
+object and no compiler, or a failed build: a warning here, the eager path for good, and the engine's check
+(:mod:`.health`) says what that costs.
 """
 
 from __future__ import annotations
@@ -17,8 +20,6 @@ import ctypes
 import hashlib
 import logging
 import os
-import platform
-import re
 import shutil
 import subprocess
 import tempfile
@@ -26,24 +27,23 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
+from fleetllm.kernels.variants import (
+    PREBUILT_DIR,
+    compile_command,
+    cpu_info,
+    library_name,
+    source_digest,
+    supported_variants,
+)
 from fleetllm.models.source import cache_dir
 
 log = logging.getLogger(__name__)
 
-FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
-
 
 def cpu_flags() -> str:
     """The CPU's model name and instruction-set flags, as the kernel of this host reports them."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return platform.machine()
-    fields = {}
-    for line in text.splitlines():
-        key, _, value = line.partition(":")
-        fields.setdefault(key.strip(), value.strip())
-    return f"{fields.get('model name', '')}|{fields.get('flags', fields.get('Features', ''))}"
+    model, flags = cpu_info()
+    return f"{model}|{' '.join(sorted(flags))}"
 
 
 def compiler() -> str | None:
@@ -54,27 +54,36 @@ def compiler() -> str | None:
     return None
 
 
-def cache_key(source: Path, cc: str) -> str:
-    """Hash of the source, the headers it includes from its own folder, the compiler, the CPU and the flags."""
+def cache_key(source: Path, cc: str, variant: str) -> str:
+    """Hash of the source and its headers, the compiler, the CPU and the variant's command line."""
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-    text = source.read_text()
-    headers = [(source.parent / name).read_text() for name in re.findall(r'^#include "([^"]+)"', text, re.M)]
-    text = "\n".join([text, *headers, version, cpu_flags(), " ".join(FLAGS)])
+    command = " ".join(compile_command(cc, Path(source.name), variant, Path("out")))
+    text = "\n".join([source_digest(source), version, cpu_flags(), command])
     return hashlib.sha256(text.encode()).hexdigest()[:20]
 
 
-def build(source: Path, out_dir: Path | None = None) -> Path:
-    """The shared object for ``source``: from the cache, or compiled now (raises when it cannot be)."""
+def prebuilt(source: Path, variant: str) -> Path | None:
+    """The package's object for ``source``'s ``variant``, when it holds one built from this very source."""
+    path = source.parent / PREBUILT_DIR / library_name(source.stem, variant, source_digest(source))
+    return path if path.exists() else None
+
+
+def build(source: Path, out_dir: Path | None = None, variant: str | None = None) -> Path:
+    """The shared object for ``source``'s ``variant`` (default: the best this CPU runs), from the cache or
+    compiled now (raises when it cannot be)."""
+    variant = variant or supported_variants(source.stem)[0]
     cc = compiler()
     if cc is None:
-        raise RuntimeError("no C compiler (cc, gcc or $CC) on the path")
-    target = _target(f"{source.stem}-{cache_key(source, cc)}.so", out_dir)
+        raise RuntimeError("no prebuilt kernel for this CPU in the package (a source install?) and no C compiler "
+                           "(cc, gcc or $CC) on PATH to build one")
+    target = _target(f"{source.stem}-{variant}-{cache_key(source, cc, variant)}.so", out_dir)
     if target.exists():
         return target
     fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{source.stem}-", suffix=".so")
     os.close(fd)
     try:
-        done = subprocess.run([cc, *FLAGS, str(source), "-o", tmp, "-lm"], capture_output=True, text=True, timeout=120)
+        done = subprocess.run(compile_command(cc, source, variant, Path(tmp)), capture_output=True, text=True,
+                              timeout=120)
         if done.returncode != 0:
             raise RuntimeError(f"{cc} failed on {source.name}: {done.stderr.strip()[-2000:]}")
         os.replace(tmp, target)  # atomic: a concurrent builder of the same key replaces an identical file
@@ -82,6 +91,18 @@ def build(source: Path, out_dir: Path | None = None) -> Path:
         if os.path.exists(tmp):
             os.unlink(tmp)
     return target
+
+
+def locate(source: Path) -> tuple[Path, str]:
+    """The object to load for ``source`` and its variant: the best prebuilt one this CPU runs, else the best
+    variant built (or found in the cache) now."""
+    variants = supported_variants(source.stem)
+    if not variants:
+        raise RuntimeError(f"no build of {source.stem} runs on this CPU")
+    for variant in variants:
+        if (path := prebuilt(source, variant)) is not None:
+            return path, variant
+    return build(source, variant=variants[0]), variants[0]
 
 
 def _target(name: str, out_dir: Path | None) -> Path:
@@ -103,19 +124,26 @@ def _target(name: str, out_dir: Path | None) -> Path:
 
 
 class KernelLibrary:
-    """One C source, built in the background on first :meth:`get` and loaded with ctypes.
+    """One C source, loaded (or built) in the background on first :meth:`get` with ctypes.
 
-    ``setup`` declares the library's functions (argtypes, restype) once it is loaded.
+    ``setup`` declares the library's functions (argtypes, restype) once it is loaded; ``variant`` is the build
+    loaded, ``error`` why none could be.
     """
 
     def __init__(self, source: Path, setup: Callable[[ctypes.CDLL], None]) -> None:
         self.source = source
         self.setup = setup
         self.lib: ctypes.CDLL | None = None
+        self.variant: str | None = None
         self.error: str | None = None
         self._started = False
         self._lock = threading.Lock()
         self._done = threading.Event()
+
+    @property
+    def name(self) -> str:
+        """The kernel's name (its source's stem, a key of :data:`fleetllm.kernels.variants.KERNELS`)."""
+        return self.source.stem
 
     def get(self, wait: bool = False) -> ctypes.CDLL | None:
         """The loaded library, or None while it builds (``wait``: until it is built) or when it cannot be."""
@@ -130,9 +158,10 @@ class KernelLibrary:
 
     def _load(self) -> None:
         try:
-            lib = ctypes.CDLL(str(build(self.source)))
+            path, variant = locate(self.source)
+            lib = ctypes.CDLL(str(path))
             self.setup(lib)
-            self.lib = lib
+            self.lib, self.variant = lib, variant
         except Exception as e:  # noqa: BLE001 - any failure means the eager path, said once
             self.error = str(e)
             log.warning("C kernel %s unavailable, using the eager PyTorch path: %s", self.source.name, e)

@@ -42,6 +42,7 @@ from fleetllm.engine.omp_team import serial_executor
 from fleetllm.engine.outputs import RequestOutput
 from fleetllm.engine.params import InvalidParameter, SamplingParams, check_params
 from fleetllm.engine.scheduler import QueueFull
+from fleetllm.kernels.health import details
 from fleetllm.observability.dashboard import dashboard_routes
 from fleetllm.observability.process import ColdStart, ProcessHostCollector
 from fleetllm.observability.tracing import trace_id_of
@@ -511,15 +512,16 @@ class Worker:
         return JSONResponse(openapi_schema("fleetllm worker", ("/health", "/ready", "/metrics")))
 
     async def readiness(self, request: Request) -> Response:
-        """Readiness: loaded, warm, not draining and the engine alive; 503 with the reason otherwise."""
+        """Readiness: loaded, warm, not draining and the engine alive, with the C kernels it runs; 503 with the
+        reason otherwise."""
         if self.async_engine.failure is not None or not self.async_engine.is_running:
             why = "engine failed" if self.async_engine.failure else "engine loop is not running"
         elif self.draining:
             why = "draining"
         elif not self.ready:
             why = "warming up"
-        else:
-            return JSONResponse({"status": "ready"})
+        else:  # ready, and which C kernels serve (a missing one is slow, not down: say so, stay routable)
+            return JSONResponse({"status": "ready", **details(self.engine.kernels)})
         return JSONResponse({"status": why}, status_code=503)
 
     async def metrics(self, request: Request) -> Response:
