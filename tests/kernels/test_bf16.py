@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from kernel_checks import require_kernels  # tests/ is on the path (pytest's prepend mode)
 
 from fleetllm.kernels import bf16
 
 
 @pytest.fixture(scope="module", autouse=True)
 def kernel() -> None:
-    if not bf16.kernel_ready(wait=True):
-        pytest.skip(f"no AVX-512 BF16 on this CPU, or the kernel is unavailable: {bf16.LIBRARY.error}")
+    require_kernels(bf16.LIBRARY)
 
 
 def test_paired_layout_round_trips_and_refuses_shapes_it_cannot_take() -> None:

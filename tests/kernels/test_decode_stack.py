@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from kernel_checks import require_kernels  # tests/ is on the path (pytest's prepend mode)
 
 from fleetllm import LLM, SamplingParams
 from fleetllm.kernels import attention, bf16, decode_stack, q4, q4_int
@@ -18,9 +19,7 @@ SCALE = {"int16": 1, "bf16": 3}
 
 @pytest.fixture(scope="module")
 def q4_model(loaded_model):
-    libs = (decode_stack.LIBRARY.get(True), q4.LIBRARY.get(True), q4_int.LIBRARY.get(True), attention.LIBRARY.get(True))
-    if any(lib is None for lib in libs):
-        pytest.skip("a C kernel is unavailable")
+    require_kernels(decode_stack.LIBRARY, q4.LIBRARY, q4_int.LIBRARY, attention.LIBRARY)
     model = quantize_model(loaded_model.model, "q4")
     assert model.decode_stack is not None
     return model
@@ -30,8 +29,8 @@ def q4_model(loaded_model):
 def wide(request) -> str:
     """Steps of ``BF16_ROWS`` rows or more through the bf16 kernel (where this CPU has one), or through the int16
     Q4 GEMM in the stack and fp32 op by op: the stack is held to the op-by-op path both ways."""
-    if request.param == "bf16" and not bf16.kernel_ready(wait=True):
-        pytest.skip("no AVX-512 BF16 on this CPU")
+    if request.param == "bf16":
+        require_kernels(bf16.LIBRARY)
     bf16.set_enabled(request.param == "bf16")
     yield request.param
     bf16.set_enabled(True)

@@ -8,10 +8,12 @@ vector path (head_dim a multiple of 8) and the scalar one, decode rows and causa
 from __future__ import annotations
 
 import logging
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
+from kernel_checks import require_kernels  # tests/ is on the path (pytest's prepend mode)
 
 from fleetllm.kernels import attention, build
 from fleetllm.kernels.attention import chunk_rows, kernel_ready, paged_attention, reference_attention
@@ -21,8 +23,7 @@ BLOCK = 16
 
 @pytest.fixture(scope="module", autouse=True)
 def kernel() -> None:
-    if not kernel_ready(torch.zeros(1), torch.zeros(1), wait=True):
-        pytest.skip(f"C kernel unavailable: {attention.LIBRARY.error}")
+    require_kernels(attention.LIBRARY)
 
 
 def random_case(heads: int, kv_heads: int, dim: int, lens: list[int], dtype: torch.dtype = torch.float32):
@@ -106,7 +107,9 @@ def test_built_kernel_is_a_cache_hit_next_time(tmp_path: Path) -> None:
 
 def test_no_compiler_means_eager_with_one_warning(monkeypatch, caplog, tmp_path) -> None:
     monkeypatch.setattr(build, "compiler", lambda: None)
-    lib = build.KernelLibrary(tmp_path / "absent.c", lambda _: None)
+    for name in ("paged_attention.c", "gemv_common.h"):  # a checkout's source, with no prebuilt object beside it
+        shutil.copy(attention.LIBRARY.source.with_name(name), tmp_path)
+    lib = build.KernelLibrary(tmp_path / "paged_attention.c", lambda _: None)
     with caplog.at_level(logging.WARNING, logger="fleetllm.kernels.build"):
         assert lib.get(wait=True) is None
         assert lib.get(wait=True) is None

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import pytest
-import torch
+from kernel_checks import require_kernels  # tests/ is on the path (pytest's prepend mode)
 
 from fleetllm import LLM, SamplingParams
-from fleetllm.kernels import attention, kernel_ready
+from fleetllm.kernels import attention
 from fleetllm.models import llama
 
 PROMPTS = ["def fibonacci(n):", "Once upon a time, in a land far away, there lived"]
@@ -18,8 +17,7 @@ def greedy(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
 
 
 def test_kernel_and_eager_generate_the_same_tokens(loaded_model, monkeypatch) -> None:
-    if not kernel_ready(torch.zeros(1), torch.zeros(1), wait=True):
-        pytest.skip(f"C kernel unavailable: {attention.LIBRARY.error}")
+    require_kernels(attention.LIBRARY)
     prompts = [loaded_model.tokenizer.encode(p) for p in PROMPTS]
     prompts.append(prompts[1] + prompts[0])  # a prefix-cache hit: its chunk attends to cached blocks
     calls = []

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from kernel_checks import require_kernels  # tests/ is on the path (pytest's prepend mode)
 from test_quant_gemv import q4_1_weight  # this folder is on the path (pytest's prepend mode)
 
 from fleetllm.kernels import q4, q4_int
@@ -12,8 +13,7 @@ from fleetllm.kernels import q4, q4_int
 
 @pytest.fixture(scope="module", autouse=True)
 def built() -> None:
-    if not q4.kernel_ready(True) or not q4_int.kernel_ready(True):
-        pytest.skip(f"C kernel unavailable: {q4_int.LIBRARY.error}")
+    require_kernels(q4.LIBRARY, q4_int.LIBRARY)
 
 
 def weight(n: int, k: int, seed: int = 0) -> q4.Q4Weight:

@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 import torch
+from kernel_checks import require_kernels  # tests/ is on the path (pytest's prepend mode)
 from torch.nn import functional as F  # noqa: N812
 
 from fleetllm.kernels import q4, q8
@@ -118,8 +119,7 @@ def _with(w: torch.Tensor, value: float) -> torch.Tensor:
 @FORMATS
 @pytest.mark.parametrize("case", ["exact", "random", "nudged", "nan", "inf", "zeros", "huge"])
 def test_c_recovery_is_the_eager_one_bit_for_bit(fmt: Format, case: str) -> None:
-    if not fmt.ready(True):
-        pytest.skip(f"C kernel unavailable: {fmt.library.error}")
+    require_kernels(fmt.library)
     exact = fmt.weight(48, 96, seed=3)
     w = {"exact": exact, "random": torch.randn(48, 96), "nudged": _nudged(exact), "nan": _with(exact, float("nan")),
          "inf": _with(exact, float("inf")), "zeros": torch.zeros(48, 96), "huge": exact * 1e9}[case]
@@ -134,8 +134,7 @@ def test_c_recovery_is_the_eager_one_bit_for_bit(fmt: Format, case: str) -> None
 # ---- the kernels -----------------------------------------------------------------------------------------
 @pytest.fixture
 def kernel(fmt: Format) -> Format:
-    if not fmt.ready(True):
-        pytest.skip(f"C kernel unavailable: {fmt.library.error}")
+    require_kernels(fmt.library)
     return fmt
 
 

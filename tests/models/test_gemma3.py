@@ -14,6 +14,7 @@ import sys
 import pytest
 import torch
 from gemma3_prompts import CAPS, PROMPTS_WITH_LONG
+from kernel_checks import require_kernels  # tests/ is on the path (pytest's prepend mode)
 from tokenizers import Tokenizer, models
 
 from fleetllm import LLM, SamplingParams
@@ -93,8 +94,7 @@ def test_tiny_gemma3_paged_kernel_matches(tiny, tiny_reference, monkeypatch):
     from fleetllm.kernels import attention
     from fleetllm.models import llama
 
-    if not attention.kernel_ready(torch.zeros(1), torch.zeros(1), wait=True):
-        pytest.skip(f"C kernel unavailable: {attention.LIBRARY.error}")
+    require_kernels(attention.LIBRARY)
     windows = []
     monkeypatch.setattr(llama, "paged_attention", lambda *a, **kw: windows.append(a[7] if len(a) > 7 else kw.get("window"))
                         or attention.paged_attention(*a, **kw))
