@@ -58,8 +58,9 @@ class BuildKernels(build_ext):
             super().run()
 
     def build_extensions(self) -> None:
+        largest_first = sorted(self.extensions, key=lambda ext: -ext.source.stat().st_size)  # the longest compiles
         with ThreadPoolExecutor(os.cpu_count() or 1) as pool:
-            list(pool.map(self.build_extension, self.extensions))
+            list(pool.map(self.build_extension, largest_first))
 
     def build_extension(self, ext: KernelExtension) -> None:
         out = Path(self.get_ext_fullpath(ext.name))
