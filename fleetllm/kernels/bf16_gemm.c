@@ -16,7 +16,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#include <immintrin.h>
+#include "simd.h"
 
 #define PASS 8         /* activation rows per register pass */
 #define TILE_PANELS 3  /* panels of 16 outputs per tile: 8 x 3 accumulators + 3 weight vectors in 32 registers */
@@ -24,6 +24,7 @@
 #define ISA "avx512f,avx512bw,avx512vl,avx512bf16"
 
 /* 1 where AVX-512 BF16 (with F, BW, VL) runs, else 0 (the caller must not call bf16_gemm). */
+#if FLEETLLM_X86
 int bf16_gemm_isa(void) {
     static int isa = -1;  /* checked once: every GEMM asks */
     if (isa < 0) {
@@ -112,3 +113,13 @@ int bf16_gemm(const float *x, long ldx, const uint8_t *wbytes, const uint16_t *d
     free(xb);
     return 0;
 }
+
+#else  /* not x86: no vector path, so no kernel (the callers keep their PyTorch paths) */
+int bf16_gemm_isa(void) {
+    return 0;
+}
+int bf16_gemm(const float *x, long ldx, const uint8_t *wbytes, const uint16_t *d, const uint16_t *m, float *y,
+              long ldy, int rows, int n, int k, int threads, int vector) {
+    return -2;
+}
+#endif  /* FLEETLLM_X86 */

@@ -16,7 +16,7 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
-#include <immintrin.h>
+#include "simd.h"
 
 typedef int (*gemv_fn)(const float *x, long ldx, const uint8_t *w, const uint16_t *d, const uint16_t *m, float *y,
                        long ldy, int rows, int n, int k_in, int threads, int vector);
@@ -54,6 +54,7 @@ typedef struct {
     float *scratch;  /* rows * (hidden + qkv width + heads * head_dim + 3 * inter) floats */
 } Step;
 
+#if FLEETLLM_X86
 int decode_stack_isa(void) {
     __builtin_cpu_init();
     return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c") ? 2 : 0;
@@ -192,3 +193,12 @@ int decode_stack(const Model *md, const Step *st) {
     }
     return 0;
 }
+
+#else  /* not x86: no vector path, so no kernel (the callers keep their PyTorch paths) */
+int decode_stack_isa(void) {
+    return 0;
+}
+int decode_stack(const Model *md, const Step *st) {
+    return -2;
+}
+#endif  /* FLEETLLM_X86 */

@@ -9,7 +9,7 @@
  * accumulators, each loaded weight vector used 4 times and each activation vector twice. */
 #ifndef FLEETLLM_GEMV_COMMON_H
 #define FLEETLLM_GEMV_COMMON_H
-#include <immintrin.h>
+#include "simd.h"
 
 #define CHUNK 4  /* weight rows dequantised at a time */
 /* Rows from which the dequantise-then-GEMM path runs. Measured against the level-reading passes over a step
@@ -22,6 +22,7 @@
 typedef void (*dequantize_fn)(const void *w, const float *d, const float *m, long first, int count, int groups,
                               float *buf);
 
+#if FLEETLLM_X86
 __attribute__((target("avx2,fma")))
 static inline float hsum8(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -81,4 +82,5 @@ static inline void wide_avx2(dequantize_fn dequantize, const void *w, const floa
     }
 }
 
+#endif  /* FLEETLLM_X86 */
 #endif

@@ -19,7 +19,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#include <immintrin.h>
+#include "simd.h"
 #include "gemv_common.h"  /* hsum8 */
 
 enum { KV_F32 = 0, KV_F16 = 1, KV_BF16 = 2 };
@@ -96,6 +96,7 @@ static void task_scalar(const PagedArgs *a, int row, int kvh, float *scores) {
 #define BLOCK_VECS 8  /* vectors of head_dim (64 floats) held in registers at once: all of a 64-wide head */
 #define PARALLEL_MIN_KEYS 4096  /* (position, kv head) pairs below which one thread is faster */
 
+#if FLEETLLM_X86
 __attribute__((target("avx2,fma,f16c"), always_inline))
 static inline __m256 load8(const void *base, long idx, int dtype) {
     if (dtype == KV_F32) return _mm256_loadu_ps((const float *)base + idx);
@@ -182,13 +183,18 @@ static void task_avx2(const PagedArgs *a, int row, int kvh, float *scores) {
     }
     by_blocks_avx2(a, table, first, n, kvh, q, scores, a->out + row * a->out_row_stride + (long)kvh * g * d, 1);
 }
+#endif  /* FLEETLLM_X86 */
 
 /* ---- entry points --------------------------------------------------------------------------------- */
 
 /* 2 when the AVX2 path runs on this CPU, 0 for the scalar one (reported by Python, and used by tests). */
 int paged_attention_isa(void) {
+#if FLEETLLM_X86
     __builtin_cpu_init();
     return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c") ? 2 : 0;
+#else
+    return 0;
+#endif
 }
 
 /* Returns 0, or -1 when a score buffer could not be allocated. Runs on `threads` OpenMP threads, or on the
@@ -215,8 +221,11 @@ int paged_attention(const float *q, long q_row_stride, const void *k_cache, cons
         #pragma omp for schedule(dynamic, 1)
         for (int t = 0; t < tasks; t++) {
             if (!scores) continue;
+#if FLEETLLM_X86
             if (vec) task_avx2(&a, t / kv_heads, t % kv_heads, scores);
-            else task_scalar(&a, t / kv_heads, t % kv_heads, scores);
+            else
+#endif
+            task_scalar(&a, t / kv_heads, t % kv_heads, scores);
         }
         free(scores);
     }

@@ -16,7 +16,7 @@
  * AVX-512F only (chosen at run time); prefill_attention_isa() says whether this CPU has it, and callers keep
  * their eager path (SDPA) where it does not. Plain C with no torch headers (see fleetllm/kernels/build.py).
  */
-#include <immintrin.h>
+#include "simd.h"
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -55,6 +55,7 @@ static const float ZEROS[MAX_D] __attribute__((aligned(64)));
 
 /* 2^x for x <= 0 (clamped at -126: no subnormals): x = n + f, |f| <= 1/2, 2^f by its degree-7 Taylor series
  * (relative error < 1e-8), scaled by 2^n with vscalefps. */
+#if FLEETLLM_X86
 __attribute__((target("avx512f"), always_inline))
 static inline __m512 exp2_neg(__m512 x) {
     x = _mm512_max_ps(x, _mm512_set1_ps(-126.f));
@@ -252,3 +253,14 @@ int prefill_attention(const float *q, long q_row_stride, const void *k_cache, co
     }
     return failed ? -2 : 0;
 }
+
+#else  /* not x86: no vector path, so no kernel (the callers keep their PyTorch paths) */
+int prefill_attention_isa(void) {
+    return 0;
+}
+int prefill_attention(const float *q, long q_row_stride, const void *k_cache, const void *v_cache, int kv_dtype,
+                      const int32_t *table, float *out, long out_row_stride, int n_q, int n_ctx, int heads,
+                      int kv_heads, int head_dim, int block_size, int window, float scale, int threads) {
+    return -1;
+}
+#endif  /* FLEETLLM_X86 */

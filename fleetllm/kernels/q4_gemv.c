@@ -16,7 +16,7 @@
  * path covers other CPUs.
  */
 #include <stdint.h>
-#include <immintrin.h>
+#include "simd.h"
 #include "gemv_common.h"
 
 #define MAX_ROWS 8
@@ -24,8 +24,12 @@
 int q4_gemv_isa(void) {
     static int isa = -1;
     if (isa < 0) {
+#if FLEETLLM_X86
         __builtin_cpu_init();
         isa = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") ? 2 : 0;
+#else
+        isa = 0;
+#endif
     }
     return isa;
 }
@@ -58,6 +62,7 @@ static void row_scalar(int rows, const uint8_t *w, const float *d, const float *
 }
 
 /* sum_g m[g] * xs[g]: the zero-point term of one output row for one activation row. */
+#if FLEETLLM_X86
 __attribute__((target("avx2,fma")))
 static inline float dot_avx2(const float *m, const float *xs, int groups) {
     __m256 acc = _mm256_setzero_ps();
@@ -131,6 +136,7 @@ static void pass_avx2(int rows, const uint8_t *w, const float *d, const float *m
         default: ROWS_AVX2(8) break;
     }
 }
+#endif  /* FLEETLLM_X86 */
 
 static void pass_scalar(int rows, const uint8_t *w, const float *d, const float *m, const float *x, long ldx,
                         const float *xsum, float *y, long ldy, int n, int groups, int threads) {
@@ -141,6 +147,7 @@ static void pass_scalar(int rows, const uint8_t *w, const float *d, const float 
 }
 
 /* Weight rows as fp32 for the wide path (gemv_common.h): d * q + m, exactly the loader's weight. */
+#if FLEETLLM_X86
 __attribute__((target("avx2,fma")))
 static void dequantize_q4(const void *wv, const float *d, const float *m, long first, int count, int groups,
                          float *buf) {
@@ -159,6 +166,7 @@ static void dequantize_q4(const void *wv, const float *d, const float *m, long f
         _mm256_storeu_ps(o + 24, _mm256_add_ps(_mm256_mul_ps(dg, _mm256_cvtepi32_ps(_mm256_srli_epi32(v1, 4))), mg));
     }
 }
+#endif  /* FLEETLLM_X86 */
 
 /* y[r * ldy + j] = sum_k x[r * ldx + k] * W[j, k] for r < rows, j < n; k_in a multiple of 32. Rows go in
  * passes of up to MAX_ROWS, each reading the weights once; `vector` 0 forces the scalar path (tests).
@@ -167,17 +175,22 @@ int q4_gemv(const float *x, long ldx, const uint8_t *w, const float *d, const fl
             int rows, int n, int k_in, int threads, int vector) {
     if (k_in % 32 != 0 || k_in <= 0) return -1;
     const int groups = k_in / 32, vec = vector && q4_gemv_isa() == 2;
+#if FLEETLLM_X86
     if (vec && rows >= WIDE_FROM) {
         wide_avx2(dequantize_q4, w, d, m, x, ldx, y, ldy, rows, n, groups, threads);
         return 0;
     }
+#endif
     float xsum[MAX_ROWS * groups];
     for (int r0 = 0; r0 < rows; r0 += MAX_ROWS) {
         const int r = rows - r0 < MAX_ROWS ? rows - r0 : MAX_ROWS;
         const float *xr = x + r0 * ldx;
         group_sums(xr, ldx, r, groups, xsum);
+#if FLEETLLM_X86
         if (vec) pass_avx2(r, w, d, m, xr, ldx, xsum, y + r0 * ldy, ldy, n, groups, threads);
-        else pass_scalar(r, w, d, m, xr, ldx, xsum, y + r0 * ldy, ldy, n, groups, threads);
+        else
+#endif
+        pass_scalar(r, w, d, m, xr, ldx, xsum, y + r0 * ldy, ldy, n, groups, threads);
     }
     return 0;
 }
@@ -185,6 +198,7 @@ int q4_gemv(const float *x, long ldx, const uint8_t *w, const float *d, const fl
 /* The group's levels from its fp32 weights (see q4.py's recover_q4_1, which this computes in one pass, bit for
  * bit the same: m = min, d = (max - min) / 15 rounded to fp16, q = round((w - m) / d) in 0..15); returns
  * whether d * q + m gives every weight back (a product then a sum, each rounded, as the GGUF reader does). */
+#if FLEETLLM_X86
 __attribute__((target("avx2,fma,f16c")))
 static int recover_group(const float *w, uint8_t *packed, float *d_out, float *m_out) {
     __m256 v[4], lo = _mm256_loadu_ps(w), hi = lo;
@@ -231,3 +245,8 @@ int q4_recover(const float *w, long n, int k_in, uint8_t *packed, float *d, floa
         exact &= recover_group(w + 32 * g, packed + 16 * g, d + g, m + g);
     return exact;
 }
+#else
+int q4_recover(const float *w, long n, int k_in, uint8_t *packed, float *d, float *m, int threads) {
+    return -1;  /* no vector path here: the caller recovers in PyTorch */
+}
+#endif  /* FLEETLLM_X86 */

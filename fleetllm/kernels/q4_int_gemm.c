@@ -25,7 +25,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#include <immintrin.h>
+#include "simd.h"
 #include "gemv_common.h"
 
 #define PASS 8   /* activation rows per register pass */
@@ -34,6 +34,7 @@
 
 static int isa_cap = 3;
 
+#if FLEETLLM_X86
 /* 3: AVX-512 VNNI + VL; 2: AVX2 + FMA + F16C; 0: neither (the caller must not call the GEMMs); at most the cap. */
 int q4_int_isa(void) {
     static int isa = -1;
@@ -336,3 +337,20 @@ int q4_i16_gemm(const float *x, long ldx, const uint8_t *w, const uint16_t *d, c
     (void)vector;
     return gemm(16, x, ldx, w, d, m, y, ldy, rows, n, k_in, threads);
 }
+
+#else  /* not x86: no vector path, so no kernel (the callers keep their PyTorch paths) */
+int q4_int_isa(void) {
+    return 0;
+}
+int q4_int_cap_isa(int cap) {
+    return 0;
+}
+int q4_i8_gemm(const float *x, long ldx, const uint8_t *w, const uint16_t *d, const uint16_t *m, float *y, long ldy,
+               int rows, int n, int k_in, int threads, int vector) {
+    return -2;
+}
+int q4_i16_gemm(const float *x, long ldx, const uint8_t *w, const uint16_t *d, const uint16_t *m, float *y, long ldy,
+                int rows, int n, int k_in, int threads, int vector) {
+    return -2;
+}
+#endif  /* FLEETLLM_X86 */

@@ -9,7 +9,7 @@
  * AVX2 + FMA is chosen at run time; a scalar path covers other CPUs.
  */
 #include <stdint.h>
-#include <immintrin.h>
+#include "simd.h"
 #include "gemv_common.h"
 
 #define MAX_ROWS 8
@@ -17,8 +17,12 @@
 int q8_gemv_isa(void) {
     static int isa = -1;
     if (isa < 0) {
+#if FLEETLLM_X86
         __builtin_cpu_init();
         isa = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") ? 2 : 0;
+#else
+        isa = 0;
+#endif
     }
     return isa;
 }
@@ -38,6 +42,7 @@ static void row_scalar(int rows, const int8_t *w, const float *d, const float *x
     }
 }
 
+#if FLEETLLM_X86
 __attribute__((target("avx2,fma"), always_inline))
 static inline __m256 widen8(const int8_t *b) {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)b)));
@@ -86,6 +91,7 @@ static void pass_avx2(int rows, const int8_t *w, const float *d, const float *x,
         default: ROWS_AVX2(8) break;
     }
 }
+#endif  /* FLEETLLM_X86 */
 
 static void pass_scalar(int rows, const int8_t *w, const float *d, const float *x, long ldx, float *y, long ldy,
                         int n, int groups, int threads) {
@@ -104,8 +110,11 @@ int q8_gemv(const float *x, long ldx, const int8_t *w, const float *d, float *y,
     for (int r0 = 0; r0 < rows; r0 += MAX_ROWS) {
         const int r = rows - r0 < MAX_ROWS ? rows - r0 : MAX_ROWS;
         const float *xr = x + r0 * ldx;
+#if FLEETLLM_X86
         if (vec) pass_avx2(r, w, d, xr, ldx, y + r0 * ldy, ldy, n, groups, threads);
-        else pass_scalar(r, w, d, xr, ldx, y + r0 * ldy, ldy, n, groups, threads);
+        else
+#endif
+        pass_scalar(r, w, d, xr, ldx, y + r0 * ldy, ldy, n, groups, threads);
     }
     return 0;
 }
@@ -113,6 +122,7 @@ int q8_gemv(const float *x, long ldx, const int8_t *w, const float *d, float *y,
 /* The group's levels from its fp32 weights (see q8.py's recover_q8_0, which this computes in one pass, bit for
  * bit the same: d = max |w| / 127 rounded to fp16, q = round(w / d) in -127..127); returns 1 when d * q gives
  * every weight back, 0 when not, -1 when d is not finite (the whole weight is then refused). */
+#if FLEETLLM_X86
 __attribute__((target("avx2,fma,f16c")))
 static int recover_group(const float *w, int8_t *q_out, float *d_out) {
     const __m256 sign = _mm256_set1_ps(-0.f);
@@ -153,3 +163,8 @@ int q8_recover(const float *w, long n, int k_in, int8_t *q, float *d, int thread
         exact &= recover_group(w + 32 * g, q + 32 * g, d + g) == 1;
     return exact;
 }
+#else
+int q8_recover(const float *w, long n, int k_in, int8_t *q, float *d, int threads) {
+    return -1;  /* no vector path here: the caller recovers in PyTorch */
+}
+#endif  /* FLEETLLM_X86 */

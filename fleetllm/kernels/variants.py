@@ -117,11 +117,17 @@ def expected_variant(kernel: str, flags: frozenset[str] | None = None) -> str | 
 
 
 def source_digest(source: Path) -> str:
-    """Hash of a kernel's source and the headers it includes from its own folder: names its prebuilt objects,
-    so an edited source never loads an object built from the old one."""
-    text = source.read_text()
-    headers = [(source.parent / name).read_text() for name in re.findall(r'^#include "([^"]+)"', text, re.M)]
-    return hashlib.sha256("\n".join([text, *headers]).encode()).hexdigest()[:16]
+    """Hash of a kernel's source and the headers it includes from its own folder (``simd.h`` through
+    ``gemv_common.h`` too): names its prebuilt objects, so an edited source never loads an object built from
+    the old one."""
+    texts, pending, seen = [], [source.name], set()
+    while pending:  # the source, then every header it includes (and they include) from its folder
+        name = pending.pop(0)
+        if name not in seen:
+            seen.add(name)
+            texts.append((source.parent / name).read_text())
+            pending += re.findall(r'^#include "([^"]+)"', texts[-1], re.M)
+    return hashlib.sha256("\n".join(texts).encode()).hexdigest()[:16]
 
 
 def library_name(kernel: str, variant: str, digest: str) -> str:

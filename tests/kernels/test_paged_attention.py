@@ -107,8 +107,8 @@ def test_built_kernel_is_a_cache_hit_next_time(tmp_path: Path) -> None:
 
 def test_no_compiler_means_eager_with_one_warning(monkeypatch, caplog, tmp_path) -> None:
     monkeypatch.setattr(build, "compiler", lambda: None)
-    for name in ("paged_attention.c", "gemv_common.h"):  # a checkout's source, with no prebuilt object beside it
-        shutil.copy(attention.LIBRARY.source.with_name(name), tmp_path)
+    for path in [attention.LIBRARY.source, *attention.LIBRARY.source.parent.glob("*.h")]:
+        shutil.copy(path, tmp_path)  # a checkout's source, with no prebuilt object beside it
     lib = build.KernelLibrary(tmp_path / "paged_attention.c", lambda _: None)
     with caplog.at_level(logging.WARNING, logger="fleetllm.kernels.build"):
         assert lib.get(wait=True) is None

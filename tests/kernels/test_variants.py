@@ -50,9 +50,9 @@ def test_every_source_has_its_variants_declared() -> None:
 
 @pytest.fixture
 def checkout(tmp_path: Path) -> Path:
-    """q8_gemv.c and its header copied into a package folder of its own."""
-    for name in ("q8_gemv.c", "gemv_common.h"):
-        shutil.copy(q8.LIBRARY.source.with_name(name), tmp_path)
+    """q8_gemv.c and the headers copied into a package folder of its own."""
+    for path in [q8.LIBRARY.source, *q8.LIBRARY.source.parent.glob("*.h")]:
+        shutil.copy(path, tmp_path)
     return tmp_path / "q8_gemv.c"
 
 
