@@ -10,8 +10,8 @@ The cache key of a first-use build holds the source's hash, the compiler's versi
 flags and the variant's flags: an object built for one CPU can die with an illegal instruction on another one
 sharing the cache directory (a node pool's volume). The object is written under a temporary name and renamed
 into place, so processes building the same key at once each see either nothing or a whole file. No prebuilt
-object and no compiler, or a failed build: a warning here, the eager path for good, and the engine's check
-(:mod:`.health`) says what that costs.
+object and no compiler, or a failed build: the eager path for good, and the engine's check (:mod:`.health`)
+says so at ERROR with what it costs.
 """
 
 from __future__ import annotations
@@ -74,8 +74,8 @@ def build(source: Path, out_dir: Path | None = None, variant: str | None = None)
     variant = variant or supported_variants(source.stem)[0]
     cc = compiler()
     if cc is None:
-        raise RuntimeError("no prebuilt kernel for this CPU in the package (a source install?) and no C compiler "
-                           "(cc, gcc or $CC) on PATH to build one")
+        raise RuntimeError("no prebuilt object for this CPU in the package, as in a source install, and no C "
+                           "compiler (cc, gcc or $CC) on PATH to build one")
     target = _target(f"{source.stem}-{variant}-{cache_key(source, cc, variant)}.so", out_dir)
     if target.exists():
         return target
@@ -164,6 +164,7 @@ class KernelLibrary:
             self.lib, self.variant = lib, variant
         except Exception as e:  # noqa: BLE001 - any failure means the eager path, said once
             self.error = str(e)
-            log.warning("C kernel %s unavailable, using the eager PyTorch path: %s", self.source.name, e)
+            # INFO: an engine's check (health.py) says it at ERROR, with what it costs, for a kernel this CPU runs
+            log.info("C kernel %s unavailable, using the eager PyTorch path: %s", self.source.name, e)
         finally:
             self._done.set()
