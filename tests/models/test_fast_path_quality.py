@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import pytest
+from kernel_checks import require_kernels  # tests/ is on the path (pytest's prepend mode)
 
 from fleetllm.bench.quality import REFERENCE_PROMPTS, compare, prompt_ids, stdlib_text
 from fleetllm.models.quant import BF16_ROWS
@@ -18,10 +18,9 @@ def test_exact_path_agrees_with_itself_in_every_batch_regime(loaded_model) -> No
 
 
 def test_q4_narrow_steps_agree_with_fp32(loaded_model) -> None:
-    from fleetllm.kernels import q4
+    from fleetllm.kernels import q4, q4_int
 
-    if not q4.kernel_ready(wait=True):
-        pytest.skip(f"C kernel unavailable: {q4.LIBRARY.error}")
+    require_kernels(q4.LIBRARY, q4_int.LIBRARY)
     tok = loaded_model.tokenizer
     prompts = prompt_ids(tok, REFERENCE_PROMPTS[:1] + REFERENCE_PROMPTS[-1:], raw_from=1)
     q = compare(loaded_model, {"quantization": "q4"}, prompts, tokens=8, text=stdlib_text(tok, 120), window=60,
@@ -33,8 +32,7 @@ def test_q4_narrow_steps_agree_with_fp32(loaded_model) -> None:
 def test_q4_wide_steps_in_bf16_stay_within_the_goal(loaded_model) -> None:
     from fleetllm.kernels import bf16
 
-    if not bf16.kernel_ready(wait=True):
-        pytest.skip("no AVX-512 BF16 on this CPU, or its kernel is unavailable")
+    require_kernels(bf16.LIBRARY)
     tok = loaded_model.tokenizer
     prompts = prompt_ids(tok, REFERENCE_PROMPTS[:1] + REFERENCE_PROMPTS[-1:], raw_from=1)
     q = compare(loaded_model, {"quantization": "q4"}, prompts, tokens=8, text=stdlib_text(tok, 120), window=60,
