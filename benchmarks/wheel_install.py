@@ -5,10 +5,12 @@ it in a fresh venv whose ``PATH`` is its own ``bin`` folder alone (no ``cc``/``g
 dependencies seen through a ``.pth`` line), and runs ``LLM("smollm2-135m")`` greedy decoding at concurrency 1
 there and from the checkout (``PYTHONPATH``, kernels built on first use and cached), in alternating
 processes. Each process waits for its kernels, warms up, then times ``--rounds`` requests of ``--max-tokens``
-tokens (``ignore_eos``; a short chat prompt, its prefill included) and reports the median tok/s and the
-kernel builds it loaded. Prints both figures and the ratio; the goal is within 10%.
+tokens (``ignore_eos``; a short chat prompt, its prefill included) and reports each request's tok/s and the
+kernel builds it loaded. Prints, per install, the median and the best request (on a shared host other
+processes' bursts slow single requests several-fold, so the best is the figure least polluted by them) and
+both ratios; the goal is within 10%.
 
-    python benchmarks/wheel_install.py [--max-tokens 128] [--rounds 5] [--processes 2]
+    python benchmarks/wheel_install.py [--max-tokens 64] [--rounds 3] [--processes 4]
 """
 
 from __future__ import annotations
@@ -87,9 +89,9 @@ def measure(python: str, env: dict[str, str], cwd: Path, args: argparse.Namespac
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--rounds", type=int, default=5, help="timed requests per process (median)")
-    p.add_argument("--processes", type=int, default=2, help="processes per install, alternated")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--rounds", type=int, default=3, help="timed requests per process")
+    p.add_argument("--processes", type=int, default=4, help="processes per install, alternated")
     args = p.parse_args()
     base = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "CC")}
     with tempfile.TemporaryDirectory(prefix="fleetllm-wheel-") as tmp:
@@ -105,13 +107,16 @@ def main() -> None:
             runs["checkout"].append(measure(sys.executable, checkout_env, ROOT, args))
     print(f"{cpu_model()}, {os.cpu_count()} cores, load {os.getloadavg()[0]:.1f} at the end; wheel built in "
           f"{build_s:.1f} s ({wheel.name})")
+    summary = {}
     for name, results in runs.items():
-        r = results[0]
-        print(f"{name:<9} {statistics.median(x['tok_s'] for x in results):6.1f} tok/s  per process "
-              f"{[round(x['tok_s'], 1) for x in results]}  from {r['fleetllm']}")
-        print(f"          kernels {r['kernels']}  libgomp {r['libgomp']}")
-    ratio = statistics.median(x["tok_s"] for x in runs["wheel"]) / statistics.median(x["tok_s"] for x in runs["checkout"])
-    print(f"wheel / checkout: {ratio:.3f} ({'within' if abs(1 - ratio) <= 0.10 else 'OUTSIDE'} 10%)")
+        rates = [rate for x in results for rate in x["rates"]]
+        summary[name] = (statistics.median(rates), max(rates))
+        print(f"{name:<9} median {summary[name][0]:6.1f} tok/s, best {summary[name][1]:6.1f}  requests "
+              f"{[round(rate, 1) for rate in rates]}  from {results[0]['fleetllm']}")
+        print(f"          kernels {results[0]['kernels']}  libgomp {results[0]['libgomp']}")
+    for i, what in enumerate(("median", "best")):
+        ratio = summary["wheel"][i] / summary["checkout"][i]
+        print(f"wheel / checkout ({what}): {ratio:.3f} ({'within' if abs(1 - ratio) <= 0.10 else 'OUTSIDE'} 10%)")
 
 
 if __name__ == "__main__":
