@@ -50,6 +50,8 @@ CASES: list[tuple[list[str], str]] = [
     (["router", "--workers", "vllmm+http://127.0.0.1:1"], "unknown engine kind"),
     (["router", "--admin-token-file", "{tmp}/no-dir/token"], "--admin-token-file"),
     (["router", "--admin-token-file", "{tmp}/empty"], "is empty"),
+    # doctor
+    (["doctor", "--jsn"], "did you mean `--json`"),
     # serve
     (["serve", "--config", "{tmp}/none.yaml"], "no such file"),
     (["serve", "--config", "{tmp}/top.yaml"], "unknown key `workers`"),
