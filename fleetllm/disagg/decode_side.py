@@ -39,6 +39,7 @@ from fleetllm.server.protocol import MAX_TIMEOUT_S, APIError
 
 if TYPE_CHECKING:
     from fleetllm.disagg.arrival import Mappings
+    from fleetllm.disagg.connector import PDConnector
     from fleetllm.disagg.leases import Leases
     from fleetllm.server.app import Worker
 
@@ -46,8 +47,10 @@ if TYPE_CHECKING:
 class DecodeEndpoints:
     """The receiving endpoints of one worker, built on its public request helpers."""
 
-    def __init__(self, worker: Worker, metrics: LazyMetrics) -> None:
+    def __init__(self, worker: Worker, metrics: LazyMetrics, connector: PDConnector) -> None:
+        """``connector``: the worker's engine's, whose block access every import goes through."""
         self.worker = worker
+        self.blocks = connector.blocks  # the engine's pool, edited on its thread only
         self._metrics = metrics
         self._mappings: Mappings | None = None
         self._leases: Leases | None = None  # blocks reserved for direct writes
@@ -70,7 +73,7 @@ class DecodeEndpoints:
         if self._leases is None:
             from fleetllm.disagg.leases import Leases
 
-            self._leases = Leases(self.worker.engine.blocks, self.worker.handoffs)
+            self._leases = Leases(self.blocks, self.worker.handoffs)
         return self._leases
 
     async def reserve(self, request: Request) -> Response:
@@ -80,7 +83,7 @@ class DecodeEndpoints:
 
         spec = await self.worker.request_body(request)
         lease_s = number(spec.get("lease_s"), "lease_s", 0.001, MAX_TIMEOUT_S, 60.0)  # longer: cut to MAX_LEASE_S
-        pool = self.worker.engine.blocks.kv_pool_file()
+        pool = self.blocks.kv_pool_file()
         if pool is None:
             raise APIError(409, "this worker's KV pool is not shared: send a frame", "pool")
         try:
@@ -93,7 +96,7 @@ class DecodeEndpoints:
         except FrameError as e:  # another model or layout, or hashes that do not match the tokens
             raise APIError(400, f"cannot reserve: {e}", "header") from None
         return JSONResponse({"lease": lease.id, "lease_s": lease.deadline - time.monotonic(), "blocks": lease.targets(),
-                             "pool": PoolLayout.of(self.worker.engine.blocks, pool.path).to_json()})
+                             "pool": PoolLayout.of(self.blocks, pool.path).to_json()})
 
     async def commit(self, request: Request) -> Response:
         """The writer is done: register the lease's blocks in the prefix cache (as an imported frame's); with the
@@ -162,7 +165,7 @@ class DecodeEndpoints:
         from fleetllm.disagg.frame import FrameReader
         from fleetllm.disagg.kv_io import cancel, check_fits, commit, reserve
 
-        blocks = self.worker.engine.blocks  # the engine's, through its KV connector's access
+        blocks = self.blocks
         reader = FrameReader(await arrival.head(), lambda header: check_fits(blocks, header))  # before its layers
         views, res = blocks.kv_blocks(), None
         n, i = reader.header.num_layers, 0

@@ -90,7 +90,7 @@ def pd_routes(worker: Worker, options: TransferOptions | None = None) -> list[Ro
 
     connector = pd_connector(worker.engine)  # how a prefill here reaches the engine's steps, a transfer its pool
     metrics = LazyMetrics(worker)
-    p, d = PrefillEndpoints(worker, metrics, connector, options), DecodeEndpoints(worker, metrics)
+    p, d = PrefillEndpoints(worker, metrics, connector, options), DecodeEndpoints(worker, metrics, connector)
     worker.handoffs.observe = lambda outcome, s: metrics.get().handoff_waits.labels(outcome=outcome).observe(s)
     decode = ("reserve", "commit", "release", "first", "abandon")
     return [Route("/pd/prefill", p.prefill, methods=["POST"]), Route("/pd/kv", d.receive, methods=["POST"]),
