@@ -31,6 +31,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from common import cpu_model  # noqa: E402
 
+from fleetllm.disagg.connector import pd_connector
 from fleetllm.disagg.direct import PoolTarget  # noqa: E402
 from fleetllm.disagg.kv_io import frame_header  # noqa: E402
 from fleetllm.disagg.layer_stream import LayerStream  # noqa: E402
@@ -55,14 +56,14 @@ def second_pool(engine: LLMEngine) -> tuple[list[tuple[torch.Tensor, torch.Tenso
 def prefill(engine: LLMEngine, rid: str, ids: list[int], stream: LayerStream | None) -> float:
     """Seconds to the first token of ``ids`` (``stream``: observing the request)."""
     if stream is not None:
-        engine.observe_layers(rid, stream)
+        pd_connector(engine).observe(rid, stream)
     t0 = time.perf_counter()
     engine.add_request(rid, ids, SamplingParams(max_tokens=1, temperature=0.0))
     while engine.has_unfinished():
         engine.step()
     dt = time.perf_counter() - t0
     if stream is not None:
-        engine.observe_layers(rid, None)
+        pd_connector(engine).observe(rid, None)
         stream.done.result(timeout=60)
         stream.close()
     return dt

@@ -254,6 +254,22 @@ POSITIVE_ENGINE_FLAGS = ("block_size", "num_blocks", "kv_cache_gb", "max_model_l
                          "max_num_batched_tokens", "num_threads")
 
 
+def check_offload(args: argparse.Namespace) -> None:
+    """``--kv-offload-gb`` is GiB of host memory: 0 (no tier) or more (UsageError)."""
+    value = getattr(args, "kv_offload_gb", None)
+    if value is not None and value < 0:
+        raise UsageError(f"--kv-offload-gb {value}: give 0 (no host tier) or more GiB")
+
+
+def _host_tier(cfg, args: argparse.Namespace) -> None:  # cfg: FleetConfig
+    """``serve --kv-offload-gb``: every real worker's (over the YAML's engine settings); a simulated worker holds
+    no KV tensors to keep."""
+    check_offload(args)
+    for m in cfg.models if args.kv_offload_gb is not None else ():
+        if not m.simulate:
+            m.engine["kv_offload_gb"] = args.kv_offload_gb
+
+
 def check_engine_args(args: argparse.Namespace) -> None:
     """The engine flags' values that no engine takes, refused before the model loads (UsageError)."""
     from fleetllm.speculative.config import SpeculativeConfig
@@ -262,6 +278,7 @@ def check_engine_args(args: argparse.Namespace) -> None:
         value = getattr(args, name, None)
         if value is not None and value <= 0:
             raise UsageError(f"--{name.replace('_', '-')} {value}: give a positive number (or leave it out)")
+    check_offload(args)
     try:
         SpeculativeConfig.parse(args.speculative)
     except ValueError as e:
@@ -457,6 +474,7 @@ def fleet_config(args: argparse.Namespace):  # -> FleetConfig
                                        args.num_threads, args.speculative, args.cores_per_worker)
     if args.pd_threshold is not None:
         cfg.pd_threshold = args.pd_threshold
+    _host_tier(cfg, args)
     cfg.host, cfg.port = args.host or cfg.host, args.port or cfg.port
     cfg.policy = args.policy or cfg.policy
     cfg.keys_file = args.keys_file or cfg.keys_file
@@ -560,7 +578,8 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     s = sub.add_parser("serve", help="start N workers and a router on this machine (a fleet)")
     add_options(s, ServeOptions)
     add_options(s, RunDirOption)
-    add_options(s, EngineConfig, only=["model", "speculative"], title="every real worker")
+    add_options(s, EngineConfig, only=["model", "speculative", "kv_offload_gb"], title="every real worker",
+                defaults={"kv_offload_gb": None})  # None: the fleet YAML's engine: value stands
     add_options(s, EngineConfig, only=["scheduling_policy"], defaults={"scheduling_policy": None},
                 title="every worker (overrides the config's engine settings)")
     # None: the fleet config's value stands unless the flag is given (the help shows the router's default).

@@ -40,6 +40,7 @@ CASES: list[tuple[list[str], str]] = [
     (["worker", "--simulate", "--count", "0"], "--count"),
     (["worker", "--simulate", "--profile", "{tmp}/none.json"], "no such file"),
     (["worker", "--max-model-len", "-5"], "positive"),
+    (["worker", "--kv-offload-gb", "-1"], "--kv-offload-gb"),
     (["worker", "--speculative", "method=suffix,kk=4"], "unknown --speculative keys"),
     (["worker", "--simulate", "--kv-events-config", "tcp://*:5557"], "a JSON object"),
     # router
@@ -63,6 +64,7 @@ CASES: list[tuple[list[str], str]] = [
     (["serve", "--config", "{tmp}/source.yaml"], "models[0].source: model '/nowhere/m.gguf' not found"),
     (["serve", "--config", "{tmp}/top.yaml", "--simulate"], "--simulate"),
     (["serve", "--prefill", "1"], "--decode"),
+    (["serve", "--kv-offload-gb", "-2"], "--kv-offload-gb"),
     (["serve", "--replicas", "0"], "1 or more"),
     (["serve", "--model", "{tmp}/none.gguf"], "not found"),
     # calibrate, generate, spec

@@ -39,6 +39,7 @@ from fleetllm.server.protocol import MAX_TIMEOUT_S, APIError
 
 if TYPE_CHECKING:
     from fleetllm.disagg.arrival import Mappings
+    from fleetllm.disagg.connector import PDConnector
     from fleetllm.disagg.leases import Leases
     from fleetllm.server.app import Worker
 
@@ -46,8 +47,10 @@ if TYPE_CHECKING:
 class DecodeEndpoints:
     """The receiving endpoints of one worker, built on its public request helpers."""
 
-    def __init__(self, worker: Worker, metrics: LazyMetrics) -> None:
+    def __init__(self, worker: Worker, metrics: LazyMetrics, connector: PDConnector) -> None:
+        """``connector``: the worker's engine's, whose block access every import goes through."""
         self.worker = worker
+        self.blocks = connector.blocks  # the engine's pool, edited on its thread only
         self._metrics = metrics
         self._mappings: Mappings | None = None
         self._leases: Leases | None = None  # blocks reserved for direct writes
@@ -70,7 +73,7 @@ class DecodeEndpoints:
         if self._leases is None:
             from fleetllm.disagg.leases import Leases
 
-            self._leases = Leases(self.worker.async_engine, self.worker.handoffs)
+            self._leases = Leases(self.blocks, self.worker.handoffs)
         return self._leases
 
     async def reserve(self, request: Request) -> Response:
@@ -80,7 +83,7 @@ class DecodeEndpoints:
 
         spec = await self.worker.request_body(request)
         lease_s = number(spec.get("lease_s"), "lease_s", 0.001, MAX_TIMEOUT_S, 60.0)  # longer: cut to MAX_LEASE_S
-        pool = self.worker.engine.kv_pool_file()
+        pool = self.blocks.kv_pool_file()
         if pool is None:
             raise APIError(409, "this worker's KV pool is not shared: send a frame", "pool")
         try:
@@ -93,7 +96,7 @@ class DecodeEndpoints:
         except FrameError as e:  # another model or layout, or hashes that do not match the tokens
             raise APIError(400, f"cannot reserve: {e}", "header") from None
         return JSONResponse({"lease": lease.id, "lease_s": lease.deadline - time.monotonic(), "blocks": lease.targets(),
-                             "pool": PoolLayout.of(self.worker.engine, pool.path).to_json()})
+                             "pool": PoolLayout.of(self.blocks, pool.path).to_json()})
 
     async def commit(self, request: Request) -> Response:
         """The writer is done: register the lease's blocks in the prefix cache (as an imported frame's); with the
@@ -162,9 +165,9 @@ class DecodeEndpoints:
         from fleetllm.disagg.frame import FrameReader
         from fleetllm.disagg.kv_io import cancel, check_fits, commit, reserve
 
-        engine = self.worker.engine
-        reader = FrameReader(await arrival.head(), lambda header: check_fits(engine, header))  # before its layers
-        engine, views, res = self.worker.async_engine, engine.kv_blocks(), None
+        blocks = self.blocks
+        reader = FrameReader(await arrival.head(), lambda header: check_fits(blocks, header))  # before its layers
+        views, res = blocks.kv_blocks(), None
         n, i = reader.header.num_layers, 0
         try:
             while i < n:
@@ -173,21 +176,21 @@ class DecodeEndpoints:
                 while j < n and arrival.has(j, reader.end_of(j)):
                     j += 1
                 if res is None:  # blocks held from the first layer on, not while the prefill computes
-                    res = await engine.call(lambda e: reserve(e, reader.header))
+                    res = await blocks.call(reserve, reader.header)
                 await asyncio.to_thread(_into_pool, reader, range(i, j), views, res)
                 i = j
             await arrival.until(n, reader.size)
             await arrival.end(reader.size)
             reader.finish()
             if res is None:
-                res = await engine.call(lambda e: reserve(e, reader.header))
+                res = await blocks.call(reserve, reader.header)
         except BaseException:
             if res is not None:
-                await engine.call(lambda e: cancel(e, res))
+                await blocks.call(cancel, res)
             raise
         if hold:
             return await self.worker.handoffs.commit(res, None, transfer), reader.size
-        result = await engine.call(lambda e: commit(e, res))
+        result = await blocks.call(commit, res)
         if transfer is not None:
             self.worker.handoffs.ended(transfer)
         return result, reader.size

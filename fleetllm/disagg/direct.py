@@ -37,7 +37,7 @@ from fleetllm.disagg.shared_pool import PoolLayout, PoolMaps
 if TYPE_CHECKING:
     import httpx
 
-    from fleetllm.engine.async_engine import AsyncEngine
+    from fleetllm.engine.kv_connector.access import BlockAccess
 
 Layers = list[tuple[torch.Tensor, torch.Tensor]]
 _MAX_RUNS = 8  # more runs of consecutive pool blocks than this: one indexed copy per tensor instead
@@ -196,7 +196,7 @@ async def commit(client: httpx.AsyncClient, leg: DirectLeg, timeout: float, firs
     return r.json()
 
 
-async def read_back(engine: AsyncEngine, leg: DirectLeg, committed_at: float) -> int:
+async def read_back(blocks: BlockAccess, leg: DirectLeg, committed_at: float) -> int:
     """After a commit with ``keep`` (sent at ``committed_at``, this process's ``time.monotonic()``): the prompt's
     full blocks, computed in place in the decode worker's pool, copied into this worker's prefix cache (reserved
     and registered on the engine thread, copied off it), so that its KV events list them and a prompt sharing
@@ -206,15 +206,15 @@ async def read_back(engine: AsyncEngine, leg: DirectLeg, committed_at: float) ->
 
     h = leg.target.header
     full = replace(h, token_ids=h.token_ids[: len(h.block_hashes) * h.block_size])
-    res = await engine.call(lambda e: kv_io.reserve(e, full))
+    res = await blocks.call(kv_io.reserve, full)
     try:
-        await asyncio.to_thread(kv_io.write, engine.engine.kv_blocks(), leg.target.pool, res, leg.target.blocks)
+        await asyncio.to_thread(kv_io.write, blocks.kv_blocks(), leg.target.pool, res, leg.target.blocks)
         if time.monotonic() >= committed_at + KEEP_S:
             raise FrameError(f"read back more than {KEEP_S:.0f} s after the commit: the blocks may be reused")
     except BaseException:
-        await engine.call(lambda e: kv_io.cancel(e, res))
+        await blocks.call(kv_io.cancel, res)
         raise
-    return (await engine.call(lambda e: kv_io.commit(e, res)))["imported"]
+    return (await blocks.call(kv_io.commit, res))["imported"]
 
 
 async def release(client: httpx.AsyncClient, url: str, lease: str) -> None:

@@ -39,7 +39,7 @@ from fleetllm.server.protocol import APIError
 
 if TYPE_CHECKING:
     from fleetllm.disagg.kv_io import Reservation
-    from fleetllm.engine.async_engine import AsyncEngine
+    from fleetllm.engine.kv_connector.access import BlockAccess
 
 HEADER = "x-fleetllm-kv-handoff"  # on the request the router forwards: the handoff to take over
 WAIT_HEADER = "x-fleetllm-kv-handoff-wait"  # seconds the request may wait for it to arrive
@@ -61,8 +61,8 @@ class _Held:
 class Handoffs:
     """Handoffs held on one decode worker, by id; ended by :meth:`claim` or expiry."""
 
-    def __init__(self, engine: AsyncEngine) -> None:
-        self.engine = engine
+    def __init__(self, blocks: BlockAccess) -> None:
+        self.blocks = blocks  # the engine's blocks, edited on its thread (the KV connector's access)
         self._held: dict[str, _Held] = {}
         self._ended: dict[str, float] = {}  # transfers over with nothing to take over, until when remembered
         self._arrivals: dict[str, asyncio.Event] = {}  # requests waiting for their transfer
@@ -79,7 +79,7 @@ class Handoffs:
         its id (absent when a block found no room, or the transfer was already abandoned: nothing held)."""
         from fleetllm.disagg.kv_io import commit_held
 
-        result, table = await self.engine.call(lambda e: commit_held(e, res))
+        result, table = await self.blocks.call(commit_held, res)
         if table is None:
             return result
         h = res.header
@@ -154,8 +154,10 @@ class Handoffs:
             self._watch = asyncio.create_task(self._expire())
 
     async def _free(self, held: _Held) -> None:
+        from fleetllm.disagg.kv_io import release
+
         with contextlib.suppress(Exception):  # the engine stopped: nothing left to free
-            await self.engine.call(lambda e: e.pool.release(held.blocks))
+            await self.blocks.call(release, held.blocks)
 
     async def _expire(self) -> None:
         while self._held or self._ended:

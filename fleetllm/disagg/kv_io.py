@@ -31,17 +31,20 @@ from fleetllm.engine.block_pool import BlockPool, hash_block
 
 if TYPE_CHECKING:
     from fleetllm.engine.engine import LLMEngine
+    from fleetllm.engine.kv_connector.access import BlockAccess
+
+    Blocks = BlockAccess | LLMEngine  # a connector's access to its engine's blocks (an engine itself in tests)
 
 Layers = list[tuple[torch.Tensor, torch.Tensor]]
 Missing = tuple[int, int, list[int], int | None]  # frame index, hash, tokens, the previous block's hash
 
 
-def pool_dtype(engine: LLMEngine) -> str:
+def pool_dtype(engine: Blocks) -> str:
     """The KV cache's dtype as a frame names it (``float32``, ``bfloat16``, ``float16``)."""
     return str(engine.kv_blocks()[0][0].dtype).removeprefix("torch.")
 
 
-def frame_header(engine: LLMEngine, token_ids: list[int], hashes: list[int], dtype: str | None = None,
+def frame_header(engine: Blocks, token_ids: list[int], hashes: list[int], dtype: str | None = None,
                  tail: bool = False) -> FrameHeader:
     """The header of a frame of ``token_ids``' first ``len(hashes)`` blocks (with ``tail``: and the partial block
     of the tokens after them, all of ``token_ids``), in ``dtype`` (default: the pool's)."""
@@ -51,7 +54,7 @@ def frame_header(engine: LLMEngine, token_ids: list[int], hashes: list[int], dty
                        bs, ids, list(hashes))
 
 
-def export_blocks(engine: LLMEngine, token_ids: list[int], dtype: str | None = None) -> tuple[FrameHeader, Layers]:
+def export_blocks(engine: Blocks, token_ids: list[int], dtype: str | None = None) -> tuple[FrameHeader, Layers]:
     """The cached full blocks of ``token_ids`` (the leading run still in the prefix cache), copied out in
     ``dtype`` (default: the pool's)."""
     ids, hashes = engine.kv.cached_prefix(list(token_ids))
@@ -112,7 +115,7 @@ def _runs(pairs: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
     return [(a, b, n) for a, b, n in runs]
 
 
-def check_fits(engine: LLMEngine, header: FrameHeader) -> None:
+def check_fits(engine: Blocks, header: FrameHeader) -> None:
     """Any thread: raise :class:`FrameError` unless the frame's model and layout are this engine's and its prompt
     fits its context and pool (so the frame's size, which follows from the header, is bounded by the pool's)."""
     cfg = engine.loaded.config
@@ -125,7 +128,7 @@ def check_fits(engine: LLMEngine, header: FrameHeader) -> None:
                          f"holds at most {engine.max_model_len} tokens in {engine.pool.num_blocks} blocks")
 
 
-def reserve(engine: LLMEngine, header: FrameHeader, whole: bool = False) -> Reservation:
+def reserve(engine: Blocks, header: FrameHeader, whole: bool = False) -> Reservation:
     """Engine thread: pin the frame's blocks cached here, allocate pool blocks for the missing ones (as many as
     fit above the scheduler's watermark). Raises :class:`FrameError` if the frame does not fit this engine.
 
@@ -170,7 +173,7 @@ def write(views: Layers, layers: Layers, res: Reservation, rows: list[int] | Non
 _MAX_RUNS = 8
 
 
-def commit(engine: LLMEngine, res: Reservation) -> dict[str, int]:
+def commit(engine: Blocks, res: Reservation) -> dict[str, int]:
     """Engine thread: register the written blocks in the prefix cache and release every block held."""
     pool = engine.pool
     for bid, (_, h, chunk, prev) in zip(res.new, res.todo, strict=True):
@@ -180,7 +183,7 @@ def commit(engine: LLMEngine, res: Reservation) -> dict[str, int]:
     return result
 
 
-def commit_held(engine: LLMEngine, res: Reservation) -> tuple[dict[str, int], list[int] | None]:
+def commit_held(engine: Blocks, res: Reservation) -> tuple[dict[str, int], list[int] | None]:
     """Engine thread: register the written full blocks as :func:`commit` does, but keep every block of the
     frame held for its request to take over; return the result and the blocks in order (ownership passes to
     the caller). None when a block is missing (no room for it): then everything is released as by commit."""
@@ -195,14 +198,25 @@ def commit_held(engine: LLMEngine, res: Reservation) -> tuple[dict[str, int], li
     return result, table
 
 
-def cancel(engine: LLMEngine, res: Reservation) -> None:
+def cancel(engine: Blocks, res: Reservation) -> None:
     """Engine thread: release every block held (fresh ones unregistered: the import never happened)."""
     engine.pool.release(res.new + ([res.tail] if res.tail is not None else []))
     engine.pool.release(res.pinned)
     res.new, res.pinned, res.tail = [], [], None
 
 
-def import_blocks(engine: LLMEngine, header: FrameHeader, layers: Layers) -> dict[str, int]:
+def hold(engine: Blocks, blocks: list[int]) -> None:
+    """Engine thread: one more reference on each of ``blocks`` (they stay out of eviction until released)."""
+    for bid in blocks:
+        engine.pool.touch(bid)
+
+
+def release(engine: Blocks, blocks: list[int]) -> None:
+    """Engine thread: drop a reference on each of ``blocks`` (held ones, or a handoff's)."""
+    engine.pool.release(blocks)
+
+
+def import_blocks(engine: Blocks, header: FrameHeader, layers: Layers) -> dict[str, int]:
     """Reserve, write and commit in one go (on the engine thread); blocks already cached are skipped.
 
     Raises :class:`FrameError` if the frame does not fit this engine (model, layout, hashes)."""

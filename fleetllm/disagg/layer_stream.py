@@ -13,7 +13,7 @@ step that completes the prompt.
 
 **In place** (``in_place``: a :class:`~fleetllm.disagg.direct.PoolTarget` holding a block for each of the
 prompt's): nothing is copied after the layers. Each step of the request computes straight in the decode
-worker's blocks (:meth:`LayerStream.place`, the model runner's :class:`~fleetllm.engine.model_runner.Placement`),
+worker's blocks (:meth:`LayerStream.place`, the KV connector's :class:`~fleetllm.engine.kv_connector.StepKV`),
 in a step of its own; what it computed here before (a first chunk computed before the reservation was
 answered, prefix hits) is copied there first, once.
 """
@@ -22,20 +22,29 @@ from __future__ import annotations
 
 import concurrent.futures
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, cast
 
 import torch
 
+from fleetllm.engine.kv_connector.base import StepKV
 from fleetllm.engine.omp_team import make_serial
 
 if TYPE_CHECKING:
     from fleetllm.disagg.direct import PoolTarget
     from fleetllm.disagg.frame import FrameHeader
-    from fleetllm.engine.model_runner import Placement
     from fleetllm.engine.sequence import Sequence
 
 Layers = list[tuple[torch.Tensor, torch.Tensor]]
 LayerFn = Callable[[int, torch.Tensor, torch.Tensor], None]
+
+
+@dataclass
+class PlacedKV(StepKV):
+    """A step computed in a decode worker's pool: ``check``, before each layer's writes, raises once that pool
+    may no longer be written (the lease's fence)."""
+
+    check: Callable[[], None] = lambda: None
 
 
 class Target(Protocol):
@@ -93,11 +102,10 @@ class LayerStream:
 
         return after_layer
 
-    def place(self, seq: Sequence, start: int, n: int, block_size: int, kv_cache: Layers) -> Placement | None:
+    def place(self, seq: Sequence, start: int, n: int, block_size: int, kv_cache: Layers) -> PlacedKV | None:
         """Engine thread, before :meth:`begin`: the target's pool for a step computing ``seq``'s tokens ``[start,
         start + n)`` in place, the blocks it computed in ``kv_cache`` (this worker's pool) before copied into their
         pool blocks first; None unless in place (or once the target is closed)."""
-        from fleetllm.engine.model_runner import Placement
 
         t = cast("PoolTarget", self.target)
         if not self.in_place or t.closed:
@@ -110,7 +118,7 @@ class LayerStream:
         whole = start + n >= len(seq.prompt_token_ids)
         end = t.header.num_blocks if whole else min((start + n) // block_size, t.header.num_blocks)
         self.sent = max(self.sent, done, end)  # begin copies nothing of this step: it is written there already
-        return Placement(t.flat, t.blocks[: len(seq.block_table)], t.check)
+        return PlacedKV(t.flat, t.blocks[: len(seq.block_table)], t.check)
 
     def _seal(self, i: int) -> None:
         try:

@@ -34,13 +34,13 @@ import uuid
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from fleetllm.disagg.kv_io import Reservation, cancel, commit, reserve
+from fleetllm.disagg.kv_io import Reservation, cancel, commit, hold, release, reserve
 from fleetllm.engine.kv_memory import alive
 
 if TYPE_CHECKING:
     from fleetllm.disagg.frame import FrameHeader
     from fleetllm.disagg.handoffs import Handoffs
-    from fleetllm.engine.async_engine import AsyncEngine
+    from fleetllm.engine.kv_connector.access import BlockAccess
 
 GRACE_S = 2.0  # after the deadline, before the blocks are freed: the writer's last write is long over
 KEEP_S = 30.0  # a commit with keep: how long the writer has to read the blocks back
@@ -96,8 +96,8 @@ def pid_namespace() -> int | None:
 class Leases:
     """The decode side's leases, ended by :meth:`commit`, :meth:`release` or a watch task on expiry."""
 
-    def __init__(self, engine: AsyncEngine, handoffs: Handoffs) -> None:
-        self.engine = engine
+    def __init__(self, blocks: BlockAccess, handoffs: Handoffs) -> None:
+        self.blocks = blocks  # the engine's blocks, edited on its thread (the KV connector's access)
         self.handoffs = handoffs
         self._held: dict[str, Lease] = {}
         self._kept: dict[str, Kept] = {}  # committed with keep: read back by the writer
@@ -111,7 +111,7 @@ class Leases:
                       whole: bool = False) -> Lease:
         """Blocks for ``header``'s prompt under a new lease (FrameError if it does not fit this engine); ``whole``:
         a fresh one for each of its blocks, cached ones too (:func:`fleetllm.disagg.kv_io.reserve`)."""
-        res = await self.engine.call(lambda e: reserve(e, header, whole))
+        res = await self.blocks.call(reserve, header, whole)
         same_ns = pid is not None and pid_ns is not None and pid_ns == self._own_ns
         lease = Lease(uuid.uuid4().hex, res, time.monotonic() + min(lease_s, MAX_LEASE_S), pid if same_ns else None)
         self._held[lease.id] = lease
@@ -133,13 +133,13 @@ class Leases:
             return None
         if keep:  # referenced before the commit: no moment in which they could be evicted
             full = [bid for i, bid in lease.res.copies() if i < len(lease.res.header.block_hashes)]
-            await self.engine.call(lambda e: [e.pool.touch(b) for b in full])
+            await self.blocks.call(hold, full)
             self._kept[lease_id] = Kept(full, time.monotonic() + KEEP_S, lease.writer_pid)
             self._watching()
         kept = {"kept": len(full)} if keep else {}
         if first is not None:
             return {**await self.handoffs.commit(lease.res, first, transfer), **kept}
-        result = await self.engine.call(lambda e: commit(e, lease.res))
+        result = await self.blocks.call(commit, lease.res)
         if transfer is not None:
             self.handoffs.ended(transfer)
         return {**result, **kept}
@@ -149,9 +149,9 @@ class Leases:
         already over."""
         lease, kept = self._held.pop(lease_id, None), self._kept.pop(lease_id, None)
         if lease is not None:
-            await self.engine.call(lambda e: cancel(e, lease.res))
+            await self.blocks.call(cancel, lease.res)
         if kept is not None:
-            await self.engine.call(lambda e: e.pool.release(kept.blocks))
+            await self.blocks.call(release, kept.blocks)
         return lease is not None or kept is not None
 
     async def _expire(self) -> None:

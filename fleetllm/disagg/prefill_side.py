@@ -53,6 +53,7 @@ from fleetllm.server.protocol import MAX_TIMEOUT_S, APIError
 if TYPE_CHECKING:
     import httpx
 
+    from fleetllm.disagg.connector import PDConnector
     from fleetllm.disagg.direct import DirectLeg
     from fleetllm.disagg.frame import FrameBuffer
     from fleetllm.disagg.layer_stream import LayerStream
@@ -63,8 +64,11 @@ if TYPE_CHECKING:
 class PrefillEndpoints:
     """``POST /pd/prefill`` of one worker, built on its public request helpers."""
 
-    def __init__(self, worker: Worker, metrics: LazyMetrics, options: TransferOptions | None = None) -> None:
+    def __init__(self, worker: Worker, metrics: LazyMetrics, connector: PDConnector,
+                 options: TransferOptions | None = None) -> None:
+        """``connector``: the worker's engine's, through which the prefill's KV streams out."""
         self.worker = worker
+        self.connector = connector
         self.options = options or TransferOptions()
         self._metrics = metrics
         self._buffers: FrameBuffers | None = None
@@ -132,10 +136,10 @@ class PrefillEndpoints:
         kind = "chat" if path.endswith("/chat/completions") else "text"
         prompts = await self.worker.encoded(kind, body)
         params = await self.worker.request_params(kind, body)
-        rid = f"pd-{request_id or uuid.uuid4().hex}"
+        rid = f"pd-{request_id or ''}-{uuid.uuid4().hex[:12]}"  # unique: a client may reuse its request id
         if len(prompts) == 1 and params.n == 1:
             return PrefillJob(rid, prompts[0], replace(params.for_choice(0), max_tokens=1), True, transfer)
-        ids = prefilled_tokens(prompts[0], self.worker.engine.pool.block_size)
+        ids = prefilled_tokens(prompts[0], self.connector.blocks.pool.block_size)
         return PrefillJob(rid, ids, SamplingParams(max_tokens=1, temperature=0.0), False, transfer)
 
     async def _prefill_frame(self, request: Request, job: PrefillJob, via: str, decode_url: str, timeout: float,
@@ -157,7 +161,7 @@ class PrefillEndpoints:
                     sending.cancel()
             shipped = True
         finally:
-            await self.worker.async_engine.call(lambda e: e.observe_layers(job.rid, None))
+            await self._untap(job)
             stream.close()
             self.buffers.give_back(buf, reusable=shipped)
         if job.handoff and "handoff" in result:
@@ -201,7 +205,7 @@ class PrefillEndpoints:
         from fleetllm.disagg.kv_io import frame_header
         from fleetllm.engine.block_pool import hash_prefix_blocks
 
-        engine = self.worker.engine
+        engine = self.connector.blocks
         hashes = hash_prefix_blocks(job.ids, engine.pool.block_size, engine.kv.extra_key)
         header = frame_header(engine, job.ids, hashes, tail=job.handoff)
         try:
@@ -243,7 +247,7 @@ class PrefillEndpoints:
             self.pool_maps.forget(leg.layout.path)
             raise APIError(502, f"KV commit on {leg.url} failed: {type(e).__name__}: {e}") from None
         finally:  # no write once the observer is off (between steps); then the blocks go back unless committed
-            await self.worker.async_engine.call(lambda e: e.observe_layers(job.rid, None))
+            await self._untap(job)
             leg.target.close()
             stream.close()
             if not committed:
@@ -261,7 +265,7 @@ class PrefillEndpoints:
 
         t = time.perf_counter()
         try:
-            await direct.read_back(self.worker.async_engine, leg, committed_at)
+            await direct.read_back(self.connector.blocks, leg, committed_at)
         except Exception:  # noqa: BLE001 - the request is served; only this worker's cache misses the prompt
             self.metrics.failures.labels(reason="read_back").inc()
         finally:
@@ -276,7 +280,7 @@ class PrefillEndpoints:
         from fleetllm.disagg.layer_stream import LayerStream
         from fleetllm.engine.block_pool import hash_prefix_blocks
 
-        engine = self.worker.engine
+        engine = self.connector.blocks
         hashes = hash_prefix_blocks(job.ids, engine.pool.block_size, engine.kv.extra_key)
         dtype = self.options.kv_transfer_dtype
         header = frame_header(engine, job.ids, hashes, None if dtype == "auto" else dtype, tail=job.handoff)
@@ -292,22 +296,21 @@ class PrefillEndpoints:
         completing its prompt is still to come (the stream's first step writes the blocks computed before it),
         else a prefill started now (``early``'s full blocks are prefix hits here: its last block is computed
         again, and its first token sampled again from the same state)."""
-        def attach(e: Any) -> bool:
-            if early is not None and not e.prompt_pending(job.rid):
-                return False
-            e.observe_layers(job.rid, stream)
-            return True
-
-        if await self.worker.async_engine.call(attach) and early is not None:
+        c = self.connector
+        if await c.blocks.run(c.attach, job.rid, stream, early is not None) and early is not None:
             return early
         if early is not None:
             await _cancel(early)
-            await self.worker.async_engine.call(lambda e: e.observe_layers(job.rid, stream))
+            await c.blocks.run(c.observe, job.rid, stream)
         return asyncio.ensure_future(self._generate(job))
+
+    async def _untap(self, job: PrefillJob) -> None:
+        """Take the job's stream off the engine (between steps: no write follows)."""
+        await self.connector.blocks.run(self.connector.observe, job.rid, None)
 
     async def _generate(self, job: PrefillJob) -> RequestOutput:
         """The job's prefill and its one sampled token (the final output)."""
-        outs = [o async for o in self.worker.async_engine.generate(job.rid, job.ids, job.params)]
+        outs = [o async for o in self.worker.async_engine.generate(job.rid, job.ids, job.params, exact=True)]
         out = outs[-1] if outs else None
         if out is None or out.error or not out.new_token_ids:
             raise APIError(500, f"the prefill ended before its KV was complete{f': {out.error}' if out else ''}")
@@ -361,7 +364,7 @@ class PrefillEndpoints:
 class PrefillJob:
     """One remote prefill: the tokens to compute, how to sample the one token, whether to hand both over."""
 
-    rid: str  # the engine label of its request here
+    rid: str  # the engine id of its request here (exact: its KV connector finds it by it)
     ids: list[int]
     params: SamplingParams
     handoff: bool  # the whole prompt and its first token, for the decode worker to go on from

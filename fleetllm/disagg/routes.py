@@ -84,11 +84,13 @@ class LazyMetrics:
 
 def pd_routes(worker: Worker, options: TransferOptions | None = None) -> list[Route]:
     """The ``/pd/*`` routes of ``worker``."""
+    from fleetllm.disagg.connector import pd_connector
     from fleetllm.disagg.decode_side import DecodeEndpoints
     from fleetllm.disagg.prefill_side import PrefillEndpoints
 
+    connector = pd_connector(worker.engine)  # how a prefill here reaches the engine's steps, a transfer its pool
     metrics = LazyMetrics(worker)
-    p, d = PrefillEndpoints(worker, metrics, options), DecodeEndpoints(worker, metrics)
+    p, d = PrefillEndpoints(worker, metrics, connector, options), DecodeEndpoints(worker, metrics, connector)
     worker.handoffs.observe = lambda outcome, s: metrics.get().handoff_waits.labels(outcome=outcome).observe(s)
     decode = ("reserve", "commit", "release", "first", "abandon")
     return [Route("/pd/prefill", p.prefill, methods=["POST"]), Route("/pd/kv", d.receive, methods=["POST"]),

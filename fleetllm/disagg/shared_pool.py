@@ -24,7 +24,7 @@ from fleetllm.disagg.frame import DTYPES
 from fleetllm.engine.kv_memory import POOL_PREFIX, alive, pool_owner, remove_stale_pools, shm_dir
 
 if TYPE_CHECKING:
-    from fleetllm.engine.engine import LLMEngine
+    from fleetllm.engine.kv_connector.access import BlockAccess
 
 Layers = list[tuple[torch.Tensor, torch.Tensor]]
 MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux 5.14; Python names it from 3.12 on
@@ -43,10 +43,11 @@ class PoolLayout:
     dtype: str  # a key of frame.DTYPES
 
     @classmethod
-    def of(cls, engine: LLMEngine, path: Path) -> PoolLayout:
-        """The layout of ``engine``'s pool, kept in the file ``path``."""
-        k = engine.kv_blocks()[0][0]
-        return cls(str(path), len(engine.kv_blocks()), *k.shape, str(k.dtype).removeprefix("torch."))
+    def of(cls, blocks: BlockAccess, path: Path) -> PoolLayout:
+        """The layout of an engine's pool (``blocks``: its KV connector's access), kept in the file ``path``."""
+        views = blocks.kv_blocks()
+        k = views[0][0]
+        return cls(str(path), len(views), *k.shape, str(k.dtype).removeprefix("torch."))
 
     @classmethod
     def parse(cls, d: Any) -> PoolLayout:

@@ -54,6 +54,7 @@ class AsyncEngine:
         self._kv_publish = False  # becomes True with the first subscriber (engine thread only)
         self.steps = 0
         engine.pool.on_event = self._on_kv_event  # called on the engine thread
+        engine.blocks.runner = self._between_steps  # a KV connector's pool edits run on the engine thread
 
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -76,16 +77,18 @@ class AsyncEngine:
         return len(self._streams)
 
     async def generate(self, label: str, prompt_token_ids: list[int], params: SamplingParams,
-                       arrival_time: float | None = None, handoff: Handoff | None = None) -> AsyncIterator[RequestOutput]:
+                       arrival_time: float | None = None, handoff: Handoff | None = None,
+                       exact: bool = False) -> AsyncIterator[RequestOutput]:
         """Add a request and yield its outputs; the request is aborted if the caller stops iterating early.
         ``handoff``: its prompt prefilled elsewhere (:meth:`LLMEngine.add_request`), its first token out at once.
 
-        ``label`` names the request in the engine's id (``label#n``); it need not be unique.
+        ``label`` names the request in the engine's id (``label#n``); it need not be unique. ``exact``: the
+        engine's id is ``label`` itself (unique among live requests: a KV connector told of it finds it).
         Raises :class:`EngineFailed` if the engine thread is dead or dies meanwhile."""
         assert self._loop is not None, "start() the engine first"
         if self.failure is not None:
             raise self.failure
-        request_id = f"{label}#{next(self._ids)}"
+        request_id = label if exact else f"{label}#{next(self._ids)}"
         added: asyncio.Future[None] = self._loop.create_future()
         stream: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._streams[request_id] = stream
@@ -121,6 +124,9 @@ class AsyncEngine:
         fut: asyncio.Future[list[int]] = self._loop.create_future()
         self._cmds.put(("kv_snapshot", (q, fut)))
         return q, await fut
+
+    async def _between_steps(self, thunk: Callable[[], T]) -> T:
+        return await self.call(lambda _engine: thunk())
 
     async def call(self, fn: Callable[[Any], T]) -> T:
         """Run ``fn(engine)`` on the engine thread between steps and return its result (or raise its error).

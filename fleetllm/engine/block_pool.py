@@ -62,6 +62,9 @@ class BlockPool:
         self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.cached: dict[int, int] = {}  # hash -> block id
         self.on_event = on_event
+        # called with (block id, hash, token ids) of cached blocks as allocate reuses them, their KV still intact
+        # (a KV tier keeps it): the new owner writes them only in a later step
+        self.on_evict: list[Callable[[list[tuple[int, int, tuple[int, ...]]]], None]] = []
 
     @property
     def num_free(self) -> int:
@@ -77,6 +80,7 @@ class BlockPool:
             raise MemoryError(f"asked for {n} blocks, {len(self.free)} free")
         out = []
         evicted = []
+        gone: list[tuple[int, int, tuple[int, ...]]] = []
         for _ in range(n):
             bid, _ = self.free.popitem(last=False)
             b = self.blocks[bid]
@@ -84,11 +88,15 @@ class BlockPool:
                 if self.cached.get(b.hash) == bid:
                     del self.cached[b.hash]
                     evicted.append(b.hash)
+                    if b.token_ids is not None:
+                        gone.append((bid, b.hash, b.token_ids))
                 b.hash, b.token_ids = None, None
             b.ref_count = 1
             out.append(bid)
         if evicted and self.on_event:
             self.on_event("removed", evicted)
+        for listener in self.on_evict if gone else ():
+            listener(gone)
         return out
 
     def release(self, block_ids: list[int]) -> None:

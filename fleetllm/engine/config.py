@@ -25,6 +25,8 @@ class EngineConfig:
     block_size: int = opt(16, "tokens per KV block")
     num_blocks: int | None = opt(None, "KV blocks (default: from --kv-cache-gb)")
     kv_cache_gb: float = opt(1.0, "GiB of KV cache, when --num-blocks is not given")
+    kv_offload_gb: float = opt(0.0, "GiB of host memory keeping KV blocks evicted from the cache, brought back "
+                                    "instead of recomputed when a later prompt shares them (0: no such tier)")
     kv_cache_dtype: Literal["auto", "fp32", "bf16", "fp16"] = opt(
         "auto", "dtype of the paged KV cache: auto (the model's), fp32, bf16 or fp16 (half the bytes per token, "
                 "twice the tokens in --kv-cache-gb; attention reads it back in the model's dtype)")

@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 from fleetllm.engine.block_pool import BlockPool
 from fleetllm.engine.config import EngineConfig
@@ -24,6 +24,7 @@ from fleetllm.engine.executor import Executor, ModelOutput, Sampled
 from fleetllm.engine.expert_metrics import ExpertLoadMetrics
 from fleetllm.engine.handoff import Handoff, sampler_state
 from fleetllm.engine.kv_cache_manager import KVCacheManager
+from fleetllm.engine.kv_connector.access import BlockAccess
 from fleetllm.engine.metrics import EngineMetrics
 from fleetllm.engine.outputs import RequestOutput, RequestTiming, TokenLogprob
 from fleetllm.engine.params import InvalidParameter, PromptTooLong, SamplingParams, check_params, check_prompt
@@ -34,11 +35,14 @@ from fleetllm.engine.step_profile import StepProfile, phase
 if TYPE_CHECKING:
     import torch
 
+    from fleetllm.engine.kv_connector.base import KVConnector
     from fleetllm.engine.kv_memory import SharedKVFile
     from fleetllm.kernels.health import KernelStatus
     from fleetllm.models.loader import LoadedModel
     from fleetllm.speculative.decoder import SpecDecoder
     from fleetllm.structured.compiler import GrammarCompiler
+
+C = TypeVar("C")
 
 __all__ = ["EngineConfig", "LLMEngine", "PromptTooLong", "RequestOutput", "TokenLogprob"]
 
@@ -79,7 +83,8 @@ class LLMEngine:
         self.kernels: list[KernelStatus] = getattr(executor, "kernels", [])  # a simulated executor runs none
         self.metrics.kernels(self.kernels)
         self.seqs: dict[str, Sequence] = {}
-        self._elsewhere: set[str] = set()  # labels of requests whose KV is computed in another worker's pool
+        self.blocks = BlockAccess(self)  # what a KV connector reaches of this engine
+        self.kv_connector: KVConnector | None = None  # KV entering and leaving the pool (set_kv_connector)
         self.detok: dict[str, IncrementalDetokenizer] = {}
         self._pending: list[RequestOutput] = []  # outputs produced outside step() (aborts)
         self._drafts: dict[str, list[int]] = {}  # proposed after the last step, verified in the next
@@ -107,33 +112,53 @@ class LLMEngine:
         return self.executor.spec
 
     def kv_blocks(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Per layer, ``[num_blocks, block_size, kv_heads, head_dim]`` views of the K and V cache (KV transfer)."""
-        return self.executor.kv_blocks()
+        """Per layer, ``[num_blocks, block_size, kv_heads, head_dim]`` views of the K and V cache."""
+        caches = self.executor.kv_caches()
+        if caches is None:
+            raise RuntimeError("this executor holds no KV tensors")
+        return caches.layers
 
     def kv_pool_file(self) -> SharedKVFile | None:
-        """The shared-memory file the KV cache lives in, for prefill workers on this host to write into (None:
-        private memory, or no KV tensors)."""
-        return self.executor.kv_pool_file()
+        """The shared-memory file the KV cache lives in, for other workers on this host to map (None: private
+        memory, or no KV tensors)."""
+        caches = self.executor.kv_caches()
+        return None if caches is None else caches.pool_file
 
-    def observe_layers(self, label: str, observer: object | None) -> None:
-        """Hand the KV of requests labelled ``label`` (ids ``label`` or ``label#n``) to ``observer`` as each
-        decoder layer writes it (a model runner ``LayerObserver``: the P/D sender); None stops.
+    def set_kv_connector(self, connector: KVConnector | None) -> None:
+        """Attach the KV connector (:mod:`fleetllm.engine.kv_connector`): its scheduler side planned into every
+        step, its worker side driven by the executor, this engine's blocks reached through :attr:`blocks`.
+        Call between steps."""
+        self.kv_connector = connector
+        self.scheduler.connector = connector
+        if connector is not None:
+            connector.bind(self.blocks)
+        self.executor.register_kv_connector(connector)
 
-        An observer ``in_place`` has their KV computed in another worker's pool from the next step on: they are
-        marked so (:attr:`Sequence.kv_elsewhere`) for good, since what their blocks here hold is stale from then."""
-        self.executor.observe_layers(label, observer)
-        if getattr(observer, "in_place", False):
-            self._elsewhere.add(label)
-            for rid, seq in self.seqs.items():
-                seq.kv_elsewhere = seq.kv_elsewhere or rid.split("#", 1)[0] == label
-        else:
-            self._elsewhere.discard(label)
+    def add_kv_connector(self, connector: KVConnector) -> None:
+        """Attach one more KV connector beside those attached (:mod:`fleetllm.engine.kv_connector.multi`)."""
+        from fleetllm.engine.kv_connector.multi import MultiConnector
 
-    def prompt_pending(self, label: str) -> bool:
-        """Whether a request labelled ``label`` is here with part of its prompt still to compute: an observer
-        given now (between steps) sees the step that completes that prompt."""
-        return any(rid.split("#", 1)[0] == label and s.num_computed_tokens < len(s.prompt_token_ids)
-                   for rid, s in self.seqs.items())
+        have = self.kv_connector
+        if have is None:
+            return self.set_kv_connector(connector)
+        both = [*have.connectors, connector] if isinstance(have, MultiConnector) else [have, connector]
+        self.set_kv_connector(MultiConnector(both))
+
+    def kv_connector_of(self, kind: type[C]) -> C | None:
+        """The attached KV connector of class ``kind`` (None: none)."""
+        from fleetllm.engine.kv_connector.multi import MultiConnector
+
+        have = self.kv_connector
+        for c in have.connectors if isinstance(have, MultiConnector) else [have]:
+            if isinstance(c, kind):
+                return c
+        return None
+
+    def prompt_pending(self, request_id: str) -> bool:
+        """Whether request ``request_id`` is here with part of its prompt still to compute: a connector told of
+        it now (between steps) sees the step that completes that prompt."""
+        seq = self.seqs.get(request_id)
+        return seq is not None and seq.num_computed_tokens < len(seq.prompt_token_ids)
 
     # ---- requests ----------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -169,7 +194,6 @@ class LLMEngine:
         max_tokens = check_prompt(prompt_token_ids, params, self.max_model_len, self.loaded.config.vocab_size,
                                   self.default_max_tokens)
         seq = Sequence(request_id, list(prompt_token_ids), params, max_tokens)
-        seq.kv_elsewhere = request_id.split("#", 1)[0] in self._elsewhere
         if params.structured is not None:
             seq.grammar = self._grammar_state(params)
         if arrival_time is not None:  # when the server received it: queueing before this call counts
@@ -249,6 +273,8 @@ class LLMEngine:
         (``sched`` loses them); one that raises with nobody to blame, or again, fails every request it held —
         never the engine."""
         try:
+            if self.kv_connector is not None:  # built once: a step run again keeps what the connector planned
+                sched.kv_connector_metadata = self.kv_connector.build_connector_meta(sched)
             return self.executor.execute(sched), []
         except Exception as e:
             blamed = self._blame(sched)
@@ -298,7 +324,8 @@ class LLMEngine:
             # Rejected drafts are not computed: their KV slots hold garbage the next step overwrites. A stop
             # inside accepted drafts leaves computed positions past the end, hence the cap.
             seq.num_computed_tokens = min(seq.num_computed_tokens + s.num_computed(emitted), seq.num_tokens)
-            self.kv.cache_full_blocks(seq)
+            if self.kv_connector is None or self.kv_connector.caches_locally(seq):
+                self.kv.cache_full_blocks(seq)
             if sampled is not None:
                 outputs.append(self._step_output(seq, sampled, status, n))
         return outputs
@@ -370,6 +397,8 @@ class LLMEngine:
         detok = self.detok.pop(seq.request_id)
         del self.seqs[seq.request_id]
         self.executor.forget(seq)
+        if self.kv_connector is not None:
+            self.kv_connector.request_finished(seq)
         reason = seq.status.value
         now = time.monotonic()
         self.metrics.finished(seq, reason, now)

@@ -13,14 +13,12 @@ Torch-free: the simulated worker runs the engine without loading PyTorch.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from fleetllm.engine.outputs import TokenLogprob
 
 if TYPE_CHECKING:
-    import torch
-
-    from fleetllm.engine.kv_memory import SharedKVFile
+    from fleetllm.engine.kv_connector.base import KVCaches, KVConnectorWorker
     from fleetllm.engine.scheduler import SchedulerOutput
     from fleetllm.engine.sequence import Sequence
     from fleetllm.models.config import ModelConfig
@@ -72,15 +70,10 @@ class Executor(Protocol):
         """``seq`` finished: drop what is kept for it."""
         ...
 
-    def kv_blocks(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Per layer, views ``[num_blocks, block_size, kv_heads, head_dim]`` of the K and V cache."""
+    def kv_caches(self) -> KVCaches | None:
+        """The KV cache tensors (None: none, as in the timing model)."""
         ...
 
-    def kv_pool_file(self) -> SharedKVFile | None:
-        """The shared-memory file the KV cache lives in (None: private memory)."""
-        ...
-
-    def observe_layers(self, label: str, observer: Any) -> None:
-        """Show requests labelled ``label`` layer by layer to ``observer`` (a model runner ``LayerObserver``;
-        None: stop)."""
+    def register_kv_connector(self, connector: KVConnectorWorker | None) -> None:
+        """Drive ``connector``'s worker side in every step (None: none), its caches given to it first."""
         ...

@@ -78,9 +78,8 @@ class KVCacheManager:
         seq.block_hashes = []
 
     def cache_full_blocks(self, seq: Sequence) -> None:
-        """Register each newly full, fully computed block of ``seq`` in the prefix cache (none when its KV is
-        computed in another worker's pool)."""
-        if not self.enable_prefix_caching or seq.kv_elsewhere:
+        """Register each newly full, fully computed block of ``seq`` in the prefix cache."""
+        if not self.enable_prefix_caching:
             return
         bs = self.block_size
         full = seq.num_computed_tokens // bs

@@ -16,8 +16,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from fleetllm.engine.executor import ModelOutput, Sampled
-from fleetllm.engine.kv_memory import SharedKVFile, shm_dir
-from fleetllm.engine.model_runner import LayerObserver, ModelRunner, kv_dtype_of
+from fleetllm.engine.kv_connector.base import KVCaches, KVConnectorWorker
+from fleetllm.engine.kv_memory import shm_dir
+from fleetllm.engine.model_runner import ModelRunner, kv_dtype_of
 from fleetllm.engine.outputs import TokenLogprob
 from fleetllm.engine.sampling import Sampler
 from fleetllm.engine.scheduler import Scheduled, SchedulerOutput
@@ -75,7 +76,8 @@ class ModelExecutor:
         rows, first = _logit_rows(batch)
         verifying = any(s.draft_token_ids for s in batch)
         t0 = time.perf_counter()
-        logits, aux = self.runner.execute(batch, rows, self.spec.aux_layers if self.spec else None)
+        logits, aux = self.runner.execute(batch, rows, self.spec.aux_layers if self.spec else None,
+                                          sched.kv_connector_metadata)
         out = ModelOutput()
         with phase(self.step_profile, "sampling"):
             if not verifying and _all_plain_greedy(batch):
@@ -144,19 +146,16 @@ class ModelExecutor:
         if self.spec:
             self.spec.drafter.forget(seq)
 
-    def observe_layers(self, label: str, observer: LayerObserver | None) -> None:
-        if observer is None:
-            self.runner.layer_observers.pop(label, None)
-        else:
-            self.runner.layer_observers[label] = observer
+    def register_kv_connector(self, connector: KVConnectorWorker | None) -> None:
+        self.runner.connector = connector
+        if connector is not None:
+            connector.register_kv_caches(self.kv_caches())
 
-    def kv_pool_file(self) -> SharedKVFile | None:
-        return self.runner.pool_file
-
-    def kv_blocks(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def kv_caches(self) -> KVCaches:
         bs = self.runner.block_size
-        return [(k.view(self.num_blocks, bs, *k.shape[1:]), v.view(self.num_blocks, bs, *v.shape[1:]))
-                for k, v in self.runner.kv_cache]
+        views = [(k.view(self.num_blocks, bs, *k.shape[1:]), v.view(self.num_blocks, bs, *v.shape[1:]))
+                 for k, v in self.runner.kv_cache]
+        return KVCaches(views, self.runner.pool_file)
 
 
 def _generator(seq: Sequence) -> torch.Generator:

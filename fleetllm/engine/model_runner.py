@@ -1,56 +1,31 @@
 """Turns a scheduled batch into tensors, runs the model over the paged KV cache, returns logits.
 
 A verifying sequence (1 + K tokens: its last sampled token and K draft tokens) is just a short chunk
-over cached context; the caller asks for logits at each of its rows.
+over cached context; the caller asks for logits at each of its rows. A KV connector's worker side
+(:mod:`fleetllm.engine.kv_connector`) is driven here: loads started before the forward (and where the step
+computes), each layer waited for and saved, saves waited for after it.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
 
 import torch
 
+from fleetllm.engine.kv_connector.base import KVConnectorMetadata, KVConnectorWorker, StepKV
 from fleetllm.engine.kv_memory import SharedKVFile, kv_memory
 from fleetllm.engine.scheduler import Scheduled
-from fleetllm.engine.sequence import Sequence
 from fleetllm.engine.step_profile import StepProfile, phase
 from fleetllm.models.llama import AttentionMetadata, LlamaModel, PrefillChunk
 
 KV_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-LayerFn = Callable[[int, torch.Tensor, torch.Tensor], None]  # (layer, its K cache, its V cache)
 
 
 def kv_dtype_of(name: str, model: LlamaModel) -> torch.dtype:
     """The KV cache's dtype for a ``--kv-cache-dtype`` name: ``auto`` is the model's own dtype."""
     return next(model.parameters()).dtype if name == "auto" else KV_DTYPES[name]
-
-
-@dataclass
-class Placement:
-    """Another worker's KV pool that one step of one request computes in (a direct remote prefill)."""
-
-    kv_cache: list[tuple[torch.Tensor, torch.Tensor]]  # that pool's flat K and V per layer, mapped here
-    block_table: list[int]  # the request's blocks there, in order
-    check: Callable[[], None]  # before each layer's writes: raises once the pool may no longer be written
-
-
-class LayerObserver(Protocol):
-    """Sees a request's KV as each decoder layer writes it (disaggregated prefill streams it out)."""
-
-    def begin(self, seq: Sequence, start: int, n: int, block_size: int) -> LayerFn | None:
-        """Before a forward computing ``seq``'s tokens ``[start, start + n)``: what to call after each layer."""
-        ...
-
-    def place(self, seq: Sequence, start: int, n: int, block_size: int,
-              kv_cache: list[tuple[torch.Tensor, torch.Tensor]]) -> Placement | None:
-        """Before :meth:`begin`, for a sequence whose KV is computed elsewhere (``kv_elsewhere``): the pool this
-        step computes in, what ``seq`` computed in ``kv_cache`` (this worker's) before copied into it first;
-        None where it cannot."""
-        ...
 
 
 class ModelRunner:
@@ -75,7 +50,7 @@ class ModelRunner:
         self.pool_file: SharedKVFile | None = pool_file  # None: private memory
         per = pool.view(2 * cfg.num_layers, *shape)
         self.kv_cache = [(per[2 * i], per[2 * i + 1]) for i in range(cfg.num_layers)]
-        self.layer_observers: dict[str, LayerObserver] = {}  # by request label (the engine id before "#")
+        self.connector: KVConnectorWorker | None = None  # the KV connector's worker side, if attached
 
     @staticmethod
     def kv_bytes_per_block(model: LlamaModel, block_size: int, kv_dtype: torch.dtype | None = None) -> int:
@@ -93,44 +68,30 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(
-        self, batch: list[Scheduled], logit_rows: list[int], aux_layers: tuple[int, ...] | None = None
+        self, batch: list[Scheduled], logit_rows: list[int], aux_layers: tuple[int, ...] | None = None,
+        meta: KVConnectorMetadata | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Run one step; return logits ``[len(logit_rows), vocab]`` for the given rows of the flat batch,
-        and with ``aux_layers`` the features of those decoder layers for every row (else None).
+        and with ``aux_layers`` the features of those decoder layers for every row (else None). ``meta``: the
+        KV connector's part of the step.
 
         The LM head runs over those rows only (a decode step: one row per sequence, not the whole batch)."""
+        conn = self.connector if meta is not None else None
         with phase(self.profile, "prepare"):
-            placed = self._placement(batch)
-            ids, positions, meta = self._inputs(batch, placed)
+            placed = conn.start_load_kv(meta, self.kv_cache) if conn is not None else None
+            ids, positions, meta_attn = self._inputs(batch, placed)
             rows = torch.tensor(logit_rows, dtype=torch.long, device=self.device)
         kv = placed.kv_cache if placed else self.kv_cache
-        with phase(self.profile, "forward"), self._observed(batch, meta, kv, placed):
-            out = self.model(ids, positions, meta, kv, aux_layers)
+        with phase(self.profile, "forward"), self._hooked(conn, meta, meta_attn, kv):
+            out = self.model(ids, positions, meta_attn, kv, aux_layers)
             hidden, aux = out if aux_layers is not None else (out, None)
         with phase(self.profile, "logits"):
             return self.model.compute_logits(hidden[rows]), aux
 
-    def _placement(self, batch: list[Scheduled]) -> Placement | None:
-        """The other worker's pool this step computes in (a step of one sequence whose KV is computed there, which
-        the scheduler runs alone); None: this worker's. Raises for such a sequence whose observer is gone: its
-        blocks here are stale, a step over them would compute garbage (the step fails that request alone)."""
-        if not any(s.seq.kv_elsewhere for s in batch):
-            return None
-        s = batch[0]
-        o = self._observer(s.seq)
-        placed = o.place(s.seq, s.seq.num_computed_tokens, s.num_new_tokens, self.block_size, self.kv_cache) \
-            if o is not None and len(batch) == 1 else None
-        if placed is None:
-            raise RuntimeError(f"{s.seq.request_id}: its KV is computed in another worker's pool, out of reach now")
-        return placed
-
-    def _observer(self, seq: Sequence) -> LayerObserver | None:
-        return self.layer_observers.get(seq.request_id.split("#", 1)[0]) if self.layer_observers else None
-
     def _inputs(self, batch: list[Scheduled],
-                placed: Placement | None = None) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+                placed: StepKV | None = None) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """Token ids, positions and attention metadata of the flat batch (``placed``: its one sequence's blocks
-        are those of another worker's pool)."""
+        are those of the pool the connector placed the step in)."""
         ids: list[int] = []
         positions: list[int] = []
         slot_parts: list[torch.Tensor] = []
@@ -164,24 +125,20 @@ class ModelRunner:
             meta.decode_lens = torch.tensor(decode_lens, dtype=torch.int32, device=self.device)
         return torch.tensor(ids, device=self.device), torch.tensor(positions, device=self.device), meta
 
-    def _observed(self, batch: list[Scheduled], meta: AttentionMetadata, kv: list[tuple[torch.Tensor, torch.Tensor]],
-                  placed: Placement | None) -> contextlib.AbstractContextManager[None]:
-        """Hooks after each layer's attention for the observed requests of this step (none: no hooks at all), and
-        (``placed``) before it, checking the other pool may still be written; with hooks, the step runs layer by
-        layer (the fused decode stack would run none of them)."""
-        calls = []
-        for s in batch if self.layer_observers else ():
-            o = self._observer(s.seq)
-            fn = o.begin(s.seq, s.seq.num_computed_tokens, s.num_new_tokens, self.block_size) if o else None
-            if fn is not None:
-                calls.append(fn)
-        meta.layer_by_layer = bool(calls) or placed is not None
+    def _hooked(self, conn: KVConnectorWorker | None, meta: KVConnectorMetadata | None,
+                meta_attn: AttentionMetadata, kv: list[tuple[torch.Tensor, torch.Tensor]]
+                ) -> contextlib.AbstractContextManager[None]:
+        """The connector's per-layer hooks for this step (none unless its metadata asks): a wait before each
+        layer runs, a save after its attention wrote K and V; then the model runs layer by layer (the fused
+        decode stack would run none of them), and the saves are waited for after the forward."""
         stack = contextlib.ExitStack()
+        meta_attn.layer_by_layer = conn is not None and meta is not None and meta.per_layer
+        if not meta_attn.layer_by_layer:
+            return stack
         for i, (layer, (kc, vc)) in enumerate(zip(self.model.layers, kv, strict=True)):
-            if calls:  # a forward hook on the attention: it has just written this layer's K and V
-                stack.enter_context(layer.attn.register_forward_hook(_after(calls, i, kc, vc)))
-            if placed is not None:
-                stack.enter_context(layer.attn.register_forward_pre_hook(lambda *_: placed.check()))
+            stack.enter_context(layer.attn.register_forward_pre_hook(_before(conn, i)))
+            stack.enter_context(layer.attn.register_forward_hook(_after(conn, i, kc, vc)))
+        stack.callback(conn.wait_for_save)
         return stack
 
     def _decode_slots(self, tables: list[list[int]], lens: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -202,10 +159,15 @@ class ModelRunner:
         return slots.to(self.device), mask, bt.to(self.device, torch.int32)
 
 
-def _after(calls: list[LayerFn], i: int, kc: torch.Tensor, vc: torch.Tensor) -> Callable[..., None]:
+def _before(conn: KVConnectorWorker, i: int) -> Callable[..., None]:
     def hook(*_: object) -> None:
-        for fn in calls:
-            fn(i, kc, vc)
+        conn.wait_for_layer_load(i)
 
     return hook
 
+
+def _after(conn: KVConnectorWorker, i: int, kc: torch.Tensor, vc: torch.Tensor) -> Callable[..., None]:
+    def hook(*_: object) -> None:
+        conn.save_kv_layer(i, kc, vc)
+
+    return hook

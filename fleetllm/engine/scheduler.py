@@ -3,8 +3,8 @@
 Each step every running sequence asks for the tokens it lacks (one decode token, 1 + K tokens when the
 step's input holds K draft tokens for it to verify, or the rest of its prompt as a chunk) within
 ``max_num_batched_tokens``; waiting sequences are admitted FCFS while budget, sequence slots and blocks
-last. Prefill and decode share one step; chunked prefill falls out of the budget (a sequence whose KV is
-computed in another worker's pool takes a step of its own: the step's KV goes there). When blocks run out
+last. Prefill and decode share one step; chunked prefill falls out of the budget (a sequence the KV
+connector says runs alone, its KV computed outside this pool, takes a step of its own). When blocks run out
 the most recently arrived running sequence is preempted (blocks freed, recomputed later — its prefix
 blocks usually survive in the prefix cache).
 
@@ -23,10 +23,13 @@ import time
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from fleetllm.engine.kv_cache_manager import KVCacheManager
 from fleetllm.engine.sequence import Sequence, Status
+
+if TYPE_CHECKING:
+    from fleetllm.engine.kv_connector.base import KVConnectorMetadata, KVConnectorScheduler
 
 
 @dataclass
@@ -78,6 +81,7 @@ class SchedulerOutput:
     scheduled: list[Scheduled] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
     start_time: float = field(default_factory=time.monotonic)  # when the step began (monotonic seconds)
+    kv_connector_metadata: KVConnectorMetadata | None = None  # the KV connector's part of this step (None: none)
 
     @property
     def num_tokens(self) -> int:
@@ -95,6 +99,11 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.connector: KVConnectorScheduler | None = None  # the KV connector's scheduler side, if attached
+
+    def _alone(self, seq: Sequence) -> bool:
+        """Whether ``seq``'s step must hold nothing else (the connector computes its KV outside this pool)."""
+        return self.connector is not None and self.connector.runs_alone(seq)
 
     def add(self, seq: Sequence) -> None:
         if len(self.waiting) >= self.cfg.max_waiting:
@@ -133,9 +142,10 @@ class Scheduler:
         queue = sorted(self.running, key=self.cfg.rank) if self.cfg.policy == "priority" else list(self.running)
         while queue:
             seq = queue.pop(0)
-            if budget <= 0 or (seq.kv_elsewhere and out.scheduled):
+            alone = self._alone(seq)
+            if budget <= 0 or (alone and out.scheduled):
                 kept.append(seq)
-                budget = 0 if seq.kv_elsewhere else budget  # nothing after it: it goes once those before it end
+                budget = 0 if alone else budget  # nothing after it: it goes once those before it end
                 continue
             n = min(seq.num_uncomputed, budget)
             proposed = drafts.get(seq.request_id, [])[: max(0, budget - n)] if n == seq.num_uncomputed else []
@@ -152,26 +162,39 @@ class Scheduler:
             if seq.status is Status.RUNNING:
                 kept.append(seq)
                 out.scheduled.append(Scheduled(seq, n + len(proposed), list(proposed)))
-                budget = 0 if seq.kv_elsewhere else budget - n - len(proposed)
+                budget = 0 if alone else budget - n - len(proposed)
         self.running = kept
 
         watermark = self.watermark_blocks
         while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs and not out.preempted:
             seq = self.waiting[0]
-            if seq.kv_elsewhere and out.scheduled:
+            alone = self._alone(seq)
+            if alone and out.scheduled:
                 break
             cached = self.kv.admit(seq, budget, watermark)
             if cached is None:
                 break
             self.waiting.popleft()
+            n = min(seq.num_uncomputed, budget)  # what admit allocated blocks for, beyond the hit
+            ext = self._external(seq, n)
+            cached, n = cached + ext, n - ext
             if seq.num_cached_tokens < 0:
                 seq.num_cached_tokens = cached
             seq.transition(Status.RUNNING)
-            n = min(seq.num_uncomputed, budget)
             self.running.append(seq)
             out.scheduled.append(Scheduled(seq, n))
-            budget = 0 if seq.kv_elsewhere else budget - n
+            budget = 0 if alone else budget - n
         return out
+
+    def _external(self, seq: Sequence, n: int) -> int:
+        """Tokens of a just admitted ``seq`` the connector loads from outside this pool, beyond its local hit,
+        into blocks admit gave it (at most ``n - 1``: the step still computes one token), counted as computed."""
+        if self.connector is None:
+            return 0
+        ext = max(0, min(self.connector.get_num_new_matched_tokens(seq, seq.num_computed_tokens), n - 1))
+        seq.num_computed_tokens += ext
+        self.connector.update_state_after_alloc(seq, ext)
+        return ext
 
     def _preempt(self, seq: Sequence) -> None:
         self.kv.free(seq)

@@ -64,9 +64,6 @@ class Sequence:
     generator: torch.Generator | None = None  # a seeded request's sampling RNG (made by the executor)
     sampler_state: bytes | None = None  # the RNG state to start from instead of the seed (a handed-over prefill)
     spec_state: Any = None  # the speculative decoder's per-request state (acceptance, drafter index)
-    # its KV is computed in another worker's pool (a direct remote prefill, fleetllm.disagg.direct): it runs in
-    # steps of its own, and its blocks here are never cached (they do not hold what it computes)
-    kv_elsewhere: bool = False
     grammar: Any = None  # a structured request's GrammarState, advanced by every appended token
     stop_reason: str | int | None = None
     # timing (monotonic seconds)

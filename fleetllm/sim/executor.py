@@ -68,11 +68,8 @@ class TimingExecutor:
     def forget(self, seq: Sequence) -> None:
         pass
 
-    def kv_blocks(self) -> list:
-        raise NotImplementedError("a simulated worker holds no KV tensors")
+    def kv_caches(self) -> None:
+        return None  # a simulated worker holds no KV tensors
 
-    def kv_pool_file(self) -> None:
-        return None  # no KV tensors: nothing to share
-
-    def observe_layers(self, label: str, observer: object) -> None:
-        raise NotImplementedError("a simulated worker holds no KV tensors")
+    def register_kv_connector(self, connector: object) -> None:
+        return None  # nothing to load or save: the timing model computes no KV

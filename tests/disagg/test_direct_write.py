@@ -233,7 +233,7 @@ def test_a_reservation_answered_after_the_prompt_was_computed_has_it_prefilled_a
     async def late(*args: object, **kw: object) -> object:  # answered once the early prefill has sampled
         seen, end = False, time.monotonic() + 60
         while time.monotonic() < end:
-            pending = await engine.call(lambda e: e.prompt_pending("pd-late-reservation"))
+            pending = await engine.call(lambda e: any(e.prompt_pending(r) for r in e.seqs if r.startswith("pd-late-")))
             if seen and not pending:
                 break
             seen = seen or pending

@@ -14,6 +14,7 @@ from dataclasses import replace
 import pytest
 
 from fleetllm.disagg import frame
+from fleetllm.disagg.connector import pd_connector
 from fleetllm.disagg.kv_io import commit_held, frame_header, reserve, write
 from fleetllm.disagg.layer_stream import LayerStream
 from fleetllm.engine.block_pool import hash_prefix_blocks
@@ -68,13 +69,13 @@ def hand_over(a: LLMEngine, b: LLMEngine, label: str, ids: list[int], params: Sa
     header = frame_header(a, ids, hash_prefix_blocks(ids, 16, a.kv.extra_key), tail=True)
     fb = frame.FrameBuffer(header, bytearray(header.frame_bytes()))
     stream = LayerStream(fb)
-    a.observe_layers(label, stream)
+    pd_connector(a).observe(label, stream)
     try:
         a.add_request(label, ids, replace(params, max_tokens=1))
         (out,) = [o for o in drain(a) if o.finished]
         stream.done.result(timeout=30)
     finally:
-        a.observe_layers(label, None)
+        pd_connector(a).observe(label, None)
         stream.close()
     a.pool.reset_prefix_cache()
     header, layers = frame.decode(bytes(fb.mv))

@@ -9,10 +9,12 @@ itself, the reference.
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
 
+from fleetllm.disagg.connector import PDConnector, pd_connector
 from fleetllm.disagg.direct import PoolTarget
 from fleetllm.disagg.kv_io import frame_header
 from fleetllm.disagg.layer_stream import LayerStream
@@ -69,9 +71,9 @@ def test_a_prompt_computed_in_another_pool_holds_the_kv_and_first_token_of_a_loc
     here, there = engines
     ids = [(7 * i) % 3000 + 100 for i in range(150)]  # 3 steps of 64 here, the last block partial
     stream = in_place_stream(here, there, ids)
-    here.observe_layers("placed", stream)
+    pd_connector(here).observe("placed", stream)
     first = run(here, "placed", ids)
-    here.observe_layers("placed", None)
+    pd_connector(here).observe("placed", None)
     stream.done.result(timeout=30)
     assert first == run(there, "local", ids)
     local = there.kv.cached_prefix(ids)[0]  # the reference's full blocks, cached there
@@ -89,9 +91,9 @@ def test_blocks_computed_here_before_are_copied_into_the_other_pool_first(engine
     ids = [(11 * i) % 3000 + 200 for i in range(140)]
     run(here, "warm", ids[:96])  # 6 full blocks of the prompt cached here: prefix hits
     stream = in_place_stream(here, there, ids)
-    here.observe_layers("hits", stream)
+    pd_connector(here).observe("hits", stream)
     first = run(here, "hits", ids)
-    here.observe_layers("hits", None)
+    pd_connector(here).observe("hits", None)
     assert first == run(there, "local-hits", ids)
     local = there.kv.cached_prefix(ids)[0]
     n = len(local) * 16
@@ -103,7 +105,8 @@ def test_a_sequence_computed_elsewhere_runs_in_a_step_of_its_own() -> None:
     kv = KVCacheManager(BlockPool(64, 4), enable_prefix_caching=False)
     s = Scheduler(SchedulerConfig(max_num_batched_tokens=32), kv)
     a, b, c = (Sequence(r, list(range(1, 21)), GREEDY, 1) for r in "abc")
-    b.kv_elsewhere = True
+    s.connector = conn = PDConnector()
+    conn.observe("b", LayerStream(SimpleNamespace(), in_place=True))  # b computed in another pool
     for seq in (a, b, c):
         s.add(seq)
     steps = []
@@ -122,14 +125,14 @@ def test_a_step_over_stale_blocks_fails_that_request_alone(engines) -> None:
     here, there = engines
     ids = [(13 * i) % 3000 + 300 for i in range(150)]
     stream = in_place_stream(here, there, ids)
-    here.observe_layers("orphan", stream)
+    pd_connector(here).observe("orphan", stream)
     here.add_request("orphan", ids, GREEDY)
     here.step()  # its first 64 tokens computed in the other pool
     stream.target.close()  # the writer gave up: the blocks here hold nothing of those 64 tokens
     outs = []
     while here.has_unfinished():
         outs += here.step()
-    here.observe_layers("orphan", None)
+    pd_connector(here).observe("orphan", None)
     (out,) = [o for o in outs if o.request_id == "orphan" and o.finished]
     assert out.error and "another worker's pool" in out.error
     here.pool.check()

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from fleetllm.disagg import frame
+from fleetllm.disagg.connector import pd_connector
 from fleetllm.disagg.kv_io import export_blocks, frame_header, import_blocks
 from fleetllm.disagg.layer_stream import LayerStream
 from fleetllm.engine.block_pool import hash_prefix_blocks
@@ -104,12 +105,12 @@ def _streamed(engine: LLMEngine, label: str, ids: list[int], dtype: str | None =
     header = frame_header(engine, ids, hash_prefix_blocks(ids, 16, engine.kv.extra_key), dtype)
     fb = frame.FrameBuffer(header, bytearray(header.frame_bytes()))
     stream = LayerStream(fb)
-    engine.observe_layers(label, stream)
+    pd_connector(engine).observe(label, stream)
     try:
         tokens, _ = run(engine, label, ids, 1)
         stream.done.result(timeout=30)  # the last layer's seal ends the frame
     finally:
-        engine.observe_layers(label, None)
+        pd_connector(engine).observe(label, None)
         stream.close()
     return bytes(fb.mv), tokens
 
@@ -136,13 +137,13 @@ def test_a_stream_given_after_the_first_chunk_still_builds_the_whole_frame(engin
     assert a.prompt_pending("pd-late") and not a.prompt_pending("pd-other")
     a.step()  # the first chunk, seen by nobody
     assert a.prompt_pending("pd-late")
-    a.observe_layers("pd-late", stream)  # its first step writes the blocks computed before it
+    pd_connector(a).observe("pd-late", stream)  # its first step writes the blocks computed before it
     try:
         while a.has_unfinished():
             a.step()
         stream.done.result(timeout=30)
     finally:
-        a.observe_layers("pd-late", None)
+        pd_connector(a).observe("pd-late", None)
         stream.close()
     assert not a.prompt_pending("pd-late")
     assert bytes(fb.mv) == b"".join(frame.encode(*export_blocks(a, ids)))

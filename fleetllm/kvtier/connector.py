@@ -1,0 +1,148 @@
+"""The host-memory KV tier as a KV connector (``--kv-offload-gb N``).
+
+- **Store on eviction** (scheduler side, engine thread): when the pool reuses a cached block (its
+  ``on_evict``, called before anything overwrites it), the block's K and V for every layer are copied into
+  host memory (:class:`~.host.HostStore`) under its hash, with its token ids.
+- **Match on admission**: a request admitted with a prefix hit of ``c`` tokens asks the tier for the blocks
+  that follow (``get_num_new_matched_tokens``: the leading run the tier holds, by the same block-hash chain
+  as the pool's prefix cache, the router's index and P/D frames); the scheduler counts them as computed
+  (and cached: ``usage.prompt_tokens_details.cached_tokens``) and gives them fresh blocks.
+- **Load before the step** (worker side, ``start_load_kv``): those host blocks copied into the fresh pool
+  blocks, one indexed copy per layer; the engine then registers them in the prefix cache as if computed.
+
+A load is a copy of the very bytes the pool held, so the output is token-identical to recomputing up to
+the float rounding that any prefix hit already accepts. A store that fails only costs hits (counted); a
+tier never holds a request up: nothing here waits.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from fleetllm.engine.block_pool import hash_prefix_blocks
+from fleetllm.engine.kv_connector.base import KVConnectorBase, KVConnectorMetadata, Layers, StepKV
+from fleetllm.kvtier.host import HostBlock, HostStore
+
+if TYPE_CHECKING:
+    from fleetllm.engine.engine import LLMEngine
+    from fleetllm.engine.kv_connector.access import BlockAccess
+    from fleetllm.engine.scheduler import SchedulerOutput
+    from fleetllm.engine.sequence import Sequence
+    from fleetllm.kvtier.metrics import TierMetrics
+
+log = logging.getLogger("fleetllm.kvtier")
+
+
+@dataclass
+class HostLoads(KVConnectorMetadata):
+    """The step's loads: ``(pool block, host block)``."""
+
+    loads: list[tuple[int, HostBlock]] = field(default_factory=list)
+
+
+class HostTierConnector(KVConnectorBase):
+    """Blocks evicted from the pool kept in host memory and brought back instead of recomputed."""
+
+    def __init__(self, capacity_bytes: int, metrics: TierMetrics | None = None) -> None:
+        self.store = HostStore(capacity_bytes)
+        self.metrics = metrics
+        self._matched: dict[str, list[HostBlock]] = {}  # request id -> host blocks found at admission
+        self._pending: dict[str, list[tuple[int, HostBlock]]] = {}  # request id -> loads for its next step
+
+    def bind(self, blocks: BlockAccess) -> None:
+        super().bind(blocks)
+        blocks.pool.on_evict.append(self._evicted)
+
+    # ---- store (engine thread, inside the pool's allocate) --------------------------------------------
+    def _evicted(self, gone: list[tuple[int, int, tuple[int, ...]]]) -> None:
+        if self.caches is None:  # no KV tensors (a simulated worker): nothing to keep
+            return
+        import torch
+
+        try:
+            layers = self.caches.layers
+            for bid, block_hash, token_ids in gone:
+                k = torch.stack([lk[bid] for lk, _ in layers])  # a copy, [layers, block_size, heads, head_dim]
+                v = torch.stack([lv[bid] for _, lv in layers])
+                block = HostBlock(token_ids, k, v)
+                if self.store.put(block_hash, block) and self.metrics is not None:
+                    self.metrics.bytes.labels(tier=self.metrics.tier, direction="stored").inc(block.nbytes)
+        except Exception:  # noqa: BLE001 - a tier that fails costs hits, never the step
+            log.exception("host KV tier: storing evicted blocks failed")
+            self._count_error("store")
+        if self.metrics is not None:
+            self.metrics.used.set(self.store.used_bytes)
+
+    # ---- scheduler side -------------------------------------------------------------------------------
+    def get_num_new_matched_tokens(self, seq: Sequence, num_computed_tokens: int) -> int:
+        assert self.blocks is not None
+        bs = self.blocks.pool.block_size
+        ids = seq.all_token_ids[: seq.num_tokens - 1]  # as the prefix cache: the last token is always computed
+        full, start = len(ids) // bs, num_computed_tokens // bs
+        if start >= full or not len(self.store):
+            return 0
+        hashes = hash_prefix_blocks(ids[: full * bs], bs, self.blocks.kv.extra_key)
+        found: list[HostBlock] = []
+        for i in range(start, full):
+            block = self.store.get(hashes[i], tuple(ids[i * bs : (i + 1) * bs]))
+            if block is None:
+                break
+            found.append(block)
+        if self.metrics is not None:
+            self.metrics.hits.inc(len(found))
+            self.metrics.misses.inc(full - start - len(found))
+        if found:
+            self._matched[seq.request_id] = found
+        return len(found) * bs
+
+    def update_state_after_alloc(self, seq: Sequence, num_external_tokens: int) -> None:
+        found = self._matched.pop(seq.request_id, [])
+        if num_external_tokens <= 0 or not found:
+            return
+        bs = self.blocks.pool.block_size if self.blocks is not None else 1
+        first = (seq.num_computed_tokens - num_external_tokens) // bs
+        n = -(-num_external_tokens // bs)  # a block partly counted is loaded whole: the step recomputes the rest
+        self._pending[seq.request_id] = list(zip(seq.block_table[first : first + n], found[:n], strict=True))
+
+    def build_connector_meta(self, sched: SchedulerOutput) -> KVConnectorMetadata:
+        return HostLoads(loads=[x for s in sched.scheduled for x in self._pending.pop(s.seq.request_id, [])])
+
+    def request_finished(self, seq: Sequence) -> None:
+        self._matched.pop(seq.request_id, None)
+        self._pending.pop(seq.request_id, None)
+
+    # ---- worker side ----------------------------------------------------------------------------------
+    def start_load_kv(self, meta: KVConnectorMetadata, kv_cache: Layers) -> StepKV | None:
+        if not isinstance(meta, HostLoads) or not meta.loads or self.caches is None:
+            return None
+        import torch
+
+        t0 = time.perf_counter()
+        layers = self.caches.layers
+        index = torch.tensor([bid for bid, _ in meta.loads], dtype=torch.long, device=layers[0][0].device)
+        for i, (k, v) in enumerate(layers):
+            k.index_copy_(0, index, torch.stack([b.k[i] for _, b in meta.loads]).to(k.device, k.dtype))
+            v.index_copy_(0, index, torch.stack([b.v[i] for _, b in meta.loads]).to(v.device, v.dtype))
+        if self.metrics is not None:
+            self.metrics.load_seconds.observe(time.perf_counter() - t0)
+            self.metrics.bytes.labels(tier=self.metrics.tier, direction="loaded").inc(
+                sum(b.nbytes for _, b in meta.loads))
+        return None
+
+    def _count_error(self, op: str) -> None:
+        if self.metrics is not None:
+            self.metrics.errors.labels(tier=self.metrics.tier, op=op).inc()
+
+
+def attach_tiers(engine: LLMEngine, offload_gb: float) -> HostTierConnector | None:
+    """Attach the host-memory tier to ``engine`` when ``offload_gb`` > 0 (its metrics on the engine's registry)."""
+    if offload_gb <= 0:
+        return None
+    from fleetllm.kvtier.metrics import TierMetrics
+
+    tier = HostTierConnector(int(offload_gb * 2**30), TierMetrics(engine.metrics.registry, "host"))
+    engine.add_kv_connector(tier)
+    return tier

@@ -1,0 +1,19 @@
+"""--kv-offload-gb reaches every real worker: from `fleetllm serve` and from the fleet YAML's engine:."""
+
+from __future__ import annotations
+
+from fleetllm.cli import build_parser, fleet_config
+
+
+def test_serve_passes_the_host_tier_to_every_worker() -> None:
+    cfg = fleet_config(build_parser().parse_args(["serve", "--prefill", "1", "--decode", "1", "--kv-offload-gb", "2"]))
+    assert [m.worker_args()[-2:] for m in cfg.models] == [["--kv-offload-gb", "2.0"]] * 2
+
+
+def test_the_fleet_yamls_value_stands_unless_serve_gives_the_flag(tmp_path) -> None:
+    path = tmp_path / "fleet.yaml"
+    path.write_text("models:\n  - source: smollm2-135m\n    engine: {kv_offload_gb: 4}\n")
+    parse = build_parser().parse_args
+    assert fleet_config(parse(["serve", "--config", str(path)])).models[0].engine == {"kv_offload_gb": 4}
+    given = fleet_config(parse(["serve", "--config", str(path), "--kv-offload-gb", "1"]))
+    assert given.models[0].engine == {"kv_offload_gb": 1.0}
