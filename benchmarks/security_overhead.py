@@ -38,11 +38,13 @@ from common import cpu_model, free_ports, stop_process, tail  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def make_key(tmp: Path) -> tuple[Path, str]:
-    """A keys file with one unlimited key, and the key itself."""
+def make_key(tmp: Path, tree: Path) -> tuple[Path, str]:
+    """A keys file with one unlimited key, and the key itself, made by ``tree``'s fleetllm (the older checkout's:
+    a newer keys file can carry fields an older router does not know, never the other way round)."""
     keys = tmp / "keys.yaml"
     out = subprocess.run([sys.executable, "-m", "fleetllm.cli", "keys", "--file", str(keys), "create",
-                          "--name", "bench"], capture_output=True, text=True, check=True, cwd=ROOT)
+                          "--name", "bench"], capture_output=True, text=True, check=True, cwd=tree,
+                         env={**os.environ, "PYTHONPATH": str(tree)})
     key = next(w for w in out.stdout.split() if w.startswith("flk-"))
     return keys, key
 
@@ -94,7 +96,7 @@ def main() -> int:
     if not (args.before / "fleetllm" / "__init__.py").is_file():
         ap.error(f"--before {args.before}: not a fleetllm checkout (no fleetllm/__init__.py there)")
     tmp = Path(tempfile.mkdtemp(prefix="fleetllm-security-overhead-"))
-    keys, key = make_key(tmp)
+    keys, key = make_key(tmp, args.before.resolve())
     base = free_ports(4)  # each fleet: its router's port, then its worker's (serve's default: port + 1)
     trees = {"before": args.before.resolve(), "after": ROOT}
     ports = {"before": base, "after": base + 2}
