@@ -54,7 +54,9 @@ def main() -> int:
         until(lambda: b"fleet ready" in (tmp / "serve.log").read_bytes(), "serve ready", 180)
 
         def workers(healthy_only: bool = False) -> list[dict]:
-            ws = httpx.get(url + "/router/state", timeout=10).json()["workers"]
+            token = (tmp / "logs" / "admin-token").read_text().strip()  # the fleet's admin token (in its log dir)
+            ws = httpx.get(url + "/router/state", headers={"authorization": f"Bearer {token}"},
+                           timeout=10).json()["workers"]
             return [w for w in ws if w["healthy"] or not healthy_only]
 
         def complete(model: str) -> httpx.Response:
