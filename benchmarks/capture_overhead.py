@@ -30,10 +30,8 @@ import tempfile
 import time
 from pathlib import Path
 
-import httpx
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import save_run, stop_process, tail  # noqa: E402
+from common import save_run, stop_process, wait_healthy  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 AWS = {"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench", "AWS_DEFAULT_REGION": "us-east-1"}
@@ -45,20 +43,11 @@ def pinned(cmd: list[str], cores: list[int]) -> list[str]:
 
 
 def start(cmd: list[str], url: str, log: Path, env: dict[str, str]) -> subprocess.Popen[bytes]:
+    """``cmd`` started, once ``url``/health answers."""
     with open(log, "wb") as f:
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env={**os.environ, **env})
-    end = time.monotonic() + 240
-    while time.monotonic() < end:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{cmd[0]} exited:\n{tail(log)}")
-        try:
-            if httpx.get(url, timeout=2).status_code == 200:
-                return proc
-        except httpx.TransportError:
-            pass
-        time.sleep(0.3)
-    stop_process(proc)
-    raise RuntimeError(f"not ready: {url}\n{tail(log)}")
+    wait_healthy(url, proc, log)
+    return proc
 
 
 def bench(url: str, args: argparse.Namespace, out: Path) -> tuple[float, float, int]:

@@ -8,6 +8,7 @@ import platform
 import re
 import socket
 import subprocess
+import time
 from pathlib import Path
 
 
@@ -54,6 +55,25 @@ def save_run(heading: str, intro: str, cmd: str, lines: str) -> Path:
     path.write_text(f"{heading}\n\n{intro}\n\n{stamp}{lines}")
     print(f"this run: {path} (replace the figures of BENCHMARKS.md's section for it)")
     return path
+
+
+def wait_healthy(url: str, proc: subprocess.Popen[bytes], log: Path, timeout: float = 240) -> None:
+    """Return once a GET of ``url`` (a probe: ``.../health``) answers 200; raise with the log's tail if ``proc`` exits or ``timeout`` passes
+    (stopping ``proc`` then)."""
+    import httpx  # only the scripts that start servers need it
+
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{url}: the process exited:\n{tail(log)}")
+        try:
+            if httpx.get(url, timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.3)
+    stop_process(proc)
+    raise RuntimeError(f"{url} not healthy after {timeout:.0f} s:\n{tail(log)}")
 
 
 def free_ports(n: int) -> int:

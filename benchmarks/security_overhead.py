@@ -26,14 +26,12 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-import httpx
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import cpu_model, free_ports, stop_process, tail  # noqa: E402
+from common import cpu_model, free_ports, stop_process, wait_healthy  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -59,17 +57,8 @@ def serve(tree: Path, port: int, keys: Path, tmp: Path, name: str) -> subprocess
     cmd = [sys.executable, "-m", "fleetllm.cli", "serve", "--config", str(cfg), "--port", str(port),
            "--log-dir", str(tmp / f"{name}-logs")]
     proc = subprocess.Popen(cmd, env=env, cwd=tree, stdout=log.open("wb"), stderr=subprocess.STDOUT)
-    for _ in range(600):
-        if proc.poll() is not None:
-            raise RuntimeError(f"{name} fleet exited:\n{tail(log)}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                return proc
-        except httpx.TransportError:
-            pass
-        time.sleep(0.5)
-    stop_process(proc)
-    raise RuntimeError(f"{name} fleet not ready:\n{tail(log)}")
+    wait_healthy(f"http://127.0.0.1:{port}/health", proc, log, timeout=300)
+    return proc
 
 
 def bench(url: str, key: str, args: argparse.Namespace, out: Path) -> float:

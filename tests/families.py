@@ -7,19 +7,18 @@ Sliding windows are 12 positions, shorter than the longer prompts, so windows cu
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import hashlib
 import os
 import shutil
 import subprocess
 import sys
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
+from hf_reference import cache_lock
 
 COMMON = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.2, bos_token_id=1,
@@ -127,7 +126,7 @@ def convert_to_gguf(model_dir: Path, outtype: str) -> Path:
 
     digest = hashlib.sha256((model_dir / "model.safetensors").read_bytes()).hexdigest()[:16]
     target = cache_dir() / "gguf-families" / f"{model_dir.name}-{digest}-{outtype}.gguf"
-    with _lock(target):
+    with cache_lock(target):
         if not target.exists():
             for stale in target.parent.glob(f"{target.name}.*.tmp"):  # a killed conversion's (we hold the lock)
                 stale.unlink()
@@ -146,13 +145,6 @@ def _die_with_parent() -> None:
 
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
-
-@contextlib.contextmanager
-def _lock(target: Path) -> Iterator[None]:
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with open(target.with_name(target.name + ".lock"), "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        yield
 
 
 def q8_0(w: torch.Tensor) -> torch.Tensor:

@@ -32,14 +32,15 @@ def hf_reference_dir() -> Path:
 
     gguf = Path(resolve(MODEL))
     target = cache_dir() / "hf-reference" / f"{gguf.stem}-transformers-{version('transformers')}"
-    with _lock(target):
+    with cache_lock(target):
         if not (target / "done").exists():
             _convert(gguf, target)
     return target
 
 
 @contextlib.contextmanager
-def _lock(target: Path) -> Iterator[None]:
+def cache_lock(target: Path) -> Iterator[None]:
+    """Held while one process builds ``target`` (others wait, then find it made)."""
     target.parent.mkdir(parents=True, exist_ok=True)
     with open(target.with_name(target.name + ".lock"), "a") as f:
         fcntl.flock(f, fcntl.LOCK_EX)
