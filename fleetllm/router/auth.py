@@ -60,7 +60,18 @@ class KeyGate:
 
     def identify(self, authorization: str | None, model: str | None) -> KeyRecord:
         """The caller's key record, allowed ``model``; raises a 401 / 403 ``APIError`` (limits not checked)."""
-        rec = self.require_live(authorization)
+        return self._allowed(self.require_live(authorization), model)
+
+    def identify_id(self, key_id: str, model: str | None) -> KeyRecord:
+        """The live key with id ``key_id`` (a batch's owner, checked again as each of its lines runs),
+        allowed ``model``; raises a 401 / 403 ``APIError``."""
+        rec = next((r for r in self.store.records() if r.id == key_id and not r.revoked), None)
+        if rec is None:
+            self.requests.labels(key="none", outcome="unauthorized").inc()
+            raise APIError(401, f"key {key_id} is revoked or gone")
+        return self._allowed(rec, model)
+
+    def _allowed(self, rec: KeyRecord, model: str | None) -> KeyRecord:
         if not rec.allows(model):
             self.requests.labels(key=rec.id, outcome="forbidden").inc()
             raise APIError(403, f"key {rec.id} may not use model `{model}`", "model")

@@ -95,3 +95,14 @@ class RouterConfig:
     ray_address: str | None = opt(None, "also route to the fleet actors of this Ray cluster, found by name "
                                         "(auto or HOST:PORT; fleetllm serve --ray sets it)")
     ray_namespace: str = opt("fleetllm", "the Ray namespace of the fleet's actors")
+    batch_dir: str | None = opt(None, "where the Batch API keeps its files and batches, durable across a restart "
+                                      "(default: $XDG_STATE_HOME/fleetllm/batches, else ~/.local/state/fleetllm/"
+                                      "batches); one directory per router: a router resumes every unfinished "
+                                      "batch it finds there")
+    batch_max_file_mb: float = opt(100.0, "largest batch input file in MiB; a larger upload gets a 400")
+    batch_concurrency: int = opt(4, "batch lines in flight at once, all batches together (a small number: batches "
+                                    "fill the fleet's idle capacity)")
+    batch_max_active: int = opt(10, "unfinished batches per API key (with keys off, in all); beyond it a 429")
+    batch_retention_h: float = opt(720.0, "hours files and ended batches are kept")
+    batch_priority: int = opt(2**31 - 1, "the priority batch lines are sent at (fleetllm workers under "
+                                         "--scheduling-policy priority serve larger numbers last)")

@@ -38,6 +38,10 @@ from fleetllm.router.admin_token import read_token
 from fleetllm.router.auth import KeyGate
 from fleetllm.router.backends import parse_worker
 from fleetllm.router.backends.setup import EngineSetup
+from fleetllm.router.batches.api import BatchAPI, BatchLimits
+from fleetllm.router.batches.inner import OWNER_SCOPE, default_dir, inner_request, read_answer
+from fleetllm.router.batches.runner import BatchRunner
+from fleetllm.router.batches.store import BatchStore
 from fleetllm.router.config import RouterConfig
 from fleetllm.router.forward import Forward, Forwarder, error_response, upstream_headers
 from fleetllm.router.guard import guarded
@@ -109,6 +113,7 @@ class Router:
         self.gate = (KeyGate(KeyStore(cfg.keys_file), KeyLimiter(), self.metrics.registry, self.shared)
                      if cfg.keys_file else None)
         self.tenants = TenantMetrics(self.metrics.registry)
+        self.batches = self._batch_api()
         # these four live while the app runs (they share the HTTP client its lifespan opens)
         self.client: httpx.AsyncClient | None = None
         self.forwarder: Forwarder | None = None
@@ -141,6 +146,7 @@ class Router:
             Route("/metrics", self.metrics_endpoint, methods=["GET"]),
             Route("/router/state", self.state, methods=["GET"]),
             Route("/openapi.json", self.openapi, methods=["GET"]),
+            *self.batches.routes(),
             *admin_routes(self),
             *dashboard_routes(),
         ]
@@ -213,6 +219,22 @@ class Router:
         if self.gate is not None:
             self.gate.require_live(authorization)
 
+    # ---- the Batch API (fleetllm/router/batches/) ------------------------------------------------------
+    def _batch_api(self) -> BatchAPI:
+        cfg = self.cfg
+        store = BatchStore(cfg.batch_dir or default_dir())
+        runner = BatchRunner(store, self.batch_call, cfg.batch_concurrency, cfg.batch_priority)
+        limits = BatchLimits(int(cfg.batch_max_file_mb * 2**20), cfg.batch_max_active, cfg.batch_retention_h)
+        return BatchAPI(store, runner, limits, self.owner_of)
+
+    def owner_of(self, request: Request) -> str:
+        """Whose files and batches a request may see: its key's id ("" with keys off: one tenant)."""
+        return self.gate.require_live(request.headers.get("authorization")).id if self.gate is not None else ""
+
+    async def batch_call(self, path: str, body: dict[str, Any], owner: str) -> tuple[int, Any, str]:
+        """One batch line through the client request path, as ``owner``'s request: (status, body, request id)."""
+        return await read_answer(await self.completion(inner_request(path, body, owner)), REQUEST_ID_HEADER)
+
     def _kind_at(self, where: Origin) -> str | None:
         w = self._at.get(where)
         return UNKNOWN if w is None else w.kind
@@ -231,12 +253,14 @@ class Router:
         self.monitor.start()
         if self.capture is not None:
             self.capture.start()
+        self.batches.start()  # unfinished batches a previous run left resume now
         tasks = [asyncio.create_task(run(self), name=f"background-{i}") for i, run in enumerate(self.background)]
         self._log_state()
         yield
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        await self.batches.runner.stop()  # lines in flight are sent again when a router resumes the batch
         await self.monitor.stop()
         for store in (self.shared, self.shared_turns):
             if store is not None:
@@ -366,8 +390,10 @@ class Router:
         if self.gate is None:
             return None, effective_priority(body, None)
         model = body.get("model")
-        rec = self.gate.identify(request.headers.get("authorization"),
-                                 self.cfg.aliases.get(model, model) if isinstance(model, str) else None)
+        model = self.cfg.aliases.get(model, model) if isinstance(model, str) else None
+        owner = request.scope.get(OWNER_SCOPE)  # a batch line runs as its batch's key
+        rec = (self.gate.identify_id(owner, model) if owner is not None
+               else self.gate.identify(request.headers.get("authorization"), model))
         priority = effective_priority(body, rec)
         refusal = await self.gate.limit(rec)
         if refusal is not None:

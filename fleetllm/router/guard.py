@@ -10,7 +10,8 @@ Which credential a path needs (:class:`~fleetllm.router.gateway.Router` decides 
   the key's checks, model and limits, need the body and come after);
 - ``/health`` and the rest: open.
 
-Admin bodies are small: ``ADMIN_BODY_BYTES`` caps them (413), as the body limit caps the others.
+Admin bodies are small: ``ADMIN_BODY_BYTES`` caps them (413), as the body limit caps the others; a batch file's
+upload (``/v1/files``) is capped by ``--batch-max-file-mb`` instead.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ ADMIN_PREFIX = "/admin/"
 ADMIN_PATHS = ("/router/state",)
 KEYED_PATHS = ("/tokenize", "/detokenize")  # besides /v1/*
 ADMIN_BODY_BYTES = 64 * 2**10
+FORM_SLACK_BYTES = 2**20  # a multipart form's own bytes around the file it carries
 
 
 def is_admin_path(path: str) -> bool:
@@ -38,7 +40,9 @@ def guarded(app: Any, router: Router, max_body_bytes: int) -> RouterGuard:
     """The router's Starlette ``app`` behind its door: credentials checked first, then each body capped
     (admin routes at ``ADMIN_BODY_BYTES``, the rest at ``max_body_bytes``) before it is read."""
     admin = [r.path for r in app.routes if is_admin_path(r.path)]
-    return RouterGuard(BodyLimit(app, max_body_bytes, dict.fromkeys(admin, ADMIN_BODY_BYTES)), router)
+    # a batch file's upload: its own cap (a file over it is a 400 once read; a body far over it, a 413 unread)
+    upload = {"/v1/files": router.batches.limits.max_file_bytes + FORM_SLACK_BYTES}
+    return RouterGuard(BodyLimit(app, max_body_bytes, dict.fromkeys(admin, ADMIN_BODY_BYTES) | upload), router)
 
 
 class RouterGuard:
