@@ -1,5 +1,5 @@
 """The Batch API through the official openai client: files and batches on an in-process router over a
-simulated worker, each visible to its own key alone; a routerless-capacity router (no worker) keeps a batch
+simulated worker, each visible to its own key alone; a router with no worker keeps a batch
 running for the cancel, expiry and quota cases."""
 
 from __future__ import annotations
@@ -156,3 +156,24 @@ def test_a_key_past_its_active_batch_quota_gets_a_429(idle, keys):
 def test_an_upload_over_the_limit_or_without_a_request_line_is_a_400(idle, keys, data):
     with pytest.raises(openai.BadRequestError):
         client(idle, keys.create()[1]).files.create(file=("in.jsonl", data), purpose="batch")
+
+
+def test_a_router_restarted_over_the_same_directory_finishes_the_batch(tmp_path):
+    stalled = router([], "round_robin", "--batch-dir", str(tmp_path))  # no worker: the lines wait
+    try:
+        c = client(stalled.url, "unused")
+        batch_id = run_batch(c, batch_file(5)).id
+        wait_for(c, batch_id, ("in_progress",))
+    finally:
+        stalled.stop()
+    workers = sim_workers(1)
+    resumed = router(workers.urls, "round_robin", "--batch-dir", str(tmp_path))
+    try:
+        c = client(resumed.url, "unused")
+        ended = wait_for(c, batch_id)
+        out = [json.loads(ln) for ln in c.files.content(ended.output_file_id).text.splitlines()]
+    finally:
+        resumed.stop()
+        workers.stop()
+    assert ended.status == "completed" and ended.request_counts.completed == 5
+    assert sorted(o["custom_id"] for o in out) == [f"req-{i}" for i in range(5)]
