@@ -177,3 +177,12 @@ def test_a_router_restarted_over_the_same_directory_finishes_the_batch(tmp_path)
         workers.stop()
     assert ended.status == "completed" and ended.request_counts.completed == 5
     assert sorted(o["custom_id"] for o in out) == [f"req-{i}" for i in range(5)]
+
+
+def test_a_deleted_file_is_gone(served, keys):
+    c = client(served, keys.create()[1])
+    f = c.files.create(file=("in.jsonl", batch_file(1)), purpose="batch")
+    assert c.files.retrieve(f.id).bytes == len(batch_file(1))
+    assert c.files.delete(f.id).deleted
+    with pytest.raises(openai.NotFoundError):
+        c.files.retrieve(f.id)

@@ -178,7 +178,7 @@ class BatchRunner:
 
 
 async def drain(runner: BatchRunner) -> None:
-    """Wait for every running batch to end (tests, and a router asked to finish its batches)."""
+    """Wait for every running batch to end."""
     while runner.tasks:
         with contextlib.suppress(asyncio.CancelledError):
             await asyncio.gather(*list(runner.tasks.values()), return_exceptions=True)
