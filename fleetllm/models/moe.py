@@ -18,8 +18,6 @@ have biases and a clamped SwiGLU: ``gate <= limit``, ``-limit <= up <= limit``, 
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -49,10 +47,25 @@ class MoE(nn.Module):
             self.shared = MLP(cfg, cfg.shared_expert_intermediate_size)
             self.shared_gate = nn.Linear(h, 1, bias=False)
         self.expert_counts: list[int] | None = None  # tokens per expert since metrics last took them
-        # Set on quantised copies (models/quant.py): each expert's exact Q8_0 (gate_up, down), taken by groups of
-        # fewer than ``q8_rows`` tokens through the Q8_0 GEMV (fp32 activations); wider groups take fp32 products.
-        self.q8: list[tuple[Any, Any]] | None = None
+        # Each expert's exact Q8_0 (gate_up, down): set at load for a Q8_0 GGUF's experts (which then hold no fp32
+        # weights: ``gate_up`` and ``down`` are None) or recovered by a quantised copy (models/quant.py). Groups
+        # of fewer than ``q8_rows`` tokens take the Q8_0 GEMV (fp32 activations), wider ones fp32 products over
+        # the expert's weights (dequantised for that product when there are no fp32 ones: bit for bit the file's).
+        self.q8: list[tuple[q8.Q8Weight, q8.Q8Weight]] | None = None
         self.q8_rows = 0
+
+    def set_q8_experts(self, gate_up: torch.Tensor, gate_up_scale: torch.Tensor, down: torch.Tensor,
+                       down_scale: torch.Tensor) -> None:
+        """Take the experts as Q8_0 levels (int8 ``[E, 2I, H]``, ``[E, H, I]``) and their fp32 scales (one per 32
+        inputs) in place of fp32 weights: a quarter of their memory. Each expert's weight is a view of these."""
+        if gate_up.shape != self.gate_up.shape or down.shape != self.down.shape:
+            raise ValueError(f"checkpoint experts of shapes {tuple(gate_up.shape)}, {tuple(down.shape)} where the "
+                             f"model has {tuple(self.gate_up.shape)}, {tuple(self.down.shape)}")
+        for name, t in (("gate_up_q8", gate_up), ("gate_up_d", gate_up_scale), ("down_q8", down), ("down_d", down_scale)):
+            self.register_buffer(name, t, persistent=False)
+        self.gate_up = self.down = None
+        self.q8 = [(q8.Q8Weight(gate_up[e], gate_up_scale[e]), q8.Q8Weight(down[e], down_scale[e]))
+                   for e in range(self.num_experts)]
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights ``[T, k]``, expert ids ``[T, k]``) of each token."""
@@ -74,7 +87,8 @@ class MoE(nn.Module):
             y = q8.q8_linear(x, self.q8[e][which], b)
             if y is not None:
                 return y
-        return F.linear(x, (self.gate_up, self.down)[which][e], b)
+        stacked = (self.gate_up, self.down)[which]
+        return F.linear(x, self.q8[e][which].dequantize() if stacked is None else stacked[e], b)
 
     def _expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
         gu = self._linear(x, e, 0)

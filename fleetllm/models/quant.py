@@ -272,8 +272,8 @@ def _q8_experts(moe: MoE, invariant: bool) -> MoE:
     """``moe`` whose experts' narrow products take the exact Q8_0 GEMV when every expert weight is exactly Q8_0 (a
     Q8_0 GGUF's ``*_exps``), fp32 ``F.linear`` from ``Q4_WIDE_ROWS`` tokens (``invariant``: never), as the Q8_0 LM
     head; otherwise ``moe`` itself. Each expert's group is its own product, so the bound is per expert."""
-    weights = []
-    for e in range(moe.num_experts):
+    weights = moe.q8 or []  # kept quantised at load (a Q8_0 GGUF's experts), else recovered here
+    for e in range(len(weights), moe.num_experts):
         pair = (q8.recover_q8_0(moe.gate_up[e]), q8.recover_q8_0(moe.down[e]))
         if pair[0] is None or pair[1] is None:
             return moe

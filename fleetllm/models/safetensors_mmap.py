@@ -28,22 +28,25 @@ _DTYPES = {
     "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
     "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
 }
+_NAMES = {dtype: name for name, dtype in _DTYPES.items()}
 
 LazyTensor = tuple[str, tuple[int, ...], Callable[[], Iterable[torch.Tensor]]]
 """A tensor's name, its shape, and what makes it when the writer reaches it: blocks of its outermost rows
 (one block or many) whose concatenation is the tensor."""
 
 
-def write_safetensors(path: Path, tensors: list[LazyTensor]) -> None:
-    """Write fp32 tensors as a safetensors file, making each only when its turn comes and writing its
+def write_safetensors(path: Path, tensors: list[LazyTensor], dtypes: dict[str, torch.dtype] | None = None) -> None:
+    """Write tensors (fp32, or the dtype ``dtypes`` names for a tensor) as a safetensors file, making each only when its turn comes and writing its
     blocks straight from their own memory (``safetensors.torch.save_file`` first copies everything into
     one bytes object): the peak is one block, not the model twice over. Sorted by name, as safetensors does, so
     that a layer's gate and up projections lie side by side for :func:`fleetllm.models.llama.fuse`."""
     tensors = sorted(tensors, key=lambda t: t[0])
+    dtypes = dtypes or {}
     header, offset = {}, 0
     for name, shape, _ in tensors:
-        size = 4 * math.prod(shape)
-        header[name] = {"dtype": "F32", "shape": list(shape), "data_offsets": [offset, offset + size]}
+        dtype = dtypes.get(name, torch.float32)
+        size = dtype.itemsize * math.prod(shape)
+        header[name] = {"dtype": _NAMES[dtype], "shape": list(shape), "data_offsets": [offset, offset + size]}
         offset += size
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned, as the format recommends
@@ -52,7 +55,7 @@ def write_safetensors(path: Path, tensors: list[LazyTensor]) -> None:
         for name, shape, make in tensors:
             end = f.tell() + header[name]["data_offsets"][1] - header[name]["data_offsets"][0]
             for block in make():
-                block.to(torch.float32).contiguous().numpy().tofile(f)
+                block.to(dtypes.get(name, torch.float32)).contiguous().numpy().tofile(f)
             if f.tell() != end:
                 raise ValueError(f"{name}: made {f.tell() - end:+d} bytes off what its shape {shape} holds")
         f.flush()

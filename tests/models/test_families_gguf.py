@@ -1,6 +1,7 @@
 """Mixture-of-experts models converted to GGUF by llama.cpp's own converter load to HF transformers' outputs:
 F32 (Qwen3-MoE, Qwen2-MoE with its shared expert) equal to the HF model, Q8_0 (Qwen3-MoE) equal to the HF model
-whose weights are rounded as Q8_0 rounds them, in exact mode and with the experts on the Q8_0 kernel."""
+whose weights are rounded as Q8_0 rounds them, in exact mode and with the experts on the Q8_0 kernel; Q8_0 experts
+stay quantised in memory."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import torch
 from families import converter, hf_greedy_logprobs, q8_0
 
 from fleetllm import LLM, SamplingParams
+from fleetllm.models.gguf_file import read_gguf_file
+from fleetllm.models.loader import load_model
 
 PROMPTS = [[5, 17, 99, 3, 42, 42, 7], list(range(10, 130, 3)), [200, 201]]
 NEW = 32
@@ -58,3 +61,14 @@ def test_q8_0_experts_run_quantised_by_default_to_the_same_outputs(q8_reference)
     assert all(layer.mlp.q8 is not None for layer in llm.engine.loaded.model.layers)
     res = llm.generate(PROMPTS, SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True, logprobs=0))
     assert_equal_to(hf, [(r.outputs[0].token_ids, [lp.logprob for lp in r.outputs[0].logprobs]) for r in res])
+
+
+def test_q8_0_experts_stay_quantised_in_memory(q8_reference) -> None:
+    """A Q8_0 GGUF's experts load as int8 levels and fp32 scales (no fp32 copy): at most 1.3x their bytes in the file."""
+    path, _ = q8_reference
+    model = load_model(str(path)).model
+    in_file = sum(t.data.nbytes for t in read_gguf_file(path).tensors if t.name.endswith("_exps.weight"))
+    moes = [layer.mlp for layer in model.layers]
+    assert all(m.gate_up is None and m.down is None for m in moes)
+    held = sum(b.nbytes for m in moes for b in (m.gate_up_q8, m.gate_up_d, m.down_q8, m.down_d))
+    assert in_file <= held <= 1.3 * in_file
