@@ -6,14 +6,28 @@ The first tokens are greedy-checked against each other; each figure is the best 
 64 experts of 512, top 8, 16 layers) takes ~7 GB in fp32: scale ``--layers`` down on a shared machine.
 
     python benchmarks/moe_vs_hf.py --hidden 512 --experts 32 --expert-width 256 --top-k 4 --layers 8
+
+``--gguf q8_0``: the model is converted to GGUF Q8_0 by llama.cpp's own ``convert_hf_to_gguf.py`` (the sdist that
+scripts/setup.sh unpacks) and fleetllm serves that file under its default quantization, in a process of its own
+(after HF's model is freed), which reports its resident memory less its KV pool against the file's size; HF
+transformers runs the fp32 safetensors it was converted from (its greedy tokens are then not comparable).
+
+    python benchmarks/moe_vs_hf.py --gguf q8_0 --hidden 1024 --experts 64 --expert-width 512 --top-k 8 --layers 16
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
+import multiprocessing
 import os
+import shutil
+import subprocess
+import sys
 import tempfile
 import time
+from pathlib import Path
+from typing import Any
 
 import torch
 import transformers
@@ -30,10 +44,83 @@ def build(args: argparse.Namespace, path: str) -> transformers.PreTrainedModel:
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
     model.save_pretrained(path)
-    from fleetllm.models.loader import load_model
+    # HF's own tokenizer files of SmolLM2, by which llama.cpp's converter recognises its pre-tokenizer
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from hf_reference import hf_reference_dir
 
-    (open(os.path.join(path, "tokenizer.json"), "w")).write(load_model("smollm2-135m").tokenizer.tok.to_str())
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(hf_reference_dir() / f, Path(path) / f)
     return model
+
+
+LLAMA_CPP = (Path(os.environ.get("FLEETLLM_PEERS_DIR", Path.home() / ".cache" / "fleetllm-peers"))
+             / "llama_cpp_python-0.3.36" / "vendor" / "llama.cpp")  # unpacked by scripts/setup.sh
+
+
+def convert(hf_dir: str, outtype: str) -> Path:
+    """``hf_dir`` as a GGUF file of ``outtype``, by llama.cpp's own converter (its own gguf-py)."""
+    out = Path(hf_dir) / f"model-{outtype}.gguf"
+    env = {**os.environ, "PYTHONPATH": str(LLAMA_CPP / "gguf-py")}
+    done = subprocess.run([sys.executable, str(LLAMA_CPP / "convert_hf_to_gguf.py"), hf_dir, "--outtype", outtype,
+                    "--outfile", str(out)], check=False, env=env, capture_output=True, text=True)
+    if done.returncode:
+        raise SystemExit(f"llama.cpp's converter failed: {done.stderr[-2000:]}")
+    return out
+
+
+def rss_bytes() -> int:
+    """This process's resident memory (VmRSS: anonymous and file-backed pages, the mapped weights included)."""
+    kb = next(line for line in Path("/proc/self/status").read_text().splitlines() if line.startswith("VmRSS"))
+    return int(kb.split()[1]) * 1024
+
+
+def serve_gguf(path: str, threads: int, new: int, prompts: list[list[int]], rounds: int, out: Any) -> None:
+    """fleetllm (default quantization) on the GGUF at c=1 and c=8, best of ``rounds``; then its memory."""
+    torch.set_num_threads(threads)
+    base = rss_bytes()
+    t0 = time.perf_counter()
+    llm = LLM(path, num_threads=threads, num_blocks=64)
+    load_s = time.perf_counter() - t0
+    runner = llm.engine.executor.runner
+    kv = sum(k.nbytes + v.nbytes for k, v in runner.kv_cache)
+    fleet_tok_s(llm, [prompts[0]], 4)  # warm-up: the kernels built, the mapped weights read once
+    fl1 = fl8 = 0.0
+    for _ in range(rounds):
+        fl1 = max(fl1, fleet_tok_s(llm, [prompts[0]], new)[0])
+        fl8 = max(fl8, fleet_tok_s(llm, prompts, new)[0])
+    out.put({"c1": fl1, "c8": fl8, "rss": rss_bytes(), "base": base, "kv": kv, "load_s": load_s})
+
+
+def gguf_run(args: argparse.Namespace) -> None:
+    """The ``--gguf`` comparison: HF transformers on the fp32 checkpoint, fleetllm on its GGUF conversion."""
+    prompt = list(range(100, 116))
+    batch = [[t + i for t in prompt] for i in range(8)]
+    with tempfile.TemporaryDirectory() as d:
+        t0 = time.perf_counter()
+        hf = build(args, d)
+        params = sum(p.numel() for p in hf.parameters())
+        path = convert(d, args.gguf)
+        prep_s = time.perf_counter() - t0
+        hf1 = max(hf_tok_s(hf, prompt, args.new)[0] for _ in range(args.rounds))
+        del hf
+        gc.collect()
+        ctx = multiprocessing.get_context("spawn")
+        q = ctx.Queue()
+        proc = ctx.Process(target=serve_gguf, args=(str(path), args.threads, args.new, batch, args.rounds, q))
+        proc.start()
+        r = q.get()
+        proc.join()
+        size = path.stat().st_size
+    gb = 1e9
+    print(f"Qwen3-MoE random: {params / 1e9:.2f}B params, {args.experts} experts x {args.expert_width}, top "
+          f"{args.top_k}, {args.layers} layers, hidden {args.hidden}; GGUF {args.gguf} {size / gb:.2f} GB; "
+          f"{args.threads} threads, load {os.getloadavg()[0]:.1f}; built and converted in {prep_s:.0f} s")
+    print(f"HF transformers (fp32 safetensors) c=1 {hf1:.2f} tok/s | fleetllm (GGUF, default quantization) c=1 "
+          f"{r['c1']:.2f} tok/s ({r['c1'] / hf1:.2f}x), c=8 {r['c8']:.2f} tok/s; load {r['load_s']:.1f} s")
+    less_kv = r["rss"] - r["kv"]
+    print(f"fleetllm RSS {r['rss'] / gb:.2f} GB, less its KV pool ({r['kv'] / gb:.3f} GB): {less_kv / gb:.2f} GB = "
+          f"{less_kv / size:.2f}x the GGUF (before loading, imports only: {r['base'] / gb:.2f} GB; "
+          f"the model's part {(less_kv - r['base']) / size:.2f}x)")
 
 
 def hf_tok_s(model: transformers.PreTrainedModel, prompt: list[int], new: int) -> tuple[float, list[int]]:
@@ -57,8 +144,13 @@ def main() -> None:
     for name, default in (("hidden", 512), ("experts", 32), ("expert-width", 256), ("top-k", 4), ("layers", 8),
                           ("new", 64), ("threads", 2)):
         ap.add_argument(f"--{name}", type=int, default=default)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--gguf", choices=("q8_0",), help="serve a llama.cpp conversion of the model (see the doc)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    if args.gguf:
+        gguf_run(args)
+        return
     with tempfile.TemporaryDirectory() as d:
         hf = build(args, d)
         params = sum(p.numel() for p in hf.parameters())
@@ -67,7 +159,7 @@ def main() -> None:
         llm = LLM(d, quantization="none", num_threads=args.threads)
         batch = [[t + i for t in prompt] for i in range(8)]
         hf1 = fl1 = fl8 = 0.0
-        for _ in range(3):
+        for _ in range(args.rounds):
             (h, hf_out), (f, fl_out), (f8, _) = (hf_tok_s(hf, prompt, args.new), fleet_tok_s(llm, [prompt], args.new),
                                                  fleet_tok_s(llm, batch, args.new))
             hf1, fl1, fl8 = max(hf1, h), max(fl1, f), max(fl8, f8)
