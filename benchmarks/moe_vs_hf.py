@@ -33,6 +33,8 @@ import torch
 import transformers
 
 from fleetllm import LLM, SamplingParams
+from fleetllm.models.loader import load_model
+from fleetllm.models.source import dequant_cache_dir
 
 
 def build(args: argparse.Namespace, path: str) -> transformers.PreTrainedModel:
@@ -83,12 +85,35 @@ def serve_gguf(path: str, threads: int, new: int, prompts: list[list[int]], roun
     load_s = time.perf_counter() - t0
     runner = llm.engine.executor.runner
     kv = sum(k.nbytes + v.nbytes for k, v in runner.kv_cache)
+    model = llm.engine.loaded.model
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                for t in (*model.parameters(), *model.buffers()) if not t.is_meta}
     fleet_tok_s(llm, [prompts[0]], 4)  # warm-up: the kernels built, the mapped weights read once
     fl1 = fl8 = 0.0
     for _ in range(rounds):
         fl1 = max(fl1, fleet_tok_s(llm, [prompts[0]], new)[0])
         fl8 = max(fl8, fleet_tok_s(llm, prompts, new)[0])
-    out.put({"c1": fl1, "c8": fl8, "rss": rss_bytes(), "base": base, "kv": kv, "load_s": load_s})
+    out.put({"c1": fl1, "c8": fl8, "rss": rss_bytes(), "base": base, "kv": kv, "load_s": load_s,
+             "weights": sum(storages.values())})
+
+
+def first_load(path: str, out: Any) -> None:
+    """A node's first load of the GGUF (it writes the converted-weights cache that later starts map)."""
+    base = rss_bytes()
+    t0 = time.perf_counter()
+    load_model(path)
+    out.put({"rss": rss_bytes(), "base": base, "load_s": time.perf_counter() - t0})
+
+
+def in_process(target: Any, *args: Any) -> dict[str, Any]:
+    """``target(*args, queue)`` run in a fresh process (its memory its own); what it put on the queue."""
+    ctx = multiprocessing.get_context("spawn")
+    q = ctx.Queue()
+    proc = ctx.Process(target=target, args=(*args, q))
+    proc.start()
+    result = q.get()
+    proc.join()
+    return result
 
 
 def gguf_run(args: argparse.Namespace) -> None:
@@ -104,13 +129,12 @@ def gguf_run(args: argparse.Namespace) -> None:
         hf1 = max(hf_tok_s(hf, prompt, args.new)[0] for _ in range(args.rounds))
         del hf
         gc.collect()
-        ctx = multiprocessing.get_context("spawn")
-        q = ctx.Queue()
-        proc = ctx.Process(target=serve_gguf, args=(str(path), args.threads, args.new, batch, args.rounds, q))
-        proc.start()
-        r = q.get()
-        proc.join()
+        first = in_process(first_load, str(path))
+        r = in_process(serve_gguf, str(path), args.threads, args.new, batch, args.rounds)
         size = path.stat().st_size
+        entry = dequant_cache_dir(path)  # this temporary file's cache entry, and its lock
+        shutil.rmtree(entry, ignore_errors=True)
+        entry.with_name(entry.name + ".lock").unlink(missing_ok=True)
     gb = 1e9
     print(f"Qwen3-MoE random: {params / 1e9:.2f}B params, {args.experts} experts x {args.expert_width}, top "
           f"{args.top_k}, {args.layers} layers, hidden {args.hidden}; GGUF {args.gguf} {size / gb:.2f} GB; "
@@ -120,7 +144,9 @@ def gguf_run(args: argparse.Namespace) -> None:
     less_kv = r["rss"] - r["kv"]
     print(f"fleetllm RSS {r['rss'] / gb:.2f} GB, less its KV pool ({r['kv'] / gb:.3f} GB): {less_kv / gb:.2f} GB = "
           f"{less_kv / size:.2f}x the GGUF (before loading, imports only: {r['base'] / gb:.2f} GB; "
-          f"the model's part {(less_kv - r['base']) / size:.2f}x)")
+          f"the model's part {(less_kv - r['base']) / size:.2f}x; its weight tensors {r['weights'] / gb:.2f} GB = "
+          f"{r['weights'] / size:.2f}x); the node's first load (writing the cache) {first['load_s']:.1f} s, RSS "
+          f"{first['rss'] / gb:.2f} GB")
 
 
 def hf_tok_s(model: transformers.PreTrainedModel, prompt: list[int], new: int) -> tuple[float, list[int]]:
