@@ -18,6 +18,8 @@ have biases and a clamped SwiGLU: ``gate <= limit``, ``-limit <= up <= limit``, 
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -64,8 +66,19 @@ class MoE(nn.Module):
         for name, t in (("gate_up_q8", gate_up), ("gate_up_d", gate_up_scale), ("down_q8", down), ("down_d", down_scale)):
             self.register_buffer(name, t, persistent=False)
         self.gate_up = self.down = None
-        self.q8 = [(q8.Q8Weight(gate_up[e], gate_up_scale[e]), q8.Q8Weight(down[e], down_scale[e]))
+        self._view_q8()
+
+    def _view_q8(self) -> None:
+        b = self._buffers
+        self.q8 = [(q8.Q8Weight(b["gate_up_q8"][e], b["gate_up_d"][e]), q8.Q8Weight(b["down_q8"][e], b["down_d"][e]))
                    for e in range(self.num_experts)]
+
+    def _apply(self, fn: Any, recurse: bool = True) -> MoE:
+        """``.to()`` and the like replace the buffers: the per-expert views follow them."""
+        super()._apply(fn, recurse)
+        if "gate_up_q8" in self._buffers:
+            self._view_q8()
+        return self
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights ``[T, k]``, expert ids ``[T, k]``) of each token."""
@@ -88,7 +101,7 @@ class MoE(nn.Module):
             if y is not None:
                 return y
         stacked = (self.gate_up, self.down)[which]
-        return F.linear(x, self.q8[e][which].dequantize() if stacked is None else stacked[e], b)
+        return F.linear(x, self.q8[e][which].dequantize().to(x.dtype) if stacked is None else stacked[e], b)
 
     def _expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
         gu = self._linear(x, e, 0)
