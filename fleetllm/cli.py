@@ -254,20 +254,30 @@ POSITIVE_ENGINE_FLAGS = ("block_size", "num_blocks", "kv_cache_gb", "max_model_l
                          "max_num_batched_tokens", "num_threads")
 
 
+TIER_FLAGS = ("kv_offload_gb", "kv_disk_dir", "kv_disk_gb", "kv_remote")  # serve passes them to every real worker
+
+
 def check_offload(args: argparse.Namespace) -> None:
-    """``--kv-offload-gb`` is GiB of host memory: 0 (no tier) or more (UsageError)."""
+    """The tiers' sizes are GiB: ``--kv-offload-gb`` 0 (no host tier) or more, ``--kv-disk-gb`` more than 0
+    (UsageError)."""
     value = getattr(args, "kv_offload_gb", None)
     if value is not None and value < 0:
         raise UsageError(f"--kv-offload-gb {value}: give 0 (no host tier) or more GiB")
+    disk = getattr(args, "kv_disk_gb", None)
+    if disk is not None and disk <= 0:
+        raise UsageError(f"--kv-disk-gb {disk}: give a positive number of GiB (or leave out --kv-disk-dir)")
 
 
 def _host_tier(cfg, args: argparse.Namespace) -> None:  # cfg: FleetConfig
-    """``serve --kv-offload-gb``: every real worker's (over the YAML's engine settings); a simulated worker holds
-    no KV tensors to keep."""
+    """``serve --kv-offload-gb``, ``--kv-disk-dir``, ``--kv-disk-gb``, ``--kv-remote``: every real worker's (over
+    the YAML's engine settings); a simulated worker holds no KV tensors to keep. Workers on one machine share
+    the disk folder (one node's blocks)."""
     check_offload(args)
-    for m in cfg.models if args.kv_offload_gb is not None else ():
-        if not m.simulate:
-            m.engine["kv_offload_gb"] = args.kv_offload_gb
+    for name in TIER_FLAGS:
+        value = getattr(args, name, None)
+        for m in cfg.models if value is not None else ():
+            if not m.simulate:
+                m.engine[name] = value
 
 
 def check_engine_args(args: argparse.Namespace) -> None:
@@ -578,8 +588,8 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     s = sub.add_parser("serve", help="start N workers and a router on this machine (a fleet)")
     add_options(s, ServeOptions)
     add_options(s, RunDirOption)
-    add_options(s, EngineConfig, only=["model", "speculative", "kv_offload_gb"], title="every real worker",
-                defaults={"kv_offload_gb": None})  # None: the fleet YAML's engine: value stands
+    add_options(s, EngineConfig, only=["model", "speculative", *TIER_FLAGS], title="every real worker",
+                defaults=dict.fromkeys(TIER_FLAGS))  # None: the fleet YAML's engine: value stands
     add_options(s, EngineConfig, only=["scheduling_policy"], defaults={"scheduling_policy": None},
                 title="every worker (overrides the config's engine settings)")
     # None: the fleet config's value stands unless the flag is given (the help shows the router's default).

@@ -11,6 +11,7 @@ from typing import Literal
 
 from fleetllm.cli_options import opt
 from fleetllm.engine.scheduler import SchedulerConfig
+from fleetllm.kvtier.remote import kv_remote_value
 from fleetllm.store.config import StoreConfig
 
 
@@ -27,6 +28,14 @@ class EngineConfig:
     kv_cache_gb: float = opt(1.0, "GiB of KV cache, when --num-blocks is not given")
     kv_offload_gb: float = opt(0.0, "GiB of host memory keeping KV blocks evicted from the cache, brought back "
                                     "instead of recomputed when a later prompt shares them (0: no such tier)")
+    kv_disk_dir: str | None = opt(None, "folder of a disk tier behind the KV cache: every finished request's full "
+                                        "blocks written there in the background, kept across restarts and brought "
+                                        "back instead of recomputed (none: no disk tier)", metavar="DIR")
+    kv_disk_gb: float = opt(16.0, "GiB the disk tier (--kv-disk-dir) may hold; the least recently used go first")
+    kv_remote: str | None = opt(None, "Redis server shared by workers as a KV tier (redis://[:PASSWORD@]HOST:PORT or "
+                                      "rediss://...): finished requests' blocks written there in the background, "
+                                      "read by any worker of the same model (none: no shared tier)",
+                                parse=kv_remote_value, metavar="URL")
     kv_cache_dtype: Literal["auto", "fp32", "bf16", "fp16"] = opt(
         "auto", "dtype of the paged KV cache: auto (the model's), fp32, bf16 or fp16 (half the bytes per token, "
                 "twice the tokens in --kv-cache-gb; attention reads it back in the model's dtype)")

@@ -1,18 +1,20 @@
-"""The host-memory KV tier as a KV connector (``--kv-offload-gb N``).
+"""KV tiers as KV connectors: what every tier shares (match, allocate, load) and the host-memory tier.
 
-- **Store on eviction** (scheduler side, engine thread): when the pool reuses a cached block (its
-  ``on_evict``, called before anything overwrites it), the block's K and V for every layer are copied into
-  host memory (:class:`~.host.HostStore`) under its hash, with its token ids.
 - **Match on admission**: a request admitted with a prefix hit of ``c`` tokens asks the tier for the blocks
   that follow (``get_num_new_matched_tokens``: the leading run the tier holds, by the same block-hash chain
   as the pool's prefix cache, the router's index and P/D frames); the scheduler counts them as computed
-  (and cached: ``usage.prompt_tokens_details.cached_tokens``) and gives them fresh blocks.
-- **Load before the step** (worker side, ``start_load_kv``): those host blocks copied into the fresh pool
-  blocks, one indexed copy per layer; the engine then registers them in the prefix cache as if computed.
+  (and cached: ``usage.prompt_tokens_details.cached_tokens``) and gives them fresh blocks. A tier hands back
+  blocks already in host memory and checked (:meth:`TierConnector._find`): what fails a check is a miss,
+  recomputed, never loaded.
+- **Load before the step** (worker side, ``start_load_kv``): those blocks copied into the fresh pool blocks,
+  one indexed copy per layer; the engine then registers them in the prefix cache as if computed.
+- **Host memory** (``--kv-offload-gb N``, :class:`HostTierConnector`): stores on eviction (the pool's
+  ``on_evict``, called before anything overwrites a reused cached block): the block's K and V for every
+  layer copied into :class:`~.host.HostStore` under its hash, with its token ids. The disk and shared tiers
+  (:mod:`.stored`) store when a request finishes, in the background.
 
 A load is a copy of the very bytes the pool held, so the output is token-identical to recomputing up to
-the float rounding that any prefix hit already accepts. A store that fails only costs hits (counted); a
-tier never holds a request up: nothing here waits.
+the float rounding that any prefix hit already accepts. A store that fails only costs hits (counted).
 """
 
 from __future__ import annotations
@@ -27,7 +29,6 @@ from fleetllm.engine.kv_connector.base import KVConnectorBase, KVConnectorMetada
 from fleetllm.kvtier.host import HostBlock, HostStore
 
 if TYPE_CHECKING:
-    from fleetllm.engine.engine import LLMEngine
     from fleetllm.engine.kv_connector.access import BlockAccess
     from fleetllm.engine.scheduler import SchedulerOutput
     from fleetllm.engine.sequence import Sequence
@@ -38,43 +39,22 @@ log = logging.getLogger("fleetllm.kvtier")
 
 @dataclass
 class HostLoads(KVConnectorMetadata):
-    """The step's loads: ``(pool block, host block)``."""
+    """The step's loads: ``(pool block, block in host memory)``."""
 
     loads: list[tuple[int, HostBlock]] = field(default_factory=list)
 
 
-class HostTierConnector(KVConnectorBase):
-    """Blocks evicted from the pool kept in host memory and brought back instead of recomputed."""
+class TierConnector(KVConnectorBase):
+    """A tier's scheduler and worker sides; a tier says what it holds (:meth:`_find`) and how it stores."""
 
-    def __init__(self, capacity_bytes: int, metrics: TierMetrics | None = None) -> None:
-        self.store = HostStore(capacity_bytes)
+    def __init__(self, metrics: TierMetrics | None = None) -> None:
         self.metrics = metrics
-        self._matched: dict[str, list[HostBlock]] = {}  # request id -> host blocks found at admission
+        self._matched: dict[str, list[HostBlock]] = {}  # request id -> blocks found at admission
         self._pending: dict[str, list[tuple[int, HostBlock]]] = {}  # request id -> loads for its next step
 
-    def bind(self, blocks: BlockAccess) -> None:
-        super().bind(blocks)
-        blocks.pool.on_evict.append(self._evicted)
-
-    # ---- store (engine thread, inside the pool's allocate) --------------------------------------------
-    def _evicted(self, gone: list[tuple[int, int, tuple[int, ...]]]) -> None:
-        if self.caches is None:  # no KV tensors (a simulated worker): nothing to keep
-            return
-        import torch
-
-        try:
-            layers = self.caches.layers
-            for bid, block_hash, token_ids in gone:
-                k = torch.stack([lk[bid] for lk, _ in layers])  # a copy, [layers, block_size, heads, head_dim]
-                v = torch.stack([lv[bid] for _, lv in layers])
-                block = HostBlock(token_ids, k, v)
-                if self.store.put(block_hash, block) and self.metrics is not None:
-                    self.metrics.bytes.labels(tier=self.metrics.tier, direction="stored").inc(block.nbytes)
-        except Exception:  # noqa: BLE001 - a tier that fails costs hits, never the step
-            log.exception("host KV tier: storing evicted blocks failed")
-            self._count_error("store")
-        if self.metrics is not None:
-            self.metrics.used.set(self.store.used_bytes)
+    def _find(self, hashes: list[int], chunks: list[tuple[int, ...]]) -> list[HostBlock]:
+        """The leading run of the blocks ``hashes`` (holding ``chunks``) this tier has, checked, in memory."""
+        raise NotImplementedError
 
     # ---- scheduler side -------------------------------------------------------------------------------
     def get_num_new_matched_tokens(self, seq: Sequence, num_computed_tokens: int) -> int:
@@ -82,15 +62,11 @@ class HostTierConnector(KVConnectorBase):
         bs = self.blocks.pool.block_size
         ids = seq.all_token_ids[: seq.num_tokens - 1]  # as the prefix cache: the last token is always computed
         full, start = len(ids) // bs, num_computed_tokens // bs
-        if start >= full or not len(self.store):
+        if start >= full or self.caches is None:
             return 0
         hashes = hash_prefix_blocks(ids[: full * bs], bs, self.blocks.kv.extra_key)
-        found: list[HostBlock] = []
-        for i in range(start, full):
-            block = self.store.get(hashes[i], tuple(ids[i * bs : (i + 1) * bs]))
-            if block is None:
-                break
-            found.append(block)
+        chunks = [tuple(ids[i * bs : (i + 1) * bs]) for i in range(start, full)]
+        found = self._find(hashes[start:], chunks)
         if self.metrics is not None:
             self.metrics.hits.inc(len(found))
             self.metrics.misses.inc(full - start - len(found))
@@ -137,12 +113,42 @@ class HostTierConnector(KVConnectorBase):
             self.metrics.errors.labels(tier=self.metrics.tier, op=op).inc()
 
 
-def attach_tiers(engine: LLMEngine, offload_gb: float) -> HostTierConnector | None:
-    """Attach the host-memory tier to ``engine`` when ``offload_gb`` > 0 (its metrics on the engine's registry)."""
-    if offload_gb <= 0:
-        return None
-    from fleetllm.kvtier.metrics import TierMetrics
+class HostTierConnector(TierConnector):
+    """Blocks evicted from the pool kept in host memory and brought back instead of recomputed."""
 
-    tier = HostTierConnector(int(offload_gb * 2**30), TierMetrics(engine.metrics.registry, "host"))
-    engine.add_kv_connector(tier)
-    return tier
+    def __init__(self, capacity_bytes: int, metrics: TierMetrics | None = None) -> None:
+        super().__init__(metrics)
+        self.store = HostStore(capacity_bytes)
+
+    def bind(self, blocks: BlockAccess) -> None:
+        super().bind(blocks)
+        blocks.pool.on_evict.append(self._evicted)
+
+    def _find(self, hashes: list[int], chunks: list[tuple[int, ...]]) -> list[HostBlock]:
+        found: list[HostBlock] = []
+        for h, chunk in zip(hashes, chunks, strict=True) if len(self.store) else ():
+            block = self.store.get(h, chunk)
+            if block is None:
+                break
+            found.append(block)
+        return found
+
+    # ---- store (engine thread, inside the pool's allocate) --------------------------------------------
+    def _evicted(self, gone: list[tuple[int, int, tuple[int, ...]]]) -> None:
+        if self.caches is None:  # no KV tensors (a simulated worker): nothing to keep
+            return
+        import torch
+
+        try:
+            layers = self.caches.layers
+            for bid, block_hash, token_ids in gone:
+                k = torch.stack([lk[bid] for lk, _ in layers])  # a copy, [layers, block_size, heads, head_dim]
+                v = torch.stack([lv[bid] for _, lv in layers])
+                block = HostBlock(token_ids, k, v)
+                if self.store.put(block_hash, block) and self.metrics is not None:
+                    self.metrics.bytes.labels(tier=self.metrics.tier, direction="stored").inc(block.nbytes)
+        except Exception:  # noqa: BLE001 - a tier that fails costs hits, never the step
+            log.exception("host KV tier: storing evicted blocks failed")
+            self._count_error("store")
+        if self.metrics is not None:
+            self.metrics.used.set(self.store.used_bytes)

@@ -43,7 +43,7 @@ from fleetllm.engine.outputs import RequestOutput
 from fleetllm.engine.params import InvalidParameter, SamplingParams, check_params
 from fleetllm.engine.scheduler import QueueFull
 from fleetllm.kernels.health import details
-from fleetllm.kvtier.connector import attach_tiers
+from fleetllm.kvtier.attach import attach_tiers
 from fleetllm.observability.dashboard import dashboard_routes
 from fleetllm.observability.process import ColdStart, ProcessHostCollector
 from fleetllm.observability.tracing import trace_id_of
@@ -99,7 +99,8 @@ class Worker:
         self.tool_parser = parser_for((tools or ToolConfig()).tool_call_parser, engine.tokenizer.chat_template)
         self.role = role  # prefill | decode | both (disaggregated serving; routers read it from /kv/events)
         self.async_engine = AsyncEngine(engine, on_failure=self._engine_failed)
-        attach_tiers(engine, engine.config.kv_offload_gb)  # KV kept beyond the pool: host memory
+        c = engine.config  # KV kept beyond the pool: host memory, disk, a shared Redis
+        self.kv_tiers = attach_tiers(engine, c.kv_offload_gb, c.kv_disk_dir, c.kv_disk_gb, c.kv_remote)
         self.handoffs = Handoffs(engine.blocks)  # prompts prefilled elsewhere, held for their requests (P/D)
         self.kv_publisher = None  # KV events in vLLM's format, over ZMQ (after the engine hooked the pool)
         if kv_events is not None and kv_events.kv_events_config:

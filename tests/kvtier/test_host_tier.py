@@ -9,7 +9,7 @@ from prometheus_client import generate_latest
 
 from fleetllm.engine.engine import EngineConfig, LLMEngine, RequestOutput
 from fleetllm.engine.params import SamplingParams
-from fleetllm.kvtier.connector import attach_tiers
+from fleetllm.kvtier.attach import attach_tiers
 from fleetllm.kvtier.host import HostBlock, HostStore
 from fleetllm.models.loader import LoadedModel
 

@@ -1,0 +1,69 @@
+"""A shared Redis server as a KV tier's store (``--kv-remote redis://HOST:PORT``).
+
+Keys are ``fleetllm:kv:<namespace>:<hash>``, the block-hash chain every worker computes alike, so a block
+one worker wrote is a hit for any other of the same model and layout; a value is one stored block
+(:mod:`fleetllm.kvtier.codec`, checksummed). Writing one key twice writes the same bytes (idempotent). The
+server evicts by its own LRU (``maxmemory-policy allkeys-lru``).
+
+A slow or absent server is never waited for past ``timeout_s``: a call that fails raises, and for
+``backoff_s`` after it the store answers "nothing" at once (:class:`Unavailable`) instead of trying again on
+every request. A password never reaches a log line (:func:`fleetllm.router.state_url.redact`).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from fleetllm.router.state_url import StateURLError, redact, state_url_value
+
+PREFIX = "fleetllm:kv:"
+
+
+class Unavailable(ConnectionError):
+    """The server failed a moment ago: not asked again until its back-off ends."""
+
+
+def kv_remote_value(text: str) -> str:
+    """``--kv-remote``: a redis:// or rediss:// URL with a host (a ValueError, password redacted, otherwise)."""
+    try:
+        return state_url_value(text)
+    except StateURLError:
+        raise StateURLError(f"--kv-remote is redis://[:PASSWORD@]HOST:PORT or rediss://..., not {redact(text)!r}") from None
+
+class RedisStore:
+    """Blocks under ``fleetllm:kv:<namespace>:`` in the Redis server at ``url``."""
+
+    def __init__(self, url: str, namespace: str, timeout_s: float = 0.2, backoff_s: float = 2.0) -> None:
+        import redis
+
+        self.url = redact(url)  # for logs
+        self.prefix = f"{PREFIX}{namespace}:"
+        self.backoff_s = backoff_s
+        self._down_until = 0.0
+        self._lock = threading.Lock()  # the back-off clock, set by either thread
+        self.client = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
+                                           retry_on_timeout=False)
+
+    def key(self, block_hash: int) -> str:
+        return f"{self.prefix}{block_hash:016x}"
+
+    def get_many(self, hashes: list[int]) -> list[bytes | None]:
+        """The bytes under each hash (None where absent), in one round trip."""
+        return self._call(lambda: self.client.mget([self.key(h) for h in hashes]))
+
+    def put(self, block_hash: int, data: bytes) -> None:
+        self._call(lambda: self.client.set(self.key(block_hash), data))
+
+    def close(self) -> None:
+        self.client.close()
+
+    def _call(self, fn):  # noqa: ANN001, ANN202 - a redis call, whatever it returns
+        if time.monotonic() < self._down_until:
+            raise Unavailable(f"{self.url}: backing off after an error")
+        try:
+            return fn()
+        except Exception:
+            with self._lock:
+                self._down_until = time.monotonic() + self.backoff_s
+            raise
