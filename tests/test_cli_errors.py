@@ -41,6 +41,8 @@ CASES: list[tuple[list[str], str]] = [
     (["worker", "--simulate", "--profile", "{tmp}/none.json"], "no such file"),
     (["worker", "--max-model-len", "-5"], "positive"),
     (["worker", "--kv-offload-gb", "-1"], "--kv-offload-gb"),
+    (["worker", "--kv-disk-dir", "{tmp}", "--kv-disk-gb", "0"], "--kv-disk-gb"),
+    (["worker", "--kv-remote", "http://:hunter2@host:6379"], "rediss://"),
     (["worker", "--speculative", "method=suffix,kk=4"], "unknown --speculative keys"),
     (["worker", "--simulate", "--kv-events-config", "tcp://*:5557"], "a JSON object"),
     # router
@@ -65,6 +67,7 @@ CASES: list[tuple[list[str], str]] = [
     (["serve", "--config", "{tmp}/top.yaml", "--simulate"], "--simulate"),
     (["serve", "--prefill", "1"], "--decode"),
     (["serve", "--kv-offload-gb", "-2"], "--kv-offload-gb"),
+    (["serve", "--kv-remote", "redis://:hunter2@"], "--kv-remote"),
     (["serve", "--replicas", "0"], "1 or more"),
     (["serve", "--model", "{tmp}/none.gguf"], "not found"),
     # calibrate, generate, spec

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from collections import OrderedDict
 from pathlib import Path
 
@@ -31,7 +32,8 @@ class DiskStore:
         found = []
         for p in self.root.glob(f"*{SUFFIX}"):
             try:
-                found.append((p.stat().st_mtime, int(p.stem, 16), p.stat().st_size))
+                st = p.stat()
+                found.append((st.st_mtime_ns, int(p.stem, 16), st.st_size))
             except (OSError, ValueError):  # gone meanwhile, or not ours
                 continue
         for _, h, size in sorted(found):
@@ -60,6 +62,7 @@ class DiskStore:
         tmp = self.root / f".{block_hash:016x}.{threading.get_ident()}.tmp"
         tmp.write_bytes(data)
         os.replace(tmp, self.path(block_hash))
+        _stamp(self.path(block_hash))
         with self._lock:
             self._files[block_hash] = len(data)
             self.used_bytes += len(data)
@@ -72,7 +75,7 @@ class DiskStore:
             self._files.move_to_end(block_hash)
         try:
             data = self.path(block_hash).read_bytes()
-            os.utime(self.path(block_hash))
+            _stamp(self.path(block_hash))
             return data
         except OSError:  # removed by another worker sharing the folder
             self.drop(block_hash)
@@ -101,3 +104,9 @@ class DiskStore:
             h, size = self._files.popitem(last=False)
             self.used_bytes -= size
             self.path(h).unlink(missing_ok=True)
+
+
+def _stamp(path: Path) -> None:
+    """Mark ``path`` used now, to the nanosecond (the kernel's own stamp is coarser: equal for close uses)."""
+    now = time.time_ns()
+    os.utime(path, ns=(now, now))
