@@ -188,13 +188,15 @@ class Scheduler:
 
     def _external(self, seq: Sequence, n: int) -> int:
         """Tokens of a just admitted ``seq`` the connector loads from outside this pool, beyond its local hit,
-        into blocks admit gave it (at most ``n - 1``: the step still computes one token), counted as computed."""
+        into blocks admit gave it (at most ``n - 1``: the step still computes one token), counted as computed.
+        A connector that cannot load them after all gives them back (lowers ``num_computed_tokens``)."""
         if self.connector is None:
             return 0
-        ext = max(0, min(self.connector.get_num_new_matched_tokens(seq, seq.num_computed_tokens), n - 1))
+        before = seq.num_computed_tokens
+        ext = max(0, min(self.connector.get_num_new_matched_tokens(seq, before), n - 1))
         seq.num_computed_tokens += ext
         self.connector.update_state_after_alloc(seq, ext)
-        return ext
+        return max(0, seq.num_computed_tokens - before)
 
     def _preempt(self, seq: Sequence) -> None:
         self.kv.free(seq)

@@ -6,8 +6,9 @@
   (and cached: ``usage.prompt_tokens_details.cached_tokens``) and gives them fresh blocks. A tier hands back
   blocks already in host memory and checked (:meth:`TierConnector._find`): what fails a check is a miss,
   recomputed, never loaded.
-- **Load before the step** (worker side, ``start_load_kv``): those blocks copied into the fresh pool blocks,
-  one indexed copy per layer; the engine then registers them in the prefix cache as if computed.
+- **Load on allocation** (``update_state_after_alloc``, engine thread): those blocks copied into the fresh pool
+  blocks, one indexed copy per layer, before any step reads them; the engine then registers them in the
+  prefix cache as if computed. A copy that fails gives the tokens back to the scheduler, which computes them.
 - **Host memory** (``--kv-offload-gb N``, :class:`HostTierConnector`): stores on eviction (the pool's
   ``on_evict``, called before anything overwrites a reused cached block): the block's K and V for every
   layer copied into :class:`~.host.HostStore` under its hash, with its token ids. The disk and shared tiers
@@ -21,36 +22,28 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from fleetllm.engine.block_pool import hash_prefix_blocks
-from fleetllm.engine.kv_connector.base import KVConnectorBase, KVConnectorMetadata, Layers, StepKV
+from fleetllm.engine.kv_connector.base import KVConnectorBase
 from fleetllm.kvtier.host import HostBlock, HostStore
 
 if TYPE_CHECKING:
     from fleetllm.engine.kv_connector.access import BlockAccess
-    from fleetllm.engine.scheduler import SchedulerOutput
     from fleetllm.engine.sequence import Sequence
     from fleetllm.kvtier.metrics import TierMetrics
 
 log = logging.getLogger("fleetllm.kvtier")
 
 
-@dataclass
-class HostLoads(KVConnectorMetadata):
-    """The step's loads: ``(pool block, block in host memory)``."""
-
-    loads: list[tuple[int, HostBlock]] = field(default_factory=list)
-
-
 class TierConnector(KVConnectorBase):
     """A tier's scheduler and worker sides; a tier says what it holds (:meth:`_find`) and how it stores."""
+
+    _name = "host"  # in logs
 
     def __init__(self, metrics: TierMetrics | None = None) -> None:
         self.metrics = metrics
         self._matched: dict[str, list[HostBlock]] = {}  # request id -> blocks found at admission
-        self._pending: dict[str, list[tuple[int, HostBlock]]] = {}  # request id -> loads for its next step
 
     def _find(self, hashes: list[int], chunks: list[tuple[int, ...]]) -> list[HostBlock]:
         """The leading run of the blocks ``hashes`` (holding ``chunks``) this tier has, checked, in memory."""
@@ -81,32 +74,31 @@ class TierConnector(KVConnectorBase):
         bs = self.blocks.pool.block_size if self.blocks is not None else 1
         first = (seq.num_computed_tokens - num_external_tokens) // bs
         n = -(-num_external_tokens // bs)  # a block partly counted is loaded whole: the step recomputes the rest
-        self._pending[seq.request_id] = list(zip(seq.block_table[first : first + n], found[:n], strict=True))
-
-    def build_connector_meta(self, sched: SchedulerOutput) -> KVConnectorMetadata:
-        return HostLoads(loads=[x for s in sched.scheduled for x in self._pending.pop(s.seq.request_id, [])])
+        try:
+            self._load(list(zip(seq.block_table[first : first + n], found[:n], strict=True)))
+        except Exception:  # noqa: BLE001 - a load that fails is computed instead, never a failed request
+            log.exception("%s KV tier: loading %d blocks failed: computing them", self._name, n)
+            self._count_error("load")
+            seq.num_computed_tokens -= num_external_tokens  # given back: the scheduler computes them
 
     def request_finished(self, seq: Sequence) -> None:
         self._matched.pop(seq.request_id, None)
-        self._pending.pop(seq.request_id, None)
 
-    # ---- worker side ----------------------------------------------------------------------------------
-    def start_load_kv(self, meta: KVConnectorMetadata, kv_cache: Layers) -> StepKV | None:
-        if not isinstance(meta, HostLoads) or not meta.loads or self.caches is None:
-            return None
+    def _load(self, loads: list[tuple[int, HostBlock]]) -> None:
+        """Copy ``(pool block, block)`` pairs into the pool, one indexed copy per layer. On the engine thread as
+        the request is admitted, into fresh blocks no step has touched yet; before the step that reads them."""
         import torch
 
+        assert self.caches is not None
         t0 = time.perf_counter()
         layers = self.caches.layers
-        index = torch.tensor([bid for bid, _ in meta.loads], dtype=torch.long, device=layers[0][0].device)
+        index = torch.tensor([bid for bid, _ in loads], dtype=torch.long, device=layers[0][0].device)
         for i, (k, v) in enumerate(layers):
-            k.index_copy_(0, index, torch.stack([b.k[i] for _, b in meta.loads]).to(k.device, k.dtype))
-            v.index_copy_(0, index, torch.stack([b.v[i] for _, b in meta.loads]).to(v.device, v.dtype))
+            k.index_copy_(0, index, torch.stack([b.k[i] for _, b in loads]).to(k.device, k.dtype))
+            v.index_copy_(0, index, torch.stack([b.v[i] for _, b in loads]).to(v.device, v.dtype))
         if self.metrics is not None:
             self.metrics.load_seconds.observe(time.perf_counter() - t0)
-            self.metrics.bytes.labels(tier=self.metrics.tier, direction="loaded").inc(
-                sum(b.nbytes for _, b in meta.loads))
-        return None
+            self.metrics.bytes.labels(tier=self.metrics.tier, direction="loaded").inc(sum(b.nbytes for _, b in loads))
 
     def _count_error(self, op: str) -> None:
         if self.metrics is not None:

@@ -40,7 +40,7 @@ class StoredTierConnector(TierConnector):
     def __init__(self, name: str, get_many: GetMany, put: Put, metrics: TierMetrics | None = None,
                  drop: Callable[[int], None] | None = None) -> None:
         super().__init__(metrics)
-        self.name = name
+        self._name = name
         self._get_many, self._drop = get_many, drop
         self._known: OrderedDict[int, None] = OrderedDict()
         self.writer = Writer(name, put, lambda: self._count_error("store"), self._written)
@@ -57,7 +57,7 @@ class StoredTierConnector(TierConnector):
         try:
             values = self._get_many(hashes)
         except Exception as e:  # noqa: BLE001 - a tier down or slow is a miss, never a failed request
-            log.warning("%s KV tier: lookup failed (%s): computing instead", self.name, e)
+            log.warning("%s KV tier: lookup failed (%s): computing instead", self._name, e)
             self._count_error("load")
             return []
         found: list[HostBlock] = []
@@ -67,7 +67,7 @@ class StoredTierConnector(TierConnector):
             try:
                 found.append(decode(data, chunk, k0.dtype, shape))
             except CorruptBlock as e:
-                log.warning("%s KV tier: block %016x is unusable (%s): computing it", self.name, h, e)
+                log.warning("%s KV tier: block %016x is unusable (%s): computing it", self._name, h, e)
                 self._count_error("corrupt")
                 if self._drop is not None:
                     self._drop(h)
@@ -83,7 +83,7 @@ class StoredTierConnector(TierConnector):
         try:
             self._save(seq)
         except Exception:  # noqa: BLE001 - a tier that fails costs hits, never the request
-            log.exception("%s KV tier: copying a finished request's blocks failed", self.name)
+            log.exception("%s KV tier: copying a finished request's blocks failed", self._name)
             self._count_error("store")
 
     def _save(self, seq: Sequence) -> None:

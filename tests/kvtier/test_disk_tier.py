@@ -77,3 +77,18 @@ def test_behind_the_host_tier_a_block_missing_from_host_memory_comes_from_disk(l
     assert out.num_cached_tokens == FULL_BLOCKS and tokens == reference
     assert metric(engine, 'fleetllm:kv_tier_misses_total{tier="host"}') == FULL_BLOCKS // 16
     assert metric(engine, 'fleetllm:kv_tier_hits_total{tier="disk"}') == FULL_BLOCKS // 16
+
+
+def test_a_load_that_fails_after_the_match_is_computed_instead(loaded_model, written, monkeypatch) -> None:
+    folder, reference = written
+    engine, tiers = engine_with(loaded_model, disk_dir=folder, disk_gb=0.01)
+
+    def broken(loads: object) -> None:
+        raise RuntimeError("the copy into the pool failed")
+
+    monkeypatch.setattr(tiers[0], "_load", broken)
+    tokens, out = run(engine, prompt(11))
+    close(tiers)
+    assert tokens == reference
+    assert out.num_cached_tokens == 0  # the tokens given back were computed, not counted cached
+    assert metric(engine, 'fleetllm:kv_tier_errors_total{op="load",tier="disk"}') == 1

@@ -70,7 +70,9 @@ class KVConnectorScheduler(Protocol):
         ...
 
     def update_state_after_alloc(self, seq: Sequence, num_external_tokens: int) -> None:
-        """``seq`` was admitted with blocks for its prompt; ``num_external_tokens`` of them are to be loaded."""
+        """``seq`` was admitted with blocks for its prompt; ``num_external_tokens`` of them are to be loaded (already
+        counted in ``seq.num_computed_tokens``; a connector that cannot load them lowers it back by as many,
+        and the scheduler computes them instead)."""
         ...
 
     def build_connector_meta(self, sched: SchedulerOutput) -> KVConnectorMetadata:
