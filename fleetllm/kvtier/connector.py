@@ -45,6 +45,10 @@ class TierConnector(KVConnectorBase):
         self.metrics = metrics
         self._matched: dict[str, list[HostBlock]] = {}  # request id -> blocks found at admission
 
+    def close(self) -> None:
+        """Finish what the tier writes in the background (nothing, for host memory)."""
+        return None
+
     def _find(self, hashes: list[int], chunks: list[tuple[int, ...]]) -> list[HostBlock]:
         """The leading run of the blocks ``hashes`` (holding ``chunks``) this tier has, checked, in memory."""
         raise NotImplementedError

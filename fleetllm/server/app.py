@@ -179,6 +179,8 @@ class Worker:
         yield
         self.ready = False
         self.async_engine.shutdown()
+        for tier in self.kv_tiers:  # queued disk and Redis writes finished: a restart finds them
+            await asyncio.to_thread(tier.close)
         if (pool_file := self.engine.kv_pool_file()) is not None:
             pool_file.close()  # a shared KV pool's file goes with its worker: no prefill worker maps it any more
         if self.kv_publisher is not None:

@@ -1,5 +1,6 @@
-"""A worker started with --kv-offload-gb: a returning prompt whose blocks its small pool evicted is answered
-from host memory, and the usage counts those tokens as cached."""
+"""A worker with KV tiers: a returning prompt whose blocks its small pool evicted is answered from host memory
+(--kv-offload-gb), a restarted one answers its previous prompt from disk (--kv-disk-dir), and the usage counts
+those tokens as cached."""
 
 from __future__ import annotations
 
@@ -22,3 +23,14 @@ def test_a_returning_prompt_evicted_from_the_pool_is_cached_tokens_from_the_host
     again = complete(w.url, first)
     assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 96  # its 6 full blocks, none recomputed
     assert w.metrics()["fleetllm:kv_tier_hits_total"] > 0
+
+
+def test_a_restarted_worker_answers_its_previous_prompt_from_its_disk_tier(worker_factory, tmp_path) -> None:
+    flags = ("--kv-disk-dir", str(tmp_path), "--kv-disk-gb", "0.01")
+    ids = [(104723 + 29 * i) % 3000 + 100 for i in range(100)]
+    before = worker_factory(*flags)
+    first = complete(before.url, ids)
+    before.stop()  # its shutdown finishes the queued writes
+    after = complete(worker_factory(*flags).url, ids)
+    assert after["usage"]["prompt_tokens_details"]["cached_tokens"] == 96
+    assert after["choices"][0]["text"] == first["choices"][0]["text"]

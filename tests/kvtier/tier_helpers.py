@@ -41,8 +41,7 @@ def flush(tiers: list[TierConnector]) -> None:
 
 def close(tiers: list[TierConnector]) -> None:
     for t in tiers:
-        if hasattr(t, "close"):
-            t.close()
+        t.close()
 
 
 def metric(engine: LLMEngine, prefix: str) -> float:
