@@ -49,6 +49,10 @@ class TierConnector(KVConnectorBase):
         """Finish what the tier writes in the background (nothing, for host memory)."""
         return None
 
+    def _holds_any(self) -> bool:
+        """Whether the tier may hold a block (False: no need to hash a prompt to ask)."""
+        return True
+
     def _find(self, hashes: list[int], chunks: list[tuple[int, ...]]) -> list[HostBlock]:
         """The leading run of the blocks ``hashes`` (holding ``chunks``) this tier has, checked, in memory."""
         raise NotImplementedError
@@ -61,9 +65,10 @@ class TierConnector(KVConnectorBase):
         full, start = len(ids) // bs, num_computed_tokens // bs
         if start >= full or self.caches is None:
             return 0
-        hashes = hash_prefix_blocks(ids[: full * bs], bs, self.blocks.kv.extra_key)
-        chunks = [tuple(ids[i * bs : (i + 1) * bs]) for i in range(start, full)]
-        found = self._find(hashes[start:], chunks)
+        found: list[HostBlock] = []
+        if self._holds_any():
+            hashes = hash_prefix_blocks(ids[: full * bs], bs, self.blocks.kv.extra_key)
+            found = self._find(hashes[start:], [tuple(ids[i * bs : (i + 1) * bs]) for i in range(start, full)])
         if self.metrics is not None:
             self.metrics.hits.inc(len(found))
             self.metrics.misses.inc(full - start - len(found))
@@ -120,9 +125,12 @@ class HostTierConnector(TierConnector):
         super().bind(blocks)
         blocks.pool.on_evict.append(self._evicted)
 
+    def _holds_any(self) -> bool:
+        return len(self.store) > 0
+
     def _find(self, hashes: list[int], chunks: list[tuple[int, ...]]) -> list[HostBlock]:
         found: list[HostBlock] = []
-        for h, chunk in zip(hashes, chunks, strict=True) if len(self.store) else ():
+        for h, chunk in zip(hashes, chunks, strict=True):
             block = self.store.get(h, chunk)
             if block is None:
                 break

@@ -22,6 +22,7 @@ from fleetllm.engine.block_pool import hash_prefix_blocks
 from fleetllm.kvtier.codec import CorruptBlock, decode
 from fleetllm.kvtier.connector import TierConnector
 from fleetllm.kvtier.host import HostBlock
+from fleetllm.kvtier.remote import Unavailable
 from fleetllm.kvtier.writer import Put, Writer
 
 if TYPE_CHECKING:
@@ -57,7 +58,8 @@ class StoredTierConnector(TierConnector):
         try:
             values = self._get_many(hashes)
         except Exception as e:  # noqa: BLE001 - a tier down or slow is a miss, never a failed request
-            log.warning("%s KV tier: lookup failed (%s): computing instead", self._name, e)
+            if not isinstance(e, Unavailable):  # logged once per back-off, not once per request
+                log.warning("%s KV tier: lookup failed (%s): computing instead", self._name, e)
             self._count_error("load")
             return []
         found: list[HostBlock] = []

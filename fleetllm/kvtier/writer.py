@@ -14,6 +14,7 @@ from collections.abc import Callable
 
 from fleetllm.kvtier.codec import encode
 from fleetllm.kvtier.host import HostBlock
+from fleetllm.kvtier.remote import Unavailable
 
 log = logging.getLogger("fleetllm.kvtier")
 
@@ -54,8 +55,10 @@ class Writer:
                 data = encode(block)
                 self._put(block_hash, data)
                 self._on_written(len(data))
-            except Exception:  # noqa: BLE001 - a failed write costs a hit, never the engine
-                log.warning("KV tier: writing block %016x failed", block_hash, exc_info=True)
+            except Unavailable:  # the store failed a moment ago (logged then): counted only
+                self._on_error()
+            except Exception as e:  # noqa: BLE001 - a failed write costs a hit, never the engine
+                log.warning("KV tier: writing block %016x failed (%s)", block_hash, e)
                 self._on_error()
             finally:
                 self._queue.task_done()
