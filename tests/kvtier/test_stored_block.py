@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
@@ -58,3 +60,15 @@ def test_the_disk_store_drops_the_least_recently_used_and_keeps_its_order_across
     again = DiskStore(tmp_path, capacity_bytes=200)  # a restart with less room: the oldest file (3) goes
     assert sorted(h for h in (1, 2, 3, 4) if h in again) == [1, 4]
     assert again.get(1) == bytes(100) and again.used_bytes == 200
+
+
+def test_the_writer_drops_blocks_past_its_queued_bytes_rather_than_growing() -> None:
+    from fleetllm.kvtier.writer import Writer
+
+    gate, written = threading.Event(), []
+    writer = Writer("test", lambda h, data: (gate.wait(), written.append(h)), lambda: None, lambda n: None,
+                    max_pending_bytes=2 * block().nbytes)
+    accepted = [writer.submit(h, block()) for h in range(4)]  # the thread holds the first until the gate opens
+    gate.set()
+    writer.close()
+    assert accepted == [True, True, False, False] and written == [0, 1]
