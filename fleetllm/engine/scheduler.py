@@ -176,8 +176,8 @@ class Scheduler:
                 break
             self.waiting.popleft()
             n = min(seq.num_uncomputed, budget)  # what admit allocated blocks for, beyond the hit
-            ext = self._external(seq, n)
-            cached, n = cached + ext, n - ext
+            ext, n = self._external(seq, n, budget)
+            cached += ext
             if seq.num_cached_tokens < 0:
                 seq.num_cached_tokens = cached
             seq.transition(Status.RUNNING)
@@ -186,17 +186,24 @@ class Scheduler:
             budget = 0 if alone else budget - n
         return out
 
-    def _external(self, seq: Sequence, n: int) -> int:
-        """Tokens of a just admitted ``seq`` the connector loads from outside this pool, beyond its local hit,
-        into blocks admit gave it (at most ``n - 1``: the step still computes one token), counted as computed.
-        A connector that cannot load them after all gives them back (lowers ``num_computed_tokens``)."""
+    def _external(self, seq: Sequence, n: int, budget: int) -> tuple[int, int]:
+        """Tokens of a just admitted ``seq`` the connector loads from outside this pool, beyond its local hit
+        (counted as computed), and the tokens its step then computes. Loaded tokens cost no step budget: beyond
+        the ``n`` admit gave blocks for, more blocks are taken where free (else at most ``n - 1`` are loaded).
+        The step always computes one token at least. A connector that cannot load them after all gives them
+        back (lowers ``num_computed_tokens``): the step computes them instead."""
         if self.connector is None:
-            return 0
+            return 0, n
         before = seq.num_computed_tokens
-        ext = max(0, min(self.connector.get_num_new_matched_tokens(seq, before), n - 1))
+        ext = max(0, min(self.connector.get_num_new_matched_tokens(seq, before), seq.num_tokens - before - 1))
+        step = min(seq.num_tokens - before - ext, budget)
+        grown = ext + step > n and self.kv.grow(seq, ext + step)
+        if not grown:
+            ext = min(ext, n - 1)
         seq.num_computed_tokens += ext
         self.connector.update_state_after_alloc(seq, ext)
-        return max(0, seq.num_computed_tokens - before)
+        loaded = max(0, seq.num_computed_tokens - before)
+        return loaded, min(seq.num_uncomputed, budget) if grown else n - loaded
 
     def _preempt(self, seq: Sequence) -> None:
         self.kv.free(seq)

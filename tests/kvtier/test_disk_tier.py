@@ -92,3 +92,15 @@ def test_a_load_that_fails_after_the_match_is_computed_instead(loaded_model, wri
     assert tokens == reference
     assert out.num_cached_tokens == 0  # the tokens given back were computed, not counted cached
     assert metric(engine, 'fleetllm:kv_tier_errors_total{op="load",tier="disk"}') == 1
+
+
+def test_a_prefix_longer_than_the_step_budget_is_loaded_whole(loaded_model, tmp_path) -> None:
+    ids = prompt(13, n=300)  # the step budget is 128 tokens: loading costs none of it
+    writer, w_tiers = engine_with(loaded_model, disk_dir=tmp_path, disk_gb=0.05)
+    reference, _ = run(writer, ids)
+    flush(w_tiers)
+    close(w_tiers)
+    engine, tiers = engine_with(loaded_model, disk_dir=tmp_path, disk_gb=0.05)
+    tokens, out = run(engine, ids)
+    close(tiers)
+    assert out.num_cached_tokens == 288 and tokens == reference
