@@ -14,9 +14,7 @@ The worker's output goes to the actor's own log (Ray's worker logs of that node)
 
 from __future__ import annotations
 
-import ctypes
 import os
-import signal
 import subprocess
 import sys
 import threading
@@ -25,11 +23,11 @@ from typing import Any
 import ray
 
 from fleetllm.fleet.config import ModelSpec, RaySettings
+from fleetllm.fleet.lifetime import die_with_parent
 from fleetllm.fleet.ray_local import free_port
 from fleetllm.router.discovery.ray import ACTOR_PREFIX  # the names the router's discovery looks for
 
 __all__ = ["ACTOR_PREFIX", "WorkerActor", "actor_options"]
-_PR_SET_PDEATHSIG = 1
 
 
 def actor_options(m: ModelSpec, ray_cfg: RaySettings, name: str, index: int, restart: bool) -> dict[str, Any]:
@@ -72,7 +70,7 @@ class WorkerActor:
 
     def _run(self, cmd: list[str], env: dict[str, str], started: threading.Event) -> None:
         try:
-            self.popen = subprocess.Popen(cmd, env=env, preexec_fn=_die_with_parent)
+            self.popen = subprocess.Popen(cmd, env=env, preexec_fn=die_with_parent)
         finally:
             started.set()
         code = self.popen.wait()
@@ -97,6 +95,3 @@ class WorkerActor:
             self.popen.kill()
             return self.popen.wait()
 
-
-def _die_with_parent() -> None:
-    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)

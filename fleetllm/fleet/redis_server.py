@@ -14,6 +14,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from fleetllm.fleet.lifetime import die_with_parent
+
 
 class RedisUnavailable(RuntimeError):
     """``redis-server`` is not installed, or did not start."""
@@ -48,7 +50,8 @@ class RedisServer:
             [exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
              "--dir", self._dir.name, "--logfile", str(log), "--protected-mode", "yes"],
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-            start_new_session=True)  # a Ctrl-C to the fleet must not stop the store before the routers
+            start_new_session=True,  # a Ctrl-C to the fleet must not stop the store before the routers
+            preexec_fn=die_with_parent)  # but a fleet (or test session) killed outright takes it along
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.popen.poll() is not None:
