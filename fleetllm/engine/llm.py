@@ -13,6 +13,7 @@ from typing import Any
 
 from fleetllm.engine.engine import EngineConfig, LLMEngine, TokenLogprob
 from fleetllm.engine.sampling import SamplingParams
+from fleetllm.kvtier.attach import attach_tiers
 from fleetllm.models.loader import LoadedModel
 
 
@@ -39,9 +40,17 @@ class LLM:
 
     def __init__(self, model: str = "smollm2-135m", loaded: LoadedModel | None = None, **engine_kwargs: Any) -> None:
         """``loaded`` reuses weights already in memory (several engines over one model, as in tests)."""
-        self.engine = LLMEngine(EngineConfig(model=model, **engine_kwargs), loaded=loaded)
+        cfg = EngineConfig(model=model, **engine_kwargs)
+        self.engine = LLMEngine(cfg, loaded=loaded)
+        # the KV tiers the config asks for, as a worker attaches them (their writes finish at close())
+        self.kv_tiers = attach_tiers(self.engine, cfg.kv_offload_gb, cfg.kv_disk_dir, cfg.kv_disk_gb, cfg.kv_remote)
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
+
+    def close(self) -> None:
+        """Finish the KV tiers' queued writes and release them (nothing to do without tiers)."""
+        for tier in self.kv_tiers:
+            tier.close()
 
     def generate(
         self, prompts: str | list[str] | list[list[int]], params: SamplingParams | list[SamplingParams] | None = None
