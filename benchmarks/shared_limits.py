@@ -28,7 +28,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import free_ports, save_run, stop_process, tail  # noqa: E402
+from common import free_ports, save_run, stop_process, wait_healthy  # noqa: E402
 
 from fleetllm.fleet.redis_server import RedisServer  # noqa: E402
 from fleetllm.router.keys import KeyStore  # noqa: E402
@@ -40,20 +40,6 @@ RUNS = ("alone", "shared", "redis-killed")
 
 def start(args: list[str], log: Path) -> subprocess.Popen[bytes]:
     return subprocess.Popen(CLI + args, stdout=open(log, "wb"), stderr=subprocess.STDOUT, cwd=ROOT)
-
-
-def wait_up(url: str, proc: subprocess.Popen[bytes], log: Path, timeout: float = 120) -> None:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{url} exited:\n{tail(log)}")
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.3)
-    raise RuntimeError(f"{url} not up after {timeout:.0f} s:\n{tail(log)}")
 
 
 async def load(urls: list[str], key: str, rate: float, duration: float,
@@ -94,7 +80,7 @@ async def run_once(kind: str, worker: str, keys: Path, key: str, args: argparse.
                 flags += ["--state-url", store.url]
             log = logs / f"{kind}-router{j}.log"
             routers.append(start(flags, log))
-            wait_up(url, routers[-1], log)
+            wait_healthy(url + "/health", routers[-1], log, 120)
             urls.append(url)
         midway = asyncio.Event()
         if kind == "redis-killed":
@@ -139,7 +125,7 @@ def main() -> None:
         wproc = start(["worker", "--simulate", "--port", str(wport), "--sim-speed", "10", "--log-level", "warning"],
                       wlog)
         try:
-            wait_up(worker, wproc, wlog)
+            wait_healthy(worker + "/health", wproc, wlog, 120)
             rows = [asyncio.run(run_once(kind, worker, keys.path, key, args, logs)) for kind in args.runs.split(",")]
         finally:
             stop_process(wproc)
