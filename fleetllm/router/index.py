@@ -10,6 +10,10 @@ Two kinds of entries per worker:
 
 A worker holds a prefix of ``k`` blocks when its first ``k`` hashes are all present: the chain
 makes a block's hash stand for every token before it.
+
+Both kinds describe the worker's block pool (vLLM's medium ``"GPU"``). Blocks a worker reports in another
+medium — its host memory (``"CPU"``) or disk (``"DISK"``) KV tier — are kept apart, per medium: such a
+block is no pool hit but can be loaded instead of recomputed (:meth:`PrefixIndex.match_media`).
 """
 
 from __future__ import annotations
@@ -17,6 +21,13 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
+
+POOL = "GPU"  # vLLM's name for the medium of the engine's own block pool, whatever the device
+
+
+def is_pool(medium: str | None) -> bool:
+    """Whether an event's ``medium`` is the block pool (events without one, from older vLLMs, are)."""
+    return medium is None or medium.upper() == POOL
 
 
 class PrefixIndex:
@@ -26,18 +37,31 @@ class PrefixIndex:
         self.exact: dict[str, set[int]] = {}
         self.routed: dict[str, OrderedDict[int, float]] = {}  # hash -> expiry, least recently routed first
         self.capacity: dict[str, int] = {}  # blocks a worker can hold (bounds its routed entries)
+        self.tiers: dict[str, dict[str, set[int]]] = {}  # worker -> medium ("CPU", "DISK") -> hashes
 
     # ---- updates ----------------------------------------------------------------------------------
     def reset(self, worker: str, hashes: Iterable[int], capacity: int | None = None) -> None:
-        """Replace a worker's exact entries with a snapshot (after a (re)connect or restart)."""
+        """Replace a worker's exact entries with a snapshot (after a (re)connect or restart); its tiers'
+        entries are forgotten too (a snapshot, or vLLM's ``AllBlocksCleared``, starts the worker afresh)."""
         self.exact[worker] = set(hashes)
+        self.tiers.pop(worker, None)
         if capacity:
             self.capacity[worker] = capacity
 
-    def stored(self, worker: str, hashes: Iterable[int]) -> None:
-        self.exact.setdefault(worker, set()).update(hashes)
+    def stored(self, worker: str, hashes: Iterable[int], medium: str | None = POOL) -> None:
+        """``hashes`` entered ``worker``'s pool, or the tier called ``medium``."""
+        if is_pool(medium):
+            self.exact.setdefault(worker, set()).update(hashes)
+        else:
+            self.tiers.setdefault(worker, {}).setdefault(medium.upper(), set()).update(hashes)
 
-    def removed(self, worker: str, hashes: Iterable[int]) -> None:
+    def removed(self, worker: str, hashes: Iterable[int], medium: str | None = POOL) -> None:
+        """``hashes`` left ``worker``'s pool (or the tier ``medium``: its pool entries stay as they are)."""
+        if not is_pool(medium):
+            held = self.tiers.get(worker, {}).get(medium.upper())
+            if held is not None:
+                held.difference_update(hashes)
+            return
         ex = self.exact.get(worker)
         routed = self.routed.get(worker)
         for h in hashes:
@@ -64,9 +88,11 @@ class PrefixIndex:
         """Forget everything about a worker (it died, or its event stream broke)."""
         self.exact.pop(worker, None)
         self.routed.pop(worker, None)
+        self.tiers.pop(worker, None)
 
     def drop_exact(self, worker: str) -> None:
         self.exact.pop(worker, None)
+        self.tiers.pop(worker, None)
 
     # ---- queries ----------------------------------------------------------------------------------
     def has(self, worker: str, h: int, now: float) -> bool:
@@ -96,6 +122,23 @@ class PrefixIndex:
             for w in alive:
                 depth[w] = i + 1
         return depth
+
+    def match_media(self, hashes: Sequence[int], workers: Iterable[str],
+                    rank: Callable[[str], float] = lambda m: 0.0) -> dict[str, list[str]]:
+        """For each worker, where it holds each leading block of ``hashes``: ``POOL``, or the medium of the
+        tier it would load the block from (the lowest ``rank`` of those holding it). The list stops at the
+        first block held nowhere; with no tier entries it is :meth:`match`'s depth of ``POOL``."""
+        now = self.clock()
+        out: dict[str, list[str]] = {}
+        for w in workers:
+            tiers = sorted(self.tiers.get(w, {}).items(), key=lambda kv: rank(kv[0]))
+            media = out[w] = []
+            for h in hashes:
+                where = POOL if self.has(w, h, now) else next((m for m, held in tiers if h in held), None)
+                if where is None:
+                    break
+                media.append(where)
+        return out
 
     def size(self, worker: str) -> int:
         return len(self.exact.get(worker, ())) + len(self.routed.get(worker, ()))

@@ -19,6 +19,10 @@ would start: the prompt tokens queued ahead of it at the prefill rate, plus a st
 request queued ahead (:meth:`CostModel.queue_s`). Because a holder's queue is weighed against the
 prefix it saves, a new session of a hot prefix spills to another worker (which then computes and
 caches the prefix: a second replica) as soon as waiting at the holders costs more than recomputing.
+
+A prefix block a worker holds in a KV tier rather than its pool (host memory, disk: its KV events say the
+medium) is neither free nor a miss: it costs :attr:`CostModel.tier_load` (a fraction of recomputing it)
+of a block's prefill — ``uncached`` in the cost counts such a block as that fraction of its tokens.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ import random
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
-from fleetllm.router.index import PrefixIndex
+from fleetllm.router.index import POOL, PrefixIndex
 
 if TYPE_CHECKING:  # httpx, which upstream imports, is no part of a worker's start (the CLI imports this module)
     from collections.abc import Callable
@@ -75,9 +79,17 @@ class CostModel:
     gamma: float = 1.0
     kv_high: float = 0.8  # above this KV usage a worker is penalised, up to kv_penalty_s at 100%
     kv_penalty_s: float = 2.0
+    # Loading a block from a worker's KV tier, as a fraction of recomputing it (by the tier's medium in the
+    # workers' KV events). A medium not named here is priced as a miss.
+    tier_load: dict[str, float] = field(default_factory=lambda: {"CPU": 0.05, "DISK": 0.15})
 
-    def cost(self, w: WorkerState, uncached: int) -> float:
-        """Seconds until ``w`` would have computed a request's ``uncached`` prompt tokens."""
+    def load_fraction(self, medium: str) -> float:
+        """What a block held in ``medium`` costs, as a fraction of recomputing it (0 in the pool)."""
+        return 0.0 if medium == POOL else min(1.0, self.tier_load.get(medium, 1.0))
+
+    def cost(self, w: WorkerState, uncached: float) -> float:
+        """Seconds until ``w`` would have computed a request's ``uncached`` prompt tokens (a fraction of a token
+        each for those it would load from a KV tier)."""
         prefill = uncached / self.prefill_tokens_per_s
         decode = self.gamma * max(w.decoding, w.running - _pending(w)) / self.decode_tokens_per_s
         pressure = self.kv_penalty_s * max(0.0, w.kv_usage - self.kv_high) / (1.0 - self.kv_high)
@@ -194,10 +206,12 @@ class PrefixAware:
     def choose(self, req: RouteRequest, workers: list[WorkerState]) -> Decision:
         if not req.block_hashes and not req.scheme_hashes and req.num_prompt_tokens == 0:
             return Decision(_least_loaded(workers, self.rng), "fallback")
-        depth: dict[str, int] = {}
+        media: dict[str, list[str]] = {}  # per worker, where it holds each leading block (pool or a tier)
         for scheme in {w.hash_scheme for w in workers}:  # one lookup per way of hashing (fleetllm's, vLLM's)
             same = [w for w in workers if w.hash_scheme == scheme]
-            depth.update(self.index.match(req.hashes_for(same[0]), [w.name for w in same]))
+            media.update(self.index.match_media(req.hashes_for(same[0]), [w.name for w in same],
+                                                self.cost.load_fraction))
+        depth = {name: len(m) for name, m in media.items()}
         best_depth = max(depth.values(), default=0)
         # Bounded load: a worker already above `balance` x the mean in-flight count takes no more until
         # the others catch up, however much of the prefix it holds (a hot prefix spills instead of
@@ -206,8 +220,10 @@ class PrefixAware:
         eligible = [w for w in workers if w.inflight + 1 <= bound] or workers
         costs = []
         for w in eligible:
-            cached = min(depth[w.name] * (w.block_size or req.block_size), max(req.num_prompt_tokens - 1, 0))
-            costs.append((self.cost.cost(w, req.num_prompt_tokens - cached), w, cached))
+            bs = w.block_size or req.block_size
+            cached = min(depth[w.name] * bs, max(req.num_prompt_tokens - 1, 0))
+            loaded = bs * sum(self.cost.load_fraction(m) for m in media[w.name])  # tier blocks: a load each
+            costs.append((self.cost.cost(w, req.num_prompt_tokens - cached + loaded), w, cached))
         low = min(c for c, _, _ in costs)
         ties = [(w, cached) for c, w, cached in costs if c <= low + 1e-9]
         w, cached = self.rng.choice(ties)

@@ -239,9 +239,9 @@ class WorkerMonitor:
             self.index.reset(w.name, ev["hashes"], capacity=ev["num_blocks"])
             w.events_connected = True
         elif kind == "stored":
-            self.index.stored(w.name, ev["hashes"])
+            self.index.stored(w.name, ev["hashes"], ev.get("medium"))  # no medium: the pool
         elif kind == "removed":
-            self.index.removed(w.name, ev["hashes"])
+            self.index.removed(w.name, ev["hashes"], ev.get("medium"))
         elif kind == "draining":
             self.mark_down(w, "draining")
         if "kv_usage" in ev:

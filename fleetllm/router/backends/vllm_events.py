@@ -202,12 +202,13 @@ class VllmEventSubscriber:
 
 
 def apply_event(index: PrefixIndex, worker: str, ev: KVEvent) -> None:
+    """Apply one decoded event to ``worker``'s entries (a block's medium says its pool or which KV tier)."""
     if ev.kind == STORED:
-        index.stored(worker, ev.hashes)
+        index.stored(worker, ev.hashes, ev.medium)
     elif ev.kind == CLEARED:
         index.reset(worker, [])
     else:
-        index.removed(worker, ev.hashes)
+        index.removed(worker, ev.hashes, ev.medium)
 
 
 async def run_forever(sub: VllmEventSubscriber) -> None:

@@ -37,6 +37,7 @@ class KVEvent:
     token_ids: list[int] = field(default_factory=list)
     block_size: int | None = None
     lora: Any = None
+    medium: str | None = None  # where the worker holds the blocks: "GPU" (its pool), "CPU", "DISK"; None: unsaid
 
 
 def decode_batch(payload: bytes) -> tuple[float, list[KVEvent]]:
@@ -62,20 +63,24 @@ def _decode_event(raw: Any) -> KVEvent | None:
     if kind not in (STORED, REMOVED):
         return None
     hashes = [external_hash(h) for h in fields.get("block_hashes") or ()]
+    medium = fields.get("medium")
+    medium = medium if isinstance(medium, str) else None
     if kind == REMOVED:
-        return KVEvent(REMOVED, hashes)
+        return KVEvent(REMOVED, hashes, medium=medium)
     return KVEvent(STORED, hashes, list(fields.get("token_ids") or ()), fields.get("block_size"),
-                   fields.get("lora_name") or fields.get("lora_id"))
+                   fields.get("lora_name") or fields.get("lora_id"), medium)
 
 
-def stored_event(hashes: list[int], parent: int | None, token_ids: list[int], block_size: int) -> dict[str, Any]:
-    """A ``BlockStored`` as vLLM's msgspec struct encodes it (fields with defaults left out)."""
+def stored_event(hashes: list[int], parent: int | None, token_ids: list[int], block_size: int,
+                 medium: str = "GPU") -> dict[str, Any]:
+    """A ``BlockStored`` as vLLM's msgspec struct encodes it (fields with defaults left out); ``medium`` is
+    where the blocks are held ("GPU": the engine's pool, as vLLM names it whatever the device)."""
     return {"type": STORED, "block_hashes": hashes, "parent_block_hash": parent, "token_ids": token_ids,
-            "block_size": block_size, "lora_id": None, "medium": "GPU", "lora_name": None}
+            "block_size": block_size, "lora_id": None, "medium": medium, "lora_name": None}
 
 
-def removed_event(hashes: list[int]) -> dict[str, Any]:
-    return {"type": REMOVED, "block_hashes": hashes, "medium": "GPU"}
+def removed_event(hashes: list[int], medium: str = "GPU") -> dict[str, Any]:
+    return {"type": REMOVED, "block_hashes": hashes, "medium": medium}
 
 
 def cleared_event() -> dict[str, Any]:
