@@ -165,7 +165,8 @@ def observability_config(args: argparse.Namespace) -> ObservabilityConfig:
 
 def router_config(args: argparse.Namespace) -> RouterConfig:
     """The router a ``fleetllm router`` command line describes (cost rates from --profile)."""
-    return from_args(RouterConfig, args, cost=load_profile(args).cost_model())
+    cost = load_profile(args).cost_model().with_tier_load(getattr(args, "kv_tier_load", None) or {})
+    return from_args(RouterConfig, args, cost=cost)
 
 
 def capture_for(args: argparse.Namespace, component: str, tiers: tuple[str, ...], registry):  # -> Capture | None

@@ -48,6 +48,10 @@ class RouterConfig:
     tokenizers: dict[str, str] = opt(doc="tokenizer for a served model name that is not itself a model "
                                          "reference", factory=dict, flag="--tokenizer", metavar="MODEL=REF")
     cost: CostModel = opt(doc="the cost model's rates (from --profile)", factory=CostModel, cli=False)
+    kv_tier_load: dict[str, str] = opt(doc="kv_aware's price of loading a prefix block from a worker's KV tier "
+                                           "(the medium its KV events name: CPU for host memory, DISK), as a "
+                                           "fraction of recomputing it (default: CPU=0.05, DISK=0.15)",
+                                       factory=dict, metavar="MEDIUM=FRACTION")
     breaker_threshold: int = opt(3, "consecutive failures that open a worker's circuit breaker")
     breaker_cooldown_s: float = opt(5.0, "seconds a breaker stays open before one probe request")
     connect_timeout_s: float = opt(3.0, "seconds to connect to a worker")

@@ -31,10 +31,11 @@ import bisect
 import hashlib
 import math
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Protocol
 
-from fleetllm.router.index import POOL, PrefixIndex
+from fleetllm.errors import UsageError
+from fleetllm.router.index import POOL, PrefixIndex, is_pool
 
 if TYPE_CHECKING:  # httpx, which upstream imports, is no part of a worker's start (the CLI imports this module)
     from collections.abc import Callable
@@ -82,6 +83,20 @@ class CostModel:
     # Loading a block from a worker's KV tier, as a fraction of recomputing it (by the tier's medium in the
     # workers' KV events). A medium not named here is priced as a miss.
     tier_load: dict[str, float] = field(default_factory=lambda: {"CPU": 0.05, "DISK": 0.15})
+
+    def with_tier_load(self, fractions: dict[str, str]) -> CostModel:
+        """This model with ``fractions`` (``--kv-tier-load MEDIUM=FRACTION``) replacing its tiers' prices."""
+        load = dict(self.tier_load)
+        for medium, text in fractions.items():
+            try:
+                value = float(text)
+            except ValueError:
+                value = -1.0
+            if not 0.0 <= value <= 1.0 or is_pool(medium):
+                raise UsageError(f"--kv-tier-load {medium}={text}: a tier's medium (CPU, DISK) and a fraction of "
+                                 "recomputing, 0 to 1")
+            load[medium.upper()] = value
+        return replace(self, tier_load=load)
 
     def load_fraction(self, medium: str) -> float:
         """What a block held in ``medium`` costs, as a fraction of recomputing it (0 in the pool)."""
