@@ -9,6 +9,7 @@ handed in.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -36,6 +37,8 @@ class HostStore:
         self.capacity_bytes = capacity_bytes
         self.used_bytes = 0
         self._blocks: OrderedDict[int, HostBlock] = OrderedDict()
+        # told ("stored" | "removed", hashes, the stored blocks' token ids) as blocks enter and leave: KV events
+        self.listeners: list[Callable[[str, list[int], list[int]], None]] = []
 
     def __len__(self) -> int:
         return len(self._blocks)
@@ -47,11 +50,17 @@ class HostStore:
             return True
         if block.nbytes > self.capacity_bytes:
             return False
+        gone = []
         while self.used_bytes + block.nbytes > self.capacity_bytes:
-            _, old = self._blocks.popitem(last=False)
+            old_hash, old = self._blocks.popitem(last=False)
             self.used_bytes -= old.nbytes
+            gone.append(old_hash)
         self._blocks[block_hash] = block
         self.used_bytes += block.nbytes
+        for listener in self.listeners:
+            if gone:
+                listener("removed", gone, [])
+            listener("stored", [block_hash], list(block.token_ids))
         return True
 
     def get(self, block_hash: int, token_ids: tuple[int, ...]) -> HostBlock | None:

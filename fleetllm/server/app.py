@@ -44,6 +44,7 @@ from fleetllm.engine.params import InvalidParameter, SamplingParams, check_param
 from fleetllm.engine.scheduler import QueueFull
 from fleetllm.kernels.health import details
 from fleetllm.kvtier.attach import attach_tiers
+from fleetllm.kvtier.connector import HostTierConnector
 from fleetllm.observability.dashboard import dashboard_routes
 from fleetllm.observability.process import ColdStart, ProcessHostCollector
 from fleetllm.observability.tracing import trace_id_of
@@ -108,6 +109,9 @@ class Worker:
 
             self.kv_publisher = VllmEventPublisher(engine.pool, kv_events.kv_events_config,
                                                    kv_events.prefix_caching_hash_algo, index=kv_events_index).attach()
+            for tier in self.kv_tiers:  # host memory's blocks are the worker's own: the router may route on them
+                if isinstance(tier, HostTierConnector):
+                    self.kv_publisher.watch_tier("CPU", tier.store.listeners)
         self.ready = False  # warm and serving (set at the end of start-up)
         self.draining = False  # SIGTERM: finishing in-flight requests, taking no new ones
         self.on_fatal: Callable[[], None] | None = None  # the engine died: the process should exit non-zero

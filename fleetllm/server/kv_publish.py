@@ -4,7 +4,9 @@ router (or llm-d, or anything that reads vLLM's events) sees it as a vLLM worker
 The engine's own block hashes are fleetllm's; for each block entering the prefix cache this publisher computes
 vLLM's hash (:class:`~fleetllm.router.backends.vllm_hash.VllmHasher`: the algorithm of
 ``--prefix-caching-hash-algo``, the root seed from ``PYTHONHASHSEED`` as vLLM takes it, the engine's block size)
-chained on the parent block's, and remembers it until the block is evicted. Events are batched every 10 ms
+chained on the parent block's, and remembers it until the block is evicted. A block the host-memory KV tier
+keeps once the pool evicts it is published again with the tier's medium (``"CPU"``; the pool's is ``"GPU"``,
+as vLLM names it), and removed with it when the tier drops it (:meth:`VllmEventPublisher.watch_tier`). Events are batched every 10 ms
 (vLLM sends one batch per engine step) and sent as vLLM's ZMQ publisher does: ``(topic, seq, msgpack batch)``
 on a PUB socket, with a replay ROUTER socket serving the last ``buffer_steps`` batches. Unlike vLLM, which
 connects when the endpoint names no wildcard, this publisher always binds (the router subscribes by connecting).
@@ -56,6 +58,8 @@ class VllmEventPublisher:
         self.topic = cfg.get("topic", "").encode()
         self.buffer: deque[tuple[int, bytes]] = deque(maxlen=int(cfg.get("buffer_steps", 10_000)))
         self.digests: dict[int, bytes] = {}  # fleetllm hash -> vLLM digest, while the block is cached
+        self.last_removed: dict[int, bytes] = {}  # the pool's latest evictions (a tier stores them right after)
+        self.tier_digests: dict[tuple[str, int], bytes] = {}  # (medium, hash) -> digest, while a tier holds it
         self.pending: list[dict[str, Any]] = []
         self.lock = threading.Lock()
         self.seq = 0
@@ -89,10 +93,31 @@ class VllmEventPublisher:
             for h in hashes:
                 self._stored(h)
         elif kind == "removed":
-            gone = [external_hash(d) for d in (self.digests.pop(h, None) for h in hashes) if d is not None]
+            self.last_removed = {h: d for h in hashes if (d := self.digests.pop(h, None)) is not None}
+            gone = [external_hash(d) for d in self.last_removed.values()]
             if gone:
                 with self.lock:
                     self.pending.append(removed_event(gone))
+
+    def watch_tier(self, medium: str, listeners: list[Callable[[str, list[int], list[int]], None]]) -> None:
+        """Publish the blocks a KV tier (whose ``listeners`` list is given) keeps and drops, as ``medium``."""
+        listeners.append(lambda kind, hashes, token_ids: self.on_tier_event(medium, kind, hashes, token_ids))
+
+    def on_tier_event(self, medium: str, kind: str, hashes: list[int], token_ids: list[int]) -> None:
+        """A tier kept (``stored``) or dropped blocks; on the engine thread, as the pool's events."""
+        if kind == "stored":
+            for h in hashes:  # a block the pool evicted just now, or one it still holds
+                digest = self.digests.get(h) or self.last_removed.get(h)
+                if digest is not None:
+                    self.tier_digests[(medium, h)] = digest
+                    event = stored_event([external_hash(digest)], None, token_ids, self.pool.block_size, medium)
+                    with self.lock:
+                        self.pending.append(event)
+            return
+        gone = [external_hash(d) for d in (self.tier_digests.pop((medium, h), None) for h in hashes) if d]
+        if gone:
+            with self.lock:
+                self.pending.append(removed_event(gone, medium))
 
     def _stored(self, h: int) -> None:
         b = self.pool.blocks[self.pool.cached[h]]
