@@ -36,6 +36,9 @@ import uvicorn
 _ADMIN_DIR = tempfile.mkdtemp(prefix="fleetllm-test-admin-")
 atexit.register(shutil.rmtree, _ADMIN_DIR, True)
 ADMIN_TOKEN_FILE = os.path.join(_ADMIN_DIR, "admin-token")
+# the logs of the processes tests start: one folder per test process, removed when it ends
+LOG_DIR = tempfile.mkdtemp(prefix="fleetllm-test-logs-")
+atexit.register(shutil.rmtree, LOG_DIR, True)
 
 
 def _admin() -> dict[str, str]:
@@ -131,7 +134,7 @@ class Proc:
 
 def start_cli(args: list[str], urls: list[str], timeout: float = 120.0, ready: tuple[int, ...] = (200,)) -> Proc:
     """Run ``fleetllm ARGS``; return once each of ``urls`` answers /health with a status in ``ready``."""
-    fd, name = tempfile.mkstemp(prefix="fleetllm-test-", suffix=".log")
+    fd, name = tempfile.mkstemp(prefix="fleetllm-test-", suffix=".log", dir=LOG_DIR)
     if args[0] in ("router", "serve"):
         args = with_admin_token(args)
     popen = subprocess.Popen([sys.executable, "-m", "fleetllm.cli", *args], stdout=fd, stderr=subprocess.STDOUT,

@@ -94,7 +94,7 @@ router_args: ["--health-interval", "0.25"]
 def _serve(config: Path, port: int) -> tuple[subprocess.Popen[bytes], Path]:
     fd, name = tempfile.mkstemp(prefix="fleetllm-roll-", suffix=".log")
     p = subprocess.Popen([sys.executable, "-m", "fleetllm.cli", "serve", "--config", str(config), "--port", str(port),
-                          "--run-dir", str(config.parent)],
+                          "--run-dir", str(config.parent), "--log-dir", str(config.parent / "logs")],
                          stdout=fd, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     os.close(fd)
     return p, Path(name)

@@ -12,13 +12,13 @@ from pathlib import Path
 
 import httpx
 import pytest
-from fleet_helpers import ADMIN, free_ports, listening, with_admin_token
+from fleet_helpers import ADMIN, LOG_DIR, free_ports, listening, with_admin_token
 
 from fleetllm.fleet.config import FleetConfig
 
 
 def start_serve(*args: str, port: int) -> tuple[subprocess.Popen[bytes], Path]:
-    fd, name = tempfile.mkstemp(prefix="fleetllm-serve-", suffix=".log")
+    fd, name = tempfile.mkstemp(prefix="fleetllm-serve-", suffix=".log", dir=LOG_DIR)
     argv = with_admin_token(["serve", "--port", str(port), *args])
     p = subprocess.Popen([sys.executable, "-m", "fleetllm.cli", *argv],
                          stdout=fd, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
@@ -37,7 +37,8 @@ def start_serve(*args: str, port: int) -> tuple[subprocess.Popen[bytes], Path]:
 def test_serve_from_a_yaml_config_with_zones_and_simulated_workers(tmp_path):
     port = free_ports(5)
     cfg = tmp_path / "fleet.yaml"
-    cfg.write_text("policy: round_robin\n"
+    cfg.write_text(f"log_dir: {tmp_path / 'logs'}\n"
+                   "policy: round_robin\n"
                    "machines: [{name: a, cores: 1, zone: zone-a}, {name: b, cores: 1, zone: zone-b}]\n"
                    "models:\n"
                    "  - {source: smollm2-135m, simulate: true, replicas: 4, engine: {max_num_seqs: 8}}\n")
