@@ -78,12 +78,13 @@ class AsyncEngine:
 
     async def generate(self, label: str, prompt_token_ids: list[int], params: SamplingParams,
                        arrival_time: float | None = None, handoff: Handoff | None = None,
-                       exact: bool = False) -> AsyncIterator[RequestOutput]:
+                       exact: bool = False, lora_name: str | None = None) -> AsyncIterator[RequestOutput]:
         """Add a request and yield its outputs; the request is aborted if the caller stops iterating early.
         ``handoff``: its prompt prefilled elsewhere (:meth:`LLMEngine.add_request`), its first token out at once.
 
         ``label`` names the request in the engine's id (``label#n``); it need not be unique. ``exact``: the
         engine's id is ``label`` itself (unique among live requests: a KV connector told of it finds it).
+        ``lora_name``: the adapter it runs with (None: the base model; an unknown one raises ``LoraError`` 404).
         Raises :class:`EngineFailed` if the engine thread is dead or dies meanwhile."""
         assert self._loop is not None, "start() the engine first"
         if self.failure is not None:
@@ -94,7 +95,7 @@ class AsyncEngine:
         self._streams[request_id] = stream
         # the request arrives now, not when the engine thread next takes commands (after a running step)
         arrival = time.monotonic() if arrival_time is None else arrival_time
-        self._cmds.put(("add", (request_id, prompt_token_ids, params, arrival, handoff, added)))
+        self._cmds.put(("add", (request_id, prompt_token_ids, params, arrival, handoff, lora_name, added)))
         finished = False
         try:
             await added  # raises the engine's validation error (bad params, too long, queue full)
@@ -124,6 +125,17 @@ class AsyncEngine:
         fut: asyncio.Future[list[int]] = self._loop.create_future()
         self._cmds.put(("kv_snapshot", (q, fut)))
         return q, await fut
+
+    async def load_lora(self, name: str, path: str) -> None:
+        """Load the PEFT adapter at ``path`` as ``name``: read and checked on a worker thread (steps go on), then
+        registered between steps. Raises :class:`fleetllm.lora.errors.LoraError` (400/404) with nothing loaded."""
+        manager = self.engine.lora
+        adapter = await asyncio.to_thread(manager.read, path) if manager is not None else None
+        await self.call(lambda engine: engine.load_lora(name, path, adapter))
+
+    async def unload_lora(self, name: str) -> None:
+        """Unload adapter ``name`` between steps (``LoraError`` 404 when it is not loaded)."""
+        await self.call(lambda engine: engine.unload_lora(name))
 
     async def _between_steps(self, thunk: Callable[[], T]) -> T:
         return await self.call(lambda _engine: thunk())
@@ -181,9 +193,9 @@ class AsyncEngine:
     def _apply(self, cmd: tuple[str, Any]) -> None:
         kind, arg = cmd
         if kind == "add":
-            rid, ids, params, arrival, handoff, fut = arg
+            rid, ids, params, arrival, handoff, lora_name, fut = arg
             try:
-                self.engine.add_request(rid, ids, params, arrival, handoff)
+                self.engine.add_request(rid, ids, params, arrival, handoff, lora_name)
                 err = None
             except Exception as e:  # validation errors go back to the caller, the loop goes on
                 err = e

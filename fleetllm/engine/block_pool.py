@@ -24,6 +24,12 @@ def hash_block(parent: int | None, token_ids: Sequence[int], extra: bytes = b"")
     return int.from_bytes(h.digest(), "little")
 
 
+def block_key(model: str, lora_name: str | None = None) -> bytes:
+    """The bytes every block hash of a request mixes in (vLLM's ``extra_keys``): the served model's name, and the
+    adapter's name for a request run with one, so that no prefix is shared across adapters or with the base."""
+    return model.encode() if lora_name is None else model.encode() + b"\x00lora\x00" + lora_name.encode()
+
+
 def hash_prefix_blocks(token_ids: Sequence[int], block_size: int, extra: bytes = b"") -> list[int]:
     """Hashes of every full block of ``token_ids``, each chained on the one before."""
     hashes: list[int] = []
@@ -50,6 +56,7 @@ class Block:
     hash: int | None = None
     token_ids: tuple[int, ...] | None = None  # re-checked on a hit so a hash collision is never a wrong hit
     parent: int | None = None  # the previous block's hash (None: the first block), for KV events in vLLM's format
+    lora_name: str | None = None  # the adapter its KV was computed with (None: the base model), for KV events
 
 
 class BlockPool:
@@ -90,7 +97,7 @@ class BlockPool:
                     evicted.append(b.hash)
                     if b.token_ids is not None:
                         gone.append((bid, b.hash, b.token_ids))
-                b.hash, b.token_ids = None, None
+                b.hash, b.token_ids, b.lora_name = None, None, None
             b.ref_count = 1
             out.append(bid)
         if evicted and self.on_event:
@@ -126,16 +133,27 @@ class BlockPool:
             del self.free[bid]
         b.ref_count += 1
 
-    def register(self, bid: int, block_hash: int, token_ids: Sequence[int], parent: int | None = None) -> None:
+    def register(self, bid: int, block_hash: int, token_ids: Sequence[int], parent: int | None = None,
+                 lora_name: str | None = None) -> None:
         """Mark a full, computed block as reusable by hash (first writer wins on duplicates); ``parent`` is the
-        hash of the block before it in its sequence."""
+        hash of the block before it in its sequence, ``lora_name`` the adapter its KV was computed with."""
         b = self.blocks[bid]
         if b.hash is not None or block_hash in self.cached:
             return
-        b.hash, b.token_ids, b.parent = block_hash, tuple(token_ids), parent
+        b.hash, b.token_ids, b.parent, b.lora_name = block_hash, tuple(token_ids), parent, lora_name
         self.cached[block_hash] = bid
         if self.on_event:
             self.on_event("stored", [block_hash])
+
+    def forget_adapter(self, lora_name: str) -> None:
+        """Make the cached blocks computed with ``lora_name`` unhittable (the adapter was unloaded: a later one of
+        the same name may differ)."""
+        gone = [h for h, bid in self.cached.items() if self.blocks[bid].lora_name == lora_name]
+        for h in gone:
+            b = self.blocks[self.cached.pop(h)]
+            b.hash, b.token_ids, b.lora_name = None, None, None
+        if gone and self.on_event:
+            self.on_event("removed", gone)
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached hash (e.g. after weights change)."""

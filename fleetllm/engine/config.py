@@ -69,6 +69,14 @@ class EngineConfig:
     speculative: str | dict | None = opt(
         None, "speculative decoding: method ngram | suffix | eagle | peagle, k draft tokens (default k: "
               "chosen from the measured verify cost), adaptive=0 to fix K", metavar="method=M,k=N")
+    enable_lora: bool = opt(False, "serve LoRA adapters (PEFT format) beside the base model: each request names "
+                                   "its adapter, rows of different adapters and of the base share one step")
+    max_loras: int = opt(4, "--enable-lora: adapters resident in the step's tables at once (a step holds requests "
+                            "of at most this many adapters; others wait for a slot)")
+    max_lora_rank: int = opt(64, "--enable-lora: the highest adapter rank accepted (higher ones are refused)")
+    max_cpu_loras: int | None = opt(None, "--enable-lora: adapters kept in memory behind the resident ones, least "
+                                          "recently used out first; the rest are read again from disk when needed "
+                                          "(default: --max-loras)")
     metric_labels: dict[str, str] = opt(doc="worker identity on every metric: worker, role, zone, "
                                             "instance_type", factory=dict, cli=False)
     kv_pool_shared: bool = opt(False, "keep the host KV pool in a shared-memory file, so that prefill workers on this host "

@@ -38,6 +38,7 @@ if TYPE_CHECKING:
     from fleetllm.engine.kv_connector.base import KVConnector
     from fleetllm.engine.kv_memory import SharedKVFile
     from fleetllm.kernels.health import KernelStatus
+    from fleetllm.lora.registry import LoraManager
     from fleetllm.models.loader import LoadedModel
     from fleetllm.speculative.decoder import SpecDecoder
     from fleetllm.structured.compiler import GrammarCompiler
@@ -68,11 +69,16 @@ class LLMEngine:
         self.tokenizer = self.loaded.tokenizer
         self.default_max_tokens = default_max_tokens
         self.pool = BlockPool(executor.num_blocks, cfg.block_size)
-        self.kv = KVCacheManager(self.pool, cfg.enable_prefix_caching, extra_key=self.model_name.encode())
+        self.kv = KVCacheManager(self.pool, cfg.enable_prefix_caching, model=self.model_name)
         self.scheduler = Scheduler(
             SchedulerConfig(cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.max_waiting,
                             policy=cfg.scheduling_policy, priority_aging_s=cfg.priority_aging_s), self.kv
         )
+        self.lora: LoraManager | None = None  # the adapters (--enable-lora), their slots in the step's tables
+        if cfg.enable_lora:
+            from fleetllm.lora.engine_side import lora_manager
+
+            self.lora = self.scheduler.lora = lora_manager(cfg, executor, self.model_name)
         mcfg = self.loaded.config
         # A sequence must fit the pool on its own (admission keeps the watermark free), or it would wait
         # forever at the head of the queue, or preempt itself forever once running.
@@ -162,18 +168,25 @@ class LLMEngine:
 
     # ---- requests ----------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    arrival_time: float | None = None, handoff: Handoff | None = None) -> None:
-        """Queue a request. Raises PromptTooLong / InvalidParameter / QueueFull (nothing is queued then).
+                    arrival_time: float | None = None, handoff: Handoff | None = None,
+                    lora_name: str | None = None) -> None:
+        """Queue a request. Raises PromptTooLong / InvalidParameter / QueueFull, or :class:`LoraError` (404) for
+        a ``lora_name`` that names no loaded adapter (nothing is queued then).
 
         With ``handoff`` (its prompt prefilled elsewhere, :mod:`fleetllm.engine.handoff`) it runs at once from
         the handed-over KV and first token, whose output :meth:`take_outputs` returns; a handoff that does not
-        fit the prompt, or finds no free sequence slot, is let go (its blocks freed) and the request queued."""
+        fit the prompt, or finds no free sequence slot, is let go (its blocks freed) and the request queued.
+        ``lora_name``: the adapter it runs with (None: the base model)."""
+        if lora_name is not None:
+            self._check_lora(lora_name)
         if handoff is not None and not (handoff.fits(prompt_token_ids, self.pool.block_size)
-                                        and self.scheduler.has_room()):
+                                        and self.scheduler.has_room()
+                                        and (lora_name is None or self.lora.can_acquire(lora_name))):
             self.pool.release(handoff.blocks)
             handoff = None
         try:
             seq = self._new_sequence(request_id, prompt_token_ids, params, arrival_time)
+            seq.lora_name = lora_name
             if handoff is None:
                 self.scheduler.add(seq)
         except BaseException:
@@ -203,6 +216,8 @@ class LLMEngine:
     def _take_over(self, seq: Sequence, h: Handoff) -> None:
         """Run ``seq`` from a handed-over prefill: its blocks, its prompt computed, its first token appended
         and output as if this engine's last prefill chunk had sampled it."""
+        if seq.lora_name is not None:
+            seq.lora_slot = self.lora.acquire(seq.lora_name)
         seq.block_table, seq.block_hashes = list(h.blocks), list(h.hashes)
         seq.num_computed_tokens = seq.num_cached_tokens = len(seq.prompt_token_ids)
         seq.sampler_state = h.sampler_state
@@ -229,6 +244,35 @@ class LLMEngine:
         except InvalidGrammar as e:
             raise InvalidParameter("response_format", f"invalid {params.structured.kind} constraint: {e}") from None
 
+    # ---- adapters (--enable-lora) -------------------------------------------------------------------
+    def _check_lora(self, name: str) -> None:
+        from fleetllm.lora.errors import LoraError
+
+        if self.lora is None:
+            raise LoraError(f"the adapter `{name}` does not exist: this engine serves no adapters (--enable-lora)",
+                            status=404)
+        self.lora.slot_for(name)  # raises the 404 for a name not loaded
+
+    def load_lora(self, name: str, path: str, adapter: object | None = None) -> None:
+        """Load the PEFT adapter at ``path`` as ``name`` (``adapter``: already read by ``self.lora.read(path)``,
+        e.g. off the engine thread). Raises :class:`fleetllm.lora.errors.LoraError`; nothing changes then."""
+        from fleetllm.lora.errors import LoraError
+
+        if self.lora is None:
+            raise LoraError("adapters are not enabled on this engine (--enable-lora)")
+        self.lora.load(name, path, adapter)
+
+    def unload_lora(self, name: str) -> None:
+        """Unload adapter ``name`` (404 when unknown): new requests for it are refused, running ones finish, and its
+        cached prefixes are forgotten (a later adapter of the same name may differ)."""
+        self._check_lora(name)
+        self.lora.unload(name)
+        self.pool.forget_adapter(name)
+
+    def lora_names(self) -> list[str]:
+        """The loaded adapters' names (empty without --enable-lora)."""
+        return [] if self.lora is None else self.lora.names()
+
     def abort_request(self, request_id: str) -> None:
         """Stop a request now and free its blocks; a final output with reason 'abort' follows."""
         seq = self.seqs.get(request_id)
@@ -250,6 +294,7 @@ class LLMEngine:
         with phase(prof, "schedule"):
             sched = self.scheduler.schedule(drafts)
             self._note_scheduled(sched)
+        outputs += [self._finish_output(seq, [], None, error=why) for seq, why in sched.failed]
         if sched.scheduled:
             result, failed = self._execute(sched)
             outputs += failed
@@ -324,7 +369,8 @@ class LLMEngine:
             # Rejected drafts are not computed: their KV slots hold garbage the next step overwrites. A stop
             # inside accepted drafts leaves computed positions past the end, hence the cap.
             seq.num_computed_tokens = min(seq.num_computed_tokens + s.num_computed(emitted), seq.num_tokens)
-            if self.kv_connector is None or self.kv_connector.caches_locally(seq):
+            gone = seq.lora_name is not None and not self.lora.has(seq.lora_name)  # unloaded: cache nothing more
+            if not gone and (self.kv_connector is None or self.kv_connector.caches_locally(seq)):
                 self.kv.cache_full_blocks(seq)
             if sampled is not None:
                 outputs.append(self._step_output(seq, sampled, status, n))

@@ -2,36 +2,47 @@
 
 from __future__ import annotations
 
-from fleetllm.engine.block_pool import BlockPool, hash_block
+from fleetllm.engine.block_pool import BlockPool, block_key, hash_block
 from fleetllm.engine.sequence import Sequence
 
 
 class KVCacheManager:
     """Per-sequence block tables over a shared :class:`BlockPool`."""
 
-    def __init__(self, pool: BlockPool, enable_prefix_caching: bool = True, extra_key: bytes = b"") -> None:
+    def __init__(self, pool: BlockPool, enable_prefix_caching: bool = True, extra_key: bytes = b"",
+                 model: str | None = None) -> None:
+        """``extra_key``: what base-model requests' block hashes mix in; with ``model``, :func:`block_key`'s."""
         self.pool = pool
         self.block_size = pool.block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.extra_key = extra_key
+        self.model = model
+        self.extra_key = block_key(model) if model is not None else extra_key
         self.prefix_queries = 0  # tokens looked up
         self.prefix_hits = 0  # tokens found
+
+    def key_of(self, lora_name: str | None) -> bytes:
+        """The block-hash key of a request run with adapter ``lora_name`` (None: the base model's key)."""
+        if lora_name is None or self.model is None:
+            return self.extra_key
+        return block_key(self.model, lora_name)
 
     def prefix_hit(self, seq: Sequence) -> tuple[list[int], list[int]]:
         """Cached blocks (and their hashes) covering the longest prefix of ``seq``, at most num_tokens-1
         (the last token is always computed: its logits are needed)."""
-        return self.cached_prefix(seq.all_token_ids[:-1])
+        return self.cached_prefix(seq.all_token_ids[:-1], seq.lora_name)
 
-    def cached_prefix(self, tokens: list[int]) -> tuple[list[int], list[int]]:
-        """Cached blocks (and their hashes) holding the leading full blocks of ``tokens``, up to the first miss."""
+    def cached_prefix(self, tokens: list[int], lora_name: str | None = None) -> tuple[list[int], list[int]]:
+        """Cached blocks (and their hashes) holding the leading full blocks of ``tokens`` for a request run with
+        adapter ``lora_name``, up to the first miss."""
         if not self.enable_prefix_caching:
             return [], []
+        key = self.key_of(lora_name)
         bs = self.block_size
         blocks, hashes = [], []
         parent = None
         for i in range(len(tokens) // bs):
             chunk = tokens[i * bs : (i + 1) * bs]
-            parent = hash_block(parent, chunk, self.extra_key)
+            parent = hash_block(parent, chunk, key)
             bid = self.pool.lookup(parent, chunk)
             if bid is None:
                 break
@@ -87,10 +98,11 @@ class KVCacheManager:
             return
         tokens = seq.token_ids_slice(len(seq.block_hashes) * bs, full * bs)
         parent = seq.block_hashes[-1] if seq.block_hashes else None
+        key = self.key_of(seq.lora_name)
         for j, i in enumerate(range(len(seq.block_hashes), full)):
             chunk = tokens[j * bs : (j + 1) * bs]
-            prev, parent = parent, hash_block(parent, chunk, self.extra_key)
-            self.pool.register(seq.block_table[i], parent, chunk, prev)
+            prev, parent = parent, hash_block(parent, chunk, key)
+            self.pool.register(seq.block_table[i], parent, chunk, prev, seq.lora_name)
             seq.block_hashes.append(parent)
 
     def _blocks_for(self, num_tokens: int) -> int:

@@ -52,16 +52,27 @@ class LLM:
         for tier in self.kv_tiers:
             tier.close()
 
+    def load_lora(self, name: str, path: str) -> None:
+        """Load the PEFT adapter at ``path`` as ``name`` (needs ``enable_lora=True``); raises ``LoraError``."""
+        self.engine.load_lora(name, path)
+
+    def unload_lora(self, name: str) -> None:
+        """Unload adapter ``name``; raises ``LoraError`` (404) when it is not loaded."""
+        self.engine.unload_lora(name)
+
     def generate(
-        self, prompts: str | list[str] | list[list[int]], params: SamplingParams | list[SamplingParams] | None = None
+        self, prompts: str | list[str] | list[list[int]], params: SamplingParams | list[SamplingParams] | None = None,
+        lora_name: str | list[str | None] | None = None,
     ) -> list[GenerationResult]:
-        """Generate for each prompt (text, or token ids); results in prompt order."""
+        """Generate for each prompt (text, or token ids); results in prompt order. ``lora_name``: the adapter of
+        every prompt, or one per prompt (None: the base model); all run in the same batches."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         plist = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
+        loras = lora_name if isinstance(lora_name, list) else [lora_name] * len(prompts)
         results: list[GenerationResult] = []
         owner: dict[str, tuple[GenerationResult, Completion]] = {}
-        for prompt, p in zip(prompts, plist, strict=True):
+        for prompt, p, lora in zip(prompts, plist, loras, strict=True):
             ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
             res = GenerationResult(str(next(self._ids)), ids, [])
             results.append(res)
@@ -71,7 +82,7 @@ class LLM:
                 comp = Completion(i, logprobs=[] if p.logprobs is not None else None)
                 res.outputs.append(comp)
                 owner[rid] = (res, comp)
-                self.engine.add_request(rid, ids, sub)
+                self.engine.add_request(rid, ids, sub, lora_name=lora)
         while self.engine.has_unfinished():
             for out in self.engine.step():
                 res, comp = owner[out.request_id]

@@ -18,6 +18,8 @@ from fleetllm.engine.kv_connector.base import KVConnectorMetadata, KVConnectorWo
 from fleetllm.engine.kv_memory import SharedKVFile, kv_memory
 from fleetllm.engine.scheduler import Scheduled
 from fleetllm.engine.step_profile import StepProfile, phase
+from fleetllm.lora.batch import LoraBatch
+from fleetllm.lora.tables import LoraTables
 from fleetllm.models.llama import AttentionMetadata, LlamaModel, PrefillChunk
 
 KV_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -51,6 +53,7 @@ class ModelRunner:
         per = pool.view(2 * cfg.num_layers, *shape)
         self.kv_cache = [(per[2 * i], per[2 * i + 1]) for i in range(cfg.num_layers)]
         self.connector: KVConnectorWorker | None = None  # the KV connector's worker side, if attached
+        self.lora_tables: LoraTables | None = None  # the resident adapters' weights (--enable-lora)
 
     @staticmethod
     def kv_bytes_per_block(model: LlamaModel, block_size: int, kv_dtype: torch.dtype | None = None) -> int:
@@ -81,12 +84,21 @@ class ModelRunner:
             placed = conn.start_load_kv(meta, self.kv_cache) if conn is not None else None
             ids, positions, meta_attn = self._inputs(batch, placed)
             rows = torch.tensor(logit_rows, dtype=torch.long, device=self.device)
+            lora = self._lora(batch)
         kv = placed.kv_cache if placed else self.kv_cache
         with phase(self.profile, "forward"), self._hooked(conn, meta, meta_attn, kv):
-            out = self.model(ids, positions, meta_attn, kv, aux_layers)
+            out = self.model(ids, positions, meta_attn, kv, aux_layers, lora) if lora else self.model(
+                ids, positions, meta_attn, kv, aux_layers)
             hidden, aux = out if aux_layers is not None else (out, None)
         with phase(self.profile, "logits"):
             return self.model.compute_logits(hidden[rows]), aux
+
+    def _lora(self, batch: list[Scheduled]) -> LoraBatch | None:
+        """Each row's adapter slot (its sequence's), or None when no row of the step has an adapter."""
+        if self.lora_tables is None or all(s.seq.lora_slot < 0 for s in batch):
+            return None
+        slots = [s.seq.lora_slot for s in batch for _ in range(s.num_new_tokens)]
+        return LoraBatch.of(self.lora_tables, slots, self.device)
 
     def _inputs(self, batch: list[Scheduled],
                 placed: StepKV | None = None) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:

@@ -30,6 +30,7 @@ from fleetllm.engine.sequence import Sequence, Status
 
 if TYPE_CHECKING:
     from fleetllm.engine.kv_connector.base import KVConnectorMetadata, KVConnectorScheduler
+    from fleetllm.lora.registry import LoraManager
 
 
 @dataclass
@@ -82,6 +83,7 @@ class SchedulerOutput:
     preempted: list[Sequence] = field(default_factory=list)
     start_time: float = field(default_factory=time.monotonic)  # when the step began (monotonic seconds)
     kv_connector_metadata: KVConnectorMetadata | None = None  # the KV connector's part of this step (None: none)
+    failed: list[tuple[Sequence, str]] = field(default_factory=list)  # finished with an error at admission
 
     @property
     def num_tokens(self) -> int:
@@ -100,6 +102,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         self.connector: KVConnectorScheduler | None = None  # the KV connector's scheduler side, if attached
+        self.lora: LoraManager | None = None  # the adapters' slots (set with --enable-lora)
 
     def _alone(self, seq: Sequence) -> bool:
         """Whether ``seq``'s step must hold nothing else (the connector computes its KV outside this pool)."""
@@ -165,9 +168,20 @@ class Scheduler:
                 budget = 0 if alone else budget - n - len(proposed)
         self.running = kept
 
+        self._admit(out, budget)
+        return out
+
+    def _admit(self, out: SchedulerOutput, budget: int) -> None:
+        """Admit waiting sequences in order while budget, sequence slots and blocks last. A sequence whose adapter
+        finds no slot (every one pinned by running requests) waits at its place, and only base-model sequences
+        pass it until it gets one: the adapters running drain, so it never starves."""
         watermark = self.watermark_blocks
+        skipped: list[Sequence] = []
         while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs and not out.preempted:
             seq = self.waiting[0]
+            if seq.lora_name is not None and (skipped or not self._lora_fits(seq)):
+                skipped.append(self.waiting.popleft())
+                continue
             alone = self._alone(seq)
             if alone and out.scheduled:
                 break
@@ -175,6 +189,8 @@ class Scheduler:
             if cached is None:
                 break
             self.waiting.popleft()
+            if not self._pin_lora(seq, out):
+                continue
             n = min(seq.num_uncomputed, budget)  # what admit allocated blocks for, beyond the hit
             ext, n = self._external(seq, n, budget)
             cached += ext
@@ -184,7 +200,36 @@ class Scheduler:
             self.running.append(seq)
             out.scheduled.append(Scheduled(seq, n))
             budget = 0 if alone else budget - n
-        return out
+        self.waiting.extendleft(reversed(skipped))
+
+    def _lora_fits(self, seq: Sequence) -> bool:
+        """Whether ``seq``'s adapter has or can take a slot now (an unloaded adapter "fits": pinning fails it)."""
+        return self.lora is None or not self.lora.has(seq.lora_name) or self.lora.can_acquire(seq.lora_name)
+
+    def _pin_lora(self, seq: Sequence, out: SchedulerOutput) -> bool:
+        """Pin the just-admitted ``seq``'s adapter slot; False (its blocks freed, it finished with an error in
+        ``out.failed``) when the adapter is gone or cannot be read again."""
+        if seq.lora_name is None:
+            return True
+        from fleetllm.lora.errors import LoraError
+
+        try:
+            if self.lora is None:
+                raise LoraError("adapters are not enabled (--enable-lora)")
+            seq.lora_slot = self.lora.acquire(seq.lora_name)
+            return True
+        except LoraError as e:
+            self.kv.free(seq)
+            seq.num_computed_tokens = 0
+            seq.transition(Status.FINISHED_ERROR)
+            out.failed.append((seq, e.message))
+            return False
+
+    def unpin_lora(self, seq: Sequence) -> None:
+        """Let go of ``seq``'s adapter slot (it finished or was preempted)."""
+        if seq.lora_slot >= 0 and self.lora is not None:
+            self.lora.release(seq.lora_slot)
+        seq.lora_slot = -1
 
     def _external(self, seq: Sequence, n: int, budget: int) -> tuple[int, int]:
         """Tokens of a just admitted ``seq`` the connector loads from outside this pool, beyond its local hit
@@ -207,6 +252,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.kv.free(seq)
+        self.unpin_lora(seq)
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
         self.num_preemptions += 1
@@ -223,4 +269,5 @@ class Scheduler:
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self.kv.free(seq)
+        self.unpin_lora(seq)
         seq.transition(status)

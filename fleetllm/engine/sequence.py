@@ -65,6 +65,8 @@ class Sequence:
     sampler_state: bytes | None = None  # the RNG state to start from instead of the seed (a handed-over prefill)
     spec_state: Any = None  # the speculative decoder's per-request state (acceptance, drafter index)
     grammar: Any = None  # a structured request's GrammarState, advanced by every appended token
+    lora_name: str | None = None  # the adapter it runs with (None: the base model)
+    lora_slot: int = -1  # its adapter's slot in the step's tables while it runs (-1: none held)
     stop_reason: str | int | None = None
     # timing (monotonic seconds)
     first_scheduled_time: float | None = None

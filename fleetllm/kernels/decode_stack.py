@@ -178,6 +178,12 @@ class DecodeStack:
         paired = len(widths) == 1 and all(_paired(m) is not None for m in modules)
         return cls(model, layers, max_rows, bits.pop(), widths.pop() if paired else None)
 
+    @staticmethod
+    def supports(lora: Any) -> bool:
+        """Whether a step whose rows' adapters are ``lora`` (a :class:`fleetllm.lora.batch.LoraBatch`, None: the
+        base model's step) may take the C path: not yet with any adapter row (the op-by-op path applies them)."""
+        return lora is None or not lora.has_adapters
+
     def plan(self, h: torch.Tensor, meta: Any, k_cache: torch.Tensor, rotary: Any) -> Rows | None:
         """The step's rows for the C path, or None when the step must go op by op (see the module doc)."""
         rows = h.shape[0]

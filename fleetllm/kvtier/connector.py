@@ -67,7 +67,7 @@ class TierConnector(KVConnectorBase):
             return 0
         found: list[HostBlock] = []
         if self._holds_any():
-            hashes = hash_prefix_blocks(ids[: full * bs], bs, self.blocks.kv.extra_key)
+            hashes = hash_prefix_blocks(ids[: full * bs], bs, self.blocks.kv.key_of(seq.lora_name))
             found = self._find(hashes[start:], [tuple(ids[i * bs : (i + 1) * bs]) for i in range(start, full)])
         if self.metrics is not None:
             self.metrics.hits.inc(len(found))

@@ -95,7 +95,7 @@ class StoredTierConnector(TierConnector):
         pool, bs = self.blocks.pool, self.blocks.pool.block_size
         ids = seq.all_token_ids[: min(seq.num_computed_tokens, seq.num_tokens)]
         todo: list[tuple[int, int, tuple[int, ...]]] = []
-        for i, h in enumerate(hash_prefix_blocks(ids, bs, self.blocks.kv.extra_key)):
+        for i, h in enumerate(hash_prefix_blocks(ids, bs, self.blocks.kv.key_of(seq.lora_name))):
             bid = pool.cached.get(h)
             chunk = tuple(ids[i * bs : (i + 1) * bs])
             if h not in self._known and bid is not None and pool.blocks[bid].token_ids == chunk:

@@ -51,8 +51,11 @@ class SlotWeights:
 class LoraTables:
     """Stacked per-slot LoRA matrices for every layer and projection (the module docstring gives the layout)."""
 
-    def __init__(self, shapes: Shapes, num_layers: int, max_loras: int, max_rank: int) -> None:
+    def __init__(self, shapes: Shapes, num_layers: int, max_loras: int, max_rank: int,
+                 device: str | torch.device = "cpu") -> None:
+        """``device``: where the tables live (the model's device); they stay float32 there."""
         self.shapes, self.num_layers, self.max_loras, self.max_rank = shapes, num_layers, max_loras, max_rank
+        self.device = torch.device(device)
         self.rank = 0
         self.a: list[dict[str, torch.Tensor]] = [{} for _ in range(num_layers)]
         self.b: list[dict[str, torch.Tensor]] = [{} for _ in range(num_layers)]
@@ -75,8 +78,8 @@ class LoraTables:
                                  f"({fan_in} -> {fan_out})")
             self._ensure(layer, module)
             r = w.a.shape[0]
-            self.a[layer][module][slot, :r] = w.a.float()
-            self.b[layer][module][slot, :, :r] = w.b.float() * scaling
+            self.a[layer][module][slot, :r] = w.a.float().to(self.device)
+            self.b[layer][module][slot, :, :r] = w.b.float().to(self.device) * scaling
             self._modules[slot].add(module)
         self._refresh_active()
 
@@ -97,8 +100,8 @@ class LoraTables:
     def _ensure(self, layer: int, module: str) -> None:
         if module not in self.a[layer]:
             fan_in, fan_out = self.shapes.dims[module]
-            self.a[layer][module] = torch.zeros(self.max_loras, self.rank, fan_in)
-            self.b[layer][module] = torch.zeros(self.max_loras, fan_out, self.rank)
+            self.a[layer][module] = torch.zeros(self.max_loras, self.rank, fan_in, device=self.device)
+            self.b[layer][module] = torch.zeros(self.max_loras, fan_out, self.rank, device=self.device)
 
     def _grow(self, rank: int) -> None:
         """Widen every table to ``rank`` (zero-padded): ranks only grow, so resident slots keep their values."""

@@ -18,6 +18,7 @@ from torch import nn
 from fleetllm.kernels import chunk_rows, kernel_ready, paged_attention
 from fleetllm.kernels.decode_stack import DecodeStack
 from fleetllm.kernels.prefill import prefill_attention, prefill_ready
+from fleetllm.lora.batch import LoraBatch
 from fleetllm.models.config import ModelConfig
 from fleetllm.models.eager_attention import eager_attention
 from fleetllm.models.moe import MoE
@@ -157,9 +158,15 @@ class Attention(nn.Module):
         meta: AttentionMetadata,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
+        lora: tuple[LoraBatch, int] | None = None,
     ) -> torch.Tensor:
+        """``lora``: the step's adapters and this layer's index, when any row has an adapter."""
         t = x.shape[0]
         qkv = self.qkv(x)
+        if lora is not None:
+            nq, nkv = self.h * self.d, self.hkv * self.d
+            lora[0].add(lora[1], (("q_proj", 0, nq), ("k_proj", nq, nq + nkv), ("v_proj", nq + nkv, nq + 2 * nkv)),
+                        x, qkv)
         q, k, v = qkv.split([self.h * self.d, self.hkv * self.d, self.hkv * self.d], dim=-1)
         q, k, v = q.view(t, self.h, self.d), k.view(t, self.hkv, self.d), v.view(t, self.hkv, self.d)
         if self.q_norm is not None:
@@ -172,7 +179,7 @@ class Attention(nn.Module):
         out = torch.empty(t, self.h, self.d, dtype=x.dtype, device=x.device)
         if self.eager:
             eager_attention(q, k_cache, v_cache, meta, self.scale, self.softcap, self.sinks, out)
-            return self.o(out.view(t, self.h * self.d))
+            return self._out(out.view(t, self.h * self.d), lora)
         if meta.decode_idx is None:
             pass
         elif meta.decode_tables is not None and kernel_ready(q, k_cache):
@@ -190,7 +197,14 @@ class Attention(nn.Module):
                                   c.window, out=out[c.start : c.end])
             else:
                 out[c.start : c.end] = self._prefill(qc, k[c.start : c.end], v[c.start : c.end], c, k_cache, v_cache)
-        return self.o(out.view(t, self.h * self.d))
+        return self._out(out.view(t, self.h * self.d), lora)
+
+    def _out(self, attn: torch.Tensor, lora: tuple[LoraBatch, int] | None) -> torch.Tensor:
+        """The output projection, with each row's adapter update."""
+        y = self.o(attn)
+        if lora is not None:
+            lora[0].add(lora[1], (("o_proj", 0, y.shape[-1]),), attn, y)
+        return y
 
     def _chunk_in_place(self, c: PrefillChunk, q: torch.Tensor, k_cache: torch.Tensor) -> bool:
         """Whether a chunk reads the cache through the paged decode kernel (``KERNEL_MAX_CHUNK``,
@@ -248,10 +262,18 @@ class MLP(nn.Module):
         self.down = nn.Linear(self.inter, cfg.hidden_size, bias=False)
         self.gelu = cfg.hidden_act == "gelu_tanh"  # GeGLU (Gemma) instead of SwiGLU
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up(x).split(self.inter, dim=-1)
+    def forward(self, x: torch.Tensor, lora: tuple[LoraBatch, int] | None = None) -> torch.Tensor:
+        """``lora``: the step's adapters and this layer's index, when any row has an adapter."""
+        gu = self.gate_up(x)
+        if lora is not None:
+            lora[0].add(lora[1], (("gate_proj", 0, self.inter), ("up_proj", self.inter, 2 * self.inter)), x, gu)
+        gate, up = gu.split(self.inter, dim=-1)
         act = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
-        return self.down(act * up)
+        mid = act * up
+        y = self.down(mid)
+        if lora is not None:
+            lora[0].add(lora[1], (("down_proj", 0, y.shape[-1]),), mid, y)
+        return y
 
 
 class DecoderLayer(nn.Module):
@@ -291,10 +313,12 @@ class LlamaModel(nn.Module):
         meta: AttentionMetadata,
         kv_cache: list[tuple[torch.Tensor, torch.Tensor]],
         aux_layers: tuple[int, ...] | None = None,
+        lora: LoraBatch | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """``lora``: each row's adapter (None: every row the base model's)."""
         h = self.embed(input_ids)
         stack = self.decode_stack  # q4's decode steps in one C call (fleetllm/kernels/decode_stack.py)
-        fused = stack is not None and aux_layers is None and not meta.layer_by_layer
+        fused = stack is not None and aux_layers is None and not meta.layer_by_layer and stack.supports(lora)
         rows = stack.plan(h, meta, kv_cache[0][0], self.rotary) if fused else None
         if rows is not None:
             stack.run(h, positions, meta, kv_cache, self.rotary, rows)
@@ -304,8 +328,10 @@ class LlamaModel(nn.Module):
         local = meta.within_window(positions, self.cfg.sliding_window) if self.cfg.sliding_window else meta
         for i, (layer, (kc, vc)) in enumerate(zip(self.layers, kv_cache, strict=True)):
             m = local if layer.sliding else meta
-            h = h + layer.attn(layer.input_norm(h), positions, self.rotary, m, kc, vc)
-            h = h + layer.mlp(layer.post_attn_norm(h))
+            at = (lora, i) if lora is not None else None
+            h = h + layer.attn(layer.input_norm(h), positions, self.rotary, m, kc, vc, at)
+            x = layer.post_attn_norm(h)
+            h = h + (layer.mlp(x, at) if at is not None and isinstance(layer.mlp, MLP) else layer.mlp(x))
             if aux_layers and i in aux_layers:
                 aux.append(h)
         if aux_layers is None:
