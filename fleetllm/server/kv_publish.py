@@ -125,16 +125,18 @@ class VllmEventPublisher:
         if b.parent is not None and parent is None:
             return  # its parent left the cache first: vLLM's chain for it cannot be computed
         assert b.token_ids is not None
-        digest = self.hasher.digest(parent, b.token_ids)
+        digest = self.hasher.digest(parent, b.token_ids, b.lora_name)
         self.digests[h] = digest
         ext, ext_parent = external_hash(digest), (external_hash(parent) if parent else None)
         with self.lock:
             last = self.pending[-1] if self.pending else None
-            if last is not None and last["type"] == "BlockStored" and last["block_hashes"][-1] == ext_parent:
+            if (last is not None and last["type"] == "BlockStored" and last["block_hashes"][-1] == ext_parent
+                    and last["lora_name"] == b.lora_name):
                 last["block_hashes"].append(ext)  # one event per run of blocks, as vLLM sends them
                 last["token_ids"].extend(b.token_ids)
             else:
-                self.pending.append(stored_event([ext], ext_parent, list(b.token_ids), self.pool.block_size))
+                self.pending.append(stored_event([ext], ext_parent, list(b.token_ids), self.pool.block_size,
+                                                 lora_name=b.lora_name))
 
     # ---- publisher thread -------------------------------------------------------------------------
     def _run(self) -> None:

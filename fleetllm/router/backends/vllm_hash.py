@@ -78,9 +78,10 @@ class VllmHasher:
         self.key = f"vllm:{algo}:{seed}:{block_size}"  # workers sharing it share one hash list per request
         self.none_hash = self.fn(seed)
 
-    def digest(self, parent: bytes | None, token_ids: Sequence[int]) -> bytes:
-        """One block's full digest (vLLM chains on the full digest, not on the 64-bit event value)."""
-        return self.fn((parent or self.none_hash, tuple(token_ids), None))
+    def digest(self, parent: bytes | None, token_ids: Sequence[int], lora_name: str | None = None) -> bytes:
+        """One block's full digest (vLLM chains on the full digest, not on the 64-bit event value); a block
+        computed with an adapter has vLLM's extra keys ``(lora_name,)``."""
+        return self.fn((parent or self.none_hash, tuple(token_ids), None if lora_name is None else (lora_name,)))
 
     def digests(self, token_ids: Sequence[int]) -> list[bytes]:
         out: list[bytes] = []

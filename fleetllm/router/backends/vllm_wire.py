@@ -72,11 +72,12 @@ def _decode_event(raw: Any) -> KVEvent | None:
 
 
 def stored_event(hashes: list[int], parent: int | None, token_ids: list[int], block_size: int,
-                 medium: str = "GPU") -> dict[str, Any]:
+                 medium: str = "GPU", lora_name: str | None = None) -> dict[str, Any]:
     """A ``BlockStored`` as vLLM's msgspec struct encodes it (fields with defaults left out); ``medium`` is
-    where the blocks are held ("GPU": the engine's pool, as vLLM names it whatever the device)."""
+    where the blocks are held ("GPU": the engine's pool, as vLLM names it whatever the device), ``lora_name``
+    the adapter they were computed with (None: the base model)."""
     return {"type": STORED, "block_hashes": hashes, "parent_block_hash": parent, "token_ids": token_ids,
-            "block_size": block_size, "lora_id": None, "medium": medium, "lora_name": None}
+            "block_size": block_size, "lora_id": None, "medium": medium, "lora_name": lora_name}
 
 
 def removed_event(hashes: list[int], medium: str = "GPU") -> dict[str, Any]:
