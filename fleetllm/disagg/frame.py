@@ -51,6 +51,7 @@ class FrameHeader:
     block_size: int
     token_ids: list[int]  # the tokens the blocks hold: the full blocks', then a partial block's (fewer than a block)
     block_hashes: list[int]  # of the full blocks
+    lora_name: str | None = None  # the adapter the KV was computed with (its hashes are keyed by it); None: base
 
     @property
     def num_blocks(self) -> int:
@@ -75,7 +76,10 @@ class FrameHeader:
     def to_json(self) -> dict[str, Any]:
         """The header as JSON-ready fields: a shallow dict (``asdict`` copies a long prompt's token ids one by
         one: 1.5 ms of the prefill worker's event loop for 2,048, holding the GIL its engine thread needs)."""
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+        d = {f.name: getattr(self, f.name) for f in fields(self)}
+        if d["lora_name"] is None:  # a base-model frame's header as before adapters: older readers take it
+            del d["lora_name"]
+        return d
 
     @classmethod
     def parse(cls, d: Any) -> FrameHeader:
@@ -85,7 +89,8 @@ class FrameHeader:
         except TypeError as e:
             raise FrameError(f"bad frame header: {e}") from None
         sizes = (header.num_layers, header.num_kv_heads, header.head_dim, header.block_size)
-        if not (isinstance(header.model, str) and all(_count(v) and v > 0 for v in sizes)
+        if not (isinstance(header.model, str) and isinstance(header.lora_name, str | None)
+                and all(_count(v) and v > 0 for v in sizes)
                 and isinstance(header.token_ids, list) and isinstance(header.block_hashes, list)
                 and all(_count(t) for t in header.token_ids) and all(_count(h) for h in header.block_hashes)):
             raise FrameError("bad frame header: sizes must be positive integers, token ids and hashes lists of them")

@@ -45,20 +45,22 @@ def pool_dtype(engine: Blocks) -> str:
 
 
 def frame_header(engine: Blocks, token_ids: list[int], hashes: list[int], dtype: str | None = None,
-                 tail: bool = False) -> FrameHeader:
+                 tail: bool = False, lora_name: str | None = None) -> FrameHeader:
     """The header of a frame of ``token_ids``' first ``len(hashes)`` blocks (with ``tail``: and the partial block
-    of the tokens after them, all of ``token_ids``), in ``dtype`` (default: the pool's)."""
+    of the tokens after them, all of ``token_ids``), in ``dtype`` (default: the pool's), computed with adapter
+    ``lora_name`` (None: the base model; ``hashes`` are keyed by it)."""
     cfg, bs = engine.loaded.config, engine.pool.block_size
     ids = list(token_ids) if tail else list(token_ids[: len(hashes) * bs])
     return FrameHeader(engine.model_name, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype or pool_dtype(engine),
-                       bs, ids, list(hashes))
+                       bs, ids, list(hashes), lora_name)
 
 
-def export_blocks(engine: Blocks, token_ids: list[int], dtype: str | None = None) -> tuple[FrameHeader, Layers]:
-    """The cached full blocks of ``token_ids`` (the leading run still in the prefix cache), copied out in
-    ``dtype`` (default: the pool's)."""
-    ids, hashes = engine.kv.cached_prefix(list(token_ids))
-    header = frame_header(engine, token_ids, hashes, dtype)
+def export_blocks(engine: Blocks, token_ids: list[int], dtype: str | None = None,
+                  lora_name: str | None = None) -> tuple[FrameHeader, Layers]:
+    """The cached full blocks of ``token_ids`` computed with adapter ``lora_name`` (None: the base model; the
+    leading run still in the prefix cache), copied out in ``dtype`` (default: the pool's)."""
+    ids, hashes = engine.kv.cached_prefix(list(token_ids), lora_name)
+    header = frame_header(engine, token_ids, hashes, dtype, lora_name=lora_name)
     views = engine.kv_blocks()
     index = torch.tensor(ids, dtype=torch.long, device=views[0][0].device)
     wire = DTYPES[header.dtype]
@@ -137,7 +139,7 @@ def reserve(engine: Blocks, header: FrameHeader, whole: bool = False) -> Reserva
     the commit is a no-op (the cached one stays), and they go back unregistered when their request ends."""
     check_fits(engine, header)
     pool = engine.pool
-    missing, pinned = _walk(header, pool, engine.kv.extra_key, whole)
+    missing, pinned = _walk(header, pool, engine.kv.key_of(header.lora_name), whole)
     for bid in pinned:  # a reference on what is cached: allocating below must not evict the chain's head
         pool.touch(bid)
     room = pool.num_free - engine.scheduler.watermark_blocks  # keep the scheduler's headroom
@@ -177,7 +179,7 @@ def commit(engine: Blocks, res: Reservation) -> dict[str, int]:
     """Engine thread: register the written blocks in the prefix cache and release every block held."""
     pool = engine.pool
     for bid, (_, h, chunk, prev) in zip(res.new, res.todo, strict=True):
-        pool.register(bid, h, chunk, prev)
+        pool.register(bid, h, chunk, prev, res.header.lora_name)
     result = res.result()
     cancel(engine, res)  # released after registration: in the prefix cache, owned by nobody
     return result
@@ -192,7 +194,7 @@ def commit_held(engine: Blocks, res: Reservation) -> tuple[dict[str, int], list[
         return commit(engine, res), None
     pool = engine.pool
     for bid, (_, h, chunk, prev) in zip(res.new, res.todo, strict=True):
-        pool.register(bid, h, chunk, prev)
+        pool.register(bid, h, chunk, prev, res.header.lora_name)
     result = res.result()
     res.new, res.pinned, res.tail = [], [], None  # held by the table now
     return result, table

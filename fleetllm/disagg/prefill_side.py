@@ -206,8 +206,8 @@ class PrefillEndpoints:
         from fleetllm.engine.block_pool import hash_prefix_blocks
 
         engine = self.connector.blocks
-        hashes = hash_prefix_blocks(job.ids, engine.pool.block_size, engine.kv.extra_key)
-        header = frame_header(engine, job.ids, hashes, tail=job.handoff)
+        hashes = hash_prefix_blocks(job.ids, engine.pool.block_size, engine.kv.key_of(job.lora_name))
+        header = frame_header(engine, job.ids, hashes, tail=job.handoff, lora_name=job.lora_name)
         try:
             leg = await direct.reserve(self._client(), decode_url, header, self.pool_maps, timeout, self._in_place)
         except httpx.HTTPError as e:
@@ -281,9 +281,10 @@ class PrefillEndpoints:
         from fleetllm.engine.block_pool import hash_prefix_blocks
 
         engine = self.connector.blocks
-        hashes = hash_prefix_blocks(job.ids, engine.pool.block_size, engine.kv.extra_key)
+        hashes = hash_prefix_blocks(job.ids, engine.pool.block_size, engine.kv.key_of(job.lora_name))
         dtype = self.options.kv_transfer_dtype
-        header = frame_header(engine, job.ids, hashes, None if dtype == "auto" else dtype, tail=job.handoff)
+        header = frame_header(engine, job.ids, hashes, None if dtype == "auto" else dtype, tail=job.handoff,
+                              lora_name=job.lora_name)
         buf = await asyncio.to_thread(self.buffers.take, via, header.frame_bytes())
         loop, sealed = asyncio.get_running_loop(), asyncio.Queue()
         frame = FrameBuffer(header, buf.memory)
@@ -310,7 +311,8 @@ class PrefillEndpoints:
 
     async def _generate(self, job: PrefillJob) -> RequestOutput:
         """The job's prefill and its one sampled token (the final output)."""
-        outs = [o async for o in self.worker.async_engine.generate(job.rid, job.ids, job.params, exact=True)]
+        outs = [o async for o in self.worker.async_engine.generate(job.rid, job.ids, job.params, exact=True,
+                                                                 lora_name=job.lora_name)]
         out = outs[-1] if outs else None
         if out is None or out.error or not out.new_token_ids:
             raise APIError(500, f"the prefill ended before its KV was complete{f': {out.error}' if out else ''}")
@@ -369,6 +371,7 @@ class PrefillJob:
     params: SamplingParams
     handoff: bool  # the whole prompt and its first token, for the decode worker to go on from
     transfer: str | None = None  # the router's id of the transfer, if it named one
+    lora_name: str | None = None  # the adapter the prompt runs with (None: the base model)
 
 
 async def _cancel(task: asyncio.Future[Any] | None) -> None:
