@@ -35,6 +35,8 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
+KVEventItem = tuple[str, list[int], list[str | None] | None]  # kind, block hashes, their adapters (None: none)
+
 class EngineFailed(RuntimeError):
     """The engine thread died; no request can run on this engine any more."""
 
@@ -50,7 +52,7 @@ class AsyncEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
-        self._kv_subscribers: set[asyncio.Queue[tuple[str, list[int]]]] = set()
+        self._kv_subscribers: set[asyncio.Queue[KVEventItem]] = set()
         self._kv_publish = False  # becomes True with the first subscriber (engine thread only)
         self.steps = 0
         engine.pool.on_event = self._on_kv_event  # called on the engine thread
@@ -113,15 +115,16 @@ class AsyncEngine:
             if not finished:
                 self._cmds.put(("abort", request_id))
 
-    async def subscribe_kv_events(self) -> tuple[asyncio.Queue[tuple[str, list[int]]], list[int]]:
-        """A queue of ("stored" | "removed", block hashes) events and the snapshot of cached hashes they
+    async def subscribe_kv_events(self) -> tuple[asyncio.Queue[KVEventItem], list[int]]:
+        """A queue of ("stored" | "removed", block hashes, each stored block's adapter or None when all are the
+        base model's) events and the snapshot of cached hashes they
         follow. The snapshot is taken on the engine thread between steps, and the queue is registered in
         the same FIFO as event deliveries, so snapshot + events is exactly the cache's state. Call
         :meth:`unsubscribe_kv_events` when done."""
         assert self._loop is not None, "start() the engine first"
         if self.failure is not None:
             raise self.failure
-        q: asyncio.Queue[tuple[str, list[int]]] = asyncio.Queue()
+        q: asyncio.Queue[KVEventItem] = asyncio.Queue()
         fut: asyncio.Future[list[int]] = self._loop.create_future()
         self._cmds.put(("kv_snapshot", (q, fut)))
         return q, await fut
@@ -151,7 +154,7 @@ class AsyncEngine:
         self._cmds.put(("call", (fn, fut)))
         return await fut
 
-    def unsubscribe_kv_events(self, q: asyncio.Queue[tuple[str, list[int]]]) -> None:
+    def unsubscribe_kv_events(self, q: asyncio.Queue[KVEventItem]) -> None:
         self._kv_subscribers.discard(q)
 
     def announce(self, kind: str) -> int:
@@ -216,16 +219,24 @@ class AsyncEngine:
 
     def _on_kv_event(self, kind: str, hashes: list[int]) -> None:
         if self._kv_publish and self._loop is not None:
-            self._loop.call_soon_threadsafe(self._fanout_kv, kind, list(hashes))
+            self._loop.call_soon_threadsafe(self._fanout_kv, kind, list(hashes), self._lora_names(kind, hashes))
 
-    def _register_kv(self, q: asyncio.Queue[tuple[str, list[int]]], fut: asyncio.Future[list[int]], snapshot: list[int]) -> None:
+    def _lora_names(self, kind: str, hashes: list[int]) -> list[str | None] | None:
+        """Engine thread: the adapter of each block just stored (None when every one is the base model's)."""
+        if kind != "stored" or self.engine.lora is None:
+            return None
+        pool = self.engine.pool
+        names = [pool.blocks[pool.cached[h]].lora_name if h in pool.cached else None for h in hashes]
+        return names if any(names) else None
+
+    def _register_kv(self, q: asyncio.Queue[KVEventItem], fut: asyncio.Future[list[int]], snapshot: list[int]) -> None:
         self._kv_subscribers.add(q)
         if not fut.done():
             fut.set_result(snapshot)
 
-    def _fanout_kv(self, kind: str, hashes: list[int]) -> None:
+    def _fanout_kv(self, kind: str, hashes: list[int], lora_names: list[str | None] | None = None) -> None:
         for q in self._kv_subscribers:
-            q.put_nowait((kind, hashes))
+            q.put_nowait((kind, hashes, lora_names))
 
     def end_all(self, err: BaseException) -> int:
         """Raise ``err`` in every caller waiting on a request (on the event loop); their requests are aborted

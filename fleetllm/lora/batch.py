@@ -1,20 +1,29 @@
 """One step's adapters: each token row's slot in the :class:`~fleetllm.lora.tables.LoraTables`, and the PyTorch
-update that adds every row's own adapter to a projection's output (S-LoRA's segmented products, done per slot).
+update that adds every row's own adapter to a projection's output. Base rows and rows of different adapters share
+the step's one forward; nothing runs once per adapter but these products. Two ways, by the step's shape:
 
-The rows of one step are grouped by slot once (at most ``max_loras`` groups; rows of the base model, slot -1,
-in none), and each projection then costs two small products per group: ``x[rows] @ A[s].T @ B[s].T``, added
-into the rows' outputs. A group holding every row of the step skips the gather and the scatter. Base rows and
-rows of different adapters share the step's one forward; nothing runs once per adapter but these products.
+- segmented (S-LoRA's): rows grouped by slot once per step (rows of the base model, slot -1, in none), and each
+  projection costs two small products per group, ``x[rows] @ A[s].T @ B[s].T``, added into the rows' outputs; a
+  group holding every row skips the gather and the scatter. Wide steps (prefill chunks) and steps of one adapter.
+- stacked: a narrow step (a decode step, at most ``DENSE_ROWS`` rows) with several adapters computes ``x`` against
+  every slot's ``A`` at once (all of a fused projection's modules in one product), zeroes each row's columns of
+  other slots, and multiplies by every slot's ``B`` stacked: three products per projection instead of a few per
+  slot. The wasted columns cost little at decode widths, where per-call overhead dominates.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from fleetllm.lora.tables import LoraTables
+
+DENSE_ROWS = 64  # steps of at most this many rows with two adapters or more take the stacked products
+# per tables: (their version, (layer, modules) -> stacked A [modules * slots * rank, in] and each B [slots * rank, out])
+_STACKED: weakref.WeakKeyDictionary[LoraTables, tuple[int, dict]] = weakref.WeakKeyDictionary()
 
 
 @dataclass
@@ -24,6 +33,7 @@ class LoraBatch:
     tables: LoraTables
     slots: torch.Tensor
     groups: list[tuple[int, torch.Tensor | None]]  # (slot, its rows; None when it holds every row of the step)
+    mask: torch.Tensor | None = None  # stacked products: [rows, slots * rank], 1 on each row's own slot's columns
 
     @classmethod
     def of(cls, tables: LoraTables | None, row_slots: Sequence[int], device: str | torch.device = "cpu") -> LoraBatch | None:
@@ -35,7 +45,11 @@ class LoraBatch:
         for s in sorted(set(row_slots) - {-1}):
             rows = (slots == s).nonzero().flatten()
             groups.append((s, None if len(rows) == len(slots) else rows.to(device)))
-        return cls(tables, slots.to(device), groups)
+        mask = None
+        if len(groups) > 1 and len(row_slots) <= DENSE_ROWS:
+            cols = torch.arange(tables.max_loras * tables.rank) // tables.rank
+            mask = (cols.unsqueeze(0) == slots.unsqueeze(1)).float().to(device)
+        return cls(tables, slots.to(device), groups, mask)
 
     @property
     def has_adapters(self) -> bool:
@@ -50,6 +64,9 @@ class LoraBatch:
         if not live:
             return
         xf = x if x.dtype == torch.float32 else x.float()
+        if self.mask is not None:
+            self._stacked(layer, live, xf, out)
+            return
         for slot, rows in self.groups:
             xs = xf if rows is None else xf.index_select(0, rows)
             for module, lo, hi in live:
@@ -59,3 +76,27 @@ class LoraBatch:
                     out[:, lo:hi] += d
                 else:
                     out[:, lo:hi].index_add_(0, rows, d)
+
+    def _stacked(self, layer: int, live: list[tuple[str, int, int]], x: torch.Tensor, out: torch.Tensor) -> None:
+        a, bs = _stacked_tables(self.tables, layer, tuple(m for m, _, _ in live))
+        width = self.mask.shape[1]
+        mid = x @ a.T  # [rows, modules * slots * rank]
+        mid.view(x.shape[0], len(live), width).mul_(self.mask.unsqueeze(1))
+        for j, (_, lo, hi) in enumerate(live):
+            out[:, lo:hi] += (mid[:, j * width : (j + 1) * width] @ bs[j]).to(out.dtype)
+
+
+def _stacked_tables(t: LoraTables, layer: int, modules: tuple[str, ...]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Every slot's ``A`` of ``modules`` stacked in one matrix, and each module's ``B`` of every slot stacked
+    (rebuilt when the tables change)."""
+    version, cache = _STACKED.get(t, (-1, {}))
+    if version != t.version:
+        cache = {}
+        _STACKED[t] = (t.version, cache)
+    key = (layer, modules)
+    if key not in cache:
+        width = t.max_loras * t.rank
+        a = torch.cat([t.a[layer][m].reshape(width, -1) for m in modules])
+        bs = [t.b[layer][m].permute(0, 2, 1).reshape(width, -1).contiguous() for m in modules]
+        cache[key] = (a, bs)
+    return cache[key]

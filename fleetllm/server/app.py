@@ -553,7 +553,9 @@ class Worker:
         then ``stored`` / ``removed`` events with the hashes of blocks entering or leaving the prefix
         cache, ``draining`` once the worker takes no new requests, and a ``load`` event (running, waiting, queued prefill tokens, KV usage) within 50 ms of a change and at least
         every ``interval`` seconds.
-        Hashes are :func:`fleetllm.engine.block_pool.hash_block` chains keyed by the served model name.
+        Hashes are :func:`fleetllm.engine.block_pool.hash_block` chains keyed by the served model name (and the
+        adapter's, :func:`~fleetllm.engine.block_pool.block_key`); a ``stored`` event of blocks computed with
+        adapters names each block's adapter in ``lora_names`` (null for the base model's).
         """
         interval = number(request.query_params.get("interval"), "interval", 0.01, MAX_EVENTS_INTERVAL_S, 0.5)
         q, snapshot = await self.async_engine.subscribe_kv_events()
@@ -570,8 +572,9 @@ class Worker:
                 next_check, next_load = time.monotonic() + poll, time.monotonic() + interval
                 while not self.closing:
                     try:
-                        kind, hashes = await asyncio.wait_for(q.get(), max(0.0, next_check - time.monotonic()))
-                        yield fmt.sse_event({"type": kind, "hashes": hashes})
+                        kind, hashes, loras = await asyncio.wait_for(q.get(), max(0.0, next_check - time.monotonic()))
+                        extra = {"lora_names": loras} if loras else {}  # blocks computed with adapters: their names
+                        yield fmt.sse_event({"type": kind, "hashes": hashes, **extra})
                     except TimeoutError:
                         pass
                     now = time.monotonic()

@@ -8,6 +8,7 @@ from lora_models import ADAPTERS
 
 from fleetllm.engine.llm import LLM
 from fleetllm.engine.sampling import SamplingParams
+from fleetllm.lora import batch
 from fleetllm.lora.errors import LoraError
 
 PROMPTS = [[1, 17, 230, 45, 99, 310, 7, 88, 140, 402, 33, 61, 250, 19, 5, 77, 123, 300],
@@ -23,7 +24,9 @@ def mixed(llm: LLM, names: list[str | None]) -> dict[tuple[str | None, int], lis
     return {job: r.outputs[0].token_ids for job, r in zip(jobs, res, strict=True)}
 
 
-def test_mixed_batches_of_base_and_three_adapters_equal_hf_peft(tiny_lora) -> None:
+@pytest.mark.parametrize("dense_rows", [64, 0], ids=["stacked", "segmented"])
+def test_mixed_batches_of_base_and_three_adapters_equal_hf_peft(tiny_lora, dense_rows: int, monkeypatch) -> None:
+    monkeypatch.setattr(batch, "DENSE_ROWS", dense_rows)  # narrow steps: both ways of applying the adapters
     llm = LLM(str(tiny_lora.base_dir), quantization="none", enable_lora=True, max_loras=3, num_blocks=64,
               max_num_batched_tokens=40)  # prompts chunked, so prefill and decode rows of all four share steps
     for name, path in tiny_lora.dirs.items():
