@@ -189,6 +189,8 @@ class LLMEngine:
             seq.lora_name = lora_name
             if handoff is None:
                 self.scheduler.add(seq)
+            elif lora_name is not None:  # running at once: its adapter's slot pinned now
+                seq.lora_slot = self.lora.acquire(lora_name)
         except BaseException:
             if handoff is not None:
                 self.pool.release(handoff.blocks)
@@ -216,8 +218,6 @@ class LLMEngine:
     def _take_over(self, seq: Sequence, h: Handoff) -> None:
         """Run ``seq`` from a handed-over prefill: its blocks, its prompt computed, its first token appended
         and output as if this engine's last prefill chunk had sampled it."""
-        if seq.lora_name is not None:
-            seq.lora_slot = self.lora.acquire(seq.lora_name)
         seq.block_table, seq.block_hashes = list(h.blocks), list(h.hashes)
         seq.num_computed_tokens = seq.num_cached_tokens = len(seq.prompt_token_ids)
         seq.sampler_state = h.sampler_state
