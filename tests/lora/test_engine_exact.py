@@ -56,27 +56,6 @@ def test_hot_load_unload_and_reload_keep_outputs_equal_to_hf_peft(tiny_lora) -> 
     assert llm.engine.lora.disk_reads > 0
 
 
-def test_a_step_holds_at_most_max_loras_adapters_and_every_request_finishes(tiny_lora) -> None:
-    llm = LLM(str(tiny_lora.base_dir), quantization="none", enable_lora=True, max_loras=1, num_blocks=64)
-    for name, path in tiny_lora.dirs.items():
-        llm.load_lora(name, str(path))
-    sched, seen = llm.engine.scheduler, []
-    schedule = sched.schedule
-
-    def watched(drafts=None):  # noqa: ANN001, ANN202 - the scheduler's own signature
-        out = schedule(drafts)
-        seen.append({s.seq.lora_name for s in out.scheduled} - {None})
-        return out
-
-    sched.schedule = watched
-    names = ["qv4", "all8", None, "qv4", "mixed16", "all8", None]
-    res = llm.generate([PROMPTS[1]] * len(names), SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True),
-                       lora_name=names)
-    assert all(len(r.outputs[0].token_ids) == 3 for r in res)
-    assert max(len(s) for s in seen) == 1
-    assert len(set().union(*seen)) == 3
-
-
 def test_an_unknown_adapter_is_refused_with_404_before_any_step(tiny_lora) -> None:
     llm = LLM(str(tiny_lora.base_dir), quantization="none", enable_lora=True, num_blocks=32)
     with pytest.raises(LoraError) as e:
