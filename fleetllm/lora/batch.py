@@ -70,8 +70,11 @@ class LoraBatch:
         for slot, rows in self.groups:
             xs = xf if rows is None else xf.index_select(0, rows)
             for module, lo, hi in live:
-                d = (xs @ t.a[layer][module][slot].T) @ t.b[layer][module][slot].T
-                d = d.to(out.dtype)
+                mid = xs @ t.a[layer][module][slot].T
+                if rows is None and out.dtype == torch.float32:
+                    out[:, lo:hi].addmm_(mid, t.b[layer][module][slot].T)  # no temporary for the update
+                    continue
+                d = (mid @ t.b[layer][module][slot].T).to(out.dtype)
                 if rows is None:
                     out[:, lo:hi] += d
                 else:
@@ -83,7 +86,11 @@ class LoraBatch:
         mid = x @ a.T  # [rows, modules * slots * rank]
         mid.view(x.shape[0], len(live), width).mul_(self.mask.unsqueeze(1))
         for j, (_, lo, hi) in enumerate(live):
-            out[:, lo:hi] += (mid[:, j * width : (j + 1) * width] @ bs[j]).to(out.dtype)
+            part = mid[:, j * width : (j + 1) * width]
+            if out.dtype == torch.float32:
+                out[:, lo:hi].addmm_(part, bs[j])
+            else:
+                out[:, lo:hi] += (part @ bs[j]).to(out.dtype)
 
 
 def _stacked_tables(t: LoraTables, layer: int, modules: tuple[str, ...]) -> tuple[torch.Tensor, list[torch.Tensor]]:
