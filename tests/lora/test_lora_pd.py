@@ -1,7 +1,9 @@
 """P/D with adapters: a frame carries its adapter, is imported under that adapter's block keys, and serves only
-requests of that adapter on the decode side."""
+requests of that adapter on the decode side; a prompt prefilled with an adapter and handed over decodes as it."""
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 from fleetllm.disagg import frame
 from fleetllm.disagg.kv_io import export_blocks, import_blocks
@@ -24,3 +26,38 @@ def test_an_adapters_kv_moved_between_engines_serves_that_adapter_only(tiny_lora
     remote = b.generate([PROMPT], PARAMS, lora_name="qv4")[0]
     assert (base.num_cached_tokens, remote.num_cached_tokens) == (0, 32)
     assert remote.outputs[0].token_ids == local
+
+
+def test_a_prompt_prefilled_with_an_adapter_and_handed_over_decodes_as_that_adapter(tiny_lora) -> None:
+    from fleetllm.disagg.connector import pd_connector
+    from fleetllm.disagg.kv_io import commit_held, frame_header, reserve, write
+    from fleetllm.disagg.layer_stream import LayerStream
+    from fleetllm.engine.block_pool import hash_prefix_blocks
+    from fleetllm.engine.handoff import Handoff
+
+    a, b = (LLM(str(tiny_lora.base_dir), quantization="none", enable_lora=True, num_blocks=64).engine
+            for _ in range(2))
+    for engine in (a, b):
+        engine.load_lora("qv4", str(tiny_lora.dirs["qv4"]))
+    ids = PROMPT[:37]  # a partial last block
+    header = frame_header(a, ids, hash_prefix_blocks(ids, 16, a.kv.key_of("qv4")), tail=True, lora_name="qv4")
+    fb = frame.FrameBuffer(header, bytearray(header.frame_bytes()))
+    stream = LayerStream(fb)
+    pd_connector(a).observe("p", stream)
+    a.add_request("p", ids, replace(PARAMS, max_tokens=1), lora_name="qv4")  # the prefill and its one token
+    first = []
+    while a.has_unfinished():
+        first += [t for o in a.step() for t in o.new_token_ids]
+    stream.done.result(timeout=30)
+    pd_connector(a).observe("p", None)
+    stream.close()
+    header, layers = frame.decode(bytes(fb.mv))
+    res = reserve(b, header)
+    write(b.kv_blocks(), layers, res)
+    _, table = commit_held(b, res)
+    b.add_request("d", ids, PARAMS, handoff=Handoff(ids, table, header.block_hashes, first[0]), lora_name="qv4")
+    toks = [t for o in b.take_outputs() for t in o.new_token_ids]
+    while b.has_unfinished():
+        toks += [t for o in b.step() for t in o.new_token_ids]
+    assert toks == tiny_lora.greedy("qv4", ids, PARAMS.max_tokens)
+    assert b.lora.resident() == {"qv4": 0} and b.pool.num_free == b.pool.num_blocks  # slot and blocks let go
