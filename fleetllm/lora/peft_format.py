@@ -42,6 +42,8 @@ UNSUPPORTED = {
     "use_qalora": "QA-LoRA (use_qalora)", "alora_invocation_tokens": "activated LoRA (alora_invocation_tokens)",
     "fan_in_fan_out": "fan_in_fan_out (transposed Conv1D weights)", "use_bdlora": "BD-LoRA (use_bdlora)",
 }
+# PEFT adapts a mixture-of-experts model's fused expert weights as parameters (``mlp.experts.gate_up_proj``)
+_EXPERT_PARAM = re.compile(r"(^|\.)(experts|gate_up_proj|down_proj|w1|w2|w3)($|\.)")
 _KEY = re.compile(r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
 
 
@@ -122,6 +124,10 @@ def _check_options(cfg: dict[str, Any], max_rank: int) -> None:
     kind = cfg.get("peft_type", "LORA")
     if str(kind).upper() != "LORA":
         raise LoraError(f"peft_type {kind!r} is not supported: only LoRA adapters are")
+    experts = [t for t in cfg.get("target_parameters") or [] if isinstance(t, str) and _EXPERT_PARAM.search(t)]
+    if experts:
+        raise LoraError(f"expert projections of a mixture-of-experts model are not supported (target_parameters "
+                        f"{experts})")
     for key, what in UNSUPPORTED.items():
         if cfg.get(key):
             raise LoraError(f"{what} is not supported (adapter_config.json sets {key})")

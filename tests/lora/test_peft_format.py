@@ -58,6 +58,8 @@ HOSTILE: dict[str, tuple[Callable[[Path], None], str]] = {
     "a pickle instead of safetensors": (_pickle_only, "adapter_model.bin (a pickle) is not loaded"),
     "another base model's shapes": (_other_model, "made for another base model"),
     "a LoRA on the LM head": (_head_weight, "LM head"),
+    "expert parameters (PEFT's fused MoE experts)": (lambda p: _config(p, target_parameters=["gate_up_proj"]),
+                                                     "expert projections of a mixture-of-experts model"),
     "not JSON": (lambda p: (p / "adapter_config.json").write_text("{r: 4"), "not valid JSON"),
 }
 
