@@ -3,8 +3,9 @@ update that adds every row's own adapter to a projection's output. Base rows and
 the step's one forward; nothing runs once per adapter but these products. Two ways, by the step's shape:
 
 - segmented (S-LoRA's): rows grouped by slot once per step (rows of the base model, slot -1, in none), and each
-  projection costs two small products per group, ``x[rows] @ A[s].T @ B[s].T``, added into the rows' outputs; a
-  group holding every row skips the gather and the scatter. Wide steps (prefill chunks) and steps of one adapter.
+  group's rows multiplied by its slot's ``A`` (a fused projection's modules in one product), then by each module's
+  ``B``, added into the rows' outputs; a group holding every row skips the gather and the scatter. Wide steps
+  (prefill chunks) and steps of one adapter.
 - stacked: a narrow step (a decode step, at most ``DENSE_ROWS`` rows) with several adapters computes ``x`` against
   every slot's ``A`` at once (all of a fused projection's modules in one product), zeroes each row's columns of
   other slots, and multiplies by every slot's ``B`` stacked: three products per projection instead of a few per
@@ -14,7 +15,7 @@ the step's one forward; nothing runs once per adapter but these products. Two wa
 from __future__ import annotations
 
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -22,7 +23,7 @@ import torch
 from fleetllm.lora.tables import LoraTables
 
 DENSE_ROWS = 64  # steps of at most this many rows with two adapters or more take the stacked products
-# per tables: (their version, (layer, modules) -> stacked A [modules * slots * rank, in] and each B [slots * rank, out])
+# per tables: (their version, {key: the stacked matrices of a layer's modules}) (_stacked_tables, _slot_tables)
 _STACKED: weakref.WeakKeyDictionary[LoraTables, tuple[int, dict]] = weakref.WeakKeyDictionary()
 
 
@@ -67,14 +68,18 @@ class LoraBatch:
         if self.mask is not None:
             self._stacked(layer, live, xf, out)
             return
+        modules = tuple(m for m, _, _ in live)
+        r = t.rank
         for slot, rows in self.groups:
             xs = xf if rows is None else xf.index_select(0, rows)
-            for module, lo, hi in live:
-                mid = xs @ t.a[layer][module][slot].T
+            a, bs = _slot_tables(t, layer, modules, slot)
+            mid = xs @ a.T  # [rows, modules * rank]: every module's first product in one
+            for j, (_, lo, hi) in enumerate(live):
+                part = mid[:, j * r : (j + 1) * r]
                 if rows is None and out.dtype == torch.float32:
-                    out[:, lo:hi].addmm_(mid, t.b[layer][module][slot].T)  # no temporary for the update
+                    out[:, lo:hi].addmm_(part, bs[j])  # no temporary for the update
                     continue
-                d = (mid @ t.b[layer][module][slot].T).to(out.dtype)
+                d = (part @ bs[j]).to(out.dtype)
                 if rows is None:
                     out[:, lo:hi] += d
                 else:
@@ -94,16 +99,32 @@ class LoraBatch:
 
 
 def _stacked_tables(t: LoraTables, layer: int, modules: tuple[str, ...]) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """Every slot's ``A`` of ``modules`` stacked in one matrix, and each module's ``B`` of every slot stacked
-    (rebuilt when the tables change)."""
+    """Every slot's ``A`` of ``modules`` stacked in one matrix ``[modules * slots * rank, in]``, and each module's
+    ``B`` of every slot stacked ``[slots * rank, out]``."""
+    def build() -> tuple[torch.Tensor, list[torch.Tensor]]:
+        width = t.max_loras * t.rank
+        a = torch.cat([t.a[layer][m].reshape(width, -1) for m in modules])
+        return a, [t.b[layer][m].permute(0, 2, 1).reshape(width, -1).contiguous() for m in modules]
+
+    return _cached(t, ("all", layer, modules), build)
+
+
+def _slot_tables(t: LoraTables, layer: int, modules: tuple[str, ...], slot: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """One slot's ``A`` of ``modules`` stacked ``[modules * rank, in]``, and each module's ``B.T`` ``[rank, out]``."""
+    def build() -> tuple[torch.Tensor, list[torch.Tensor]]:
+        a = torch.cat([t.a[layer][m][slot] for m in modules])
+        return a, [t.b[layer][m][slot].T.contiguous() for m in modules]
+
+    return _cached(t, (slot, layer, modules), build)
+
+
+def _cached(t: LoraTables, key: tuple, build: Callable[[], tuple[torch.Tensor, list[torch.Tensor]]]
+            ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """``build()``'s matrices for ``t`` under ``key``, kept until the tables change (their ``version``)."""
     version, cache = _STACKED.get(t, (-1, {}))
     if version != t.version:
         cache = {}
         _STACKED[t] = (t.version, cache)
-    key = (layer, modules)
     if key not in cache:
-        width = t.max_loras * t.rank
-        a = torch.cat([t.a[layer][m].reshape(width, -1) for m in modules])
-        bs = [t.b[layer][m].permute(0, 2, 1).reshape(width, -1).contiguous() for m in modules]
-        cache[key] = (a, bs)
+        cache[key] = build()
     return cache[key]
