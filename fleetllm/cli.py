@@ -27,6 +27,7 @@ from fleetllm.disagg.config import TransferOptions
 from fleetllm.engine.config import EngineConfig
 from fleetllm.errors import UsageError, did_you_mean, existing_file, one_line
 from fleetllm.fleet.runfile import RunDirOption
+from fleetllm.lora.options import LoraServingOptions
 from fleetllm.router.config import RouterConfig
 from fleetllm.router.state_url import fleet_state_url_value
 from fleetllm.server.body_limit import DEFAULT_MAX_BODY_BYTES
@@ -227,7 +228,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
     worker = Worker(engine, observability_config(args), role=args.role, capture=capture,
                     max_body_bytes=args.max_body_bytes, tools=from_args(ToolConfig, args),
                     kv_events=from_args(KVEventsOptions, args), transfer=from_args(TransferOptions, args),
-                    api_key=args.api_key)
+                    api_key=args.api_key, lora=from_args(LoraServingOptions, args), store=from_args(StoreConfig, args))
     warn_if_open(args.host, worker.secret, args.api_key)
     server = make_server(worker.app, args.host, args.port, args.log_level,
                          on_exit=lambda: setattr(worker, "closing", True),
@@ -246,8 +247,31 @@ def check_worker_args(args: argparse.Namespace) -> None:
     check_engine_args(args)
     tls_files(args)
     check_json_flag("--kv-events-config", args.kv_events_config)
+    check_lora_args(args)
     if args.count < 1:
         raise UsageError(f"--count {args.count}: a simulated worker count is 1 or more")
+
+
+def check_lora_args(args: argparse.Namespace) -> None:
+    """``--lora-modules`` and ``--allowed-local-lora-paths`` refused before the model loads when malformed, naming a
+    local directory that does not exist, or given without LoRA on (UsageError, one line)."""
+    from fleetllm.lora.modules import parse_modules
+    from fleetllm.store.uri import is_remote
+
+    modules = parse_modules(args.lora_modules, args.served_model_name or args.model)
+    for m in modules:
+        if not is_remote(m.path) and not Path(m.path).expanduser().is_dir():
+            raise UsageError(f"--lora-modules {m.name}={m.path}: no such directory")
+    for root in args.allowed_local_lora_paths:
+        if not Path(root).expanduser().is_dir():
+            raise UsageError(f"--allowed-local-lora-paths {root}: no such directory")
+    if modules and not args.enable_lora:
+        raise UsageError("--lora-modules needs --enable-lora (LoRA is off without it)")
+    for flag, value in (("--max-loras", args.max_loras), ("--max-lora-rank", args.max_lora_rank)):
+        if value < 1:
+            raise UsageError(f"{flag} {value}: give 1 or more")
+    if args.max_cpu_loras is not None and args.max_cpu_loras < 0:
+        raise UsageError(f"--max-cpu-loras {args.max_cpu_loras}: give 0 or more")
 
 
 # Engine flags that count something: 0 or less is a typo, which the engine would only find after the model loads.
@@ -333,7 +357,8 @@ def cmd_sim_worker(args: argparse.Namespace) -> int:
     failed = serve_simulated(args.model, args.host, args.port, args.count, cfg, load_profile(args), args.log_level,
                              identities=identities, obs=observability_config(args),
                              drain_timeout_s=args.drain_timeout_s, header_timeout_s=args.header_timeout_s,
-                             store=from_args(StoreConfig, args), tls=tls_files(args), api_key=args.api_key, **extra)
+                             store=from_args(StoreConfig, args), tls=tls_files(args), api_key=args.api_key,
+                             lora=from_args(LoraServingOptions, args), **extra)
     return 1 if failed else 0
 
 
@@ -564,10 +589,11 @@ def add_worker_parser(sub: argparse._SubParsersAction) -> None:
     add_options(w, ToolConfig, title="tool calling")
     add_options(w, KVEventsOptions, title="KV events in vLLM's format (ZMQ)")
     add_options(w, TransferOptions, title="KV transfer (disaggregated prefill/decode)")
+    add_options(w, LoraServingOptions, title="LoRA adapters (with the engine's --enable-lora)")
     sim = w.add_argument_group("simulated worker")
     add_options(sim, SimulateOptions)
     add_options(sim, ProfileOption)
-    add_options(sim, SimConfig, only=["speed"])
+    add_options(sim, SimConfig, only=["speed", "lora_load_s"])
     w.set_defaults(func=cmd_worker)
 
 

@@ -7,7 +7,8 @@ Every field of a config dataclass is a flag, documented where it is declared wit
 - name: ``--max-num-seqs`` for ``max_num_seqs``; a trailing ``_s`` (the unit, seconds) is not part of
   the flag (``health_interval_s`` -> ``--health-interval``); ``opt(flag=...)`` names it otherwise;
 - type from the annotation: ``int``, ``float``, ``str``; ``X | None`` takes an X (absent: None); a
-  ``Literal`` gives the choices; ``list[X]`` takes comma-separated values; ``dict[str, str]`` takes
+  ``Literal`` gives the choices; ``list[X]`` takes comma-separated values (with ``opt(many=True)``: one flag
+  with several values, also repeatable, as vLLM's ``--lora-modules A=x B=y``); ``dict[str, str]`` takes
   ``KEY=VALUE``, repeatable; ``bool`` is a switch: ``--x`` turns on a field that defaults to False,
   ``--no-x`` turns off one that defaults to True;
 - default: the field's (a field without one is a required flag); help: the field's doc.
@@ -31,16 +32,16 @@ C = TypeVar("C")
 
 def opt(default: Any = dataclasses.MISSING, doc: str = "", *, factory: Any = dataclasses.MISSING,
         flag: str | None = None, metavar: str | None = None, choices: Iterable[Any] | None = None,
-        cli: bool = True, parse: Callable[[str], Any] | None = None) -> Any:
+        cli: bool = True, parse: Callable[[str], Any] | None = None, many: bool = False) -> Any:
     """A dataclass field with its doc, e.g. ``max_num_seqs: int = opt(64, "most sequences per step")``.
 
     ``factory`` replaces ``default`` for mutable values (``opt(doc="...", factory=list)``); ``flag`` names
     the flag when the field's name is not the flag's; ``choices`` when they are not a ``Literal``;
     ``cli=False`` for a field that is no flag; ``parse`` reads a value no annotation describes (a number or
-    a word, say).
+    a word, say); ``many`` for a ``list[X]`` given as several values (``--flag a b --flag c``), not a,b,c.
     """
     meta = {"doc": doc, "flag": flag, "metavar": metavar, "cli": cli,
-            "choices": tuple(choices) if choices else None, "parse": parse}
+            "choices": tuple(choices) if choices else None, "parse": parse, "many": many}
     return dataclasses.field(default=default, default_factory=factory, metadata=meta)
 
 
@@ -106,6 +107,8 @@ def to_argv(cfg: Any) -> list[str]:
             argv.append(flag_name(f))
         elif isinstance(value, dict):
             argv += [x for k, v in value.items() for x in (flag_name(f), f"{k}={v}")]
+        elif isinstance(value, list) and f.metadata.get("many"):
+            argv += [flag_name(f), *map(str, value)] if value else []
         elif value is not None:
             argv += [flag_name(f), ",".join(map(str, value)) if isinstance(value, list) else str(value)]
     return argv
@@ -134,9 +137,12 @@ def _argument(f: dataclasses.Field, annotation: Any, override: Any) -> dict[str,
 
 def _value(f: dataclasses.Field, kind: Any) -> dict[str, Any]:
     """How a flag's value is read (type and choices, or an action) and how ``--help`` names it."""
+    origin = typing.get_origin(kind)
+    if f.metadata.get("many"):
+        item = f.metadata.get("parse") or typing.get_args(kind)[0]
+        return {"type": item, "nargs": "+", "action": "extend"}
     if f.metadata.get("parse"):
         return {"type": f.metadata["parse"]}
-    origin = typing.get_origin(kind)
     choices = f.metadata.get("choices") or (typing.get_args(kind) if origin is Literal else None)
     if choices:
         return {"type": type(choices[0]), "choices": choices}  # --help lists the choices

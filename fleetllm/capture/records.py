@@ -20,7 +20,7 @@ REFUSED = frozenset({401, 403})
 ACCESS_FIELDS = (
     "time", "client", "client_port", "method", "path", "status", "bytes_in", "bytes_out",
     "request_processing_time", "target_processing_time", "response_processing_time", "time_to_first_byte",
-    "worker", "routing", "request_id", "client_request_id", "key_id", "model", "stream",
+    "worker", "routing", "request_id", "client_request_id", "key_id", "model", "stream", "lora_name",
 )
 
 

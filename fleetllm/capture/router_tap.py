@@ -98,7 +98,7 @@ class RequestTap:
             "worker": fwd.worker if fwd and fwd.worker else None, "routing": fwd.reason if fwd and fwd.reason else None,
             "request_id": self.request_id, "client_request_id": self.request.headers.get("x-request-id"),
             "key_id": self.key_id, "model": fwd.body.get("model") if fwd else None,
-            "stream": bool(fwd and fwd.stream),
+            "stream": bool(fwd and fwd.stream), "lora_name": fwd.route.lora_name if fwd else None,
         }
 
     def _endpoint(self, status: int, body: bytes | None, asm: StreamAssembler | None, aborted: bool) -> None:
@@ -123,6 +123,7 @@ class RequestTap:
             response = payload(text, "application/json", "OUTPUT")
         extra = {"status": 499 if aborted else status, "stream": asm is not None, "aborted": aborted,
                  "worker": self.fwd.worker if self.fwd else None,
+                 "lora_name": self.fwd.route.lora_name if self.fwd else None,
                  "latency_s": round(time.perf_counter() - self.t0, 6)}
         if "truncated" in flags:
             extra["truncated"] = True

@@ -25,8 +25,9 @@ class WorkerTap:
     """One request's outputs, accumulated while it runs."""
 
     def __init__(self, capture: Capture, request_id: str, client_id: str | None, kind: str, model: str,
-                 prompts: list[list[int]], n: int, decode: Callable[[list[int]], str]) -> None:
+                 prompts: list[list[int]], n: int, decode: Callable[[list[int]], str], lora_name: str | None = None) -> None:
         self.capture, self.request_id, self.client_id = capture, request_id, client_id
+        self.lora_name = lora_name  # the LoRA adapter the request ran with (None: the base model)
         self.kind, self.model, self.prompts, self.decode = kind, model, prompts, decode
         self.expected = len(prompts) * n
         self.arrived = time.time()
@@ -51,7 +52,7 @@ class WorkerTap:
         aborted = status == 200 and len(finished) < self.expected
         record: dict[str, Any] = {
             "request_id": self.request_id, "client_request_id": self.client_id, "time": iso_time(self.arrived),
-            "worker": c.component, "model": self.model, "kind": self.kind, "status": 499 if aborted else status,
+            "worker": c.component, "model": self.model, "lora_name": self.lora_name, "kind": self.kind, "status": 499 if aborted else status,
             "aborted": aborted,
         }
         if c.keeps("input"):
@@ -99,11 +100,12 @@ def _phases(t: RequestTiming | None) -> dict[str, float | None]:
 
 
 def open_worker_tap(capture: Capture | None, headers: Mapping[str, str], rid: str, kind: str, model: str,
-                    prompts: list[list[int]], n: int, decode: Callable[[list[int]], str]) -> WorkerTap | None:
+                    prompts: list[list[int]], n: int, decode: Callable[[list[int]], str],
+                    lora_name: str | None = None) -> WorkerTap | None:
     """A tap when the worker tier captures this request (its router's id, else the worker's own)."""
     if capture is None:
         return None
     request_id = headers.get(REQUEST_ID_HEADER) or rid
     if not capture.wants("worker", request_id):
         return None
-    return WorkerTap(capture, request_id, headers.get("x-request-id"), kind, model, prompts, n, decode)
+    return WorkerTap(capture, request_id, headers.get("x-request-id"), kind, model, prompts, n, decode, lora_name)

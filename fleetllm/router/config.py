@@ -63,6 +63,9 @@ class RouterConfig:
                               factory=list, flag="--worker-variants")
     traffic: dict[str, str] = opt(doc="split a model's requests between its variants by weight (sticky per "
                                       "session)", factory=dict, metavar="MODEL=VARIANT:WEIGHT,...")
+    adapters: dict[str, str] = opt(doc="a LoRA adapter's name and its base model (NAME=BASE): routed to the base "
+                                       "model's copies before any copy reports it (a fleet YAML's adapters)",
+                                   factory=dict, flag="--adapter", metavar="NAME=BASE")
     aliases: dict[str, str] = opt(doc="another name clients may send for a served model", factory=dict,
                                   flag="--alias", metavar="ALIAS=MODEL")
     model_policies: dict[str, str] = opt(doc="a served model's own routing policy", factory=dict,

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import httpx
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from fleetllm.router.adapters import holds
 from fleetllm.router.index import PrefixIndex
 from fleetllm.router.metrics import RouterMetrics
 from fleetllm.router.policies import Decision, Policy, RouteRequest
@@ -192,6 +193,9 @@ class Forwarder:
             d = _pinned(fwd, candidates) or policy.choose(fwd.route, candidates)
             reason = "retry" if attempt else d.reason
             self.metrics.decisions.labels(policy=policy.name, reason=reason, worker=d.worker.name).inc()
+            if fwd.route.lora_name is not None:  # vLLM's lora_name label: sent to a copy holding it, or not
+                self.metrics.lora_requests.labels(model=d.worker.model or "", lora_name=fwd.route.lora_name,
+                                                  resident=str(holds(d.worker, fwd.route.lora_name)).lower()).inc()
             tried.add(d.worker.name)
             fwd.worker, fwd.reason = d.worker.name, reason
             if attempt == 0 and prepare is not None:

@@ -33,6 +33,7 @@ from fleetllm.disagg.pd_auto import AUTO
 from fleetllm.disagg.router_path import RemotePrefill
 from fleetllm.observability.dashboard import dashboard_routes
 from fleetllm.observability.federate import fleet_metrics
+from fleetllm.router.adapters import adapter_bases, adapter_routes
 from fleetllm.router.admin import admin_routes
 from fleetllm.router.admin_token import read_token
 from fleetllm.router.auth import KeyGate
@@ -148,6 +149,7 @@ class Router:
             Route("/openapi.json", self.openapi, methods=["GET"]),
             *self.batches.routes(),
             *admin_routes(self),
+            *adapter_routes(self),
             *dashboard_routes(),
         ]
 
@@ -297,13 +299,18 @@ class Router:
         return {w.model for w in self.workers if w.model} | set(self.cfg.tokenizers) | set(self.cfg.scale_from_zero)
 
     def _group(self, model: Any) -> tuple[str | None, list[WorkerState]]:
-        """The served name ``model`` stands for (aliases resolved) and the workers serving it."""
+        """The served name ``model`` stands for (aliases resolved; a LoRA adapter's base model) and the workers
+        serving it."""
         served = self.served_models()
         if model is None or not served:
             return None, self.workers
         name = self.cfg.aliases.get(model, model) if isinstance(model, str) else None
+        if name not in served and isinstance(name, str):
+            name = adapter_bases(self.workers, self.cfg.adapters).get(name, name)
         if name not in served:
             names = ", ".join(sorted(served | set(self.cfg.aliases)))
+            adapters = sorted(adapter_bases(self.workers, self.cfg.adapters))
+            names += f"; adapters: {', '.join(adapters)}" if adapters else ""
             raise APIError(404, f"The model `{model}` does not exist. Served: {names}", "model")
         # a worker that has not said which model it serves may serve only a one-model fleet's requests
         return name, [w for w in self.workers if w.model == name or (w.model is None and len(served) == 1)]
@@ -321,11 +328,14 @@ class Router:
         return waited
 
     def route_request(self, path: str, body: dict[str, Any], headers: Any, group: list[WorkerState],
-                      tokenize: bool = False) -> RouteRequest:
-        req = RouteRequest(session_key=headers.get(self.cfg.session_header) or _str_or_none(body.get("user")))
+                      tokenize: bool = False, name: str | None = None) -> RouteRequest:
+        """What the policy sees of a request for served model ``name`` (its adapter, when ``model`` names one)."""
+        model = name or body.get("model") or next((w.model for w in group if w.model), None)
+        lora = body.get("model") if name is not None and body.get("model") != name else None
+        req = RouteRequest(session_key=headers.get(self.cfg.session_header) or _str_or_none(body.get("user")),
+                           lora_name=lora)
         if not (self.uses_prefix or tokenize):
             return req
-        model = body.get("model") or next((w.model for w in group if w.model), None)
         # fleetllm's hashes at a fleetllm worker's block size (vLLM's hashers have their own)
         bs = next((w.block_size for w in sorted(group, key=lambda w: bool(w.hash_scheme)) if w.block_size), None)
         if model is None or bs is None:
@@ -335,7 +345,7 @@ class Router:
             return req
         req.num_prompt_tokens, req.block_size = len(ids), bs
         if any(not w.hash_scheme for w in group):
-            req.block_hashes = block_hashes(ids, bs, model)
+            req.block_hashes = block_hashes(ids, bs, model, lora)
         req.scheme_hashes = self.engines.hashes(ids, {w.hash_scheme for w in group if w.hash_scheme})
         self.metrics.prompt_tokens.inc(len(ids))
         return req
@@ -378,8 +388,8 @@ class Router:
             return error_response(self.metrics, e)
         if tap is not None and key is not None:
             tap.key_id = key.id
-        if name is not None and body.get("model") != name:  # an alias: workers know the served name
-            body["model"] = name
+        if name is not None and body.get("model") != name and body.get("model") in self.cfg.aliases:
+            body["model"] = name  # an alias: workers know the served name (an adapter's name they know as it is)
             raw = json.dumps(body).encode()
         self.metrics.model_requests.labels(model=name or "").inc()
         self.tenants.admitted(key, priority)
@@ -410,7 +420,7 @@ class Router:
         peers = not prefill_pool and self.cfg.pd_threshold == AUTO
         # tokenising (and a tokenizer's first load) takes a thread: a long prompt never stalls the relayed streams
         req = await asyncio.to_thread(self.route_request, request.url.path, body, request.headers, group,
-                                      bool(prefill_pool) or peers)
+                                      bool(prefill_pool) or peers, name)
         variant, group = self._variant(name, group, req.session_key or fid)
         # the router's own id (minted at arrival) keys the request; the client's x-request-id travels beside it
         headers = upstream_headers(request.headers, fid, pass_credentials=not (self.secret or self.gate))

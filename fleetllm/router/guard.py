@@ -2,7 +2,8 @@
 
 Which credential a path needs (:class:`~fleetllm.router.gateway.Router` decides what each one grants):
 
-- ``/admin/*`` and ``/router/state``: an admin credential (the admin token, or an ``admin`` API key);
+- ``/admin/*``, ``/router/state`` and the LoRA adapter loads (``/v1/load_lora_adapter``,
+  ``/v1/unload_lora_adapter``): an admin credential (the admin token, or an ``admin`` API key);
   401 without one, 403 for a credential that is valid but no admin one (a client key, the workers' secret);
 - ``/metrics``: open without API keys (as a vLLM server's); with keys, an admin credential or the workers'
   secret (what Prometheus presents to workers too);
@@ -26,7 +27,7 @@ if TYPE_CHECKING:
     from fleetllm.router.gateway import Router
 
 ADMIN_PREFIX = "/admin/"
-ADMIN_PATHS = ("/router/state",)
+ADMIN_PATHS = ("/router/state", "/v1/load_lora_adapter", "/v1/unload_lora_adapter")  # LoRA: fleetllm/router/adapters.py
 KEYED_PATHS = ("/tokenize", "/detokenize")  # besides /v1/*
 ADMIN_BODY_BYTES = 64 * 2**10
 FORM_SLACK_BYTES = 2**20  # a multipart form's own bytes around the file it carries

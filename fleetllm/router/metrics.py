@@ -41,6 +41,9 @@ class RouterMetrics:
                                      "tokenization).", registry=r)
         self.model_requests = Counter("fleetllm_router_model_requests", "Requests routed per served model.",
                                       ["model"], registry=r)
+        self.lora_requests = Counter("fleetllm_router_lora_requests", "Requests for a LoRA adapter (vLLM's lora_name) "
+                                     "by base model, sent to a copy holding it resident (resident=true) or not.",
+                                     ["model", "lora_name", "resident"], registry=r)
         self.variant_requests = Counter("fleetllm_router_variant_requests", "Requests sent to each variant of a "
                                         "split model (canary).", ["model", "variant"], registry=r)
         self.variant_responses = Counter("fleetllm_router_variant_responses", "Answers of each variant of a split "

@@ -52,6 +52,7 @@ class RouteRequest:
     block_hashes: list[int] = field(default_factory=list)
     block_size: int = 16
     session_key: str | None = None
+    lora_name: str | None = None  # the LoRA adapter the request names (None: the base model)
     scheme_hashes: dict[str, list[int]] = field(default_factory=dict)  # other engines' hashes (vLLM's), by scheme
 
     def hashes_for(self, w: WorkerState) -> list[int]:
@@ -83,6 +84,9 @@ class CostModel:
     # Loading a block from a worker's KV tier, as a fraction of recomputing it (by the tier's medium in the
     # workers' KV events). A medium not named here is priced as a miss.
     tier_load: dict[str, float] = field(default_factory=lambda: {"CPU": 0.05, "DISK": 0.15})
+    # A copy that does not hold a request's LoRA adapter resident: the seconds its load costs there, and the
+    # adapter it evicts costs that copy's own requests later (fleetllm/router/adapters.py)
+    lora_load_s: float = 0.5
 
     def with_tier_load(self, fractions: dict[str, str]) -> CostModel:
         """This model with ``fractions`` (``--kv-tier-load MEDIUM=FRACTION``) replacing its tiers' prices."""
@@ -102,13 +106,15 @@ class CostModel:
         """What a block held in ``medium`` costs, as a fraction of recomputing it (0 in the pool)."""
         return 0.0 if medium == POOL else min(1.0, self.tier_load.get(medium, 1.0))
 
-    def cost(self, w: WorkerState, uncached: float) -> float:
+    def cost(self, w: WorkerState, uncached: float, lora_name: str | None = None) -> float:
         """Seconds until ``w`` would have computed a request's ``uncached`` prompt tokens (a fraction of a token
-        each for those it would load from a KV tier)."""
+        each for those it would load from a KV tier), with its LoRA adapter ``lora_name`` loaded first if ``w``
+        does not hold it."""
         prefill = uncached / self.prefill_tokens_per_s
         decode = self.gamma * max(w.decoding, w.running - _pending(w)) / self.decode_tokens_per_s
         pressure = self.kv_penalty_s * max(0.0, w.kv_usage - self.kv_high) / (1.0 - self.kv_high)
-        return self.queue_s(w) + prefill + decode + pressure
+        adapter = 0.0 if lora_name is None or lora_name in w.resident_adapters else self.lora_load_s
+        return self.queue_s(w) + prefill + decode + pressure + adapter
 
     def queue_s(self, w: WorkerState) -> float:
         """Seconds before a request sent to ``w`` now would start its prefill.
@@ -219,7 +225,7 @@ class PrefixAware:
         self.balance = balance
 
     def choose(self, req: RouteRequest, workers: list[WorkerState]) -> Decision:
-        if not req.block_hashes and not req.scheme_hashes and req.num_prompt_tokens == 0:
+        if not req.block_hashes and not req.scheme_hashes and req.num_prompt_tokens == 0 and req.lora_name is None:
             return Decision(_least_loaded(workers, self.rng), "fallback")
         media: dict[str, list[str]] = {}  # per worker, where it holds each leading block (pool or a tier)
         for scheme in {w.hash_scheme for w in workers}:  # one lookup per way of hashing (fleetllm's, vLLM's)
@@ -238,7 +244,7 @@ class PrefixAware:
             bs = w.block_size or req.block_size
             cached = min(depth[w.name] * bs, max(req.num_prompt_tokens - 1, 0))
             loaded = bs * sum(self.cost.load_fraction(m) for m in media[w.name])  # tier blocks: a load each
-            costs.append((self.cost.cost(w, req.num_prompt_tokens - cached + loaded), w, cached))
+            costs.append((self.cost.cost(w, req.num_prompt_tokens - cached + loaded, req.lora_name), w, cached))
         low = min(c for c, _, _ in costs)
         ties = [(w, cached) for c, w, cached in costs if c <= low + 1e-9]
         w, cached = self.rng.choice(ties)

@@ -74,6 +74,12 @@ def chat_prompt(tok: TokenizerWrapper, path: str, body: dict[str, Any]) -> str:
                          **(body.get("chat_template_kwargs") or {}))
 
 
-def block_hashes(token_ids: list[int], block_size: int, model: str) -> list[int]:
-    """The engine's prefix-cache keys for ``token_ids`` (see :class:`fleetllm.engine.kv_cache_manager.KVCacheManager`)."""
-    return hash_prefix_blocks(token_ids, block_size, model.encode())
+def block_hashes(token_ids: list[int], block_size: int, model: str, lora_name: str | None = None) -> list[int]:
+    """The engine's prefix-cache keys for ``token_ids`` (see :class:`fleetllm.engine.kv_cache_manager.KVCacheManager`),
+    under LoRA adapter ``lora_name`` when one is named (its KV is its own: no prefix is shared across adapters)."""
+    return hash_prefix_blocks(token_ids, block_size, adapter_extra_key(model, lora_name))
+
+
+def adapter_extra_key(model: str, lora_name: str | None) -> bytes:
+    """The extra key of a request's block hashes: the served model's name, and its adapter's when it has one."""
+    return model.encode() if lora_name is None else model.encode() + b"\x00lora\x00" + lora_name.encode()

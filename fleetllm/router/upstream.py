@@ -105,6 +105,9 @@ class WorkerState:
     hash_scheme: str = ""  # whose block hashes key its index entries: "" fleetllm's, else a VllmHasher.key
     kv_source: Any = None  # a vLLM worker's KV-event source (backends.vllm_events.EventSource)
     reports_kv: bool = True  # False: no KV events, routed prefixes are remembered longer instead
+    # LoRA adapters (fleetllm/router/adapters.py): every one it serves, and those a request runs with at once
+    adapters: frozenset[str] = frozenset()
+    resident_adapters: frozenset[str] = frozenset()
 
     def routable(self, now: float) -> bool:
         return self.healthy and not self.draining and self.breaker.allows(now)
@@ -244,6 +247,8 @@ class WorkerMonitor:
             self.index.removed(w.name, ev["hashes"], ev.get("medium"))
         elif kind == "draining":
             self.mark_down(w, "draining")
+        if "adapters" in ev:  # a LoRA worker's report (fleetllm/router/adapters.py)
+            w.adapters, w.resident_adapters = frozenset(ev["adapters"]), frozenset(ev.get("resident_adapters", ()))
         if "kv_usage" in ev:
             w.running, w.waiting, w.kv_usage = ev["running"], ev["waiting"], ev["kv_usage"]
             w.queued_prefill_tokens = ev.get("queued_prefill_tokens", 0)  # absent from older workers

@@ -1,7 +1,8 @@
 """The worker: an OpenAI-compatible HTTP server around one engine (``fleetllm worker``).
 
 Endpoints: /v1/chat/completions, /v1/completions (SSE streaming or not), /v1/models, /tokenize,
-/detokenize, /health, /ready, /metrics. Every failure is an OpenAI-style JSON error; a client that goes away
+/detokenize, /health, /ready, /metrics, and LoRA adapters' /v1/load_lora_adapter and /v1/unload_lora_adapter
+(:mod:`.adapters`: a request's ``model`` may name an adapter). Every failure is an OpenAI-style JSON error; a client that goes away
 aborts its request, which frees its KV blocks at the engine's next step.
 
 Probes: ``/health`` is liveness (the process and its engine thread are alive: restart me if not);
@@ -45,14 +46,18 @@ from fleetllm.engine.scheduler import QueueFull
 from fleetllm.kernels.health import details
 from fleetllm.kvtier.attach import attach_tiers
 from fleetllm.kvtier.connector import HostTierConnector
+from fleetllm.lora.modules import parse_modules
+from fleetllm.lora.options import LoraServingOptions
 from fleetllm.observability.dashboard import dashboard_routes
 from fleetllm.observability.process import ColdStart, ProcessHostCollector
 from fleetllm.observability.tracing import trace_id_of
 from fleetllm.router import request_id
 from fleetllm.server import openai_format as fmt
+from fleetllm.server.adapters import Adapters, no_adapter_routes
 from fleetllm.server.anthropic import messages_route
 from fleetllm.server.body_limit import DEFAULT_MAX_BODY_BYTES, BodyLimit
 from fleetllm.server.config import KVEventsOptions, ObservabilityConfig
+from fleetllm.server.engine_adapters import EngineAdapters
 from fleetllm.server.inflight import InFlight
 from fleetllm.server.limits import LARGE_INPUT_CHARS, check_chars, check_inputs, input_chars, number, off_loop
 from fleetllm.server.openapi import openapi_schema
@@ -67,6 +72,7 @@ from fleetllm.server.protocol import (
 from fleetllm.server.responses import ConversationStore, responses_route
 from fleetllm.server.structured_fields import constrain
 from fleetllm.server.worker_secret import RequireSecret, worker_secret
+from fleetllm.store.config import StoreConfig
 from fleetllm.tools.config import ToolConfig
 from fleetllm.tools.parsers import parser_for
 from fleetllm.tools.request import ToolRequest, render_prompt, tool_request
@@ -92,14 +98,18 @@ class Worker:
                  capture: Capture | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
                  tools: ToolConfig | None = None, kv_events: KVEventsOptions | None = None,
                  kv_events_index: int = 0, transfer: TransferOptions | None = None, api_key: str | None = None,
-                 secret: str | None = None) -> None:
+                 secret: str | None = None, lora: LoraServingOptions | None = None,
+                 store: StoreConfig | None = None) -> None:
         """``secret``: the fleet's (default: :func:`worker_secret`, from the environment); ``api_key``: what a
-        client must present (``fleetllm worker --api-key``); with neither, the worker serves anyone."""
+        client must present (``fleetllm worker --api-key``); with neither, the worker serves anyone.
+        ``lora``: the adapters it serves from its start and where it may load them from, when its engine takes
+        adapters (``--enable-lora``); ``store``: how it fetches ``hf://`` and ``s3://`` adapters."""
         self.engine = engine
         self.capture = capture  # the worker tier (fleetllm/capture/)
         self.tool_parser = parser_for((tools or ToolConfig()).tool_call_parser, engine.tokenizer.chat_template)
         self.role = role  # prefill | decode | both (disaggregated serving; routers read it from /kv/events)
         self.async_engine = AsyncEngine(engine, on_failure=self._engine_failed)
+        self.adapters = adapters_of(self.async_engine, lora, store)  # LoRA (None without --enable-lora)
         c = engine.config  # KV kept beyond the pool: host memory, disk, a shared Redis
         self.kv_tiers = attach_tiers(engine, c.kv_offload_gb, c.kv_disk_dir, c.kv_disk_gb, c.kv_remote)
         self.handoffs = Handoffs(engine.blocks)  # prompts prefilled elsewhere, held for their requests (P/D)
@@ -137,6 +147,7 @@ class Worker:
                 *pd_routes(self, transfer),  # transfer: how this worker ships KV frames (P/D)
                 messages_route(self),
                 responses_route(self, ConversationStore()),
+                *(self.adapters.routes() if self.adapters is not None else no_adapter_routes()),
             ],
             lifespan=self._lifespan,
             exception_handlers={APIError: lambda r, e: error_response(e), 404: self._not_found,
@@ -174,6 +185,8 @@ class Worker:
         asyncio.get_running_loop().set_default_executor(serial_executor("worker-io"))  # see omp_team
         self.async_engine.start()
         self.cold_start.set("warm_up", await self.async_engine.call(lambda engine: engine.warm_up()))
+        if self.adapters is not None:  # --lora-modules: served from the start (one that does not fit: no start)
+            await self.adapters.start()
         if self.capture:
             self.capture.start()
         if self.otlp_metrics:
@@ -229,14 +242,21 @@ class Worker:
 
     # ---- helpers (public ones are what the disaggregation endpoints build on) -------------------------
     async def request_body(self, request: Request) -> dict[str, Any]:
-        """The request's JSON object; APIError 400 if it is none, 404 if it names another model."""
+        """The request's JSON object; APIError 400 if it is none, 404 if it names neither the model nor a loaded
+        adapter (an adapter's name is kept in ``request.state.lora_name`` for :meth:`served_as` and the run)."""
         raw = await request.body()
         # a large body parses on a thread (a 16 MiB one takes a fraction of a second: every stream would stall)
         body = json_object(raw) if len(raw) < LARGE_INPUT_CHARS else await off_loop(json_object, raw)
         model = body.get("model")
-        if model is not None and model != self.model_name:
+        if self.adapters is not None:
+            request.state.lora_name = self.adapters.lora_for(model)
+        elif model is not None and model != self.model_name:
             raise APIError(404, f"The model `{model}` does not exist. Served: {self.model_name}", "model")
         return body
+
+    def served_as(self, request: Request) -> str:
+        """The name an answer carries as its ``model``: the adapter the request named, else the served model."""
+        return getattr(request.state, "lora_name", None) or self.model_name
 
     def _encode(self, prompt: str | list[int]) -> list[int]:
         return self.engine.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
@@ -257,15 +277,17 @@ class Worker:
                 sub = params.for_choice(k)
                 subs.append((p_i * params.n + k, f"{rid}-{p_i}-{k}", ids, sub))
         merged: asyncio.Queue[tuple[int, RequestOutput] | BaseException | None] = asyncio.Queue()
+        lora = getattr(request.state, "lora_name", None)
+        adapter = {"lora_name": lora} if lora else {}  # (base requests: the engine's call as it always was)
         tap = open_worker_tap(self.capture, request.headers, rid, kind, self.model_name, prompts, params.n,
-                              self.engine.tokenizer.decode)
+                              self.engine.tokenizer.decode, lora)
 
         async def pump(index: int, sub_id: str, ids: list[int], sp: SamplingParams) -> None:
             try:
                 # claimed here, where it passes to the engine with no await between: a task cancelled before
                 # it ran leaves the handoff to expire, never half taken
                 h = await self.handoffs.claim(handoff, len(subs) == 1) if handoff and index == 0 else None
-                async for out in self.async_engine.generate(sub_id, ids, sp, start, h):
+                async for out in self.async_engine.generate(sub_id, ids, sp, start, h, **adapter):
                     await merged.put((index, out))
             except BaseException as e:  # noqa: BLE001 - forwarded to the consumer
                 await merged.put(e)
@@ -423,7 +445,7 @@ class Worker:
             with_ids = return_token_ids(body)
             if not body.get("stream"):
                 outs = await self.until_disconnect(request, self._collect(gen))
-                resp = fmt.completion_response(kind, cid, self.model_name, int(time.time()), outs,
+                resp = fmt.completion_response(kind, cid, self.served_as(request), int(time.time()), outs,
                                                len(prompts) * params.n, params.n, self.token_text,
                                                prompts if with_ids else None)
                 if tools is not None:
@@ -439,14 +461,15 @@ class Worker:
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
         rewrite = ToolStream(tools.parser).rewrite if tools is not None else None
         return StreamingResponse(self._sse(kind, cid, first, gen, include_usage, params.n, rewrite,
-                                           prompts if with_ids else None),
+                                           prompts if with_ids else None, self.served_as(request)),
                                  media_type="text/event-stream", headers=headers)
 
     async def _sse(self, kind: str, cid: str, first: tuple[int, RequestOutput],
                    gen: AsyncIterator[tuple[int, RequestOutput]], include_usage: bool, n: int,
                    rewrite: Callable[[dict[str, Any]], list[dict[str, Any]]] | None = None,
-                   prompts: list[list[int]] | None = None) -> AsyncIterator[str]:
+                   prompts: list[list[int]] | None = None, model: str = "") -> AsyncIterator[str]:
         created = int(time.time())
+        model = model or self.model_name
         counts: dict[int, fmt.TokenCounts] = {}
         try:
             async for index, out in _prepend(first, gen):
@@ -460,9 +483,9 @@ class Worker:
                     fmt.add_token_ids(choices, out, prompts[index // n] if not opened else None)
                 for choice in choices:
                     for c in rewrite(choice) if rewrite else [choice]:
-                        yield fmt.chunk_event(kind, cid, self.model_name, created, [c])
+                        yield fmt.chunk_event(kind, cid, model, created, [c])
             if include_usage:
-                yield fmt.chunk_event(kind, cid, self.model_name, created, [], fmt.total_usage(counts, n))
+                yield fmt.chunk_event(kind, cid, model, created, [], fmt.total_usage(counts, n))
             yield fmt.SSE_DONE
         except (APIError, EngineFailed) as e:  # after the 200: the stream ends with an error event
             yield fmt.error_event(str(e), e.status if isinstance(e, APIError) else 500)
@@ -476,10 +499,11 @@ class Worker:
 
     async def models(self, request: Request) -> Response:
         loaded = self.engine.loaded  # root: where the weights came from; revision: its commit (store models)
+        adapters = self.adapters.cards(self.created) if self.adapters is not None else []
         return JSONResponse({"object": "list", "data": [
             {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "fleetllm",
              "root": loaded.root or loaded.name, "revision": loaded.revision,
-             "max_model_len": self.engine.max_model_len}]})
+             "max_model_len": self.engine.max_model_len}, *adapters]})
 
     async def tokenize(self, request: Request) -> Response:
         """A prompt's or chat's token ids; its size checked as a completion's, a large one tokenised on a thread."""
@@ -543,8 +567,9 @@ class Worker:
         # Waiting requests count whole (their cache hit is known only at admission).
         queued = sum(len(s.prompt_token_ids) - s.num_computed_tokens for s in [*sched.waiting, *sched.running]
                      if s.num_computed_tokens < len(s.prompt_token_ids))
+        adapters = self.adapters.report() if self.adapters is not None else {}  # which adapters it holds
         return {"running": len(sched.running), "waiting": len(sched.waiting), "queued_prefill_tokens": queued,
-                "kv_usage": self.engine.pool.usage}
+                "kv_usage": self.engine.pool.usage, **adapters}
 
     async def kv_events(self, request: Request) -> Response:
         """KV events as a server-sent event stream, for KV-aware routers.
@@ -587,6 +612,17 @@ class Worker:
                 self.async_engine.unsubscribe_kv_events(q)
 
         return StreamingResponse(stream(), media_type="text/event-stream")
+
+
+def adapters_of(async_engine: AsyncEngine, lora: LoraServingOptions | None,
+                store: StoreConfig | None) -> Adapters | None:
+    """The worker's LoRA adapters over its engine's registry; None when the engine takes none."""
+    engine = async_engine.engine
+    if engine.lora is None:
+        return None
+    opts = lora or LoraServingOptions()
+    return Adapters(EngineAdapters(async_engine), engine.model_name, store, opts.allowed_local_lora_paths,
+                    parse_modules(opts.lora_modules, engine.model_name))
 
 
 def return_token_ids(body: dict[str, Any]) -> bool:

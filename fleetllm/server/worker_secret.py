@@ -10,7 +10,8 @@ say nothing but a status word.
 A worker started by hand with no secret serves unauthenticated, as vLLM does without ``--api-key``; given
 ``--api-key`` its client API needs that key. The ``/pd/*`` endpoints (a peer's KV and control messages)
 take only the fleet's secret: a client key never opens them, and a worker with a key but no secret serves
-no disaggregation at all.
+no disaggregation at all. LoRA adapters' loads and unloads (``/v1/load_lora_adapter``, ``/v1/unload_lora_adapter``)
+take the fleet's secret when the worker has one, else its ``--api-key`` (as vLLM's), else anyone's.
 """
 
 from __future__ import annotations
@@ -27,6 +28,9 @@ ENV = "FLEETLLM_WORKER_SECRET"
 FILE_ENV = "FLEETLLM_WORKER_SECRET_FILE"
 OPEN_PATHS = ("/health", "/ready")
 PEER_PREFIX = "/pd/"  # worker-to-worker endpoints: the fleet's secret only
+# what changes the worker's state for every client (LoRA adapters' loads): the fleet's secret when it has one (only
+# its router, holding the admin credential, sends them), else the client key as vLLM's --api-key guards them
+CONTROL_PATHS = ("/v1/load_lora_adapter", "/v1/unload_lora_adapter")
 # on every 401 of a fleet's worker: a router meeting a plain URL learns it is a fleetllm worker (to be shown the
 # fleet's secret) without showing the secret to whatever else might listen there
 CHALLENGE = (b"www-authenticate", b'Bearer realm="fleetllm-worker"')
@@ -73,10 +77,11 @@ class RequireSecret:
             await self.app(scope, receive, send)
             return
         given = bearer(scope["headers"])
-        if matches(given, self.secret) or (not path.startswith(PEER_PREFIX) and matches(given, self.api_key)):
+        secret_only = path.startswith(PEER_PREFIX) or (path in CONTROL_PATHS and self.secret is not None)
+        if matches(given, self.secret) or (not secret_only and matches(given, self.api_key)):
             await self.app(scope, receive, send)
             return
-        why = ("this worker takes requests from its fleet only" if path.startswith(PEER_PREFIX) or not self.api_key
+        why = ("this worker takes requests from its fleet only" if secret_only or not self.api_key
                else "a valid API key is required: send `Authorization: Bearer <key>`")
         await send_error(send, 401, why, "authentication_error", [CHALLENGE] if self.secret else [])
 

@@ -1,7 +1,7 @@
 """The simulated engine's settings (torch-free).
 
-The scheduler and cache knobs are the real engine's: same names, so ``fleetllm worker --simulate`` fills
-them from the engine's flags, and the same defaults. The timing model adds ``speed``.
+The scheduler, cache and LoRA knobs are the real engine's: same names, so ``fleetllm worker --simulate`` fills
+them from the engine's flags, and the same defaults. The timing model adds ``speed`` and ``lora_load_s``.
 """
 
 from __future__ import annotations
@@ -28,3 +28,9 @@ class SimConfig:
     enable_prefix_caching: bool = True
     default_max_tokens: int = 64  # when a request gives none
     speed: float = opt(1.0, "--simulate: run the timing model this much faster", flag="--sim-speed")
+    enable_lora: bool = EngineConfig.enable_lora  # adapters: the engine's registry, bookkeeping only (no weights)
+    max_loras: int = EngineConfig.max_loras
+    max_lora_rank: int = EngineConfig.max_lora_rank
+    max_cpu_loras: int | None = EngineConfig.max_cpu_loras
+    lora_load_s: float = opt(0.05, "--simulate: seconds a step spends bringing a LoRA adapter that is not resident "
+                                   "into the step's tables (from the node's cache)", flag="--sim-lora-load")

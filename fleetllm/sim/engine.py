@@ -24,6 +24,9 @@ def sim_engine(cfg: SimConfig, tokenizer: TokenizerWrapper, model_config: ModelC
         max_num_batched_tokens=cfg.max_num_batched_tokens, max_waiting=cfg.max_waiting,
         enable_prefix_caching=cfg.enable_prefix_caching, metric_labels=identity or {},
         scheduling_policy=cfg.scheduling_policy, priority_aging_s=cfg.priority_aging_s,
+        enable_lora=cfg.enable_lora, max_loras=cfg.max_loras, max_lora_rank=cfg.max_lora_rank,
+        max_cpu_loras=cfg.max_cpu_loras,
     )
-    executor = TimingExecutor(SimulatedModel(cfg.model_name, model_config, tokenizer), profile, num_blocks, cfg.speed)
+    executor = TimingExecutor(SimulatedModel(cfg.model_name, model_config, tokenizer), profile, num_blocks, cfg.speed,
+                              cfg.lora_load_s)
     return LLMEngine(engine_cfg, executor=executor, default_max_tokens=cfg.default_max_tokens)

@@ -14,6 +14,7 @@ from typing import Any
 
 import uvicorn
 
+from fleetllm.lora.options import LoraServingOptions
 from fleetllm.models.source import load_tokenizer
 from fleetllm.server.app import ObservabilityConfig, Worker
 from fleetllm.server.config import KVEventsOptions
@@ -33,15 +34,17 @@ class _Server(uvicorn.Server):
 def build_workers(model: str, count: int, cfg: SimConfig, profile: TimingProfile | None,
                   identities: list[dict[str, str]] | None = None, obs: ObservabilityConfig | None = None,
                   captures: Callable[[int, Any], Any] | None = None, store: StoreConfig | None = None,
-                  kv_events: KVEventsOptions | None = None, api_key: str | None = None) -> list[Worker]:
+                  kv_events: KVEventsOptions | None = None, api_key: str | None = None,
+                  lora: LoraServingOptions | None = None) -> list[Worker]:
     """``api_key``: what clients must present (``--api-key``); ``captures(i, engine)``: worker ``i``'s capture (fleetllm/capture/), when capture is on; ``store``: where a
     store URI's config and tokenizer come from (its weights are never fetched); with ``kv_events``, worker ``i``
-    publishes vLLM-format KV events on the endpoint's port + i."""
+    publishes vLLM-format KV events on the endpoint's port + i; ``lora``: the LoRA adapters each serves (with
+    ``cfg.enable_lora``)."""
     model_config, tokenizer = load_tokenizer(model, store)
     ids = identities or [None] * count
     engines = [sim_engine(cfg, tokenizer, model_config, profile, ids[i]) for i in range(count)]
     return [Worker(e, obs, capture=captures(i, e) if captures else None, kv_events=kv_events, kv_events_index=i,
-                   api_key=api_key) for i, e in enumerate(engines)]
+                   api_key=api_key, lora=lora, store=store) for i, e in enumerate(engines)]
 
 
 def serve_simulated(model: str, host: str, port: int, count: int, cfg: SimConfig, profile: TimingProfile | None,
@@ -49,10 +52,11 @@ def serve_simulated(model: str, host: str, port: int, count: int, cfg: SimConfig
                     obs: ObservabilityConfig | None = None, captures: Callable[[int, Any], Any] | None = None,
                     drain_timeout_s: float = 30.0, header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S,
                     store: StoreConfig | None = None, kv_events: KVEventsOptions | None = None,
-                    tls: TLSFiles | None = None, api_key: str | None = None) -> bool:
+                    tls: TLSFiles | None = None, api_key: str | None = None,
+                    lora: LoraServingOptions | None = None) -> bool:
     """Serve until SIGINT (stop now) or SIGTERM (drain every worker, then stop), or until an engine
     fails (then every worker stops); return whether one failed."""
-    workers = build_workers(model, count, cfg, profile, identities, obs, captures, store, kv_events, api_key)
+    workers = build_workers(model, count, cfg, profile, identities, obs, captures, store, kv_events, api_key, lora)
     servers = [_Server(server_config(w.app, host, port + i, log_level, header_timeout_s, tls))
                for i, w in enumerate(workers)]
 

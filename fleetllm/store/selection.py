@@ -17,14 +17,23 @@ from fleetllm.store.errors import StoreError
 METADATA = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
             "special_tokens_map.json", "chat_template.jinja", "chat_template.json")
 WEIGHTS = ("*.safetensors", "model.safetensors.index.json")
+ADAPTER = ("adapter_config.json", "adapter_model.safetensors")  # a PEFT LoRA adapter: all a server reads of it
 
 
-def needed_files(names: Iterable[str], model: str, file: str | None = None, weights: bool = True) -> list[str]:
-    """The files to fetch out of a repository listing; ``weights=False`` for a tokenizer alone (the router).
+def needed_files(names: Iterable[str], model: str, file: str | None = None, weights: bool = True,
+                 adapter: bool = False) -> list[str]:
+    """The files to fetch out of a repository listing; ``weights=False`` for a tokenizer alone (the router);
+    ``adapter=True`` for a PEFT LoRA adapter (:data:`ADAPTER`).
 
     Raises StoreError when the repo has no loadable weights, or several GGUF files and none was named.
     """
     names = sorted(names)
+    if adapter:
+        missing = [n for n in ADAPTER if n not in names]
+        if missing:
+            raise StoreError(f"adapter {model}: the repository has no {' or '.join(missing)} (a PEFT LoRA adapter "
+                             f"holds {' and '.join(ADAPTER)})", 404)
+        return list(ADAPTER)
     top = [n for n in names if "/" not in n]  # weights in subfolders (onnx/, original/) are other formats
     if file is not None:
         if file not in names:

@@ -75,8 +75,9 @@ class ModelStore:
         uri = ModelURI.parse(ref)
         return uri.at(self._resolve(uri)[1])
 
-    def fetch(self, ref: str, weights: bool = True) -> Fetched:
-        """``ref`` (hf:// or s3://) in the cache, verified; ``weights=False`` for config and tokenizer only."""
+    def fetch(self, ref: str, weights: bool = True, adapter: bool = False) -> Fetched:
+        """``ref`` (hf:// or s3://) in the cache, verified; ``weights=False`` for config and tokenizer only;
+        ``adapter=True`` for a LoRA adapter's files (pinned, checked and cached as a model's are)."""
         uri, phases = ModelURI.parse(ref), Phases()
         with phases.timed("resolve"):
             listing, commit, offline = self._resolve(uri)
@@ -84,9 +85,9 @@ class ModelStore:
         with rev.download_lock():
             m = rev.manifest() or Manifest(str(uri.at(commit)), commit)
             if listing is not None and weights:
-                m.wanted = needed_files(listing.files, str(uri), uri.file)
+                m.wanted = needed_files(listing.files, str(uri), uri.file, adapter=adapter)
             names = list(listing.files) if listing is not None else (m.wanted or list(m.files))
-            wanted = needed_files(names, str(uri), uri.file, weights)
+            wanted = needed_files(names, str(uri), uri.file, weights, adapter)
             with phases.timed("verify"):
                 bad = self._check_cached(rev, m, wanted)
             missing = [n for n in wanted if n not in m.files]

@@ -33,8 +33,10 @@ async def watch_engine(monitor: WorkerMonitor, w: WorkerState) -> None:
         w.reports_kv = False  # no events: the router's own record of what it routed stands in (long TTL)
     try:
         while not monitor.stopping:
-            if w.model is None:
-                w.model = await _served_model(monitor.client, w.url)
+            model, adapters = await _served_models(monitor.client, w.url)
+            w.model = w.model or model
+            if adapters is not None:  # vLLM lists its LoRA adapters with their parent; residency is its own
+                w.adapters = w.resident_adapters = adapters
             load = await _load(monitor.client, w.url, backend.kind, monitor.health_timeout_s)
             if load:
                 w.running = load.get("running", w.running)
@@ -51,13 +53,18 @@ def _connected(w: WorkerState) -> None:
     w.events_connected = True
 
 
-async def _served_model(client: httpx.AsyncClient, url: str) -> str | None:
+async def _served_models(client: httpx.AsyncClient, url: str) -> tuple[str | None, frozenset[str] | None]:
+    """The engine's model (the first entry without a ``parent``) and its LoRA adapters (the entries with one);
+    (None, None) when ``/v1/models`` did not answer."""
     try:
         r = await client.get(url + "/v1/models", timeout=3.0)
-        data = r.json().get("data", []) if r.status_code == 200 else []
-        return data[0]["id"] if data else None
-    except (httpx.HTTPError, ValueError, KeyError, AttributeError, IndexError):
-        return None
+        data = r.json().get("data", []) if r.status_code == 200 else None
+        if data is None:
+            return None, None
+        models = [m["id"] for m in data if not m.get("parent")]
+        return (models[0] if models else None), frozenset(m["id"] for m in data if m.get("parent"))
+    except (httpx.HTTPError, ValueError, KeyError, AttributeError, TypeError):
+        return None, None
 
 
 async def _load(client: httpx.AsyncClient, url: str, kind: str, timeout: float) -> dict:

@@ -1,0 +1,46 @@
+"""The one place the server asks the engine about LoRA adapters (:class:`~fleetllm.server.adapters.AdapterBackend`).
+
+Loads and unloads go through the async engine (the adapter is read and checked on a thread, registered between
+steps); names and residency are read from the event loop without a lock (a slightly stale view is fine for
+``/v1/models`` and the load report, as the worker's other load figures are). A simulated worker's engine has the
+same registry, keeping the bookkeeping only (no tables), so both kinds of worker answer alike.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from fleetllm.engine.async_engine import AsyncEngine
+
+
+class EngineAdapters:
+    """An engine's adapter registry (``engine.lora``, set with ``--enable-lora``) as the server's backend."""
+
+    def __init__(self, async_engine: AsyncEngine) -> None:
+        self.async_engine = async_engine
+        self.engine = async_engine.engine
+
+    def names(self) -> list[str]:
+        return _retry(self.engine.lora_names)
+
+    def resident(self) -> list[str]:
+        lora = self.engine.lora
+        return [] if lora is None else _retry(lambda: list(lora.resident()))
+
+    async def load(self, name: str, path: Path) -> None:
+        await self.async_engine.load_lora(name, str(path))
+
+    async def unload(self, name: str) -> None:
+        await self.async_engine.unload_lora(name)
+
+
+def _retry(read):  # noqa: ANN001, ANN202 - a zero-argument reader of the engine thread's dicts
+    """``read()``, again if the engine thread changed the dict it iterates meanwhile (a load between two steps)."""
+    for _ in range(3):
+        try:
+            return read()
+        except RuntimeError:  # "dictionary changed size during iteration"
+            continue
+    return read()
