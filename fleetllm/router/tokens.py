@@ -11,7 +11,7 @@ import logging
 import threading
 from typing import Any
 
-from fleetllm.engine.block_pool import hash_prefix_blocks
+from fleetllm.engine.block_pool import block_key, hash_prefix_blocks
 from fleetllm.models.tokenizer import TokenizerWrapper
 from fleetllm.server.anthropic import chat_body as anthropic_chat_body
 from fleetllm.server.protocol import APIError, chat_messages
@@ -77,9 +77,4 @@ def chat_prompt(tok: TokenizerWrapper, path: str, body: dict[str, Any]) -> str:
 def block_hashes(token_ids: list[int], block_size: int, model: str, lora_name: str | None = None) -> list[int]:
     """The engine's prefix-cache keys for ``token_ids`` (see :class:`fleetllm.engine.kv_cache_manager.KVCacheManager`),
     under LoRA adapter ``lora_name`` when one is named (its KV is its own: no prefix is shared across adapters)."""
-    return hash_prefix_blocks(token_ids, block_size, adapter_extra_key(model, lora_name))
-
-
-def adapter_extra_key(model: str, lora_name: str | None) -> bytes:
-    """The extra key of a request's block hashes: the served model's name, and its adapter's when it has one."""
-    return model.encode() if lora_name is None else model.encode() + b"\x00lora\x00" + lora_name.encode()
+    return hash_prefix_blocks(token_ids, block_size, block_key(model, lora_name))

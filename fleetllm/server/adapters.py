@@ -33,6 +33,7 @@ from fleetllm.store.errors import StoreError
 from fleetllm.store.uri import is_remote
 
 if TYPE_CHECKING:
+    from fleetllm.server.lora_metrics import LoraMetrics
     from fleetllm.store.store import Fetched
 
 LOAD_PATH, UNLOAD_PATH = "/v1/load_lora_adapter", "/v1/unload_lora_adapter"
@@ -63,11 +64,12 @@ class Adapters:
     """The adapters of one worker serving ``base`` (its served model name)."""
 
     def __init__(self, backend: AdapterBackend, base: str, store: StoreConfig | None = None,
-                 allowed_roots: list[str] | None = None, modules: list[LoraModule] | None = None) -> None:
+                 allowed_roots: list[str] | None = None, modules: list[LoraModule] | None = None,
+                 metrics: LoraMetrics | None = None) -> None:
         """``allowed_roots``: where local adapters may come from (default: the parents of the ``modules``' local
         paths and the store's cache); ``store``: how ``hf://`` and ``s3://`` adapters are fetched (its token
-        settings are the base model's: an adapter gets its own module's, or none)."""
-        self.backend, self.base = backend, base
+        settings are the base model's: an adapter gets its own module's, or none); ``metrics``: its series."""
+        self.backend, self.base, self.metrics = backend, base, metrics
         self.store = store or StoreConfig()
         self.modules = {m.name: m for m in modules or []}
         roots = allowed_roots or [*(str(Path(m.path).expanduser().resolve().parent) for m in modules or []
@@ -166,6 +168,11 @@ class Adapters:
                         "parent": (module.base_model_name if module and module.base_model_name else self.base),
                         "max_model_len": None, "permission": []})
         return out
+
+    def ran(self, lora_name: str) -> None:
+        """Count one request run with ``lora_name`` (its ``lora_name``-labelled series)."""
+        if self.metrics is not None:
+            self.metrics.request(lora_name)
 
     def report(self) -> dict[str, list[str]]:
         """What routers learn from the worker's load report: adapters registered and resident."""

@@ -60,6 +60,7 @@ from fleetllm.server.config import KVEventsOptions, ObservabilityConfig
 from fleetllm.server.engine_adapters import EngineAdapters
 from fleetllm.server.inflight import InFlight
 from fleetllm.server.limits import LARGE_INPUT_CHARS, check_chars, check_inputs, input_chars, number, off_loop
+from fleetllm.server.lora_metrics import LoraMetrics
 from fleetllm.server.openapi import openapi_schema
 from fleetllm.server.protocol import (
     APIError,
@@ -279,6 +280,8 @@ class Worker:
         merged: asyncio.Queue[tuple[int, RequestOutput] | BaseException | None] = asyncio.Queue()
         lora = getattr(request.state, "lora_name", None)
         adapter = {"lora_name": lora} if lora else {}  # (base requests: the engine's call as it always was)
+        if lora and self.adapters is not None:
+            self.adapters.ran(lora)
         tap = open_worker_tap(self.capture, request.headers, rid, kind, self.model_name, prompts, params.n,
                               self.engine.tokenizer.decode, lora)
 
@@ -622,7 +625,7 @@ def adapters_of(async_engine: AsyncEngine, lora: LoraServingOptions | None,
         return None
     opts = lora or LoraServingOptions()
     return Adapters(EngineAdapters(async_engine), engine.model_name, store, opts.allowed_local_lora_paths,
-                    parse_modules(opts.lora_modules, engine.model_name))
+                    parse_modules(opts.lora_modules, engine.model_name), LoraMetrics(engine))
 
 
 def return_token_ids(body: dict[str, Any]) -> bool:
