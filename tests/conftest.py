@@ -197,7 +197,9 @@ class InProcessWorker:
         from fleetllm.cli import build_parser, engine_config, observability_config
         from fleetllm.cli_options import from_args
         from fleetllm.engine.engine import LLMEngine
+        from fleetllm.lora.options import LoraServingOptions
         from fleetllm.server.app import Worker
+        from fleetllm.store.config import StoreConfig
         from fleetllm.tools.config import ToolConfig
 
         disable_created_metrics()  # as `fleetllm worker` does
@@ -207,7 +209,8 @@ class InProcessWorker:
         # a quantised engine takes a copy sharing these weights (quantize_model never changes the model it is given)
         engine = LLMEngine(engine_config(args), loaded=loaded)
         torch.set_num_threads(threads)  # --num-threads sizes a worker process; the test process keeps its own
-        self.worker = Worker(engine, observability_config(args), role=args.role, tools=from_args(ToolConfig, args))
+        self.worker = Worker(engine, observability_config(args), role=args.role, tools=from_args(ToolConfig, args),
+                             lora=from_args(LoraServingOptions, args), store=from_args(StoreConfig, args))
         self.base_url = f"http://127.0.0.1:{port}"  # the OpenAI base URL is base_url + "/v1"
         self.server = ThreadServer(self.worker.app, port, on_exit=lambda: setattr(self.worker, "closing", True),
                                    startup_timeout=STARTUP_TIMEOUT_S)

@@ -23,6 +23,9 @@ is optional; the smallest config is ``models: [{source: smollm2-135m}]``. Exampl
         autoscale: {ttft_p90_s: 2.0, down_window_s: 120}  # fleetllm/fleet/autoscaler.py ScalingPolicy
         zones: [zone-a, zone-b]       # copies spread across these
         policy: session
+        adapters:                     # LoRA adapters served by every copy (each its own `model` name), docs/lora.md
+          - {name: support-bot, source: hf://acme/support-lora@v3}
+          - {name: sql, source: s3://adapters/sql, token_env: SQL_HF_TOKEN}
       - name: coder                   # one model as two variants: 95% stable, 5% canary (sticky per session)
         variant: stable
         source: /models/coder-v1
@@ -59,7 +62,9 @@ from fleetllm.capture.config import CaptureConfig
 from fleetllm.errors import UsageError, existing_file, unknown_key, yaml_error
 from fleetllm.fleet.autoscaler import ScalingPolicy
 from fleetllm.fleet.cluster import Domain, Identity
+from fleetllm.lora.modules import LoraModule, check_name
 from fleetllm.router.state_url import fleet_state_url_value
+from fleetllm.store.uri import ModelURI
 
 ROLES = ("both", "prefill", "decode")
 
@@ -118,6 +123,22 @@ class Replicas:
 
 
 @dataclass
+class AdapterSpec:
+    """A LoRA adapter of a model: what clients send as ``model``, and where its files come from (a local directory,
+    ``hf://org/name[@revision]`` or ``s3://bucket/prefix``: pinned at deploy, fetched by each copy through the
+    store, with the adapter's own token, never the model's)."""
+
+    name: str
+    source: str
+    token_env: str | None = None
+    token_file: str | None = None
+
+    def module(self) -> LoraModule:
+        """The ``--lora-modules`` entry of this adapter."""
+        return LoraModule(self.name, self.source, token_env=self.token_env, token_file=self.token_file)
+
+
+@dataclass
 class ModelSpec:
     """One model of the fleet: where it comes from, how its engine runs, and how many copies of it."""
 
@@ -136,10 +157,20 @@ class ModelSpec:
     variant: str | None = None  # entries sharing a name are variants of one model (a canary), each with its copies
     traffic: float = 1.0  # this variant's weight in its model's traffic split (sticky per session)
     identity: Identity | None = None  # Kubernetes: the cloud role this model's pods act as (IRSA / Pod Identity)
+    adapters: list[AdapterSpec] = field(default_factory=list)  # LoRA adapters every copy serves
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
             raise UsageError(f"model {self.served_name!r}: role must be one of {', '.join(ROLES)}, not {self.role!r}")
+        taken = {self.served_name, *self.aliases}
+        for a in self.adapters:
+            where = f"model {self.served_name!r}: adapter {a.name!r}"
+            check_name(a.name, where)
+            if a.name in taken:
+                raise UsageError(f"{where}: the name is already the model's or another adapter's")
+            taken.add(a.name)
+            if "://" in a.source:
+                ModelURI.parse(a.source)
         if self.resources.memory_gb is None:
             self.resources.memory_gb = 0.05 if self.simulate else 2.0
 
@@ -168,6 +199,9 @@ class ModelSpec:
                 args += [flag, str(value)]
         if self.speculative:
             args += ["--speculative", self.speculative]
+        if self.adapters:
+            args += [] if self.engine.get("enable_lora") else ["--enable-lora"]
+            args += ["--lora-modules", *(a.module().as_json() for a in self.adapters)]
         return args
 
 
@@ -202,7 +236,7 @@ class FleetConfig:
             self.state_url = fleet_state_url_value(str(self.state_url))
         names: dict[str, str] = {}
         for m in self.models:
-            for n in [m.served_name, *m.aliases]:
+            for n in [m.served_name, *m.aliases, *dict.fromkeys(a.name for a in m.adapters)]:
                 if names.get(n, m.served_name) != m.served_name:
                     raise UsageError(f"model name {n!r} is used by two models ({names[n]!r} and {m.served_name!r})")
                 names[n] = m.served_name
@@ -224,6 +258,10 @@ class FleetConfig:
             if m.variant:
                 splits.setdefault(m.served_name, {})[m.variant] = m.traffic
         return {name: ",".join(f"{v}:{w:g}" for v, w in ws.items()) for name, ws in splits.items()}
+
+    def adapter_bases(self) -> dict[str, str]:
+        """Every LoRA adapter's name -> its base model's served name (the router's ``--adapter``)."""
+        return {a.name: m.served_name for m in self.models for a in m.adapters}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> FleetConfig:
@@ -332,4 +370,15 @@ def _model(d: Any, where: str) -> ModelSpec:
             d[key] = [d[key]]
     if d.get("identity") is not None:
         d["identity"] = Identity(**_checked(Identity, d["identity"], f"{where}.identity"))
+    if "adapters" in d:
+        d["adapters"] = [_adapter(a, f"{where}.adapters[{i}]") for i, a in enumerate(_listed(d["adapters"],
+                                                                                              f"{where}.adapters"))]
     return ModelSpec(**d)
+
+
+def _adapter(d: Any, where: str) -> AdapterSpec:
+    d = _checked(AdapterSpec, d, where)
+    missing = [k for k in ("name", "source") if not isinstance(d.get(k), str) or not d[k]]
+    if missing:
+        raise UsageError(f"`{where}` needs {' and '.join(missing)} (an adapter is {{name: NAME, source: PATH}})")
+    return AdapterSpec(**d)

@@ -45,7 +45,7 @@ from fleetllm.router.state_url import AUTO
 from fleetllm.server.pinning import format_cpus
 from fleetllm.server.worker_secret import ENV as SECRET_ENV
 from fleetllm.server.worker_secret import worker_secret
-from fleetllm.store.pin import pin, token_envs
+from fleetllm.store.pin import pin, pin_adapter, token_envs
 
 log = logging.getLogger(__name__)
 SIM_PER_PROCESS = 64
@@ -112,6 +112,8 @@ class Fleet:
         pinned = {id(m): pin(m.source, m.engine) for m in cfg.models}
         self._sources = {k: source for k, (source, _) in pinned.items()}
         self._tokenizers = {k: tokenizer for k, (_, tokenizer) in pinned.items()}
+        for m in cfg.models:  # LoRA adapters' sources likewise, each with its own token
+            m.adapters = [pin_adapter(a, m.engine) for a in m.adapters]
         self._plan()
 
     @property
@@ -172,8 +174,9 @@ class Fleet:
 
     def _hidden(self, m: ModelSpec) -> list[str]:
         """Other models' token variables: a worker never sees another model's token."""
-        own = set(token_envs(m.engine))
-        return [v for o in self.cfg.models for v in token_envs(o.engine) if v not in own]
+        own = set(token_envs(m.engine)) | {a.token_env for a in m.adapters if a.token_env}
+        every = [v for o in self.cfg.models for v in [*token_envs(o.engine), *(a.token_env for a in o.adapters)] if v]
+        return [v for v in dict.fromkeys(every) if v not in own]
 
     def _add_real(self, c: Copy) -> Proc:
         port, self._next_port = self._next_port, self._next_port + 1

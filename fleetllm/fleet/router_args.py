@@ -1,7 +1,7 @@
 """The router flags that describe a fleet's models, wherever the router runs (this machine, a cluster).
 
-Tokenizer, aliases, per-model policy, traffic splits between variants and the models scaled from zero:
-what a router must know of each model beyond the workers it finds.
+Tokenizer, aliases, LoRA adapters, per-model policy, traffic splits between variants and the models scaled from
+zero: what a router must know of each model beyond the workers it finds.
 """
 
 from __future__ import annotations
@@ -10,7 +10,8 @@ from fleetllm.fleet.config import FleetConfig, ModelSpec
 
 
 def model_router_args(cfg: FleetConfig, tokenizer: dict[int, str] | None = None) -> list[str]:
-    """``--tokenizer``, ``--alias``, ``--model-policy``, ``--traffic`` and ``--scale-from-zero`` for ``cfg``.
+    """``--tokenizer``, ``--alias``, ``--adapter``, ``--model-policy``, ``--traffic`` and ``--scale-from-zero`` for
+    ``cfg``.
 
     ``tokenizer`` maps ``id(model entry)`` to what the router loads the tokenizer from (a pinned source);
     default: the entry's source."""
@@ -24,6 +25,8 @@ def model_router_args(cfg: FleetConfig, tokenizer: dict[int, str] | None = None)
         args += [a for alias in m.aliases for a in ("--alias", f"{alias}={name}")]
         if m.policy:
             args += ["--model-policy", f"{name}={m.policy}"]
+    for adapter, base in cfg.adapter_bases().items():
+        args += ["--adapter", f"{adapter}={base}"]
     for name, split in cfg.traffic_splits().items():
         args += ["--traffic", f"{name}={split}"]
     zero = [m.served_name for m in cfg.models if m.replicas.min == 0]

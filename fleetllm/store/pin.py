@@ -9,11 +9,14 @@ changes nothing until the fleet is redeployed. A model's store settings (``token
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import fields
-from typing import Any
+from dataclasses import fields, replace
+from typing import TYPE_CHECKING, Any
 
 from fleetllm.store.config import StoreConfig
 from fleetllm.store.uri import is_remote
+
+if TYPE_CHECKING:
+    from fleetllm.fleet.config import AdapterSpec
 
 
 def store_config(settings: Mapping[str, Any]) -> StoreConfig:
@@ -34,6 +37,17 @@ def pin(source: str, settings: Mapping[str, Any]) -> tuple[str, str]:
     tokenizer = store.fetch(pinned, weights=False)
     tokenizer.release()
     return pinned, str(tokenizer.path)
+
+
+def pin_adapter(adapter: AdapterSpec, settings: Mapping[str, Any]) -> AdapterSpec:
+    """A LoRA adapter's source pinned to the commit it resolves to now, through its model's store settings and
+    the adapter's own token (never the model's); a local source comes back as it is."""
+    if not is_remote(adapter.source):
+        return adapter
+    from fleetllm.store.store import ModelStore
+
+    cfg = replace(store_config(settings), token_env=adapter.token_env, token_file=adapter.token_file)
+    return replace(adapter, source=str(ModelStore(cfg).pin(adapter.source)))
 
 
 def token_envs(settings: Mapping[str, Any]) -> list[str]:
