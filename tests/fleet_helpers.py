@@ -318,3 +318,12 @@ def stop_process(popen: subprocess.Popen, timeout: float, kill_timeout: float | 
         except subprocess.TimeoutExpired:
             popen.kill()
             popen.wait(timeout=timeout if kill_timeout is None else kill_timeout)
+
+
+def smollm2_adapter(path: Path, seed: int, rank: int = 2) -> str:
+    """A PEFT LoRA adapter at SmolLM2-135M's shapes (q_proj and v_proj of its 30 layers, small random A and B, 0.5 MB
+    at rank 2) written to ``path``: what real and simulated workers over that model load. Its directory, as a str."""
+    from lora.lora_models import write_adapter
+
+    write_adapter(path, {"q_proj": (576, 576), "v_proj": (576, 192)}, 30, ["q_proj", "v_proj"], rank, 2 * rank, seed)
+    return str(path)

@@ -34,6 +34,7 @@ class Knobs:
     aliases: dict[str, str] = opt(doc="KEY=VALUE, repeatable", factory=dict, flag="--alias")
     timeout_s: float = opt(2.0, "seconds")
     labels: dict[str, str] = opt(doc="set by code", factory=dict, cli=False)
+    modules: list[str] = opt(doc="several values per flag, repeatable", factory=list, many=True)
 
 
 def parser_for(*classes: type) -> argparse.ArgumentParser:
@@ -54,7 +55,7 @@ def parse(*argv: str) -> argparse.Namespace:
 
 def test_a_config_round_trips_through_its_flags() -> None:
     cfg = Knobs(url="http://x", count=7, ratio=0.25, name="n", mode="fast", verbose=True, cache=False,
-                hosts=["a", "", "c"], aliases={"m": "ref", "k": "v=w"}, timeout_s=9.5)
+                hosts=["a", "", "c"], aliases={"m": "ref", "k": "v=w"}, timeout_s=9.5, modules=["a=x", "b=y,z"])
     assert from_args(Knobs, parser_for(Knobs).parse_args(to_argv(cfg))) == cfg
 
 
@@ -184,3 +185,9 @@ def test_the_parsers_load_no_torch() -> None:
             "import fleetllm.router.gateway, fleetllm.sim.server; "
             "build_parser().parse_args(['worker', '--simulate']); assert 'torch' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_a_many_valued_flag_takes_several_values_and_repeats_as_vllm_lora_modules() -> None:
+    args = parse("worker", "--lora-modules", "a=/x", "b=/y", "--max-num-seqs", "4", "--lora-modules", "c=/z")
+    assert args.lora_modules == ["a=/x", "b=/y", "c=/z"]
+    assert parse("worker").lora_modules == []

@@ -571,7 +571,8 @@ class Router:
                    "pending_prefill_tokens": w.pending_prefill_tokens, "decoding": w.decoding, "running": w.running,
                    "waiting": w.waiting, "queued_prefill_tokens": w.queued_prefill_tokens, "kv_usage": w.kv_usage, "model": w.model, "variant": w.variant, "instance": w.instance,
                    "events_connected": w.events_connected, "kind": w.kind, "breaker": w.breaker.state, "draining": w.draining,
-                   "index_blocks": self.index.size(w.name), "exact_blocks": len(exact)}
+                   "index_blocks": self.index.size(w.name), "exact_blocks": len(exact),
+                   "adapters": sorted(w.adapters), "resident_adapters": sorted(w.resident_adapters)}
             if with_hashes:
                 row["exact_hashes"] = sorted(exact)
             workers.append(row)
