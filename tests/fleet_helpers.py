@@ -188,8 +188,9 @@ def sim_workers(count: int, *extra: str) -> ThreadServers:
     caught: dict[str, Any] = {}
 
     def serve_simulated(model, host, port, count, cfg, profile, log_level="warning", identities=None, obs=None,
-                        drain_timeout_s=30.0, lora=None, **listen):
-        caught.update(model=model, count=count, cfg=cfg, profile=profile, identities=identities, obs=obs, lora=lora)
+                        drain_timeout_s=30.0, lora=None, store=None, **listen):
+        caught.update(model=model, count=count, cfg=cfg, profile=profile, identities=identities, obs=obs, lora=lora,
+                      store=store)
 
     with mock.patch("fleetllm.sim.server.serve_simulated", serve_simulated):
         args.func(args)

@@ -77,6 +77,7 @@ class Adapters:
         self.allowed_roots = [Path(r).expanduser().resolve() for r in dict.fromkeys(roots)]
         self.sources: dict[str, str] = {}  # adapter -> what it was loaded from (its /v1/models `root`)
         self.created: dict[str, int] = {}
+        self.revisions: dict[str, str] = {}  # a store adapter's commit (what its hf:// or s3:// source resolved to)
         self._held: dict[str, Fetched] = {}  # store adapters' cache entries, held while loaded
 
     async def start(self) -> None:
@@ -136,6 +137,7 @@ class Adapters:
             try:
                 fetched = await asyncio.to_thread(_fetch_adapter, cfg, path)
                 self._held.setdefault(name, fetched)
+                self.revisions[name] = fetched.revision
             except StoreError as e:
                 raise APIError(e.status if 400 <= e.status < 600 else 502, str(e), "lora_path") from None
             except ValueError as e:  # a malformed store URI
@@ -154,6 +156,8 @@ class Adapters:
         return real
 
     def _release(self, name: str) -> None:
+        """Let go of a store adapter's cache entry (it may be evicted again)."""
+        self.revisions.pop(name, None)
         held = self._held.pop(name, None)
         if held is not None:
             held.release()
@@ -164,7 +168,7 @@ class Adapters:
         for name in sorted(self.backend.names()):
             module = self.modules.get(name)
             out.append({"id": name, "object": "model", "created": self.created.get(name, created),
-                        "owned_by": "fleetllm", "root": self.sources.get(name, ""),
+                        "owned_by": "fleetllm", "root": self.sources.get(name, ""), "revision": self.revisions.get(name),
                         "parent": (module.base_model_name if module and module.base_model_name else self.base),
                         "max_model_len": None, "permission": []})
         return out

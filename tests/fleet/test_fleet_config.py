@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
 
+from fleetllm.errors import UsageError
 from fleetllm.fleet.config import FleetConfig, Replicas
 from fleetllm.fleet.launcher import Fleet
 from fleetllm.fleet.placement import PlacementError, place
@@ -187,3 +189,32 @@ def test_serve_flags_for_keys_shared_state_and_scheduling_override_the_yaml_and_
 def test_a_state_url_that_is_not_a_redis_url_is_refused(url):
     with pytest.raises(ValueError, match="redis://HOST:PORT"):
         FleetConfig.from_dict({"state_url": url})
+
+
+def test_a_models_adapters_reach_its_copies_as_lora_modules_and_the_router_as_routing_names(tmp_path):
+    a1 = tmp_path / "a1"
+    a1.mkdir()
+    cfg = fleet([{"source": "smollm2-135m", "name": "small", "simulate": True, "engine": {"token_env": "SMALL_T"},
+                  "adapters": [{"name": "support", "source": str(a1), "token_env": "SUPPORT_T"}]},
+                 {"source": "smollm2-135m", "name": "other", "simulate": True, "engine": {"token_env": "OTHER_T"},
+                  "adapters": [{"name": "sql", "source": str(a1)}]}], log_dir=str(tmp_path))
+    f = Fleet(cfg)
+    small, other = f.workers
+    modules = small.cmd[small.cmd.index("--lora-modules") + 1:]
+    assert "--enable-lora" in small.cmd
+    assert json.loads(modules[0]) == {"name": "support", "path": str(a1), "token_env": "SUPPORT_T"}
+    rcmd = f.router.cmd
+    assert [rcmd[i + 1] for i, a in enumerate(rcmd) if a == "--adapter"] == ["support=small", "sql=other"]
+    assert "SUPPORT_T" not in small.hide and set(other.hide) == {"SMALL_T", "SUPPORT_T"}  # tokens stay per source
+
+
+@pytest.mark.parametrize(("adapters", "word"), [
+    ([{"name": "a"}], "needs source"),
+    ([{"name": "a", "source": "/x", "rev": 1}], "unknown key"),
+    ([{"name": "m", "source": "/x"}], "already the model's"),
+    ([{"name": "a", "source": "/x"}, {"name": "a", "source": "/y"}], "already the model's or another adapter's"),
+    ([{"name": "a", "source": "hf://only-a-name"}], "hf://org/name"),
+])
+def test_bad_adapter_entries_are_refused_in_one_line(adapters, word):
+    with pytest.raises(UsageError, match=word):
+        fleet([{"name": "m", "adapters": adapters}])

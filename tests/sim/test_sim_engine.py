@@ -93,3 +93,16 @@ assert "torch" not in sys.modules, "torch was imported"
 
 def test_the_simulated_worker_never_loads_pytorch() -> None:
     subprocess.run([sys.executable, "-c", NO_TORCH], check=True, timeout=120)
+
+
+def test_a_step_pays_a_modelled_load_each_time_a_slot_takes_another_adapter(model, tmp_path) -> None:
+    from fleet_helpers import smollm2_adapter
+
+    eng = engine(model, enable_lora=True, max_loras=1, lora_load_s=0.5)
+    for i, name in enumerate(("a1", "a2")):
+        eng.load_lora(name, smollm2_adapter(tmp_path / name, seed=i))
+    for i, name in enumerate(("a1", "a1", "a2", "a1", None)):  # one slot: a2 evicts a1, which comes back
+        eng.add_request(f"r{i}", list(range(100, 120)), SamplingParams(max_tokens=2), lora_name=name)
+        while eng.has_unfinished():
+            eng.step()
+    assert eng.executor.lora_loads == 3
