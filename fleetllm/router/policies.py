@@ -238,7 +238,9 @@ class PrefixAware:
         # the others catch up, however much of the prefix it holds (a hot prefix spills instead of
         # piling onto one replica). The least loaded worker always qualifies.
         bound = math.ceil(self.balance * (sum(w.inflight for w in workers) + 1) / len(workers))
-        eligible = [w for w in workers if w.inflight + 1 <= bound] or workers
+        # A LoRA adapter's holders stay eligible past the bound: sending its request elsewhere costs a load there and
+        # evicts another adapter (whose requests then miss in turn); the cost model weighs their queue against it.
+        eligible = [w for w in workers if w.inflight + 1 <= bound or req.lora_name in w.resident_adapters] or workers
         costs = []
         for w in eligible:
             bs = w.block_size or req.block_size

@@ -33,6 +33,14 @@ def test_kv_aware_sends_an_adapter_to_its_holder_while_waiting_there_costs_less_
     assert policy.choose(req, [busy, other]).worker is other
 
 
+def test_an_adapters_holder_past_the_bounded_load_limit_still_takes_its_requests() -> None:
+    policy = PrefixAware("kv_aware", PrefixIndex(0.0), CostModel(lora_load_s=0.5), seed=1)
+    req = RouteRequest(num_prompt_tokens=64, block_size=16, lora_name="a")
+    holder = worker("h", {"a"}, inflight=3)  # above 1.25 x the mean in flight: a prefix would spill here
+    others = [worker(f"o{i}", {"b"}) for i in range(3)]
+    assert policy.choose(req, [holder, *others]).worker is holder
+
+
 def test_a_base_model_request_pays_no_adapter_cost() -> None:
     cost = CostModel(lora_load_s=0.5)
     w = worker("w", set())
