@@ -173,10 +173,11 @@ class Adapters:
                         "max_model_len": None, "permission": []})
         return out
 
-    def ran(self, lora_name: str) -> None:
-        """Count one request run with ``lora_name`` (its ``lora_name``-labelled series)."""
+    def run_with(self, lora_name: str) -> dict[str, str]:
+        """The engine's keywords for a request run with ``lora_name``, counted in its ``lora_name`` series."""
         if self.metrics is not None:
             self.metrics.request(lora_name)
+        return {"lora_name": lora_name}
 
     def report(self) -> dict[str, list[str]]:
         """What routers learn from the worker's load report: adapters registered and resident."""

@@ -102,9 +102,8 @@ class Worker:
                  secret: str | None = None, lora: LoraServingOptions | None = None,
                  store: StoreConfig | None = None) -> None:
         """``secret``: the fleet's (default: :func:`worker_secret`, from the environment); ``api_key``: what a
-        client must present (``fleetllm worker --api-key``); with neither, the worker serves anyone.
-        ``lora``: the adapters it serves from its start and where it may load them from, when its engine takes
-        adapters (``--enable-lora``); ``store``: how it fetches ``hf://`` and ``s3://`` adapters."""
+        client must present (``fleetllm worker --api-key``); with neither, the worker serves anyone. ``lora``,
+        ``store``: its LoRA adapters' flags and how it fetches remote ones (with ``--enable-lora``)."""
         self.engine = engine
         self.capture = capture  # the worker tier (fleetllm/capture/)
         self.tool_parser = parser_for((tools or ToolConfig()).tool_call_parser, engine.tokenizer.chat_template)
@@ -114,15 +113,7 @@ class Worker:
         c = engine.config  # KV kept beyond the pool: host memory, disk, a shared Redis
         self.kv_tiers = attach_tiers(engine, c.kv_offload_gb, c.kv_disk_dir, c.kv_disk_gb, c.kv_remote)
         self.handoffs = Handoffs(engine.blocks)  # prompts prefilled elsewhere, held for their requests (P/D)
-        self.kv_publisher = None  # KV events in vLLM's format, over ZMQ (after the engine hooked the pool)
-        if kv_events is not None and kv_events.kv_events_config:
-            from fleetllm.server.kv_publish import VllmEventPublisher
-
-            self.kv_publisher = VllmEventPublisher(engine.pool, kv_events.kv_events_config,
-                                                   kv_events.prefix_caching_hash_algo, index=kv_events_index).attach()
-            for tier in self.kv_tiers:  # host memory's blocks are the worker's own: the router may route on them
-                if isinstance(tier, HostTierConnector):
-                    self.kv_publisher.watch_tier("CPU", tier.store.listeners)
+        self.kv_publisher = self._kv_publisher(kv_events, kv_events_index)  # vLLM-format KV events (ZMQ), or None
         self.ready = False  # warm and serving (set at the end of start-up)
         self.draining = False  # SIGTERM: finishing in-flight requests, taking no new ones
         self.on_fatal: Callable[[], None] | None = None  # the engine died: the process should exit non-zero
@@ -159,6 +150,19 @@ class Worker:
         self.secret = secret or worker_secret()  # presented to decode workers too (the P/D path)
         if self.secret or api_key:  # credentials first, before any body is read
             self.app = RequireSecret(self.app, self.secret, api_key)
+
+    def _kv_publisher(self, kv_events: KVEventsOptions | None, index: int) -> Any:
+        """KV events in vLLM's format, over ZMQ (after the engine hooked the pool), when configured."""
+        if kv_events is None or not kv_events.kv_events_config:
+            return None
+        from fleetllm.server.kv_publish import VllmEventPublisher
+
+        publisher = VllmEventPublisher(self.engine.pool, kv_events.kv_events_config,
+                                       kv_events.prefix_caching_hash_algo, index=index).attach()
+        for tier in self.kv_tiers:  # host memory's blocks are the worker's own: the router may route on them
+            if isinstance(tier, HostTierConnector):
+                publisher.watch_tier("CPU", tier.store.listeners)
+        return publisher
 
     def _observe(self, engine: LLMEngine) -> None:
         """Host metrics, the cold-start phases and, with an OTLP endpoint, request spans and pushed metrics."""
@@ -279,9 +283,7 @@ class Worker:
                 subs.append((p_i * params.n + k, f"{rid}-{p_i}-{k}", ids, sub))
         merged: asyncio.Queue[tuple[int, RequestOutput] | BaseException | None] = asyncio.Queue()
         lora = getattr(request.state, "lora_name", None)
-        adapter = {"lora_name": lora} if lora else {}  # (base requests: the engine's call as it always was)
-        if lora and self.adapters is not None:
-            self.adapters.ran(lora)
+        adapter = self.adapters.run_with(lora) if self.adapters is not None and lora else {}
         tap = open_worker_tap(self.capture, request.headers, rid, kind, self.model_name, prompts, params.n,
                               self.engine.tokenizer.decode, lora)
 
