@@ -17,7 +17,7 @@ import re
 import shutil
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal, NoReturn
 
@@ -167,7 +167,10 @@ def observability_config(args: argparse.Namespace) -> ObservabilityConfig:
 def router_config(args: argparse.Namespace) -> RouterConfig:
     """The router a ``fleetllm router`` command line describes (cost rates from --profile)."""
     cost = load_profile(args).cost_model().with_tier_load(getattr(args, "kv_tier_load", None) or {})
-    return from_args(RouterConfig, args, cost=cost)
+    lora = getattr(args, "lora_load_cost_s", None)
+    if lora is not None and not lora >= 0:
+        raise UsageError(f"--lora-load-cost {lora}: give 0 or more seconds")
+    return from_args(RouterConfig, args, cost=cost if lora is None else replace(cost, lora_load_s=lora))
 
 
 def capture_for(args: argparse.Namespace, component: str, tiers: tuple[str, ...], registry):  # -> Capture | None

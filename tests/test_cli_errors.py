@@ -43,6 +43,7 @@ CASES: list[tuple[list[str], str]] = [
     (["worker", "--enable-lora", "--lora-modules", "a={tmp}", "a={tmp}"], "given twice"),
     (["worker", "--lora-modules", "a={tmp}"], "--enable-lora"),
     (["worker", "--enable-lora", "--max-loras", "0"], "--max-loras"),
+    (["router", "--workers", "http://127.0.0.1:1", "--lora-load-cost", "-1"], "--lora-load-cost"),
     (["worker", "--simulate", "--profile", "{tmp}/none.json"], "no such file"),
     (["worker", "--max-model-len", "-5"], "positive"),
     (["worker", "--kv-offload-gb", "-1"], "--kv-offload-gb"),

@@ -52,6 +52,9 @@ class RouterConfig:
                                            "(the medium its KV events name: CPU for host memory, DISK), as a "
                                            "fraction of recomputing it (default: CPU=0.05, DISK=0.15)",
                                        factory=dict, metavar="MEDIUM=FRACTION")
+    lora_load_cost_s: float = opt(CostModel.lora_load_s, "kv_aware's price, in seconds, of sending a LoRA adapter's "
+                                                         "request to a copy not holding it resident (its load there, "
+                                                         "and the adapter it evicts)")
     breaker_threshold: int = opt(3, "consecutive failures that open a worker's circuit breaker")
     breaker_cooldown_s: float = opt(5.0, "seconds a breaker stays open before one probe request")
     connect_timeout_s: float = opt(3.0, "seconds to connect to a worker")
