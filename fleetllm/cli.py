@@ -8,6 +8,7 @@ component (where a server listens, a worker's labels, ``serve``'s fleet shape).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import gc
 import importlib
@@ -16,7 +17,7 @@ import logging
 import re
 import shutil
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal, NoReturn
@@ -228,10 +229,12 @@ def cmd_worker(args: argparse.Namespace) -> int:
         engine.pool.num_blocks, engine.pool.block_size,
     )
     capture = capture_for(args, "worker-" + worker_identity(args)["worker"], ("worker",), engine.metrics.registry)
-    worker = Worker(engine, observability_config(args), role=args.role, capture=capture,
-                    max_body_bytes=args.max_body_bytes, tools=from_args(ToolConfig, args),
-                    kv_events=from_args(KVEventsOptions, args), transfer=from_args(TransferOptions, args),
-                    api_key=args.api_key, lora=from_args(LoraServingOptions, args), store=from_args(StoreConfig, args))
+    with lora_modules_refused():
+        worker = Worker(engine, observability_config(args), role=args.role, capture=capture,
+                        max_body_bytes=args.max_body_bytes, tools=from_args(ToolConfig, args),
+                        kv_events=from_args(KVEventsOptions, args), transfer=from_args(TransferOptions, args),
+                        api_key=args.api_key, lora=from_args(LoraServingOptions, args),
+                        store=from_args(StoreConfig, args))
     warn_if_open(args.host, worker.secret, args.api_key)
     server = make_server(worker.app, args.host, args.port, args.log_level,
                          on_exit=lambda: setattr(worker, "closing", True),
@@ -357,12 +360,25 @@ def cmd_sim_worker(args: argparse.Namespace) -> int:
     if args.kv_events_config:  # vLLM-format KV events: one publisher per simulated worker, ports counted up
         extra["kv_events"] = from_args(KVEventsOptions, args)
     warn_if_open(args.host, worker_secret(), args.api_key)
-    failed = serve_simulated(args.model, args.host, args.port, args.count, cfg, load_profile(args), args.log_level,
-                             identities=identities, obs=observability_config(args),
-                             drain_timeout_s=args.drain_timeout_s, header_timeout_s=args.header_timeout_s,
-                             store=from_args(StoreConfig, args), tls=tls_files(args), api_key=args.api_key,
-                             lora=from_args(LoraServingOptions, args), **extra)
+    with lora_modules_refused():
+        failed = serve_simulated(args.model, args.host, args.port, args.count, cfg, load_profile(args),
+                                 args.log_level, identities=identities, obs=observability_config(args),
+                                 drain_timeout_s=args.drain_timeout_s, header_timeout_s=args.header_timeout_s,
+                                 store=from_args(StoreConfig, args), tls=tls_files(args), api_key=args.api_key,
+                                 lora=from_args(LoraServingOptions, args), **extra)
     return 1 if failed else 0
+
+
+@contextlib.contextmanager
+def lora_modules_refused() -> Iterator[None]:
+    """A ``--lora-modules`` adapter the worker cannot load as it starts (it does not fit, its source refuses): one
+    line and exit 2, as any other bad flag."""
+    from fleetllm.server.errors import APIError
+
+    try:
+        yield
+    except APIError as e:
+        raise UsageError(f"--lora-modules: {e.message}") from None
 
 
 def sim_config(args: argparse.Namespace) -> SimConfig:

@@ -42,6 +42,7 @@ CASES: list[tuple[list[str], str]] = [
     (["worker", "--enable-lora", "--lora-modules", "a={tmp}/none"], "no such directory"),
     (["worker", "--enable-lora", "--lora-modules", "a={tmp}", "a={tmp}"], "given twice"),
     (["worker", "--lora-modules", "a={tmp}"], "--enable-lora"),
+    (["worker", "--simulate", "--enable-lora", "--lora-modules", "a={tmp}"], "adapter_config.json"),
     (["worker", "--enable-lora", "--max-loras", "0"], "--max-loras"),
     (["router", "--workers", "http://127.0.0.1:1", "--lora-load-cost", "-1"], "--lora-load-cost"),
     (["worker", "--simulate", "--profile", "{tmp}/none.json"], "no such file"),

@@ -55,6 +55,10 @@ class AdapterBackend(Protocol):
         does not fit the model, leaving nothing registered."""
         ...
 
+    def load_now(self, name: str, path: Path) -> None:
+        """:meth:`load`, before the engine runs (a worker's ``--lora-modules``, as it starts)."""
+        ...
+
     async def unload(self, name: str) -> None:
         """Forget adapter ``name`` (requests already running with it finish first)."""
         ...
@@ -80,10 +84,17 @@ class Adapters:
         self.revisions: dict[str, str] = {}  # a store adapter's commit (what its hf:// or s3:// source resolved to)
         self._held: dict[str, Fetched] = {}  # store adapters' cache entries, held while loaded
 
-    async def start(self) -> None:
-        """Load every ``--lora-modules`` adapter (a worker that cannot load one of them does not start)."""
+    def preload(self) -> None:
+        """Load every ``--lora-modules`` adapter now, before the engine runs: one that cannot be loaded is an
+        APIError here, so a worker with a bad module refuses to start (in one line) rather than serve without it."""
         for m in self.modules.values():
-            await self.load(m.name, m.path, m)
+            self._check_new(m.name, m.path)
+            local = self._local(m.name, m.path, m)
+            try:
+                self.backend.load_now(m.name, local)
+            except Exception as e:
+                raise self._refused(m.name, e) from None
+            self._loaded(m.name, m.path)
 
     def lora_for(self, model: Any) -> str | None:
         """The adapter a request's ``model`` names (None for the base model, or no model); 404 for neither."""
@@ -94,8 +105,18 @@ class Adapters:
         served = ", ".join([self.base, *sorted(self.backend.names())])
         raise APIError(404, f"The model `{model}` does not exist. Served: {served}", "model")
 
-    async def load(self, name: Any, path: Any, module: LoraModule | None = None) -> None:
+    async def load(self, name: Any, path: Any) -> None:
         """Check ``name`` and ``path``, bring the files local, register the adapter; APIError 4xx otherwise."""
+        self._check_new(name, path)
+        local = await asyncio.to_thread(self._local, name, path, None)
+        try:
+            await self.backend.load(name, local)
+        except Exception as e:
+            raise self._refused(name, e) from None
+        self._loaded(name, path)
+
+    def _check_new(self, name: Any, path: Any) -> None:
+        """A load's name and path as given: 400 unless a new adapter name and a path of some kind."""
         if not isinstance(name, str) or not name:
             raise APIError(400, "`lora_name` (a string) is required", "lora_name")
         if not isinstance(path, str) or not path:
@@ -108,15 +129,17 @@ class Adapters:
         if name == self.base or name in self.backend.names():
             what = "the base model's name" if name == self.base else "already loaded (unload it first)"
             raise APIError(400, f"The lora adapter '{name}' is {what}", "lora_name")
-        local = await self._local(name, path, module or self.modules.get(name))
-        try:
-            await self.backend.load(name, local)
-        except Exception as e:
-            self._release(name)
-            status = getattr(e, "status", None)  # the registry's typed error: a 4xx saying what does not fit
-            if isinstance(e, APIError) or not isinstance(status, int) or not 400 <= status < 500:
-                raise
-            raise APIError(status, f"adapter {name!r}: {e}", "lora_path") from None
+
+    def _refused(self, name: str, e: Exception) -> Exception:
+        """What a failed registration answers: the registry's typed error (a 4xx saying what does not fit) as an
+        APIError; anything else as it is. The adapter's cache entry is let go either way."""
+        self._release(name)
+        status = getattr(e, "status", None)
+        if isinstance(e, APIError) or not isinstance(status, int) or not 400 <= status < 500:
+            return e
+        return APIError(status, f"adapter {name!r}: {e}", "lora_path")
+
+    def _loaded(self, name: str, path: str) -> None:
         self.sources[name], self.created[name] = path, int(time.time())
 
     async def unload(self, name: Any) -> None:
@@ -129,13 +152,14 @@ class Adapters:
         self.sources.pop(name, None)
         self.created.pop(name, None)
 
-    async def _local(self, name: str, path: str, module: LoraModule | None) -> Path:
-        """``path`` as a local directory: a store URI fetched (pinned and checked), a local one under the roots."""
+    def _local(self, name: str, path: str, module: LoraModule | None) -> Path:
+        """``path`` as a local directory: a store URI fetched (pinned and checked), a local one under the roots
+        (blocking: a fetch takes the network)."""
         if is_remote(path):
             cfg = replace(self.store, token_env=module.token_env if module else None,
                           token_file=module.token_file if module else None)
             try:
-                fetched = await asyncio.to_thread(_fetch_adapter, cfg, path)
+                fetched = _fetch_adapter(cfg, path)
                 self._held.setdefault(name, fetched)
                 self.revisions[name] = fetched.revision
             except StoreError as e:

@@ -190,8 +190,6 @@ class Worker:
         asyncio.get_running_loop().set_default_executor(serial_executor("worker-io"))  # see omp_team
         self.async_engine.start()
         self.cold_start.set("warm_up", await self.async_engine.call(lambda engine: engine.warm_up()))
-        if self.adapters is not None:  # --lora-modules: served from the start (one that does not fit: no start)
-            await self.adapters.start()
         if self.capture:
             self.capture.start()
         if self.otlp_metrics:
@@ -626,8 +624,10 @@ def adapters_of(async_engine: AsyncEngine, lora: LoraServingOptions | None,
     if engine.lora is None:
         return None
     opts = lora or LoraServingOptions()
-    return Adapters(EngineAdapters(async_engine), engine.model_name, store, opts.allowed_local_lora_paths,
-                    parse_modules(opts.lora_modules, engine.model_name), LoraMetrics(engine))
+    adapters = Adapters(EngineAdapters(async_engine), engine.model_name, store, opts.allowed_local_lora_paths,
+                        parse_modules(opts.lora_modules, engine.model_name), LoraMetrics(engine))
+    adapters.preload()  # --lora-modules: served from the start (one that does not fit: APIError, no start)
+    return adapters
 
 
 def return_token_ids(body: dict[str, Any]) -> bool:

@@ -32,6 +32,9 @@ class EngineAdapters:
     async def load(self, name: str, path: Path) -> None:
         await self.async_engine.load_lora(name, str(path))
 
+    def load_now(self, name: str, path: Path) -> None:
+        self.engine.load_lora(name, str(path))  # the engine thread is not running yet: no step to race
+
     async def unload(self, name: str) -> None:
         await self.async_engine.unload_lora(name)
 

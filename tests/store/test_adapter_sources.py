@@ -3,13 +3,13 @@ models are (their two PEFT files only), each with its own token, never the model
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
-from conftest import commit_id
 from fleet_helpers import sim_workers, smollm2_adapter
 from hub_server import HubRepo
 from store_helpers import GATED_TOKEN
@@ -25,7 +25,7 @@ def adapter_repos(hub, tmp_path_factory: pytest.TempPathFactory) -> dict[str, st
     for i in (1, 2):
         d = Path(smollm2_adapter(root / f"c{i}", seed=i))
         (d / "README.md").write_text("# an adapter card the store must not fetch\n")
-        commits[commit_id("lora", str(i))] = {p.name: p for p in d.iterdir()}
+        commits[hashlib.sha1(f"lora|{i}".encode()).hexdigest()] = {p.name: p for p in d.iterdir()}
     c1, c2 = commits
     hub.state.repos["test/lora"] = HubRepo("test/lora", commits, {"v1": c1, "main": c2})
     hub.state.repos["test/lora-gated"] = HubRepo("test/lora-gated", {c1: commits[c1]}, {"main": c1},
