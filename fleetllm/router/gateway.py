@@ -346,7 +346,7 @@ class Router:
         req.num_prompt_tokens, req.block_size = len(ids), bs
         if any(not w.hash_scheme for w in group):
             req.block_hashes = block_hashes(ids, bs, model, lora)
-        req.scheme_hashes = self.engines.hashes(ids, {w.hash_scheme for w in group if w.hash_scheme})
+        req.scheme_hashes = self.engines.hashes(ids, {w.hash_scheme for w in group if w.hash_scheme}, lora)
         self.metrics.prompt_tokens.inc(len(ids))
         return req
 

@@ -4,6 +4,7 @@ credential, scopes keys to adapters and labels its counts with ``lora_name``."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -128,3 +129,21 @@ def test_the_router_state_shows_each_copys_adapters(fleet) -> None:  # noqa: ANN
     _, url, _ = fleet
     state = httpx.get(url + "/router/state", headers=ADMIN).json()
     assert [sorted(w["adapters"]) for w in state["workers"]] == [["a1", "a2"], ["a1", "a2"]]
+
+
+def test_the_router_hashes_an_adapters_blocks_as_the_worker_caches_them(fleet) -> None:  # noqa: ANN001
+    from fleetllm.models.source import load_tokenizer
+    from fleetllm.router.tokens import block_hashes
+
+    workers, url, _ = fleet
+    prompt = "A long question about the rivers of Europe and where each of them meets the sea. " * 4
+    assert ask(url, "a1", prompt).status_code == 200
+    ids = load_tokenizer("smollm2-135m")[1].encode(prompt)
+    mine, base = block_hashes(ids, 16, "smollm2-135m", "a1"), block_hashes(ids, 16, "smollm2-135m")
+    for _ in range(100):  # the worker's KV events reach the router's exact index within a moment
+        exact = set(httpx.get(url + "/router/state?hashes=1", headers=ADMIN).json()["workers"][0]["exact_hashes"])
+        if set(mine) <= exact:
+            break
+        time.sleep(0.05)
+    assert set(mine) <= exact
+    assert not set(base) & exact  # the base model's blocks are other blocks

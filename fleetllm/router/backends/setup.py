@@ -55,6 +55,6 @@ class EngineSetup:
             return source_from_config(self.cfg.kv_events_config, host)
         return None
 
-    def hashes(self, token_ids: Sequence[int], schemes: set[str]) -> dict[str, list[int]]:
-        """The prompt's block hashes under each scheme in ``schemes``."""
-        return {s: self.hashers[s].hashes(token_ids) for s in schemes if s in self.hashers}
+    def hashes(self, token_ids: Sequence[int], schemes: set[str], lora_name: str | None = None) -> dict[str, list[int]]:
+        """The prompt's block hashes under each scheme in ``schemes`` (a LoRA adapter's request: under its name)."""
+        return {s: self.hashers[s].hashes(token_ids, lora_name) for s in schemes if s in self.hashers}

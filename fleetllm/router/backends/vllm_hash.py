@@ -83,15 +83,15 @@ class VllmHasher:
         computed with an adapter has vLLM's extra keys ``(lora_name,)``."""
         return self.fn((parent or self.none_hash, tuple(token_ids), None if lora_name is None else (lora_name,)))
 
-    def digests(self, token_ids: Sequence[int]) -> list[bytes]:
+    def digests(self, token_ids: Sequence[int], lora_name: str | None = None) -> list[bytes]:
         out: list[bytes] = []
         parent = None
         bs = self.block_size
         for start in range(0, len(token_ids) - bs + 1, bs):
-            parent = self.digest(parent, token_ids[start : start + bs])
+            parent = self.digest(parent, token_ids[start : start + bs], lora_name)
             out.append(parent)
         return out
 
-    def hashes(self, token_ids: Sequence[int]) -> list[int]:
-        """Every full block's hash as vLLM's KV events name it."""
-        return [external_hash(d) for d in self.digests(token_ids)]
+    def hashes(self, token_ids: Sequence[int], lora_name: str | None = None) -> list[int]:
+        """Every full block's hash as vLLM's KV events name it (for a request run with adapter ``lora_name``)."""
+        return [external_hash(d) for d in self.digests(token_ids, lora_name)]
