@@ -107,6 +107,9 @@ class PrefillEndpoints:
         path, body, decode_url = req.get("path", ""), req.get("body"), peer_url(req.get("decode_url"))
         if not isinstance(body, dict):
             raise APIError(400, "give body (the request) and decode_url")
+        if body.get("model") not in (None, self.worker.model_name):  # its KV would be the base model's
+            raise APIError(400, "a LoRA adapter's request is not prefilled remotely: send it to its decode worker",
+                           "model")
         job = await self._job(path, body, req.get("request_id"), transfer_id(req.get("transfer_id")))
         via, timeout = req.get("transfer") or "http", number(req.get("timeout_s"), "timeout_s", 0.001, MAX_TIMEOUT_S, 60.0)
         if via == "shm":
