@@ -8,11 +8,14 @@ same registry, keeping the bookkeeping only (no tables), so both kinds of worker
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 if TYPE_CHECKING:
     from fleetllm.engine.async_engine import AsyncEngine
+
+T = TypeVar("T")
 
 
 class EngineAdapters:
@@ -23,11 +26,11 @@ class EngineAdapters:
         self.engine = async_engine.engine
 
     def names(self) -> list[str]:
-        return _retry(self.engine.lora_names)
+        return settled(self.engine.lora_names)
 
     def resident(self) -> list[str]:
         lora = self.engine.lora
-        return [] if lora is None else _retry(lambda: list(lora.resident()))
+        return [] if lora is None else settled(lambda: list(lora.resident()))
 
     async def load(self, name: str, path: Path) -> None:
         await self.async_engine.load_lora(name, str(path))
@@ -39,8 +42,9 @@ class EngineAdapters:
         await self.async_engine.unload_lora(name)
 
 
-def _retry(read):  # noqa: ANN001, ANN202 - a zero-argument reader of the engine thread's dicts
-    """``read()``, again if the engine thread changed the dict it iterates meanwhile (a load between two steps)."""
+def settled(read: Callable[[], T]) -> T:
+    """``read()`` of the engine thread's containers from another thread, again if the engine thread changed the one
+    it iterates meanwhile (a load between two steps, a request admitted)."""
     for _ in range(3):
         try:
             return read()

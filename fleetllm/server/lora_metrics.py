@@ -18,6 +18,8 @@ from prometheus_client import Counter
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from fleetllm.server.engine_adapters import settled
+
 if TYPE_CHECKING:
     from fleetllm.engine.engine import LLMEngine
 
@@ -31,8 +33,8 @@ class LoraInfo(Collector):
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         sched, lora = self.engine.scheduler, self.engine.lora
-        running = _names(list(sched.running))
-        waiting = _names(list(sched.waiting))
+        running = settled(lambda: _names(list(sched.running)))
+        waiting = settled(lambda: _names(list(sched.waiting)))
         fam = GaugeMetricFamily("vllm:lora_requests_info", "Running stats on LoRA requests (value: the time).",
                                 labels=[*self.labels, "running_lora_adapters", "waiting_lora_adapters", "max_lora"])
         fam.add_metric([*self.labels.values(), running, waiting, str(lora.max_loras if lora else 0)], time.time())
