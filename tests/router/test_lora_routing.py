@@ -135,13 +135,15 @@ def test_the_router_hashes_an_adapters_blocks_as_the_worker_caches_them(fleet) -
     from fleetllm.models.source import load_tokenizer
     from fleetllm.router.tokens import block_hashes
 
-    workers, url, _ = fleet
+    _, url, _ = fleet
     prompt = "A long question about the rivers of Europe and where each of them meets the sea. " * 4
-    assert ask(url, "a1", prompt).status_code == 200
+    r = ask(url, "a1", prompt)
+    assert r.status_code == 200
     ids = load_tokenizer("smollm2-135m")[1].encode(prompt)
     mine, base = block_hashes(ids, 16, "smollm2-135m", "a1"), block_hashes(ids, 16, "smollm2-135m")
     for _ in range(100):  # the worker's KV events reach the router's exact index within a moment
-        exact = set(httpx.get(url + "/router/state?hashes=1", headers=ADMIN).json()["workers"][0]["exact_hashes"])
+        state = httpx.get(url + "/router/state?hashes=1", headers=ADMIN).json()
+        exact = set(next(w for w in state["workers"] if w["name"] == r.headers["x-fleetllm-worker"])["exact_hashes"])
         if set(mine) <= exact:
             break
         time.sleep(0.05)
