@@ -89,12 +89,12 @@ class Adapters:
         APIError here, so a worker with a bad module refuses to start (in one line) rather than serve without it."""
         for m in self.modules.values():
             self._check_new(m.name, m.path)
-            local = self._local(m.name, m.path, m)
+            local, fetched = self._local(m.path, m)
             try:
                 self.backend.load_now(m.name, local)
             except Exception as e:
-                raise self._refused(m.name, e) from None
-            self._loaded(m.name, m.path)
+                raise _refused(m.name, e, fetched) from None
+            self._loaded(m.name, m.path, fetched)
 
     def lora_for(self, model: Any) -> str | None:
         """The adapter a request's ``model`` names (None for the base model, or no model); 404 for neither."""
@@ -108,12 +108,12 @@ class Adapters:
     async def load(self, name: Any, path: Any) -> None:
         """Check ``name`` and ``path``, bring the files local, register the adapter; APIError 4xx otherwise."""
         self._check_new(name, path)
-        local = await asyncio.to_thread(self._local, name, path, None)
+        local, fetched = await asyncio.to_thread(self._local, path, None)
         try:
             await self.backend.load(name, local)
         except Exception as e:
-            raise self._refused(name, e) from None
-        self._loaded(name, path)
+            raise _refused(name, e, fetched) from None
+        self._loaded(name, path, fetched)
 
     def _check_new(self, name: Any, path: Any) -> None:
         """A load's name and path as given: 400 unless a new adapter name and a path of some kind."""
@@ -130,17 +130,10 @@ class Adapters:
             what = "the base model's name" if name == self.base else "already loaded (unload it first)"
             raise APIError(400, f"The lora adapter '{name}' is {what}", "lora_name")
 
-    def _refused(self, name: str, e: Exception) -> Exception:
-        """What a failed registration answers: the registry's typed error (a 4xx saying what does not fit) as an
-        APIError; anything else as it is. The adapter's cache entry is let go either way."""
-        self._release(name)
-        status = getattr(e, "status", None)
-        if isinstance(e, APIError) or not isinstance(status, int) or not 400 <= status < 500:
-            return e
-        return APIError(status, f"adapter {name!r}: {e}", "lora_path")
-
-    def _loaded(self, name: str, path: str) -> None:
+    def _loaded(self, name: str, path: str, fetched: Fetched | None) -> None:
         self.sources[name], self.created[name] = path, int(time.time())
+        if fetched is not None:  # held (not evicted from the store's cache) while the adapter is loaded
+            self._held[name], self.revisions[name] = fetched, fetched.revision
 
     async def unload(self, name: Any) -> None:
         if not isinstance(name, str) or not name:
@@ -152,21 +145,19 @@ class Adapters:
         self.sources.pop(name, None)
         self.created.pop(name, None)
 
-    def _local(self, name: str, path: str, module: LoraModule | None) -> Path:
-        """``path`` as a local directory: a store URI fetched (pinned and checked), a local one under the roots
-        (blocking: a fetch takes the network)."""
+    def _local(self, path: str, module: LoraModule | None) -> tuple[Path, Fetched | None]:
+        """``path`` as a local directory (and a store adapter's cache entry): a store URI fetched (pinned and
+        checked), a local one under the roots (blocking: a fetch takes the network)."""
         if is_remote(path):
             cfg = replace(self.store, token_env=module.token_env if module else None,
                           token_file=module.token_file if module else None)
             try:
                 fetched = _fetch_adapter(cfg, path)
-                self._held.setdefault(name, fetched)
-                self.revisions[name] = fetched.revision
             except StoreError as e:
                 raise APIError(e.status if 400 <= e.status < 600 else 502, str(e), "lora_path") from None
             except ValueError as e:  # a malformed store URI
                 raise APIError(400, str(e), "lora_path") from None
-            return fetched.path
+            return fetched.path, fetched
         if "://" in path:
             raise APIError(400, f"lora_path {path!r}: a local directory, hf://org/name[@revision] or "
                                 "s3://bucket/prefix", "lora_path")
@@ -177,7 +168,7 @@ class Adapters:
                                 "--allowed-local-lora-paths", "lora_path")
         if not real.is_dir():
             raise APIError(404, f"lora_path {path!r}: no such directory", "lora_path")
-        return real
+        return real, None
 
     def _release(self, name: str) -> None:
         """Let go of a store adapter's cache entry (it may be evicted again)."""
@@ -221,6 +212,17 @@ class Adapters:
             return JSONResponse({"status": "ok", "lora_name": body["lora_name"]})
 
         return [Route(LOAD_PATH, load, methods=["POST"]), Route(UNLOAD_PATH, unload, methods=["POST"])]
+
+
+def _refused(name: str, e: Exception, fetched: Fetched | None) -> Exception:
+    """What a failed registration answers: the registry's typed error (a 4xx saying what does not fit) as an
+    APIError; anything else as it is. The adapter's cache entry, if any, is let go either way."""
+    if fetched is not None:
+        fetched.release()
+    status = getattr(e, "status", None)
+    if isinstance(e, APIError) or not isinstance(status, int) or not 400 <= status < 500:
+        return e
+    return APIError(status, f"adapter {name!r}: {e}", "lora_path")
 
 
 def _fetch_adapter(cfg: StoreConfig, ref: str) -> Fetched:
