@@ -33,9 +33,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+# ("stored" | "removed" | ..., block hashes, their adapters (None: none), medium (None: the pool))
+KVEvent = tuple[str, list[int], "list[str | None] | None", "str | None"]
 
-
-KVEventItem = tuple[str, list[int], list[str | None] | None]  # kind, block hashes, their adapters (None: none)
 
 class EngineFailed(RuntimeError):
     """The engine thread died; no request can run on this engine any more."""
@@ -52,7 +52,10 @@ class AsyncEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
-        self._kv_subscribers: set[asyncio.Queue[KVEventItem]] = set()
+        self._kv_subscribers: set[asyncio.Queue[KVEvent]] = set()
+        # other media the worker reports blocks in (a KV tier's medium -> the hashes it holds), read on the
+        # engine thread for a subscriber's snapshot; their events come through publish_kv_event
+        self.kv_media: dict[str, Callable[[], list[int]]] = {}
         self._kv_publish = False  # becomes True with the first subscriber (engine thread only)
         self.steps = 0
         engine.pool.on_event = self._on_kv_event  # called on the engine thread
@@ -115,19 +118,27 @@ class AsyncEngine:
             if not finished:
                 self._cmds.put(("abort", request_id))
 
-    async def subscribe_kv_events(self) -> tuple[asyncio.Queue[KVEventItem], list[int]]:
+    async def subscribe_kv_events(self) -> tuple[asyncio.Queue[KVEvent], list[int], dict[str, list[int]]]:
         """A queue of ("stored" | "removed", block hashes, each stored block's adapter or None when all are the
-        base model's) events and the snapshot of cached hashes they
-        follow. The snapshot is taken on the engine thread between steps, and the queue is registered in
-        the same FIFO as event deliveries, so snapshot + events is exactly the cache's state. Call
+        base model's, medium: None for the pool) events, the snapshot of cached hashes they follow, and the
+        hashes each of :attr:`kv_media` holds. The snapshot is taken on the engine thread between steps, and
+        the queue is registered in the same FIFO as event deliveries, so snapshot + events is exactly the
+        cache's state (a medium written from another thread may have an event cross its snapshot). Call
         :meth:`unsubscribe_kv_events` when done."""
         assert self._loop is not None, "start() the engine first"
         if self.failure is not None:
             raise self.failure
-        q: asyncio.Queue[KVEventItem] = asyncio.Queue()
-        fut: asyncio.Future[list[int]] = self._loop.create_future()
+        q: asyncio.Queue[KVEvent] = asyncio.Queue()
+        fut: asyncio.Future[tuple[list[int], dict[str, list[int]]]] = self._loop.create_future()
         self._cmds.put(("kv_snapshot", (q, fut)))
-        return q, await fut
+        pool, media = await fut
+        return q, pool, media
+
+    def publish_kv_event(self, kind: str, hashes: list[int], medium: str) -> None:
+        """Send ("stored" | "removed", ``hashes``, ``medium``) to every KV-event subscriber: a block entered or
+        left a medium of :attr:`kv_media`. From any thread."""
+        if self._kv_publish and self._loop is not None:
+            self._loop.call_soon_threadsafe(self._fanout_kv, kind, list(hashes), None, medium)
 
     async def load_lora(self, name: str, path: str) -> None:
         """Load the PEFT adapter at ``path`` as ``name``: read and checked on a worker thread (steps go on), then
@@ -154,7 +165,7 @@ class AsyncEngine:
         self._cmds.put(("call", (fn, fut)))
         return await fut
 
-    def unsubscribe_kv_events(self, q: asyncio.Queue[KVEventItem]) -> None:
+    def unsubscribe_kv_events(self, q: asyncio.Queue[KVEvent]) -> None:
         self._kv_subscribers.discard(q)
 
     def announce(self, kind: str) -> int:
@@ -215,7 +226,8 @@ class AsyncEngine:
         elif kind == "kv_snapshot":
             q, fut = arg
             self._kv_publish = True  # set on this thread before the snapshot: no event can slip between
-            self._loop.call_soon_threadsafe(self._register_kv, q, fut, list(self.engine.pool.cached))
+            media = {m: held() for m, held in self.kv_media.items()}
+            self._loop.call_soon_threadsafe(self._register_kv, q, fut, (list(self.engine.pool.cached), media))
 
     def _on_kv_event(self, kind: str, hashes: list[int]) -> None:
         if self._kv_publish and self._loop is not None:
@@ -229,14 +241,15 @@ class AsyncEngine:
         names = [pool.blocks[pool.cached[h]].lora_name if h in pool.cached else None for h in hashes]
         return names if any(names) else None
 
-    def _register_kv(self, q: asyncio.Queue[KVEventItem], fut: asyncio.Future[list[int]], snapshot: list[int]) -> None:
+    def _register_kv(self, q: asyncio.Queue[KVEvent], fut: asyncio.Future[Any], snapshot: Any) -> None:
         self._kv_subscribers.add(q)
         if not fut.done():
             fut.set_result(snapshot)
 
-    def _fanout_kv(self, kind: str, hashes: list[int], lora_names: list[str | None] | None = None) -> None:
+    def _fanout_kv(self, kind: str, hashes: list[int], lora_names: list[str | None] | None = None,
+                   medium: str | None = None) -> None:
         for q in self._kv_subscribers:
-            q.put_nowait((kind, hashes, lora_names))
+            q.put_nowait((kind, hashes, lora_names, medium))
 
     def end_all(self, err: BaseException) -> int:
         """Raise ``err`` in every caller waiting on a request (on the event loop); their requests are aborted

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 from fleetllm.kvtier.connector import HostTierConnector, TierConnector
 from fleetllm.kvtier.metrics import TierMetrics
+from fleetllm.router.index import SHARED
 
 if TYPE_CHECKING:
     from fleetllm.engine.engine import LLMEngine
@@ -63,7 +64,9 @@ def _disk(root: Path, capacity: int, metrics: TierMetrics) -> StoredTierConnecto
         metrics.used.set(store.used_bytes)
 
     log.info("disk KV tier: %s (%d blocks kept from before, %.2f GiB at most)", root, len(store), capacity / 2**30)
-    return StoredTierConnector("disk", store.get_many, put, metrics, drop=store.drop)
+    tier = StoredTierConnector("disk", store.get_many, put, metrics, drop=store.drop, medium="DISK", held=store.hashes)
+    store.on_removed = tier.gone
+    return tier
 
 
 def _remote(url: str, ns: str, metrics: TierMetrics) -> StoredTierConnector:
@@ -72,4 +75,6 @@ def _remote(url: str, ns: str, metrics: TierMetrics) -> StoredTierConnector:
 
     store = RedisStore(url, ns)
     log.info("shared KV tier: %s (keys %s*)", store.url, store.prefix)
-    return StoredTierConnector("remote", store.get_many, store.put, metrics)
+    tier = StoredTierConnector("remote", store.get_many, store.put, metrics, medium=SHARED)
+    tier.namespace = ns  # every worker of this layout reads the same keys: the router's scope for them
+    return tier

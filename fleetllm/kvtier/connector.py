@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 
 from fleetllm.engine.block_pool import hash_prefix_blocks
 from fleetllm.engine.kv_connector.base import KVConnectorBase
-from fleetllm.kvtier.host import HostBlock, HostStore
+from fleetllm.kvtier.host import HostBlock, HostStore, TierListener
 
 if TYPE_CHECKING:
     from fleetllm.engine.kv_connector.access import BlockAccess
@@ -40,10 +40,26 @@ class TierConnector(KVConnectorBase):
     """A tier's scheduler and worker sides; a tier says what it holds (:meth:`_find`) and how it stores."""
 
     _name = "host"  # in logs
+    medium = "CPU"  # the tier's name in KV events (vLLM's ``medium``; the pool's is "GPU")
+    namespace: str | None = None  # the KV layout its blocks are stored under (a stored tier: codec.namespace)
 
     def __init__(self, metrics: TierMetrics | None = None) -> None:
         self.metrics = metrics
         self._matched: dict[str, list[HostBlock]] = {}  # request id -> blocks found at admission
+        self._listeners: list[TierListener] = []
+
+    @property
+    def listeners(self) -> list[TierListener]:
+        """Told as blocks enter and leave the tier (KV events); from the engine thread or the tier's writer."""
+        return self._listeners
+
+    def held(self) -> list[int]:
+        """The hashes of the blocks this worker knows the tier holds, for a KV-event snapshot (engine thread)."""
+        return []
+
+    def _publish(self, kind: str, hashes: list[int], token_ids: list[int]) -> None:
+        for listener in self.listeners:
+            listener(kind, hashes, token_ids)
 
     def close(self) -> None:
         """Finish what the tier writes in the background (nothing, for host memory)."""
@@ -124,6 +140,13 @@ class HostTierConnector(TierConnector):
     def bind(self, blocks: BlockAccess) -> None:
         super().bind(blocks)
         blocks.pool.on_evict.append(self._evicted)
+
+    @property
+    def listeners(self) -> list[TierListener]:
+        return self.store.listeners
+
+    def held(self) -> list[int]:
+        return self.store.hashes()
 
     def _holds_any(self) -> bool:
         return len(self.store) > 0

@@ -13,6 +13,7 @@ import os
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from pathlib import Path
 
 SUFFIX = ".kvb"
@@ -29,6 +30,7 @@ class DiskStore:
         self.used_bytes = 0
         self._lock = threading.Lock()
         self._files: OrderedDict[int, int] = OrderedDict()  # hash -> bytes, least recent first
+        self.on_removed: Callable[[list[int]], None] | None = None  # told the hashes this store stops holding
         found = []
         for p in self.root.glob(f"*{SUFFIX}"):
             try:
@@ -47,6 +49,11 @@ class DiskStore:
     def __len__(self) -> int:
         return len(self._files)
 
+    def hashes(self) -> list[int]:
+        """The hashes this store holds (its writes, and the files found at start), least recent first."""
+        with self._lock:
+            return list(self._files)
+
     def path(self, block_hash: int) -> Path:
         return self.root / f"{block_hash:016x}{SUFFIX}"
 
@@ -58,7 +65,8 @@ class DiskStore:
                 return
             if len(data) > self.capacity_bytes:
                 return
-            self._trim(len(data))
+            gone = self._trim(len(data))
+        self._removed(gone)
         tmp = self.root / f".{block_hash:016x}.{threading.get_ident()}.tmp"
         tmp.write_bytes(data)
         os.replace(tmp, self.path(block_hash))
@@ -97,13 +105,22 @@ class DiskStore:
             if size is not None:
                 self.used_bytes -= size
         self.path(block_hash).unlink(missing_ok=True)
+        if size is not None:
+            self._removed([block_hash])
 
-    def _trim(self, incoming: int) -> None:
-        """Remove least recent files until ``incoming`` more bytes fit (lock held)."""
+    def _trim(self, incoming: int) -> list[int]:
+        """Remove least recent files until ``incoming`` more bytes fit (lock held); the hashes removed."""
+        gone = []
         while self._files and self.used_bytes + incoming > self.capacity_bytes:
             h, size = self._files.popitem(last=False)
             self.used_bytes -= size
             self.path(h).unlink(missing_ok=True)
+            gone.append(h)
+        return gone
+
+    def _removed(self, hashes: list[int]) -> None:
+        if hashes and self.on_removed is not None:
+            self.on_removed(hashes)
 
 
 def _stamp(path: Path) -> None:

@@ -16,6 +16,10 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
+# told ("stored" | "removed", block hashes, the stored blocks' token ids: empty for removals) as blocks enter
+# and leave a tier: the worker's KV events (its native stream and vLLM's format)
+TierListener = Callable[[str, list[int], list[int]], None]
+
 
 @dataclass(frozen=True)
 class HostBlock:
@@ -37,11 +41,14 @@ class HostStore:
         self.capacity_bytes = capacity_bytes
         self.used_bytes = 0
         self._blocks: OrderedDict[int, HostBlock] = OrderedDict()
-        # told ("stored" | "removed", hashes, the stored blocks' token ids) as blocks enter and leave: KV events
-        self.listeners: list[Callable[[str, list[int], list[int]], None]] = []
+        self.listeners: list[TierListener] = []  # KV events
 
     def __len__(self) -> int:
         return len(self._blocks)
+
+    def hashes(self) -> list[int]:
+        """The hashes kept now (least recent first)."""
+        return list(self._blocks)
 
     def put(self, block_hash: int, block: HostBlock) -> bool:
         """Keep ``block`` under ``block_hash`` (already kept: only marked recent); False if it can never fit."""

@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import logging
+import threading
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -36,19 +37,40 @@ _KNOWN = 1 << 16  # hashes remembered as held by the tier (so a finished request
 
 
 class StoredTierConnector(TierConnector):
-    """A tier whose blocks are bytes behind ``get_many`` and ``put`` (``drop``: forget a bad one, if it can)."""
+    """A tier whose blocks are bytes behind ``get_many`` and ``put`` (``drop``: forget a bad one, if it can;
+    ``held``: the hashes it holds, where it can list them; else those this worker wrote or loaded).
+
+    KV events (:attr:`listeners`, as ``medium``): a block is ``stored`` once its write succeeded (on the
+    writer's thread), ``removed`` when the store evicts it (:meth:`gone`) or a lookup finds absent a block
+    this worker knew there (a Redis that evicted or lost it): the block is then written again the next time
+    a request holding it finishes."""
 
     def __init__(self, name: str, get_many: GetMany, put: Put, metrics: TierMetrics | None = None,
-                 drop: Callable[[int], None] | None = None) -> None:
+                 drop: Callable[[int], None] | None = None, medium: str = "DISK",
+                 held: Callable[[], list[int]] | None = None) -> None:
         super().__init__(metrics)
-        self._name = name
-        self._get_many, self._drop = get_many, drop
+        self._name, self.medium = name, medium
+        self._get_many, self._drop, self._held = get_many, drop, held
         self._known: OrderedDict[int, None] = OrderedDict()
+        self._known_lock = threading.Lock()  # the engine thread remembers, the writer's thread forgets
         self.writer = Writer(name, put, lambda: self._count_error("store"), self._written)
 
     def close(self) -> None:
         """Write what is queued and stop the writer."""
         self.writer.close()
+
+    def held(self) -> list[int]:
+        if self._held is not None:
+            return self._held()
+        with self._known_lock:
+            return list(self._known)
+
+    def gone(self, hashes: list[int]) -> None:
+        """The store no longer holds ``hashes`` (evicted, or found absent): forgotten, and published removed."""
+        with self._known_lock:
+            known = [h for h in hashes if self._known.pop(h, 0) is None]
+        if known or self._held is not None:
+            self._publish("removed", known if self._held is None else hashes, [])
 
     # ---- find (scheduler side) ------------------------------------------------------------------------
     def _find(self, hashes: list[int], chunks: list[tuple[int, ...]]) -> list[HostBlock]:
@@ -65,6 +87,8 @@ class StoredTierConnector(TierConnector):
         found: list[HostBlock] = []
         for h, chunk, data in zip(hashes, chunks, values, strict=False):
             if data is None:
+                if h in self._known:  # written or loaded here before: the store lost it since
+                    self.gone([h])
                 break
             try:
                 found.append(decode(data, chunk, k0.dtype, shape))
@@ -111,11 +135,14 @@ class StoredTierConnector(TierConnector):
                 self._remember(h)
 
     def _remember(self, block_hash: int) -> None:
-        self._known[block_hash] = None
-        self._known.move_to_end(block_hash)
-        if len(self._known) > _KNOWN:
-            self._known.popitem(last=False)
+        with self._known_lock:
+            self._known[block_hash] = None
+            self._known.move_to_end(block_hash)
+            if len(self._known) > _KNOWN:
+                self._known.popitem(last=False)
 
-    def _written(self, nbytes: int) -> None:
+    def _written(self, block_hash: int, block: HostBlock, nbytes: int) -> None:
+        """A block's write succeeded (the writer's thread)."""
         if self.metrics is not None:
             self.metrics.bytes.labels(tier=self.metrics.tier, direction="stored").inc(nbytes)
+        self._publish("stored", [block_hash], list(block.token_ids))

@@ -22,9 +22,11 @@ Put = Callable[[int, bytes], None]  # (block hash, stored bytes)
 
 
 class Writer:
-    """One thread writing blocks through ``put``; ``on_error`` counts a failed write, ``on_written`` a done one."""
+    """One thread writing blocks through ``put``; ``on_error`` counts a failed write, ``on_written`` is told a
+    done one (its hash, the block, the bytes written)."""
 
-    def __init__(self, name: str, put: Put, on_error: Callable[[], None], on_written: Callable[[int], None],
+    def __init__(self, name: str, put: Put, on_error: Callable[[], None],
+                 on_written: Callable[[int, HostBlock, int], None],
                  max_pending_bytes: int = 256 * 2**20) -> None:
         self._put, self._on_error, self._on_written = put, on_error, on_written
         self.max_pending_bytes = max_pending_bytes
@@ -58,7 +60,7 @@ class Writer:
             try:
                 data = encode(block)
                 self._put(block_hash, data)
-                self._on_written(len(data))
+                self._on_written(block_hash, block, len(data))
             except Unavailable:  # the store failed a moment ago (logged then): counted only
                 self._on_error()
             except Exception as e:  # noqa: BLE001 - a failed write costs a hit, never the engine

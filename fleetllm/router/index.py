@@ -13,7 +13,12 @@ makes a block's hash stand for every token before it.
 
 Both kinds describe the worker's block pool (vLLM's medium ``"GPU"``). Blocks a worker reports in another
 medium — its host memory (``"CPU"``) or disk (``"DISK"``) KV tier — are kept apart, per medium: such a
-block is no pool hit but can be loaded instead of recomputed (:meth:`PrefixIndex.match_media`).
+block is no pool hit but can be loaded instead of recomputed (:meth:`PrefixIndex.match_media`). A block in
+a shared tier (``"SHARED"``: the Redis every worker of a model reads) is indexed once for the *scope* the
+reporting worker names (its KV layout's namespace, :func:`fleetllm.kvtier.codec.namespace`): every worker of
+that scope can load it, whichever wrote it, and it outlives the worker that reported it (the store does).
+The scope's entries are a bounded LRU (:data:`SHARED_BLOCKS`): the store evicts by its own LRU and says
+nothing, so the oldest reports are dropped first; a worker that finds a reported block gone removes it.
 """
 
 from __future__ import annotations
@@ -23,6 +28,8 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 
 POOL = "GPU"  # vLLM's name for the medium of the engine's own block pool, whatever the device
+SHARED = "SHARED"  # the medium of a KV tier every worker of one layout shares (fleetllm's Redis tier)
+SHARED_BLOCKS = 1 << 18  # shared-tier hashes kept per scope (about 30 MB of index)
 
 
 def is_pool(medium: str | None) -> bool:
@@ -38,6 +45,8 @@ class PrefixIndex:
         self.routed: dict[str, OrderedDict[int, float]] = {}  # hash -> expiry, least recently routed first
         self.capacity: dict[str, int] = {}  # blocks a worker can hold (bounds its routed entries)
         self.tiers: dict[str, dict[str, set[int]]] = {}  # worker -> medium ("CPU", "DISK") -> hashes
+        self.scopes: dict[str, str] = {}  # worker -> the scope its shared-tier blocks are indexed under
+        self.shared: dict[str, OrderedDict[int, None]] = {}  # scope -> shared-tier hashes, least recent first
 
     # ---- updates ----------------------------------------------------------------------------------
     def reset(self, worker: str, hashes: Iterable[int], capacity: int | None = None) -> None:
@@ -48,15 +57,32 @@ class PrefixIndex:
         if capacity:
             self.capacity[worker] = capacity
 
+    def set_scope(self, worker: str, scope: str | None) -> None:
+        """Index ``worker``'s shared-tier blocks under ``scope`` (None: as its own tier, shared with no one)."""
+        if scope:
+            self.scopes[worker] = scope
+        else:
+            self.scopes.pop(worker, None)
+
     def stored(self, worker: str, hashes: Iterable[int], medium: str | None = POOL) -> None:
         """``hashes`` entered ``worker``'s pool, or the tier called ``medium``."""
         if is_pool(medium):
             self.exact.setdefault(worker, set()).update(hashes)
+        elif (shared := self._shared_of(worker, medium)) is not None:
+            for h in hashes:
+                shared[h] = None
+                shared.move_to_end(h)
+            while len(shared) > SHARED_BLOCKS:
+                shared.popitem(last=False)
         else:
             self.tiers.setdefault(worker, {}).setdefault(medium.upper(), set()).update(hashes)
 
     def removed(self, worker: str, hashes: Iterable[int], medium: str | None = POOL) -> None:
         """``hashes`` left ``worker``'s pool (or the tier ``medium``: its pool entries stay as they are)."""
+        if (shared := self._shared_of(worker, medium)) is not None:
+            for h in hashes:
+                shared.pop(h, None)
+            return
         if not is_pool(medium):
             held = self.tiers.get(worker, {}).get(medium.upper())
             if held is not None:
@@ -85,10 +111,19 @@ class PrefixIndex:
             entries.popitem(last=False)
 
     def drop(self, worker: str) -> None:
-        """Forget everything about a worker (it died, or its event stream broke)."""
+        """Forget everything about a worker (it died, or its event stream broke); a shared tier's blocks it
+        reported stay (the store holds them, not the worker)."""
         self.exact.pop(worker, None)
         self.routed.pop(worker, None)
         self.tiers.pop(worker, None)
+        self.scopes.pop(worker, None)
+
+    def _shared_of(self, worker: str, medium: str | None) -> OrderedDict[int, None] | None:
+        """The shared-tier entries of ``worker``'s scope when ``medium`` is the shared tier's (else None)."""
+        scope = self.scopes.get(worker)
+        if scope is None or medium is None or medium.upper() != SHARED:
+            return None
+        return self.shared.setdefault(scope, OrderedDict())
 
     def drop_exact(self, worker: str) -> None:
         self.exact.pop(worker, None)
@@ -131,7 +166,10 @@ class PrefixIndex:
         now = self.clock()
         out: dict[str, list[str]] = {}
         for w in workers:
-            tiers = sorted(self.tiers.get(w, {}).items(), key=lambda kv: rank(kv[0]))
+            held: list[tuple[str, set[int] | OrderedDict[int, None]]] = list(self.tiers.get(w, {}).items())
+            if (scope := self.scopes.get(w)) in self.shared:
+                held.append((SHARED, self.shared[scope]))
+            tiers = sorted(held, key=lambda kv: rank(kv[0]))
             media = out[w] = []
             for h in hashes:
                 where = POOL if self.has(w, h, now) else next((m for m, held in tiers if h in held), None)

@@ -21,7 +21,7 @@ prefix it saves, a new session of a hot prefix spills to another worker (which t
 caches the prefix: a second replica) as soon as waiting at the holders costs more than recomputing.
 
 A prefix block a worker holds in a KV tier rather than its pool (host memory, disk: its KV events say the
-medium) is neither free nor a miss: it costs :attr:`CostModel.tier_load` (a fraction of recomputing it)
+medium; or the shared tier every worker of its layout reads, whichever worker reported the block) is neither free nor a miss: it costs :attr:`CostModel.tier_load` (a fraction of recomputing it)
 of a block's prefill — ``uncached`` in the cost counts such a block as that fraction of its tokens.
 """
 
@@ -35,7 +35,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Protocol
 
 from fleetllm.errors import UsageError
-from fleetllm.router.index import POOL, PrefixIndex, is_pool
+from fleetllm.router.index import POOL, SHARED, PrefixIndex, is_pool
 
 if TYPE_CHECKING:  # httpx, which upstream imports, is no part of a worker's start (the CLI imports this module)
     from collections.abc import Callable
@@ -83,7 +83,7 @@ class CostModel:
     kv_penalty_s: float = 2.0
     # Loading a block from a worker's KV tier, as a fraction of recomputing it (by the tier's medium in the
     # workers' KV events). A medium not named here is priced as a miss.
-    tier_load: dict[str, float] = field(default_factory=lambda: {"CPU": 0.05, "DISK": 0.15})
+    tier_load: dict[str, float] = field(default_factory=lambda: {"CPU": 0.05, "DISK": 0.15, SHARED: 0.25})
     # A copy that does not hold a request's LoRA adapter resident: the seconds its load costs there, and the
     # adapter it evicts costs that copy's own requests later (fleetllm/router/adapters.py)
     lora_load_s: float = 0.5
@@ -97,7 +97,7 @@ class CostModel:
             except ValueError:
                 value = -1.0
             if not 0.0 <= value <= 1.0 or is_pool(medium):
-                raise UsageError(f"--kv-tier-load {medium}={text}: a tier's medium (CPU, DISK) and a fraction of "
+                raise UsageError(f"--kv-tier-load {medium}={text}: a tier's medium (CPU, DISK, SHARED) and a fraction of "
                                  "recomputing, 0 to 1")
             load[medium.upper()] = value
         return replace(self, tier_load=load)

@@ -240,6 +240,9 @@ class WorkerMonitor:
             w.block_size, w.num_blocks = ev["block_size"], ev["num_blocks"]
             w.role = ev.get("role", w.role)
             self.index.reset(w.name, ev["hashes"], capacity=ev["num_blocks"])
+            self.index.set_scope(w.name, ev.get("kv_namespace"))  # its shared KV tier's blocks: the fleet's
+            for medium, hashes in (ev.get("tiers") or {}).items():  # its KV tiers' blocks, by medium
+                self.index.stored(w.name, hashes, medium)
             w.events_connected = True
         elif kind == "stored":
             self.index.stored(w.name, ev["hashes"], ev.get("medium"))  # no medium: the pool

@@ -38,14 +38,13 @@ from fleetllm.disagg.config import TransferOptions
 from fleetllm.disagg.handoffs import HEADER as HANDOFF_HEADER
 from fleetllm.disagg.handoffs import Handoffs, wait_of
 from fleetllm.disagg.routes import pd_body_caps, pd_routes
-from fleetllm.engine.async_engine import AsyncEngine, EngineFailed
+from fleetllm.engine.async_engine import AsyncEngine, EngineFailed, KVEvent
 from fleetllm.engine.omp_team import serial_executor
 from fleetllm.engine.outputs import RequestOutput
 from fleetllm.engine.params import InvalidParameter, SamplingParams, check_params
 from fleetllm.engine.scheduler import QueueFull
 from fleetllm.kernels.health import details
 from fleetllm.kvtier.attach import attach_tiers
-from fleetllm.kvtier.connector import HostTierConnector
 from fleetllm.lora.modules import parse_modules
 from fleetllm.lora.options import LoraServingOptions
 from fleetllm.observability.dashboard import dashboard_routes
@@ -114,6 +113,7 @@ class Worker:
         self.kv_tiers = attach_tiers(engine, c.kv_offload_gb, c.kv_disk_dir, c.kv_disk_gb, c.kv_remote)
         self.handoffs = Handoffs(engine.blocks)  # prompts prefilled elsewhere, held for their requests (P/D)
         self.kv_publisher = self._kv_publisher(kv_events, kv_events_index)  # vLLM-format KV events (ZMQ), or None
+        self._report_tiers()
         self.ready = False  # warm and serving (set at the end of start-up)
         self.draining = False  # SIGTERM: finishing in-flight requests, taking no new ones
         self.on_fatal: Callable[[], None] | None = None  # the engine died: the process should exit non-zero
@@ -157,12 +157,8 @@ class Worker:
             return None
         from fleetllm.server.kv_publish import VllmEventPublisher
 
-        publisher = VllmEventPublisher(self.engine.pool, kv_events.kv_events_config,
-                                       kv_events.prefix_caching_hash_algo, index=index).attach()
-        for tier in self.kv_tiers:  # host memory's blocks are the worker's own: the router may route on them
-            if isinstance(tier, HostTierConnector):
-                publisher.watch_tier("CPU", tier.store.listeners)
-        return publisher
+        return VllmEventPublisher(self.engine.pool, kv_events.kv_events_config,
+                                  kv_events.prefix_caching_hash_algo, index=index).attach()
 
     def _observe(self, engine: LLMEngine) -> None:
         """Host metrics, the cold-start phases and, with an OTLP endpoint, request spans and pushed metrics."""
@@ -574,35 +570,51 @@ class Worker:
         return {"running": len(sched.running), "waiting": len(sched.waiting), "queued_prefill_tokens": queued,
                 "kv_usage": self.engine.pool.usage, **adapters}
 
+    def _report_tiers(self) -> None:
+        """Publish the blocks each KV tier keeps and drops, with its medium, on ``/kv/events`` and (when
+        configured) in vLLM's format: a router prices a prefix there as a load, not a miss."""
+        for tier in self.kv_tiers:
+            medium = tier.medium
+            self.async_engine.kv_media[medium] = tier.held
+            tier.listeners.append(lambda kind, hashes, _ids, m=medium: self.async_engine.publish_kv_event(kind, hashes, m))
+            if self.kv_publisher is not None:
+                self.kv_publisher.watch_tier(medium, tier.listeners)
+
     async def kv_events(self, request: Request) -> Response:
         """KV events as a server-sent event stream, for KV-aware routers.
 
-        First a ``snapshot`` (instance id, model, block size, pool size and every cached block hash),
-        then ``stored`` / ``removed`` events with the hashes of blocks entering or leaving the prefix
-        cache, ``draining`` once the worker takes no new requests, and a ``load`` event (running, waiting, queued prefill tokens, KV usage) within 50 ms of a change and at least
-        every ``interval`` seconds.
+        First a ``snapshot`` (instance id, model, block size, pool size and every cached block hash; ``tiers``:
+        the hashes each KV tier holds, by medium; ``kv_namespace``: the layout a shared tier's blocks are
+        stored under), then ``stored`` / ``removed`` events with the hashes of blocks entering or leaving the
+        prefix cache (with a ``medium`` when a KV tier's: ``CPU``, ``DISK``, ``SHARED``), ``draining`` once the
+        worker takes no new requests, and a ``load`` event (running, waiting, queued prefill tokens, KV usage)
+        within 50 ms of a change and at least every ``interval`` seconds.
         Hashes are :func:`fleetllm.engine.block_pool.hash_block` chains keyed by the served model name (and the
         adapter's, :func:`~fleetllm.engine.block_pool.block_key`); a ``stored`` event of blocks computed with
         adapters names each block's adapter in ``lora_names`` (null for the base model's).
         """
         interval = number(request.query_params.get("interval"), "interval", 0.01, MAX_EVENTS_INTERVAL_S, 0.5)
-        q, snapshot = await self.async_engine.subscribe_kv_events()
+        q, snapshot, media = await self.async_engine.subscribe_kv_events()
+        namespace = next((t.namespace for t in self.kv_tiers if t.namespace), None)
 
         async def stream() -> AsyncIterator[str]:
             try:
                 yield fmt.sse_event({"type": "snapshot", "instance": self.instance_id, "model": self.model_name,
                              "block_size": self.engine.pool.block_size, "num_blocks": self.engine.pool.num_blocks,
-                             "role": self.role,
-                             "hashes": snapshot, **self.load()})
+                             "role": self.role, "hashes": snapshot, "tiers": media, "kv_namespace": namespace,
+                             **self.load()})
                 # Load goes out as soon as it changes (checked every `poll` s), else every `interval` s: a
                 # report left standing after a request ends would make its worker look busy for that long.
                 poll, last = min(interval, 0.05), self.load()
                 next_check, next_load = time.monotonic() + poll, time.monotonic() + interval
                 while not self.closing:
                     try:
-                        kind, hashes, loras = await asyncio.wait_for(q.get(), max(0.0, next_check - time.monotonic()))
-                        extra = {"lora_names": loras} if loras else {}  # blocks computed with adapters: their names
-                        yield fmt.sse_event({"type": kind, "hashes": hashes, **extra})
+                        first = await asyncio.wait_for(q.get(), max(0.0, next_check - time.monotonic()))
+                        for kind, hashes, loras, medium in _coalesced(first, q):
+                            extra = {"lora_names": loras} if loras else {}  # blocks computed with adapters: their names
+                            if medium:
+                                extra["medium"] = medium
+                            yield fmt.sse_event({"type": kind, "hashes": hashes, **extra})
                     except TimeoutError:
                         pass
                     now = time.monotonic()
@@ -628,6 +640,21 @@ def adapters_of(async_engine: AsyncEngine, lora: LoraServingOptions | None,
                         parse_modules(opts.lora_modules, engine.model_name), LoraMetrics(engine))
     adapters.preload()  # --lora-modules: served from the start (one that does not fit: APIError, no start)
     return adapters
+
+
+def _coalesced(first: KVEvent, q: asyncio.Queue[KVEvent]) -> list[KVEvent]:
+    """``first`` and the events queued behind it, runs of one kind and medium (of base-model blocks) merged into
+    one event (a tier writes block by block: a long prompt would otherwise be hundreds of events)."""
+    out = [(first[0], list(first[1]), first[2], first[3])]
+    while not q.empty():
+        kind, hashes, loras, medium = q.get_nowait()
+        last = out[-1]
+        if (kind == last[0] and medium == last[3] and hashes and kind in ("stored", "removed")
+                and loras is None and last[2] is None):
+            last[1].extend(hashes)
+        else:
+            out.append((kind, list(hashes), loras, medium))
+    return out
 
 
 def return_token_ids(body: dict[str, Any]) -> bool:

@@ -4,9 +4,13 @@ router (or llm-d, or anything that reads vLLM's events) sees it as a vLLM worker
 The engine's own block hashes are fleetllm's; for each block entering the prefix cache this publisher computes
 vLLM's hash (:class:`~fleetllm.router.backends.vllm_hash.VllmHasher`: the algorithm of
 ``--prefix-caching-hash-algo``, the root seed from ``PYTHONHASHSEED`` as vLLM takes it, the engine's block size)
-chained on the parent block's, and remembers it until the block is evicted. A block the host-memory KV tier
-keeps once the pool evicts it is published again with the tier's medium (``"CPU"``; the pool's is ``"GPU"``,
-as vLLM names it), and removed with it when the tier drops it (:meth:`VllmEventPublisher.watch_tier`). Events are batched every 10 ms
+chained on the parent block's, and remembers it until the block is evicted. A block a KV tier keeps (host
+memory once the pool evicts it; the disk and shared tiers once a finished request's block is written) is
+published again with the tier's medium (``"CPU"``, ``"DISK"``, ``"SHARED"``; the pool's is ``"GPU"``, as vLLM
+names it), and removed with it when the tier drops it (:meth:`VllmEventPublisher.watch_tier`): its vLLM hash
+is the one the pool's block had (remembered for the last :data:`RECENT` blocks evicted). Blocks a disk tier
+found at start are not published in this format (their vLLM chain is unknown); fleetllm's own
+``/kv/events`` reports them. Events are batched every 10 ms
 (vLLM sends one batch per engine step) and sent as vLLM's ZMQ publisher does: ``(topic, seq, msgpack batch)``
 on a PUB socket, with a replay ROUTER socket serving the last ``buffer_steps`` batches. Unlike vLLM, which
 connects when the endpoint names no wildcard, this publisher always binds (the router subscribes by connecting).
@@ -19,7 +23,7 @@ import logging
 import os
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from typing import Any
 
@@ -30,6 +34,7 @@ from fleetllm.router.backends.vllm_hash import VllmHasher, external_hash
 from fleetllm.router.backends.vllm_wire import END_SEQ, encode_batch, removed_event, stored_event
 
 log = logging.getLogger(__name__)
+RECENT = 1 << 16  # vLLM hashes of the blocks the pool evicted last, for a tier that stores them after
 
 
 def offset_port(endpoint: str | None, i: int) -> str | None:
@@ -58,7 +63,7 @@ class VllmEventPublisher:
         self.topic = cfg.get("topic", "").encode()
         self.buffer: deque[tuple[int, bytes]] = deque(maxlen=int(cfg.get("buffer_steps", 10_000)))
         self.digests: dict[int, bytes] = {}  # fleetllm hash -> vLLM digest, while the block is cached
-        self.last_removed: dict[int, bytes] = {}  # the pool's latest evictions (a tier stores them right after)
+        self.recent: OrderedDict[int, bytes] = OrderedDict()  # the pool's latest evictions (a tier may store them)
         self.tier_digests: dict[tuple[str, int], bytes] = {}  # (medium, hash) -> digest, while a tier holds it
         self.pending: list[dict[str, Any]] = []
         self.lock = threading.Lock()
@@ -93,8 +98,11 @@ class VllmEventPublisher:
             for h in hashes:
                 self._stored(h)
         elif kind == "removed":
-            self.last_removed = {h: d for h in hashes if (d := self.digests.pop(h, None)) is not None}
-            gone = [external_hash(d) for d in self.last_removed.values()]
+            removed = {h: d for h in hashes if (d := self.digests.pop(h, None)) is not None}
+            self.recent.update(removed)
+            while len(self.recent) > RECENT:
+                self.recent.popitem(last=False)
+            gone = [external_hash(d) for d in removed.values()]
             if gone:
                 with self.lock:
                     self.pending.append(removed_event(gone))
@@ -104,10 +112,10 @@ class VllmEventPublisher:
         listeners.append(lambda kind, hashes, token_ids: self.on_tier_event(medium, kind, hashes, token_ids))
 
     def on_tier_event(self, medium: str, kind: str, hashes: list[int], token_ids: list[int]) -> None:
-        """A tier kept (``stored``) or dropped blocks; on the engine thread, as the pool's events."""
+        """A tier kept (``stored``) or dropped blocks; on the engine thread, or a tier's writer."""
         if kind == "stored":
-            for h in hashes:  # a block the pool evicted just now, or one it still holds
-                digest = self.digests.get(h) or self.last_removed.get(h)
+            for h in hashes:  # a block the pool holds, or evicted lately
+                digest = self.digests.get(h) or self.recent.get(h)
                 if digest is not None:
                     self.tier_digests[(medium, h)] = digest
                     event = stored_event([external_hash(digest)], None, token_ids, self.pool.block_size, medium)

@@ -66,7 +66,7 @@ def test_the_writer_drops_blocks_past_its_queued_bytes_rather_than_growing() -> 
     from fleetllm.kvtier.writer import Writer
 
     gate, written = threading.Event(), []
-    writer = Writer("test", lambda h, data: (gate.wait(), written.append(h)), lambda: None, lambda n: None,
+    writer = Writer("test", lambda h, data: (gate.wait(), written.append(h)), lambda: None, lambda h, b, n: None,
                     max_pending_bytes=2 * block().nbytes)
     accepted = [writer.submit(h, block()) for h in range(4)]  # the thread holds the first until the gate opens
     gate.set()

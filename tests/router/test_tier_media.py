@@ -85,7 +85,7 @@ def test_kv_tier_load_flag_reprices_a_tier_and_a_bad_fraction_is_one_usage_line(
     from fleetllm.cli import build_parser, main, router_config
 
     args = build_parser().parse_args(["router", "--workers", "http://127.0.0.1:1", "--kv-tier-load", "disk=0.4"])
-    assert router_config(args).cost.tier_load == {"CPU": 0.05, "DISK": 0.4}
+    assert router_config(args).cost.tier_load == {"CPU": 0.05, "DISK": 0.4, "SHARED": 0.25}
     assert main(["router", "--workers", "http://127.0.0.1:1", "--kv-tier-load", "DISK=lots"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "--kv-tier-load DISK=lots" in err

@@ -51,3 +51,21 @@ def test_a_block_evicted_into_host_memory_is_published_as_cpu_and_its_drop_as_a_
     pool.allocate(1)  # evicts 202 into the store, which drops 101 to make room
     assert _published(pub, index)[-2:] == [("BlockRemoved", "CPU"), ("BlockStored", "CPU")]
     assert not keys & index.tiers["w"]["CPU"] and len(index.tiers["w"]["CPU"]) == 1
+
+
+def test_a_block_a_tier_writes_after_the_pool_evicted_it_is_published_with_its_vllm_hash() -> None:
+    pool = BlockPool(num_blocks=1, block_size=BS)
+    pub = VllmEventPublisher(pool, {"endpoint": "tcp://127.0.0.1:0"}, seed="0")
+    pool.on_event = pub.on_pool_event
+    index = PrefixIndex(routed_ttl_s=0)
+    (bid,) = pool.allocate(1)
+    pool.register(bid, 101, (1, 2, 3, 4))
+    pool.release([bid])
+    (bid,) = pool.allocate(1)  # 101 evicted
+    pool.register(bid, 202, (5, 6, 7, 8))
+    pool.release([bid])
+    pool.allocate(1)  # and 202 after it: the disk tier's writer gets to 101 only now
+    _published(pub, index)
+    pub.on_tier_event("DISK", "stored", [101], [1, 2, 3, 4])
+    assert _published(pub, index) == [("BlockStored", "DISK")]
+    assert len(index.tiers["w"]["DISK"]) == 1
