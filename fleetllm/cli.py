@@ -28,6 +28,7 @@ from fleetllm.disagg.config import TransferOptions
 from fleetllm.engine.config import EngineConfig
 from fleetllm.errors import UsageError, did_you_mean, existing_file, one_line
 from fleetllm.fleet.runfile import RunDirOption
+from fleetllm.kvtier.remote import no_auto
 from fleetllm.lora.options import LoraServingOptions
 from fleetllm.router.config import RouterConfig
 from fleetllm.router.state_url import fleet_state_url_value
@@ -320,6 +321,10 @@ def check_engine_args(args: argparse.Namespace) -> None:
         if value is not None and value <= 0:
             raise UsageError(f"--{name.replace('_', '-')} {value}: give a positive number (or leave it out)")
     check_offload(args)
+    try:
+        no_auto(getattr(args, "kv_remote", None))
+    except ValueError as e:
+        raise UsageError(str(e)) from None
     try:
         SpeculativeConfig.parse(args.speculative)
     except ValueError as e:

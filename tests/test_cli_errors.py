@@ -50,6 +50,7 @@ CASES: list[tuple[list[str], str]] = [
     (["worker", "--kv-offload-gb", "-1"], "--kv-offload-gb"),
     (["worker", "--kv-disk-dir", "{tmp}", "--kv-disk-gb", "0"], "--kv-disk-gb"),
     (["worker", "--kv-remote", "http://:hunter2@host:6379"], "rediss://"),
+    (["worker", "--kv-remote", "auto"], "fleetllm serve"),
     (["worker", "--speculative", "method=suffix,kk=4"], "unknown --speculative keys"),
     (["worker", "--simulate", "--kv-events-config", "tcp://*:5557"], "a JSON object"),
     # router

@@ -34,7 +34,9 @@ class EngineConfig:
     kv_disk_gb: float = opt(16.0, "GiB the disk tier (--kv-disk-dir) may hold; the least recently used go first")
     kv_remote: str | None = opt(None, "Redis server shared by workers as a KV tier (redis://[:PASSWORD@]HOST:PORT or "
                                       "rediss://...): finished requests' blocks written there in the background, "
-                                      "read by any worker of the same model (none: no shared tier)",
+                                      "read by any worker of the same model (none: no shared tier; fleetllm serve "
+                                      "and the fleet YAML: auto, one private redis-server shared with --state-url "
+                                      "auto)",
                                 parse=kv_remote_value, metavar="URL")
     kv_cache_dtype: Literal["auto", "fp32", "bf16", "fp16"] = opt(
         "auto", "dtype of the paged KV cache: auto (the model's), fp32, bf16 or fp16 (half the bytes per token, "

@@ -378,19 +378,46 @@ def _terminate(procs: list[Proc], grace_s: float) -> None:
 def run_fleet(cfg: FleetConfig, state_file: Path | None = None) -> int:
     """``fleetllm serve``: start the fleet, serve until SIGINT/SIGTERM, stop it cleanly. Once ready it
     leaves ``state_file`` (:mod:`fleetllm.fleet.runfile`) for ``fleetllm fleet restart`` and removes it on exit.
-    ``state_url: auto`` starts a private redis-server first (the router's ``--state-url``) and stops it last."""
-    if cfg.state_url != AUTO:
-        return _serve(cfg, state_file)
+    ``state_url: auto`` or ``kv_remote: auto`` starts a private redis-server first (:func:`private_store`)
+    and stops it last."""
     try:
-        store = RedisServer().start()
+        store = private_store(cfg)
     except RedisUnavailable as e:
-        print(f"fleet failed to start: --state-url auto: {e}", file=sys.stderr)
+        print(f"fleet failed to start: {e}", file=sys.stderr)
         return 1
-    cfg.state_url = store.url
     try:
         return _serve(cfg, state_file)
     finally:
-        store.stop()
+        if store is not None:
+            store.stop()
+
+
+def private_store(cfg: FleetConfig) -> RedisServer | None:
+    """The one redis-server a fleet asking ``auto`` gets (None: none asks), started, its URL put where ``auto``
+    stood: the router's ``state_url`` and every model's ``engine: {kv_remote}``. Keys are prefixed by purpose
+    (``fleetllm:rl:``, ``fleetllm:<ns>:resp:``, ``fleetllm:kv:``). With the KV tier on it, it holds at most
+    :func:`kv_store_bytes` and evicts the least recently used keys (a KV block, mostly: limit counters are
+    touched by every request; a response turn evicted is as one expired)."""
+    kv = [m for m in cfg.models if m.engine.get("kv_remote") == AUTO]
+    if cfg.state_url != AUTO and not kv:
+        return None
+    what = " and ".join(w for w, on in (("--state-url auto", cfg.state_url == AUTO), ("--kv-remote auto", kv)) if on)
+    try:
+        store = RedisServer(max_memory=kv_store_bytes() if kv else None).start()
+    except RedisUnavailable as e:
+        raise RedisUnavailable(f"{what}: {e}") from None
+    if cfg.state_url == AUTO:
+        cfg.state_url = store.url
+    for m in kv:
+        m.engine["kv_remote"] = store.url
+    log.info("%s: a private redis-server at %s", what, store.url)
+    return store
+
+
+def kv_store_bytes() -> int:
+    """What a private Redis holding the KV tier may hold: an eighth of the machine's memory (the workers' KV
+    pools and host tiers need the rest; give ``--kv-remote redis://...`` of a Redis sized by hand otherwise)."""
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 8
 
 
 def _serve(cfg: FleetConfig, state_file: Path | None) -> int:

@@ -1,4 +1,5 @@
-"""A private Redis server (Debian's ``redis-server``) for one fleet: ``fleetllm serve --state-url auto``.
+"""A private Redis server (Debian's ``redis-server``) for one fleet: ``fleetllm serve --state-url auto`` and
+``--kv-remote auto`` (one server for both).
 
 It listens on a free 127.0.0.1 port, keeps nothing on disk (``--save "" --appendonly no``: the routers'
 limits are minutes of counters, worth nothing after a restart) and lives as long as the fleet that started it.
@@ -30,9 +31,11 @@ def _free_port() -> int:
 class RedisServer:
     """One ``redis-server`` child process on 127.0.0.1; :meth:`start` returns once it accepts connections."""
 
-    def __init__(self, port: int | None = None, binary: str = "redis-server") -> None:
+    def __init__(self, port: int | None = None, binary: str = "redis-server", max_memory: int | None = None) -> None:
+        """``max_memory``: bytes it may hold, the least recently used keys evicted past them (None: no cap)."""
         self.port = port or _free_port()
         self.binary = binary
+        self.max_memory = max_memory
         self.popen: subprocess.Popen[bytes] | None = None
         self._dir: tempfile.TemporaryDirectory[str] | None = None
 
@@ -48,7 +51,7 @@ class RedisServer:
         log = Path(self._dir.name) / "redis.log"
         self.popen = subprocess.Popen(
             [exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-             "--dir", self._dir.name, "--logfile", str(log), "--protected-mode", "yes"],
+             "--dir", self._dir.name, "--logfile", str(log), "--protected-mode", "yes", *self._cap()],
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
             start_new_session=True,  # a Ctrl-C to the fleet must not stop the store before the routers
             preexec_fn=die_with_parent)  # but a fleet (or test session) killed outright takes it along
@@ -63,6 +66,11 @@ class RedisServer:
             time.sleep(0.02)
         self.stop()
         raise RedisUnavailable(f"redis-server did not answer on port {self.port} within {timeout_s:g}s")
+
+    def _cap(self) -> list[str]:
+        if self.max_memory is None:
+            return []
+        return ["--maxmemory", str(self.max_memory), "--maxmemory-policy", "allkeys-lru"]
 
     def ping(self) -> bool:
         """Whether it answers PING now (a raw RESP exchange: no client library needed)."""

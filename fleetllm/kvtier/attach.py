@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 from fleetllm.kvtier.connector import HostTierConnector, TierConnector
 from fleetllm.kvtier.metrics import TierMetrics
+from fleetllm.kvtier.remote import no_auto
 from fleetllm.router.index import SHARED
 
 if TYPE_CHECKING:
@@ -25,6 +26,7 @@ def attach_tiers(engine: LLMEngine, offload_gb: float = 0.0, disk_dir: str | Pat
                  disk_gb: float = 0.0, remote: str | None = None) -> list[TierConnector]:
     """Attach the tiers asked for to ``engine`` (their metrics on its registry); the tiers attached. The disk
     and shared tiers need KV tensors: a simulated worker gets none of them."""
+    no_auto(remote)
     tiers: list[TierConnector] = []
     registry = engine.metrics.registry
     if offload_gb > 0:

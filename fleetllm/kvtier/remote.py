@@ -15,7 +15,7 @@ from __future__ import annotations
 import threading
 import time
 
-from fleetllm.router.state_url import StateURLError, redact, state_url_value
+from fleetllm.router.state_url import AUTO, StateURLError, redact, state_url_value
 
 PREFIX = "fleetllm:kv:"
 
@@ -25,11 +25,22 @@ class Unavailable(ConnectionError):
 
 
 def kv_remote_value(text: str) -> str:
-    """``--kv-remote``: a redis:// or rediss:// URL with a host (a ValueError, password redacted, otherwise)."""
+    """``--kv-remote``: a redis:// or rediss:// URL with a host, or ``auto`` (``fleetllm serve`` and the fleet
+    YAML only: the fleet's private redis-server); a ValueError, password redacted, otherwise."""
+    if text.strip().lower() == AUTO:
+        return AUTO
     try:
         return state_url_value(text)
     except StateURLError:
-        raise StateURLError(f"--kv-remote is redis://[:PASSWORD@]HOST:PORT or rediss://..., not {redact(text)!r}") from None
+        raise StateURLError(f"--kv-remote is redis://[:PASSWORD@]HOST:PORT, rediss://... or (fleetllm serve) auto, "
+                            f"not {redact(text)!r}") from None
+
+
+def no_auto(url: str | None) -> None:
+    """Refuse ``auto`` where no fleet starts a Redis (a worker, ``LLM``): a ValueError naming the way out."""
+    if url == AUTO:
+        raise ValueError("--kv-remote auto starts a redis-server with `fleetllm serve` (or a fleet YAML's "
+                         "engine: {kv_remote: auto}); give a worker the redis://HOST:PORT of a Redis")
 
 class RedisStore:
     """Blocks under ``fleetllm:kv:<namespace>:`` in the Redis server at ``url``."""

@@ -184,3 +184,13 @@ def test_the_router_pods_share_the_fleets_state_url_and_refuse_auto_or_a_passwor
         with pytest.raises(UsageError, match=words) as refused:
             kubernetes_manifests(dataclasses.replace(fleet, state_url=url))
         assert "hunter2" not in str(refused.value)  # the message redacts it
+
+
+def test_a_worker_asking_kv_remote_auto_is_refused_in_kubernetes(fleet: FleetConfig) -> None:
+    import dataclasses
+
+    from fleetllm.errors import UsageError
+
+    m = dataclasses.replace(fleet.models[0], engine={**fleet.models[0].engine, "kv_remote": "auto"})
+    with pytest.raises(UsageError, match="a Redis the cluster runs"):
+        kubernetes_manifests(dataclasses.replace(fleet, models=[m, *fleet.models[1:]]))

@@ -26,7 +26,9 @@ from typing import Any
 from fleetllm.cli_options import to_argv
 from fleetllm.deploy.kubernetes import names
 from fleetllm.deploy.kubernetes.options import KubernetesOptions
+from fleetllm.errors import UsageError
 from fleetllm.fleet.config import FleetConfig, ModelSpec
+from fleetllm.router.state_url import AUTO
 from fleetllm.server.worker_secret import ENV as SECRET_ENV
 from fleetllm.store.pin import token_envs
 
@@ -118,6 +120,9 @@ def container(cfg: FleetConfig, m: ModelSpec, opts: KubernetesOptions) -> dict[s
 def worker_args(cfg: FleetConfig, m: ModelSpec, opts: KubernetesOptions) -> list[str]:
     """``fleetllm worker`` flags of one copy; its metric label ``worker`` is the pod's name."""
     engine = dict(m.engine)
+    if engine.get("kv_remote") == AUTO:
+        raise UsageError(f"model {m.served_name!r}: engine: {{kv_remote: auto}} starts a redis-server beside "
+                         "`fleetllm serve`; in Kubernetes give the redis://HOST:PORT of a Redis the cluster runs")
     var = engine.pop("token_env", None)
     if var:  # the token's file where the pod mounts it, in place of the variable
         engine["token_file"] = f"{TOKENS_DIR}/{var}"
