@@ -76,6 +76,15 @@ def _remote(url: str, ns: str, metrics: TierMetrics) -> StoredTierConnector:
     from fleetllm.kvtier.stored import StoredTierConnector
 
     store = RedisStore(url, ns)
+
+    def health(ok: bool) -> None:
+        metrics.degraded.set(0 if ok else 1)
+        if ok:
+            log.info("shared KV tier: %s answers: loading and storing blocks", store.url)
+        else:
+            log.warning("shared KV tier: %s fails: blocks computed, not loaded, until it answers", store.url)
+
+    store.on_health = health
     log.info("shared KV tier: %s (keys %s*)", store.url, store.prefix)
     tier = StoredTierConnector("remote", store.get_many, store.put, metrics, medium=SHARED)
     tier.namespace = ns  # every worker of this layout reads the same keys: the router's scope for them

@@ -32,6 +32,8 @@ class _Families:
                               "instead): op=store|load|corrupt.", ["tier", "op"], registry=registry)
         self.used = Gauge("fleetllm:kv_tier_used_bytes", "Bytes a KV tier holds (this worker's count).", ["tier"],
                           registry=registry)
+        self.degraded = Gauge("fleetllm:kv_tier_degraded", "1 while a KV tier's store fails (its last call did): "
+                              "lookups and writes skipped, blocks computed instead.", ["tier"], registry=registry)
 
 
 _FAMILIES: weakref.WeakKeyDictionary[CollectorRegistry, _Families] = weakref.WeakKeyDictionary()
@@ -50,4 +52,5 @@ class TierMetrics:
         self.load_seconds = fam.load_seconds.labels(tier=tier)
         self.errors = fam.errors  # labelled per use: tier and op
         self.used = fam.used.labels(tier=tier)
+        self.degraded = fam.degraded.labels(tier=tier)
         self.tier = tier

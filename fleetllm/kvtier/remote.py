@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 
 from fleetllm.router.state_url import AUTO, StateURLError, redact, state_url_value
 
@@ -45,13 +46,18 @@ def no_auto(url: str | None) -> None:
 class RedisStore:
     """Blocks under ``fleetllm:kv:<namespace>:`` in the Redis server at ``url``."""
 
-    def __init__(self, url: str, namespace: str, timeout_s: float = 0.2, backoff_s: float = 2.0) -> None:
+    def __init__(self, url: str, namespace: str, timeout_s: float = 0.2, backoff_s: float = 2.0,
+                 on_health: Callable[[bool], None] | None = None) -> None:
+        """``on_health``: told False when a call fails after one succeeded (or none ran yet), True when one
+        succeeds after a failure (from either thread)."""
         import redis
 
         self.url = redact(url)  # for logs
         self.prefix = f"{PREFIX}{namespace}:"
         self.backoff_s = backoff_s
         self._down_until = 0.0
+        self._ok: bool | None = None  # the last call's outcome (None: no call yet)
+        self.on_health = on_health
         self._lock = threading.Lock()  # the back-off clock, set by either thread
         self.client = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
                                            retry_on_timeout=False)
@@ -73,8 +79,17 @@ class RedisStore:
         if time.monotonic() < self._down_until:
             raise Unavailable(f"{self.url}: backing off after an error")
         try:
-            return fn()
+            result = fn()
         except Exception:
             with self._lock:
                 self._down_until = time.monotonic() + self.backoff_s
+            self._health(False)
             raise
+        self._health(True)
+        return result
+
+    def _health(self, ok: bool) -> None:
+        if ok != self._ok:
+            self._ok = ok
+            if self.on_health is not None:
+                self.on_health(ok)

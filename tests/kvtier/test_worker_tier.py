@@ -6,12 +6,7 @@ from __future__ import annotations
 
 import httpx
 
-
-def complete(url: str, ids: list[int]) -> dict:
-    body = {"model": "smollm2-135m", "prompt": ids, "max_tokens": 4, "temperature": 0}
-    r = httpx.post(url + "/v1/completions", json=body, timeout=120)
-    assert r.status_code == 200, r.text
-    return r.json()
+from tests.kvtier.tier_helpers import complete
 
 
 def test_a_returning_prompt_evicted_from_the_pool_is_cached_tokens_from_the_host_tier(worker_factory) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import httpx
 from prometheus_client import generate_latest
 
 from fleetllm.engine.engine import EngineConfig, LLMEngine, RequestOutput
@@ -48,3 +49,11 @@ def metric(engine: LLMEngine, prefix: str) -> float:
     """The sum of the engine's samples whose line starts with ``prefix`` (0: none)."""
     text = generate_latest(engine.metrics.registry).decode()
     return sum(float(ln.split()[-1]) for ln in text.splitlines() if ln.startswith(prefix))
+
+
+def complete(url: str, ids: list[int]) -> dict:
+    """A greedy 4-token completion of ``ids`` from the worker at ``url`` (asserted answered 200)."""
+    body = {"model": "smollm2-135m", "prompt": ids, "max_tokens": 4, "temperature": 0}
+    r = httpx.post(url + "/v1/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()

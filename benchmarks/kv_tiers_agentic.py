@@ -1,0 +1,161 @@
+"""Agent sessions on 2 workers whose KV pools hold a quarter of the sessions' KV: the host-memory tier on vs off.
+
+Issue #38's goal: long multi-turn agent sessions (``fleetllm bench --workload agentic``, 16 sessions, contexts
+growing past 4k tokens) on two real SmolLM2 workers (one torch thread each) behind a ``kv_aware`` router, the
+pools sized to about a quarter of the live sessions' KV (``--pool-fraction`` of sessions x max context). Under
+that pressure a session's context is evicted while it thinks; without tiers its next turn prefills it all
+again; with ``--kv-offload-gb`` the evicted blocks come back from host memory. Per configuration (a fresh fleet
+each): returning turns' (turn >= 1) prompt-cache hit rate (cached / prompt tokens), their reuse rate (cached /
+the previous turn's prompt and output: what a cache could hold), TTFT p50 and p90, output throughput, turns
+served. Goals: with the tier, hit rate >= 90% of what is reusable, TTFT p50 >= 3x lower, throughput not lower.
+
+    python benchmarks/kv_tiers_agentic.py                               # the measured run
+    python benchmarks/kv_tiers_agentic.py --sessions 4 --duration 60 --no-save   # a smaller one
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import free_ports, save_run, stop_process, wait_healthy  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+CLI = [sys.executable, "-m", "fleetllm.cli"]
+TOKEN_BYTES = 30 * 3 * 64 * 2 * 4  # SmolLM2-135M's KV per token: layers x KV heads x head dim x (K, V) x fp32
+WORKLOAD = ["--workload", "agentic", "--system-len", "512", "--context-len", "128", "--step-len", "100",
+            "--step-len-max", "600", "--turns", "40", "--osl", "16", "--think-time", "1"]
+
+
+def fleet(tmp: Path, pool_gb: float, offload_gb: float) -> tuple[str, list[str], list[subprocess.Popen[bytes]]]:
+    """Two workers and a kv_aware router, started and healthy: the router's URL, the workers', the processes."""
+    base = free_ports(3)
+    workers = [f"http://127.0.0.1:{base + i}" for i in (1, 2)]
+    procs: list[subprocess.Popen[bytes]] = []
+    tier = ["--kv-offload-gb", str(offload_gb)] if offload_gb else []
+    for i, url in enumerate(workers):
+        log = tmp / f"worker{i}.log"
+        procs.append(subprocess.Popen(CLI + ["worker", "--model", "smollm2-135m", "--port", str(base + 1 + i),
+                                             "--num-threads", "1", "--kv-cache-gb", f"{pool_gb:.4f}", *tier,
+                                             "--log-level", "warning"],
+                                      stdout=open(log, "wb"), stderr=subprocess.STDOUT, cwd=ROOT))
+        wait_healthy(url + "/health", procs[-1], log)
+    log = tmp / "router.log"
+    procs.append(subprocess.Popen(CLI + ["router", "--workers", ",".join(workers), "--policy", "kv_aware",
+                                         "--port", str(base), "--log-level", "warning"],
+                                  stdout=open(log, "wb"), stderr=subprocess.STDOUT, cwd=ROOT))
+    router = f"http://127.0.0.1:{base}"
+    wait_healthy(router + "/health", procs[-1], log)
+    return router, workers, procs
+
+
+def returning(records: list[dict]) -> dict:
+    """Returning turns' hit rate, reuse rate and TTFT, from the bench's per-request records."""
+    done = [r for r in records if not r["warmup"] and not r["error"] and not r["cancelled"] and r.get("ttft_ms")]
+    prev = {(r["session_id"], r["turn"]): r for r in done}
+    back = [r for r in done if r["turn"] >= 1 and r["input_tokens"] and r["cached_tokens"] is not None]
+    cached = sum(r["cached_tokens"] for r in back)
+    reusable = 0
+    for r in back:
+        p = prev.get((r["session_id"], r["turn"] - 1))
+        held = (p["input_tokens"] + (p["output_tokens"] or 0)) if p else r["cached_tokens"]
+        reusable += min(held, r["input_tokens"] - 1)
+    ttft = sorted(r["ttft_ms"] for r in back)
+    return {"turns": len(back), "first_turns": sum(1 for r in done if r["turn"] == 0),
+            "hit": cached / sum(r["input_tokens"] for r in back) if back else None,
+            "reuse": cached / reusable if reusable else None,
+            "ttft_p50": statistics.median(ttft) if ttft else None,
+            "ttft_p90": ttft[int(0.9 * (len(ttft) - 1))] if ttft else None,
+            "prompt_mean": statistics.mean(r["input_tokens"] for r in back) if back else None}
+
+
+def tier_hits(workers: list[str]) -> float:
+    import httpx
+
+    total = 0.0
+    for url in workers:
+        for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
+            if line.startswith("fleetllm:kv_tier_hits_total"):
+                total += float(line.split()[-1])
+    return total
+
+
+def run(label: str, args: argparse.Namespace, pool_gb: float, offload_gb: float, out: Path) -> dict:
+    tmp = Path(tempfile.mkdtemp(prefix="kv-tiers-agentic-"))
+    router, workers, procs = fleet(tmp, pool_gb, offload_gb)
+    try:
+        result = out / f"{label}.json"
+        subprocess.run(CLI + ["bench", "--url", router, "--model", "smollm2-135m", *WORKLOAD,
+                              "--concurrency", str(args.sessions), "--max-context", str(args.max_context),
+                              "--duration", str(args.duration), "--seed", "1", "--no-progress",
+                              "--output", str(result)], check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
+        records = [json.loads(ln) for ln in result.with_suffix(".requests.jsonl").read_text().splitlines()]
+        summary = json.loads(result.read_text())["runs"][0]["summary"]
+        row = {"config": label, **returning(records), "output_tps": summary["output_token_throughput"],
+               "failed": summary["requests"]["errors"], "tier_block_hits": tier_hits(workers),
+               "load": os.getloadavg()[0]}
+        print(json.dumps(row), flush=True)
+        return row
+    finally:
+        for p in reversed(procs):
+            stop_process(p)
+
+
+def pct(v: float | None) -> str:
+    return "-" if v is None else f"{100 * v:.1f}%"
+
+
+def table(rows: list[dict]) -> str:
+    lines = ["| config | returning turns | prompt hit rate | reuse rate | TTFT p50 | TTFT p90 | mean prompt | "
+             "output tok/s | tier block hits | failed |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['config']} | {r['turns']} | {pct(r['hit'])} | {pct(r['reuse'])} | "
+                     f"{r['ttft_p50']:.0f} ms | {r['ttft_p90']:.0f} ms | {r['prompt_mean']:.0f} | "
+                     f"{r['output_tps']:.1f} | {r['tier_block_hits']:.0f} | {r['failed']} |")
+    off, on = rows[0], rows[-1]
+    if len(rows) == 2 and on["ttft_p50"] and off["ttft_p50"]:
+        lines.append("")
+        lines.append(f"With the host tier: TTFT p50 **{off['ttft_p50'] / on['ttft_p50']:.1f}x** lower (goal >= 3x), "
+                     f"reuse rate **{pct(on['reuse'])}** (goal >= 90%), throughput x{on['output_tps'] / off['output_tps']:.2f} "
+                     "(goal >= 1).")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sessions", type=int, default=16)
+    ap.add_argument("--duration", type=float, default=240.0, help="seconds of sessions per configuration")
+    ap.add_argument("--max-context", type=int, default=4608, help="tokens a session grows to (then a new one starts)")
+    ap.add_argument("--pool-fraction", type=float, default=0.25,
+                    help="the two pools together hold this fraction of sessions x max context")
+    ap.add_argument("--offload-gb", type=float, default=2.5, help="each worker's host tier")
+    ap.add_argument("--out", type=Path, default=ROOT / "results" / "kv_tiers_agentic")
+    ap.add_argument("--no-save", action="store_true")
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    pool_gb = args.pool_fraction * args.sessions * args.max_context * TOKEN_BYTES / 2 / 2**30
+    start = os.getloadavg()[0]
+    rows = [run("no tier", args, pool_gb, 0.0, args.out), run("host tier", args, pool_gb, args.offload_gb, args.out)]
+    text = table(rows) + (f"\nPools {pool_gb:.3f} GiB per worker ({args.pool_fraction:g} of {args.sessions} sessions x "
+                          f"{args.max_context} tokens over 2 workers); host tier {args.offload_gb:g} GiB per worker. "
+                          f"Load average (1 min) {start:.1f} at the start, "
+                          + ", ".join(f"{r['load']:.1f}" for r in rows) + " after each configuration.\n")
+    print(text)
+    if not args.no_save:
+        cmd = "python benchmarks/kv_tiers_agentic.py " + " ".join(sys.argv[1:])
+        save_run("## KV tiers: agent sessions with the host-memory tier (issue 38)",
+                 "Agent sessions (`fleetllm bench " + " ".join(WORKLOAD) + f" --max-context {args.max_context}`) on "
+                 "two SmolLM2-135M workers (1 thread each) behind a kv_aware router, pools a quarter of the sessions' "
+                 "KV: without tiers, and with `--kv-offload-gb`.", cmd, text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
