@@ -4,7 +4,9 @@ Issue #38's goal: long multi-turn agent sessions (``fleetllm bench --workload ag
 growing past 4k tokens) on two real SmolLM2 workers (one torch thread each) behind a ``kv_aware`` router, the
 pools sized to about a quarter of the live sessions' KV (``--pool-fraction`` of sessions x max context). Under
 that pressure a session's context is evicted while it thinks; without tiers its next turn prefills it all
-again; with ``--kv-offload-gb`` the evicted blocks come back from host memory. Per configuration (a fresh fleet
+again; with ``--kv-offload-gb`` the evicted blocks come back from host memory. Tools run ``--think-time`` seconds
+between turns (25: two single-thread workers recomputing 16 growing contexts are then busy but not saturated;
+at 1 s both configurations are all queue, and sessions spill between workers). Per configuration (a fresh fleet
 each): returning turns' (turn >= 1) prompt-cache hit rate (cached / prompt tokens), their reuse rate (cached /
 the previous turn's prompt and output: what a cache could hold), TTFT p50 and p90, output throughput, turns
 served. Goals: with the tier, hit rate >= 90% of what is reusable, TTFT p50 >= 3x lower, throughput not lower.
@@ -31,7 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 CLI = [sys.executable, "-m", "fleetllm.cli"]
 TOKEN_BYTES = 30 * 3 * 64 * 2 * 4  # SmolLM2-135M's KV per token: layers x KV heads x head dim x (K, V) x fp32
 WORKLOAD = ["--workload", "agentic", "--system-len", "512", "--context-len", "128", "--step-len", "100",
-            "--step-len-max", "600", "--turns", "40", "--osl", "16", "--think-time", "1"]
+            "--step-len-max", "600", "--turns", "40", "--osl", "16"]
 
 
 def fleet(tmp: Path, pool_gb: float, offload_gb: float) -> tuple[str, list[str], list[subprocess.Popen[bytes]]]:
@@ -76,13 +78,17 @@ def returning(records: list[dict]) -> dict:
             "prompt_mean": statistics.mean(r["input_tokens"] for r in back) if back else None}
 
 
-def tier_hits(workers: list[str]) -> float:
+def metric(urls: list[str], name: str, label: str = "") -> float:
+    """The sum of the samples of ``name`` (holding ``label``, e.g. ``reason="spill"``) on ``urls``' /metrics."""
     import httpx
 
     total = 0.0
-    for url in workers:
-        for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
-            if line.startswith("fleetllm:kv_tier_hits_total"):
+    for url in urls:
+        r = httpx.get(url + "/metrics?federate=0", timeout=10)
+        if r.status_code != 200:
+            return float("nan")
+        for line in r.text.splitlines():
+            if line.split("{")[0].split(" ")[0] == name and label in line:
                 total += float(line.split()[-1])
     return total
 
@@ -94,12 +100,15 @@ def run(label: str, args: argparse.Namespace, pool_gb: float, offload_gb: float,
         result = out / f"{label}.json"
         subprocess.run(CLI + ["bench", "--url", router, "--model", "smollm2-135m", *WORKLOAD,
                               "--concurrency", str(args.sessions), "--max-context", str(args.max_context),
+                              "--think-time", str(args.think_time),
                               "--duration", str(args.duration), "--seed", "1", "--no-progress",
                               "--output", str(result)], check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
         records = [json.loads(ln) for ln in result.with_suffix(".requests.jsonl").read_text().splitlines()]
         summary = json.loads(result.read_text())["runs"][0]["summary"]
         row = {"config": label, **returning(records), "output_tps": summary["output_token_throughput"],
-               "failed": summary["requests"]["errors"], "tier_block_hits": tier_hits(workers),
+               "failed": summary["requests"]["errors"],
+               "tier_block_hits": metric(workers, "fleetllm:kv_tier_hits_total"),
+               "spills": metric([router], "fleetllm_router_decisions_total", 'reason="spill"'),
                "load": os.getloadavg()[0]}
         print(json.dumps(row), flush=True)
         return row
@@ -114,11 +123,11 @@ def pct(v: float | None) -> str:
 
 def table(rows: list[dict]) -> str:
     lines = ["| config | returning turns | prompt hit rate | reuse rate | TTFT p50 | TTFT p90 | mean prompt | "
-             "output tok/s | tier block hits | failed |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "output tok/s | tier block hits | spills | failed |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['config']} | {r['turns']} | {pct(r['hit'])} | {pct(r['reuse'])} | "
                      f"{r['ttft_p50']:.0f} ms | {r['ttft_p90']:.0f} ms | {r['prompt_mean']:.0f} | "
-                     f"{r['output_tps']:.1f} | {r['tier_block_hits']:.0f} | {r['failed']} |")
+                     f"{r['output_tps']:.1f} | {r['tier_block_hits']:.0f} | {r['spills']:.0f} | {r['failed']} |")
     off, on = rows[0], rows[-1]
     if len(rows) == 2 and on["ttft_p50"] and off["ttft_p50"]:
         lines.append("")
@@ -131,7 +140,9 @@ def table(rows: list[dict]) -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sessions", type=int, default=16)
-    ap.add_argument("--duration", type=float, default=240.0, help="seconds of sessions per configuration")
+    ap.add_argument("--duration", type=float, default=300.0, help="seconds of sessions per configuration")
+    ap.add_argument("--think-time", type=float, default=25.0,
+                    help="seconds an agent's tool runs between turns (its KV idle meanwhile)")
     ap.add_argument("--max-context", type=int, default=4608, help="tokens a session grows to (then a new one starts)")
     ap.add_argument("--pool-fraction", type=float, default=0.25,
                     help="the two pools together hold this fraction of sessions x max context")
@@ -151,7 +162,8 @@ def main() -> int:
     if not args.no_save:
         cmd = "python benchmarks/kv_tiers_agentic.py " + " ".join(sys.argv[1:])
         save_run("## KV tiers: agent sessions with the host-memory tier (issue 38)",
-                 "Agent sessions (`fleetllm bench " + " ".join(WORKLOAD) + f" --max-context {args.max_context}`) on "
+                 "Agent sessions (`fleetllm bench " + " ".join(WORKLOAD) + f" --max-context {args.max_context} "
+                 f"--think-time {args.think_time:g}`) on "
                  "two SmolLM2-135M workers (1 thread each) behind a kv_aware router, pools a quarter of the sessions' "
                  "KV: without tiers, and with `--kv-offload-gb`.", cmd, text)
     return 0
