@@ -19,6 +19,7 @@ from collections.abc import Callable
 from fleetllm.router.state_url import AUTO, StateURLError, redact, state_url_value
 
 PREFIX = "fleetllm:kv:"
+MGET_BLOCKS = 16  # blocks asked per round trip (the deadline is per reply)
 
 
 class Unavailable(ConnectionError):
@@ -66,8 +67,24 @@ class RedisStore:
         return f"{self.prefix}{block_hash:016x}"
 
     def get_many(self, hashes: list[int]) -> list[bytes | None]:
-        """The bytes under each hash (None where absent), in one round trip."""
-        return self._call(lambda: self.client.mget([self.key(h) for h in hashes]))
+        """The bytes under each of ``hashes`` up to the first absent one (None), :data:`MGET_BLOCKS` per round
+        trip: one reply of a long prompt's blocks (a 4k-token prompt of a small model is ~190 MB) would outlast
+        the deadline on a busy host. A call that fails after some succeeded returns what they found (the
+        back-off starts); a first call that fails raises."""
+        out: list[bytes | None] = []
+        for i in range(0, len(hashes), MGET_BLOCKS):
+            keys = [self.key(h) for h in hashes[i : i + MGET_BLOCKS]]
+            try:
+                values = self._call(lambda keys=keys: self.client.mget(keys))
+            except Exception:
+                if not out:
+                    raise
+                return out
+            for v in values:
+                out.append(v)
+                if v is None:
+                    return out
+        return out
 
     def put(self, block_hash: int, data: bytes) -> None:
         self._call(lambda: self.client.set(self.key(block_hash), data))

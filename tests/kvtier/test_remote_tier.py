@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import socket
 
+import pytest
+
 from fleetllm.models.loader import LoadedModel
 from tests.kvtier.tier_helpers import FULL_BLOCKS, close, engine_with, flush, metric, prompt, run
 
@@ -36,3 +38,29 @@ def test_an_unreachable_redis_costs_hits_never_requests(loaded_model: LoadedMode
     assert metric(engine, 'fleetllm:kv_tier_errors_total{op="store",tier="remote"}') >= 1
     assert out.num_cached_tokens == 0
     assert "secret" not in caplog.text and "KV tier" in caplog.text
+
+
+def test_a_long_lookup_is_asked_in_chunks_and_a_chunk_that_fails_keeps_those_before_it(redis_server,
+                                                                                      monkeypatch) -> None:
+    from fleetllm.kvtier import remote
+
+    monkeypatch.setattr(remote, "MGET_BLOCKS", 2)
+    store = remote.RedisStore(redis_server.url, "chunks-test")
+    for h in range(1, 6):
+        store.put(h, b"block %d" % h)
+    assert store.get_many([1, 2, 3, 4, 5, 99, 1]) == [b"block 1", b"block 2", b"block 3", b"block 4", b"block 5", None]
+    calls = []
+    real = store.client.mget
+
+    def second_fails(keys):  # noqa: ANN001, ANN202
+        calls.append(keys)
+        if len(calls) == 2:
+            raise ConnectionError("reset")
+        return real(keys)
+
+    monkeypatch.setattr(store.client, "mget", second_fails)
+    assert store.get_many([1, 2, 3, 4]) == [b"block 1", b"block 2"]  # what came before the failure
+    with pytest.raises(remote.Unavailable):  # and the back-off started: nothing asked for a while
+        store.get_many([1, 2])
+    store.client.delete(*[store.key(h) for h in range(1, 6)])
+    store.close()
