@@ -25,7 +25,7 @@ def test_async_loads_requests_and_kv_events_carry_the_adapter(tiny_lora) -> None
         ae.start()
         try:
             await ae.load_lora("qv4", str(tiny_lora.dirs["qv4"]))
-            q, _ = await ae.subscribe_kv_events()
+            q, _, _ = await ae.subscribe_kv_events()
             toks = [t async for out in ae.generate("r", PROMPT, params, lora_name="qv4") for t in out.new_token_ids]
             await ae.unload_lora("qv4")
             with pytest.raises(LoraError) as e:
@@ -37,5 +37,5 @@ def test_async_loads_requests_and_kv_events_carry_the_adapter(tiny_lora) -> None
 
     toks, events, status = asyncio.run(main())
     assert toks == tiny_lora.greedy("qv4", PROMPT, 3)
-    assert [(kind, loras) for kind, _, loras in events] == [("stored", ["qv4"])] * 2 + [("removed", None)]
+    assert [(kind, loras, medium) for kind, _, loras, medium in events] == [("stored", ["qv4"], None)] * 2 + [("removed", None, None)]
     assert status == 404
