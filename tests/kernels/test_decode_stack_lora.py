@@ -159,3 +159,19 @@ def test_greedy_tokens_with_adapters_equal_the_op_by_op_path(loaded_model, q4_mo
     assert calls, "the adapter steps took the C path"
     assert runs[True] == runs[False]
     assert runs[True][1] != runs[True][0] and runs[True][2] != runs[True][0], "the adapters change the output"
+
+
+def test_without_the_lora_kernel_adapter_steps_go_op_by_op(q4_model, monkeypatch) -> None:
+    """The kernel not built yet (or unbuildable): the stack refuses adapter steps, and the op-by-op path's PyTorch
+    products apply the adapters instead."""
+    tables = random_tables(q4_model, {0: (16, ("q_proj", "v_proj")), 2: (8, MODULES)})
+    s = torch.tensor([0, 2, -1], dtype=torch.int32)
+    step = decode_step(q4_model, [6, 11, 30], torch.float32)
+    fused, _ = stack_step(q4_model, *step, tables, s)
+    monkeypatch.setattr(lora, "kernel_ready", lambda wait=False: False)
+    monkeypatch.setattr(decode_stack, "lora_kernel_ready", lambda wait=False: False)
+    calls = spy(monkeypatch)
+    ids, positions, meta, caches = step
+    out = q4_model(ids, positions, meta, [(k.clone(), v.clone()) for k, v in caches], lora=LoraBatch.of(tables, s.tolist()))
+    assert calls == []
+    assert relative(out, fused) < 5e-2
