@@ -12,6 +12,13 @@
  * calling thread: at a few rows it is microseconds, and an OpenMP region would cost more to wake.
  * AVX2 + FMA is required (the caller checks `decode_stack_isa`); there is no scalar path: without AVX2 the
  * model takes its op-by-op path.
+ *
+ * LoRA adapters (issue #39): a step whose rows use resident adapters passes per layer the adapted projections'
+ * stacked A/B tables (fleetllm/lora/tables.py; NULL for a projection no adapter adapts) and each row's slot (-1:
+ * none), and lora.c's `lora_apply` adds each row's update where the op-by-op path adds it: q, k and v into their
+ * slices of the fused qkv output before RoPE and the cache write, o before the residual add, gate and up into
+ * their halves of gate_up before SiLU * up, down before the residual add. A step without adapter rows has no
+ * slots (NULL) and costs one pointer test per projection.
  */
 #include <math.h>
 #include <stdint.h>
@@ -25,7 +32,14 @@ typedef int (*attend_fn)(const float *q, long q_row_stride, const void *k_cache,
                          const int32_t *context_lens, float *out, long out_row_stride, int rows, int heads,
                          int kv_heads, int head_dim, int block_size, int window, float scale, int threads);
 
+typedef int (*lora_fn)(const float *x, long ldx, float *y, long ldy, int rows, const int32_t *slots, int n_slots,
+                       const float *a, const float *b, int rank, int in, int out, int threads, int vector);
+
 enum { KV_F32 = 0, KV_F16 = 1, KV_BF16 = 2 };
+enum { LQ, LK, LV, LO, LGATE, LUP, LDOWN, LORA_MODULES };  /* fleetllm/lora/tables.py's MODULES, in order */
+
+/* One layer's LoRA tables per projection: a [n_slots, rank, in], b [n_slots, out, rank]; NULL: not adapted. */
+typedef struct { const float *a[LORA_MODULES], *b[LORA_MODULES]; } LoraLayer;
 
 typedef struct { const uint8_t *packed; const uint16_t *d, *m; } Q4;  /* blocked: see q4_int_gemm.c */
 
@@ -41,6 +55,7 @@ typedef struct {
     const float *cos, *sin;  /* RoPE tables [positions, head_dim] */
     gemv_fn gemv;
     attend_fn attend;
+    lora_fn lora;  /* lora.c's lora_apply (NULL when no step of this call has adapter rows) */
 } Model;
 
 typedef struct {
@@ -52,6 +67,9 @@ typedef struct {
     int table_stride;
     void *const *k_caches, *const *v_caches;  /* per layer: [slots, kv_heads, head_dim] */
     float *scratch;  /* rows * (hidden + qkv width + heads * head_dim + 3 * inter) floats */
+    const LoraLayer *lora;      /* per layer (NULL: no adapter rows in the step) */
+    const int32_t *lora_slots;  /* per row: its adapter's slot, -1 for none */
+    int lora_n_slots, lora_rank;
 } Step;
 
 #if FLEETLLM_X86
@@ -152,6 +170,14 @@ static void add_into(float *h, const float *x, long n) {
     for (long i = 0; i < n; i++) h[i] += x[i];
 }
 
+/* Adds projection m's adapter updates of layer li's rows (x: its input, y: its output), when any adapts it. */
+static int lora_add(const Model *md, const Step *st, int li, int m, const float *x, long ldx, float *y, long ldy,
+                    int in, int out) {
+    if (st->lora == NULL || st->lora[li].a[m] == NULL) return 0;
+    return md->lora(x, ldx, y, ldy, st->rows, st->lora_slots, st->lora_n_slots, st->lora[li].a[m], st->lora[li].b[m],
+                    st->lora_rank, in, out, st->threads, 1);
+}
+
 /* One layer for every row of the step; returns the first nonzero status of a GEMV or attention call. */
 static int layer(const Model *md, const Layer *ly, const Step *st, int li, float *xn, float *qkv, float *attn,
                  float *gu, float *act) {
@@ -160,6 +186,9 @@ static int layer(const Model *md, const Layer *ly, const Step *st, int li, float
     int rc = 0;
     rms_norm(st->h, ly->norm1, md->eps, R, H, xn);
     rc |= md->gemv(xn, H, ly->qkv.packed, ly->qkv.d, ly->qkv.m, qkv, width, R, width, H, st->threads, 1);
+    rc |= lora_add(md, st, li, LQ, xn, H, qkv, width, H, qw);
+    rc |= lora_add(md, st, li, LK, xn, H, qkv + qw, width, H, kvw);
+    rc |= lora_add(md, st, li, LV, xn, H, qkv + qw + kvw, width, H, kvw);
     for (int r = 0; r < R; r++) {
         float *row = qkv + (long)r * width;
         const float *c = md->cos + st->positions[r] * D, *s = md->sin + st->positions[r] * D;
@@ -170,12 +199,16 @@ static int layer(const Model *md, const Layer *ly, const Step *st, int li, float
     rc |= md->attend(qkv, width, st->k_caches[li], st->v_caches[li], md->kv_dtype, st->tables, st->table_stride,
                      st->table_of, st->lens, attn, qw, R, md->heads, md->kv_heads, D, md->block_size, 0, md->scale, st->threads);
     rc |= md->gemv(attn, qw, ly->o.packed, ly->o.d, ly->o.m, xn, H, R, H, qw, st->threads, 1);
+    rc |= lora_add(md, st, li, LO, attn, qw, xn, H, qw, H);
     add_into(st->h, xn, (long)R * H);
     rms_norm(st->h, ly->norm2, md->eps, R, H, xn);
     rc |= md->gemv(xn, H, ly->gate_up.packed, ly->gate_up.d, ly->gate_up.m, gu, 2 * md->inter, R, 2 * md->inter, H,
                    st->threads, 1);
+    rc |= lora_add(md, st, li, LGATE, xn, H, gu, 2 * md->inter, H, md->inter);
+    rc |= lora_add(md, st, li, LUP, xn, H, gu + md->inter, 2 * md->inter, H, md->inter);
     silu_mul(gu, R, md->inter, act);
     rc |= md->gemv(act, md->inter, ly->down.packed, ly->down.d, ly->down.m, xn, H, R, H, md->inter, st->threads, 1);
+    rc |= lora_add(md, st, li, LDOWN, act, md->inter, xn, H, md->inter, H);
     add_into(st->h, xn, (long)R * H);
     return rc;
 }

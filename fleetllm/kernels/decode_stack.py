@@ -11,6 +11,10 @@ is taken when every row is a decode token or a query of a chunk whose queries ×
 rows as the stack's bound or more, a kernel not built, a model it does not cover) takes the model's op-by-op
 path. ``FLEETLLM_DECODE_STACK=eager`` keeps every step there.
 
+Steps whose rows use LoRA adapters pass the resident adapters' tables (:class:`fleetllm.lora.tables.LoraTables`)
+and each row's slot: the C step adds each row's update through ``lora.c`` where the op-by-op path adds it (see
+the C source). The per-layer pointers into the tables are made again whenever the tables' ``version`` moves.
+
 Numerics: the same weights and the same GEMMs as the op-by-op ``q4`` path at each width, and its attention kernel
 for decode rows (a chunk the stack takes may go through the prefill kernel op by op, unless batch-invariant);
 RMSNorm and SiLU round differently from PyTorch's (summation order, a polynomial ``exp``), RoPE the same. So a
@@ -21,6 +25,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,6 +34,9 @@ import torch
 
 from fleetllm.kernels import attention, bf16, q4_int
 from fleetllm.kernels.build import KernelLibrary
+from fleetllm.kernels.lora import LIBRARY as LORA_LIBRARY
+from fleetllm.kernels.lora import kernel_ready as lora_kernel_ready
+from fleetllm.lora.tables import MODULES, LoraTables
 
 _enabled = os.environ.get("FLEETLLM_DECODE_STACK", "auto") != "eager"
 # A chunk (a prompt's, or a verification's) is taken while queries x positions stays under this: the paged kernel
@@ -49,15 +57,20 @@ class _Layer(ctypes.Structure):
     _fields_ = [("norm1", P), ("norm2", P), ("qkv", _Q4), ("o", _Q4), ("gate_up", _Q4), ("down", _Q4)]
 
 
+class _LoraLayer(ctypes.Structure):
+    _fields_ = [("a", P * len(MODULES)), ("b", P * len(MODULES))]
+
+
 class _Model(ctypes.Structure):
     _fields_ = [("layers", P), ("n_layers", INT), ("hidden", INT), ("heads", INT), ("kv_heads", INT), ("head_dim", INT),
                 ("inter", INT), ("block_size", INT), ("kv_dtype", INT), ("eps", FLOAT), ("scale", FLOAT), ("cos", P),
-                ("sin", P), ("gemv", P), ("attend", P)]
+                ("sin", P), ("gemv", P), ("attend", P), ("lora", P)]
 
 
 class _Step(ctypes.Structure):
     _fields_ = [("h", P), ("rows", INT), ("threads", INT), ("positions", P), ("slots", P), ("tables", P), ("lens", P),
-                ("table_of", P), ("table_stride", INT), ("k_caches", P), ("v_caches", P), ("scratch", P)]
+                ("table_of", P), ("table_stride", INT), ("k_caches", P), ("v_caches", P), ("scratch", P),
+                ("lora", P), ("lora_slots", P), ("lora_n_slots", INT), ("lora_rank", INT)]
 
 
 def _declare(lib: ctypes.CDLL) -> None:
@@ -130,6 +143,16 @@ def _table(layers: list[dict[str, Any]], kind: str) -> ctypes.Array:
         for ly in layers))
 
 
+def _lora_table(tables: LoraTables) -> ctypes.Array:
+    """Per layer, the A/B pointers of each projection a resident adapter adapts (NULL for the others)."""
+    def pointers(layer: int, side: list[dict[str, torch.Tensor]]) -> Any:
+        on = [tables.active[m] and m in side[layer] for m in MODULES]
+        return (P * len(MODULES))(*(side[layer][m].data_ptr() if ok else None for m, ok in zip(MODULES, on, strict=True)))
+
+    return (_LoraLayer * tables.num_layers)(*(_LoraLayer(pointers(i, tables.a), pointers(i, tables.b))
+                                              for i in range(tables.num_layers)))
+
+
 class DecodeStack:
     """The C path for one ``q4`` Llama model's decode steps and short chunks; :meth:`build` says whether it covers it."""
 
@@ -144,6 +167,8 @@ class DecodeStack:
         self._model = _Model(None, len(layers), cfg.hidden_size, attn.h, attn.hkv, attn.d,
                              cfg.intermediate_size, 0, 0, cfg.rms_norm_eps, attn.scale, None, None, None, None)
         self._caches: dict[tuple[int, ...], tuple[Any, Any]] = {}
+        # per set of LoRA tables (an engine's): their version and the C pointer table into them
+        self._lora: weakref.WeakKeyDictionary[LoraTables, tuple[int, ctypes.Array]] = weakref.WeakKeyDictionary()
 
     @classmethod
     def build(cls, model: Any, max_rows: int) -> DecodeStack | None:
@@ -181,8 +206,10 @@ class DecodeStack:
     @staticmethod
     def supports(lora: Any) -> bool:
         """Whether a step whose rows' adapters are ``lora`` (a :class:`fleetllm.lora.batch.LoraBatch`, None: the
-        base model's step) may take the C path: not yet with any adapter row (the op-by-op path applies them)."""
-        return lora is None or not lora.has_adapters
+        base model's step) may take the C path: with adapter rows, once the LoRA kernel is loaded (CPU tables)."""
+        if lora is None or not lora.has_adapters:
+            return True
+        return lora.tables.device.type == "cpu" and lora.slots.device.type == "cpu" and lora_kernel_ready()
 
     def plan(self, h: torch.Tensor, meta: Any, k_cache: torch.Tensor, rotary: Any) -> Rows | None:
         """The step's rows for the C path, or None when the step must go op by op (see the module doc)."""
@@ -200,8 +227,9 @@ class DecodeStack:
         return Rows.of(meta, rows)
 
     def run(self, h: torch.Tensor, positions: torch.Tensor, meta: Any,
-            kv_cache: list[tuple[torch.Tensor, torch.Tensor]], rotary: Any, rows: Rows) -> None:
-        """Every layer over ``h [rows, hidden]`` in place (``rows`` from :meth:`plan`); RoPE from ``rotary``'s tables."""
+            kv_cache: list[tuple[torch.Tensor, torch.Tensor]], rotary: Any, rows: Rows, lora: Any = None) -> None:
+        """Every layer over ``h [rows, hidden]`` in place (``rows`` from :meth:`plan`); RoPE from ``rotary``'s tables;
+        each row's adapter update from ``lora`` (a :class:`fleetllm.lora.batch.LoraBatch` that :meth:`supports`)."""
         n = h.shape[0]
         positions = positions.to(torch.int64).contiguous()
         slots = meta.slot_mapping.to(torch.int64).contiguous()
@@ -218,9 +246,27 @@ class DecodeStack:
         step = _Step(h.data_ptr(), n, torch.get_num_threads(), positions.data_ptr(), slots.data_ptr(),
                      rows.tables.data_ptr(), rows.lens.data_ptr(), table_of, rows.tables.stride(0),
                      ctypes.addressof(k_ptrs), ctypes.addressof(v_ptrs), scratch.data_ptr())
+        keep = self._with_lora(md, step, lora)  # noqa: F841 - alive until the call returns
         rc = LIBRARY.lib.decode_stack(ctypes.byref(md), ctypes.byref(step))
         if rc != 0:
             raise RuntimeError(f"decode_stack failed with status {rc}")
+
+    def _with_lora(self, md: _Model, step: _Step, lora: Any) -> Any:
+        """Fill the call's LoRA fields when a row uses an adapter a projection has; returns what must stay alive."""
+        tables = None if lora is None or not lora.has_adapters else lora.tables
+        if tables is None or tables.rank == 0 or not any(tables.active.values()):
+            return None
+        if LORA_LIBRARY.lib is None:
+            raise RuntimeError("a step with adapter rows needs the LoRA kernel: supports() checks it")
+        slots = lora.slots.to(torch.int32).contiguous()
+        version, table = self._lora.get(tables, (-1, None))
+        if version != tables.version:
+            table = _lora_table(tables)
+            self._lora[tables] = (tables.version, table)
+        md.lora = ctypes.cast(LORA_LIBRARY.lib.lora_apply, P).value
+        step.lora, step.lora_slots = ctypes.addressof(table), slots.data_ptr()
+        step.lora_n_slots, step.lora_rank = tables.max_loras, tables.rank
+        return slots, table
 
     def _cache_pointers(self, kv_cache: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[Any, Any]:
         """The per-layer K and V cache pointer arrays, made once per set of caches (an engine's)."""

@@ -76,6 +76,9 @@ KERNELS = {k.name: k for k in (
            "wide steps (prefill, large batches) take the Q4 or fp32 GEMM: prefill slower"),
     Kernel("prefill_attention", ("avx512", "portable"), frozenset({"avx512f"}),
            "prefill attention runs in PyTorch: long prompts slower"),
+    Kernel("lora", ("avx512", "avx2", "portable"), frozenset(),
+           "steps with LoRA adapter rows leave the decode stack (decode ~2x slower at one request) and their "
+           "updates run as PyTorch GEMMs per adapter"),
 )}
 
 

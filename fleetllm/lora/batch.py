@@ -10,6 +10,10 @@ the step's one forward; nothing runs once per adapter but these products. Two wa
   every slot's ``A`` at once (all of a fused projection's modules in one product), zeroes each row's columns of
   other slots, and multiplies by every slot's ``B`` stacked: three products per projection instead of a few per
   slot. The wasted columns cost little at decode widths, where per-call overhead dominates.
+
+On the CPU in fp32 the C kernel of :mod:`fleetllm.kernels.lora` takes both shapes instead: rows grouped by slot
+in C, every group in one call per module (faster than either at every width measured, see there); these products
+serve until it is built, and other devices and dtypes.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from fleetllm.kernels.lora import lora_kernel
 from fleetllm.lora.tables import LoraTables
 
 DENSE_ROWS = 64  # steps of at most this many rows with two adapters or more take the stacked products
@@ -65,6 +70,11 @@ class LoraBatch:
         if not live:
             return
         xf = x if x.dtype == torch.float32 else x.float()
+        if out.dtype == torch.float32:  # the C kernel (fleetllm/kernels/lora.py) where it serves: all rows at once
+            live = [(m, lo, hi) for m, lo, hi in live
+                    if not lora_kernel(out[:, lo:hi], xf, t.a[layer][m], t.b[layer][m], self.slots)]
+            if not live:
+                return
         if self.mask is not None:
             self._stacked(layer, live, xf, out)
             return

@@ -321,7 +321,7 @@ class LlamaModel(nn.Module):
         fused = stack is not None and aux_layers is None and not meta.layer_by_layer and stack.supports(lora)
         rows = stack.plan(h, meta, kv_cache[0][0], self.rotary) if fused else None
         if rows is not None:
-            stack.run(h, positions, meta, kv_cache, self.rotary, rows)
+            stack.run(h, positions, meta, kv_cache, self.rotary, rows, lora)
             return self.norm(h)
         aux = []
         # sliding-window layers read each query's window only (AttentionMetadata.within_window)
