@@ -2,8 +2,9 @@
 
 A *user* is a session (one agent loop). Its output speed is its decode rate over its whole session,
 ``Σ (N_out − 1) / Σ (t_end − t_1)`` over its successful turns (time between turns, the think time and
-each turn's TTFT, is not decode time). A load point meets the floor when every user that decoded at all
-is at or above ``floor_tps`` and no request failed. ``floor_search`` finds the largest number of
+each turn's TTFT, is not decode time); a turn's speed is ``(N_out − 1) / (t_end − t_1)``, reported as p10 and
+p50 over every turn of the load point. A load point meets the floor when every user that decoded at all has
+a median turn speed at or above ``floor_tps`` and no request failed. ``floor_search`` finds the largest number of
 concurrent sessions that meets it: double from ``start`` until a point fails, then bisect between the
 last passing and the first failing point (it assumes, like the SLO search, that passing is monotone
 in load).
@@ -31,6 +32,15 @@ def user_tps(records: list[RequestRecord]) -> dict[str, float]:
     return {s: tokens[s] / seconds[s] for s in tokens if seconds[s] > 0}
 
 
+def turn_tps(records: list[RequestRecord]) -> dict[str, list[float]]:
+    """Each session's per-turn speeds: a turn's ``(N_out - 1) / (t_end - t_1)`` (turns of 2 tokens or more)."""
+    out: dict[str, list[float]] = defaultdict(list)
+    for r in records:
+        if r.ok and r.chunk_ns and (r.output_tokens or 0) >= 2 and r.end_ns > r.chunk_ns[0]:
+            out[r.session_id].append((r.output_tokens - 1) / ((r.end_ns - r.chunk_ns[0]) / 1e9))
+    return dict(out)
+
+
 def by_turn(records: list[RequestRecord]) -> list[dict[str, Any]]:
     """Per turn index: requests, TTFT p50/p90 (ms), prompt tokens (mean) and the prefix-cache hit rate
     (Σ cached / Σ prompt tokens, from the server's ``usage.prompt_tokens_details.cached_tokens``)."""
@@ -54,15 +64,21 @@ def by_turn(records: list[RequestRecord]) -> list[dict[str, Any]]:
 def agent_summary(records: list[RequestRecord], floor_tps: float | None) -> dict[str, Any]:
     """The agent view of one load point (see the module's docstring)."""
     tps = sorted(user_tps(records).values())
+    turns = turn_tps(records)
+    medians = [float(np.median(v)) for v in turns.values()]
+    every = [v for vs in turns.values() for v in vs]
     failed = sum(1 for r in records if not r.ok and not r.cancelled)
     pct = (lambda q: float(np.percentile(tps, q))) if tps else (lambda q: None)
     summary: dict[str, Any] = {
         "users": len(tps), "failed_requests": failed,
         "user_tps": {"p10": pct(10), "p50": pct(50), "min": tps[0] if tps else None},
+        "turn_tps": {"p10": float(np.percentile(every, 10)) if every else None,
+                     "p50": float(np.percentile(every, 50)) if every else None,
+                     "user_median_min": min(medians) if medians else None},
         "by_turn": by_turn(records), "floor_tps": floor_tps,
     }
     if floor_tps is not None:
-        summary["users_below_floor"] = sum(1 for v in tps if v < floor_tps)
+        summary["users_below_floor"] = sum(1 for v in medians if v < floor_tps)
         summary["floor_met"] = bool(tps) and failed == 0 and summary["users_below_floor"] == 0
     return summary
 

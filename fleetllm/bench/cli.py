@@ -37,7 +37,8 @@ from fleetllm.bench.workloads import (
 )
 from fleetllm.errors import UsageError, existing_file
 
-WORKLOADS = ("synthetic", "shared-prefix", "multi-turn", "agentic", "long-short", "trace", "prompts")
+WORKLOADS = ("synthetic", "shared-prefix", "multi-turn", "agentic", "agent-mix", "long-short", "trace", "prompts")
+AGENT_WORKLOADS = ("agentic", "agent-mix")  # reported per user and per turn, with the speed floor
 
 
 def _floats(text: str | None) -> list[float]:
@@ -142,6 +143,10 @@ def build_workload(args: argparse.Namespace, builder: PromptBuilder) -> Workload
     if w == "agentic":
         return AgenticWorkload(builder, args.context_len, int(args.turns), args.step_len, int(args.osl), args.think_time,
                                args.system_len, args.step_len_max, args.max_context)
+    if w == "agent-mix":
+        from fleetllm.bench.agent_mix import AgentMixWorkload
+
+        return AgentMixWorkload(args.max_context or AgentMixWorkload.max_context, int(args.turns), args.think_time)
     if w == "long-short":
         return long_short_workload(builder, args.long_isl, args.long_osl, int(args.isl), int(args.osl),
                                    args.long_fraction)
@@ -189,7 +194,7 @@ def run_bench(args: argparse.Namespace, console: Console | None = None) -> dict[
     measure = Measurer(client, workload, slos,
                        on_record=lambda _rec: progress.advance(task),
                        on_start=lambda load: progress.reset(task, description=load.label(), total=requests),
-                       agent=args.workload == "agentic", floor_tps=args.floor_tps)
+                       agent=args.workload in AGENT_WORKLOADS, floor_tps=args.floor_tps)
     with progress:
         runs, extra = _measure_points(args, measure, base, kind, values, slos)
     config = {"client": {k: v for k, v in vars(client).items() if k != "api_key"}, "workload": args.workload,
@@ -253,7 +258,9 @@ def agent_line(agent: dict[str, Any]) -> str:
     turns = " ".join(f"{t['turn']}:{t['ttft_p50_ms']:.0f}ms/{fmt(100 * t['cache_hit_rate']) if t['cache_hit_rate'] is not None else '-'}%"
                      for t in agent["by_turn"])
     floor = "" if agent["floor_tps"] is None else f", floor {agent['floor_tps']:g} {'met' if agent['floor_met'] else 'missed'}"
-    return (f"agent: {agent['users']} users, per-user tok/s p10 {fmt(tps['p10'])} p50 {fmt(tps['p50'])}{floor}; "
+    turn = agent["turn_tps"]
+    return (f"agent: {agent['users']} users, per-user tok/s p10 {fmt(tps['p10'])} p50 {fmt(tps['p50'])}, per turn p10 "
+            f"{fmt(turn['p10'])} p50 {fmt(turn['p50'])}{floor}; "
             f"per turn TTFT p50 / cache hit: {turns}")
 
 

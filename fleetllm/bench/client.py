@@ -32,6 +32,7 @@ class RequestSpec:
     turn: int = 0
     expected_input_tokens: int | None = None
     cancel_after_chunks: int | None = None  # close the stream after this many chunks (an abort)
+    body: dict[str, Any] | None = None  # request fields of this request only (over the client's)
 
 
 @dataclass
@@ -100,6 +101,7 @@ def build_body(cfg: ClientConfig, spec: RequestSpec) -> dict[str, Any]:
     else:
         body["prompt"] = spec.prompt if spec.prompt is not None else _flatten_messages(spec.messages or [])
     body.update(cfg.extra_body)
+    body.update(spec.body or {})
     return body
 
 

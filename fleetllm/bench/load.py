@@ -246,6 +246,7 @@ class LoadRunner:
             turn=t,
             expected_input_tokens=context_tokens + turn.input_tokens if turn.input_tokens else None,
             cancel_after_chunks=cancel_after,
+            body=turn.body,
         )
 
     async def _send(self, spec: RequestSpec, scheduled_ns: int, warmup: bool) -> RequestRecord:

@@ -29,6 +29,7 @@ class Turn:
     input_tokens: int = 0  # tokens of ``content`` alone, as sized by the generator
     think_time_s: float = 0.0  # pause after the previous reply, before sending this turn
     messages: list[dict[str, str]] | None = None  # a verbatim conversation (trace/file), no history
+    body: dict[str, Any] | None = None  # request fields of this turn only (e.g. a response_format)
 
 
 @dataclass

@@ -69,8 +69,10 @@ class EngineConfig:
                                        "float rounding): q4's int16 GEMMs and Q8_0 head at every width, slower "
                                        "wide steps; none and q4-q8 only (none is invariant anyway)")
     speculative: str | dict | None = opt(
-        None, "speculative decoding: method ngram | suffix | eagle | peagle, k draft tokens (default k: "
-              "chosen from the measured verify cost), adaptive=0 to fix K", metavar="method=M,k=N")
+        "method=suffix", "speculative decoding: method ngram | suffix | eagle | peagle, k draft tokens (default k: "
+                         "chosen per step from the measured verify cost and each request's acceptance, 0 where "
+                         "drafting does not pay), adaptive=0 to fix K; none: off. Default: suffix drafting over "
+                         "each agent session's history (docs/speculative.md)", metavar="method=M,k=N")
     enable_lora: bool = opt(False, "serve LoRA adapters (PEFT format) beside the base model: each request names "
                                    "its adapter, rows of different adapters and of the base share one step")
     max_loras: int = opt(4, "--enable-lora: adapters resident in the step's tables at once (a step holds requests "

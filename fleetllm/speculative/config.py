@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
+from fleetllm.speculative.sessions import DEFAULT_TOKENS
+
 
 @dataclass
 class SpeculativeConfig:
@@ -12,6 +14,7 @@ class SpeculativeConfig:
     adaptive: bool = True  # per-request K from acceptance and cost (off: always draft k when possible)
     head: str | None = None  # eagle/peagle weights (default: the head shipped for the target)
     max_k: int = 8  # upper bound when k is chosen automatically
+    session_tokens: int = DEFAULT_TOKENS  # suffix: tokens of agent sessions kept across turns (0: none)
 
     @classmethod
     def parse(cls, spec: str | dict | SpeculativeConfig | None) -> SpeculativeConfig | None:
@@ -37,6 +40,8 @@ class SpeculativeConfig:
         for key, value in spec.items():
             if key in ("k", "max_k"):
                 value = None if value in (None, "", "auto") else int(value)
+            elif key == "session_tokens":
+                value = int(value)
             elif key == "adaptive":
                 value = value if isinstance(value, bool) else str(value).lower() in ("1", "true", "yes", "on")
             setattr(cfg, key, value)

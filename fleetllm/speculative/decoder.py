@@ -3,7 +3,7 @@
 K per request: with ``adaptive`` each request keeps a decayed estimate of its per-draft acceptance
 probability, and :func:`~fleetllm.speculative.adaptive_k.choose_ks` splits drafts over the batch so that
 the step emits the most tokens per second, counting the target's measured step time by row count and
-verifying requests (:mod:`fleetllm.speculative.step_cost`), what checking a verify's drafts took so far,
+verifying requests and what each request's context adds to it (:mod:`fleetllm.speculative.step_cost`), what checking a verify's drafts took so far,
 and drafting. Nobody drafts when that does not beat a plain step by ``MIN_GAIN``; a request left without
 drafts for ``PROBE_EVERY`` steps (more in a batch where a probe's rows are dear: probes take at most
 ``PROBE_BUDGET`` of the time) gets a probe of ``PROBE_K`` drafts so that, if its text became predictable,
@@ -61,7 +61,8 @@ class SpecDecoder:
     def __init__(self, cfg: SpeculativeConfig, loaded, runner: ModelRunner | None, device: str = "cpu") -> None:
         """``runner``: the target's model runner, whose steps adaptive K times at start-up."""
         self.cfg = cfg
-        self.drafter = create_drafter(cfg.method, loaded=loaded, head=cfg.head, device=device)
+        self.drafter = create_drafter(cfg.method, loaded=loaded, head=cfg.head, device=device,
+                                      session_tokens=cfg.session_tokens)
         self.aux_layers = self.drafter.aux_layers
         self.max_k = cfg.k or cfg.max_k
         self.cost = StepCost.measure(runner) if cfg.adaptive and runner is not None else None
@@ -110,8 +111,10 @@ class SpecDecoder:
             return caps
         unit = self.draft_cost if drafting else 0.0
         per_k = not self.drafter.one_pass
+        cost = self.cost
         ks = choose_ks([q.spec_state.accept_rate for q in seqs], caps, self._step_seconds,
-                       lambda longest: unit * (longest if per_k else 1) if longest else 0.0, probes)
+                       lambda longest: unit * (longest if per_k else 1) if longest else 0.0, probes,
+                       context=lambda i, k: cost.context_seconds(k, seqs[i].num_tokens))
         for seq, k in zip(seqs, ks, strict=True):
             seq.spec_state.steps_off = 0 if k else seq.spec_state.steps_off + drafting
         return ks

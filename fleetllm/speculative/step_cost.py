@@ -6,6 +6,11 @@ every kernel bound in the model (a quantised linear switching kernels at a row c
 the jump there is measured, not interpolated across. ``per_verify`` is what a verifying sequence adds
 over the same rows decoded one per sequence (its chunk attention call per layer, its inputs).
 
+What a sequence's context adds is measured too, since at long contexts attention is most of a step and its cost
+depends on how the verify chunk's queries read the cache (one pass per query through the paged kernel, or one
+per tile of queries): one sequence at ``CONTEXT`` tokens with 0, 1, 2, ... drafts, less what the row model gives
+the same rows at a short context (:meth:`StepCost.context_seconds`, taken as growing linearly with the context).
+
 Measured through :meth:`ModelRunner.execute` itself, on scratch sequences that share two blocks of the
 KV pool (nothing is cached before the first request): every row's logits, as a verify step computes
 them. On a shared machine one step can take twice its time, so every size is timed ``REPEATS`` times in
@@ -32,8 +37,11 @@ if TYPE_CHECKING:
     from fleetllm.engine.model_runner import ModelRunner
 
 POWERS = (1, 2, 4, 8, 16, 32, 64, 128)
+SHORT = 15  # tokens of context of the row measures: the step's tokens stay within the first two blocks
 REPEATS = 3
 VERIFY_ROWS = 16  # the per-verify overhead is measured on this many rows, verified two by two
+CONTEXT = 2048  # tokens of context the context's share is measured at (fewer if the KV cache is smaller)
+CONTEXT_DRAFTS = (0, 2, 3, 8)  # drafts it is measured with (between: interpolated): 2 and 3 straddle KERNEL_MAX_CHUNK
 
 
 @dataclass
@@ -43,6 +51,8 @@ class StepCost:
     sizes: list[int]  # row counts measured, ascending
     times: list[float]  # seconds of a decode step of that many rows (one row per sequence)
     per_verify: float = 0.0  # seconds a verifying sequence adds
+    context: int = 0  # tokens of context ``context_extra`` was measured at (0: not measured)
+    context_extra: list[float] | None = None  # [k]: seconds ``context`` tokens add to a sequence verifying k drafts
 
     def __call__(self, n: int, verifying: int = 0) -> float:
         return self.rows(n) + self.per_verify * verifying
@@ -57,6 +67,15 @@ class StepCost:
             return times[-1] * n / sizes[-1]
         f = (n - sizes[i - 1]) / (sizes[i] - sizes[i - 1])
         return times[i - 1] + f * (times[i] - times[i - 1])
+
+    def context_seconds(self, drafts: int, n_ctx: int) -> float:
+        """Seconds a sequence with ``n_ctx`` tokens of context adds to the step when it verifies ``drafts``
+        drafts (0: a plain decode row), beyond the same rows at a short context."""
+        extra = self.context_extra
+        if not extra or n_ctx <= SHORT:
+            return 0.0
+        k = min(drafts, len(extra) - 1)
+        return extra[k] * (n_ctx - SHORT) / (self.context - SHORT)
 
     @classmethod
     def measure(cls, runner: ModelRunner, max_rows: int = 128) -> StepCost:
@@ -89,22 +108,44 @@ def _measure(runner: ModelRunner, sizes: list[int]) -> StepCost:
         if pairs:
             best_verify = min(best_verify, _time_step(runner, pairs, 1))
     times = [best[n] for n in sizes]
+    slots = runner.kv_cache[0][0].shape[0]  # the pool: num_blocks * block_size
+    context = min(CONTEXT, slots - runner.block_size - max(CONTEXT_DRAFTS))
     for i in range(1, len(times)):  # more rows never cost less: what is left of the noise
         times[i] = max(times[i], times[i - 1])
     cost = StepCost(sizes, times)
     if pairs:
         cost.per_verify = max(0.0, (best_verify - cost.rows(2 * pairs)) / pairs)
+    if context > 4 * SHORT:
+        cost.context, cost.context_extra = context, _context_extra(runner, cost, context)
     return cost
 
 
+def _context_extra(runner: ModelRunner, cost: StepCost, context: int) -> list[float]:
+    """Seconds ``context`` tokens add to one sequence's step by drafts 0 .. max(CONTEXT_DRAFTS): measured at
+    ``CONTEXT_DRAFTS`` (the fastest of ``REPEATS - 1`` interleaved rounds) less what ``cost`` gives the same rows
+    at a short context, interpolated between."""
+    long_ = dict.fromkeys(CONTEXT_DRAFTS, float("inf"))
+    for _ in range(REPEATS - 1):
+        for k in CONTEXT_DRAFTS:
+            long_[k] = min(long_[k], _time_step(runner, 1, k, context))
+    measured = [(k, max(0.0, long_[k] - cost(1 + k, int(k > 0)))) for k in CONTEXT_DRAFTS]
+    out = []
+    for k in range(max(CONTEXT_DRAFTS) + 1):
+        (k0, e0), (k1, e1) = next((a, b) for a, b in zip(measured, measured[1:], strict=False) if b[0] >= k)
+        out.append(e0 + (e1 - e0) * (k - k0) / (k1 - k0))
+    return out
+
+
 @torch.inference_mode()
-def _time_step(runner: ModelRunner, seqs: int, drafts: int) -> float:
-    """Seconds of one step of ``seqs`` scratch sequences, each computing its next token and ``drafts`` drafts."""
+def _time_step(runner: ModelRunner, seqs: int, drafts: int, context: int = 0) -> float:
+    """Seconds of one step of ``seqs`` scratch sequences, each computing its next token and ``drafts`` drafts
+    after ``context`` tokens (default: within the first two blocks)."""
     bs = runner.block_size
-    prompt = [0] * (bs - 1)  # the step's tokens stay within the first two blocks
+    prompt = [0] * (context or SHORT)
+    table = list(range(1 + (len(prompt) + drafts) // bs))
     batch = []
     for i in range(seqs):
-        seq = Sequence(f"step-cost-{i}", prompt, SamplingParams(), max_tokens=1, block_table=[0, 1])
+        seq = Sequence(f"step-cost-{i}", prompt, SamplingParams(), max_tokens=1, block_table=table)
         seq.num_computed_tokens = len(prompt) - 1
         batch.append(Scheduled(seq, 1 + drafts, [0] * drafts))
     rows = list(range(seqs * (1 + drafts)))

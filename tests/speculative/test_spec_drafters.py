@@ -60,7 +60,7 @@ def test_suffix_drafter_forgets_a_finished_request() -> None:
     d.propose([s], [2])
     s.status = s.status.FINISHED_STOPPED
     d.forget(s)
-    assert "gone" not in d.index
+    assert "gone" not in d.sessions.live
 
 
 def test_unknown_method_names_the_choices() -> None:
