@@ -10,7 +10,7 @@ from fleetllm.engine.sequence import Sequence
 from fleetllm.speculative.adaptive_k import MIN_GAIN, choose_ks
 from fleetllm.speculative.config import SpeculativeConfig
 from fleetllm.speculative.decoder import PROBE_BUDGET, PROBE_EVERY, PROBE_K, RequestSpecState, SpecDecoder
-from fleetllm.speculative.step_cost import StepCost
+from fleetllm.speculative.step_cost import SHORT, StepCost
 
 
 def rows_only(f):  # type: ignore[no-untyped-def]
@@ -89,6 +89,27 @@ def test_a_probe_gets_its_drafts_even_when_nothing_else_pays() -> None:
 
 def test_a_probe_is_cut_to_what_the_request_may_draft() -> None:
     assert choose_ks([0.1], [1], rows_only(float), floors=[2]) == [1]
+
+
+def test_a_long_context_read_again_by_every_draft_turns_drafting_off() -> None:
+    cheap_rows = rows_only(lambda n: 1.0 + 0.02 * n)
+    assert choose_ks([0.7], [4], cheap_rows) == [4]
+    assert choose_ks([0.7], [4], cheap_rows, context=lambda i, k: 1.0 + 1.5 * k) == [0]
+
+
+def test_a_long_context_read_once_for_all_drafts_makes_drafting_pay() -> None:
+    dear_rows = rows_only(lambda n: 0.5 + 0.5 * n)  # at a short context a draft row costs half a step
+    assert choose_ks([0.6], [4], dear_rows) == [0]
+    assert choose_ks([0.6], [4], dear_rows, context=lambda i, k: 10.0 + 0.1 * k) != [0]
+
+
+def test_a_contexts_share_grows_with_its_length_and_is_nothing_when_short() -> None:
+    cost = StepCost([1], [1.0], context=SHORT + 1000, context_extra=[0.1, 0.3])
+    assert cost.context_seconds(0, SHORT + 500) == 0.05
+    assert cost.context_seconds(1, SHORT + 2000) == 0.6
+    assert cost.context_seconds(5, SHORT + 1000) == 0.3  # beyond the drafts measured: the last measure
+    assert cost.context_seconds(1, SHORT) == 0.0
+    assert StepCost([1], [1.0]).context_seconds(1, 8000) == 0.0  # not measured: nothing
 
 
 def test_step_cost_jumps_where_it_was_measured_to() -> None:
