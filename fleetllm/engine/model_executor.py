@@ -65,6 +65,8 @@ class ModelExecutor:
         self.sampler = Sampler()
         spec_cfg = SpeculativeConfig.parse(cfg.speculative)
         self.spec = SpecDecoder(spec_cfg, self.loaded, self.runner, self.device) if spec_cfg else None
+        if self.step_profile:  # adaptive K timed steps of its own through the runner: they are no serving steps
+            self.step_profile.reset()
         # the C kernels this process runs: a missing one is an ERROR line (fatal with FLEETLLM_REQUIRE_KERNELS=1)
         self.kernels = health.check() if self.device == "cpu" else []
 
