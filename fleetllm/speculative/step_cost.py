@@ -11,11 +11,12 @@ depends on how the verify chunk's queries read the cache (one pass per query thr
 per tile of queries): one sequence at ``CONTEXT`` tokens with 0, 1, 2, ... drafts, less what the row model gives
 the same rows at a short context (:meth:`StepCost.context_seconds`, taken as growing linearly with the context).
 
-Measured through :meth:`ModelRunner.execute` itself, on scratch sequences that share two blocks of the
-KV pool (nothing is cached before the first request): every row's logits, as a verify step computes
-them. On a shared machine one step can take twice its time, so every size is timed ``REPEATS`` times in
-interleaved rounds (a slow spell stretches every size alike, not one) and the fastest is kept: noise
-only ever adds time.
+Measured through :meth:`ModelRunner.execute` itself, on scratch sequences over the first blocks of the KV
+pool (two, or a long context's; nothing is cached before the first request): every row's logits, as a verify step computes
+them. On a shared machine one step can take twice its time, so every size up to ``WIDE`` rows is timed
+``REPEATS`` times in interleaved rounds (a slow spell stretches every size alike, not one) and the fastest is
+kept: noise only ever adds time. Wider steps are timed once: they are most of the measure's time (it runs at
+every start of a worker), and a step timed too slow only makes adaptive K draft less in wide batches.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ if TYPE_CHECKING:
 POWERS = (1, 2, 4, 8, 16, 32, 64, 128)
 SHORT = 15  # tokens of context of the row measures: the step's tokens stay within the first two blocks
 REPEATS = 3
+WIDE = 32  # steps of more rows are timed once: most of the measure's time, and noise there only makes K smaller
 VERIFY_ROWS = 16  # the per-verify overhead is measured on this many rows, verified two by two
 CONTEXT = 2048  # tokens of context the context's share is measured at (fewer if the KV cache is smaller)
 CONTEXT_DRAFTS = (0, 2, 3, 8)  # drafts it is measured with (between: interpolated): 2 and 3 straddle KERNEL_MAX_CHUNK
@@ -102,8 +104,8 @@ def _measure(runner: ModelRunner, sizes: list[int]) -> StepCost:
     best = {n: float("inf") for n in sizes}
     pairs = min(VERIFY_ROWS, sizes[-1]) // 2
     best_verify = float("inf")
-    for _ in range(REPEATS):
-        for n in sizes:
+    for r in range(REPEATS):
+        for n in sizes if r == 0 else [n for n in sizes if n <= WIDE]:
             best[n] = min(best[n], _time_step(runner, n, 0))
         if pairs:
             best_verify = min(best_verify, _time_step(runner, pairs, 1))
