@@ -47,6 +47,8 @@ class SpeculativeConfig:
             setattr(cfg, key, value)
         if cfg.method == "none":
             return None
+        if cfg.session_tokens < 0:
+            raise ValueError(f"speculative session_tokens must be 0 or more, got {cfg.session_tokens}")
         if cfg.k is not None and not 1 <= cfg.k <= 16:
             raise ValueError(f"speculative k must be in [1, 16], got {cfg.k}")
         return cfg

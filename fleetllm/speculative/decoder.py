@@ -3,8 +3,8 @@
 K per request: with ``adaptive`` each request keeps a decayed estimate of its per-draft acceptance
 probability, and :func:`~fleetllm.speculative.adaptive_k.choose_ks` splits drafts over the batch so that
 the step emits the most tokens per second, counting the target's measured step time by row count and
-verifying requests and what each request's context adds to it (:mod:`fleetllm.speculative.step_cost`), what checking a verify's drafts took so far,
-and drafting. Nobody drafts when that does not beat a plain step by ``MIN_GAIN``; a request left without
+verifying requests and what each request's context adds to it (:mod:`fleetllm.speculative.step_cost`),
+what checking a verify's drafts took so far, and drafting. Nobody drafts when that does not beat a plain step by ``MIN_GAIN``; a request left without
 drafts for ``PROBE_EVERY`` steps (more in a batch where a probe's rows are dear: probes take at most
 ``PROBE_BUDGET`` of the time) gets a probe of ``PROBE_K`` drafts so that, if its text became predictable,
 it can win speculation back.

@@ -87,3 +87,9 @@ def test_speculative_flag_rejects_unknown_keys_and_bad_k() -> None:
         SpeculativeConfig.parse("method=ngram,depth=3")
     with pytest.raises(ValueError, match="k must be"):
         SpeculativeConfig.parse("method=ngram,k=0")
+
+
+def test_the_session_memory_is_a_key_of_the_flag() -> None:
+    assert SpeculativeConfig.parse("method=suffix,session_tokens=0").session_tokens == 0
+    with pytest.raises(ValueError, match="session_tokens must be"):
+        SpeculativeConfig.parse("method=suffix,session_tokens=-1")
