@@ -209,7 +209,7 @@ def main() -> None:
     print(text)
     if not args.no_append:
         cmd = "python benchmarks/agentic.py " + " ".join(sys.argv[1:])
-        save_run(f"## Agent sessions: per-user speed, {args.model}, {args.workload} (issue 41)",
+        save_run(f"## Agent sessions: per-user speed, {args.model}, {args.workload}",
                    f"Agent sessions (`fleetllm bench --workload {args.workload}`, see docs/agents.md) on two real "
                    f"{args.model} workers of one thread each behind a router. Flags: `"
                    + " ".join(WORKLOADS[args.workload]) + f" --max-context {args.max_context}`.",
