@@ -111,7 +111,8 @@ def _measure(runner: ModelRunner, sizes: list[int]) -> StepCost:
             best_verify = min(best_verify, _time_step(runner, pairs, 1))
     times = [best[n] for n in sizes]
     slots = runner.kv_cache[0][0].shape[0]  # the pool: num_blocks * block_size
-    context = min(CONTEXT, slots - runner.block_size - max(CONTEXT_DRAFTS))
+    most = min(slots - runner.block_size, runner.model.cfg.max_position_embeddings)  # what the pool and model hold
+    context = min(CONTEXT, most - max(CONTEXT_DRAFTS) - 1)
     for i in range(1, len(times)):  # more rows never cost less: what is left of the noise
         times[i] = max(times[i], times[i - 1])
     cost = StepCost(sizes, times)
