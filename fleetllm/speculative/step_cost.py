@@ -85,12 +85,23 @@ class StepCost:
         mine = _MEASURED.setdefault(runner.model, {})
         key = (torch.get_num_threads(), max_rows)
         if key not in mine:
-            mine[key] = _measure(runner, row_sizes(runner.model, max_rows))
+            mine[key] = _measure_or_cached(runner, max_rows)
         return mine[key]
 
 
 # per model (weakly: engines over other weights measure their own), then per (threads, max_rows)
 _MEASURED: weakref.WeakKeyDictionary[torch.nn.Module, dict[tuple[int, int], StepCost]] = weakref.WeakKeyDictionary()
+
+
+def _measure_or_cached(runner: ModelRunner, max_rows: int) -> StepCost:
+    """The measure of this machine, model shape and code kept on disk (``step_cost_cache``), else a new one."""
+    from fleetllm.speculative import step_cost_cache
+
+    name = step_cost_cache.key(runner, max_rows)
+    if (cost := step_cost_cache.load(name)) is None:
+        cost = _measure(runner, row_sizes(runner.model, max_rows))
+        step_cost_cache.save(name, cost)
+    return cost
 
 
 def row_sizes(model: torch.nn.Module, max_rows: int) -> list[int]:
