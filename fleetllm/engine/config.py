@@ -38,9 +38,10 @@ class EngineConfig:
                                       "and the fleet YAML: auto, one private redis-server shared with --state-url "
                                       "auto)",
                                 parse=kv_remote_value, metavar="URL")
-    kv_cache_dtype: Literal["auto", "fp32", "bf16", "fp16"] = opt(
-        "auto", "dtype of the paged KV cache: auto (the model's), fp32, bf16 or fp16 (half the bytes per token, "
-                "twice the tokens in --kv-cache-gb; attention reads it back in the model's dtype)")
+    kv_cache_dtype: Literal["auto", "fp32", "bf16", "fp16", "int8", "fp8", "fp8_e4m3", "fp8_e5m2"] = opt(
+        "auto", "dtype of the paged KV cache: auto (the model's), fp32, bf16 or fp16 (half the bytes per token), "
+                "int8, fp8 (= fp8_e4m3) or fp8_e5m2 (8 bits and a scale per token and KV head: about a quarter of "
+                "fp32's bytes, read in place by the attention kernels); see docs/kv-cache-dtype.md")
     max_model_len: int | None = opt(None, "most tokens of one sequence, prompt and output (default: "
                                           "min(the model's context, 8192), capped by the KV cache)")
     max_num_seqs: int = opt(SchedulerConfig.max_num_seqs, "most sequences running in one step")

@@ -18,11 +18,13 @@ from fleetllm.engine.kv_connector.base import KVConnectorMetadata, KVConnectorWo
 from fleetllm.engine.kv_memory import SharedKVFile, kv_memory
 from fleetllm.engine.scheduler import Scheduled
 from fleetllm.engine.step_profile import StepProfile, phase
+from fleetllm.kernels import kv8
 from fleetllm.lora.batch import LoraBatch
 from fleetllm.lora.tables import LoraTables
 from fleetllm.models.llama import AttentionMetadata, LlamaModel, PrefillChunk
 
-KV_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+KV_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "int8": torch.int8,
+             "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 
 
 def kv_dtype_of(name: str, model: LlamaModel) -> torch.dtype:
@@ -34,7 +36,8 @@ class ModelRunner:
     """Owns the KV cache tensors (one flat ``[num_blocks * block_size, kv_heads, head_dim]`` K and V per layer).
 
     The cache may be narrower than the model (``kv_dtype`` bf16/fp16 under fp32 weights): attention casts
-    what it stores and upcasts what it reads, so only the pool's bytes change.
+    what it stores and upcasts what it reads, so only the pool's bytes change. An 8-bit ``kv_dtype`` (int8,
+    fp8) has rows of ``head_dim + 4``: the values, then their scale (:mod:`fleetllm.kernels.kv8`).
     """
 
     def __init__(self, model: LlamaModel, num_blocks: int, block_size: int, device: str = "cpu",
@@ -47,7 +50,7 @@ class ModelRunner:
         self.device = device
         self.profile = profile
         self.kv_dtype = kv_dtype or next(model.parameters()).dtype
-        shape = (num_blocks * block_size, cfg.num_kv_heads, cfg.head_dim)
+        shape = (num_blocks * block_size, cfg.num_kv_heads, kv8.row_width(cfg.head_dim, self.kv_dtype))
         pool, pool_file = kv_memory(2 * cfg.num_layers * shape[0] * shape[1] * shape[2], self.kv_dtype, device, shared)
         self.pool_file: SharedKVFile | None = pool_file  # None: private memory
         per = pool.view(2 * cfg.num_layers, *shape)
@@ -59,8 +62,9 @@ class ModelRunner:
     def kv_bytes_per_block(model: LlamaModel, block_size: int, kv_dtype: torch.dtype | None = None) -> int:
         """Bytes of K and V, all layers, for one block of ``block_size`` tokens stored in ``kv_dtype``."""
         cfg = model.cfg
-        itemsize = torch.empty((), dtype=kv_dtype or next(model.parameters()).dtype).element_size()
-        return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * itemsize
+        dtype = kv_dtype or next(model.parameters()).dtype
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * kv8.row_width(cfg.head_dim, dtype) * itemsize
 
     def _slots(self, block_table: list[int], start: int, end: int) -> torch.Tensor:
         bs = self.block_size

@@ -1,7 +1,8 @@
 """Paged attention: queries read K/V straight from the blocks of their block tables (no gather).
 
 The interface is the one a GPU kernel (FlashInfer / vLLM ``paged_attention``-style) plugs into: queries
-``[R, H, D]``, one layer's flat caches ``[num_blocks * block_size, kv_heads, head_dim]``, int32 block tables
+``[R, H, D]``, one layer's flat caches ``[num_blocks * block_size, kv_heads, head_dim]`` (8-bit caches:
+``head_dim + 4``, the values and their scale, read in place; see :mod:`.kv8`), int32 block tables
 ``[S, max_blocks]`` and per-row context lengths. Row ``r`` reads table row ``table_of[r]`` (default: ``r``)
 and attends to its last ``window`` (default: all) of ``context_lens[r]`` positions, the newest of which is
 its own. A decode step is one row per sequence; a chunk of ``n`` queries over cached context is ``n`` rows
@@ -20,9 +21,12 @@ from pathlib import Path
 
 import torch
 
+from fleetllm.kernels import kv8
 from fleetllm.kernels.build import KernelLibrary
 
-KV_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+# the cache dtypes the C kernels read, by their code there (8-bit ones: rows of values and a scale, see kv8)
+KV_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.int8: 3, torch.float8_e4m3fn: 4,
+             torch.float8_e5m2: 5}
 _enabled = os.environ.get("FLEETLLM_ATTENTION", "auto") != "eager"
 
 
@@ -112,8 +116,8 @@ def reference_attention(
         table = block_tables[r if table_of is None else int(table_of[r])].long()
         pos = torch.arange(first, n, device=q.device)
         slots = table[pos // block_size] * block_size + pos % block_size
-        k = k_cache[slots].to(q.dtype).repeat_interleave(g, dim=1).transpose(0, 1)  # [H, L, D]
-        v = v_cache[slots].to(q.dtype).repeat_interleave(g, dim=1).transpose(0, 1)
+        k = kv8.read(k_cache, slots, q.dtype).repeat_interleave(g, dim=1).transpose(0, 1)  # [H, L, D]
+        v = kv8.read(v_cache, slots, q.dtype).repeat_interleave(g, dim=1).transpose(0, 1)
         probs = torch.softmax((k @ q[r].unsqueeze(-1)).squeeze(-1) * scale, dim=-1)  # [H, L]
         out[r] = (probs.unsqueeze(1) @ v).squeeze(1)
     return out
@@ -126,7 +130,7 @@ def _check_layout(q: torch.Tensor, out: torch.Tensor, k_cache: torch.Tensor, v_c
     ok = (q.stride(2) == 1 and q.stride(1) == dim and out.stride(2) == 1 and out.stride(1) == dim
           and out.dtype == torch.float32 and out.shape == q.shape
           and k_cache.is_contiguous() and v_cache.is_contiguous() and v_cache.dtype == k_cache.dtype
-          and k_cache.shape[2] == dim and heads % k_cache.shape[1] == 0
+          and kv8.head_dim_of(k_cache) == dim and heads % k_cache.shape[1] == 0
           and block_tables.dtype == torch.int32 and block_tables.stride(1) == 1
           and context_lens.dtype == torch.int32 and context_lens.is_contiguous() and context_lens.shape[0] == rows
           and (table_of is None or (table_of.dtype == torch.int32 and table_of.is_contiguous())))

@@ -24,6 +24,7 @@
 #include <stdint.h>
 #include <string.h>
 #include "simd.h"
+#include "gemv_common.h"  /* exp8 */
 
 typedef int (*gemv_fn)(const float *x, long ldx, const uint8_t *w, const uint16_t *d, const uint16_t *m, float *y,
                        long ldy, int rows, int n, int k_in, int threads, int vector);
@@ -129,24 +130,6 @@ static void store_kv(void *cache, int dtype, long slot, const float *x, int n) {
         uint16_t *o = (uint16_t *)cache + slot * n;
         for (int i = 0; i < n; i++) o[i] = to_bf16(x[i]);
     }
-}
-
-/* e^x for 8 lanes: Cephes' expf (range reduction by ln 2 in two parts, degree-6 polynomial), ~1 ulp. */
-__attribute__((target("avx2,fma")))
-static inline __m256 exp8(__m256 x) {
-    x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.3762626647949f)), _mm256_set1_ps(-87.3365478515625f));
-    const __m256 fx = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
-    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
-    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
-    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
-    y = _mm256_add_ps(_mm256_fmadd_ps(y, _mm256_mul_ps(x, x), x), _mm256_set1_ps(1.f));
-    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
 }
 
 /* act[r, i] = silu(gu[r, i]) * gu[r, inter + i]: gate and up are the two halves of the fused output. */

@@ -1,4 +1,4 @@
-/* Shared by the C kernels: a horizontal sum (all three), and q4_gemv.c's wide-step GEMM, which
+/* Shared by the C kernels: a horizontal sum (all three), an 8-lane e^x (decode_stack.c, paged_attention.c), and q4_gemv.c's wide-step GEMM, which
  * dequantises a few weight rows at a time into an L1 buffer and multiplies them with blocks of activation
  * rows. Included by each kernel's source; fleetllm/kernels/build.py hashes included files into the cache key.
  *
@@ -23,6 +23,24 @@ typedef void (*dequantize_fn)(const void *w, const float *d, const float *m, lon
                               float *buf);
 
 #if FLEETLLM_X86
+/* e^x for 8 lanes: Cephes' expf (range reduction by ln 2 in two parts, degree-6 polynomial), ~1 ulp. */
+__attribute__((target("avx2,fma")))
+static inline __m256 exp8(__m256 x) {
+    x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.3762626647949f)), _mm256_set1_ps(-87.3365478515625f));
+    const __m256 fx = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
+    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+    y = _mm256_add_ps(_mm256_fmadd_ps(y, _mm256_mul_ps(x, x), x), _mm256_set1_ps(1.f));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+
 __attribute__((target("avx2,fma")))
 static inline float hsum8(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));

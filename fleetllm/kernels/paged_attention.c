@@ -4,8 +4,9 @@
  * Plain C with no torch headers, so it builds in about a second (see fleetllm/kernels/build.py); Python
  * hands it data pointers of contiguous tensors through ctypes.
  *
- * Layout: the cache of one layer is [num_blocks * block_size, kv_heads, head_dim] (fp32, fp16 or bf16);
- * key position p of a sequence lives in slot table[p / block_size] * block_size + p % block_size. A query
+ * Layout: the cache of one layer is [num_blocks * block_size, kv_heads, row] (fp32, fp16 or bf16: row =
+ * head_dim; 8-bit int8 / fp8 e4m3 / fp8 e5m2: row = head_dim + 4 bytes, the values then their fp32 scale, see
+ * fleetllm/kernels/kv8.py); key position p of a sequence lives in slot table[p / block_size] * block_size + p % block_size. A query
  * row r reads the table row table_of[r] (r when table_of is NULL) and attends to positions [max(0, len - window), len) with
  * len = context_lens[r]: a decode step has one row per sequence, a chunk of n queries over cached context
  * has n rows sharing one table with lengths n_ctx - n + 1 ... n_ctx (causal by construction).
@@ -14,15 +15,21 @@
  * KV head are computed together, so every key and value vector is loaded once for all of them (GQA).
  * Softmax is exact two-pass over a per-task score buffer: scores, then max, exp and sum, then weighted
  * values. Vector code (AVX2 + FMA, F16C for fp16 keys) is chosen at run time; a scalar path covers the rest.
+ *
+ * 8-bit rows are read in place and widened in registers: a score is scale_k * (q . k8) and a value row enters
+ * as (p * scale_v) * v8, so the scales cost one multiply per key, not per element. fp8 goes through F16C: an
+ * e5m2 byte is the top byte of an fp16, an e4m3 byte shifted into an fp16's exponent and mantissa is its
+ * value / 256 (subnormals included), so 256 is folded into its scale.
  */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 #include "simd.h"
-#include "gemv_common.h"  /* hsum8 */
+#include "gemv_common.h"  /* hsum8, exp8 */
 
-enum { KV_F32 = 0, KV_F16 = 1, KV_BF16 = 2 };
+enum { KV_F32 = 0, KV_F16 = 1, KV_BF16 = 2, KV_I8 = 3, KV_E4M3 = 4, KV_E5M2 = 5 };
+#define IS_8BIT(dt) ((dt) >= KV_I8)
 
 typedef struct {
     const float *q; long q_row_stride;        /* q[row * q_row_stride + head * head_dim + i] */
@@ -32,6 +39,7 @@ typedef struct {
     float *out; long out_row_stride;
     int heads, kv_heads, head_dim, block_size, window;
     float scale;
+    int row;  /* elements of one (slot, kv head) row: head_dim, or head_dim + 4 bytes (8-bit) */
 } PagedArgs;
 
 static inline float half_to_float(uint16_t h) {
@@ -48,8 +56,14 @@ static inline float half_to_float(uint16_t h) {
     float f; memcpy(&f, &bits, 4); return f;
 }
 
+/* An element as stored: 8-bit ones without their row's scale (see row_scale). */
 static inline float load_scalar(const void *base, long idx, int dtype) {
     if (dtype == KV_F32) return ((const float *)base)[idx];
+    if (dtype == KV_I8) return ((const int8_t *)base)[idx];
+    if (IS_8BIT(dtype)) {
+        const uint16_t b = ((const uint8_t *)base)[idx];
+        return half_to_float(dtype == KV_E5M2 ? b << 8 : ((b & 0x7f) << 7) | ((b & 0x80) << 8));
+    }
     uint16_t h = ((const uint16_t *)base)[idx];
     if (dtype == KV_F16) return half_to_float(h);
     uint32_t bits = (uint32_t)h << 16; float f; memcpy(&f, &bits, 4); return f;
@@ -57,6 +71,33 @@ static inline float load_scalar(const void *base, long idx, int dtype) {
 
 static inline long slot_of(const PagedArgs *a, const int32_t *table, int pos) {
     return (long)table[pos / a->block_size] * a->block_size + pos % a->block_size;
+}
+
+/* Slots of consecutive positions from `first`: one division to start, none per key (an integer division per
+ * key costs as much as reading an 8-bit row). The next block's table entry is read only when it is reached. */
+typedef struct { const int32_t *table; long slot; int block, left, block_size; } Slots;
+
+static inline Slots slots_from(const PagedArgs *a, const int32_t *table, int first) {
+    const int b = first / a->block_size, off = first % a->block_size;
+    return (Slots){table, (long)table[b] * a->block_size + off, b, a->block_size - off, a->block_size};
+}
+
+static inline long next_slot(Slots *it) {
+    if (it->left == 0) {
+        it->slot = (long)it->table[++it->block] * it->block_size;
+        it->left = it->block_size;
+    }
+    it->left--;
+    return it->slot++;
+}
+
+/* What the elements of the row at `base` are multiplied by: 1 for fp32/fp16/bf16, the row's scale for 8-bit
+ * (times 256 for e4m3, which load_scalar and load8 read as value / 256). */
+static inline float row_scale(const void *cache, long base, int head_dim, int dtype) {
+    if (!IS_8BIT(dtype)) return 1.f;
+    float s;
+    memcpy(&s, (const uint8_t *)cache + base + head_dim, 4);
+    return dtype == KV_E4M3 ? s * 256.f : s;
 }
 
 /* ---- scalar path ---------------------------------------------------------------------------------- */
@@ -68,11 +109,12 @@ static void task_scalar(const PagedArgs *a, int row, int kvh, float *scores) {
     const float *q = a->q + row * a->q_row_stride + (long)kvh * g * d;
     float *out = a->out + row * a->out_row_stride + (long)kvh * g * d;
     for (int j = 0; j < n; j++) {
-        long base = (slot_of(a, table, first + j) * a->kv_heads + kvh) * d;
+        long base = (slot_of(a, table, first + j) * a->kv_heads + kvh) * a->row;
+        const float ks = row_scale(a->k_cache, base, d, a->kv_dtype) * a->scale;
         for (int h = 0; h < g; h++) {
             float s = 0.f;
             for (int i = 0; i < d; i++) s += q[h * d + i] * load_scalar(a->k_cache, base + i, a->kv_dtype);
-            scores[h * n + j] = s * a->scale;
+            scores[h * n + j] = s * ks;
         }
     }
     for (int h = 0; h < g; h++) {
@@ -83,15 +125,37 @@ static void task_scalar(const PagedArgs *a, int row, int kvh, float *scores) {
     }
     memset(out, 0, sizeof(float) * g * d);
     for (int j = 0; j < n; j++) {
-        long base = (slot_of(a, table, first + j) * a->kv_heads + kvh) * d;
+        long base = (slot_of(a, table, first + j) * a->kv_heads + kvh) * a->row;
+        const float vs = row_scale(a->v_cache, base, d, a->kv_dtype);
         for (int i = 0; i < d; i++) {
-            float v = load_scalar(a->v_cache, base + i, a->kv_dtype);
+            float v = load_scalar(a->v_cache, base + i, a->kv_dtype) * vs;
             for (int h = 0; h < g; h++) out[h * d + i] += scores[h * n + j] * v;
         }
     }
 }
 
 /* ---- AVX2 path: head_dim a multiple of 8 ---------------------------------------------------------- */
+
+/* Each of the g rows of n scores into its softmax, in place; e^x 8 lanes at a time (libm's expf, one score at
+ * a time, cost a third of an 8-bit read at 8k positions). */
+__attribute__((target("avx2,fma")))
+static void softmax_rows(float *scores, int g, int n) {
+    for (int h = 0; h < g; h++) {
+        float *sc = scores + h * n, m = -INFINITY, sum = 0.f;
+        for (int j = 0; j < n; j++) m = sc[j] > m ? sc[j] : m;
+        __m256 acc = _mm256_setzero_ps();
+        const __m256 mv = _mm256_set1_ps(m);
+        int j = 0;
+        for (; j + 8 <= n; j += 8) {
+            const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sc + j), mv));
+            _mm256_storeu_ps(sc + j, e);
+            acc = _mm256_add_ps(acc, e);
+        }
+        for (; j < n; j++) { sc[j] = expf(sc[j] - m); sum += sc[j]; }
+        const float inv = 1.f / (sum + hsum8(acc));
+        for (j = 0; j < n; j++) sc[j] *= inv;
+    }
+}
 
 #define BLOCK_VECS 8  /* vectors of head_dim (64 floats) held in registers at once: all of a 64-wide head */
 #define PARALLEL_MIN_KEYS 4096  /* (position, kv head) pairs below which one thread is faster */
@@ -100,6 +164,14 @@ static void task_scalar(const PagedArgs *a, int row, int kvh, float *scores) {
 __attribute__((target("avx2,fma,f16c"), always_inline))
 static inline __m256 load8(const void *base, long idx, int dtype) {
     if (dtype == KV_F32) return _mm256_loadu_ps((const float *)base + idx);
+    if (IS_8BIT(dtype)) {  /* 8 bytes widened in registers (the row's scale applied by the caller) */
+        const __m128i b = _mm_loadl_epi64((const __m128i *)((const uint8_t *)base + idx));
+        if (dtype == KV_I8) return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
+        const __m128i h = _mm_slli_epi16(_mm_cvtepu8_epi16(b), 8);  /* the byte atop a 16-bit lane */
+        if (dtype == KV_E5M2) return _mm256_cvtph_ps(h);
+        /* e4m3: exponent and mantissa one bit lower; the arithmetic shift copies the sign into bit 14, cleared */
+        return _mm256_cvtph_ps(_mm_and_si128(_mm_srai_epi16(h, 1), _mm_set1_epi16((short)0xbfff)));
+    }
     __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)base + idx));
     if (dtype == KV_F16) return _mm256_cvtph_ps(h);
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
@@ -112,15 +184,17 @@ __attribute__((target("avx2,fma,f16c"), always_inline))
 static inline void score_block(const PagedArgs *a, const int32_t *table, int first, int n, int kvh, const float *q,
                                float *scores, int v0, const int nb, const int dtype) {
     const int d = a->head_dim, g = a->heads / a->kv_heads;
+    Slots it = slots_from(a, table, first);
     for (int j = 0; j < n; j++) {
-        const long base = (slot_of(a, table, first + j) * a->kv_heads + kvh) * d + 8 * v0;
+        const long row = (next_slot(&it) * a->kv_heads + kvh) * a->row, base = row + 8 * v0;
+        const float ks = row_scale(a->k_cache, row, d, dtype) * a->scale;
         __m256 k[BLOCK_VECS];
         for (int v = 0; v < nb; v++) k[v] = load8(a->k_cache, base + 8 * v, dtype);
         for (int h = 0; h < g; h++) {
             const float *qh = q + h * d + 8 * v0;
             __m256 acc = _mm256_setzero_ps();
             for (int v = 0; v < nb; v++) acc = _mm256_fmadd_ps(_mm256_loadu_ps(qh + 8 * v), k[v], acc);
-            const float s = hsum8(acc) * a->scale;
+            const float s = hsum8(acc) * ks;
             scores[h * n + j] = v0 == 0 ? s : scores[h * n + j] + s;
         }
     }
@@ -134,9 +208,10 @@ static inline void value_block(const PagedArgs *a, const int32_t *table, int fir
     for (int h = 0; h < g; h++) {
         __m256 acc[BLOCK_VECS];
         for (int v = 0; v < nb; v++) acc[v] = _mm256_setzero_ps();
+        Slots it = slots_from(a, table, first);
         for (int j = 0; j < n; j++) {
-            const long base = (slot_of(a, table, first + j) * a->kv_heads + kvh) * d + 8 * v0;
-            const __m256 p = _mm256_set1_ps(scores[h * n + j]);
+            const long row = (next_slot(&it) * a->kv_heads + kvh) * a->row, base = row + 8 * v0;
+            const __m256 p = _mm256_set1_ps(scores[h * n + j] * row_scale(a->v_cache, row, d, dtype));
             for (int v = 0; v < nb; v++) acc[v] = _mm256_fmadd_ps(p, load8(a->v_cache, base + 8 * v, dtype), acc[v]);
         }
         for (int v = 0; v < nb; v++) _mm256_storeu_ps(out + h * d + 8 * (v0 + v), acc[v]);
@@ -149,7 +224,10 @@ static inline void value_block(const PagedArgs *a, const int32_t *table, int fir
     if (nb < BLOCK_VECS) CALL(nb, a->kv_dtype); \
     else if (a->kv_dtype == KV_F32) CALL(BLOCK_VECS, KV_F32); \
     else if (a->kv_dtype == KV_F16) CALL(BLOCK_VECS, KV_F16); \
-    else CALL(BLOCK_VECS, KV_BF16); } while (0)
+    else if (a->kv_dtype == KV_BF16) CALL(BLOCK_VECS, KV_BF16); \
+    else if (a->kv_dtype == KV_I8) CALL(BLOCK_VECS, KV_I8); \
+    else if (a->kv_dtype == KV_E4M3) CALL(BLOCK_VECS, KV_E4M3); \
+    else CALL(BLOCK_VECS, KV_E5M2); } while (0)
 
 /* The scores (values == 0, into `scores`) or the weighted values (values == 1, into `out`), block by block. */
 __attribute__((target("avx2,fma,f16c")))
@@ -174,24 +252,133 @@ static void task_avx2(const PagedArgs *a, int row, int kvh, float *scores) {
     const int32_t *table = a->tables + (long)(a->table_of ? a->table_of[row] : row) * a->table_stride;
     const float *q = a->q + row * a->q_row_stride + (long)kvh * g * d;
     by_blocks_avx2(a, table, first, n, kvh, q, scores, NULL, 0);
-    for (int h = 0; h < g; h++) {
-        float *sc = scores + h * n, m = -INFINITY, sum = 0.f;
-        for (int j = 0; j < n; j++) m = sc[j] > m ? sc[j] : m;
-        for (int j = 0; j < n; j++) { sc[j] = expf(sc[j] - m); sum += sc[j]; }
-        float inv = 1.f / sum;
-        for (int j = 0; j < n; j++) sc[j] *= inv;
-    }
+    softmax_rows(scores, g, n);
     by_blocks_avx2(a, table, first, n, kvh, q, scores, a->out + row * a->out_row_stride + (long)kvh * g * d, 1);
+}
+
+/* ---- AVX-512 path: head_dim a multiple of 16 ------------------------------------------------------ */
+/* The same two passes 16 lanes wide. The value pass also takes up to HG heads per read of a value row (the
+ * AVX2 pass reads it once per head), so an 8-bit row is widened once for all the heads that share it. */
+
+#define ZV 4  /* vectors of head_dim (64 floats) per pass */
+#define HG 4  /* heads per value pass: HG x ZV accumulators */
+#define AVX512 "avx512f,avx512bw,avx2,fma,f16c"
+
+__attribute__((target(AVX512), always_inline))
+static inline __m512 load16(const void *base, long idx, const int dtype) {
+    if (dtype == KV_F32) return _mm512_loadu_ps((const float *)base + idx);
+    if (dtype == KV_F16 || dtype == KV_BF16) {
+        const __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)base + idx));
+        return dtype == KV_F16 ? _mm512_cvtph_ps(h) : _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    }
+    const __m128i b = _mm_loadu_si128((const __m128i *)((const uint8_t *)base + idx));
+    if (dtype == KV_I8) return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b));
+    const __m256i h = _mm256_slli_epi16(_mm256_cvtepu8_epi16(b), 8);  /* as load8: fp8 through fp16 */
+    if (dtype == KV_E5M2) return _mm512_cvtph_ps(h);
+    return _mm512_cvtph_ps(_mm256_and_si256(_mm256_srai_epi16(h, 1), _mm256_set1_epi16((short)0xbfff)));
+}
+
+__attribute__((target(AVX512), always_inline))
+static inline void score_block16(const PagedArgs *a, const int32_t *table, int first, int n, int kvh, const float *q,
+                                 float *scores, int v0, const int nb, const int dtype) {
+    const int d = a->head_dim, g = a->heads / a->kv_heads;
+    Slots it = slots_from(a, table, first);
+    for (int j = 0; j < n; j++) {
+        const long row = (next_slot(&it) * a->kv_heads + kvh) * a->row, base = row + 16 * v0;
+        const float ks = row_scale(a->k_cache, row, d, dtype) * a->scale;
+        __m512 k[ZV];
+        for (int v = 0; v < nb; v++) k[v] = load16(a->k_cache, base + 16 * v, dtype);
+        for (int h = 0; h < g; h++) {
+            const float *qh = q + h * d + 16 * v0;
+            __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(qh), k[0]);
+            for (int v = 1; v < nb; v++) acc = _mm512_fmadd_ps(_mm512_loadu_ps(qh + 16 * v), k[v], acc);
+            const float s = _mm512_reduce_add_ps(acc) * ks;
+            scores[h * n + j] = v0 == 0 ? s : scores[h * n + j] + s;
+        }
+    }
+}
+
+/* out[h0 + h] = sum_j p[h0 + h, j] v_j over head_dim's vectors v0 .. v0 + nb - 1, for hg heads at once. */
+__attribute__((target(AVX512), always_inline))
+static inline void value_block16(const PagedArgs *a, const int32_t *table, int first, int n, int kvh,
+                                 const float *scores, float *out, int v0, const int nb, int h0, const int hg,
+                                 const int dtype) {
+    const int d = a->head_dim;
+    __m512 acc[HG][ZV];
+    for (int h = 0; h < hg; h++)
+        for (int v = 0; v < nb; v++) acc[h][v] = _mm512_setzero_ps();
+    Slots it = slots_from(a, table, first);
+    for (int j = 0; j < n; j++) {
+        const long row = (next_slot(&it) * a->kv_heads + kvh) * a->row, base = row + 16 * v0;
+        const float vs = row_scale(a->v_cache, row, d, dtype);
+        __m512 x[ZV];
+        for (int v = 0; v < nb; v++) x[v] = load16(a->v_cache, base + 16 * v, dtype);
+        for (int h = 0; h < hg; h++) {
+            const __m512 p = _mm512_set1_ps(scores[(h0 + h) * n + j] * vs);
+            for (int v = 0; v < nb; v++) acc[h][v] = _mm512_fmadd_ps(p, x[v], acc[h][v]);
+        }
+    }
+    for (int h = 0; h < hg; h++)
+        for (int v = 0; v < nb; v++) _mm512_storeu_ps(out + (h0 + h) * d + 16 * (v0 + v), acc[h][v]);
+}
+
+/* Constants for the common shapes (64 dims a pass, 1-4 heads a value pass), per cache type; the rest (a last
+ * pass under 64 dims) with its widths read at run time. */
+#define BY_TYPE(CALL, NB, ...) do { \
+    if (a->kv_dtype == KV_F32) CALL(NB, __VA_ARGS__, KV_F32); \
+    else if (a->kv_dtype == KV_F16) CALL(NB, __VA_ARGS__, KV_F16); \
+    else if (a->kv_dtype == KV_BF16) CALL(NB, __VA_ARGS__, KV_BF16); \
+    else if (a->kv_dtype == KV_I8) CALL(NB, __VA_ARGS__, KV_I8); \
+    else if (a->kv_dtype == KV_E4M3) CALL(NB, __VA_ARGS__, KV_E4M3); \
+    else CALL(NB, __VA_ARGS__, KV_E5M2); } while (0)
+
+__attribute__((target(AVX512)))
+static void by_blocks_avx512(const PagedArgs *a, const int32_t *table, int first, int n, int kvh, const float *q,
+                             float *scores, float *out, int values) {
+    const int nv = a->head_dim / 16, g = a->heads / a->kv_heads;
+    for (int v0 = 0; v0 < nv; v0 += ZV) {
+        const int nb = nv - v0 < ZV ? nv - v0 : ZV;
+#define SCORES(NB, _, DT) score_block16(a, table, first, n, kvh, q, scores, v0, NB, DT)
+#define VALUES(NB, HGC, DT) value_block16(a, table, first, n, kvh, scores, out, v0, NB, h0, HGC, DT)
+        if (!values) {
+            if (nb == ZV) BY_TYPE(SCORES, ZV, 0);
+            else SCORES(nb, 0, a->kv_dtype);
+            continue;
+        }
+        for (int h0 = 0; h0 < g; h0 += HG) {
+            const int hg = g - h0 < HG ? g - h0 : HG;
+            if (nb < ZV) VALUES(nb, hg, a->kv_dtype);
+            else if (hg == 4) BY_TYPE(VALUES, ZV, 4);
+            else if (hg == 3) BY_TYPE(VALUES, ZV, 3);
+            else if (hg == 2) BY_TYPE(VALUES, ZV, 2);
+            else BY_TYPE(VALUES, ZV, 1);
+        }
+#undef SCORES
+#undef VALUES
+    }
+}
+
+__attribute__((target(AVX512)))
+static void task_avx512(const PagedArgs *a, int row, int kvh, float *scores) {
+    const int d = a->head_dim, g = a->heads / a->kv_heads, len = a->context_lens[row];
+    const int first = a->window > 0 && len > a->window ? len - a->window : 0, n = len - first;
+    const int32_t *table = a->tables + (long)(a->table_of ? a->table_of[row] : row) * a->table_stride;
+    const float *q = a->q + row * a->q_row_stride + (long)kvh * g * d;
+    by_blocks_avx512(a, table, first, n, kvh, q, scores, NULL, 0);
+    softmax_rows(scores, g, n);
+    by_blocks_avx512(a, table, first, n, kvh, q, scores, a->out + row * a->out_row_stride + (long)kvh * g * d, 1);
 }
 #endif  /* FLEETLLM_X86 */
 
 /* ---- entry points --------------------------------------------------------------------------------- */
 
-/* 2 when the AVX2 path runs on this CPU, 0 for the scalar one (reported by Python, and used by tests). */
+/* 3 when the AVX-512 path runs on this CPU (head_dim a multiple of 16), 2 for the AVX2 one, 0 for the scalar
+ * one (reported by Python, and used by tests). */
 int paged_attention_isa(void) {
 #if FLEETLLM_X86
     __builtin_cpu_init();
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c") ? 2 : 0;
+    if (!__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("fma") || !__builtin_cpu_supports("f16c")) return 0;
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") ? 3 : 2;
 #else
     return 0;
 #endif
@@ -204,8 +391,10 @@ int paged_attention(const float *q, long q_row_stride, const void *k_cache, cons
                     float *out, long out_row_stride, int rows, int heads, int kv_heads, int head_dim,
                     int block_size, int window, float scale, int threads) {
     PagedArgs a = {q, q_row_stride, k_cache, v_cache, kv_dtype, tables, table_stride, table_of, context_lens,
-                   out, out_row_stride, heads, kv_heads, head_dim, block_size, window, scale};
-    const int vec = paged_attention_isa() == 2 && head_dim % 8 == 0;
+                   out, out_row_stride, heads, kv_heads, head_dim, block_size, window, scale,
+                   IS_8BIT(kv_dtype) ? head_dim + 4 : head_dim};
+    const int isa = paged_attention_isa(), vec = isa >= 2 && head_dim % 8 == 0;
+    const int vec512 = isa == 3 && head_dim % 16 == 0;
     int max_len = 0, failed = 0;
     long keys = 0;
     for (int r = 0; r < rows; r++) {
@@ -222,7 +411,8 @@ int paged_attention(const float *q, long q_row_stride, const void *k_cache, cons
         for (int t = 0; t < tasks; t++) {
             if (!scores) continue;
 #if FLEETLLM_X86
-            if (vec) task_avx2(&a, t / kv_heads, t % kv_heads, scores);
+            if (vec512) task_avx512(&a, t / kv_heads, t % kv_heads, scores);
+            else if (vec) task_avx2(&a, t / kv_heads, t % kv_heads, scores);
             else
 #endif
             task_scalar(&a, t / kv_heads, t % kv_heads, scores);

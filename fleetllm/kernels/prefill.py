@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from fleetllm.kernels import attention
+from fleetllm.kernels import attention, kv8
 from fleetllm.kernels.build import KernelLibrary
 
 MAX_HEAD_DIM = 256
@@ -69,7 +69,7 @@ def prefill_attention(
         out = torch.empty(n, heads, dim, dtype=q.dtype)
     ok = (q.stride(2) == 1 and q.stride(1) == dim and out.stride(2) == 1 and out.stride(1) == dim
           and out.shape == q.shape and out.dtype == torch.float32 and k_cache.is_contiguous()
-          and v_cache.is_contiguous() and v_cache.dtype == k_cache.dtype and k_cache.shape[2] == dim
+          and v_cache.is_contiguous() and v_cache.dtype == k_cache.dtype and kv8.head_dim_of(k_cache) == dim
           and heads % k_cache.shape[1] == 0 and block_table.dtype == torch.int32 and block_table.is_contiguous()
           and block_table.numel() * block_size >= context_len >= n)
     if not ok:

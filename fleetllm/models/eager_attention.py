@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from fleetllm.kernels import kv8
+
 if TYPE_CHECKING:
     from fleetllm.models.llama import AttentionMetadata
 
@@ -21,14 +23,15 @@ def eager_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     """Write into ``out [T, H, D]`` the attention of every query of ``q [T, H, D]`` (keys already cached)."""
     if meta.decode_idx is not None:
         b, n_keys = meta.decode_slots.shape
-        keys = k_cache.index_select(0, meta.decode_slots.flatten()).view(b, n_keys, *k_cache.shape[1:])
-        vals = v_cache.index_select(0, meta.decode_slots.flatten()).view(b, n_keys, *v_cache.shape[1:])
+        flat = meta.decode_slots.flatten()
+        keys = kv8.read(k_cache, flat, q.dtype).view(b, n_keys, k_cache.shape[1], -1)
+        vals = kv8.read(v_cache, flat, q.dtype).view(b, n_keys, v_cache.shape[1], -1)
         qd = q[meta.decode_idx].unsqueeze(1)  # [B, 1, H, D]
         out[meta.decode_idx] = _attend(qd, keys, vals, meta.decode_mask, scale, softcap, sinks)[:, 0]
     for c in meta.prefills:
         n_q, n_ctx = c.end - c.start, c.ctx_slots.shape[0]
-        keys = k_cache.index_select(0, c.ctx_slots).unsqueeze(0)
-        vals = v_cache.index_select(0, c.ctx_slots).unsqueeze(0)
+        keys = kv8.read(k_cache, c.ctx_slots, q.dtype).unsqueeze(0)
+        vals = kv8.read(v_cache, c.ctx_slots, q.dtype).unsqueeze(0)
         q_pos = torch.arange(n_ctx - n_q, n_ctx, device=q.device).unsqueeze(1)
         kv_pos = torch.arange(n_ctx, device=q.device).unsqueeze(0)
         seen = kv_pos <= q_pos  # [q, L]

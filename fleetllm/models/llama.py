@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fleetllm.kernels import chunk_rows, kernel_ready, paged_attention
+from fleetllm.kernels import chunk_rows, kernel_ready, kv8, paged_attention
 from fleetllm.kernels.decode_stack import DecodeStack
 from fleetllm.kernels.prefill import prefill_attention, prefill_ready
 from fleetllm.lora.batch import LoraBatch
@@ -172,9 +172,9 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rotary(q, k, positions)
-        # a narrower cache (--kv-cache-dtype) stores rounded K/V; reads upcast them (``.to`` is free when equal)
-        k_cache.index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
-        v_cache.index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
+        # a narrower cache (--kv-cache-dtype) stores rounded (8-bit: quantised) K/V; eager reads convert them back
+        kv8.store(k_cache, meta.slot_mapping, k)
+        kv8.store(v_cache, meta.slot_mapping, v)
 
         out = torch.empty(t, self.h, self.d, dtype=x.dtype, device=x.device)
         if self.eager:
@@ -227,8 +227,8 @@ class Attention(nn.Module):
         g = self.h // self.hkv
         # index_select on the flat slots, not k_cache[decode_slots]: the same rows, several times faster on CPU
         flat, shape = meta.decode_slots.flatten(), (b, meta.decode_slots.shape[1], self.hkv, self.d)
-        keys = k_cache.index_select(0, flat).view(shape).to(q.dtype).permute(0, 2, 3, 1)  # [B, Hkv, D, L]
-        vals = v_cache.index_select(0, flat).view(shape).to(q.dtype).transpose(1, 2)  # [B, Hkv, L, D]
+        keys = kv8.read(k_cache, flat, q.dtype).view(shape).permute(0, 2, 3, 1)  # [B, Hkv, D, L]
+        vals = kv8.read(v_cache, flat, q.dtype).view(shape).transpose(1, 2)  # [B, Hkv, L, D]
         qg = q.view(b, self.hkv, g, self.d)
         scores = torch.matmul(qg, keys) * self.scale + meta.decode_mask  # [B, Hkv, G, L]
         probs = torch.softmax(scores, dim=-1)
@@ -243,8 +243,8 @@ class Attention(nn.Module):
             kt, vt = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
             o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=self.scale, enable_gqa=True)
         else:
-            kt = k_cache.index_select(0, c.ctx_slots).to(q.dtype).transpose(0, 1).unsqueeze(0)  # [1, Hkv, L, D]
-            vt = v_cache.index_select(0, c.ctx_slots).to(q.dtype).transpose(0, 1).unsqueeze(0)
+            kt = kv8.read(k_cache, c.ctx_slots, q.dtype).transpose(0, 1).unsqueeze(0)  # [1, Hkv, L, D]
+            vt = kv8.read(v_cache, c.ctx_slots, q.dtype).transpose(0, 1).unsqueeze(0)
             q_pos = torch.arange(n_ctx - n_q, n_ctx, device=q.device).unsqueeze(1)
             kv_pos = torch.arange(n_ctx, device=q.device).unsqueeze(0)
             mask = kv_pos <= q_pos  # [q, L]

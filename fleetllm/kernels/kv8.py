@@ -1,0 +1,94 @@
+"""8-bit KV cache rows (``--kv-cache-dtype int8 | fp8 | fp8_e4m3 | fp8_e5m2``): layout, writing and reading.
+
+An 8-bit cache keeps, for every (token, KV head), its ``head_dim`` values in 8 bits followed by their scale, a
+float32 in the row's last four bytes: a layer's cache is ``[slots, kv_heads, head_dim + 4]`` of ``torch.int8``,
+``torch.float8_e4m3fn`` or ``torch.float8_e5m2``. The value of element ``i`` is ``row[i] * scale``; the scale is
+``max |x| / qmax`` of the row (qmax: 127, 448, 57344), so the row's largest value is the format's largest.
+
+Why per token and head, next to the values: a token's K/V is written once, when it is computed (a decode
+step writes one row, no block is ever requantised, as a per-block scale would need when a later token is
+larger); an outlier token costs precision to no other; and every copy of a block (P/D frames, the KV tiers,
+the prefix cache's blocks) carries its scales with it, because they are the same bytes. Four bytes per 64
+values: 6% on top of the 8-bit payload (68 bytes a row against fp32's 256).
+
+The C kernels (paged_attention.c, prefill_attention.c, decode_stack.c) read and write this layout in place;
+:func:`store` and :func:`read` are the PyTorch paths' (which may dequantise the rows they read), and
+:func:`convert` / :func:`copy_rows` move rows between pools of different layouts.
+"""
+
+from __future__ import annotations
+
+import torch
+
+SCALE_BYTES = 4
+QMAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
+
+
+def quantized(dtype: torch.dtype) -> bool:
+    """Whether a cache of ``dtype`` holds 8-bit rows with their scales."""
+    return dtype in QMAX
+
+
+def row_width(head_dim: int, dtype: torch.dtype) -> int:
+    """Elements of one (token, KV head) row of a cache of ``dtype``: ``head_dim``, plus the scale's bytes when 8-bit."""
+    return head_dim + SCALE_BYTES if quantized(dtype) else head_dim
+
+
+def head_dim_of(cache: torch.Tensor) -> int:
+    """The head_dim of a cache (or a block of one) whose rows are its last dimension."""
+    return cache.shape[-1] - SCALE_BYTES if quantized(cache.dtype) else cache.shape[-1]
+
+
+def quantize(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Rows ``x [..., D]`` as ``[..., D + 4]`` of ``dtype``: 8-bit values, then the row's float32 scale.
+
+    Division (not a multiplication by the reciprocal) and round-half-even, as decode_stack.c rounds, so both
+    writers store the same bytes for the same values."""
+    x = x.float()
+    qmax = QMAX[dtype]
+    scale = x.abs().amax(dim=-1, keepdim=True) / qmax
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # an all-zero row: any scale
+    y = (x / scale).clamp_(-qmax, qmax)
+    q = y.round_().to(torch.int8) if dtype == torch.int8 else y.to(dtype)
+    out = torch.empty(*x.shape[:-1], x.shape[-1] + SCALE_BYTES, dtype=torch.uint8, device=x.device)
+    out[..., : x.shape[-1]] = q.view(torch.uint8)
+    out[..., x.shape[-1] :] = scale.contiguous().view(torch.uint8)
+    return out.view(dtype)
+
+
+def dequantize(rows: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """8-bit rows ``[..., D + 4]`` back to ``[..., D]`` values in ``dtype``."""
+    d = rows.shape[-1] - SCALE_BYTES
+    raw = rows.contiguous().view(torch.uint8)
+    scale = raw[..., d:].contiguous().view(torch.float32)
+    return (rows[..., :d].float() * scale).to(dtype)
+
+
+def read(cache: torch.Tensor, index: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Rows ``index`` of ``cache`` as ``[len(index), kv_heads, head_dim]`` values in ``dtype`` (the eager reads)."""
+    rows = cache.index_select(0, index)
+    return dequantize(rows, dtype) if quantized(cache.dtype) else rows.to(dtype)
+
+
+def convert(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Rows of one cache layout in another's (a frame or block from a pool of another dtype): 8-bit rows are
+    dequantised, and quantised for an 8-bit destination; the same layout is returned as it is."""
+    if rows.dtype == dtype:
+        return rows
+    values = dequantize(rows) if quantized(rows.dtype) else rows
+    return quantize(values, dtype) if quantized(dtype) else values.to(dtype)
+
+
+def store(cache: torch.Tensor, slots: torch.Tensor, x: torch.Tensor) -> None:
+    """Write the new K or V ``x [T, kv_heads, head_dim]`` into ``cache`` at ``slots`` (quantised when 8-bit)."""
+    copy_rows(cache, slots, quantize(x, cache.dtype) if quantized(cache.dtype) else x.to(cache.dtype))
+
+
+def copy_rows(cache: torch.Tensor, index: torch.Tensor, rows: torch.Tensor) -> None:
+    """``cache.index_copy_(0, index, rows)`` with ``rows`` converted to the cache's layout; 8-bit rows copied as
+    bytes (PyTorch has no fp8 ``index_copy_`` on the CPU)."""
+    rows = convert(rows, cache.dtype).to(cache.device)
+    if quantized(cache.dtype):
+        cache.view(torch.uint8).index_copy_(0, index, rows.contiguous().view(torch.uint8))
+    else:
+        cache.index_copy_(0, index, rows)
