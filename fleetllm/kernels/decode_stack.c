@@ -4,7 +4,8 @@
  * short chunk's queries (a short prompt; speculative verification: the last token and its drafts), its own
  * K/V stored before attention reads it (causal by each row's context length). Per layer: RMSNorm, the fused qkv GEMV, RoPE (HF's
  * "rotate half" layout, each product and sum rounded as PyTorch's `q * cos + rotate_half(q) * sin` rounds
- * them), the new K/V written into the paged cache (fp32, fp16 or bf16), paged attention, the o GEMV and the
+ * them), the new K/V written into the paged cache (fp32, fp16 or bf16; or 8-bit, int8 / fp8, each KV head's row
+ * quantised with its scale as fleetllm/kernels/kv8.py quantises it, byte for byte), paged attention, the o GEMV and the
  * residual add; RMSNorm, the fused gate_up GEMV, SiLU(gate) * up, the down GEMV and the residual add. The
  * GEMVs (q4_int_gemm.c's, or bf16_gemm.c's for wide steps) and attention (paged_attention.c's) are those
  * libraries' own functions, passed in as pointers, so this file holds only the glue that PyTorch would otherwise dispatch op by op (about
@@ -36,7 +37,7 @@ typedef int (*attend_fn)(const float *q, long q_row_stride, const void *k_cache,
 typedef int (*lora_fn)(const float *x, long ldx, float *y, long ldy, int rows, const int32_t *slots, int n_slots,
                        const float *a, const float *b, int rank, int in, int out, int threads, int vector);
 
-enum { KV_F32 = 0, KV_F16 = 1, KV_BF16 = 2 };
+enum { KV_F32 = 0, KV_F16 = 1, KV_BF16 = 2, KV_I8 = 3, KV_E4M3 = 4, KV_E5M2 = 5 };
 enum { LQ, LK, LV, LO, LGATE, LUP, LDOWN, LORA_MODULES };  /* fleetllm/lora/tables.py's MODULES, in order */
 
 /* One layer's LoRA tables per projection: a [n_slots, rank, in], b [n_slots, out, rank]; NULL: not adapted. */
@@ -119,16 +120,52 @@ static inline uint16_t to_bf16(float f) {
     return (uint16_t)((u + 0x7fff + ((u >> 16) & 1)) >> 16);  /* round to nearest even */
 }
 
+/* The fp8 byte of x (|x| within the format's range; `man` mantissa bits, exponent `bias`), rounded half to even
+ * as PyTorch casts to float8_e4m3fn / float8_e5m2. */
+static uint8_t to_fp8(float x, int man, int bias) {
+    uint32_t u;
+    memcpy(&u, &x, 4);
+    const uint8_t sign = (u >> 24) & 0x80;
+    u &= 0x7fffffff;
+    float a;
+    memcpy(&a, &u, 4);
+    if ((int)(u >> 23) - 127 < 1 - bias)  /* under the smallest normal: a multiple of the subnormal step */
+        return sign | (uint8_t)nearbyintf(a * ldexpf(1.f, bias - 1 + man));
+    const int shift = 23 - man;
+    const uint32_t r = (u + (1u << (shift - 1)) - 1 + ((u >> shift) & 1)) >> shift;  /* exponent and mantissa */
+    return sign | (uint8_t)((((int)(r >> man) - 127 + bias) << man) | (r & ((1u << man) - 1)));
+}
+
+/* One KV head's row of d values as 8-bit values and their scale (max |x| / qmax): see kv8.quantize. */
+static void store_8bit(uint8_t *o, int dtype, const float *x, int d) {
+    const float qmax = dtype == KV_I8 ? 127.f : dtype == KV_E4M3 ? 448.f : 57344.f;
+    float amax = 0.f;
+    for (int i = 0; i < d; i++) amax = fabsf(x[i]) > amax ? fabsf(x[i]) : amax;
+    float scale = amax / qmax;
+    scale = scale > 0.f ? scale : 1.f;
+    for (int i = 0; i < d; i++) {
+        float y = x[i] / scale;  /* a division, as PyTorch's x / scale */
+        y = y > qmax ? qmax : y < -qmax ? -qmax : y;
+        o[i] = dtype == KV_I8 ? (uint8_t)(int8_t)nearbyintf(y) : dtype == KV_E4M3 ? to_fp8(y, 3, 7) : to_fp8(y, 2, 15);
+    }
+    memcpy(o + d, &scale, 4);
+}
+
+/* The n = kv_heads * d values of one token's K (or V) into its slot. */
 __attribute__((target("f16c")))
-static void store_kv(void *cache, int dtype, long slot, const float *x, int n) {
+static void store_kv(void *cache, int dtype, long slot, const float *x, int n, int d) {
     if (dtype == KV_F32) {
         memcpy((float *)cache + slot * n, x, sizeof(float) * n);
     } else if (dtype == KV_F16) {
         uint16_t *o = (uint16_t *)cache + slot * n;
         for (int i = 0; i < n; i++) o[i] = _cvtss_sh(x[i], _MM_FROUND_TO_NEAREST_INT);
-    } else {
+    } else if (dtype == KV_BF16) {
         uint16_t *o = (uint16_t *)cache + slot * n;
         for (int i = 0; i < n; i++) o[i] = to_bf16(x[i]);
+    } else {
+        const int heads = n / d;
+        uint8_t *o = (uint8_t *)cache + slot * heads * (d + 4);
+        for (int h = 0; h < heads; h++) store_8bit(o + h * (d + 4), dtype, x + h * d, d);
     }
 }
 
@@ -176,8 +213,8 @@ static int layer(const Model *md, const Layer *ly, const Step *st, int li, float
         float *row = qkv + (long)r * width;
         const float *c = md->cos + st->positions[r] * D, *s = md->sin + st->positions[r] * D;
         rope(row, md->heads + md->kv_heads, D, c, s);  /* q heads, then the k heads right after them */
-        store_kv(st->k_caches[li], md->kv_dtype, st->slots[r], row + qw, kvw);
-        store_kv(st->v_caches[li], md->kv_dtype, st->slots[r], row + qw + kvw, kvw);
+        store_kv(st->k_caches[li], md->kv_dtype, st->slots[r], row + qw, kvw, D);
+        store_kv(st->v_caches[li], md->kv_dtype, st->slots[r], row + qw + kvw, kvw, D);
     }
     rc |= md->attend(qkv, width, st->k_caches[li], st->v_caches[li], md->kv_dtype, st->tables, st->table_stride,
                      st->table_of, st->lens, attn, qw, R, md->heads, md->kv_heads, D, md->block_size, 0, md->scale, st->threads);
@@ -194,6 +231,12 @@ static int layer(const Model *md, const Layer *ly, const Step *st, int li, float
     rc |= lora_add(md, st, li, LDOWN, act, md->inter, xn, H, md->inter, H);
     add_into(st->h, xn, (long)R * H);
     return rc;
+}
+
+/* Rows of K (or V) stored as a step stores them: row r's n = kv_heads * d values into slot slots[r]. The step
+ * calls store_kv itself; this entry point lets tests hold its bytes against kv8.quantize's. */
+void decode_stack_store(void *cache, int dtype, const int64_t *slots, const float *x, int rows, int n, int d) {
+    for (int r = 0; r < rows; r++) store_kv(cache, dtype, slots[r], x + (long)r * n, n, d);
 }
 
 /* Every layer of the model over the step's rows. Returns 0, or nonzero when a kernel call failed. */
@@ -216,5 +259,7 @@ int decode_stack_isa(void) {
 }
 int decode_stack(const Model *md, const Step *st) {
     return -2;
+}
+void decode_stack_store(void *cache, int dtype, const int64_t *slots, const float *x, int rows, int n, int d) {
 }
 #endif  /* FLEETLLM_X86 */

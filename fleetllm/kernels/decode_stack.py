@@ -77,6 +77,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.decode_stack.argtypes = [ctypes.POINTER(_Model), ctypes.POINTER(_Step)]
     lib.decode_stack.restype = INT
     lib.decode_stack_isa.restype = INT
+    lib.decode_stack_store.argtypes = [P, INT, P, P, INT, INT, INT]
+    lib.decode_stack_store.restype = None
 
 
 LIBRARY = KernelLibrary(Path(__file__).with_name("decode_stack.c"), _declare)
@@ -275,6 +277,14 @@ class DecodeStack:
             n = len(kv_cache)
             self._caches[key] = ((P * n)(*(k.data_ptr() for k, _ in kv_cache)), (P * n)(*(v.data_ptr() for _, v in kv_cache)))
         return self._caches[key]
+
+
+def store_rows(cache: torch.Tensor, slots: torch.Tensor, x: torch.Tensor) -> None:
+    """Write ``x [T, kv_heads, head_dim]`` into ``cache`` at ``slots`` with the C step's own writer (``cache``
+    contiguous, in a dtype of ``attention.KV_DTYPES``): what a step through the stack stores for its rows."""
+    slots, x = slots.to(torch.int64).contiguous(), x.float().contiguous()
+    LIBRARY.lib.decode_stack_store(cache.data_ptr(), attention.KV_DTYPES[cache.dtype], slots.data_ptr(), x.data_ptr(),
+                                   x.shape[0], x.shape[1] * x.shape[2], x.shape[2])
 
 
 def set_enabled(enabled: bool) -> None:

@@ -6,7 +6,7 @@ keys: no gather of the context into contiguous K/V, no ``[n, n_ctx]`` score matr
 causal mask would hide. Compared with gather + SDPA, the path it replaces, it reads each key once per tile of
 up to 48 (query, head) rows.
 
-The kernel needs AVX-512F, fp32 queries and a head_dim that is a multiple of 16 (at most 256);
+The kernel needs AVX-512F and BW, fp32 queries and a head_dim that is a multiple of 16 (at most 256);
 :func:`prefill_ready` says whether it serves a call, and the caller keeps SDPA where it does not. It follows
 the paged-attention switch (``FLEETLLM_ATTENTION=eager``, :func:`fleetllm.kernels.set_kernel_enabled`).
 """
@@ -50,7 +50,7 @@ def prefill_ready(q: torch.Tensor, k_cache: torch.Tensor, wait: bool = False) ->
 
 @functools.cache
 def _cpu_runs_it() -> bool:
-    """Whether this CPU has what the loaded kernel needs (AVX-512F): asked once, not per layer."""
+    """Whether this CPU has what the loaded kernel needs (AVX-512F and BW): asked once, not per layer."""
     return LIBRARY.lib.prefill_attention_isa() == 1
 
 

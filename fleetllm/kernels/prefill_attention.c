@@ -3,8 +3,10 @@
  * an online softmax over blocks of keys, so no [n_q, n_ctx] score matrix and no gather).
  *
  * Query i sits at position n_ctx - n_q + i and sees positions (pos - window, pos] (window 0: all of [0, pos]).
- * Layout as in paged_attention.c: one layer's cache is [num_blocks * block_size, kv_heads, head_dim] (fp32,
- * fp16 or bf16); position p lives in slot table[p / block_size] * block_size + p % block_size.
+ * Layout as in paged_attention.c: one layer's cache is [num_blocks * block_size, kv_heads, row] (fp32, fp16 or
+ * bf16: row = head_dim; int8 / fp8: head_dim + 4 bytes, the values then their scale); position p lives in slot
+ * table[p / block_size] * block_size + p % block_size. Keys and values of a narrower cache are widened (8-bit
+ * ones times their scale) block by block into the thread's 64-row buffers as the block is read.
  *
  * A task is a tile of queries under one KV head: its g = heads / kv_heads query heads times up to 48 / g
  * queries make the tile's ROWS rows, so every key and value is loaded once for all heads that share it (GQA).
@@ -13,7 +15,7 @@
  * are pre-scaled by scale * log2(e)), then O += P V (6 rows x 64 dims of accumulators). Keys beyond a tile's
  * last query are never read: causal blocks are skipped, not masked. All arithmetic is fp32.
  *
- * AVX-512F only (chosen at run time); prefill_attention_isa() says whether this CPU has it, and callers keep
+ * AVX-512F and BW only (chosen at run time); prefill_attention_isa() says whether this CPU has it, and callers keep
  * their eager path (SDPA) where it does not. Plain C with no torch headers (see fleetllm/kernels/build.py).
  */
 #include "simd.h"
@@ -22,7 +24,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-enum { KV_F32 = 0, KV_F16 = 1, KV_BF16 = 2 };
+enum { KV_F32 = 0, KV_F16 = 1, KV_BF16 = 2, KV_I8 = 3, KV_E4M3 = 4, KV_E5M2 = 5 };
 
 #define ROWS 48       /* (query, head) rows of a tile: three vectors of 16 */
 #define RV (ROWS / 16)
@@ -40,13 +42,14 @@ typedef struct {
     float *out; long out_row_stride;
     int n_q, n_ctx, heads, kv_heads, head_dim, block_size, window;
     float scale;
+    int row;  /* elements of one (slot, kv head) row: head_dim, or head_dim + 4 bytes (8-bit) */
 } Args;
 
 typedef struct {  /* one thread's scratch (about 240 KB: L2-resident) */
     float qt[MAX_D][ROWS];            /* the tile's queries, transposed and scaled by scale * log2(e) */
     float s[KEYS][ROWS];              /* a block's scores, then its probabilities, key-major */
     float o[ROWS][MAX_D];             /* unnormalised outputs */
-    float kbuf[KEYS][MAX_D], vbuf[KEYS][MAX_D];  /* fp32 copies of a block's keys and values (fp16/bf16 caches) */
+    float kbuf[KEYS][MAX_D], vbuf[KEYS][MAX_D];  /* fp32 copies of a block's keys and values (narrower caches) */
     float m[ROWS], l[ROWS], alpha[ROWS];         /* running max (base 2), running sum, this block's rescale */
     int32_t pos[ROWS];                /* each row's query position */
 } Scratch;
@@ -72,6 +75,25 @@ static inline __m512 exp2_neg(__m512 x) {
     return _mm512_scalef_ps(p, n);
 }
 
+/* An 8-bit row (d values, then their fp32 scale) as fp32 values: fp8 through fp16 as paged_attention.c reads it. */
+__attribute__((target("avx512f,avx512bw,avx2")))
+static void widen_8bit(int dtype, const uint8_t *row, int d, float *out) {
+    float s;
+    memcpy(&s, row + d, 4);
+    const __m512 scale = _mm512_set1_ps(dtype == KV_E4M3 ? s * 256.f : s);
+    for (int i = 0; i < d; i += 16) {
+        const __m128i b = _mm_loadu_si128((const __m128i *)(row + i));
+        __m512 f;
+        if (dtype == KV_I8) {
+            f = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b));
+        } else {
+            const __m256i h = _mm256_slli_epi16(_mm256_cvtepu8_epi16(b), 8);
+            f = _mm512_cvtph_ps(dtype == KV_E5M2 ? h : _mm256_and_si256(_mm256_srai_epi16(h, 1), _mm256_set1_epi16((short)0xbfff)));
+        }
+        _mm512_storeu_ps(out + i, _mm512_mul_ps(f, scale));
+    }
+}
+
 /* Key or value rows of positions [k0, k0 + KEYS): pointers into an fp32 cache, or rows converted into `buf`;
  * rows past `nk` point at zeros. */
 __attribute__((target("avx512f")))
@@ -81,8 +103,10 @@ static void block_rows(const Args *a, const void *cache, int kvh, int k0, int nk
     for (int j = 0; j < KEYS; j++) {
         if (j >= nk) { rows[j] = ZEROS; continue; }
         const int p = k0 + j;
-        const long at = (((long)a->table[p / a->block_size] * a->block_size + p % a->block_size) * a->kv_heads + kvh) * d;
+        const long at = (((long)a->table[p / a->block_size] * a->block_size + p % a->block_size) * a->kv_heads + kvh) * a->row;
         if (a->kv_dtype == KV_F32) { rows[j] = (const float *)cache + at; continue; }
+        rows[j] = buf[j];
+        if (a->kv_dtype >= KV_I8) { widen_8bit(a->kv_dtype, (const uint8_t *)cache + at, d, buf[j]); continue; }
         const uint16_t *h = (const uint16_t *)cache + at;
         for (int i = 0; i < d; i += 16) {
             const __m256i x = _mm256_loadu_si256((const __m256i *)(h + i));
@@ -90,7 +114,6 @@ static void block_rows(const Args *a, const void *cache, int kvh, int k0, int nk
                 : _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(x), 16));
             _mm512_storeu_ps(buf[j] + i, f);
         }
-        rows[j] = buf[j];
     }
 }
 
@@ -221,21 +244,22 @@ static void tile(const Args *a, Scratch *w, int kvh, int i0, int nq) {
     }
 }
 
-/* 1 when this CPU runs the kernel (AVX-512F), else 0: callers then keep their eager path. */
+/* 1 when this CPU runs the kernel (AVX-512F and BW), else 0: callers then keep their eager path. */
 int prefill_attention_isa(void) {
     __builtin_cpu_init();
-    return __builtin_cpu_supports("avx512f") ? 1 : 0;
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") ? 1 : 0;
 }
 
 /* Returns 0; -1 for a head_dim the kernel does not take (not a multiple of 16, or over MAX_D), a GQA group
- * wider than a tile, or a CPU without AVX-512F; -2 when a thread's scratch could not be allocated. */
+ * wider than a tile, or a CPU without AVX-512F and BW; -2 when a thread's scratch could not be allocated. */
 int prefill_attention(const float *q, long q_row_stride, const void *k_cache, const void *v_cache, int kv_dtype,
                       const int32_t *table, float *out, long out_row_stride, int n_q, int n_ctx, int heads,
                       int kv_heads, int head_dim, int block_size, int window, float scale, int threads) {
     const int g = heads / kv_heads;
     if (head_dim % 16 || head_dim > MAX_D || g > ROWS || !prefill_attention_isa()) return -1;
     const Args a = {q, q_row_stride, k_cache, v_cache, kv_dtype, table, out, out_row_stride,
-                    n_q, n_ctx, heads, kv_heads, head_dim, block_size, window, scale};
+                    n_q, n_ctx, heads, kv_heads, head_dim, block_size, window, scale,
+                    kv_dtype >= KV_I8 ? head_dim + 4 : head_dim};
     const int per_tile = ROWS / g, tiles = (n_q + per_tile - 1) / per_tile, tasks = tiles * kv_heads;
     const long work = (long)n_q * n_ctx * kv_heads;
     int failed = 0;

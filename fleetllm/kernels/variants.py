@@ -74,7 +74,7 @@ KERNELS = {k.name: k for k in (
            "the Q8_0 LM head runs in fp32 PyTorch: each step's last layer slower"),
     Kernel("bf16_gemm", ("avx512", "portable"), frozenset({"avx512f", "avx512bw", "avx512vl", "avx512_bf16"}),
            "wide steps (prefill, large batches) take the Q4 or fp32 GEMM: prefill slower"),
-    Kernel("prefill_attention", ("avx512", "portable"), frozenset({"avx512f"}),
+    Kernel("prefill_attention", ("avx512", "portable"), frozenset({"avx512f", "avx512bw"}),
            "prefill attention runs in PyTorch: long prompts slower"),
     Kernel("lora", ("avx512", "avx2", "portable"), frozenset(),
            "steps with LoRA adapter rows leave the decode stack (decode ~2x slower at one request) and their "
