@@ -28,6 +28,7 @@ CASES: list[tuple[list[str], str]] = [
     # worker
     (["worker", "--model", "{tmp}/none.gguf"], "not found"),
     (["worker", "--scheduling-policy", "lifo"], "invalid choice"),
+    (["worker", "--kv-cache-dtype", "int4"], "fp8_e4m3"),
     (["router", "--state-url", "memcached://127.0.0.1:11211"], "redis://HOST:PORT"),
     (["serve", "--state-url", "redis://:secret@"], "redis://:***@"),
     (["worker", "--model", "hf://just-a-name"], "hf://org/name"),

@@ -12,10 +12,10 @@ from fleetllm.cli_options import opt
 class TransferOptions:
     """How a prefill worker ships KV blocks to decode workers, and whether a decode worker's pool takes them directly."""
 
-    kv_transfer_dtype: Literal["auto", "float32", "bfloat16", "float16"] = opt(
-        "auto", "dtype of K and V in transfer frames; auto: the KV cache's own (exact). float16 or bfloat16 "
-                "halve an fp32 cache's bytes, but decode then reads rounded KV: outputs may differ from a "
-                "local prefill's")
+    kv_transfer_dtype: Literal["auto", "float32", "bfloat16", "float16", "int8", "float8_e4m3fn", "float8_e5m2"] = opt(
+        "auto", "dtype of K and V in transfer frames; auto: the KV cache's own (exact; an 8-bit cache's rows with "
+                "their scales). float16 or bfloat16 halve an fp32 cache's bytes, int8 or fp8 quarter them, but "
+                "decode then reads rounded KV: outputs may differ from a local prefill's")
     kv_pool_shm: Literal["auto", "on", "off"] = opt(
         "auto", "keep the KV pool in a shared-memory file that prefill workers on this host write prompts' KV "
                 "straight into (no frame, no copy after the prefill); auto: on for --role decode; on: any role; "

@@ -33,6 +33,7 @@ import torch
 from fleetllm.disagg.frame import FrameError, FrameHeader, gather_into
 from fleetllm.disagg.leases import KEEP_S, pid_namespace
 from fleetllm.disagg.shared_pool import PoolLayout, PoolMaps
+from fleetllm.kernels import kv8
 
 if TYPE_CHECKING:
     import httpx
@@ -70,7 +71,7 @@ class PoolTarget:
         plan = self._plan(first, index)
         for src, dst in ((k, self.pool[i][0]), (v, self.pool[i][1])):
             if isinstance(plan, tuple):  # scattered pool blocks: one gather, one scatter
-                dst.index_copy_(0, plan[1], src.index_select(0, plan[0]).to(dst.dtype))
+                kv8.copy_rows(dst, plan[1], src.index_select(0, plan[0]))
             else:
                 for a, d, n in plan:  # a few runs of consecutive pool blocks: one copy each
                     gather_into(src, index[a : a + n], dst[d : d + n])

@@ -12,7 +12,10 @@ The header names the model, layer count, wire dtype, block size, shape, token id
 receiver refuses a frame from another model or layout before touching its pool. The blocks are the full
 ones (each hashed) and, when the token ids run past them, one partial block last (the prompt's tail: not
 hashed, never a prefix-cache entry; its KV is handed to the request, see :mod:`fleetllm.engine.handoff`). The wire dtype need not
-be the pool's (an fp32 pool may ship fp16 frames, half the bytes); the receiver converts on import.
+be the pool's (an fp32 pool may ship fp16 frames, half the bytes); the receiver converts on import. An 8-bit
+dtype (int8, fp8) ships each row as the cache holds it, ``head_dim`` values and their 4-byte scale
+(:mod:`fleetllm.kernels.kv8`): an 8-bit pool's blocks travel as they are, and a pool of another dtype
+dequantises (or quantises) them on import.
 
 Every offset follows from the header, so a frame can be built in place (:class:`FrameBuffer`: a prefill
 writes each layer's blocks straight into a shared-memory mapping while later layers still compute) and
@@ -32,8 +35,11 @@ from typing import Any
 import torch
 from crc32c import crc32c
 
+from fleetllm.kernels import kv8
+
 MAGIC, TRAILER, VERSION = b"FLKV", b"DONE", 2  # 2: CRC-32C (1: zlib's CRC-32)
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "int8": torch.int8,
+          "float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}
 _PREFIX = 10  # magic, version, header length
 
 
@@ -65,12 +71,13 @@ class FrameHeader:
 
     @property
     def shape(self) -> tuple[int, int, int, int]:
-        return self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim
+        """One layer's K (or V): blocks, block size, KV heads, and each row's elements (8-bit: with its scale)."""
+        return self.num_blocks, self.block_size, self.num_kv_heads, kv8.row_width(self.head_dim, DTYPES[self.dtype])
 
     @property
     def layer_bytes(self) -> int:
         """Bytes of one layer's K (or V)."""
-        n = self.num_blocks * self.block_size * self.num_kv_heads * self.head_dim
+        n = self.shape[0] * self.shape[1] * self.shape[2] * self.shape[3]
         return n * torch.empty((), dtype=DTYPES[self.dtype]).element_size()
 
     def to_json(self) -> dict[str, Any]:
@@ -194,7 +201,7 @@ def gather_into(blocks: torch.Tensor, index: torch.Tensor, out: torch.Tensor) ->
     if out.dtype == blocks.dtype and out.device == blocks.device:
         torch.index_select(blocks, 0, index, out=out)
     else:
-        out.copy_(blocks.index_select(0, index))
+        out.copy_(kv8.convert(blocks.index_select(0, index), out.dtype))
 
 
 def encode(header: FrameHeader, layers: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> Iterator[bytes]:
@@ -203,7 +210,7 @@ def encode(header: FrameHeader, layers: Iterable[tuple[torch.Tensor, torch.Tenso
     yield header.head()
     dtype, crcs = DTYPES[header.dtype], []
     for k, v in layers:
-        kb, vb = _raw(k.to(dtype)), _raw(v.to(dtype))
+        kb, vb = _raw(kv8.convert(k, dtype)), _raw(kv8.convert(v, dtype))
         if len(kb) != header.layer_bytes or len(vb) != header.layer_bytes:
             raise FrameError(f"layer tensor of {len(kb)} bytes, header says {header.layer_bytes}")
         crc = crc32c(vb, crc32c(kb))

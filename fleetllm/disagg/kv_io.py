@@ -28,6 +28,7 @@ import torch
 
 from fleetllm.disagg.frame import DTYPES, FrameError, FrameHeader
 from fleetllm.engine.block_pool import BlockPool, hash_block
+from fleetllm.kernels import kv8
 
 if TYPE_CHECKING:
     from fleetllm.engine.engine import LLMEngine
@@ -40,7 +41,8 @@ Missing = tuple[int, int, list[int], int | None]  # frame index, hash, tokens, t
 
 
 def pool_dtype(engine: Blocks) -> str:
-    """The KV cache's dtype as a frame names it (``float32``, ``bfloat16``, ``float16``)."""
+    """The KV cache's dtype as a frame names it (``float32``, ``bfloat16``, ``float16``, ``int8``, ``float8_e4m3fn``,
+    ``float8_e5m2``)."""
     return str(engine.kv_blocks()[0][0].dtype).removeprefix("torch.")
 
 
@@ -64,7 +66,8 @@ def export_blocks(engine: Blocks, token_ids: list[int], dtype: str | None = None
     views = engine.kv_blocks()
     index = torch.tensor(ids, dtype=torch.long, device=views[0][0].device)
     wire = DTYPES[header.dtype]
-    layers = [(k.index_select(0, index).to("cpu", wire), v.index_select(0, index).to("cpu", wire)) for k, v in views]
+    layers = [(kv8.convert(k.index_select(0, index), wire).cpu(), kv8.convert(v.index_select(0, index), wire).cpu())
+              for k, v in views]
     return header, layers
 
 
@@ -167,10 +170,10 @@ def write(views: Layers, layers: Layers, res: Reservation, rows: list[int] | Non
     for (kc, vc), (k, v) in zip(views, layers, strict=True):
         for cache, part in ((kc, k), (vc, v)):
             if scattered:
-                cache.index_copy_(0, dst, part.index_select(0, src).to(device, cache.dtype))
+                kv8.copy_rows(cache, dst, part.index_select(0, src).to(device))
             else:
-                for a, b, n in runs:  # copy_ converts when the dtypes differ
-                    cache[b : b + n].copy_(part[a : a + n])
+                for a, b, n in runs:  # converted when the layouts differ (copy_ converts the rest)
+                    cache[b : b + n].copy_(kv8.convert(part[a : a + n], cache.dtype))
 
 _MAX_RUNS = 8
 

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from fleetllm.disagg.frame import DTYPES
+from fleetllm.kernels import kv8
 from fleetllm.engine.kv_memory import POOL_PREFIX, alive, pool_owner, remove_stale_pools, shm_dir
 
 if TYPE_CHECKING:
@@ -47,7 +48,7 @@ class PoolLayout:
         """The layout of an engine's pool (``blocks``: its KV connector's access), kept in the file ``path``."""
         views = blocks.kv_blocks()
         k = views[0][0]
-        return cls(str(path), len(views), *k.shape, str(k.dtype).removeprefix("torch."))
+        return cls(str(path), len(views), *k.shape[:-1], kv8.head_dim_of(k), str(k.dtype).removeprefix("torch."))
 
     @classmethod
     def parse(cls, d: Any) -> PoolLayout:
@@ -66,8 +67,13 @@ class PoolLayout:
 
     @property
     def nbytes(self) -> int:
-        n = 2 * self.num_layers * self.num_blocks * self.block_size * self.num_kv_heads * self.head_dim
+        n = 2 * self.num_layers * self.num_blocks * self.block_size * self.num_kv_heads * self.row
         return n * torch.empty((), dtype=DTYPES[self.dtype]).element_size()
+
+    @property
+    def row(self) -> int:
+        """Elements of one (slot, KV head) row: ``head_dim``, and the scale's bytes in an 8-bit pool."""
+        return kv8.row_width(self.head_dim, DTYPES[self.dtype])
 
 
 class PoolMaps:
@@ -94,7 +100,7 @@ class PoolMaps:
         finally:
             os.close(fd)
         t = torch.frombuffer(m, dtype=DTYPES[layout.dtype]).view(
-            2 * layout.num_layers, layout.num_blocks, layout.block_size, layout.num_kv_heads, layout.head_dim)
+            2 * layout.num_layers, layout.num_blocks, layout.block_size, layout.num_kv_heads, layout.row)
         views = [(t[2 * i], t[2 * i + 1]) for i in range(layout.num_layers)]
         with self._lock:
             self._maps[layout.path] = ((st.st_dev, st.st_ino), m, views, set())

@@ -2,7 +2,8 @@
 
 A stored block is a 32-byte header (magic ``FLKV``, layout version, dtype code, layers, block size, KV heads,
 head dim, CRC-32C of what follows), the block's token ids (int32) and its K then V, ``[layers, block_size,
-kv_heads, head_dim]`` each in the pool's dtype. :func:`decode` refuses anything that is not exactly one
+kv_heads, head_dim]`` each in the pool's dtype (an 8-bit pool's rows with their scales, as it holds them: rows
+``head_dim + 4`` wide). :func:`decode` refuses anything that is not exactly one
 such block, for the layout and the tokens asked (:class:`CorruptBlock`): a value that fails its checksum, is
 truncated or belongs to another layout is recomputed, never used.
 """
@@ -23,7 +24,9 @@ if TYPE_CHECKING:
 MAGIC = b"FLKV"
 VERSION = 1  # the stored layout: bump when the header or the tensors' order changes
 _HEADER = struct.Struct("<4sHHIIIII")  # magic, version, dtype, layers, block size, kv heads, head dim, crc32c
-_DTYPES = ("float32", "bfloat16", "float16")  # a dtype's code is its index here
+# a dtype's code is its index here; 8-bit rows hold head_dim values and their 4-byte scale (fleetllm.kernels.kv8),
+# so a stored block's "head dim" is its rows' width, and the namespace keeps them from other dtypes' blocks
+_DTYPES = ("float32", "bfloat16", "float16", "int8", "float8_e4m3fn", "float8_e5m2")
 
 
 class CorruptBlock(ValueError):

@@ -114,13 +114,15 @@ class TierConnector(KVConnectorBase):
         the request is admitted, into fresh blocks no step has touched yet; before the step that reads them."""
         import torch
 
+        from fleetllm.kernels import kv8
+
         assert self.caches is not None
         t0 = time.perf_counter()
         layers = self.caches.layers
         index = torch.tensor([bid for bid, _ in loads], dtype=torch.long, device=layers[0][0].device)
         for i, (k, v) in enumerate(layers):
-            k.index_copy_(0, index, torch.stack([b.k[i] for _, b in loads]).to(k.device, k.dtype))
-            v.index_copy_(0, index, torch.stack([b.v[i] for _, b in loads]).to(v.device, v.dtype))
+            kv8.copy_rows(k, index, torch.stack([b.k[i] for _, b in loads]))  # 8-bit rows: their bytes
+            kv8.copy_rows(v, index, torch.stack([b.v[i] for _, b in loads]))
         if self.metrics is not None:
             self.metrics.load_seconds.observe(time.perf_counter() - t0)
             self.metrics.bytes.labels(tier=self.metrics.tier, direction="loaded").inc(sum(b.nbytes for _, b in loads))
