@@ -262,6 +262,8 @@ static void task_avx2(const PagedArgs *a, int row, int kvh, float *scores) {
 
 #define ZV 4  /* vectors of head_dim (64 floats) per pass */
 #define HG 4  /* heads per value pass: HG x ZV accumulators */
+#define SK 8  /* keys per score group */
+#define SH 3  /* heads per score group: SH x SK accumulators */
 #define AVX512 "avx512f,avx512bw,avx2,fma,f16c"
 
 __attribute__((target(AVX512), always_inline))
@@ -276,26 +278,6 @@ static inline __m512 load16(const void *base, long idx, const int dtype) {
     const __m256i h = _mm256_slli_epi16(_mm256_cvtepu8_epi16(b), 8);  /* as load8: fp8 through fp16 */
     if (dtype == KV_E5M2) return _mm512_cvtph_ps(h);
     return _mm512_cvtph_ps(_mm256_and_si256(_mm256_srai_epi16(h, 1), _mm256_set1_epi16((short)0xbfff)));
-}
-
-__attribute__((target(AVX512), always_inline))
-static inline void score_block16(const PagedArgs *a, const int32_t *table, int first, int n, int kvh, const float *q,
-                                 float *scores, int v0, const int nb, const int dtype) {
-    const int d = a->head_dim, g = a->heads / a->kv_heads;
-    Slots it = slots_from(a, table, first);
-    for (int j = 0; j < n; j++) {
-        const long row = (next_slot(&it) * a->kv_heads + kvh) * a->row, base = row + 16 * v0;
-        const float ks = row_scale(a->k_cache, row, d, dtype) * a->scale;
-        __m512 k[ZV];
-        for (int v = 0; v < nb; v++) k[v] = load16(a->k_cache, base + 16 * v, dtype);
-        for (int h = 0; h < g; h++) {
-            const float *qh = q + h * d + 16 * v0;
-            __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(qh), k[0]);
-            for (int v = 1; v < nb; v++) acc = _mm512_fmadd_ps(_mm512_loadu_ps(qh + 16 * v), k[v], acc);
-            const float s = _mm512_reduce_add_ps(acc) * ks;
-            scores[h * n + j] = v0 == 0 ? s : scores[h * n + j] + s;
-        }
-    }
 }
 
 /* out[h0 + h] = sum_j p[h0 + h, j] v_j over head_dim's vectors v0 .. v0 + nb - 1, for hg heads at once. */
@@ -332,29 +314,95 @@ static inline void value_block16(const PagedArgs *a, const int32_t *table, int f
     else if (a->kv_dtype == KV_E4M3) CALL(NB, __VA_ARGS__, KV_E4M3); \
     else CALL(NB, __VA_ARGS__, KV_E5M2); } while (0)
 
+/* 8 lanes of the sum of x's two halves. */
+__attribute__((target(AVX512), always_inline))
+static inline __m256 fold16(__m512 x) {
+    return _mm256_add_ps(_mm512_castps512_ps256(x), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1)));
+}
+
+/* Lane i: the sum of v[i]'s 8 lanes. */
+__attribute__((target(AVX512), always_inline))
+static inline __m256 sum8x8(const __m256 *v) {
+    const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+    const __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+    return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+}
+
+/* Scores of SK keys (rows[], the first m real; ks[]: their scales times the softmax scale) for heads h0 .. h0 +
+ * hn - 1, over head_dim's vectors v0 .. v0 + nb - 1: each key's vectors widened once for the hn heads, and the
+ * SK x hn dot products summed across lanes together (one horizontal sum per key costs as much as its FMAs). */
+__attribute__((target(AVX512), always_inline))
+static inline void score_group(const PagedArgs *a, const long *rows, const float *ks, int m, const float *q,
+                               float *scores, int n, int j0, int v0, const int nb, int h0, const int hn,
+                               const int dtype) {
+    const int d = a->head_dim;
+    __m512 acc[SH][SK];
+    for (int j = 0; j < SK; j++) {
+        __m512 k[ZV];
+        for (int v = 0; v < nb; v++) k[v] = load16(a->k_cache, rows[j] + 16 * (v0 + v), dtype);
+        for (int h = 0; h < hn; h++) {
+            const float *qh = q + (h0 + h) * d + 16 * v0;
+            __m512 s = _mm512_mul_ps(_mm512_loadu_ps(qh), k[0]);
+            for (int v = 1; v < nb; v++) s = _mm512_fmadd_ps(_mm512_loadu_ps(qh + 16 * v), k[v], s);
+            acc[h][j] = s;
+        }
+    }
+    const __m256 scale = _mm256_loadu_ps(ks);
+    for (int h = 0; h < hn; h++) {
+        __m256 f[SK];
+        float sum[SK], *out = scores + (h0 + h) * n + j0;
+        for (int j = 0; j < SK; j++) f[j] = fold16(acc[h][j]);
+        _mm256_storeu_ps(sum, _mm256_mul_ps(sum8x8(f), scale));
+        for (int j = 0; j < m; j++) out[j] = v0 == 0 ? sum[j] : out[j] + sum[j];
+    }
+}
+
+/* Every head's scores over the n keys from `first`, SK keys at a time. */
 __attribute__((target(AVX512)))
-static void by_blocks_avx512(const PagedArgs *a, const int32_t *table, int first, int n, int kvh, const float *q,
-                             float *scores, float *out, int values) {
+static void scores_avx512(const PagedArgs *a, const int32_t *table, int first, int n, int kvh, const float *q,
+                          float *scores) {
+    const int d = a->head_dim, nv = d / 16, g = a->heads / a->kv_heads;
+    Slots it = slots_from(a, table, first);
+    long rows[SK];
+    float ks[SK];
+    for (int j0 = 0; j0 < n; j0 += SK) {
+        const int m = n - j0 < SK ? n - j0 : SK;
+        for (int j = 0; j < SK; j++) {  /* a short last group repeats its first key, scaled by 0 and not stored */
+            rows[j] = j < m ? (next_slot(&it) * a->kv_heads + kvh) * a->row : rows[0];
+            ks[j] = j < m ? row_scale(a->k_cache, rows[j], d, a->kv_dtype) * a->scale : 0.f;
+        }
+        for (int v0 = 0; v0 < nv; v0 += ZV) {
+            const int nb = nv - v0 < ZV ? nv - v0 : ZV;
+            for (int h0 = 0; h0 < g; h0 += SH) {
+                const int hn = g - h0 < SH ? g - h0 : SH;
+#define GROUP(NB, HN, DT) score_group(a, rows, ks, m, q, scores, n, j0, v0, NB, h0, HN, DT)
+                if (nb < ZV) GROUP(nb, hn, a->kv_dtype);
+                else if (hn == 3) BY_TYPE(GROUP, ZV, 3);
+                else if (hn == 2) BY_TYPE(GROUP, ZV, 2);
+                else BY_TYPE(GROUP, ZV, 1);
+#undef GROUP
+            }
+        }
+    }
+}
+
+/* The weighted values of every head into `out`, 64 dims and HG heads at a time. */
+__attribute__((target(AVX512)))
+static void values_avx512(const PagedArgs *a, const int32_t *table, int first, int n, int kvh, const float *scores,
+                          float *out) {
     const int nv = a->head_dim / 16, g = a->heads / a->kv_heads;
     for (int v0 = 0; v0 < nv; v0 += ZV) {
         const int nb = nv - v0 < ZV ? nv - v0 : ZV;
-#define SCORES(NB, _, DT) score_block16(a, table, first, n, kvh, q, scores, v0, NB, DT)
-#define VALUES(NB, HGC, DT) value_block16(a, table, first, n, kvh, scores, out, v0, NB, h0, HGC, DT)
-        if (!values) {
-            if (nb == ZV) BY_TYPE(SCORES, ZV, 0);
-            else SCORES(nb, 0, a->kv_dtype);
-            continue;
-        }
         for (int h0 = 0; h0 < g; h0 += HG) {
             const int hg = g - h0 < HG ? g - h0 : HG;
+#define VALUES(NB, HGC, DT) value_block16(a, table, first, n, kvh, scores, out, v0, NB, h0, HGC, DT)
             if (nb < ZV) VALUES(nb, hg, a->kv_dtype);
             else if (hg == 4) BY_TYPE(VALUES, ZV, 4);
             else if (hg == 3) BY_TYPE(VALUES, ZV, 3);
             else if (hg == 2) BY_TYPE(VALUES, ZV, 2);
             else BY_TYPE(VALUES, ZV, 1);
-        }
-#undef SCORES
 #undef VALUES
+        }
     }
 }
 
@@ -364,9 +412,9 @@ static void task_avx512(const PagedArgs *a, int row, int kvh, float *scores) {
     const int first = a->window > 0 && len > a->window ? len - a->window : 0, n = len - first;
     const int32_t *table = a->tables + (long)(a->table_of ? a->table_of[row] : row) * a->table_stride;
     const float *q = a->q + row * a->q_row_stride + (long)kvh * g * d;
-    by_blocks_avx512(a, table, first, n, kvh, q, scores, NULL, 0);
+    scores_avx512(a, table, first, n, kvh, q, scores);
     softmax_rows(scores, g, n);
-    by_blocks_avx512(a, table, first, n, kvh, q, scores, a->out + row * a->out_row_stride + (long)kvh * g * d, 1);
+    values_avx512(a, table, first, n, kvh, scores, a->out + row * a->out_row_stride + (long)kvh * g * d);
 }
 #endif  /* FLEETLLM_X86 */
 
