@@ -30,9 +30,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import save_run  # noqa: E402
-from fleetllm.engine.model_runner import KV_DTYPES, ModelRunner  # noqa: E402
 from fleetllm.bench.quality import stdlib_text  # noqa: E402
 from fleetllm.engine.llm import LLM  # noqa: E402
+from fleetllm.engine.model_runner import KV_DTYPES, ModelRunner  # noqa: E402
 from fleetllm.engine.params import SamplingParams  # noqa: E402
 from fleetllm.kernels import attention, kv8, wait_for_kernels  # noqa: E402
 from fleetllm.models.loader import load_model  # noqa: E402
@@ -122,7 +122,7 @@ def whole_steps(contexts: list[int], rounds: int) -> str:
                 v.copy_(filled(v.shape[0], cfg.num_kv_heads, cfg.head_dim, KV_DTYPES[d]))
             runners[d] = r
         seq = [FakeScheduled(FakeSeq(ctx, list(range(per))))]
-        best = best_of(rounds, {d: (lambda r=r: r.execute(seq, [0])) for d, r in runners.items()})
+        best = best_of(rounds, {d: (lambda r=r, seq=seq: r.execute(seq, [0])) for d, r in runners.items()})
         cells = " | ".join(f"{best[d] * 1e3:.1f} ({1 / best[d]:.0f})" for d in DTYPES)
         out.append(f"| {ctx} | {cells} | {best['fp32'] / best['int8']:.2f}× |")
         del runners

@@ -21,8 +21,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from fleetllm.disagg.frame import DTYPES
-from fleetllm.kernels import kv8
 from fleetllm.engine.kv_memory import POOL_PREFIX, alive, pool_owner, remove_stale_pools, shm_dir
+from fleetllm.kernels import kv8
 
 if TYPE_CHECKING:
     from fleetllm.engine.kv_connector.access import BlockAccess

@@ -34,9 +34,9 @@ def test_rows_keep_their_scale_and_round_within_the_format(dtype: torch.dtype) -
 
 
 @pytest.mark.parametrize("dtype", EIGHT_BIT)
-@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(9, 3, 64), (8, 2, 48), (6, 2, 24), (4, 4, 20)])
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(9, 3, 64), (6, 2, 24), (4, 4, 20)])
 def test_the_paged_kernel_reads_8bit_rows_in_place(dtype: torch.dtype, heads: int, kv_heads: int, dim: int) -> None:
-    require_kernels(attention.LIBRARY)  # dims 64/48: the AVX-512 path; 24: AVX2; 20: scalar
+    require_kernels(attention.LIBRARY)  # dim 64: the AVX-512 path (AVX2 without it); 24: AVX2; 20: scalar
     k, v = caches(dtype, kv_heads, dim)
     lens = torch.tensor([1, 17, 300, 600], dtype=torch.int32)
     tables = torch.stack([torch.randperm(40)[:38] for _ in range(4)]).int()
