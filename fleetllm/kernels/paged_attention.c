@@ -136,13 +136,20 @@ static void task_scalar(const PagedArgs *a, int row, int kvh, float *scores) {
 
 /* ---- AVX2 path: head_dim a multiple of 8 ---------------------------------------------------------- */
 
-/* Each of the g rows of n scores into its softmax, in place; e^x 8 lanes at a time (libm's expf, one score at
- * a time, cost a third of an 8-bit read at 8k positions). */
+/* Each of the g rows of n scores into its softmax, in place. 8-bit caches take e^x 8 lanes at a time (libm's
+ * expf, one score at a time, costs a third of an 8-bit read at 8k positions); fp32, fp16 and bf16 keep expf, so
+ * their outputs stay bit for bit what they were (near-ties in greedy tests compare paths through them). */
 __attribute__((target("avx2,fma")))
-static void softmax_rows(float *scores, int g, int n) {
+static void softmax_rows(float *scores, int g, int n, int vector) {
     for (int h = 0; h < g; h++) {
         float *sc = scores + h * n, m = -INFINITY, sum = 0.f;
         for (int j = 0; j < n; j++) m = sc[j] > m ? sc[j] : m;
+        if (!vector) {
+            for (int j = 0; j < n; j++) { sc[j] = expf(sc[j] - m); sum += sc[j]; }
+            const float inv = 1.f / sum;
+            for (int j = 0; j < n; j++) sc[j] *= inv;
+            continue;
+        }
         __m256 acc = _mm256_setzero_ps();
         const __m256 mv = _mm256_set1_ps(m);
         int j = 0;
@@ -252,13 +259,15 @@ static void task_avx2(const PagedArgs *a, int row, int kvh, float *scores) {
     const int32_t *table = a->tables + (long)(a->table_of ? a->table_of[row] : row) * a->table_stride;
     const float *q = a->q + row * a->q_row_stride + (long)kvh * g * d;
     by_blocks_avx2(a, table, first, n, kvh, q, scores, NULL, 0);
-    softmax_rows(scores, g, n);
+    softmax_rows(scores, g, n, IS_8BIT(a->kv_dtype));
     by_blocks_avx2(a, table, first, n, kvh, q, scores, a->out + row * a->out_row_stride + (long)kvh * g * d, 1);
 }
 
 /* ---- AVX-512 path: head_dim a multiple of 16 ------------------------------------------------------ */
-/* The same two passes 16 lanes wide. The value pass also takes up to HG heads per read of a value row (the
- * AVX2 pass reads it once per head), so an 8-bit row is widened once for all the heads that share it. */
+/* The same two passes 16 lanes wide, for 8-bit caches: the score pass widens each key once for up to SH heads
+ * and sums SK keys' dot products across lanes together; the value pass widens each value row once for up to HG
+ * heads (the AVX2 pass reads it once per head). fp32, fp16 and bf16 caches keep the AVX2 path: memory-bound,
+ * they gain little here, and their summation order (so greedy near-ties in tests) stays what it was. */
 
 #define ZV 4  /* vectors of head_dim (64 floats) per pass */
 #define HG 4  /* heads per value pass: HG x ZV accumulators */
@@ -413,15 +422,15 @@ static void task_avx512(const PagedArgs *a, int row, int kvh, float *scores) {
     const int32_t *table = a->tables + (long)(a->table_of ? a->table_of[row] : row) * a->table_stride;
     const float *q = a->q + row * a->q_row_stride + (long)kvh * g * d;
     scores_avx512(a, table, first, n, kvh, q, scores);
-    softmax_rows(scores, g, n);
+    softmax_rows(scores, g, n, IS_8BIT(a->kv_dtype));
     values_avx512(a, table, first, n, kvh, scores, a->out + row * a->out_row_stride + (long)kvh * g * d);
 }
 #endif  /* FLEETLLM_X86 */
 
 /* ---- entry points --------------------------------------------------------------------------------- */
 
-/* 3 when the AVX-512 path runs on this CPU (head_dim a multiple of 16), 2 for the AVX2 one, 0 for the scalar
- * one (reported by Python, and used by tests). */
+/* 3 when the AVX-512 path runs on this CPU (for 8-bit caches with head_dim a multiple of 16), 2 for the AVX2
+ * one, 0 for the scalar one (reported by Python, and used by tests). */
 int paged_attention_isa(void) {
 #if FLEETLLM_X86
     __builtin_cpu_init();
@@ -442,7 +451,7 @@ int paged_attention(const float *q, long q_row_stride, const void *k_cache, cons
                    out, out_row_stride, heads, kv_heads, head_dim, block_size, window, scale,
                    IS_8BIT(kv_dtype) ? head_dim + 4 : head_dim};
     const int isa = paged_attention_isa(), vec = isa >= 2 && head_dim % 8 == 0;
-    const int vec512 = isa == 3 && head_dim % 16 == 0;
+    const int vec512 = isa == 3 && head_dim % 16 == 0 && IS_8BIT(kv_dtype);  /* see the AVX-512 section */
     int max_len = 0, failed = 0;
     long keys = 0;
     for (int r = 0; r < rows; r++) {
