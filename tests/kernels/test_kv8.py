@@ -67,6 +67,6 @@ def test_the_c_decode_step_stores_the_bytes_pytorch_stores(dtype: torch.dtype) -
     x[3], x[5, 1] = 0.0, 0.0  # all-zero rows
     slots = torch.randperm(50)[:40]
     torch_rows, c_rows = torch.zeros(50, 3, 68, dtype=dtype), torch.zeros(50, 3, 68, dtype=dtype)
-    kv8.store(torch_rows, slots, x)
+    kv8.copy_rows(torch_rows, slots, kv8.quantize(x, dtype))  # PyTorch's arithmetic (kv8.store takes the C one)
     decode_stack.store_rows(c_rows, slots, x)
     assert torch.equal(torch_rows.view(torch.uint8), c_rows.view(torch.uint8))
