@@ -91,6 +91,35 @@ static inline long next_slot(Slots *it) {
     return it->slot++;
 }
 
+#if FLEETLLM_X86
+/* Slots that also prefetch, on entering a block, the rows of the block after it that this KV head reads (8-bit
+ * rows, `ahead_of` positions up to `last`): blocks lie anywhere in the pool, so the hardware prefetcher, which
+ * follows a block's rows once it has seen a few, misses the start of every block; at 8-bit's small blocks
+ * those misses would cost more than reading them. */
+typedef struct { Slots at; const uint8_t *cache; long head, stride; int rows, row_bytes, last_block; } AheadSlots;
+
+static inline void prefetch_block(const AheadSlots *it, int block) {
+    const uint8_t *p = it->cache + ((long)it->at.table[block] * it->at.block_size) * it->stride + it->head;
+    for (int r = 0; r < it->rows; r++, p += it->stride) {
+        _mm_prefetch((const char *)p, _MM_HINT_T0);
+        _mm_prefetch((const char *)p + it->row_bytes - 1, _MM_HINT_T0);
+    }
+}
+
+static inline AheadSlots ahead_from(const PagedArgs *a, const int32_t *table, int first, int n, const void *cache,
+                                    int kvh) {
+    AheadSlots it = {slots_from(a, table, first), (const uint8_t *)cache, (long)kvh * a->row,
+                     (long)a->kv_heads * a->row, a->block_size, a->row, (first + n - 1) / a->block_size};
+    if (it.at.block + 1 <= it.last_block) prefetch_block(&it, it.at.block + 1);
+    return it;
+}
+
+static inline long next_ahead(AheadSlots *it) {
+    if (it->at.left == 0 && it->at.block + 2 <= it->last_block) prefetch_block(it, it->at.block + 2);
+    return next_slot(&it->at);
+}
+#endif
+
 /* What the elements of the row at `base` are multiplied by: 1 for fp32/fp16/bf16, the row's scale for 8-bit
  * (times 256 for e4m3, which load_scalar and load8 read as value / 256). */
 static inline float row_scale(const void *cache, long base, int head_dim, int dtype) {
@@ -271,7 +300,7 @@ static void task_avx2(const PagedArgs *a, int row, int kvh, float *scores) {
 
 #define ZV 4  /* vectors of head_dim (64 floats) per pass */
 #define HG 4  /* heads per value pass: HG x ZV accumulators */
-#define SK 8  /* keys per score group */
+#define SK 4  /* keys per score group */
 #define SH 3  /* heads per score group: SH x SK accumulators */
 #define AVX512 "avx512f,avx512bw,avx2,fma,f16c"
 
@@ -298,9 +327,9 @@ static inline void value_block16(const PagedArgs *a, const int32_t *table, int f
     __m512 acc[HG][ZV];
     for (int h = 0; h < hg; h++)
         for (int v = 0; v < nb; v++) acc[h][v] = _mm512_setzero_ps();
-    Slots it = slots_from(a, table, first);
+    AheadSlots it = ahead_from(a, table, first, n, a->v_cache, kvh);
     for (int j = 0; j < n; j++) {
-        const long row = (next_slot(&it) * a->kv_heads + kvh) * a->row, base = row + 16 * v0;
+        const long row = (next_ahead(&it) * a->kv_heads + kvh) * a->row, base = row + 16 * v0;
         const float vs = row_scale(a->v_cache, row, d, dtype);
         __m512 x[ZV];
         for (int v = 0; v < nb; v++) x[v] = load16(a->v_cache, base + 16 * v, dtype);
@@ -329,12 +358,11 @@ static inline __m256 fold16(__m512 x) {
     return _mm256_add_ps(_mm512_castps512_ps256(x), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1)));
 }
 
-/* Lane i: the sum of v[i]'s 8 lanes. */
+/* Lane i: the sum of v[i]'s 8 lanes (i < 4). */
 __attribute__((target(AVX512), always_inline))
-static inline __m256 sum8x8(const __m256 *v) {
+static inline __m128 sum4x8(const __m256 *v) {
     const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
-    const __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
-    return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+    return _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
 }
 
 /* Scores of SK keys (rows[], the first m real; ks[]: their scales times the softmax scale) for heads h0 .. h0 +
@@ -356,12 +384,12 @@ static inline void score_group(const PagedArgs *a, const long *rows, const float
             acc[h][j] = s;
         }
     }
-    const __m256 scale = _mm256_loadu_ps(ks);
+    const __m128 scale = _mm_loadu_ps(ks);
     for (int h = 0; h < hn; h++) {
         __m256 f[SK];
         float sum[SK], *out = scores + (h0 + h) * n + j0;
         for (int j = 0; j < SK; j++) f[j] = fold16(acc[h][j]);
-        _mm256_storeu_ps(sum, _mm256_mul_ps(sum8x8(f), scale));
+        _mm_storeu_ps(sum, _mm_mul_ps(sum4x8(f), scale));
         for (int j = 0; j < m; j++) out[j] = v0 == 0 ? sum[j] : out[j] + sum[j];
     }
 }
@@ -371,13 +399,13 @@ __attribute__((target(AVX512)))
 static void scores_avx512(const PagedArgs *a, const int32_t *table, int first, int n, int kvh, const float *q,
                           float *scores) {
     const int d = a->head_dim, nv = d / 16, g = a->heads / a->kv_heads;
-    Slots it = slots_from(a, table, first);
+    AheadSlots it = ahead_from(a, table, first, n, a->k_cache, kvh);
     long rows[SK];
     float ks[SK];
     for (int j0 = 0; j0 < n; j0 += SK) {
         const int m = n - j0 < SK ? n - j0 : SK;
         for (int j = 0; j < SK; j++) {  /* a short last group repeats its first key, scaled by 0 and not stored */
-            rows[j] = j < m ? (next_slot(&it) * a->kv_heads + kvh) * a->row : rows[0];
+            rows[j] = j < m ? (next_ahead(&it) * a->kv_heads + kvh) * a->row : rows[0];
             ks[j] = j < m ? row_scale(a->k_cache, rows[j], d, a->kv_dtype) * a->scale : 0.f;
         }
         for (int v0 = 0; v0 < nv; v0 += ZV) {
