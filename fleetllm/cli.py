@@ -172,7 +172,9 @@ def router_config(args: argparse.Namespace) -> RouterConfig:
     lora = getattr(args, "lora_load_cost_s", None)
     if lora is not None and not lora >= 0:
         raise UsageError(f"--lora-load-cost {lora}: give 0 or more seconds")
-    return from_args(RouterConfig, args, cost=cost if lora is None else replace(cost, lora_load_s=lora))
+    cfg = from_args(RouterConfig, args, cost=cost if lora is None else replace(cost, lora_load_s=lora))
+    cfg.check()
+    return cfg
 
 
 def capture_for(args: argparse.Namespace, component: str, tiers: tuple[str, ...], registry):  # -> Capture | None
@@ -689,6 +691,16 @@ def add_spec_parser(sub: argparse._SubParsersAction) -> None:
     t.set_defaults(func=cmd_spec_train)
 
 
+def _positive_weight(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number")
+    return value
+
+
 def cmd_keys(args: argparse.Namespace) -> int:
     from fleetllm.router.keys import KeyStore
 
@@ -697,7 +709,7 @@ def cmd_keys(args: argparse.Namespace) -> int:
         rec, key = store.create(args.name, models=args.models.split(",") if args.models else [],
                                 rpm_limit=args.rpm_limit, tpm_limit=args.tpm_limit,
                                 max_parallel_requests=args.max_parallel_requests,
-                                priority_floor=args.priority_floor, admin=args.admin)
+                                priority_floor=args.priority_floor, weight=args.weight, admin=args.admin)
         print(f"{rec.id}  {key}\n(the key is shown once; {args.file} keeps only its hash)")
     elif args.keys_command == "revoke":
         try:
@@ -723,6 +735,9 @@ def add_keys_parser(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--priority-floor", type=int, default=None,
                    help="the most urgent priority its requests may ask for (more urgent ones, the default 0 "
                         "included, are served at this one)")
+    c.add_argument("--weight", type=_positive_weight, default=1.0,
+                   help="its share of a saturated fleet against the other keys of a priority band (router "
+                        "--flow-control)")
     c.add_argument("--admin", action="store_true", help="may read /metrics, /router/state and /admin/*")
     ks.add_parser("ls", help="every key's id, name, limits (never the key)")
     r = ks.add_parser("revoke", help="refuse a key from the next request on")

@@ -10,7 +10,9 @@ from typing import Literal
 
 from fleetllm.cli_options import opt
 from fleetllm.disagg.pd_auto import pd_threshold_value
-from fleetllm.router.policies import POLICY_NAMES, CostModel
+from fleetllm.errors import UsageError
+from fleetllm.router.pipeline.admission import FlowLimits
+from fleetllm.router.policies import POLICY_NAMES, CostModel, scorer_weights
 from fleetllm.router.state_url import state_url_value
 
 
@@ -106,6 +108,22 @@ class RouterConfig:
     ray_address: str | None = opt(None, "also route to the fleet actors of this Ray cluster, found by name "
                                         "(auto or HOST:PORT; fleetllm serve --ray sets it)")
     ray_namespace: str = opt("fleetllm", "the Ray namespace of the fleet's actors")
+    scorer_weights: dict[str, str] = opt(doc="the weight of one of prefix and kv_aware's cost scorers (queue, prefix, "
+                                             "decode, kv_pressure, lora; default 1 each)", factory=dict,
+                                         flag="--scorer-weight", metavar="NAME=WEIGHT")
+    flow_control: bool = opt(False, "queue requests at the router while every copy of their model is saturated, "
+                                    "per priority band and, within a band, per tenant (API key, else x-tenant-id or "
+                                    "user) with weighted fair queuing; shed past --flow-queue-max or a request's "
+                                    "deadline (off: requests go to the workers at once, first come first served)")
+    flow_worker_queue: int = opt(FlowLimits.worker_queue, "requests waiting at a worker (not in its running batch) "
+                                                          "that saturate it")
+    flow_kv_usage: float = opt(FlowLimits.kv_usage, "KV-cache usage (0-1) that saturates a worker")
+    flow_queue_max: int = opt(FlowLimits.queue_max, "requests waiting at the router per model; beyond, a lower "
+                                                    "band's newest is shed (503), else the arrival (429)")
+    flow_queue_timeout_s: float = opt(FlowLimits.timeout_s, "seconds a request waits at most unless its timeout "
+                                                            "(x-request-timeout) says less; then 503")
+    flow_aging_s: float = opt(FlowLimits.aging_s, "a waiting band's oldest request climbs one band per this many "
+                                                  "seconds (no band starves)")
     batch_dir: str | None = opt(None, "where the Batch API keeps its files and batches, durable across a restart "
                                       "(default: $XDG_STATE_HOME/fleetllm/batches, else ~/.local/state/fleetllm/"
                                       "batches); one directory per router: a router resumes every unfinished "
@@ -117,3 +135,18 @@ class RouterConfig:
     batch_retention_h: float = opt(720.0, "hours files and ended batches are kept")
     batch_priority: int = opt(2**31 - 1, "the priority batch lines are sent at (fleetllm workers under "
                                          "--scheduling-policy priority serve larger numbers last)")
+
+    def check(self) -> None:
+        """UsageError (one line) for settings no router can run with: the scorer weights, the flow limits."""
+        scorer_weights(self.scorer_weights)
+        if self.flow_worker_queue < 1 or self.flow_queue_max < 1:
+            raise UsageError("--flow-worker-queue and --flow-queue-max must be at least 1")
+        if not 0 < self.flow_kv_usage <= 1:
+            raise UsageError(f"--flow-kv-usage {self.flow_kv_usage:g}: a fraction of the KV cache, in (0, 1]")
+        if not self.flow_queue_timeout_s > 0 or not self.flow_aging_s >= 0:
+            raise UsageError("--flow-queue-timeout-s must be positive and --flow-aging-s at least 0")
+
+    def flow_limits(self) -> FlowLimits:
+        """The admission stage's limits (``--flow-*``)."""
+        return FlowLimits(self.flow_worker_queue, self.flow_kv_usage, self.flow_queue_max, self.flow_queue_timeout_s,
+                          self.flow_aging_s)

@@ -29,6 +29,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from fleetllm.router.adapters import holds
 from fleetllm.router.index import PrefixIndex
 from fleetllm.router.metrics import RouterMetrics
+from fleetllm.router.pipeline.filters import Routable, Untried
 from fleetllm.router.policies import Decision, Policy, RouteRequest
 from fleetllm.router.request_id import HEADER as FLEET_ID_HEADER
 from fleetllm.router.sessions import ResponseWatch
@@ -67,6 +68,7 @@ class Forward:
     worker: str = ""
     reason: str = ""
     dispatched: float | None = None
+    on_dispatch: Callable[[], None] | None = None  # once it reached a worker (the admission stage's ticket)
     first_byte: float | None = None
 
     @property
@@ -177,6 +179,7 @@ class Forwarder:
         self.metrics = metrics
         self.index = index  # the policy's index: learns where a prompt was routed when records_routed
         self.records_routed = records_routed
+        self.on_load_change: Callable[[], None] | None = None  # the admission stage looks again
 
     async def forward(self, fwd: Forward, group: list[WorkerState], policy: Policy,
                       prepare: Prepare | None = None) -> Response:
@@ -186,8 +189,7 @@ class Forwarder:
         tried: set[str] = set()
         last: AttemptFailed | None = None
         for attempt in range(self.cfg.max_retries + 1):
-            now = time.monotonic()
-            candidates = [w for w in group if w.name not in tried and w.routable(now)]
+            candidates = Routable(time.monotonic()).apply(fwd.route, Untried(tried).apply(fwd.route, group))
             if not candidates:
                 break
             d = _pinned(fwd, candidates) or policy.choose(fwd.route, candidates)
@@ -238,6 +240,8 @@ class Forwarder:
         load = _Load(self, w, d.uncached_tokens(fwd.route), d.on_end)
         self._dispatch(w, load.uncached, fwd.route)
         fwd.dispatched = time.perf_counter()
+        if fwd.on_dispatch is not None:
+            fwd.on_dispatch()
         resp, chunks, first = await self._first_byte(fwd, w, load, d.headers)
         fwd.first_byte = time.perf_counter()
         load.first_byte()
@@ -329,6 +333,7 @@ class Forwarder:
 
     def _dispatch(self, w: WorkerState, uncached: int, req: RouteRequest) -> None:
         w.inflight += 1
+        w.sent_since_report += 1
         w.pending_prefill_tokens += uncached
         w.breaker.on_dispatch()
         hashes = req.hashes_for(w)
@@ -345,6 +350,8 @@ class Forwarder:
         """Export ``w``'s router-side load after it changed."""
         self.metrics.inflight.labels(worker=w.name).set(w.inflight)
         self.metrics.pending_prefill.labels(worker=w.name).set(w.pending_prefill_tokens)
+        if self.on_load_change is not None:
+            self.on_load_change()
 
     def failed(self, w: WorkerState) -> None:
         """Count a failure of ``w`` against its circuit breaker."""

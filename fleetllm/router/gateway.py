@@ -50,14 +50,16 @@ from fleetllm.router.hold import ColdStartHold
 from fleetllm.router.index import PrefixIndex
 from fleetllm.router.keys import KeyLimiter, KeyRecord, KeyStore
 from fleetllm.router.metrics import RouterMetrics
-from fleetllm.router.policies import RouteRequest, make_policy
+from fleetllm.router.pipeline.admission import FlowControl, Ticket
+from fleetllm.router.pipeline.filters import Role, Routable, ServesModel
+from fleetllm.router.policies import RouteRequest, make_policy, scorer_weights
 from fleetllm.router.request_id import HEADER as REQUEST_ID_HEADER
 from fleetllm.router.request_id import mint
 from fleetllm.router.sessions import ResponseSessions, resend_body
 from fleetllm.router.shared_limits import SharedLimiter
 from fleetllm.router.shared_turns import SharedTurns
 from fleetllm.router.state_url import redact
-from fleetllm.router.tenancy import TenantMetrics, effective_priority
+from fleetllm.router.tenancy import Tenant, TenantMetrics, band, effective_priority, tenant_of
 from fleetllm.router.tokens import PromptTokenizer, block_hashes
 from fleetllm.router.traffic import TrafficSplit, parse_weights
 from fleetllm.router.transport import PerHostTransport
@@ -67,7 +69,7 @@ from fleetllm.server.anthropic_errors import reshape
 from fleetllm.server.body_limit import DEFAULT_MAX_BODY_BYTES
 from fleetllm.server.limits import LARGE_INPUT_CHARS, check_inputs, off_loop
 from fleetllm.server.openapi import openapi_schema
-from fleetllm.server.protocol import APIError, json_object
+from fleetllm.server.protocol import APIError, json_object, request_timeout
 from fleetllm.server.stored_turns import OWNER_HEADER, normalize_items
 from fleetllm.server.worker_secret import matches, worker_secret
 
@@ -95,8 +97,10 @@ class Router:
         # what the workers report (KV events): the kv_aware policy's own index; for other policies it
         # still tells the P/D path how much of a prompt the chosen decode worker holds
         self.events_index = self.index if cfg.policy == "kv_aware" else PrefixIndex(0.0)
-        self.policy = make_policy(cfg.policy, self.index, cfg.cost, cfg.seed)
-        self.model_policies = {m: make_policy(p, self.index, cfg.cost, cfg.seed) for m, p in cfg.model_policies.items()}
+        weights = scorer_weights(cfg.scorer_weights)
+        self.policy = make_policy(cfg.policy, self.index, cfg.cost, cfg.seed, weights)
+        self.model_policies = {m: make_policy(p, self.index, cfg.cost, cfg.seed, weights)
+                               for m, p in cfg.model_policies.items()}
         self.uses_prefix = bool({cfg.policy, *cfg.model_policies.values()} & {"prefix", "kv_aware"})
         self.tokens = PromptTokenizer(cfg.tokenizers)
         self.traffic = TrafficSplit({m: parse_weights(spec) for m, spec in cfg.traffic.items()})
@@ -114,6 +118,8 @@ class Router:
         self.gate = (KeyGate(KeyStore(cfg.keys_file), KeyLimiter(), self.metrics.registry, self.shared)
                      if cfg.keys_file else None)
         self.tenants = TenantMetrics(self.metrics.registry)
+        # the admission stage (fleetllm/router/pipeline/admission.py): off, requests go to the workers at once
+        self.flow = FlowControl(cfg.flow_limits(), self.tenants) if cfg.flow_control else None
         self.batches = self._batch_api()
         # these four live while the app runs (they share the HTTP client its lifespan opens)
         self.client: httpx.AsyncClient | None = None
@@ -247,6 +253,8 @@ class Router:
         verify = ssl.create_default_context(cafile=self.cfg.worker_ca_file) if self.cfg.worker_ca_file else True
         self.client = httpx.AsyncClient(transport=PerHostTransport(verify), timeout=None, auth=auth)
         self.forwarder = Forwarder(self.client, self.cfg, self.metrics, self.index, self.uses_prefix)
+        if self.flow is not None:
+            self.forwarder.on_load_change = self.flow.kick  # a request ended or went: queues look again
         self.remote_prefill = RemotePrefill(self.client, self.cfg, self.metrics, self.events_index,
                                             on_failure=self.forwarder.failed)
         # the workers' KV events keep the events index exact (it is the policy's index under kv_aware)
@@ -312,8 +320,7 @@ class Router:
             adapters = sorted(adapter_bases(self.workers, self.cfg.adapters))
             names += f"; adapters: {', '.join(adapters)}" if adapters else ""
             raise APIError(404, f"The model `{model}` does not exist. Served: {names}", "model")
-        # a worker that has not said which model it serves may serve only a one-model fleet's requests
-        return name, [w for w in self.workers if w.model == name or (w.model is None and len(served) == 1)]
+        return name, ServesModel(name, len(served) == 1).apply(None, self.workers)
 
     async def _wait_for_copy(self, name: str | None, group: list[WorkerState]) -> float | None:
         """Scale from zero: hold the request until a copy of its model is routable; the seconds held."""
@@ -379,6 +386,7 @@ class Router:
             check_inputs(request.url.path, body)
             if request.url.path == "/v1/responses":
                 normalize_items(body.get("input"))  # refused here, never stored in the router's sessions
+            queued = self._queued(request, body, key, priority)
             held = await self._wait_for_copy(name, group)
             if held is not None:
                 name, group = self._group(name)
@@ -393,7 +401,37 @@ class Router:
             raw = json.dumps(body).encode()
         self.metrics.model_requests.labels(model=name or "").inc()
         self.tenants.admitted(key, priority)
-        return await self._forward(request, raw, body, name, group, t0, (key, priority), held, fid, tap)
+        try:
+            ticket = await self._admission(name, queued)
+        except APIError as e:  # shed by flow control
+            if key is not None:
+                self.gate.done(key, 0, 0)
+            return error_response(self.metrics, e, "shed")
+        try:
+            return await self._forward(request, raw, body, name, group, t0, (key, priority), held, fid, tap, ticket)
+        finally:
+            if ticket is not None:
+                ticket.dispatched()
+
+    def _queued(self, request: Request, body: dict[str, Any], key: KeyRecord | None,
+                priority: int) -> tuple[Tenant, str, float | None] | None:
+        """With flow control: whose request it is, its band and its deadline (400 for a bad tenant or timeout)."""
+        if self.flow is None:
+            return None
+        return tenant_of(key, request.headers, body), band(priority), request_timeout(body, request.headers)
+
+    async def _admission(self, name: str | None,
+                         queued: tuple[Tenant, str, float | None] | None) -> Ticket | None:
+        """The admission stage: through now, or once a copy of the model has room (APIError when shed)."""
+        if self.flow is None or queued is None:
+            return None
+        tenant, priority_band, timeout_s = queued
+
+        def decoders() -> list[WorkerState]:
+            group = ServesModel(name, len(self.served_models()) == 1).apply(None, self.workers)
+            return Routable(time.monotonic()).apply(None, Role().apply(None, group))
+
+        return await self.flow.admit(name or "", decoders, tenant, priority_band, timeout_s)
 
     async def _admit(self, request: Request, body: dict[str, Any]) -> tuple[KeyRecord | None, int]:
         """The caller's key (None without keys) and the request's priority as served; 400 / 401 / 403 / 429."""
@@ -413,9 +451,9 @@ class Router:
 
     async def _forward(self, request: Request, raw: bytes, body: dict[str, Any], name: str | None,
                        group: list[WorkerState], t0: float, tenant: tuple[KeyRecord | None, int],
-                       held: float | None, fid: str, tap: RequestTap | None) -> Response:
-        prefill_pool = [w for w in group if w.role == "prefill"]
-        group = [w for w in group if w.role != "prefill"]
+                       held: float | None, fid: str, tap: RequestTap | None, ticket: Ticket | None) -> Response:
+        prefill_pool = [w for w in group if w.role == "prefill"]  # the P/D stage's
+        group = Role().apply(None, group)
         # --pd-threshold auto without prefill workers: another worker of the model may prefill, when it wins
         peers = not prefill_pool and self.cfg.pd_threshold == AUTO
         # tokenising (and a tokenizer's first load) takes a thread: a long prompt never stalls the relayed streams
@@ -425,6 +463,8 @@ class Router:
         # the router's own id (minted at arrival) keys the request; the client's x-request-id travels beside it
         headers = upstream_headers(request.headers, fid, pass_credentials=not (self.secret or self.gate))
         fwd = Forward(request.url.path, raw, body, headers, fid, req, t0)
+        if ticket is not None:
+            fwd.on_dispatch = ticket.dispatched
         owner = tenant[0].id if tenant[0] is not None else ""
         if owner:  # the workers scope what they keep (stored Responses turns) to the key
             fwd.headers[OWNER_HEADER] = owner
@@ -440,15 +480,7 @@ class Router:
             await self._follow_session(fwd, owner)
         if held is not None:
             fwd.response_headers["x-fleetllm-cold-start-ms"] = f"{held * 1000:.0f}"
-        key, priority = tenant
-        if key is not None:
-            gate, tenants = self.gate, self.tenants
-
-            def on_end(prompt: int, completion: int) -> None:
-                gate.done(key, prompt, completion)
-                tenants.used(key, priority, prompt, completion)
-
-            fwd.on_end = on_end
+        self._meter(fwd, tenant)
         assert self.forwarder is not None and self.remote_prefill is not None
         pd = self.remote_prefill
         pool = group if peers else prefill_pool  # (peers: of the variant chosen)
@@ -457,8 +489,21 @@ class Router:
         policy = self.model_policies.get(name, self.policy) if name else self.policy
         response = await self.forwarder.forward(fwd, group, policy, prepare)
         if fwd.dispatched is not None:
-            self.tenants.queued(key, priority, fwd.dispatched - t0)
+            self.tenants.queued(tenant[0], tenant[1], fwd.dispatched - t0)
         return response
+
+    def _meter(self, fwd: Forward, tenant: tuple[KeyRecord | None, int]) -> None:
+        """With keys: the key's tokens and parallel slot are given back, and its tokens counted, once it ends."""
+        key, priority = tenant
+        if key is None:
+            return
+        gate, tenants = self.gate, self.tenants
+
+        def on_end(prompt: int, completion: int) -> None:
+            gate.done(key, prompt, completion)
+            tenants.used(key, priority, prompt, completion)
+
+        fwd.on_end = on_end
 
     async def _follow_session(self, fwd: Forward, owner: str) -> None:
         """A Responses turn: recorded when answered; a follow-up pinned to its previous turn's worker (a turn
@@ -578,7 +623,9 @@ class Router:
                 row["exact_hashes"] = sorted(exact)
             workers.append(row)
         held = {m: n for m, n in self.hold.waiting.items() if n}
-        return JSONResponse({"policy": self.policy.name, "workers": workers, "held": held,
+        queued = {m: len(g.queue) for m, g in self.flow.gates.items()} if self.flow is not None else {}
+        return JSONResponse({"policy": self.policy.name, "pipeline": self.policy.stages(), "workers": workers,
+                             "held": held, "queued": queued,
                              "models": sorted(self.served_models()), "traffic": self.traffic.splits})
 
 

@@ -50,6 +50,7 @@ class KeyRecord:
     # the most urgent `priority` its requests may ask for: a request asking for a more urgent one (a smaller
     # number, the default 0 included) is served at this one instead (None: any priority)
     priority_floor: int | None = None
+    weight: float = 1.0  # its share of a saturated fleet against other keys of its priority band (--flow-control)
     admin: bool = False  # may read /metrics, /router/state and the admin endpoints
     created: float = 0.0
     revoked: bool = False
@@ -204,4 +205,8 @@ def _read_records(path: Path) -> list[KeyRecord]:
         for key in r:
             if key not in known:
                 raise UsageError(f"keys file {str(path)!r}: {unknown_key(f'keys[{i}].{key}', known)}")
-    return [KeyRecord(**r) for r in entries]
+    records = [KeyRecord(**r) for r in entries]
+    for i, r in enumerate(records):
+        if isinstance(r.weight, bool) or not isinstance(r.weight, int | float) or not 0 < r.weight < float("inf"):
+            raise UsageError(f"keys file {str(path)!r}: keys[{i}].weight must be a positive number")
+    return records

@@ -1,0 +1,95 @@
+"""The routing cost model: the seconds a worker would take to start a request, in four parts, each a scorer.
+
+``queue + this request's uncached tokens / prefill_rate + γ · decoding / decode_rate + KV-pressure penalty``
+(docs/architecture.md, "Routing cost"). The queue is the time before this request's prefill would start: the
+prompt tokens queued ahead of it at the prefill rate, plus a step's share for each request queued ahead
+(:meth:`CostModel.queue_s`). A prefix block a worker holds in a KV tier rather than its pool (host memory,
+disk: its KV events say the medium; or the shared tier every worker of its layout reads, whichever worker
+reported the block) costs :attr:`CostModel.tier_load` (a fraction of recomputing it). A request naming a LoRA
+adapter its worker does not hold resident adds :attr:`CostModel.lora_load_s` (a fifth part, the ``lora`` scorer).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
+
+from fleetllm.errors import UsageError
+from fleetllm.router.index import POOL, SHARED, is_pool
+
+if TYPE_CHECKING:
+    from fleetllm.router.upstream import WorkerState
+
+
+@dataclass
+class CostModel:
+    """Seconds a worker would take to start this request; calibrated rates come from a profile."""
+
+    prefill_tokens_per_s: float = 1000.0
+    decode_tokens_per_s: float = 50.0  # one running stream's share of a step, in steps per second
+    gamma: float = 1.0
+    kv_high: float = 0.8  # above this KV usage a worker is penalised, up to kv_penalty_s at 100%
+    kv_penalty_s: float = 2.0
+    # Loading a block from a worker's KV tier, as a fraction of recomputing it (by the tier's medium in the
+    # workers' KV events). A medium not named here is priced as a miss.
+    tier_load: dict[str, float] = field(default_factory=lambda: {"CPU": 0.05, "DISK": 0.15, SHARED: 0.25})
+    # A copy that does not hold a request's LoRA adapter resident: the seconds its load costs there, and the
+    # adapter it evicts costs that copy's own requests later (fleetllm/router/adapters.py)
+    lora_load_s: float = 0.5
+
+    def with_tier_load(self, fractions: dict[str, str]) -> CostModel:
+        """This model with ``fractions`` (``--kv-tier-load MEDIUM=FRACTION``) replacing its tiers' prices."""
+        load = dict(self.tier_load)
+        for medium, text in fractions.items():
+            try:
+                value = float(text)
+            except ValueError:
+                value = -1.0
+            if not 0.0 <= value <= 1.0 or is_pool(medium):
+                raise UsageError(f"--kv-tier-load {medium}={text}: a tier's medium (CPU, DISK, SHARED) and a fraction of "
+                                 "recomputing, 0 to 1")
+            load[medium.upper()] = value
+        return replace(self, tier_load=load)
+
+    def load_fraction(self, medium: str) -> float:
+        """What a block held in ``medium`` costs, as a fraction of recomputing it (0 in the pool)."""
+        return 0.0 if medium == POOL else min(1.0, self.tier_load.get(medium, 1.0))
+
+    def cost(self, w: WorkerState, uncached: float, lora_name: str | None = None) -> float:
+        """Seconds until ``w`` would have computed a request's ``uncached`` prompt tokens (a fraction of a token
+        each for those it would load from a KV tier), with its LoRA adapter ``lora_name`` loaded first if ``w``
+        does not hold it: the sum of the parts."""
+        return (self.queue_s(w) + self.prefill_s(uncached) + self.decode_s(w) + self.pressure_s(w)
+                + self.adapter_s(w, lora_name))
+
+    def queue_s(self, w: WorkerState) -> float:
+        """Seconds before a request sent to ``w`` now would start its prefill.
+
+        The router's own counts (what it dispatched and has no first byte for) and the worker's report
+        (refreshed every event interval, and covering requests other routers sent) describe mostly the same
+        requests, so the larger of each is taken rather than their sum. Each queued request also costs a
+        step's per-sequence share while it is admitted ahead of this one."""
+        tokens = max(w.pending_prefill_tokens, w.queued_prefill_tokens)
+        requests = max(pending(w), w.waiting)
+        return tokens / self.prefill_tokens_per_s + requests / self.decode_tokens_per_s
+
+    def prefill_s(self, uncached: float) -> float:
+        """Seconds to compute ``uncached`` prompt tokens."""
+        return uncached / self.prefill_tokens_per_s
+
+    def decode_s(self, w: WorkerState) -> float:
+        """What ``w``'s running streams slow a new request's steps by."""
+        return self.gamma * max(w.decoding, w.running - pending(w)) / self.decode_tokens_per_s
+
+    def adapter_s(self, w: WorkerState, lora_name: str | None) -> float:
+        """Loading the request's LoRA adapter on ``w`` first (none: the base model, or one ``w`` holds resident)."""
+        return 0.0 if lora_name is None or lora_name in w.resident_adapters else self.lora_load_s
+
+    def pressure_s(self, w: WorkerState) -> float:
+        """The penalty of a worker whose KV pool is nearly full (it would preempt or evict)."""
+        return self.kv_penalty_s * max(0.0, w.kv_usage - self.kv_high) / (1.0 - self.kv_high)
+
+
+def pending(w: WorkerState) -> int:
+    """Requests the router sent ``w`` that have no first byte yet."""
+    return w.inflight - w.decoding

@@ -1,0 +1,127 @@
+"""Scorers: each adds its part of a candidate's cost, in seconds (lower is better), times its weight.
+
+The parts of :class:`~fleetllm.router.pipeline.cost.CostModel`, one scorer each: ``queue`` (the work
+queued ahead), ``prefix`` (prefilling what the worker does not hold: the prefix affinity), ``decode`` (its
+running streams), ``kv_pressure`` (a nearly full pool) and ``lora`` (loading the request's adapter where it is
+not resident: the adapter affinity). The ``prefix`` scorer also records, for the
+picker's reason, how many leading blocks each worker holds (:attr:`Candidates.depth`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
+
+from fleetllm.router.pipeline.cost import CostModel
+
+if TYPE_CHECKING:
+    from fleetllm.router.index import PrefixIndex
+    from fleetllm.router.pipeline.request import RouteRequest
+    from fleetllm.router.upstream import WorkerState
+
+
+@dataclass
+class Candidates:
+    """The workers one request may go to, as the stages narrow and score them.
+
+    ``everyone`` is the list before the policy's own filters (what the reason compares against);
+    ``workers`` after them, ``cost[i]`` and ``cached[i]`` being ``workers[i]``'s (empty when nothing scores)."""
+
+    req: RouteRequest
+    everyone: list[WorkerState]
+    workers: list[WorkerState]
+    cost: list[float] = field(default_factory=list)
+    cached: list[int] = field(default_factory=list)  # prompt tokens ``workers[i]`` holds (its pool or tiers)
+    depth: dict[str, int] | None = None  # leading blocks each of ``everyone`` holds; None: nobody looked
+
+    @classmethod
+    def to_score(cls, req: RouteRequest, everyone: list[WorkerState], workers: list[WorkerState]) -> Candidates:
+        """Candidates whose costs and cached counts start at zero, for scorers to add to."""
+        return cls(req, everyone, workers, [0.0] * len(workers), [0] * len(workers))
+
+
+class Scorer(Protocol):
+    name: str
+    weight: float
+
+    def score(self, c: Candidates) -> None:
+        """Add this scorer's part (times its weight) to every ``c.cost[i]``."""
+        ...
+
+
+class QueueScorer:
+    """The work queued ahead on the worker (:meth:`CostModel.queue_s`)."""
+
+    name = "queue"
+
+    def __init__(self, cost: CostModel, weight: float = 1.0) -> None:
+        self.model, self.weight = cost, weight
+
+    def score(self, c: Candidates) -> None:
+        for i, w in enumerate(c.workers):
+            c.cost[i] += self.weight * self.model.queue_s(w)
+
+
+class PrefixScorer:
+    """Prefill of the tokens the worker does not hold, by the prefix index (the pool's blocks are free, a
+    tier's cost their load fraction): the prefix-affinity part."""
+
+    name = "prefix"
+
+    def __init__(self, index: PrefixIndex, cost: CostModel, weight: float = 1.0) -> None:
+        self.index, self.model, self.weight = index, cost, weight
+
+    def score(self, c: Candidates) -> None:
+        req, fraction = c.req, self.model.load_fraction
+        media: dict[str, list[str]] = {}  # per worker, where it holds each leading block (pool or a tier)
+        schemes = {w.hash_scheme for w in c.everyone}
+        for scheme in schemes:  # one lookup per way of hashing (fleetllm's, vLLM's)
+            same = c.everyone if len(schemes) == 1 else [w for w in c.everyone if w.hash_scheme == scheme]
+            media.update(self.index.match_media(req.hashes_for(same[0]), [w.name for w in same], fraction))
+        c.depth = {name: len(m) for name, m in media.items()}
+        for i, w in enumerate(c.workers):
+            bs = w.block_size or req.block_size
+            cached = min(c.depth[w.name] * bs, max(req.num_prompt_tokens - 1, 0))
+            loaded = bs * sum(fraction(m) for m in media[w.name])  # tier blocks: a load each
+            c.cached[i] = cached
+            c.cost[i] += self.weight * self.model.prefill_s(req.num_prompt_tokens - cached + loaded)
+
+
+class DecodeScorer:
+    """The running streams a new request's steps would share (:meth:`CostModel.decode_s`)."""
+
+    name = "decode"
+
+    def __init__(self, cost: CostModel, weight: float = 1.0) -> None:
+        self.model, self.weight = cost, weight
+
+    def score(self, c: Candidates) -> None:
+        for i, w in enumerate(c.workers):
+            c.cost[i] += self.weight * self.model.decode_s(w)
+
+
+class LoraScorer:
+    """Loading the request's LoRA adapter where it is not resident (:meth:`CostModel.adapter_s`): adapter
+    affinity."""
+
+    name = "lora"
+
+    def __init__(self, cost: CostModel, weight: float = 1.0) -> None:
+        self.model, self.weight = cost, weight
+
+    def score(self, c: Candidates) -> None:
+        for i, w in enumerate(c.workers):
+            c.cost[i] += self.weight * self.model.adapter_s(w, c.req.lora_name)
+
+
+class KVPressureScorer:
+    """A worker whose KV pool is nearly full (:meth:`CostModel.pressure_s`)."""
+
+    name = "kv_pressure"
+
+    def __init__(self, cost: CostModel, weight: float = 1.0) -> None:
+        self.model, self.weight = cost, weight
+
+    def score(self, c: Candidates) -> None:
+        for i, w in enumerate(c.workers):
+            c.cost[i] += self.weight * self.model.pressure_s(w)
