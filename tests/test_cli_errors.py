@@ -58,6 +58,9 @@ CASES: list[tuple[list[str], str]] = [
     (["router", "--tls-keyfile", "{tmp}/cert.pem"], "--tls-certfile"),
     (["router", "--profile", "{tmp}/none.json"], "no such file"),
     (["router", "--policy", "fastest"], "invalid choice"),
+    (["router", "--scorer-weight", "latency=1"], "--scorer-weight latency=1"),
+    (["router", "--flow-kv-usage", "2"], "--flow-kv-usage"),
+    (["router", "--flow-worker-queue", "0"], "--flow-worker-queue"),
     (["router", "--traffic", "chat=stable"], "VARIANT:WEIGHT"),
     (["router", "--workers", "vllmm+http://127.0.0.1:1"], "unknown engine kind"),
     (["router", "--admin-token-file", "{tmp}/no-dir/token"], "--admin-token-file"),
@@ -99,6 +102,7 @@ CASES: list[tuple[list[str], str]] = [
     (["keys", "--file", "{tmp}/top.yaml", "ls"], "not a keys file"),
     (["keys", "create", "--rpm-limit", "many"], "invalid int value"),
     (["keys", "create", "--priority-floor", "soon"], "invalid int value"),
+    (["keys", "create", "--weight", "0"], "not a positive number"),
     (["keys", "create", "--file", "{tmp}/keys.yaml"], "give it before `create`"),
     # capture
     (["capture", "ls", "{tmp}/no-captures"], "no such"),

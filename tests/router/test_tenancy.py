@@ -9,7 +9,9 @@ from fleet_helpers import ThreadServer, router, sim_workers
 from prometheus_client.parser import text_string_to_metric_families
 from test_shared_limits import ask, upstream
 
-from fleetllm.router.keys import KeyStore
+from fleetllm.errors import UsageError
+from fleetllm.router.keys import KeyRecord, KeyStore
+from fleetllm.router.tenancy import Tenant, tenant_of
 
 BAD = [1.5, "1", True, 2**31, -(2**31) - 1, [0]]
 
@@ -89,3 +91,18 @@ def test_a_worker_under_priority_scheduling_serves_a_priority_and_refuses_a_bad_
     assert httpx.post(sims.url + "/v1/chat/completions", json={**body, "priority": -3}, timeout=30).status_code == 200
     bad = httpx.post(sims.url + "/v1/chat/completions", json={**body, "priority": 2**31}, timeout=30)
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "priority"
+
+
+def test_a_requests_tenant_is_its_key_with_the_keys_weight_else_its_tenant_header_else_its_user():
+    rec = KeyRecord("ab" * 32, name="team", weight=3.0)
+    assert tenant_of(rec, {"x-tenant-id": "ignored"}, {}) == Tenant(rec.id, 3.0, rec)
+    assert tenant_of(None, {"x-tenant-id": "t1"}, {"user": "u1"}).id == "t1"
+    assert tenant_of(None, {}, {"user": "u1"}).id == "u1"
+    assert tenant_of(None, {}, {}).id == "none"
+
+
+def test_a_keys_file_weight_must_be_a_positive_number(tmp_path):
+    path = tmp_path / "keys.yaml"
+    path.write_text("keys:\n- {hash: abc, weight: 0}\n")
+    with pytest.raises(UsageError, match=r"keys\[0\].weight"):
+        KeyStore(path)

@@ -5,7 +5,8 @@ drives it.
 
 - **Bands.** A request's band is its priority's (:func:`fleetllm.router.tenancy.band`): ``high`` (< 0),
   ``normal`` (0), ``low`` (> 0; batch lines). The highest band with a request waiting goes first, except that a
-  band's oldest request climbs one band per ``aging_s`` seconds waited, so a low band is never starved for good.
+  band's oldest request climbs one band per ``aging_s`` seconds waited, so a low band is never starved for good
+  (of two bands level after climbing, the one whose oldest request came first goes first).
 - **Tenants within a band.** Weighted fair queuing by virtual finish tags: a request of a tenant with weight
   ``w`` is tagged ``max(V, the tenant's last tag) + 1/w``, where ``V`` is the band's virtual time (the tag of
   the last request it released); the smallest tag goes first, arrival order among equal tags. A tenant that sent
@@ -78,8 +79,8 @@ class FairQueue:
         heads = [(i, min(q[0].arrived for q in b.tenants.values())) for i, b in enumerate(self.bands) if b.size]
         if not heads:
             return None
-        # a band's rank improves by one per aging_s its oldest request waited
-        i = min(heads, key=lambda h: (h[0] - int((now - h[1]) / self.aging_s) if self.aging_s > 0 else h[0], h[0]))[0]
+        # a band's rank improves by one per aging_s its oldest request waited; level bands: the older goes first
+        i = min(heads, key=lambda h: (h[0] - int((now - h[1]) / self.aging_s) if self.aging_s > 0 else h[0], h[1]))[0]
         b = self.bands[i]
         q = min(b.tenants.values(), key=lambda q: (q[0].tag, q[0].seq))
         e = q.popleft()
