@@ -1,0 +1,325 @@
+"""Fair and prioritised serving (issue #40): a noisy neighbour, and interactive traffic under a batch job, with the
+router's flow control off (requests go to the workers at once, first come first served) and on (``--flow-control``:
+per-band, per-tenant weighted fair queuing at the router while the workers are saturated).
+
+Simulated workers (``fleetllm worker --simulate``, a small batch: ``--max-num-seqs``) behind one ``fleetllm
+router`` with API keys (weight 1 each), started afresh for every phase. First the fleet's capacity is measured
+(a closed loop well past its batch slots). Then:
+
+- **noisy neighbour**: tenant B streams at ``--b-load`` of the capacity (Poisson arrivals, ``--b-requests``
+  requests), alone and while tenant A floods (a closed loop holding ``--flood-x`` times the fleet's batch slots in
+  flight). Reported: B's TTFT p50/p90/p99, and A's output tokens/s against its fair share (what B leaves).
+- **interactive vs batch**: the same interactive stream alone, and while a Batch API job (lines at the batch
+  priority, ``--batch-concurrency`` in flight) fills the fleet. Reported: interactive TTFT p50/p99, and the batch's
+  output tokens/s against the capacity the interactive traffic leaves.
+
+The workers run ``--scheduling-policy priority`` in every phase, so "off" already has the engine's priority order.
+
+    python benchmarks/tenancy.py                      # both benchmarks, flow control off and on
+    python benchmarks/tenancy.py --runs noisy --record
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import free_ports, save_run, stop_process, wait_healthy  # noqa: E402
+
+from fleetllm.router.keys import KeyStore  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+CLI = [sys.executable, "-m", "fleetllm.cli"]
+PROMPT = "the quick brown fox jumps over the lazy dog " * 6  # ~60 tokens
+
+
+def start(args: list[str], log: Path) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(CLI + args, stdout=open(log, "wb"), stderr=subprocess.STDOUT, cwd=ROOT)
+
+
+@dataclass
+class Result:
+    ttft: list[float] = field(default_factory=list)
+    tokens: int = 0
+    failed: int = 0
+
+
+def body(max_tokens: int) -> dict:
+    return {"model": "smollm2-135m", "prompt": PROMPT, "max_tokens": max_tokens, "stream": True,
+            "stream_options": {"include_usage": True}}
+
+
+async def stream_one(client: httpx.AsyncClient, url: str, key: str, max_tokens: int, out: Result) -> None:
+    """One streamed completion: its time to the first token and its output tokens, into ``out``."""
+    t0 = time.perf_counter()
+    first = None
+    try:
+        async with client.stream("POST", url + "/v1/completions", json=body(max_tokens),
+                                 headers={"authorization": f"Bearer {key}"}) as r:
+            if r.status_code != 200:
+                await r.aread()
+                out.failed += 1
+                return
+            async for line in r.aiter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                event = json.loads(line[6:])
+                if first is None and event.get("choices") and event["choices"][0].get("text"):
+                    first = time.perf_counter() - t0
+                if event.get("usage"):
+                    out.tokens += event["usage"]["completion_tokens"]
+    except httpx.HTTPError:
+        out.failed += 1
+        return
+    if first is not None:
+        out.ttft.append(first)
+
+
+async def open_loop(client: httpx.AsyncClient, url: str, key: str, rate: float, n: int, max_tokens: int) -> Result:
+    """``n`` requests at Poisson arrivals of ``rate`` per second."""
+    out, rng, tasks = Result(), random.Random(7), []
+    t = time.perf_counter()
+    for _ in range(n):
+        tasks.append(asyncio.create_task(stream_one(client, url, key, max_tokens, out)))
+        t += rng.expovariate(rate)
+        await asyncio.sleep(max(0.0, t - time.perf_counter()))
+    await asyncio.gather(*tasks)
+    return out
+
+
+async def closed_loop(client: httpx.AsyncClient, url: str, key: str, concurrency: int, max_tokens: int,
+                      stop: asyncio.Event, out: Result) -> Result:
+    """``concurrency`` streams, each sending its next request when the last ends, until ``stop`` (into ``out``,
+    which the caller may read while it runs)."""
+
+    async def one() -> None:
+        while not stop.is_set():
+            await stream_one(client, url, key, max_tokens, out)
+
+    await asyncio.gather(*(one() for _ in range(concurrency)))
+    return out
+
+
+def pct(values: list[float], q: float) -> float:
+    s = sorted(values)
+    return s[min(len(s) - 1, int(q * len(s)))] if s else float("nan")
+
+
+class Fleet:
+    """The simulated workers (started once) and a fresh router per phase."""
+
+    def __init__(self, args: argparse.Namespace, tmp: Path) -> None:
+        self.args, self.tmp = args, tmp
+        store = KeyStore(tmp / "keys.yaml")
+        self.keys = {name: store.create(name)[1] for name in ("A", "B", "batch", "probe")}
+        self.keys_file = store.path
+        port = free_ports(args.workers)
+        self.workers = [f"http://127.0.0.1:{port + i}" for i in range(args.workers)]
+        log = tmp / "workers.log"
+        self.proc = start(["worker", "--simulate", "--count", str(args.workers), "--port", str(port),
+                           "--max-num-seqs", str(args.max_num_seqs), "--sim-speed", str(args.sim_speed),
+                           "--scheduling-policy", "priority", "--log-level", "warning"], log)
+        for w in self.workers:
+            wait_healthy(w + "/health", self.proc, log, 120)
+        self.phase = 0
+
+    def router(self, flow: bool) -> tuple[str, subprocess.Popen[bytes]]:
+        self.phase += 1
+        port = free_ports(1)
+        url, log = f"http://127.0.0.1:{port}", self.tmp / f"router-{self.phase}.log"
+        flags = ["router", "--workers", ",".join(self.workers), "--policy", "least_load", "--port", str(port),
+                 "--keys-file", str(self.keys_file), "--batch-dir", str(self.tmp / f"batches-{self.phase}"),
+                 "--batch-concurrency", str(self.args.batch_concurrency), "--log-level", "warning"]
+        proc = start(flags + (["--flow-control"] if flow else []), log)
+        wait_healthy(url + "/health", proc, log, 120)
+        time.sleep(1.5)  # the workers' event streams connected
+        return url, proc
+
+    def stop(self) -> None:
+        stop_process(self.proc)
+
+
+async def capacity(fleet: Fleet, seconds: float) -> tuple[float, float]:
+    """(requests/s, output tokens/s) of the fleet under a closed loop at 4x its batch slots (flow control off)."""
+    url, proc = fleet.router(False)
+    try:
+        async with httpx.AsyncClient(timeout=300, limits=httpx.Limits(max_connections=1000)) as client:
+            stop, out = asyncio.Event(), Result()
+            slots = fleet.args.workers * fleet.args.max_num_seqs
+            task = asyncio.create_task(closed_loop(client, url, fleet.keys["probe"], 4 * slots,
+                                                   fleet.args.max_tokens, stop, out))
+            await asyncio.sleep(seconds / 3)  # ramp
+            t0, before = time.perf_counter(), out.tokens
+            await asyncio.sleep(seconds)
+            tok_s = (out.tokens - before) / (time.perf_counter() - t0)
+            stop.set()
+            await task
+    finally:
+        stop_process(proc)
+    return tok_s / fleet.args.max_tokens, tok_s
+
+
+@dataclass
+class Window:
+    """An interactive stream measured while something else may run: its result, its seconds, and the output
+    tokens/s of the other work (the flood, the batch job) meanwhile."""
+
+    result: Result
+    seconds: float
+    others_tok_s: float = 0.0
+
+
+async def interactive(client: httpx.AsyncClient, url: str, fleet: Fleet, rate: float,
+                      others: Callable[[], Awaitable[float]] | None = None) -> Window:
+    """Tenant B's stream of ``--b-requests`` requests at ``rate``; ``others`` reads the other work's output tokens
+    so far (at the window's start and end)."""
+    t0, before = time.perf_counter(), await others() if others else 0.0
+    result = await open_loop(client, url, fleet.keys["B"], rate, fleet.args.b_requests, fleet.args.max_tokens)
+    seconds = time.perf_counter() - t0
+    done = await others() if others else 0.0
+    return Window(result, seconds, (done - before) / seconds)
+
+
+async def noisy(fleet: Fleet, flow: bool, flood: bool, cap: tuple[float, float]) -> str:
+    """B alone or beside A's flood; one table row."""
+    args = fleet.args
+    url, proc = fleet.router(flow)
+    try:
+        async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=2000)) as client:
+            stop, a = asyncio.Event(), Result()
+            slots = args.workers * args.max_num_seqs
+            flooding = (asyncio.create_task(closed_loop(client, url, fleet.keys["A"], args.flood_x * slots,
+                                                        args.max_tokens, stop, a)) if flood else None)
+            if flooding is not None:
+                await asyncio.sleep(3.0)  # the flood fills the fleet first
+
+            async def a_tokens() -> float:
+                return float(a.tokens)
+
+            w = await interactive(client, url, fleet, args.b_load * cap[0], a_tokens if flood else None)
+            stop.set()
+            if flooding is not None:
+                await flooding
+    finally:
+        stop_process(proc)
+    b = w.result
+    share = (f"{w.others_tok_s:.0f} / {cap[1] - b.tokens / w.seconds:.0f} = "
+             f"{w.others_tok_s / (cap[1] - b.tokens / w.seconds):.2f}" if flood else "-")
+    return (f"| {'on' if flow else 'off'} | {'A floods' if flood else 'B alone'} | {len(b.ttft)} | "
+            f"{1e3 * pct(b.ttft, 0.5):.0f} | {1e3 * pct(b.ttft, 0.9):.0f} | {1e3 * pct(b.ttft, 0.99):.0f} | "
+            f"{b.failed} | {share} |")
+
+
+async def submit_batch(client: httpx.AsyncClient, url: str, key: str, lines: int, max_tokens: int) -> str:
+    """A Batch API job of ``lines`` completions; its id."""
+    rows = [json.dumps({"custom_id": f"line-{i}", "method": "POST", "url": "/v1/completions",
+                        "body": {"model": "smollm2-135m", "prompt": PROMPT, "max_tokens": max_tokens}})
+            for i in range(lines)]
+    auth = {"authorization": f"Bearer {key}"}
+    f = await client.post(url + "/v1/files", headers=auth, data={"purpose": "batch"},
+                          files={"file": ("batch.jsonl", "\n".join(rows).encode(), "application/jsonl")})
+    f.raise_for_status()
+    b = await client.post(url + "/v1/batches", headers=auth, json={"input_file_id": f.json()["id"],
+                                                                   "endpoint": "/v1/completions",
+                                                                   "completion_window": "24h"})
+    b.raise_for_status()
+    return b.json()["id"]
+
+
+async def with_batch(fleet: Fleet, flow: bool, batch: bool, cap: tuple[float, float]) -> str:
+    """The interactive stream alone or beside a Batch API job; one table row."""
+    args = fleet.args
+    url, proc = fleet.router(flow)
+    rate = args.b_load * cap[0]
+    try:
+        async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=2000)) as client:
+            auth = {"authorization": f"Bearer {fleet.keys['batch']}"}
+            if batch:
+                lines = int(cap[0] * (args.b_requests / rate + 30) * 1.5)
+                batch_id = await submit_batch(client, url, fleet.keys["batch"], lines, args.max_tokens)
+                await asyncio.sleep(5.0)  # the batch fills the fleet first
+
+            async def batch_tokens() -> float:
+                got = await client.get(url + f"/v1/batches/{batch_id}", headers=auth)
+                return float(got.json()["request_counts"]["completed"] * args.max_tokens)
+
+            w = await interactive(client, url, fleet, rate, batch_tokens if batch else None)
+            if batch:
+                await client.post(url + f"/v1/batches/{batch_id}/cancel", headers=auth)
+    finally:
+        stop_process(proc)
+    r = w.result
+    left = cap[1] - r.tokens / w.seconds
+    used = f"{w.others_tok_s:.0f} / {left:.0f} = {w.others_tok_s / left:.2f}" if batch else "-"
+    return (f"| {'on' if flow else 'off'} | {'batch job' if batch else 'alone'} | {len(r.ttft)} | "
+            f"{1e3 * pct(r.ttft, 0.5):.0f} | {1e3 * pct(r.ttft, 0.99):.0f} | {r.failed} | {used} |")
+
+
+NOISY_HEAD = ("| flow control | phase | B requests | B TTFT p50 ms | p90 ms | p99 ms | B failed | A tok/s / its fair "
+              "share |\n|---|---|---:|---:|---:|---:|---:|---|\n")
+BATCH_HEAD = ("| flow control | phase | interactive requests | TTFT p50 ms | p99 ms | failed | batch tok/s / capacity "
+              "left |\n|---|---|---:|---:|---:|---:|---|\n")
+
+
+async def run(fleet: Fleet, runs: list[str]) -> str:
+    args = fleet.args
+    cap = await capacity(fleet, args.capacity_s)
+    print(f"capacity: {cap[0]:.1f} requests/s, {cap[1]:.0f} output tokens/s", flush=True)
+    out = [f"Capacity (closed loop at 4x the batch slots, flow control off): {cap[0]:.1f} requests/s, "
+           f"{cap[1]:.0f} output tokens/s.\n"]
+    for kind, head, phase in (("noisy", NOISY_HEAD, noisy), ("batch", BATCH_HEAD, with_batch)):
+        if kind not in runs:
+            continue
+        rows = []
+        for flow in (False, True):
+            for busy in (False, True):
+                rows.append(await phase(fleet, flow, busy, cap))
+                print(rows[-1], flush=True)
+        out.append(head + "\n".join(rows) + "\n")
+    return "\n".join(out)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--runs", default="noisy,batch", help="comma-separated: noisy, batch")
+    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--max-num-seqs", type=int, default=8, help="each simulated worker's batch slots")
+    ap.add_argument("--sim-speed", type=float, default=4.0)
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--b-load", type=float, default=0.25, help="B's rate as a fraction of the capacity")
+    ap.add_argument("--b-requests", type=int, default=300)
+    ap.add_argument("--flood-x", type=int, default=5, help="A's requests in flight, in multiples of the batch slots")
+    ap.add_argument("--batch-concurrency", type=int, default=64, help="the router's --batch-concurrency")
+    ap.add_argument("--capacity-s", type=float, default=15.0)
+    ap.add_argument("--record", action="store_true", help="write results/<section>.md")
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory(prefix="fleetllm-tenancy-") as tmp:
+        fleet = Fleet(args, Path(tmp))
+        try:
+            lines = asyncio.run(run(fleet, args.runs.split(",")))
+        finally:
+            fleet.stop()
+    print(lines)
+    if args.record:
+        save_run("## Fair and prioritised serving", f"{args.workers} simulated workers (--max-num-seqs "
+                 f"{args.max_num_seqs}, --sim-speed {args.sim_speed:g}, priority scheduling), one router per phase "
+                 f"(least_load, API keys of weight 1); {args.max_tokens}-token completions of a ~60-token prompt; B "
+                 f"at {args.b_load:g} of the capacity, A holding {args.flood_x}x the batch slots in flight; the batch "
+                 f"job through the Batch API at --batch-concurrency {args.batch_concurrency}.", " ".join(sys.argv),
+                 lines)
+
+
+if __name__ == "__main__":
+    main()
