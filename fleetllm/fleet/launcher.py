@@ -228,6 +228,8 @@ class Fleet:
             args += ["--keys-file", cfg.keys_file]
         if cfg.state_url:  # run_fleet has started the store by now when it is `auto`
             args += ["--state-url", cfg.state_url]
+        if "--batch-dir" not in cfg.router_args:  # this fleet's batches, not every fleet's of this user
+            args += ["--batch-dir", str(self.log_dir / "batches")]
         return args + ["--admin-token-file", str(self.admin_token_file)] + cfg.router_args
 
     # ---- copies added and removed while the fleet runs (the autoscaler's hands) ---------------------

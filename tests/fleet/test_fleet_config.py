@@ -185,6 +185,13 @@ def test_serve_flags_for_keys_shared_state_and_scheduling_override_the_yaml_and_
     assert flag(f.workers[0].cmd, "--scheduling-policy") == "fcfs"
 
 
+def test_serve_gives_its_router_a_batch_directory_under_the_fleets_log_directory(tmp_path):
+    from fleetllm.cli import build_parser, fleet_config
+
+    cmd = Fleet(fleet_config(build_parser().parse_args(["serve", "--simulate", "--log-dir", str(tmp_path)]))).router.cmd
+    assert cmd[cmd.index("--batch-dir") + 1] == str(tmp_path / "batches")
+
+
 @pytest.mark.parametrize("url", ["http://127.0.0.1:6379", "redis://", "127.0.0.1:6379"])
 def test_a_state_url_that_is_not_a_redis_url_is_refused(url):
     with pytest.raises(ValueError, match="redis://HOST:PORT"):
