@@ -1,9 +1,11 @@
 """The router's HTTP app: same endpoints and errors as a worker, requests routed by a policy.
 
 Path of a completion request: parse the body (400 if it is not a JSON object), find the workers
-serving its model (404 if none does), tokenize and hash the prompt as the engine will (prefix-aware
-policies, and the P/D path), then hand it to the :class:`~fleetllm.router.forward.Forwarder`, which lets
-the policy choose, counts the load at dispatch, forwards and retries (see :mod:`fleetllm.router.forward`).
+serving its model (404 if none does), pass the admission stage (``--flow-control``: wait while the model's
+copies are saturated, :mod:`fleetllm.router.pipeline.admission`), tokenize and hash the prompt as the engine
+will (prefix-aware policies, and the P/D path), then hand it to the :class:`~fleetllm.router.forward.Forwarder`,
+which lets the policy's pipeline choose, counts the load at dispatch, forwards and retries (see
+:mod:`fleetllm.router.forward`).
 With prefill workers in the group, the first choice may prefill remotely first
 (:mod:`fleetllm.disagg.router_path`). With no routable worker the client gets a 503 at once, never a hang.
 """
