@@ -124,10 +124,11 @@ class RouterConfig:
                                                             "(x-request-timeout) says less; then 503")
     flow_aging_s: float = opt(FlowLimits.aging_s, "a waiting band's oldest request climbs one band per this many "
                                                   "seconds (no band starves)")
-    batch_dir: str | None = opt(None, "where the Batch API keeps its files and batches, durable across a restart "
+    batch_dir: str | None = opt(None, "where the Batch API keeps its files and batches, durable across a restart: a "
+                                      "directory or s3://BUCKET[/PREFIX] (boto3's credentials and AWS_ENDPOINT_URL) "
                                       "(default: $XDG_STATE_HOME/fleetllm/batches, else ~/.local/state/fleetllm/"
-                                      "batches); one directory per router: a router resumes every unfinished "
-                                      "batch it finds there")
+                                      "batches); one per router: a router resumes every unfinished batch it finds "
+                                      "there")
     batch_max_file_mb: float = opt(100.0, "largest batch input file in MiB; a larger upload gets a 400")
     batch_concurrency: int = opt(4, "batch lines in flight at once, all batches together (a small number: batches "
                                     "fill the fleet's idle capacity)")

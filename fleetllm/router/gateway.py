@@ -44,7 +44,7 @@ from fleetllm.router.backends.setup import EngineSetup
 from fleetllm.router.batches.api import BatchAPI, BatchLimits
 from fleetllm.router.batches.inner import OWNER_SCOPE, default_dir, inner_request, read_answer
 from fleetllm.router.batches.runner import BatchRunner
-from fleetllm.router.batches.store import BatchStore
+from fleetllm.router.batches.store import open_store
 from fleetllm.router.config import RouterConfig
 from fleetllm.router.forward import Forward, Forwarder, error_response, upstream_headers
 from fleetllm.router.guard import guarded
@@ -232,7 +232,7 @@ class Router:
     # ---- the Batch API (fleetllm/router/batches/) ------------------------------------------------------
     def _batch_api(self) -> BatchAPI:
         cfg = self.cfg
-        store = BatchStore(cfg.batch_dir or default_dir())
+        store = open_store(cfg.batch_dir or default_dir())
         runner = BatchRunner(store, self.batch_call, cfg.batch_concurrency, cfg.batch_priority)
         limits = BatchLimits(int(cfg.batch_max_file_mb * 2**20), cfg.batch_max_active, cfg.batch_retention_h)
         return BatchAPI(store, runner, limits, self.owner_of)

@@ -1,5 +1,5 @@
-"""A batch runner stopped mid-batch (a router restarting) and a new one over the same directory: every line
-answered exactly once, the lines answered before the stop never sent again."""
+"""A batch runner stopped mid-batch (a router restarting) and a new one over the same directory (or S3 prefix):
+every line answered exactly once, the lines answered before the stop never sent again."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import time
 
 from fleetllm.router.batches.lines import jsonl
 from fleetllm.router.batches.runner import BatchRunner, drain
-from fleetllm.router.batches.store import OWNER, BatchStore
+from fleetllm.router.batches.store import OWNER, BatchStore, open_store
 
 LINES = 10
 
@@ -75,3 +75,21 @@ def test_the_batch_directory_is_private_to_the_routers_user(tmp_path):
         assert stat.S_IMODE(d.stat().st_mode) == 0o700
     for f in (*store.root.glob("files/*"), *store.root.glob("batches/*")):
         assert stat.S_IMODE(f.stat().st_mode) == 0o600
+
+
+def test_a_batch_kept_in_s3_resumes_on_a_new_router_answering_every_line_once(s3_server, monkeypatch):
+    for k, v in s3_server.env().items():
+        monkeypatch.setenv(k, v)
+    s3_server.client("s3").create_bucket(Bucket="fleetllm-batches")
+    where = "s3://fleetllm-batches/router-1"
+    before = asyncio.run(stop_after(open_store(where), answered=4))
+    store = open_store(where)  # a restarted router: nothing but what the bucket holds
+    after = asyncio.run(resume(store))
+    batch = open_store(where).load("batches", "batch-1")
+    assert batch["status"] == "completed" and batch["request_counts"]["completed"] == LINES
+    out = [json.loads(ln) for ln in store.file_data(batch["output_file_id"]).splitlines()]
+    assert sorted(o["custom_id"] for o in out) == sorted(f"req-{i}" for i in range(LINES))
+    assert not set(before[:4]) & set(after) and sorted(before[:4] + after) == sorted(map(str, range(LINES)))
+    store.drop_batch("batch-1")
+    store.delete_file("file-in")
+    assert open_store(where).all("batches") == [] and open_store(where).load("files", "file-in") is None

@@ -77,7 +77,7 @@ class BatchRunner:
 
     async def _run(self, batch: dict[str, Any]) -> None:
         try:
-            data = self.store.file_data(batch["input_file_id"])
+            data = await asyncio.to_thread(self.store.file_data, batch["input_file_id"])
             if data is None:
                 return self._fail(batch, "input_file_missing", "the input file was deleted before the batch ran")
             lines = await asyncio.to_thread(parse_lines, data, batch["endpoint"])
@@ -91,7 +91,7 @@ class BatchRunner:
             todo = [line for line in lines if line.index not in done]
             for line in todo:
                 if line.error is not None:
-                    self._record(batch, line, False, error_line(line.custom_id, *line.error))
+                    await self._record(batch, line, False, error_line(line.custom_id, *line.error))
             await self._send_until_window(batch, [line for line in todo if line.error is None])
             await self._finalize(batch, lines)
         finally:
@@ -131,10 +131,11 @@ class BatchRunner:
             await asyncio.sleep(self.retry_s)  # the fleet (or the key's limit) is full: interactive traffic first
         if status in RETRY:
             return  # cancelled or expiring while refused: the line was never answered
-        self._record(batch, line, 200 <= status < 300, output_line(line.custom_id, status, request_id, answer))
+        await self._record(batch, line, 200 <= status < 300, output_line(line.custom_id, status, request_id, answer))
 
-    def _record(self, batch: dict[str, Any], line: Line, ok: bool, result: dict[str, Any]) -> None:
-        self.store.append_done(batch["id"], line.index, ok, result)
+    async def _record(self, batch: dict[str, Any], line: Line, ok: bool, result: dict[str, Any]) -> None:
+        # durable before it counts: an fsync, or a PUT to S3, off the event loop
+        await asyncio.to_thread(self.store.append_done, batch["id"], line.index, ok, result)
         batch["request_counts"]["completed" if ok else "failed"] += 1
 
     async def _finalize(self, batch: dict[str, Any], lines: list[Line]) -> None:
@@ -149,25 +150,25 @@ class BatchRunner:
             for line in lines:
                 if line.index not in done:
                     result = error_line(line.custom_id, "batch_expired", "the batch's completion window ended first")
-                    self._record(batch, line, False, result)
+                    await self._record(batch, line, False, result)
             done = await asyncio.to_thread(self.store.done, batch["id"])
         ordered = [done[i] for i in sorted(done)]
         outputs = [line for _, line in ordered if line["response"] is not None]
         errors = [line for _, line in ordered if line["response"] is None]
-        batch["output_file_id"] = self._result_file(batch, outputs, "output")
-        batch["error_file_id"] = self._result_file(batch, errors, "error")
+        batch["output_file_id"] = await self._result_file(batch, outputs, "output")
+        batch["error_file_id"] = await self._result_file(batch, errors, "error")
         final = "cancelled" if cancelled else "expired" if expired else "completed"
         batch.update(status=final, **{f"{final}_at": int(time.time())})
         self.store.save("batches", batch)
 
-    def _result_file(self, batch: dict[str, Any], lines: list[dict[str, Any]], kind: str) -> str | None:
+    async def _result_file(self, batch: dict[str, Any], lines: list[dict[str, Any]], kind: str) -> str | None:
         if not lines:
             return None
         data = jsonl(lines)
         meta = {"id": new_id("file"), "object": "file", "bytes": len(data), "created_at": int(time.time()),
                 "filename": f"{batch['id']}_{kind}.jsonl", "purpose": "batch_output", "status": "processed",
                 "expires_at": batch.get("retain_until"), OWNER: batch[OWNER]}
-        self.store.put_file(meta, data)
+        await asyncio.to_thread(self.store.put_file, meta, data)
         return meta["id"]
 
     def _fail(self, batch: dict[str, Any], code: str, message: str) -> None:

@@ -28,6 +28,16 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{secrets.token_hex(12)}"
 
 
+def open_store(where: str | Path) -> BatchStore:
+    """The store at ``where``: a local directory, or ``s3://BUCKET[/PREFIX]``
+    (:class:`~fleetllm.router.batches.s3_store.S3BatchStore`)."""
+    if str(where).startswith("s3://"):
+        from fleetllm.router.batches.s3_store import S3BatchStore
+
+        return S3BatchStore(str(where))
+    return BatchStore(where)
+
+
 class BatchStore:
     """Files and batches under ``root``; each object a dict as the API shows it, plus its owner."""
 
