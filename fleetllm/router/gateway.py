@@ -273,6 +273,8 @@ class Router:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         await self.batches.runner.stop()  # lines in flight are sent again when a router resumes the batch
+        if self.flow is not None:
+            await self.flow.close()
         await self.monitor.stop()
         for store in (self.shared, self.shared_turns):
             if store is not None:

@@ -102,6 +102,13 @@ class FlowControl:
         self.clock = clock
         self.gates: dict[str, Gate] = {}
 
+    async def close(self) -> None:
+        """Stop the queues' release tasks (the router is shutting down; its requests are being cancelled)."""
+        pumps = [g.pump for g in self.gates.values() if g.pump is not None]
+        for t in pumps:
+            t.cancel()
+        await asyncio.gather(*pumps, return_exceptions=True)
+
     def kick(self) -> None:
         """Load changed somewhere (a request ended, was dispatched): queues look again now."""
         for g in self.gates.values():
