@@ -407,6 +407,7 @@ class _Load:
     def release(self) -> None:
         w = self.worker
         w.inflight -= 1
+        w.ended_since_report += 1
         if self.first_seen:
             w.decoding -= 1
         else:

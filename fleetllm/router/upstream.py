@@ -89,6 +89,7 @@ class WorkerState:
     running: int = 0
     waiting: int = 0
     sent_since_report: int = 0  # requests this router dispatched since the worker's last load report
+    ended_since_report: int = 0  # and of its requests there, those that ended since (each freed a batch slot)
     queued_prefill_tokens: int = 0  # prompt tokens not yet computed of its waiting and prefilling requests
     kv_usage: float = 0.0
     model: str | None = None
@@ -255,7 +256,7 @@ class WorkerMonitor:
             w.adapters, w.resident_adapters = frozenset(ev["adapters"]), frozenset(ev.get("resident_adapters", ()))
         if "kv_usage" in ev:
             w.running, w.waiting, w.kv_usage = ev["running"], ev["waiting"], ev["kv_usage"]
-            w.sent_since_report = 0
+            w.sent_since_report = w.ended_since_report = 0
             w.queued_prefill_tokens = ev.get("queued_prefill_tokens", 0)  # absent from older workers
 
 

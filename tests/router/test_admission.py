@@ -16,10 +16,14 @@ def worker(**kw) -> WorkerState:
     return WorkerState("w", "http://w", healthy=True, **kw)
 
 
-def test_a_fleetllm_workers_queue_is_its_report_plus_what_was_sent_since_and_another_engines_the_router_count():
-    reporting = worker(kind="fleetllm", events_connected=True, waiting=1, sent_since_report=2, inflight=9)
-    other = worker(kind="vllm", waiting=5, inflight=4, decoding=1)
-    assert (queued_at(reporting), queued_at(other)) == (3, 3)
+def test_a_fleetllm_workers_queue_is_its_report_plus_what_was_sent_less_what_ended_since():
+    reporting = worker(kind="fleetllm", events_connected=True, waiting=1, sent_since_report=3, ended_since_report=1)
+    drained = worker(kind="fleetllm", events_connected=True, waiting=1, sent_since_report=0, ended_since_report=4)
+    assert (queued_at(reporting), queued_at(drained)) == (3, 0)
+
+
+def test_another_engines_queue_is_the_routers_requests_without_a_first_byte():
+    assert queued_at(worker(kind="vllm", waiting=5, inflight=4, decoding=1)) == 3
 
 
 def test_room_is_each_workers_queue_short_of_the_limit_and_none_on_a_nearly_full_kv_cache():

@@ -50,9 +50,11 @@ def queued_at(w: WorkerState) -> int:
     """Requests waiting at ``w`` (not yet in its running batch) as the router sees them now.
 
     A fleetllm worker reports its waiting requests within 50 ms of a change (its KV-event stream); what this router
-    sent since the last report is added. Without such reports, the router's requests with no first byte."""
+    sent since the last report is added, and what ended since taken off (each ended request freed a slot that a
+    waiting one takes): a busy worker's queue is refilled as its requests end, not a report later. Without such
+    reports, the router's requests with no first byte."""
     if w.kind == "fleetllm" and w.events_connected:
-        return w.waiting + w.sent_since_report
+        return max(0, w.waiting + w.sent_since_report - w.ended_since_report)
     return w.inflight - w.decoding
 
 
