@@ -104,7 +104,7 @@ def test_the_lowest_cost_picker_breaks_ties_at_random_among_the_cheapest_only():
 def test_a_policys_stages_are_named_for_the_router_state():
     assert make_policy("kv_aware", PrefixIndex(1.0), weights={"queue": 2.0}).stages() == {
         "filters": ["bounded_load"], "picker": "lowest_cost",
-        "scorers": {"queue": 2.0, "prefix": 1.0, "decode": 1.0, "kv_pressure": 1.0}}
+        "scorers": {"queue": 2.0, "prefix": 1.0, "decode": 1.0, "kv_pressure": 1.0, "lora": 1.0}}
     assert make_policy("session", PrefixIndex(1.0)).stages() == {"filters": [], "scorers": {}, "picker": "session"}
 
 
