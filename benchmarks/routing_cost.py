@@ -3,7 +3,7 @@
 ``--repeats`` timed loops), on the same worker states, index and prompt (64 blocks of 16 tokens, half the workers
 holding a random share of it), at 8 and 32 workers.
 
-Run:  python benchmarks/routing_cost.py [--baseline 004f6f7] [--rounds 5] [--record]
+Run:  python benchmarks/routing_cost.py [--baseline 8ea1574] [--rounds 5] [--record]
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ def per_decision_us(module, name: str, ws: list[WorkerState], index: PrefixIndex
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--baseline", default="004f6f7")
+    ap.add_argument("--baseline", default="8ea1574", help="a revision before the pipeline (main before it merged)")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--loops", type=int, default=200)
