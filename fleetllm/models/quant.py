@@ -44,6 +44,7 @@ from fleetllm.kernels.q4 import recover_q4_1
 from fleetllm.kernels.q4_int import BlockedQ4, kernel_ready, q4_int_linear
 from fleetllm.models.llama import MLP
 from fleetllm.models.moe import MoE
+from fleetllm.models.q8_weights import PackedQ8Linear
 
 GROUP = 32
 WIDE_ROWS = 8  # steps of at least this many tokens take the int8 GEMM (issue #19: "int8 for batch ≥ 8")
@@ -249,6 +250,8 @@ def _q4_head(head: nn.Linear, bits: int, invariant: bool) -> nn.Module:
     """The LM head under "q4": the Q8_0 kernel for narrow steps (``invariant``: every step) when its weight is
     exactly Q8_0 (the GGUF's tied head is), else exactly Q4_1 or fp32 as a decoder linear. The fp32 weight stays
     shared (tied embedding)."""
+    if isinstance(head, PackedQ8Linear):
+        return _packed_q8(head, invariant)
     weight = q8.recover_q8_0(head.weight)
     if weight is None:
         return _q4_or_fp32(head, bits, invariant)
@@ -259,7 +262,20 @@ def _q4_head(head: nn.Linear, bits: int, invariant: bool) -> nn.Module:
     return ByWidth(Q8Linear(head, weight), wide, head.weight, rows)
 
 
+def _packed_q8(linear: PackedQ8Linear, invariant: bool) -> nn.Module:
+    """A linear kept as Q8_0 at load (a Q8_0 GGUF's attention, embedding-tied head) with its narrow steps on the
+    Q8_0 GEMV, below ``Q4_WIDE_ROWS`` rows (``invariant``: every step), as a Q8_0 LM head's; wider ones multiply
+    by the weight dequantised per product. No fp32 or bf16 copy is made: keeping the file's size in memory is
+    the point."""
+    q = _shallow(linear)
+    q.q8_rows = (1 << 62) if invariant else Q4_WIDE_ROWS
+    q8.kernel_ready()  # starts the kernel's background build
+    return q
+
+
 def _decoder_linear(linear: nn.Linear, method: str, invariant: bool) -> nn.Module:
+    if isinstance(linear, PackedQ8Linear) and method in ACTIVATION_BITS:
+        return _packed_q8(linear, invariant)
     if method in ACTIVATION_BITS:
         return _q4_or_fp32(linear, ACTIVATION_BITS[method], invariant)
     narrow = Int4Linear(linear) if linear.in_features % GROUP == 0 else Int8Linear(linear)
@@ -304,7 +320,7 @@ def quantize_model(model: nn.Module, method: str | None, batch_invariant: bool =
         if base is None:
             raise ValueError(f"this model was quantised as {made!r} and its unquantised form is gone")
         model = base
-    if method in ("", "none", None) or model.lm_head.weight.device.type != "cpu":
+    if method in ("", "none", None) or model.norm.weight.device.type != "cpu":
         return model
     if method not in METHODS:
         raise ValueError(f"unknown quantization {method!r} (choices: {', '.join(METHODS)})")

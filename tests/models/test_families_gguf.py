@@ -1,7 +1,7 @@
 """Mixture-of-experts models converted to GGUF by llama.cpp's own converter load to HF transformers' outputs:
 F32 (Qwen3-MoE, Qwen2-MoE with its shared expert) equal to the HF model, Q8_0 (Qwen3-MoE) equal to the HF model
-whose weights are rounded as Q8_0 rounds them, in exact mode and with the experts on the Q8_0 kernel; Q8_0 experts
-stay quantised in memory."""
+whose weights are rounded as Q8_0 rounds them, in exact mode and with the experts, attention and LM head on the
+Q8_0 kernel; Q8_0 experts, attention projections and token embedding stay quantised in memory."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from families import converter, hf_greedy_logprobs, q8_0
 from fleetllm import LLM, SamplingParams
 from fleetllm.models.gguf_file import read_gguf_file
 from fleetllm.models.loader import load_model
+from fleetllm.models.q8_weights import PackedQ8Embedding, PackedQ8Linear
 
 PROMPTS = [[5, 17, 99, 3, 42, 42, 7], list(range(10, 130, 3)), [200, 201]]
 NEW = 32
@@ -55,10 +56,14 @@ def test_a_q8_0_qwen3_moe_gguf_equals_transformers_on_its_rounded_weights(q8_ref
 
 
 def test_q8_0_experts_run_quantised_by_default_to_the_same_outputs(q8_reference) -> None:
-    """Under the default quantization the experts keep their Q8_0 levels (the Q8_0 GEMV, fp32 activations)."""
+    """Under the default quantization the experts, attention projections and LM head keep their Q8_0 levels (the
+    Q8_0 GEMV, fp32 activations, for narrow steps)."""
     path, hf = q8_reference
     llm = LLM(str(path), max_num_batched_tokens=16, num_blocks=64)
-    assert all(layer.mlp.q8 is not None for layer in llm.engine.loaded.model.layers)
+    served = llm.engine.executor.runner.model
+    assert all(layer.mlp.q8 is not None for layer in served.layers)
+    assert all(m.q8_rows > 1 for layer in served.layers for m in (layer.attn.qkv, layer.attn.o))
+    assert served.lm_head.q8_rows > 1
     res = llm.generate(PROMPTS, SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True, logprobs=0))
     assert_equal_to(hf, [(r.outputs[0].token_ids, [lp.logprob for lp in r.outputs[0].logprobs]) for r in res])
 
@@ -72,3 +77,18 @@ def test_q8_0_experts_stay_quantised_in_memory(q8_reference) -> None:
     assert all(m.gate_up is None and m.down is None for m in moes)
     held = sum(b.nbytes for m in moes for b in (m.gate_up_q8, m.gate_up_d, m.down_q8, m.down_d))
     assert in_file <= held <= 1.3 * in_file
+
+
+def test_q8_0_attention_and_embeddings_stay_quantised_in_memory(q8_reference) -> None:
+    """A Q8_0 GGUF's attention projections and token embedding load as int8 levels and fp32 scales, the tied LM head
+    sharing the embedding's: no fp32 weight matrix is left but the router's (F32 in the file)."""
+    path, _ = q8_reference
+    model = load_model(str(path)).model
+    assert isinstance(model.embed, PackedQ8Embedding) and model.lm_head.q8 is model.embed.q8
+    for layer in model.layers:
+        assert isinstance(layer.attn.qkv, PackedQ8Linear) and isinstance(layer.attn.o, PackedQ8Linear)
+        assert layer.attn.qkv.q8.dtype == torch.int8 and layer.attn.qkv.q8_rows == 0  # exact mode never on the GEMV
+    fp32 = {n for n, t in (*model.named_parameters(), *model.named_buffers())
+            if t.dtype == torch.float32 and t.dim() >= 2 and not n.startswith("rotary.") and not n.endswith("_d")}
+    # (``*_d``: the Q8_0 scales, one per 32 weights)
+    assert fp32 == {f"layers.{i}.mlp.router.weight" for i in range(len(model.layers))}
