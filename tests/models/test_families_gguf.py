@@ -41,17 +41,28 @@ def test_an_f32_moe_gguf_equals_transformers(family: str, family_models) -> None
 
 @pytest.fixture(scope="module")
 def q8_reference(family_models):
-    """The HF model with every weight llama.cpp stores as Q8_0 rounded so (norms and the router stay F32)."""
-    path, hf = family_models.gguf("qwen3_moe", "q8_0")
+    return rounded_reference(family_models, "qwen3_moe")
+
+
+def rounded_reference(family_models, family: str):
+    """The family's Q8_0 GGUF, and its HF model with every weight llama.cpp stores as Q8_0 rounded so (norms and
+    the router stay F32)."""
+    path, hf = family_models.gguf(family, "q8_0")
     rounded = type(hf)(hf.config).eval()
     with torch.no_grad():
         for (name, p), (_, q) in zip(rounded.named_parameters(), hf.named_parameters(), strict=True):
-            p.copy_(q8_0(q) if q.dim() >= 2 and not name.endswith("mlp.gate.weight") else q)
+            p.copy_(q8_0(q) if q.dim() >= 2 and not name.endswith(("mlp.gate.weight", "moe.gate.weight")) else q)
     return path, rounded
 
 
 def test_a_q8_0_qwen3_moe_gguf_equals_transformers_on_its_rounded_weights(q8_reference) -> None:
     path, hf = q8_reference
+    assert_equal_to(hf, greedy(path))
+
+
+def test_a_q8_0_mixtral_gguf_equals_transformers_on_its_rounded_weights(family_models) -> None:
+    """Llama's layout: llama.cpp permutes the Q/K rows, and the loader unpermutes the kept Q8_0 levels and scales."""
+    path, hf = rounded_reference(family_models, "mixtral")
     assert_equal_to(hf, greedy(path))
 
 
