@@ -13,6 +13,9 @@ scripts/setup.sh unpacks) and fleetllm serves that file under its default quanti
 transformers runs the fp32 safetensors it was converted from (its greedy tokens are then not comparable).
 
     python benchmarks/moe_vs_hf.py --gguf q8_0 --hidden 1024 --experts 64 --expert-width 512 --top-k 8 --layers 16
+
+With ``--gguf``, llama.cpp's own ``llama-server`` serves the same file at c=1 and c=8 too, where
+``benchmarks/build_llama_server.sh`` has built it (``benchmarks/moe_llama_server.py``; ``--no-llama-server``: not).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from typing import Any
 
 import torch
 import transformers
+from moe_llama_server import llama_server_tok_s
 
 from fleetllm import LLM, SamplingParams
 from fleetllm.models.loader import load_model
@@ -132,6 +136,7 @@ def gguf_run(args: argparse.Namespace) -> None:
         first = in_process(first_load, str(path))
         r = in_process(serve_gguf, str(path), args.threads, args.new, batch, args.rounds)
         size = path.stat().st_size
+        peer = None if args.no_llama_server else llama_server_tok_s(path, args.threads, batch, args.new, args.rounds)
         entry = dequant_cache_dir(path)  # this temporary file's cache entry, and its lock
         shutil.rmtree(entry, ignore_errors=True)
         entry.with_name(entry.name + ".lock").unlink(missing_ok=True)
@@ -141,6 +146,11 @@ def gguf_run(args: argparse.Namespace) -> None:
           f"{args.threads} threads, load {os.getloadavg()[0]:.1f}; built and converted in {prep_s:.0f} s")
     print(f"HF transformers (fp32 safetensors) c=1 {hf1:.2f} tok/s | fleetllm (GGUF, default quantization) c=1 "
           f"{r['c1']:.2f} tok/s ({r['c1'] / hf1:.2f}x), c=8 {r['c8']:.2f} tok/s; load {r['load_s']:.1f} s")
+    if peer is None:
+        print("llama.cpp's llama-server: not measured (not built: benchmarks/build_llama_server.sh)")
+    else:
+        print(f"llama.cpp's llama-server (same GGUF) c=1 {peer[1]:.2f} tok/s, c=8 {peer[8]:.2f} tok/s | fleetllm / "
+              f"llama.cpp: c=1 {r['c1'] / peer[1]:.2f}x, c=8 {r['c8'] / peer[8]:.2f}x")
     less_kv = r["rss"] - r["kv"]
     print(f"fleetllm RSS {r['rss'] / gb:.2f} GB, less its KV pool ({r['kv'] / gb:.3f} GB): {less_kv / gb:.2f} GB = "
           f"{less_kv / size:.2f}x the GGUF (before loading, imports only: {r['base'] / gb:.2f} GB; "
@@ -172,6 +182,7 @@ def main() -> None:
         ap.add_argument(f"--{name}", type=int, default=default)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--gguf", choices=("q8_0",), help="serve a llama.cpp conversion of the model (see the doc)")
+    ap.add_argument("--no-llama-server", action="store_true", help="with --gguf: skip llama.cpp's llama-server")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     if args.gguf:
