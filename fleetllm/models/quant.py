@@ -23,7 +23,9 @@ the activations to int8 at every width instead (llama.cpp's arithmetic): 2-3× t
 steps, but greedy output agrees with fp32 on only about 3 of 16 prompts (``benchmarks/fast_path_quality.py``).
 The LM head, Q8_0 in the GGUF, gets the exact Q8_0 GEMV with fp32 activations for narrow steps
 (:mod:`fleetllm.kernels.q8`) and the bf16 kernel (else fp32 from ``Q4_WIDE_ROWS``) for wide ones; linears
-that are neither Q4_1 nor Q8_0 stay fp32.
+that are neither Q4_1 nor Q8_0 stay fp32. Linears a Q8_0 GGUF kept as Q8_0 at load (its attention, a mixture of
+experts' tied head: :mod:`fleetllm.models.q8_weights`) take the same GEMV below ``Q4_WIDE_ROWS`` rows and their
+weight dequantised per product from there, with no fp32 or bf16 copy.
 
 :func:`quantize_model` never changes the model it is given: it returns a copy sharing the embeddings and
 norms, cached per (model, method), so engines over one set of loaded weights can differ in quantisation.
