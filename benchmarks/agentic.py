@@ -80,7 +80,7 @@ def run_config(label: str, policy: str, spec: str | None, args: argparse.Namespa
             flags = ["worker", "--model", args.model, "--port", url.rsplit(":", 1)[1], "--num-threads", "1",
                      "--kv-cache-gb", str(args.kv_cache_gb), "--log-level", "warning", *MODELS[args.model][0]]
             logs.append(tmp / f"worker{i}.log")
-            procs.append(start(flags + (["--speculative", spec] if spec else []), logs[-1]))
+            procs.append(start(flags + (["--speculative", spec] if spec else []) + args.worker_arg, logs[-1]))
         for url in workers:
             wait_ready(url, procs, logs)
         logs.append(tmp / "router.log")
@@ -187,6 +187,9 @@ def main() -> None:
     p.add_argument("--floor-tps", type=float, default=35.0, help="per-user tok/s each session's median turn must keep")
     p.add_argument("--configs", default=",".join(c[0] for c in CONFIGS))
     p.add_argument("--kv-cache-gb", type=float, default=1.5)
+    p.add_argument("--worker-arg", action="append", default=[],
+                   help="one more worker flag or value for every configuration (repeat: --worker-arg=--kv-cache-dtype "
+                        "--worker-arg=int8)")
     p.add_argument("--out", type=Path, default=ROOT / "results" / "agentic")
     p.add_argument("--no-append", action="store_true", help="do not save the run to results/")
     args = p.parse_args()
