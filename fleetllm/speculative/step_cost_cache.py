@@ -34,12 +34,12 @@ _CODE = ("models", "kernels", "engine/model_runner.py", "speculative/step_cost.p
 
 def key(runner: ModelRunner, max_rows: int) -> str:
     """The entry's name for a measure of ``runner``'s steps up to ``max_rows`` rows on this machine."""
-    from fleetllm.kernels.build import cpu_flags
     from fleetllm.kernels.health import libraries
+    from fleetllm.kernels.variants import cpu_info
 
     k, v = runner.kv_cache[0]
     parts: dict[str, Any] = {
-        "cpu": _cpu_model(), "flags": cpu_flags(), "threads": torch.get_num_threads(), "max_rows": max_rows,
+        "cpu": cpu_info()[0], "flags": sorted(cpu_info()[1]), "threads": torch.get_num_threads(), "max_rows": max_rows,
         "cfg": repr(dataclasses.asdict(runner.model.cfg)) if dataclasses.is_dataclass(runner.model.cfg) else "",
         "modules": sorted({type(m).__qualname__ for m in runner.model.modules()}),
         "pool": [list(k.shape), str(k.dtype), runner.block_size],
@@ -78,16 +78,6 @@ def _path(name: str) -> Path:
     from fleetllm.models.source import cache_dir
 
     return cache_dir() / "step-cost" / f"{name}.json"
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return ""
 
 
 _DIGEST: list[str] = []
