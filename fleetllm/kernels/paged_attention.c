@@ -14,7 +14,11 @@
  * Work is split over (query row, KV head) with OpenMP: the g = heads / kv_heads query heads that share a
  * KV head are computed together, so every key and value vector is loaded once for all of them (GQA).
  * Softmax is exact two-pass over a per-task score buffer: scores, then max, exp and sum, then weighted
- * values. Vector code (AVX2 + FMA, F16C for fp16 keys) is chosen at run time; a scalar path covers the rest.
+ * values. A context longer than PART_KEYS keys is split into partitions of PART_KEYS keys (flash-decoding):
+ * each partition's unnormalised output, max and sum, then one combine per (row, KV head). So a long context
+ * runs on every thread even with one row and one KV head (Gemma 3's global layers), and the g passes over a
+ * partition's values hit the L2 cache instead of memory. The partitions depend on the row's length and window
+ * only: the result does not change with the batch or the thread count. Vector code (AVX2 + FMA, F16C for fp16 keys) is chosen at run time; a scalar path covers the rest.
  *
  * 8-bit rows are read in place and widened in registers: a score is scale_k * (q . k8) and a value row enters
  * as (p * scale_v) * v8, so the scales cost one multiply per key, not per element. fp8 goes through F16C: an
@@ -129,14 +133,26 @@ static inline float row_scale(const void *cache, long base, int head_dim, int dt
     return dtype == KV_E4M3 ? s * 256.f : s;
 }
 
+#define PART_KEYS 256  /* keys of one partition: 256 KB of fp32 values at head_dim 256, L2-resident */
+
+/* One task: a query row's g heads under KV head kvh over keys [first, first + n), into out (g * head_dim
+ * floats): normalised when ml is NULL, else unnormalised with each head's max and sum in ml[2h], ml[2h + 1]. */
+typedef struct {
+    int row, kvh, first, n;
+    float *out, *ml;
+} Part;
+
+static inline const int32_t *table_of_row(const PagedArgs *a, int row) {
+    return a->tables + (long)(a->table_of ? a->table_of[row] : row) * a->table_stride;
+}
+
 /* ---- scalar path ---------------------------------------------------------------------------------- */
 
-static void task_scalar(const PagedArgs *a, int row, int kvh, float *scores) {
-    const int d = a->head_dim, g = a->heads / a->kv_heads, len = a->context_lens[row];
-    const int first = a->window > 0 && len > a->window ? len - a->window : 0, n = len - first;
-    const int32_t *table = a->tables + (long)(a->table_of ? a->table_of[row] : row) * a->table_stride;
-    const float *q = a->q + row * a->q_row_stride + (long)kvh * g * d;
-    float *out = a->out + row * a->out_row_stride + (long)kvh * g * d;
+static void task_scalar(const PagedArgs *a, const Part *t, float *scores) {
+    const int d = a->head_dim, g = a->heads / a->kv_heads, kvh = t->kvh, first = t->first, n = t->n;
+    const int32_t *table = table_of_row(a, t->row);
+    const float *q = a->q + t->row * a->q_row_stride + (long)kvh * g * d;
+    float *out = t->out;
     for (int j = 0; j < n; j++) {
         long base = (slot_of(a, table, first + j) * a->kv_heads + kvh) * a->row;
         const float ks = row_scale(a->k_cache, base, d, a->kv_dtype) * a->scale;
@@ -150,6 +166,7 @@ static void task_scalar(const PagedArgs *a, int row, int kvh, float *scores) {
         float *sc = scores + h * n, m = -INFINITY, sum = 0.f;
         for (int j = 0; j < n; j++) m = sc[j] > m ? sc[j] : m;
         for (int j = 0; j < n; j++) { sc[j] = expf(sc[j] - m); sum += sc[j]; }
+        if (t->ml) { t->ml[2 * h] = m; t->ml[2 * h + 1] = sum; continue; }
         for (int j = 0; j < n; j++) sc[j] /= sum;
     }
     memset(out, 0, sizeof(float) * g * d);
@@ -165,16 +182,17 @@ static void task_scalar(const PagedArgs *a, int row, int kvh, float *scores) {
 
 /* ---- AVX2 path: head_dim a multiple of 8 ---------------------------------------------------------- */
 
-/* Each of the g rows of n scores into its softmax, in place. 8-bit caches take e^x 8 lanes at a time (libm's
+/* Each of the g rows of n scores into its softmax, in place (with ml: exp(score - max), unnormalised; see Part). 8-bit caches take e^x 8 lanes at a time (libm's
  * expf, one score at a time, costs a third of an 8-bit read at 8k positions); fp32, fp16 and bf16 keep expf, so
  * their outputs stay bit for bit what they were (near-ties in greedy tests compare paths through them). */
 __attribute__((target("avx2,fma")))
-static void softmax_rows(float *scores, int g, int n, int vector) {
+static void softmax_rows(float *scores, int g, int n, int vector, float *ml) {
     for (int h = 0; h < g; h++) {
         float *sc = scores + h * n, m = -INFINITY, sum = 0.f;
         for (int j = 0; j < n; j++) m = sc[j] > m ? sc[j] : m;
         if (!vector) {
             for (int j = 0; j < n; j++) { sc[j] = expf(sc[j] - m); sum += sc[j]; }
+            if (ml) { ml[2 * h] = m; ml[2 * h + 1] = sum; continue; }
             const float inv = 1.f / sum;
             for (int j = 0; j < n; j++) sc[j] *= inv;
             continue;
@@ -188,6 +206,7 @@ static void softmax_rows(float *scores, int g, int n, int vector) {
             acc = _mm256_add_ps(acc, e);
         }
         for (; j < n; j++) { sc[j] = expf(sc[j] - m); sum += sc[j]; }
+        if (ml) { ml[2 * h] = m; ml[2 * h + 1] = sum + hsum8(acc); continue; }
         const float inv = 1.f / (sum + hsum8(acc));
         for (j = 0; j < n; j++) sc[j] *= inv;
     }
@@ -282,14 +301,13 @@ static void by_blocks_avx2(const PagedArgs *a, const int32_t *table, int first, 
 }
 
 __attribute__((target("avx2,fma,f16c")))
-static void task_avx2(const PagedArgs *a, int row, int kvh, float *scores) {
-    const int d = a->head_dim, g = a->heads / a->kv_heads, len = a->context_lens[row];
-    const int first = a->window > 0 && len > a->window ? len - a->window : 0, n = len - first;
-    const int32_t *table = a->tables + (long)(a->table_of ? a->table_of[row] : row) * a->table_stride;
-    const float *q = a->q + row * a->q_row_stride + (long)kvh * g * d;
-    by_blocks_avx2(a, table, first, n, kvh, q, scores, NULL, 0);
-    softmax_rows(scores, g, n, IS_8BIT(a->kv_dtype));
-    by_blocks_avx2(a, table, first, n, kvh, q, scores, a->out + row * a->out_row_stride + (long)kvh * g * d, 1);
+static void task_avx2(const PagedArgs *a, const Part *t, float *scores) {
+    const int g = a->heads / a->kv_heads;
+    const int32_t *table = table_of_row(a, t->row);
+    const float *q = a->q + t->row * a->q_row_stride + (long)t->kvh * g * a->head_dim;
+    by_blocks_avx2(a, table, t->first, t->n, t->kvh, q, scores, NULL, 0);
+    softmax_rows(scores, g, t->n, IS_8BIT(a->kv_dtype), t->ml);
+    by_blocks_avx2(a, table, t->first, t->n, t->kvh, q, scores, t->out, 1);
 }
 
 /* ---- AVX-512 path: head_dim a multiple of 16 ------------------------------------------------------ */
@@ -444,16 +462,72 @@ static void values_avx512(const PagedArgs *a, const int32_t *table, int first, i
 }
 
 __attribute__((target(AVX512)))
-static void task_avx512(const PagedArgs *a, int row, int kvh, float *scores) {
-    const int d = a->head_dim, g = a->heads / a->kv_heads, len = a->context_lens[row];
-    const int first = a->window > 0 && len > a->window ? len - a->window : 0, n = len - first;
-    const int32_t *table = a->tables + (long)(a->table_of ? a->table_of[row] : row) * a->table_stride;
-    const float *q = a->q + row * a->q_row_stride + (long)kvh * g * d;
-    scores_avx512(a, table, first, n, kvh, q, scores);
-    softmax_rows(scores, g, n, IS_8BIT(a->kv_dtype));
-    values_avx512(a, table, first, n, kvh, scores, a->out + row * a->out_row_stride + (long)kvh * g * d);
+static void task_avx512(const PagedArgs *a, const Part *t, float *scores) {
+    const int g = a->heads / a->kv_heads;
+    const int32_t *table = table_of_row(a, t->row);
+    const float *q = a->q + t->row * a->q_row_stride + (long)t->kvh * g * a->head_dim;
+    scores_avx512(a, table, t->first, t->n, t->kvh, q, scores);
+    softmax_rows(scores, g, t->n, IS_8BIT(a->kv_dtype), t->ml);
+    values_avx512(a, table, t->first, t->n, t->kvh, scores, t->out);
 }
 #endif  /* FLEETLLM_X86 */
+
+/* ---- partitions ----------------------------------------------------------------------------------- */
+
+/* The first key a row reads and how many (its window of its context). */
+static inline int keys_of(const PagedArgs *a, int row, int *first) {
+    const int len = a->context_lens[row];
+    *first = a->window > 0 && len > a->window ? len - a->window : 0;
+    return len - *first;
+}
+
+static inline int parts_of(int n) {
+    return n > PART_KEYS ? (n + PART_KEYS - 1) / PART_KEYS : 1;
+}
+
+/* Partition p (of every row's, numbered row by row from part0[row]) under KV head kvh: a row of one
+ * partition writes its output in place; a split row's partitions write into buf for combine(). */
+static Part part_at(const PagedArgs *a, const int *part0, int rows, int p, int kvh, float *buf) {
+    int lo = 0, hi = rows - 1;
+    while (lo < hi) {  /* the last row whose first partition is at or before p */
+        const int mid = (lo + hi + 1) / 2;
+        if (part0[mid] <= p) lo = mid; else hi = mid - 1;
+    }
+    const int g = a->heads / a->kv_heads, d = a->head_dim;
+    int first, n = keys_of(a, lo, &first);
+    Part t = {lo, kvh, first, n, a->out + lo * a->out_row_stride + (long)kvh * g * d, NULL};
+    if (part0[lo + 1] - part0[lo] > 1) {
+        const int i = p - part0[lo];
+        t.first = first + i * PART_KEYS;
+        t.n = n - i * PART_KEYS < PART_KEYS ? n - i * PART_KEYS : PART_KEYS;
+        t.out = buf + ((long)p * a->kv_heads + kvh) * g * (d + 2);
+        t.ml = t.out + g * d;
+    }
+    return t;
+}
+
+/* A split row's output under KV head kvh from its partitions' (see part_at): each partition's sum and
+ * output weighted by exp(its max - the overall max). */
+static void combine(const PagedArgs *a, const int *part0, int row, int kvh, const float *buf) {
+    const int g = a->heads / a->kv_heads, d = a->head_dim, p0 = part0[row], np = part0[row + 1] - p0;
+    float *out = a->out + row * a->out_row_stride + (long)kvh * g * d;
+    for (int h = 0; h < g; h++) {
+        float m = -INFINITY, sum = 0.f;
+        for (int p = 0; p < np; p++) {
+            const float *ml = buf + ((long)(p0 + p) * a->kv_heads + kvh) * g * (d + 2) + g * d;
+            m = ml[2 * h] > m ? ml[2 * h] : m;
+        }
+        for (int i = 0; i < d; i++) out[h * d + i] = 0.f;
+        for (int p = 0; p < np; p++) {
+            const float *o = buf + ((long)(p0 + p) * a->kv_heads + kvh) * g * (d + 2), *ml = o + g * d;
+            const float w = expf(ml[2 * h] - m);
+            sum += w * ml[2 * h + 1];
+            for (int i = 0; i < d; i++) out[h * d + i] += w * o[h * d + i];
+        }
+        const float inv = 1.f / sum;
+        for (int i = 0; i < d; i++) out[h * d + i] *= inv;
+    }
+}
 
 /* ---- entry points --------------------------------------------------------------------------------- */
 
@@ -469,7 +543,7 @@ int paged_attention_isa(void) {
 #endif
 }
 
-/* Returns 0, or -1 when a score buffer could not be allocated. Runs on `threads` OpenMP threads, or on the
+/* Returns 0, or -1 when a buffer could not be allocated. Runs on `threads` OpenMP threads, or on the
  * caller's alone when the step reads few keys: waking a team costs more than a short decode's attention. */
 int paged_attention(const float *q, long q_row_stride, const void *k_cache, const void *v_cache, int kv_dtype,
                     const int32_t *tables, int table_stride, const int32_t *table_of, const int32_t *context_lens,
@@ -480,14 +554,21 @@ int paged_attention(const float *q, long q_row_stride, const void *k_cache, cons
                    IS_8BIT(kv_dtype) ? head_dim + 4 : head_dim};
     const int isa = paged_attention_isa(), vec = isa >= 2 && head_dim % 8 == 0;
     const int vec512 = isa == 3 && head_dim % 16 == 0 && IS_8BIT(kv_dtype);  /* see the AVX-512 section */
-    int max_len = 0, failed = 0;
+    const int g = heads / kv_heads;
+    int *part0 = malloc(sizeof(int) * (rows + 1)), max_n = 1, failed = 0;
+    if (!part0) return -1;
     long keys = 0;
+    part0[0] = 0;
     for (int r = 0; r < rows; r++) {
-        max_len = context_lens[r] > max_len ? context_lens[r] : max_len;
-        keys += context_lens[r];
+        int first, n = keys_of(&a, r, &first);
+        part0[r + 1] = part0[r] + parts_of(n);
+        max_n = n > max_n ? n : max_n;
+        keys += n;
     }
-    const long scratch = (long)(heads / kv_heads) * (max_len > 0 ? max_len : 1);
-    const int tasks = rows * kv_heads;
+    const int parts = part0[rows], tasks = parts * kv_heads;
+    float *buf = parts > rows ? malloc(sizeof(float) * tasks * g * (head_dim + 2)) : NULL;
+    if (parts > rows && !buf) { free(part0); return -1; }
+    const long scratch = (long)g * (max_n < PART_KEYS ? max_n : PART_KEYS);
     #pragma omp parallel num_threads(threads) if(threads > 1 && keys * kv_heads >= PARALLEL_MIN_KEYS) reduction(|:failed)
     {
         float *scores = malloc(sizeof(float) * scratch);
@@ -495,14 +576,22 @@ int paged_attention(const float *q, long q_row_stride, const void *k_cache, cons
         #pragma omp for schedule(dynamic, 1)
         for (int t = 0; t < tasks; t++) {
             if (!scores) continue;
+            const Part p = part_at(&a, part0, rows, t / kv_heads, t % kv_heads, buf);
 #if FLEETLLM_X86
-            if (vec512) task_avx512(&a, t / kv_heads, t % kv_heads, scores);
-            else if (vec) task_avx2(&a, t / kv_heads, t % kv_heads, scores);
+            if (vec512) task_avx512(&a, &p, scores);
+            else if (vec) task_avx2(&a, &p, scores);
             else
 #endif
-            task_scalar(&a, t / kv_heads, t % kv_heads, scores);
+            task_scalar(&a, &p, scores);
         }
         free(scores);
+        if (buf) {
+            #pragma omp for schedule(static)
+            for (int t = 0; t < rows * kv_heads; t++)
+                if (part0[t / kv_heads + 1] - part0[t / kv_heads] > 1) combine(&a, part0, t / kv_heads, t % kv_heads, buf);
+        }
     }
+    free(buf);
+    free(part0);
     return failed ? -1 : 0;
 }

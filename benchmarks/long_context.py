@@ -1,0 +1,126 @@
+"""Per-user decode speed against context length: Gemma 3 270M (five of six layers sliding-window) and SmolLM2.
+
+One session at a time on an in-process engine with the worker's default flags (``q4`` weights, the model's
+fp32 KV cache, prefix caching), its KV pool and ``max_model_len`` sized for the longest context. Every
+context's prompt is a prefix of one long prompt, computed once up front, so each measurement costs a
+prefix-cache hit, the prompt's last partial block and ``--steps`` decode steps. Rounds interleave the contexts
+and thread counts, so that load drifting on a shared machine falls on every cell alike; each cell keeps its
+median over rounds. Per-user tok/s is the issue's: output tokens after the first / (last token's time - first
+token's time). The goal (issue 41): Gemma 3's figure at 24k within 25% of its figure at 2k.
+
+    python benchmarks/long_context.py                                  # both models, 1 and 2 threads
+    python benchmarks/long_context.py --models gemma3-270m --contexts 2048,24576 --threads 1 --rounds 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import save_run  # noqa: E402
+
+CONTEXTS = {"gemma3-270m": "2048,8192,16384,24576,32000", "smollm2-135m": "1024,4096,8000"}
+_ids = itertools.count()
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--models", default="gemma3-270m,smollm2-135m", help="comma-separated (default: %(default)s)")
+    p.add_argument("--contexts", default=None, help="comma-separated context lengths (default: per model, "
+                                                    f"{CONTEXTS})")
+    p.add_argument("--threads", default="1,2", help="comma-separated torch thread counts (default: %(default)s)")
+    p.add_argument("--steps", type=int, default=32, help="decode steps per measurement (default: %(default)s)")
+    p.add_argument("--rounds", type=int, default=3, help="measurements per cell, median kept (default: %(default)s)")
+    p.add_argument("--no-save", action="store_true", help="print only, write nothing to results/")
+    return p.parse_args(argv)
+
+
+def engine_for(model: str, longest: int, steps: int):  # noqa: ANN201 - LLMEngine, imported late (torch)
+    """An engine with the worker's defaults but a pool and ``max_model_len`` that hold ``longest`` + ``steps``."""
+    from fleetllm.engine.engine import EngineConfig, LLMEngine
+
+    max_len = longest + steps + 64
+    blocks = -(-max_len // 16) * 102 // 100 + 256  # the admission watermark (1%) and the measurements' own blocks
+    return LLMEngine(EngineConfig(model=model, max_model_len=max_len, num_blocks=blocks))
+
+
+def decode_speed(engine, prompt: list[int], steps: int) -> float:  # noqa: ANN001
+    """Per-user tok/s of one request over ``prompt``, ``steps`` tokens long (the issue's definition)."""
+    from fleetllm.engine.sampling import SamplingParams
+
+    rid = f"long-{next(_ids)}"
+    engine.add_request(rid, prompt, SamplingParams(max_tokens=steps, temperature=0.0, ignore_eos=True))
+    stamps: list[tuple[float, int]] = []
+    while engine.has_unfinished():
+        outs = engine.step()
+        now = time.perf_counter()
+        stamps += [(now, len(o.new_token_ids)) for o in outs if o.request_id == rid and o.new_token_ids]
+    tokens = sum(n for _, n in stamps[1:])
+    return tokens / (stamps[-1][0] - stamps[0][0])
+
+
+def measure(model: str, contexts: list[int], threads: list[int],
+            args: argparse.Namespace) -> tuple[dict[tuple[int, int], float], int]:
+    """Median per-user tok/s per (context, threads) for ``model``, and its KV cache's bytes per token."""
+    import torch
+
+    from fleetllm.engine.model_runner import ModelRunner
+
+    engine = engine_for(model, max(contexts), args.steps)
+    runner = engine.executor.runner
+    kv_per_token = ModelRunner.kv_bytes_per_block(runner.model, 1, runner.kv_dtype)
+    contexts = [min(n, engine.max_model_len - args.steps - 1) for n in contexts]
+    vocab = engine.loaded.config.vocab_size
+    prompt = [(7 * j * j + 13 * j) % (min(vocab, 32000) - 1000) + 1000 for j in range(max(contexts))]
+    torch.set_num_threads(max(threads))
+    t0 = time.perf_counter()
+    decode_speed(engine, prompt, 2)  # the longest prompt computed once: every measurement is a prefix hit
+    print(f"{model}: {max(contexts)}-token prompt computed in {time.perf_counter() - t0:.0f} s", flush=True)
+    got: dict[tuple[int, int], list[float]] = {}
+    for r in range(args.rounds):
+        for t in threads:
+            torch.set_num_threads(t)
+            for n in contexts:
+                got.setdefault((n, t), []).append(decode_speed(engine, prompt[:n], args.steps))
+        print(f"round {r + 1}: " + ", ".join(f"{n}/{t}t {v[-1]:.1f}" for (n, t), v in got.items()), flush=True)
+    return {k: statistics.median(v) for k, v in got.items()}, kv_per_token
+
+
+def table(model: str, res: dict[tuple[int, int], float], threads: list[int], kv_per_token: int) -> str:
+    contexts = sorted({n for n, _ in res})
+    head = "| context | " + " | ".join(f"tok/s, {t} thread{'s' * (t > 1)}" for t in threads) + " |"
+    lines = [f"**{model}** (KV cache {kv_per_token / 1024:.0f} KiB per token)", "", head, "|---:|" + "---:|" * len(threads)]
+    lines += [f"| {n:,} | " + " | ".join(f"{res[(n, t)]:.1f}" for t in threads) + " |" for n in contexts]
+    lines.append("")
+    for t in threads:  # each context against the shortest
+        ratios = ", ".join(f"{n:,}: {res[(n, t)] / res[(contexts[0], t)]:.2f}" for n in contexts[1:])
+        lines.append(f"{t} thread{'s' * (t > 1)}, against {contexts[0]:,}: {ratios}  ")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    threads = [int(t) for t in args.threads.split(",")]
+    out = []
+    for model in args.models.split(","):
+        contexts = [int(n) for n in (args.contexts or CONTEXTS.get(model, "1024,4096")).split(",")]
+        res, kv_per_token = measure(model, contexts, threads, args)
+        out.append(table(model, res, threads, kv_per_token))
+        print(out[-1], flush=True)
+    load = f"load average {os.getloadavg()[0]:.2f} at the end"
+    print(load)
+    if not args.no_save:
+        save_run("## Long context: per-user decode speed against context length", __doc__.split("\n\n")[0],
+                 "python benchmarks/long_context.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+                 "\n".join(out) + f"\n{load}\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
