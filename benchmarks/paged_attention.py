@@ -139,11 +139,10 @@ def decode_meta(batch: int, ctx: int, num_blocks: int):
     blocks = torch.randperm(num_blocks)[: batch * per].view(batch, per).tolist()
     runner = ModelRunner.__new__(ModelRunner)
     runner.block_size, runner.device = BLOCK, "cpu"
-    runner.model = torch.nn.Linear(1, 1)  # _decode_slots reads the parameters' dtype only
-    slots, mask, tables = runner._decode_slots(blocks, [ctx] * batch)
+    tables = runner._decode_tables(blocks, [ctx] * batch)
     return AttentionMetadata(slot_mapping=torch.zeros(batch, dtype=torch.long), decode_idx=torch.arange(batch),
-                             decode_slots=slots, decode_mask=mask, decode_tables=tables,
-                             decode_lens=torch.full((batch,), ctx, dtype=torch.int32), block_size=BLOCK)
+                             decode_tables=tables, decode_lens=torch.full((batch,), ctx, dtype=torch.int32),
+                             block_size=BLOCK)
 
 
 def whole_steps(context: int, repeats: int, quant: str, batches: list[int]) -> None:

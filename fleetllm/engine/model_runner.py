@@ -134,10 +134,10 @@ class ModelRunner:
             t += n
 
         meta = AttentionMetadata(slot_mapping=torch.cat(slot_parts).to(self.device), prefills=prefills,
-                                 block_size=self.block_size)
+                                 block_size=self.block_size, mask_dtype=next(self.model.parameters()).dtype)
         if decode_idx:
             meta.decode_idx = torch.tensor(decode_idx, device=self.device)
-            meta.decode_slots, meta.decode_mask, meta.decode_tables = self._decode_slots(decode_tables, decode_lens)
+            meta.decode_tables = self._decode_tables(decode_tables, decode_lens)
             meta.decode_lens = torch.tensor(decode_lens, dtype=torch.int32, device=self.device)
         return torch.tensor(ids, device=self.device), torch.tensor(positions, device=self.device), meta
 
@@ -157,22 +157,15 @@ class ModelRunner:
         stack.callback(conn.wait_for_save)
         return stack
 
-    def _decode_slots(self, tables: list[list[int]], lens: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Slots and padding mask of each decode query (the eager path), and its int32 block table (kernels)."""
-        bs = self.block_size
-        max_len = max(lens)
-        nblk = -(-max_len // bs)
-        bt = torch.zeros(len(tables), nblk, dtype=torch.long)
+    def _decode_tables(self, tables: list[list[int]], lens: list[int]) -> torch.Tensor:
+        """The int32 block table of each decode query, zero-padded to the longest (what every attention path reads:
+        the kernels in place, the eager paths through :attr:`AttentionMetadata.decode_slots`)."""
+        nblk = -(-max(lens) // self.block_size)
+        bt = torch.zeros(len(tables), nblk, dtype=torch.int32)
         for i, (tbl, n) in enumerate(zip(tables, lens, strict=True)):
-            k = -(-n // bs)
-            bt[i, :k] = torch.tensor(tbl[:k], dtype=torch.long)
-        slots = (bt.unsqueeze(-1) * bs + torch.arange(bs)).view(len(tables), -1)[:, :max_len]
-        lens_t = torch.tensor(lens).unsqueeze(1)
-        mask = torch.zeros(len(tables), max_len)
-        mask.masked_fill_(torch.arange(max_len).unsqueeze(0) >= lens_t, float("-inf"))
-        dtype = next(self.model.parameters()).dtype
-        mask = mask.view(len(tables), 1, 1, max_len).to(self.device, dtype)
-        return slots.to(self.device), mask, bt.to(self.device, torch.int32)
+            k = -(-n // self.block_size)
+            bt[i, :k] = torch.tensor(tbl[:k], dtype=torch.int32)
+        return bt.to(self.device)
 
 
 def _before(conn: KVConnectorWorker, i: int) -> Callable[..., None]:

@@ -50,31 +50,51 @@ class AttentionMetadata:
 
     slot_mapping: torch.Tensor  # [T] flat cache slot of every new token
     decode_idx: torch.Tensor | None = None  # [Bd] positions in the flat batch of single-token queries
-    decode_slots: torch.Tensor | None = None  # [Bd, Lmax] cache slots each decode query reads
-    decode_mask: torch.Tensor | None = None  # [Bd, 1, 1, Lmax] additive mask (0 or -inf) over padding
     prefills: list[PrefillChunk] = field(default_factory=list)
-    # The same decode queries for kernels that read cache blocks in place (fleetllm.kernels), no slots needed:
     decode_tables: torch.Tensor | None = None  # [Bd, max_blocks] int32 block table of each decode query
     decode_lens: torch.Tensor | None = None  # [Bd] int32 context length of each decode query, its own token included
     block_size: int = 0
     window: int | None = None  # a sliding-window layer's view: decode queries see their last ``window`` positions
     layer_by_layer: bool = False  # something watches each layer's K/V as it is written (P/D): no fused decode stack
+    mask_dtype: torch.dtype = torch.float32  # the eager paths' scores' dtype (the model's)
+    _decode_keys: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, init=False, repr=False)
+
+    @property
+    def decode_slots(self) -> torch.Tensor:
+        """``[Bd, L]`` cache slots the decode queries read on the eager paths (kernels read the tables in place)."""
+        return self._keys()[0]
+
+    @property
+    def decode_mask(self) -> torch.Tensor:
+        """``[Bd, 1, 1, L]`` additive mask (0 or -inf) over :attr:`decode_slots`: padding, and keys out of the window."""
+        return self._keys()[1]
+
+    def _keys(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Built on first use, from the first position any decode query of this view sees: a sliding-window
+        layer's view gathers and masks its window only, however long the context."""
+        if self._decode_keys is None:
+            bs, lens = self.block_size, self.decode_lens.long()
+            first = max(0, int(lens.min()) - self.window) if self.window else 0
+            pos = torch.arange(first, int(lens.max()), device=lens.device)
+            slots = self.decode_tables.long()[:, pos // bs] * bs + pos % bs  # [Bd, L]
+            last = (lens - 1).unsqueeze(1)  # each query's own position
+            seen = pos.unsqueeze(0) <= last
+            if self.window:
+                seen &= pos.unsqueeze(0) > last - self.window
+            mask = torch.zeros(seen.shape, dtype=self.mask_dtype, device=lens.device).masked_fill(~seen, float("-inf"))
+            self._decode_keys = slots, mask.view(len(lens), 1, 1, -1)
+        return self._decode_keys
 
     def within_window(self, positions: torch.Tensor, window: int) -> AttentionMetadata:
-        """The same step seen by a sliding-window layer: keys older than ``window`` positions are masked.
+        """The same step seen by a sliding-window layer: each query reads its last ``window`` positions.
 
         KV stays cached for every position and layer, so block contents, block hashes (tokens only), the
         prefix cache and KV events are the same as without a window; only what a query reads changes.
-        Context entirely out of every query's window is cut off, so long contexts cost these layers nothing.
+        Context entirely out of every query's window is never gathered nor masked, so long contexts cost these
+        layers nothing: decode queries' keys start at the window (:attr:`decode_slots`), prefill chunks' slots
+        are cut, and the kernels take the window itself.
         """
         view = replace(self, prefills=[], window=window)
-        if self.decode_idx is not None:
-            q_pos = positions[self.decode_idx].unsqueeze(1)  # [Bd, 1]; key column j holds position j
-            first = max(0, int(q_pos.min()) - window + 1)
-            keys = torch.arange(first, self.decode_slots.shape[1], device=q_pos.device).unsqueeze(0)
-            too_old = (keys <= q_pos - window).view(len(q_pos), 1, 1, -1)
-            view.decode_slots = self.decode_slots[:, first:]
-            view.decode_mask = self.decode_mask[..., first:].masked_fill(too_old, float("-inf"))
         for c in self.prefills:
             n_q, n_ctx = c.end - c.start, c.ctx_slots.shape[0]
             first = max(0, n_ctx - n_q - window + 1)  # the chunk's first query sees nothing before this
