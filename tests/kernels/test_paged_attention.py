@@ -2,13 +2,16 @@
 
 Random caches and block tables (blocks in random order, shared between rows as a prefix cache shares them),
 GQA groups, lengths from one position to several blocks, sliding windows, fp32/fp16/bf16 caches, the
-vector path (head_dim a multiple of 8) and the scalar one, decode rows and causal chunks over cached context.
+vector path (head_dim a multiple of 8) and the scalar one, decode rows and causal chunks over cached context,
+and contexts long enough to be split into partitions (over ``PART_KEYS`` = 256 keys) and combined.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -45,6 +48,34 @@ def test_decode_equals_gathered_attention(heads: int, kv_heads: int, dim: int, w
     got = paged_attention(q, k, v, tables, lens, dim**-0.5, BLOCK, window)
     want = reference_attention(q, k, v, tables, lens, dim**-0.5, BLOCK, window)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@contextlib.contextmanager
+def threads_set(n: int) -> Iterator[None]:
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("dim", [64, 24])  # the vector path and the scalar one
+@pytest.mark.parametrize("threads", [1, 2])
+def test_long_contexts_split_into_partitions_equal_gathered_attention(dim: int, threads: int) -> None:
+    q, k, v, tables, lens = random_case(4, 1, dim, [256, 257, 700, 1024])  # one KV head: Gemma 3's shape
+    with threads_set(threads):
+        got = paged_attention(q, k, v, tables, lens, dim**-0.5, BLOCK)
+    torch.testing.assert_close(got, reference_attention(q, k, v, tables, lens, dim**-0.5, BLOCK), rtol=1e-5, atol=1e-5)
+
+
+def test_a_rows_result_does_not_change_with_its_batch_or_the_threads() -> None:
+    q, k, v, tables, lens = random_case(9, 3, 64, [900, 40, 600])  # partitions depend on the row's length only
+    with threads_set(1):
+        alone = paged_attention(q[:1], k, v, tables[:1], lens[:1], 0.125, BLOCK)
+    with threads_set(2):
+        batched = paged_attention(q, k, v, tables, lens, 0.125, BLOCK)
+    assert torch.equal(batched[:1], alone)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])

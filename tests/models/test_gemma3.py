@@ -103,6 +103,22 @@ def test_tiny_gemma3_paged_kernel_matches(tiny, tiny_reference, monkeypatch):
     assert 6 in windows and None in windows, "sliding and global layers both through the kernel"
 
 
+def test_tiny_gemma3_context_of_many_windows_matches_transformers(tiny):
+    """330 positions (55 windows) in chunks of 64: local layers read 6 of them, the global layer's decode
+    attention is split into partitions (over 256 keys, fleetllm/kernels/paged_attention.c)."""
+    hf, loaded = tiny
+    prompt = [(7 * j * j + 3 * j) % 250 + 3 for j in range(330)]
+    outs = greedy(LLM(loaded=loaded, max_num_batched_tokens=64, num_blocks=64), [prompt], 8)
+    assert_hf_agrees(hf, [prompt], outs)
+
+
+def test_tiny_gemma3_speculative_verify_across_the_window_matches(tiny, tiny_reference):
+    """Verify chunks (the last token and 3 drafts) over cached context longer than the window change nothing."""
+    llm = LLM(loaded=tiny[1], num_blocks=64, speculative="method=suffix,k=3,adaptive=0")
+    assert greedy(llm, TINY_PROMPTS, 12) == tiny_reference
+    assert llm.engine.spec.num_drafts > 0
+
+
 # ---- chat and the alias, without the real model ----------------------------------------------------------
 def test_chat_fallback_is_gemmas_turn_format():
     tok = TokenizerWrapper(Tokenizer(models.WordLevel({"<unk>": 0}, unk_token="<unk>")), GEMMA_TURN_TEMPLATE, "<bos>", "<eos>")
