@@ -9,6 +9,7 @@ sampling state; the engine owns everything the step leaves behind.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import replace
 from typing import TYPE_CHECKING
@@ -21,9 +22,10 @@ from fleetllm.engine.kv_memory import shm_dir
 from fleetllm.engine.model_runner import ModelRunner, kv_dtype_of
 from fleetllm.engine.outputs import TokenLogprob
 from fleetllm.engine.sampling import Sampler
-from fleetllm.engine.scheduler import Scheduled, SchedulerOutput
+from fleetllm.engine.scheduler import Scheduled, SchedulerConfig, SchedulerOutput
 from fleetllm.engine.sequence import Sequence
 from fleetllm.engine.step_profile import StepProfile, phase
+from fleetllm.errors import UsageError
 from fleetllm.kernels import health
 from fleetllm.models.loader import LoadedModel, load_model
 from fleetllm.models.quant import quantize_model
@@ -60,6 +62,7 @@ class ModelExecutor:
         kv_dtype = kv_dtype_of(cfg.kv_cache_dtype, self.loaded.model)
         per_block = ModelRunner.kv_bytes_per_block(self.loaded.model, cfg.block_size, kv_dtype)
         self.num_blocks = cfg.num_blocks or max(16, int(cfg.kv_cache_gb * 2**30 // per_block))
+        check_context_fits(cfg, self.loaded.config.max_position_embeddings, self.num_blocks, per_block)
         self.runner = ModelRunner(self.loaded.model, self.num_blocks, cfg.block_size, self.device, kv_dtype,
                                   self.step_profile, shm_dir() if cfg.kv_pool_shared else None)
         self.sampler = Sampler()
@@ -158,6 +161,21 @@ class ModelExecutor:
         views = [(k.view(self.num_blocks, bs, *k.shape[1:]), v.view(self.num_blocks, bs, *v.shape[1:]))
                  for k, v in self.runner.kv_cache]
         return KVCaches(views, self.runner.pool_file)
+
+
+def check_context_fits(cfg: EngineConfig, model_max: int, num_blocks: int, per_block: int) -> None:
+    """Refuse (UsageError) a ``--max-model-len`` that one sequence could not reach in a pool of ``num_blocks``
+    blocks of ``per_block`` bytes, saying what pool would hold it, rather than serve a shorter context silently
+    (the engine caps its context by the pool: 1 GiB holds 28k tokens of Gemma 3 270M's fp32 KV, not 32k)."""
+    asked = min(cfg.max_model_len or 0, model_max)
+    watermark = SchedulerConfig.watermark  # blocks admission keeps free (the engine's ``fits``)
+    if (num_blocks - int(watermark * num_blocks)) * cfg.block_size >= asked:
+        return
+    need = int(-(-asked // cfg.block_size) / (1 - watermark)) + 2
+    more = f"--num-blocks {need}" if cfg.num_blocks else f"--kv-cache-gb {math.ceil(need * per_block / 2**30 * 100) / 100}"
+    raise UsageError(f"--max-model-len {cfg.max_model_len}: a KV cache of {num_blocks} blocks holds "
+                     f"{(num_blocks - int(watermark * num_blocks)) * cfg.block_size} tokens of one sequence "
+                     f"({per_block // cfg.block_size} bytes per token); give {more} or more")
 
 
 def _generator(seq: Sequence) -> torch.Generator:

@@ -3,6 +3,7 @@ logprobs, n > 1, seeds, aborts, and the checks that refuse a request before it i
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 
 import pytest
@@ -11,6 +12,7 @@ from fleetllm.engine.engine import EngineConfig, LLMEngine, PromptTooLong, Reque
 from fleetllm.engine.llm import LLM
 from fleetllm.engine.sampling import InvalidParameter, SamplingParams
 from fleetllm.engine.scheduler import QueueFull
+from fleetllm.errors import UsageError
 from fleetllm.models.loader import LoadedModel
 
 MAX_MODEL_LEN = 128
@@ -216,3 +218,10 @@ def test_a_request_filling_the_whole_pool_runs_to_completion(llm: LLM) -> None:
             break
     assert [o.finish_reason for o in outs if o.finished] == ["length"]
     assert small.pool.num_free == small.pool.num_blocks
+
+
+def test_a_context_the_kv_pool_cannot_hold_is_refused_with_the_pool_it_needs(loaded_model: LoadedModel) -> None:
+    with pytest.raises(UsageError, match=r"--max-model-len 1024: .* give --num-blocks (\d+) or more") as refused:
+        LLMEngine(EngineConfig(num_blocks=16, max_model_len=1024), loaded=loaded_model)
+    need = int(re.search(r"--num-blocks (\d+)", str(refused.value)).group(1))
+    assert LLMEngine(EngineConfig(num_blocks=need, max_model_len=1024), loaded=loaded_model).max_model_len == 1024
