@@ -82,10 +82,14 @@ class Sequence:
         return self.prompt_token_ids + self.output_token_ids
 
     def token_ids_slice(self, start: int, end: int) -> list[int]:
+        """Tokens ``[start, end)`` of prompt + output, copying only those (a decode step asks for its last one:
+        joining a long context's lists first would cost the whole context every step)."""
         p = len(self.prompt_token_ids)
         if end <= p:
             return self.prompt_token_ids[start:end]
-        return (self.prompt_token_ids + self.output_token_ids)[start:end]
+        if start >= p:
+            return self.output_token_ids[start - p : end - p]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - p]
 
     @property
     def num_uncomputed(self) -> int:

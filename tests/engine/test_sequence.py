@@ -1,4 +1,5 @@
-"""The sequence state machine: only the transitions in the table, and never leaving RUNNING with blocks."""
+"""The sequence state machine (only the transitions in the table, and never leaving RUNNING with blocks), and its
+token slices."""
 
 from __future__ import annotations
 
@@ -66,3 +67,10 @@ def test_finished_reports_only_the_finished_states() -> None:
     assert {s for s in Status if s.finished} == {
         Status.FINISHED_STOPPED, Status.FINISHED_LENGTH, Status.FINISHED_ABORTED, Status.FINISHED_ERROR,
     }
+
+
+@pytest.mark.parametrize(("start", "end"), [(0, 2), (1, 3), (2, 5), (3, 4), (4, 5), (0, 5)])
+def test_a_token_slice_spans_prompt_and_output_alike(start: int, end: int) -> None:
+    s = Sequence("r", [1, 2, 3], SamplingParams(), max_tokens=4)
+    s.output_token_ids = [7, 8]
+    assert s.token_ids_slice(start, end) == [1, 2, 3, 7, 8][start:end]
