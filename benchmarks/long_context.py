@@ -6,7 +6,8 @@ context's prompt is a prefix of one long prompt, computed once up front, so each
 prefix-cache hit, the prompt's last partial block and ``--steps`` decode steps. Rounds interleave the contexts
 and thread counts, so that load drifting on a shared machine falls on every cell alike; each cell keeps its
 median over rounds. Per-user tok/s is the issue's: output tokens after the first / (last token's time - first
-token's time). The goal (issue 41): Gemma 3's figure at 24k within 25% of its figure at 2k.
+token's time). The goal (issue 41): Gemma 3's figure at 24k within 25% of its figure at 2k. Then the part of a
+step that grows with the context: the paged decode kernel over one row of the model's attention shape.
 
     python benchmarks/long_context.py                                  # both models, 1 and 2 threads
     python benchmarks/long_context.py --models gemma3-270m --contexts 2048,24576 --threads 1 --rounds 1
@@ -66,8 +67,8 @@ def decode_speed(engine, prompt: list[int], steps: int) -> float:  # noqa: ANN00
 
 
 def measure(model: str, contexts: list[int], threads: list[int],
-            args: argparse.Namespace) -> tuple[dict[tuple[int, int], float], int]:
-    """Median per-user tok/s per (context, threads) for ``model``, and its KV cache's bytes per token."""
+            args: argparse.Namespace) -> tuple[dict[tuple[int, int], float], int, object]:
+    """Median per-user tok/s per (context, threads) for ``model``, its KV cache's bytes per token, its config."""
     import torch
 
     from fleetllm.engine.model_runner import ModelRunner
@@ -89,7 +90,40 @@ def measure(model: str, contexts: list[int], threads: list[int],
             for n in contexts:
                 got.setdefault((n, t), []).append(decode_speed(engine, prompt[:n], args.steps))
         print(f"round {r + 1}: " + ", ".join(f"{n}/{t}t {v[-1]:.1f}" for (n, t), v in got.items()), flush=True)
-    return {k: statistics.median(v) for k, v in got.items()}, kv_per_token
+    return {k: statistics.median(v) for k, v in got.items()}, kv_per_token, engine.loaded.config
+
+
+def attention_costs(cfg, contexts: list[int], threads: list[int]) -> str:  # noqa: ANN001 - a ModelConfig
+    """Ms per call of the paged decode kernel for one row of ``cfg``'s attention shape at each context (a global
+    layer), and at its sliding window (a local layer): the part of a step that grows with the context."""
+    import torch
+
+    from fleetllm.kernels.attention import kernel_ready, paged_attention
+
+    bs, widest = 16, max(contexts)
+    k = torch.randn(widest + bs, cfg.num_kv_heads, cfg.head_dim)
+    v, q = torch.randn_like(k), torch.randn(1, cfg.num_heads, cfg.head_dim)
+    table = torch.randperm(widest // bs + 1, dtype=torch.int32).view(1, -1)  # blocks in any order, as a pool has them
+    if not kernel_ready(q, k, wait=True):
+        return "(no paged attention kernel on this machine)\n"
+    cases = [(n, None) for n in contexts] + ([(widest, cfg.sliding_window)] if cfg.sliding_window else [])
+    lines = ["| keys read | " + " | ".join(f"ms, {t} thread{'s' * (t > 1)}" for t in threads) + " |",
+             "|---:|" + "---:|" * len(threads)]
+    for n, window in cases:
+        cells = []
+        for t in threads:
+            torch.set_num_threads(t)
+            lens = torch.tensor([n], dtype=torch.int32)
+            call = lambda lens=lens, w=window: paged_attention(q, k, v, table, lens, 0.1, bs, w)  # noqa: E731
+            cells.append(f"{statistics.median(_timed(call) for _ in range(30)) * 1e3:.2f}")  # robust to a stalled call
+        lines.append(f"| {n if window is None else f'{window} (window)'} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def _timed(fn) -> float:  # noqa: ANN001
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
 
 
 def table(model: str, res: dict[tuple[int, int], float], threads: list[int], kv_per_token: int) -> str:
@@ -110,8 +144,10 @@ def main(argv: list[str] | None = None) -> int:
     out = []
     for model in args.models.split(","):
         contexts = [int(n) for n in (args.contexts or CONTEXTS.get(model, "1024,4096")).split(",")]
-        res, kv_per_token = measure(model, contexts, threads, args)
+        res, kv_per_token, cfg = measure(model, contexts, threads, args)
         out.append(table(model, res, threads, kv_per_token))
+        out.append(f"Decode attention of one row of {model}'s shape ({cfg.num_heads} heads, {cfg.num_kv_heads} KV "
+                   f"heads, head dim {cfg.head_dim}, fp32):\n\n" + attention_costs(cfg, contexts, threads))
         print(out[-1], flush=True)
     load = f"load average {os.getloadavg()[0]:.2f} at the end"
     print(load)
