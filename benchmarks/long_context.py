@@ -38,17 +38,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", default="1,2", help="comma-separated torch thread counts (default: %(default)s)")
     p.add_argument("--steps", type=int, default=32, help="decode steps per measurement (default: %(default)s)")
     p.add_argument("--rounds", type=int, default=3, help="measurements per cell, median kept (default: %(default)s)")
+    p.add_argument("--kv-cache-dtype", default="auto", help="the engine's --kv-cache-dtype (default: %(default)s)")
     p.add_argument("--no-save", action="store_true", help="print only, write nothing to results/")
     return p.parse_args(argv)
 
 
-def engine_for(model: str, longest: int, steps: int):  # noqa: ANN201 - LLMEngine, imported late (torch)
+def engine_for(model: str, longest: int, steps: int, kv_dtype: str):  # noqa: ANN201 - LLMEngine, imported late
     """An engine with the worker's defaults but a pool and ``max_model_len`` that hold ``longest`` + ``steps``."""
     from fleetllm.engine.engine import EngineConfig, LLMEngine
 
     max_len = longest + steps + 64
     blocks = -(-max_len // 16) * 102 // 100 + 256  # the admission watermark (1%) and the measurements' own blocks
-    return LLMEngine(EngineConfig(model=model, max_model_len=max_len, num_blocks=blocks))
+    return LLMEngine(EngineConfig(model=model, max_model_len=max_len, num_blocks=blocks, kv_cache_dtype=kv_dtype))
 
 
 def decode_speed(engine, prompt: list[int], steps: int) -> float:  # noqa: ANN001
@@ -73,7 +74,7 @@ def measure(model: str, contexts: list[int], threads: list[int],
 
     from fleetllm.engine.model_runner import ModelRunner
 
-    engine = engine_for(model, max(contexts), args.steps)
+    engine = engine_for(model, max(contexts), args.steps, args.kv_cache_dtype)
     runner = engine.executor.runner
     kv_per_token = ModelRunner.kv_bytes_per_block(runner.model, 1, runner.kv_dtype)
     contexts = [min(n, engine.max_model_len - args.steps - 1) for n in contexts]
@@ -146,6 +147,7 @@ def main(argv: list[str] | None = None) -> int:
         contexts = [int(n) for n in (args.contexts or CONTEXTS.get(model, "1024,4096")).split(",")]
         res, kv_per_token, cfg = measure(model, contexts, threads, args)
         out.append(table(model, res, threads, kv_per_token))
+        print(out[-1], flush=True)
         out.append(f"Decode attention of one row of {model}'s shape ({cfg.num_heads} heads, {cfg.num_kv_heads} KV "
                    f"heads, head dim {cfg.head_dim}, fp32):\n\n" + attention_costs(cfg, contexts, threads))
         print(out[-1], flush=True)
