@@ -103,6 +103,18 @@ def test_tiny_gemma3_paged_kernel_matches(tiny, tiny_reference, monkeypatch):
     assert 6 in windows and None in windows, "sliding and global layers both through the kernel"
 
 
+def test_tiny_gemma3_eager_attention_reads_the_window_alone(tiny, tiny_reference):
+    """Without the kernels (CUDA, FLEETLLM_ATTENTION=eager) a sliding layer's decode gathers and masks its window."""
+    from fleetllm.kernels import attention
+
+    attention.set_kernel_enabled(False)
+    try:
+        llm = LLM(loaded=tiny[1], max_num_batched_tokens=4, num_blocks=64)
+        assert greedy(llm, TINY_PROMPTS, 12) == tiny_reference
+    finally:
+        attention.set_kernel_enabled(True)
+
+
 def test_tiny_gemma3_context_of_many_windows_matches_transformers(tiny):
     """330 positions (55 windows) in chunks of 64: local layers read 6 of them, the global layer's decode
     attention is split into partitions (over 256 keys, fleetllm/kernels/paged_attention.c)."""
