@@ -56,6 +56,7 @@ class _Held:
     hashes: list[int]
     deadline: float
     first: dict[str, Any] | None = None
+    lora_name: str | None = None  # the adapter the KV was computed with (the frame's)
 
 
 class Handoffs:
@@ -84,7 +85,7 @@ class Handoffs:
             return result
         h = res.header
         hid = transfer or uuid.uuid4().hex
-        held = _Held(list(h.token_ids), table, list(h.block_hashes), time.monotonic() + TTL_S, first)
+        held = _Held(list(h.token_ids), table, list(h.block_hashes), time.monotonic() + TTL_S, first, h.lora_name)
         if hid in self._held or hid in self._ended:  # abandoned already (or an id used twice): its request moved on
             await self._free(held)
             return result
@@ -211,4 +212,4 @@ def _handoff(held: _Held) -> Handoff | None:
         state = base64.b64decode(f["sampler_state"]) if f.get("sampler_state") else None
     except (KeyError, TypeError, ValueError):
         return None
-    return Handoff(held.token_ids, held.blocks, held.hashes, tok, lp, state)
+    return Handoff(held.token_ids, held.blocks, held.hashes, tok, lp, state, held.lora_name)

@@ -107,10 +107,8 @@ class PrefillEndpoints:
         path, body, decode_url = req.get("path", ""), req.get("body"), peer_url(req.get("decode_url"))
         if not isinstance(body, dict):
             raise APIError(400, "give body (the request) and decode_url")
-        if body.get("model") not in (None, self.worker.model_name):  # its KV would be the base model's
-            raise APIError(400, "a LoRA adapter's request is not prefilled remotely: send it to its decode worker",
-                           "model")
-        job = await self._job(path, body, req.get("request_id"), transfer_id(req.get("transfer_id")))
+        lora = self.worker.lora_for(body.get("model"))  # an adapter's request computes its KV with the adapter
+        job = await self._job(path, body, req.get("request_id"), transfer_id(req.get("transfer_id")), lora)
         via, timeout = req.get("transfer") or "http", number(req.get("timeout_s"), "timeout_s", 0.001, MAX_TIMEOUT_S, 60.0)
         if via == "shm":
             return await self._prefill_same_host(request, job, decode_url, timeout)
@@ -133,17 +131,19 @@ class PrefillEndpoints:
         finally:
             await _cancel(early)  # done by now unless something failed first: then its engine request is aborted
 
-    async def _job(self, path: str, body: dict[str, Any], request_id: Any, transfer: str | None) -> PrefillJob:
-        """What to compute for ``body``: its whole prompt and first token when it is one sub-request (the
-        colocated path's parameters: the first choice's seed), else the full blocks with one greedy token."""
+    async def _job(self, path: str, body: dict[str, Any], request_id: Any, transfer: str | None,
+                   lora: str | None) -> PrefillJob:
+        """What to compute for ``body`` with adapter ``lora`` (None: the base model): its whole prompt and first
+        token when it is one sub-request (the colocated path's parameters: the first choice's seed), else the full
+        blocks with one greedy token."""
         kind = "chat" if path.endswith("/chat/completions") else "text"
         prompts = await self.worker.encoded(kind, body)
         params = await self.worker.request_params(kind, body)
         rid = f"pd-{request_id or ''}-{uuid.uuid4().hex[:12]}"  # unique: a client may reuse its request id
         if len(prompts) == 1 and params.n == 1:
-            return PrefillJob(rid, prompts[0], replace(params.for_choice(0), max_tokens=1), True, transfer)
+            return PrefillJob(rid, prompts[0], replace(params.for_choice(0), max_tokens=1), True, transfer, lora)
         ids = prefilled_tokens(prompts[0], self.connector.blocks.pool.block_size)
-        return PrefillJob(rid, ids, SamplingParams(max_tokens=1, temperature=0.0), False, transfer)
+        return PrefillJob(rid, ids, SamplingParams(max_tokens=1, temperature=0.0), False, transfer, lora)
 
     async def _prefill_frame(self, request: Request, job: PrefillJob, via: str, decode_url: str, timeout: float,
                              early: asyncio.Future[RequestOutput] | None = None, t0: float | None = None) -> Response:

@@ -31,6 +31,7 @@ import httpx
 from fleetllm.disagg.handoffs import HEADER as HANDOFF_HEADER
 from fleetllm.disagg.handoffs import WAIT_HEADER
 from fleetllm.disagg.pd_auto import AUTO, ArrivalRates, PdEstimate, PdMeasurements
+from fleetllm.router.adapters import serves
 from fleetllm.router.forward import Forward
 from fleetllm.router.index import PrefixIndex
 from fleetllm.router.metrics import RouterMetrics
@@ -170,15 +171,18 @@ class RemotePrefill:
         now = time.monotonic()
         # a peer that also decodes (auto, no prefill workers) only while it has nothing decoding: its own
         # streams would stall as long as the decode worker's would have, and both tails would show it
+        # an adapter's prompt only where the adapter is served (there its KV is computed with it), a copy that must
+        # bring it into its step's tables first paying the router's price of that load (--lora-load-cost)
         free = [w for w in prefill_pool if w.routable(now) and w.inflight < self.cfg.prefill_max_inflight
-                and w is not decode and (w.role == "prefill" or not _decoding(w))]
+                and w is not decode and (w.role == "prefill" or not _decoding(w)) and serves(w, req.lora_name)]
         if not free:
             return None
         held = self.events_index.match(req.block_hashes, [w.name for w in free])
         computed = {w.name: max(0, req.num_prompt_tokens - held[w.name] * req.block_size) for w in free}
 
         def finish_s(w: WorkerState) -> tuple[float, int]:
-            return (_queued_tokens(w) + computed[w.name]) / self.measured.rate(w.name), w.inflight
+            load_s = self.cfg.cost.adapter_s(w, req.lora_name)
+            return (_queued_tokens(w) + computed[w.name]) / self.measured.rate(w.name) + load_s, w.inflight
 
         p = min(free, key=finish_s)
         return p, computed[p.name]

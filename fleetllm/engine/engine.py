@@ -179,7 +179,7 @@ class LLMEngine:
         ``lora_name``: the adapter it runs with (None: the base model)."""
         if lora_name is not None:
             self._check_lora(lora_name)
-        if handoff is not None and not (handoff.fits(prompt_token_ids, self.pool.block_size)
+        if handoff is not None and not (handoff.fits(prompt_token_ids, self.pool.block_size, lora_name)
                                         and self.scheduler.has_room()
                                         and (lora_name is None or self.lora.can_acquire(lora_name))):
             self.pool.release(handoff.blocks)

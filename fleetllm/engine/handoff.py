@@ -32,11 +32,14 @@ class Handoff:
     first_token: int
     logprob: TokenLogprob | None = None  # when the request asked for logprobs
     sampler_state: bytes | None = None  # a seeded request's sampling RNG state after the first draw
+    lora_name: str | None = None  # the adapter its KV was computed with (None: the base model)
 
-    def fits(self, prompt_token_ids: list[int], block_size: int) -> bool:
-        """Whether this handoff holds exactly ``prompt_token_ids``' KV (blocks enough, full ones hashed)."""
+    def fits(self, prompt_token_ids: list[int], block_size: int, lora_name: str | None = None) -> bool:
+        """Whether this handoff holds exactly ``prompt_token_ids``' KV (blocks enough, full ones hashed) as
+        computed with adapter ``lora_name`` (another adapter's KV, or the base model's, is another prompt's)."""
         n = len(prompt_token_ids)
-        return (self.token_ids == list(prompt_token_ids) and len(self.blocks) == -(-n // block_size)
+        return (self.token_ids == list(prompt_token_ids) and self.lora_name == lora_name
+                and len(self.blocks) == -(-n // block_size)
                 and len(self.hashes) == n // block_size)
 
 

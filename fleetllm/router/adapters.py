@@ -47,6 +47,12 @@ def holds(w: WorkerState, lora_name: str | None) -> bool:
     return lora_name is None or lora_name in w.resident_adapters
 
 
+def serves(w: WorkerState, lora_name: str | None) -> bool:
+    """Whether ``w`` takes a request for ``lora_name`` at all (registered there, resident or not; the base model:
+    always): a prefill worker that does not would refuse it (404)."""
+    return lora_name is None or lora_name in w.adapters
+
+
 def adapter_routes(router: Router) -> list[Route]:
     """The router's two adapter endpoints: each call goes to every routable copy of the adapter's base model."""
 

@@ -488,8 +488,7 @@ class Router:
         assert self.forwarder is not None and self.remote_prefill is not None
         pd = self.remote_prefill
         pool = group if peers else prefill_pool  # (peers: of the variant chosen)
-        # a LoRA adapter's request prefills where it decodes: the prefill endpoint takes no adapter (yet)
-        prepare = (lambda d: pd.maybe_disaggregate(d, fwd, pool)) if pool and req.lora_name is None else None
+        prepare = (lambda d: pd.maybe_disaggregate(d, fwd, pool)) if pool else None
         policy = self.model_policies.get(name, self.policy) if name else self.policy
         response = await self.forwarder.forward(fwd, group, policy, prepare)
         if fwd.dispatched is not None:

@@ -246,12 +246,17 @@ class Worker:
         raw = await request.body()
         # a large body parses on a thread (a 16 MiB one takes a fraction of a second: every stream would stall)
         body = json_object(raw) if len(raw) < LARGE_INPUT_CHARS else await off_loop(json_object, raw)
-        model = body.get("model")
-        if self.adapters is not None:
-            request.state.lora_name = self.adapters.lora_for(model)
-        elif model is not None and model != self.model_name:
-            raise APIError(404, f"The model `{model}` does not exist. Served: {self.model_name}", "model")
+        request.state.lora_name = self.lora_for(body.get("model"))
         return body
+
+    def lora_for(self, model: Any) -> str | None:
+        """The adapter a request's ``model`` names (None: the base model, or no model); APIError 404 if it names
+        neither the base model nor a loaded adapter."""
+        if self.adapters is not None:
+            return self.adapters.lora_for(model)
+        if model is not None and model != self.model_name:
+            raise APIError(404, f"The model `{model}` does not exist. Served: {self.model_name}", "model")
+        return None
 
     def served_as(self, request: Request) -> str:
         """The name an answer carries as its ``model``: the adapter the request named, else the served model."""

@@ -168,3 +168,16 @@ def test_without_prefill_workers_auto_prefills_on_an_idle_peer_never_on_a_decodi
     # one decoding request on the peer is enough to keep it out: its stream would stall as the decode worker's
     assert metrics.pd_decisions.labels(decision="saturated")._value.get() == 1
     assert metrics.pd_auto.labels(decision="local")._value.get() == 0
+
+
+def test_an_adapters_prompt_goes_to_a_prefill_worker_serving_it_preferring_one_holding_it_resident():
+    side, _, _ = _router_side([])
+    route = RouteRequest(num_prompt_tokens=1600, block_hashes=list(range(1, 101)), lora_name="a1")
+    base_only = _worker("p0", "prefill")  # reports no adapters: it would refuse a1 (404)
+    cold, warm = (_worker(n, "prefill", queued_prefill_tokens=q) for n, q in (("p1", 0), ("p2", 80)))
+    cold.adapters = warm.adapters = frozenset({"a1"})
+    warm.resident_adapters = frozenset({"a1"})  # 80 tokens queued (80 ms) cost less than loading a1 (0.5 s)
+    decode = _worker("d", "decode")
+    assert side._prefill_worker([base_only, cold, warm], route, decode)[0] is warm
+    assert side._prefill_worker([base_only, cold], route, decode)[0] is cold
+    assert side._prefill_worker([base_only], route, decode) is None

@@ -55,9 +55,38 @@ def test_a_prompt_prefilled_with_an_adapter_and_handed_over_decodes_as_that_adap
     res = reserve(b, header)
     write(b.kv_blocks(), layers, res)
     _, table = commit_held(b, res)
-    b.add_request("d", ids, PARAMS, handoff=Handoff(ids, table, header.block_hashes, first[0]), lora_name="qv4")
+    b.add_request("d", ids, PARAMS, handoff=Handoff(ids, table, header.block_hashes, first[0], lora_name="qv4"),
+                  lora_name="qv4")
     toks = [t for o in b.take_outputs() for t in o.new_token_ids]
     while b.has_unfinished():
         toks += [t for o in b.step() for t in o.new_token_ids]
     assert toks == tiny_lora.greedy("qv4", ids, PARAMS.max_tokens)
     assert b.lora.resident() == {"qv4": 0} and b.pool.num_free == b.pool.num_blocks  # slot and blocks let go
+
+
+def test_an_adapters_request_prefilled_on_a_prefill_worker_answers_the_colocated_tokens(worker_factory,
+                                                                                         tmp_path) -> None:
+    import httpx
+    from lora_models import write_adapter
+
+    from fleetllm.disagg.handoffs import HEADER
+
+    # q and v of SmolLM2-135M's 30 layers, large enough to change its greedy tokens (what shows the prefill used it)
+    a1 = write_adapter(tmp_path / "a1", {"q_proj": (576, 576), "v_proj": (576, 192)}, 30, ["q_proj", "v_proj"], 8, 16,
+                       seed=3, scale=0.1)
+    lora = ("--enable-lora", "--lora-modules", f"a1={a1}", "--batch-invariant")  # a prompt computed whole or handed over: the same arithmetic
+    prefill, decode, colocated = (worker_factory(*role, *lora) for role in (("--role", "prefill"),
+                                                                            ("--role", "decode"), ()))
+    ids = [(i * 104729) % 40000 + 100 for i in range(3 * 16 + 5)]
+    body = {"model": "a1", "prompt": ids, "max_tokens": 8, "temperature": 0}
+    r = httpx.post(prefill.url + "/pd/prefill", json={"path": "/v1/completions", "body": body,
+                                                      "decode_url": decode.url, "transfer": "shm"}, timeout=120)
+    assert r.status_code == 200, r.text
+    remote = httpx.post(decode.url + "/v1/completions", json=body, headers={HEADER: r.json()["handoff"]}, timeout=120)
+    local = httpx.post(colocated.url + "/v1/completions", json=body, timeout=120)
+    assert remote.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == len(ids)  # handed over, not redone
+    assert remote.json()["choices"][0]["text"] == local.json()["choices"][0]["text"]
+    base = httpx.post(colocated.url + "/v1/completions", json={**body, "model": "smollm2-135m"}, timeout=120)
+    assert base.json()["choices"][0]["text"] != local.json()["choices"][0]["text"]  # the adapter's own tokens
+    kv = decode.worker.engine.kv  # the handed-over prompt's full blocks are cached as the adapter's, not the base's
+    assert (len(kv.cached_prefix(ids, "a1")[0]), len(kv.cached_prefix(ids)[0])) == (3, 0)
