@@ -123,6 +123,14 @@ class EngineMetrics:
             [*self.labels, "position"], registry=self.registry,
         )
         self._spec_seen: tuple[int, int, int, list[int]] = (0, 0, 0, [])
+        # the same three counts by LoRA adapter (lora_name, vLLM's label; "": the base model)
+        self._spec_by_lora = [Counter(name, doc + " By LoRA adapter (lora_name; empty: the base model).",
+                                      [*self.labels, "lora_name"], registry=self.registry)
+                              for name, doc in (("fleetllm:spec_decode_num_drafts", "Verify steps with drafts."),
+                                                ("fleetllm:spec_decode_num_draft_tokens", "Draft tokens proposed."),
+                                                ("fleetllm:spec_decode_num_accepted_tokens",
+                                                 "Draft tokens accepted."))]
+        self._spec_lora_seen: dict[str, list[int]] = {}
 
     def kernels(self, statuses: list[KernelStatus]) -> None:
         """``fleetllm:kernel_available{kernel, variant}``: 1 per C kernel this CPU should run and runs, 0 for one
@@ -209,3 +217,14 @@ class EngineMetrics:
                 if n > seen:
                     self._spec_per_pos.labels(**self.labels, position=str(pos)).inc(n - seen)
         self._spec_seen = (spec.num_drafts, spec.num_draft_tokens, spec.num_accepted, list(spec.accepted_per_pos))
+        self._spec_lora_sync(spec.by_lora)
+
+    def _spec_lora_sync(self, by_lora: dict[str, list[int]]) -> None:
+        """The per-adapter speculation counters up to ``by_lora``'s totals (``SpecDecoder.by_lora``)."""
+        for name, totals in by_lora.items():
+            seen = self._spec_lora_seen.setdefault(name, [0, 0, 0])
+            if self.enabled:
+                for counter, total, was in zip(self._spec_by_lora, totals, seen, strict=True):
+                    if total > was:
+                        counter.labels(**self.labels, lora_name=name).inc(total - was)
+            seen[:] = totals

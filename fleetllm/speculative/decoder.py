@@ -73,6 +73,9 @@ class SpecDecoder:
         self.num_draft_tokens = 0
         self.num_accepted = 0
         self.accepted_per_pos = [0] * self.max_k
+        # (drafts, draft tokens, accepted) by the LoRA adapter of the verified request ("": the base model): a
+        # drafter that knows only the base model (an EAGLE head) is measured against each adapter it drafts for
+        self.by_lora: dict[str, list[int]] = {}
         self.draft_seconds = 0.0
         self.verify_seconds = 0.0
 
@@ -148,6 +151,8 @@ class SpecDecoder:
         self.num_accepted += accepted
         for i in range(accepted):
             self.accepted_per_pos[i] += 1
+        tally = self.by_lora.setdefault(seq.lora_name or "", [0, 0, 0])
+        tally[0], tally[1], tally[2] = tally[0] + 1, tally[1] + len(drafts), tally[2] + accepted
         if seq.spec_state is not None:
             seq.spec_state.update(len(drafts), accepted)
         return tokens
