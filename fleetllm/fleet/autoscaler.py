@@ -5,7 +5,8 @@ copies). The copies a model needs come from its concurrency (requests running or
 ``concurrency_per_copy``): it grows and shrinks in proportion to copies, so it sizes the model both ways by
 Kubernetes HPA's rule ``ceil(copies * signal / target)``, within a 10% tolerance. The SLO guards, waiting
 requests per copy (vLLM production-stack's KEDA trigger), KV-cache usage (AIBrix), TTFT and ITL p90 against
-the model's targets (Dynamo's planner), only push up: a latency far under its target does not mean
+the model's targets (Dynamo's planner), and the hottest LoRA adapter's requests per copy (SageMaker's
+per-adapter target, ``adapter_concurrency_per_copy``) only push up: a latency far under its target does not mean
 copies can go in proportion (queueing is not linear), so they never shrink a model. The signal that
 decided is the decision's reason.
 
@@ -39,6 +40,10 @@ class ScalingPolicy:
     down_window_s: float = 60.0
     cooldown_s: float = 10.0
     idle_s: float = 300.0  # min: 0 models unload after this long without requests
+    # requests of any one LoRA adapter running or waiting per copy (SageMaker's per-adapter inference component
+    # target): a hot adapter scales its base model's copies even while the model's total concurrency is in bounds
+    # (adapter rows skip the fused C decode stack: a copy serves fewer of them at the same latency). None: off
+    adapter_concurrency_per_copy: float | None = None
 
 
 @dataclass
@@ -54,13 +59,14 @@ class Signals:
     itl_p90_s: float | None = None
     request_rate: float = 0.0  # requests per second arriving
     concurrency: float | None = None  # mean requests in the system over the tick (else running + waiting now)
+    adapters: dict[str, float] = field(default_factory=dict)  # requests in flight per LoRA adapter (sum)
 
 
 @dataclass
 class Decision:
     desired: int
     direction: str  # up | down | none
-    reason: str  # the signal that decided (waiting, kv, ttft, itl, idle, held, min, max, cooldown, window)
+    reason: str  # the signal that decided (waiting, kv, ttft, itl, adapter, idle, held, min, max, cooldown, window)
     ratios: dict[str, float] = field(default_factory=dict)
 
 
@@ -110,6 +116,8 @@ class Autoscaler:
             r["ttft"] = s.ttft_p90_s / p.ttft_p90_s
         if p.itl_p90_s and s.itl_p90_s is not None:
             r["itl"] = s.itl_p90_s / p.itl_p90_s
+        if p.adapter_concurrency_per_copy and s.adapters:  # the hottest adapter's
+            r["adapter"] = max(s.adapters.values()) / s.copies / p.adapter_concurrency_per_copy
         return r
 
     def _settle(self, copies: int, want: int, reason: str, ratios: dict[str, float], now: float,

@@ -5,12 +5,13 @@ percentiles come from the difference between two reads ``dt`` seconds apart: req
 ``vllm:request_success``, TTFT and ITL p90 from the histogram buckets, interpolated within a bucket as
 Prometheus' ``histogram_quantile`` does, and the mean concurrency over the interval by Little's law: the
 seconds requests spent in the system (``vllm:e2e_request_latency_seconds_sum``) per second. The running
-gauge, read at one instant, swings several-fold at a steady load; the mean does not.
+gauge, read at one instant, swings several-fold at a steady load; the mean does not. A LoRA worker's requests in
+flight per adapter (``fleetllm:lora_requests_in_flight{lora_name}``) are summed over copies by adapter.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -19,17 +20,22 @@ from fleetllm.fleet.autoscaler import Signals
 TTFT = "vllm:time_to_first_token_seconds"
 MIN_SAMPLES = 10  # fewer observations in the window give no percentile: one slow request is no trend
 ITL = "vllm:inter_token_latency_seconds"
+ADAPTER_IN_FLIGHT = "fleetllm:lora_requests_in_flight"  # a LoRA worker's, by lora_name (fleetllm/server/lora_metrics.py)
 
 
 class Page:
-    """One ``/metrics`` page: sample values summed over labels, and each histogram's cumulative buckets."""
+    """One ``/metrics`` page: sample values summed over labels, each histogram's cumulative buckets, and the
+    requests in flight per LoRA adapter."""
 
     def __init__(self, text: str) -> None:
         self.values: dict[str, float] = {}
         self.buckets: dict[str, dict[float, float]] = {}
+        self.adapters: dict[str, float] = {}
         for family in text_string_to_metric_families(text):
             for s in family.samples:
-                if s.name.endswith("_bucket"):
+                if s.name == ADAPTER_IN_FLIGHT:
+                    self.adapters[s.labels["lora_name"]] = self.adapters.get(s.labels["lora_name"], 0.0) + s.value
+                elif s.name.endswith("_bucket"):
                     b = self.buckets.setdefault(s.name[: -len("_bucket")], {})
                     le = float(s.labels["le"])
                     b[le] = b.get(le, 0.0) + s.value
@@ -89,4 +95,13 @@ def model_signals(before: Mapping[str, str], after: Mapping[str, str], dt: float
         itl_p90_s=quantile(0.9, delta_buckets(ITL), MIN_SAMPLES),
         request_rate=finished / dt if dt > 0 else 0.0,
         concurrency=busy_s / dt if old and dt > 0 else None,
+        adapters=_summed(p.adapters for p in pages.values()),
     )
+
+
+def _summed(parts: Iterable[Mapping[str, float]]) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for part in parts:
+        for k, v in part.items():
+            out[k] = out.get(k, 0.0) + v
+    return out

@@ -108,3 +108,12 @@ def test_latency_far_under_its_target_does_not_shrink_a_busy_model():
         clock.t = t
         d = a.decide(Signals(copies=7, running=54, ttft_p90_s=0.05))  # within 10% of 8 per copy
         assert (d.desired, d.direction) == (7, "none")
+
+
+def test_a_hot_lora_adapter_scales_its_base_models_copies_naming_adapter():
+    a, _ = scaler(adapter_concurrency_per_copy=4)
+    hot = Signals(copies=2, running=13, adapters={"sql": 12.0, "chat": 1.0})  # 6.5 per copy: concurrency in bounds
+    d = a.decide(hot)  # sql: 12 in flight on 2 copies, 4 per copy wanted
+    assert (d.desired, d.direction, d.reason) == (3, "up", "adapter")
+    b, _ = scaler()  # no per-adapter target: the same load is within the model's concurrency target
+    assert b.decide(hot).direction == "none"

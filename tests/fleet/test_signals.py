@@ -73,3 +73,14 @@ def test_a_copy_that_just_started_counts_for_gauges_only():
 def test_no_copies_means_zero_copies_and_the_held_requests():
     s = model_signals({}, {}, dt=5.0, held=3)
     assert (s.copies, s.held) == (0, 3)
+
+
+def test_requests_in_flight_per_lora_adapter_are_summed_over_copies_by_adapter():
+    pages = {}
+    for url, counts in (("a", {"sql": 3, "chat": 1}), ("b", {"sql": 2})):
+        w = FakeWorker()
+        g = Gauge("fleetllm:lora_requests_in_flight", "", ["model_name", "lora_name"], registry=w.registry)
+        for name, n in counts.items():
+            g.labels("m", name).set(n)
+        pages[url] = w.page()
+    assert model_signals(pages, pages, dt=5.0).adapters == {"sql": 5.0, "chat": 1.0}

@@ -114,6 +114,25 @@ def test_requests_are_counted_per_adapter_and_reported_as_vllm_does(url: str) ->
     assert "vllm:lora_requests_info{" in text and 'max_lora="2"' in text
 
 
+def test_requests_in_flight_are_reported_per_adapter_for_the_autoscaler() -> None:
+    from types import SimpleNamespace as NS
+
+    from prometheus_client import CollectorRegistry
+
+    from fleetllm.server.lora_metrics import LoraInfo
+
+    def seqs(*names: str | None) -> list[NS]:
+        return [NS(lora_name=n) for n in names]
+
+    engine = NS(scheduler=NS(running=seqs("a1", "a1", None), waiting=seqs("a2", "a1", None)), lora=NS(max_loras=2),
+                metrics=NS(labels={"model_name": "m"}))
+    r = CollectorRegistry()
+    r.register(LoraInfo(engine))
+    counts = {n: r.get_sample_value("fleetllm:lora_requests_in_flight", {"model_name": "m", "lora_name": n})
+              for n in ("a1", "a2", "")}
+    assert counts == {"a1": 3, "a2": 1, "": None}  # running and waiting alike; base-model requests are not an adapter's
+
+
 def test_with_a_fleet_secret_only_the_secret_loads_adapters(adapters: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(SECRET_ENV, "fleet-secret")
     s = sim_workers(1, "--enable-lora", "--api-key", "client-key")
