@@ -53,6 +53,14 @@ class RequestSpecState:
         self.tried = DECAY * self.tried + accepted + (1 if accepted < k else 0)
 
 
+def _seeded_sampling(seq: Sequence) -> bool:
+    """Whether a request samples with a seed: which tokens a seed draws depends on the drafts it verified, so where
+    drafts depend on more than the request itself (:attr:`SpecDecoder.varying_drafts`) it drafts nothing, and the
+    same seeded request answers the same every time. Greedy requests are unaffected (drafts never change their
+    tokens)."""
+    return seq.params.seed is not None and seq.params.temperature > 0
+
+
 def _running(old: float, new: float) -> float:
     return new if not old else old + RUNNING * (new - old)
 
@@ -65,6 +73,9 @@ class SpecDecoder:
                                       session_tokens=cfg.session_tokens)
         self.aux_layers = self.drafter.aux_layers
         self.max_k = cfg.k or cfg.max_k
+        # drafts depend on other requests: adaptive K reads the batch and measured costs; suffix drafting reads the
+        # history of earlier requests
+        self.varying_drafts = bool(cfg.adaptive) or bool(getattr(self.drafter, "shares_history", False))
         self.cost = StepCost.measure(runner) if cfg.adaptive and runner is not None else None
         self.draft_cost = 0.0  # seconds per drafting call (per draft token if not one_pass), running average
         self.check_cost = 0.0  # seconds to check one request's drafts after the forward, running average
@@ -94,7 +105,8 @@ class SpecDecoder:
             if seq.spec_state is None:
                 seq.spec_state = RequestSpecState()
             room = min(seq.max_tokens - len(seq.output_token_ids), max_model_len - seq.num_tokens) - 1
-            caps.append(0 if seq.params.needs_penalties else max(0, min(self.max_k, room)))
+            seeded = self.varying_drafts and _seeded_sampling(seq)
+            caps.append(0 if seq.params.needs_penalties or seeded else max(0, min(self.max_k, room)))
         probes = self._probes(seqs, caps)
         ks = self.choose(seqs, caps, probes, drafting=True)
         if not any(ks):

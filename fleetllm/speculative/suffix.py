@@ -18,6 +18,7 @@ class SuffixDrafter(TokenOnlyDrafter):
     def __init__(self, session_tokens: int = DEFAULT_TOKENS, **_: object) -> None:
         """``session_tokens``: tokens of session history kept across turns (0: each request on its own)."""
         self.sessions = SessionStreams(session_tokens)
+        self.shares_history = session_tokens > 0  # drafts from earlier requests' tokens (decoder.varying_drafts)
 
     def propose(self, seqs: list[Sequence], ks: list[int]) -> list[list[int]]:
         out = []

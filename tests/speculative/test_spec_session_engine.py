@@ -37,3 +37,16 @@ def test_the_default_is_suffix_drafting_with_adaptive_k_and_none_turns_it_off() 
     cfg = SpeculativeConfig.parse(EngineConfig().speculative)
     assert (cfg.method, cfg.adaptive, cfg.k) == ("suffix", True, None)
     assert SpeculativeConfig.parse("none") is None
+
+
+def test_a_seeded_sampled_request_answers_the_same_after_other_requests_filled_the_session_history(
+        loaded_model: LoadedModel) -> None:
+    llm = LLM(loaded=loaded_model, num_blocks=64, speculative="method=suffix,k=4,adaptive=0")
+    tok = loaded_model.tokenizer
+    ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": f"Repeat exactly:\n{TOOL}"}]))
+    seeded = SamplingParams(temperature=0.8, seed=7, max_tokens=16, ignore_eos=True)
+    first = llm.generate([ids], seeded)[0].outputs[0].token_ids
+    drafted = llm.engine.spec.num_draft_tokens
+    llm.generate([ids], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))  # history for the drafter
+    assert llm.generate([ids], seeded)[0].outputs[0].token_ids == first
+    assert llm.engine.spec.num_draft_tokens > drafted  # the greedy request drafted; the seeded ones did not need to
