@@ -21,7 +21,7 @@ def _engine(num_blocks: int) -> SimpleNamespace:
     cfg = SimpleNamespace(num_layers=LAYERS, num_kv_heads=HEADS, head_dim=DIM)
     return SimpleNamespace(pool=pool, kv_blocks=lambda: views, loaded=SimpleNamespace(config=cfg), model_name="m",
                            max_model_len=num_blocks * BS,
-                           kv=SimpleNamespace(extra_key=b"m"), scheduler=SimpleNamespace(watermark_blocks=0))
+                           kv=SimpleNamespace(extra_key=b"m", key_of=lambda lora_name: b"m"), scheduler=SimpleNamespace(watermark_blocks=0))
 
 
 def test_importing_onto_a_cached_head_block_keeps_that_block() -> None:
