@@ -121,9 +121,7 @@ def _measure(runner: ModelRunner, sizes: list[int]) -> StepCost:
         if pairs:
             best_verify = min(best_verify, _time_step(runner, pairs, 1))
     times = [best[n] for n in sizes]
-    slots = runner.kv_cache[0][0].shape[0]  # the pool: num_blocks * block_size
-    most = min(slots - runner.block_size, runner.model.cfg.max_position_embeddings)  # what the pool and model hold
-    context = min(CONTEXT, most - max(CONTEXT_DRAFTS) - 1)
+    context = context_for(runner)
     for i in range(1, len(times)):  # more rows never cost less: what is left of the noise
         times[i] = max(times[i], times[i - 1])
     cost = StepCost(sizes, times)
@@ -132,6 +130,14 @@ def _measure(runner: ModelRunner, sizes: list[int]) -> StepCost:
     if context > 4 * SHORT:
         cost.context, cost.context_extra = context, _context_extra(runner, cost, context)
     return cost
+
+
+def context_for(runner: ModelRunner) -> int:
+    """Tokens of context the context's share is measured at on ``runner``: ``CONTEXT``, or what its pool and model
+    hold."""
+    slots = runner.kv_cache[0][0].shape[0]  # the pool: num_blocks * block_size
+    most = min(slots - runner.block_size, runner.model.cfg.max_position_embeddings)
+    return min(CONTEXT, most - max(CONTEXT_DRAFTS) - 1)
 
 
 def _context_extra(runner: ModelRunner, cost: StepCost, context: int) -> list[float]:

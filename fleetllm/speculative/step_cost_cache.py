@@ -4,7 +4,7 @@ restart).
 
 An entry is keyed by everything the timings depend on and nothing they do not: the CPU (model name and flags),
 the thread count, the row counts, the model's shape and the classes of its modules (its quantisation and kernels'
-paths, not its weights' values), the KV pool's size and dtype, which C kernels are loaded (a measure taken while
+paths, not its weights' values), the context the KV pool lets it measure and the pool's dtype, which C kernels are loaded (a measure taken while
 they still built is another key), and the source of the code a step runs (``models/``, ``kernels/``, the runner
 and this measure). Entries older than :data:`MAX_AGE` are measured again: a machine's neighbours change.
 """
@@ -36,13 +36,14 @@ def key(runner: ModelRunner, max_rows: int) -> str:
     """The entry's name for a measure of ``runner``'s steps up to ``max_rows`` rows on this machine."""
     from fleetllm.kernels.health import libraries
     from fleetllm.kernels.variants import cpu_info
+    from fleetllm.speculative.step_cost import context_for
 
-    k, v = runner.kv_cache[0]
+    k = runner.kv_cache[0][0]
     parts: dict[str, Any] = {
         "cpu": cpu_info()[0], "flags": sorted(cpu_info()[1]), "threads": torch.get_num_threads(), "max_rows": max_rows,
         "cfg": repr(dataclasses.asdict(runner.model.cfg)) if dataclasses.is_dataclass(runner.model.cfg) else "",
         "modules": sorted({type(m).__qualname__ for m in runner.model.modules()}),
-        "pool": [list(k.shape), str(k.dtype), runner.block_size],
+        "pool": [context_for(runner), str(k.dtype), runner.block_size],  # the pool matters by the context it holds
         "kernels": sorted(f"{n}:{lib.variant}" for n, lib in libraries().items() if lib.lib is not None),
         "code": _code_digest(),
     }
