@@ -46,6 +46,7 @@ class TierConnector(KVConnectorBase):
     def __init__(self, metrics: TierMetrics | None = None) -> None:
         self.metrics = metrics
         self._matched: dict[str, list[HostBlock]] = {}  # request id -> blocks found at admission
+        self._asked: set[str] = set()  # request ids whose misses are counted (once a request)
         self._listeners: list[TierListener] = []
 
     @property
@@ -85,12 +86,13 @@ class TierConnector(KVConnectorBase):
         if self._holds_any():
             hashes = hash_prefix_blocks(ids[: full * bs], bs, self.blocks.kv.key_of(seq.lora_name))
             found = self._find(hashes[start:], [tuple(ids[i * bs : (i + 1) * bs]) for i in range(start, full)])
-        if self.metrics is not None:
-            self.metrics.hits.inc(len(found))
+        if self.metrics is not None and seq.request_id not in self._asked:  # asked again as blocks free up
             self.metrics.misses.inc(full - start - len(found))
+        self._asked.add(seq.request_id)
         if found:
             self._matched[seq.request_id] = found
-        return len(found) * bs
+        # a request asked mid-prefill may have computed part of block ``start``: its load makes that part again
+        return (start + len(found)) * bs - num_computed_tokens if found else 0
 
     def update_state_after_alloc(self, seq: Sequence, num_external_tokens: int) -> None:
         found = self._matched.pop(seq.request_id, [])
@@ -101,6 +103,8 @@ class TierConnector(KVConnectorBase):
         n = -(-num_external_tokens // bs)  # a block partly counted is loaded whole: the step recomputes the rest
         try:
             self._load(list(zip(seq.block_table[first : first + n], found[:n], strict=True)))
+            if self.metrics is not None:  # counted as loaded: a match that found no blocks is asked for again
+                self.metrics.hits.inc(n)
         except Exception:  # noqa: BLE001 - a load that fails is computed instead, never a failed request
             log.exception("%s KV tier: loading %d blocks failed: computing them", self._name, n)
             self._count_error("load")
@@ -108,6 +112,7 @@ class TierConnector(KVConnectorBase):
 
     def request_finished(self, seq: Sequence) -> None:
         self._matched.pop(seq.request_id, None)
+        self._asked.discard(seq.request_id)
 
     def _load(self, loads: list[tuple[int, HostBlock]]) -> None:
         """Copy ``(pool block, block)`` pairs into the pool, one indexed copy per layer. On the engine thread as
