@@ -152,10 +152,6 @@ class Scheduler:
                 budget = 0 if alone else budget  # nothing after it: it goes once those before it end
                 continue
             n = min(seq.num_uncomputed, budget)
-            if seq.request_id in self._tier_more and self.kv.pool.num_free > self.watermark_blocks:
-                # tokens a tier holds that found no blocks at admission: asked for again while blocks are free
-                loaded, n = self._load_external(seq, n, budget)
-                seq.num_cached_tokens += loaded  # not recomputed: as cached as those loaded at admission
             proposed = drafts.get(seq.request_id, [])[: max(0, budget - n)] if n == seq.num_uncomputed else []
             while not self.kv.grow(seq, n + len(proposed)):
                 if proposed:  # lookahead slots for drafts are the first thing to give up
@@ -168,6 +164,8 @@ class Scheduler:
                 if victim is seq:
                     break
             if seq.status is Status.RUNNING:
+                if seq.request_id in self._tier_more:  # tier-held tokens no block took before: loaded, not computed
+                    n, proposed = self._load_more(seq, n, budget), []
                 kept.append(seq)
                 out.scheduled.append(Scheduled(seq, n + len(proposed), list(proposed)))
                 budget = 0 if alone else budget - n - len(proposed)
@@ -264,6 +262,14 @@ class Scheduler:
         if not loaded:
             return 0, n
         return loaded, min(seq.num_uncomputed, budget, len(seq.block_table) * bs - seq.num_computed_tokens)
+
+    def _load_more(self, seq: Sequence, n: int, budget: int) -> int:
+        """Ask the connector again for the tokens of running ``seq`` it holds that found no blocks at admission,
+        once its step has its blocks (``n`` tokens' worth): they load into those and any free blocks rather than
+        being computed, and count as cached as those loaded at admission. Returns the tokens the step computes."""
+        loaded, n = self._load_external(seq, n, budget)
+        seq.num_cached_tokens += loaded
+        return n
 
     def _preempt(self, seq: Sequence) -> None:
         self.kv.free(seq)
