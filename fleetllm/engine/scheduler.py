@@ -248,7 +248,7 @@ class Scheduler:
         matched = max(0, min(self.connector.get_num_new_matched_tokens(seq, before), seq.num_tokens - before - 1))
         ext = matched
         if ext and not self.kv.grow(seq, ext + min(seq.num_tokens - before - ext, budget)):
-            room = (len(seq.block_table) + self.kv.pool.num_free - self.watermark_blocks) * bs - before
+            room = (len(seq.block_table) + max(0, self.kv.pool.num_free - self.watermark_blocks)) * bs - before
             ext = max(0, min(ext, room - 1))  # one token's room kept: the step computes one at least
             if ext:
                 self.kv.grow(seq, ext + 1)
