@@ -103,6 +103,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.connector: KVConnectorScheduler | None = None  # the KV connector's scheduler side, if attached
         self.lora: LoraManager | None = None  # the adapters' slots (set with --enable-lora)
+        self._tier_more: set[str] = set()  # request ids whose connector-held tokens did not all find blocks
 
     def _alone(self, seq: Sequence) -> bool:
         """Whether ``seq``'s step must hold nothing else (the connector computes its KV outside this pool)."""
@@ -163,6 +164,8 @@ class Scheduler:
                 if victim is seq:
                     break
             if seq.status is Status.RUNNING:
+                if seq.request_id in self._tier_more:  # tier-held tokens no block took before: loaded, not computed
+                    n, proposed = self._load_more(seq, n, budget), []
                 kept.append(seq)
                 out.scheduled.append(Scheduled(seq, n + len(proposed), list(proposed)))
                 budget = 0 if alone else budget - n - len(proposed)
@@ -192,10 +195,9 @@ class Scheduler:
             if not self._pin_lora(seq, out):
                 continue
             n = min(seq.num_uncomputed, budget)  # what admit allocated blocks for, beyond the hit
-            ext, n = self._external(seq, n, budget)
-            cached += ext
+            ext, n = self._load_external(seq, n, budget) if self.connector is not None else (0, n)
             if seq.num_cached_tokens < 0:
-                seq.num_cached_tokens = cached
+                seq.num_cached_tokens = cached + ext
             seq.transition(Status.RUNNING)
             self.running.append(seq)
             out.scheduled.append(Scheduled(seq, n))
@@ -231,27 +233,47 @@ class Scheduler:
             self.lora.release(seq.lora_slot)
         seq.lora_slot = -1
 
-    def _external(self, seq: Sequence, n: int, budget: int) -> tuple[int, int]:
-        """Tokens of a just admitted ``seq`` the connector loads from outside this pool, beyond its local hit
-        (counted as computed), and the tokens its step then computes. Loaded tokens cost no step budget: beyond
-        the ``n`` admit gave blocks for, more blocks are taken where free (else at most ``n - 1`` are loaded).
-        The step always computes one token at least. A connector that cannot load them after all gives them
-        back (lowers ``num_computed_tokens``): the step computes them instead."""
-        if self.connector is None:
-            return 0, n
+    def _load_external(self, seq: Sequence, n: int, budget: int) -> tuple[int, int]:
+        """Load the tokens of ``seq`` the connector holds beyond its computed ones (counted as computed); return
+        how many loaded and the tokens its step computes (``n``, the step's chunk, when none loaded).
+
+        Loaded tokens cost no step budget: blocks are taken for all of them and the step's chunk where free;
+        else for as many as the held and free blocks take (above the watermark), the step then computing only
+        what its blocks hold, and the rest is asked for again on its next steps (``_tier_more``) rather than
+        computed. A connector that cannot load them gives them back (lowers ``num_computed_tokens``): the step
+        computes them instead."""
+        assert self.connector is not None
         before = seq.num_computed_tokens
-        ext = max(0, min(self.connector.get_num_new_matched_tokens(seq, before), seq.num_tokens - before - 1))
-        step = min(seq.num_tokens - before - ext, budget)
-        grown = ext + step > n and self.kv.grow(seq, ext + step)
-        if not grown:
-            ext = min(ext, n - 1)
+        bs = self.kv.block_size
+        matched = max(0, min(self.connector.get_num_new_matched_tokens(seq, before), seq.num_tokens - before - 1))
+        ext = matched
+        if ext and not self.kv.grow(seq, ext + min(seq.num_tokens - before - ext, budget)):
+            room = (len(seq.block_table) + max(0, self.kv.pool.num_free - self.watermark_blocks)) * bs - before
+            ext = max(0, min(ext, room - 1))  # one token's room kept: the step computes one at least
+            if ext:
+                self.kv.grow(seq, ext + 1)
+        if ext < matched:
+            self._tier_more.add(seq.request_id)
+        else:
+            self._tier_more.discard(seq.request_id)
         seq.num_computed_tokens += ext
         self.connector.update_state_after_alloc(seq, ext)
         loaded = max(0, seq.num_computed_tokens - before)
-        return loaded, min(seq.num_uncomputed, budget) if grown else n - loaded
+        if not loaded:
+            return 0, n
+        return loaded, min(seq.num_uncomputed, budget, len(seq.block_table) * bs - seq.num_computed_tokens)
+
+    def _load_more(self, seq: Sequence, n: int, budget: int) -> int:
+        """Ask the connector again for the tokens of running ``seq`` it holds that found no blocks at admission,
+        once its step has its blocks (``n`` tokens' worth): they load into those and any free blocks rather than
+        being computed, and count as cached as those loaded at admission. Returns the tokens the step computes."""
+        loaded, n = self._load_external(seq, n, budget)
+        seq.num_cached_tokens += loaded
+        return n
 
     def _preempt(self, seq: Sequence) -> None:
         self.kv.free(seq)
+        self._tier_more.discard(seq.request_id)  # asked again when it is admitted again
         self.unpin_lora(seq)
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
@@ -269,5 +291,6 @@ class Scheduler:
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self.kv.free(seq)
+        self._tier_more.discard(seq.request_id)
         self.unpin_lora(seq)
         seq.transition(status)

@@ -45,7 +45,9 @@ class TierConnector(KVConnectorBase):
 
     def __init__(self, metrics: TierMetrics | None = None) -> None:
         self.metrics = metrics
-        self._matched: dict[str, list[HostBlock]] = {}  # request id -> blocks found at admission
+        self._matched: dict[str, tuple[int, list[HostBlock]]] = {}  # request id -> (first block, blocks found)
+        self._rest: dict[str, tuple[int, list[HostBlock]]] = {}  # ... those found that no pool block took yet
+        self._asked: set[str] = set()  # request ids whose misses are counted (once a request)
         self._listeners: list[TierListener] = []
 
     @property
@@ -82,32 +84,42 @@ class TierConnector(KVConnectorBase):
         if start >= full or self.caches is None:
             return 0
         found: list[HostBlock] = []
-        if self._holds_any():
+        first, rest = self._rest.pop(seq.request_id, (0, []))
+        if first <= start < first + len(rest):  # found before, when too few pool blocks were free: not read again
+            found = rest[start - first :]
+        elif self._holds_any():
             hashes = hash_prefix_blocks(ids[: full * bs], bs, self.blocks.kv.key_of(seq.lora_name))
             found = self._find(hashes[start:], [tuple(ids[i * bs : (i + 1) * bs]) for i in range(start, full)])
-        if self.metrics is not None:
-            self.metrics.hits.inc(len(found))
+        if self.metrics is not None and seq.request_id not in self._asked:  # asked again as blocks free up
             self.metrics.misses.inc(full - start - len(found))
+        self._asked.add(seq.request_id)
         if found:
-            self._matched[seq.request_id] = found
-        return len(found) * bs
+            self._matched[seq.request_id] = (start, found)
+        # a request asked mid-prefill may have computed part of block ``start``: its load makes that part again
+        return (start + len(found)) * bs - num_computed_tokens if found else 0
 
     def update_state_after_alloc(self, seq: Sequence, num_external_tokens: int) -> None:
-        found = self._matched.pop(seq.request_id, [])
-        if num_external_tokens <= 0 or not found:
-            return
+        first, found = self._matched.pop(seq.request_id, (0, []))
         bs = self.blocks.pool.block_size if self.blocks is not None else 1
-        first = (seq.num_computed_tokens - num_external_tokens) // bs
-        n = -(-num_external_tokens // bs)  # a block partly counted is loaded whole: the step recomputes the rest
+        n = -(-max(num_external_tokens, 0) // bs)  # a block partly counted is loaded whole: the step recomputes the rest
+        if n < len(found):  # the rest found no pool blocks: the scheduler asks again as blocks free up
+            self._rest[seq.request_id] = (first + n, found[n:])
+        if n == 0:
+            return
         try:
             self._load(list(zip(seq.block_table[first : first + n], found[:n], strict=True)))
+            if self.metrics is not None:  # counted as loaded: a match that found no blocks is asked for again
+                self.metrics.hits.inc(n)
         except Exception:  # noqa: BLE001 - a load that fails is computed instead, never a failed request
             log.exception("%s KV tier: loading %d blocks failed: computing them", self._name, n)
             self._count_error("load")
             seq.num_computed_tokens -= num_external_tokens  # given back: the scheduler computes them
+            self._rest.pop(seq.request_id, None)
 
     def request_finished(self, seq: Sequence) -> None:
         self._matched.pop(seq.request_id, None)
+        self._rest.pop(seq.request_id, None)
+        self._asked.discard(seq.request_id)
 
     def _load(self, loads: list[tuple[int, HostBlock]]) -> None:
         """Copy ``(pool block, block)`` pairs into the pool, one indexed copy per layer. On the engine thread as
