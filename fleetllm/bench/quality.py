@@ -79,10 +79,12 @@ def stdlib_text(tokenizer: Any, max_tokens: int) -> list[int]:
 
 
 def greedy(loaded: Any, settings: dict[str, Any], prompts: list[list[int]], tokens: int, one_by_one: bool) -> list[list[int]]:
-    """The first ``tokens`` greedy tokens of each prompt, all in one batch or one request at a time."""
+    """The first ``tokens`` greedy tokens of each prompt, all in one batch or one request at a time (without
+    speculation unless ``settings`` ask for it: the check is of the weights' and KV's numerics, and verify steps
+    would change which rows share a product)."""
     from fleetllm import LLM, SamplingParams
 
-    llm = LLM(loaded=loaded, **settings)
+    llm = LLM(loaded=loaded, **{"speculative": None, **settings})
     params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
     groups = [[p] for p in prompts] if one_by_one else [prompts]
     return [r.outputs[0].token_ids for g in groups for r in llm.generate(g, params)]

@@ -11,8 +11,8 @@ from fleetllm.models.quant import BF16_ROWS
 def test_exact_path_agrees_with_itself_in_every_batch_regime(loaded_model) -> None:
     tok = loaded_model.tokenizer
     prompts = prompt_ids(tok, REFERENCE_PROMPTS[:1] + REFERENCE_PROMPTS[-1:], raw_from=1)
-    q = compare(loaded_model, {"quantization": "none"}, prompts, tokens=6, text=stdlib_text(tok, 160), window=80,
-                chunk=30)  # chunks over cached context against whole windows
+    q = compare(loaded_model, {"quantization": "none"}, prompts, tokens=4, text=stdlib_text(tok, 120), window=60,
+                chunk=25)  # chunks over cached context against whole windows
     assert (q.agree_batched, q.agree_one_by_one) == (2, 2)
     assert abs(q.ppl_ratio - 1) < 1e-4, (q.ppl, q.ppl_fp32)
 

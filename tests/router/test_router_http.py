@@ -131,8 +131,9 @@ def test_a_restarted_worker_is_resynced_from_its_snapshot(procs):
 CHUNKS = [b'data: {"a": 1}\n\n', b'data: {"b": "\xc3\xa9t\xc3\xa9"}\n\n', b"data: [DONE]\n\n"]
 
 
-def fake_worker(mode: str) -> Starlette:
-    """A minimal upstream: /health ok, no KV events, completions that stream CHUNKS or fail."""
+def fake_worker(mode: str, gap: float = 0.3) -> Starlette:
+    """A minimal upstream: /health ok, no KV events, completions that stream CHUNKS (``gap`` seconds apart) or
+    fail."""
     calls = {"n": 0}
 
     async def completions(request):
@@ -143,7 +144,7 @@ def fake_worker(mode: str) -> Starlette:
         async def gen():
             for c in CHUNKS:
                 yield c
-                await asyncio.sleep(0.3)
+                await asyncio.sleep(gap)
 
         return StreamingResponse(gen(), media_type="text/event-stream", headers={"x-request-id": request.headers["x-request-id"]})
 
@@ -175,7 +176,7 @@ def test_streaming_through_the_router_is_byte_for_byte_and_chunk_by_chunk(procs)
 @pytest.mark.slow
 def test_a_failing_worker_is_retried_elsewhere_and_its_breaker_opens(procs):
     bad_app = fake_worker("fail")
-    with ThreadServer(bad_app) as bad, ThreadServer(fake_worker("stream")) as good:
+    with ThreadServer(bad_app) as bad, ThreadServer(fake_worker("stream", gap=0)) as good:
         r = router([bad.url, good.url], "round_robin", "--breaker-cooldown", "600")
         procs.append(r)
         wait_state(r.url, lambda s: all(w["healthy"] for w in s["workers"]))
