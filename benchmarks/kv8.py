@@ -23,13 +23,13 @@ import os
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import save_run  # noqa: E402
+from benchmarks.paged_attention import FakeScheduled, FakeSeq  # noqa: E402  (the runner's view of a sequence)
 from fleetllm.bench.quality import stdlib_text  # noqa: E402
 from fleetllm.engine.llm import LLM  # noqa: E402
 from fleetllm.engine.model_runner import KV_DTYPES, ModelRunner  # noqa: E402
@@ -40,27 +40,6 @@ from fleetllm.models.quant import quantize_model  # noqa: E402
 
 BLOCK = 16
 DTYPES = ("fp32", "bf16", "int8", "fp8", "fp8_e5m2")
-
-
-@dataclass
-class FakeSeq:
-    """What the runner reads of a sequence: its computed tokens and its blocks."""
-
-    num_computed_tokens: int
-    block_table: list[int]
-
-    def token_ids_slice(self, start: int, end: int) -> list[int]:
-        return [7] * (end - start)
-
-
-@dataclass
-class FakeScheduled:
-    seq: FakeSeq
-    num_new_tokens: int = 1
-    draft_token_ids: list[int] = field(default_factory=list)
-
-    def token_ids(self) -> list[int]:
-        return [7]
 
 
 def filled(rows: int, kv_heads: int, dim: int, dtype: torch.dtype) -> torch.Tensor:
