@@ -49,17 +49,29 @@ class Scorer(Protocol):
         ...
 
 
-class QueueScorer:
-    """The work queued ahead on the worker (:meth:`CostModel.queue_s`)."""
+class WorkerTermScorer:
+    """A cost term of each worker alone (and the request), times the scorer's weight: subclasses give ``term``."""
 
-    name = "queue"
+    name = ""
 
     def __init__(self, cost: CostModel, weight: float = 1.0) -> None:
         self.model, self.weight = cost, weight
 
+    def term(self, w: WorkerState, req: RouteRequest) -> float:
+        raise NotImplementedError
+
     def score(self, c: Candidates) -> None:
         for i, w in enumerate(c.workers):
-            c.cost[i] += self.weight * self.model.queue_s(w)
+            c.cost[i] += self.weight * self.term(w, c.req)
+
+
+class QueueScorer(WorkerTermScorer):
+    """The work queued ahead on the worker (:meth:`CostModel.queue_s`)."""
+
+    name = "queue"
+
+    def term(self, w: WorkerState, req: RouteRequest) -> float:
+        return self.model.queue_s(w)
 
 
 class PrefixScorer:
@@ -87,41 +99,29 @@ class PrefixScorer:
             c.cost[i] += self.weight * self.model.prefill_s(req.num_prompt_tokens - cached + loaded)
 
 
-class DecodeScorer:
+class DecodeScorer(WorkerTermScorer):
     """The running streams a new request's steps would share (:meth:`CostModel.decode_s`)."""
 
     name = "decode"
 
-    def __init__(self, cost: CostModel, weight: float = 1.0) -> None:
-        self.model, self.weight = cost, weight
-
-    def score(self, c: Candidates) -> None:
-        for i, w in enumerate(c.workers):
-            c.cost[i] += self.weight * self.model.decode_s(w)
+    def term(self, w: WorkerState, req: RouteRequest) -> float:
+        return self.model.decode_s(w)
 
 
-class LoraScorer:
+class LoraScorer(WorkerTermScorer):
     """Loading the request's LoRA adapter where it is not resident (:meth:`CostModel.adapter_s`): adapter
     affinity."""
 
     name = "lora"
 
-    def __init__(self, cost: CostModel, weight: float = 1.0) -> None:
-        self.model, self.weight = cost, weight
-
-    def score(self, c: Candidates) -> None:
-        for i, w in enumerate(c.workers):
-            c.cost[i] += self.weight * self.model.adapter_s(w, c.req.lora_name)
+    def term(self, w: WorkerState, req: RouteRequest) -> float:
+        return self.model.adapter_s(w, req.lora_name)
 
 
-class KVPressureScorer:
+class KVPressureScorer(WorkerTermScorer):
     """A worker whose KV pool is nearly full (:meth:`CostModel.pressure_s`)."""
 
     name = "kv_pressure"
 
-    def __init__(self, cost: CostModel, weight: float = 1.0) -> None:
-        self.model, self.weight = cost, weight
-
-    def score(self, c: Candidates) -> None:
-        for i, w in enumerate(c.workers):
-            c.cost[i] += self.weight * self.model.pressure_s(w)
+    def term(self, w: WorkerState, req: RouteRequest) -> float:
+        return self.model.pressure_s(w)
