@@ -9,7 +9,9 @@ while the eager PyTorch path serves; callers ask :meth:`KernelLibrary.get` and g
 The cache key of a first-use build holds the source's hash, the compiler's version, the CPU's instruction-set
 flags and the variant's flags: an object built for one CPU can die with an illegal instruction on another one
 sharing the cache directory (a node pool's volume). The object is written under a temporary name and renamed
-into place, so processes building the same key at once each see either nothing or a whole file. No prebuilt
+into place, so a process loading it sees either nothing or a whole file; processes that need the same key at once
+(a fleet's workers starting on one node) take a lock beside it, so one compiles and the others wait and load
+its object instead of each compiling the same source. No prebuilt
 object and no compiler, or a failed build: the eager path for good, and the engine's check (:mod:`.health`)
 says so at ERROR with what it costs.
 """
@@ -17,6 +19,7 @@ says so at ERROR with what it costs.
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import hashlib
 import logging
 import os
@@ -79,6 +82,14 @@ def build(source: Path, out_dir: Path | None = None, variant: str | None = None)
     target = _target(f"{source.stem}-{variant}-{cache_key(source, cc, variant)}.so", out_dir)
     if target.exists():
         return target
+    with open(target.with_name(f".{target.name}.lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also when this process dies
+        if not target.exists():  # built by whoever held the lock before us
+            _compile(cc, source, variant, target)
+    return target
+
+
+def _compile(cc: str, source: Path, variant: str, target: Path) -> None:
     fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{source.stem}-", suffix=".so")
     os.close(fd)
     try:
@@ -90,7 +101,6 @@ def build(source: Path, out_dir: Path | None = None, variant: str | None = None)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
-    return target
 
 
 def locate(source: Path) -> tuple[Path, str]:

@@ -12,6 +12,7 @@ import contextlib
 import logging
 import shutil
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -133,7 +134,20 @@ def test_built_kernel_is_a_cache_hit_next_time(tmp_path: Path) -> None:
     path = build.build(attention.LIBRARY.source, tmp_path)
     stamp = path.stat().st_mtime_ns
     assert build.build(attention.LIBRARY.source, tmp_path) == path and path.stat().st_mtime_ns == stamp
-    assert [p.name for p in tmp_path.iterdir()] == [path.name]  # no temporary file left behind
+    assert [p.name for p in tmp_path.iterdir() if not p.name.endswith(".lock")] == [path.name]  # no temporary file
+
+
+def test_processes_needing_one_kernel_at_once_compile_it_once(monkeypatch, tmp_path: Path) -> None:
+    calls = tmp_path / "calls"
+    cc = tmp_path / "cc"  # the system compiler, counting its compiles (not its --version)
+    cc.write_text(f'#!/bin/sh\ncase "$*" in *" -o "*) echo x >> {calls};; esac\nexec gcc "$@"\n')
+    cc.chmod(0o755)
+    monkeypatch.setattr(build, "compiler", lambda: str(cc))
+    out = tmp_path / "cache"
+    with ThreadPoolExecutor(3) as pool:  # flock excludes open files, so threads stand in for processes
+        paths = list(pool.map(lambda _: build.build(attention.LIBRARY.source, out, "portable"), range(3)))
+    assert len(set(paths)) == 1 and paths[0].exists()
+    assert calls.read_text().count("x") == 1
 
 
 def test_no_compiler_means_eager_said_once(monkeypatch, caplog, tmp_path) -> None:
