@@ -113,7 +113,7 @@ def pytest_sessionstart(session: pytest.Session) -> None:
 # The suite's longest files (CPU seconds in a whole run), started first: under pytest-xdist each file runs whole
 # on one process, and a long file begun last would leave the other processes idle while it ends the run.
 _LONGEST_FIRST = [
-    "fleet/test_fleet_control.py", "speculative/test_spec_greedy.py", "disagg/test_pd_fleet.py",
+    "packaging/test_wheel.py", "fleet/test_fleet_control.py", "speculative/test_spec_greedy.py", "disagg/test_pd_fleet.py",
     "observability/test_fleet_observability.py", "agents/test_structured_outputs.py", "router/test_router_http.py",
     "server/test_errors.py", "reliability/test_drain.py", "agents/test_tool_calls.py", "store/test_hub.py",
     "server/test_disconnect.py", "fleet/test_ray_fleet.py", "engine/test_kv_cache_dtype.py",

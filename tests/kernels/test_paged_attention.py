@@ -129,12 +129,19 @@ def test_layout_the_kernel_cannot_read_is_refused() -> None:
         paged_attention(q, k, v, tables.long(), lens, 0.125, BLOCK)
 
 
+def tiny_kernel(folder: Path) -> Path:
+    """A one-function C source: the build's caching is what is checked, not a kernel's (seconds to compile)."""
+    folder.mkdir()
+    (folder / "tiny.c").write_text("int tiny(int x) { return 2 * x; }\n")
+    return folder / "tiny.c"
+
+
 def test_built_kernel_is_a_cache_hit_next_time(tmp_path: Path) -> None:
-    # a directory of its own: in the shared cache another process may be building the same key right now
-    path = build.build(attention.LIBRARY.source, tmp_path)
+    source, out = tiny_kernel(tmp_path / "src"), tmp_path / "cache"  # not the shared cache: another process may
+    path = build.build(source, out, "portable")  # be building the same key there right now
     stamp = path.stat().st_mtime_ns
-    assert build.build(attention.LIBRARY.source, tmp_path) == path and path.stat().st_mtime_ns == stamp
-    assert [p.name for p in tmp_path.iterdir() if not p.name.endswith(".lock")] == [path.name]  # no temporary file
+    assert build.build(source, out, "portable") == path and path.stat().st_mtime_ns == stamp
+    assert [p.name for p in out.iterdir() if not p.name.endswith(".lock")] == [path.name]  # no temporary file left
 
 
 def test_processes_needing_one_kernel_at_once_compile_it_once(monkeypatch, tmp_path: Path) -> None:
@@ -143,9 +150,9 @@ def test_processes_needing_one_kernel_at_once_compile_it_once(monkeypatch, tmp_p
     cc.write_text(f'#!/bin/sh\ncase "$*" in *" -o "*) echo x >> {calls};; esac\nexec gcc "$@"\n')
     cc.chmod(0o755)
     monkeypatch.setattr(build, "compiler", lambda: str(cc))
-    out = tmp_path / "cache"
+    source, out = tiny_kernel(tmp_path / "src"), tmp_path / "cache"
     with ThreadPoolExecutor(3) as pool:  # flock excludes open files, so threads stand in for processes
-        paths = list(pool.map(lambda _: build.build(attention.LIBRARY.source, out, "portable"), range(3)))
+        paths = list(pool.map(lambda _: build.build(source, out, "portable"), range(3)))
     assert len(set(paths)) == 1 and paths[0].exists()
     assert calls.read_text().count("x") == 1
 
