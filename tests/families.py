@@ -76,11 +76,8 @@ class FamilyModels:
         model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation=impl)
         target = self.root / (name or family)
         model.eval().save_pretrained(target)
-        if overrides:  # llama.cpp's converter recognises the tokenizer by HF's own files of it
-            from hf_reference import hf_reference_dir
-
-            for f in ("tokenizer.json", "tokenizer_config.json"):
-                shutil.copy(hf_reference_dir() / f, target / f)
+        if overrides:
+            _converter_tokenizer(family, target)
         else:
             (target / "tokenizer.json").write_text(self.tokenizer_json)
         return target, model
@@ -91,12 +88,54 @@ class FamilyModels:
         the conversion (~10 s, mostly its imports) is kept per machine, keyed by the weights' SHA-256."""
         key = f"{family}-full-vocab"
         if key not in self._built:
-            self._built[key] = self._build(family, {"vocab_size": FULL_VOCAB, "tie_word_embeddings": True}, key)
+            overrides = {**GGUF_OVERRIDES.get(family, _DEFAULT_GGUF), "tie_word_embeddings": True}
+            self._built[key] = self._build(family, overrides, key)
         path, model = self._built[key]
         return convert_to_gguf(path, outtype), model
 
     def remove(self) -> None:
         shutil.rmtree(self.root, ignore_errors=True)
+
+
+# What a family's GGUF model changes. The vocabulary: SmolLM2's whole one (its tokenizer files tell llama.cpp's
+# converter which pre-tokenizer it is), but Gemma 2's, whose converter reads a SentencePiece model only: a small one
+# trained here. Mistral's window: llama.cpp's converter writes Mistral as ``llama`` without it (llama.cpp runs it with
+# full attention), so its GGUF equals HF's Mistral where the window covers the context (4096: Mistral 7B v0.1's).
+GGUF_OVERRIDES: dict[str, dict[str, Any]] = {
+    "gemma2": {"vocab_size": 512},
+    "mistral": {"vocab_size": FULL_VOCAB, "sliding_window": 4096},
+}
+_DEFAULT_GGUF = {"vocab_size": FULL_VOCAB}
+
+
+def _converter_tokenizer(family: str, target: Path) -> None:
+    """The tokenizer files llama.cpp's converter reads for ``family``."""
+    if family == "gemma2":
+        (target / "tokenizer.model").write_bytes(sentencepiece_model())
+        return
+    import json
+
+    from hf_reference import hf_reference_dir
+
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(hf_reference_dir() / f, target / f)
+    if family == "phi3":  # its converter takes a BPE tokenizer only by this class (Phi-4's), else SentencePiece
+        config = json.loads((target / "tokenizer_config.json").read_text())
+        (target / "tokenizer_config.json").write_text(json.dumps({**config, "tokenizer_class": "GPT2Tokenizer"}))
+
+
+def sentencepiece_model() -> bytes:
+    """A 320-piece SentencePiece BPE model (byte fallback) trained on a fixed text: deterministic, ~20 ms."""
+    import io
+
+    import sentencepiece
+
+    words = "the quick brown fox jumps over a lazy dog while seven wizards quietly hex jovial kings".split()
+    lines = [" ".join(words[(i * 7 + j * 3) % len(words)] for j in range(12)) for i in range(200)]
+    out = io.BytesIO()
+    sentencepiece.SentencePieceTrainer.train(sentence_iterator=iter(lines), model_writer=out, vocab_size=320,
+                                             model_type="bpe", byte_fallback=True, minloglevel=2, num_threads=1)
+    return out.getvalue()
 
 
 @torch.no_grad()
@@ -158,7 +197,8 @@ def q8_0(w: torch.Tensor) -> torch.Tensor:
     return (d.half().float() * q).reshape(w.shape)
 
 
-GGUF_CASES = (("qwen3_moe", "f32"), ("qwen3_moe", "q8_0"), ("qwen2_moe", "f32"), ("mixtral", "f32"))  # what tests read
+GGUF_CASES = (("qwen3_moe", "f32"), ("qwen3_moe", "q8_0"), ("qwen2_moe", "f32"), ("mixtral", "f32"), ("mixtral", "q8_0"),
+              ("gpt_oss", "f32"), ("mistral", "f32"), ("phi3", "f32"), ("gemma2", "f32"))  # what tests read
 
 
 def prepare_ggufs() -> None:

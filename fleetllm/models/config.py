@@ -7,14 +7,15 @@ Anything fleetllm cannot run exactly — another architecture, a RoPE scaling it
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 HF_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}  # besides models/hf_families.py's
 ROPE_SCALINGS = ("default", "linear", "llama3", "yarn", "longrope")  # what models/rope.py computes
-GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3", "qwen2moe", "qwen3moe")
-GGUF_MOE = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe"}  # llama.cpp's name -> HF model_type
-GGUF_ROPE_SCALINGS = ("default", "linear", "llama3")  # the GGUF metadata fleetllm maps (yarn's parameters: not yet)
+GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "qwen2moe", "qwen3moe", "gpt-oss")
+# llama.cpp's name -> HF model_type where they differ (llama.cpp writes Mistral as llama, Mixtral as llama with experts)
+GGUF_MODEL_TYPES = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "gpt-oss": "gpt_oss"}
+GGUF_ROPE_SCALINGS = ("default", "linear", "llama3", "yarn")  # the GGUF metadata fleetllm maps
 
 
 class UnsupportedModel(ValueError):
@@ -134,8 +135,10 @@ class ModelConfig:
         )
 
     @classmethod
-    def from_gguf(cls, meta: dict[str, Any], vocab_size: int, tied: bool) -> ModelConfig:
-        """Build from GGUF key/value metadata (``{arch}.block_count`` and friends)."""
+    def from_gguf(cls, meta: dict[str, Any], vocab_size: int, tied: bool,
+                  rope_factors: dict[str, list[float]] | None = None) -> ModelConfig:
+        """Build from GGUF key/value metadata (``{arch}.block_count`` and friends); ``rope_factors``: the file's
+        ``rope_factors_long``/``rope_factors_short`` tensors (Phi-3's longrope), by ``long``/``short``."""
         arch = meta["general.architecture"]
         if arch not in GGUF_ARCHITECTURES:
             raise UnsupportedModel(f"GGUF architecture {arch!r} is not supported; fleetllm runs "
@@ -147,18 +150,10 @@ class ModelConfig:
         heads = get("attention.head_count")
         hidden = get("embedding_length")
         head_dim = get("attention.key_length") or hidden // heads
-        rope_scaling = None
-        if get("rope.scaling.type") not in (None, "none"):
-            rope_scaling = {"rope_type": get("rope.scaling.type"), "factor": get("rope.scaling.factor", 1.0)}
-            if rope_scaling["rope_type"] not in GGUF_ROPE_SCALINGS:
-                raise UnsupportedModel(f"GGUF RoPE scaling {rope_scaling['rope_type']!r} is not supported "
-                                       f"(supported: {', '.join(GGUF_ROPE_SCALINGS)})")
         eos = meta.get("tokenizer.ggml.eos_token_id")
-        gemma = _gemma3_from_gguf(get, hidden, heads, head_dim) if arch == "gemma3" else {}
-        mixtral = arch == "llama" and bool(get("expert_count"))  # llama.cpp writes Mixtral as llama with experts
-        moe = _moe_from_gguf(get, arch) if arch in GGUF_MOE or mixtral else {}
-        return cls(
-            architecture="mixtral" if mixtral else GGUF_MOE.get(arch, arch),
+        mixtral = arch == "llama" and bool(get("expert_count"))
+        base = cls(
+            architecture="mixtral" if mixtral else GGUF_MODEL_TYPES.get(arch, arch),
             vocab_size=vocab_size,
             hidden_size=hidden,
             intermediate_size=get("feed_forward_length"),
@@ -168,16 +163,40 @@ class ModelConfig:
             head_dim=head_dim,
             rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
             rope_theta=float(get("rope.freq_base", 10000.0)),
-            rope_scaling=_check_rope_scaling(rope_scaling),
+            rope_scaling=_check_rope_scaling(_rope_scaling_from_gguf(get, arch)),
             max_position_embeddings=get("context_length", 4096),
             tie_word_embeddings=tied,
             attention_bias=arch in ("qwen2", "qwen2moe"),
             qk_norm=arch in ("qwen3", "gemma3", "qwen3moe"),
             bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
             eos_token_ids=([eos] if eos is not None else []) + _end_of_turn(meta, arch),
-            **gemma,
-            **moe,
         )
+        if arch in GGUF_MOE or mixtral:
+            base = replace(base, **_moe_from_gguf(get, arch))
+        family = _GGUF_FAMILIES.get(arch)
+        return replace(base, **family(get, base, rope_factors or {})) if family else base
+
+
+GGUF_MOE = ("qwen2moe", "qwen3moe", "gpt-oss")  # besides Mixtral (llama with experts)
+
+
+def _rope_scaling_from_gguf(get: Any, arch: str) -> dict[str, Any] | None:
+    """``rope.scaling.*`` as HF's rope_scaling. YaRN's ramp: cut to whole dimensions as llama.cpp and HF do, but for
+    GPT-OSS, whose HF config (and OpenAI's reference) keeps it fractional."""
+    kind = get("rope.scaling.type")
+    if kind in (None, "none"):
+        return None
+    if kind not in GGUF_ROPE_SCALINGS:
+        raise UnsupportedModel(f"GGUF RoPE scaling {kind!r} is not supported (supported: {', '.join(GGUF_ROPE_SCALINGS)})")
+    scaling = {"rope_type": kind, "factor": get("rope.scaling.factor", 1.0)}
+    if kind == "yarn":
+        for key in ("yarn_ext_factor", "yarn_attn_factor", "yarn_log_multiplier"):
+            if get(f"rope.scaling.{key}") is not None:
+                raise UnsupportedModel(f"GGUF RoPE scaling yarn with {key} is not supported")
+        scaling.update(original_max_position_embeddings=get("rope.scaling.original_context_length"),
+                       beta_fast=get("rope.scaling.yarn_beta_fast", 32.0), beta_slow=get("rope.scaling.yarn_beta_slow", 1.0),
+                       truncate=arch != "gpt-oss")
+    return scaling
 
 
 def _moe_from_gguf(get: Any, arch: str) -> dict[str, Any]:
@@ -190,10 +209,56 @@ def _moe_from_gguf(get: Any, arch: str) -> dict[str, Any]:
                 shared_expert_intermediate_size=get("expert_shared_feed_forward_length", 0) or 0)
 
 
+def _alternating(layers: int) -> list[str]:
+    """Even layers slide, odd ones see everything (Gemma 2, GPT-OSS: llama.cpp's sliding-window pattern 2)."""
+    return ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
+
+
+def _gemma2_from_gguf(get: Any, base: ModelConfig, rope_factors: dict[str, list[float]]) -> dict[str, Any]:
+    """Gemma 2: Gemma 3's layout without q/k norms, soft-capped attention scores and logits, one RoPE base. Its
+    queries scale by ``head_dim`` but for the 27B (46 layers: hidden / heads), as llama.cpp hard-codes."""
+    layers = base.num_layers
+    return dict(hidden_act="gelu_tanh", rope_local_theta=base.rope_theta, sliding_window=get("attention.sliding_window"),
+                layer_types=_alternating(layers), attn_logit_softcapping=get("attn_logit_softcapping"),
+                final_logit_softcapping=get("final_logit_softcapping"),
+                query_pre_attn_scalar=float(base.hidden_size // base.num_heads if layers == 46 else base.head_dim))
+
+
+def _gemma3_fields(get: Any, base: ModelConfig, rope_factors: dict[str, list[float]]) -> dict[str, Any]:
+    return _gemma3_from_gguf(get, base.hidden_size, base.num_heads, base.head_dim)
+
+
+def _phi3_from_gguf(get: Any, base: ModelConfig, rope_factors: dict[str, list[float]]) -> dict[str, Any]:
+    """Phi-3: a rotary share of each head (``rope.dimension_count``), a sliding window on every layer when the file
+    names one (0: none, Phi-4), longrope from the factor tensors and the original context length."""
+    out: dict[str, Any] = dict(partial_rotary_factor=get("rope.dimension_count", base.head_dim) / base.head_dim)
+    window = get("attention.sliding_window") or 0
+    if window:
+        out.update(sliding_window=window, layer_types=["sliding_attention"] * base.num_layers)
+    if rope_factors:
+        out["rope_scaling"] = {"rope_type": "longrope", "long_factor": rope_factors["long"],
+                               "short_factor": rope_factors["short"],
+                               "original_max_position_embeddings": get("rope.scaling.original_context_length"),
+                               "attention_factor": get("rope.scaling.attn_factor")}
+    return out
+
+
+def _gpt_oss_from_gguf(get: Any, base: ModelConfig, rope_factors: dict[str, list[float]]) -> dict[str, Any]:
+    """GPT-OSS: biases everywhere, attention sinks, even layers sliding, the top k experts' softmax and its clamped
+    SwiGLU, whose limit and alpha the converter does not write (llama.cpp hard-codes both, as here)."""
+    return dict(attention_bias=True, o_bias=True, attention_sinks=True, router="topk_softmax", router_bias=True,
+                expert_bias=True, norm_topk_prob=False, swiglu_limit=7.0, swiglu_alpha=1.702,
+                sliding_window=get("attention.sliding_window"), layer_types=_alternating(base.num_layers))
+
+
+_GGUF_FAMILIES = {"gemma2": _gemma2_from_gguf, "gemma3": _gemma3_fields, "phi3": _phi3_from_gguf,
+                  "gpt-oss": _gpt_oss_from_gguf}
+
+
 def _end_of_turn(meta: dict[str, Any], arch: str) -> list[int]:
     """Gemma ends a chat turn with ``<end_of_turn>``, not EOS: stop there too (as llama.cpp does)."""
     tokens = meta.get("tokenizer.ggml.tokens") or []
-    return [tokens.index("<end_of_turn>")] if arch == "gemma3" and "<end_of_turn>" in tokens else []
+    return [tokens.index("<end_of_turn>")] if arch in ("gemma2", "gemma3") and "<end_of_turn>" in tokens else []
 
 
 def gemma3_layer_types(num_layers: int, pattern: int | list[bool]) -> list[str]:

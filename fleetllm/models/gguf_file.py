@@ -46,10 +46,14 @@ class GGUFFile:
     tensors: list[GGUFTensor]
 
     def model_config(self) -> ModelConfig:
-        """The model's config from its metadata (tied when the file has no separate ``output.weight``)."""
+        """The model's config from its metadata (tied when the file has no separate ``output.weight``) and Phi-3's
+        longrope factor tensors."""
         meta = self.metadata
         vocab = int(meta.get(f"{meta['general.architecture']}.vocab_size") or len(meta["tokenizer.ggml.tokens"]))
-        return ModelConfig.from_gguf(meta, vocab, tied="output.weight" not in {t.name for t in self.tensors})
+        names = {t.name: t for t in self.tensors}
+        factors = {k: np.asarray(names[f"rope_factors_{k}.weight"].data, np.float32).tolist()
+                   for k in ("long", "short") if f"rope_factors_{k}.weight" in names}
+        return ModelConfig.from_gguf(meta, vocab, tied="output.weight" not in names, rope_factors=factors)
 
 
 class _Cursor:

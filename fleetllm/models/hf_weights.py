@@ -10,7 +10,8 @@ output bias and sinks (GPT-OSS), q/k norms (Qwen3). Dense MLP: ``gate_proj``/``u
 - GGUF (``qwen2moe``, ``qwen3moe``, Mixtral): ``mlp.experts.gate_up_proj`` and ``down_proj`` stacked already (the
   loader's cache of ``ffn_{gate,up,down}_exps``, gate and up fused there): views of the map, no copy;
 - GPT-OSS: ``mlp.router`` (with bias), ``mlp.experts.gate_up_proj [E, H, 2I]`` with gate and up interleaved
-  column by column (and its bias), ``mlp.experts.down_proj [E, I, H]`` (and bias): transposed and split here.
+  column by column (and its bias), ``mlp.experts.down_proj [E, I, H]`` (and bias): transposed and split here;
+  from GGUF (``gpt-oss``), stacked as the others' with ``mlp.experts.{gate,up,down}_proj_bias``.
 
 Stacking a safetensors checkpoint's experts copies them once at load (it keeps one tensor per expert).
 """
@@ -79,7 +80,7 @@ def load_mlp(mlp: nn.Module, p: str, take: Take, sd: dict[str, torch.Tensor]) ->
 
 def load_moe(moe: MoE, cfg: ModelConfig, p: str, take: Take, sd: dict[str, torch.Tensor]) -> None:
     if cfg.architecture == "gpt_oss":
-        _load_gpt_oss_experts(moe, p + "mlp.", take)
+        _load_gpt_oss_experts(moe, p + "mlp.", take, sd)
         return
     mixtral = p + "block_sparse_moe.gate.weight" in sd
     q = p + ("block_sparse_moe." if mixtral else "mlp.")
@@ -113,9 +114,20 @@ def _load_shared(moe: MoE, q: str, take: Take, sd: dict[str, torch.Tensor]) -> N
         set_weight(moe.shared_gate, gate.view(1, -1))  # GGUF stores it as a vector
 
 
-def _load_gpt_oss_experts(moe: MoE, q: str, take: Take) -> None:
+def _load_gpt_oss_experts(moe: MoE, q: str, take: Take, sd: dict[str, torch.Tensor]) -> None:
     set_weight(moe.router, take(q + "router.weight"))
     set_weight(moe.router, take(q + "router.bias"), "bias")
+    if q + "experts.gate_proj_bias" in sd:  # a GGUF's: stacked as the model multiplies, gate and up fused at load
+        if q + "experts.gate_up_proj.q8" in sd:
+            moe.set_q8_experts(*(sd.pop(f"{q}experts.{w}_proj.{part}") for w in ("gate_up", "down")
+                                 for part in ("q8", "q8_scale")))
+        else:
+            set_weight(moe, take(q + "experts.gate_up_proj"), "gate_up")
+            set_weight(moe, take(q + "experts.down_proj"), "down")
+        bias = torch.cat([take(q + "experts.gate_proj_bias"), take(q + "experts.up_proj_bias")], dim=-1)
+        set_weight(moe, bias, "gate_up_bias")
+        set_weight(moe, take(q + "experts.down_proj_bias"), "down_bias")
+        return
     w = take(q + "experts.gate_up_proj")  # [E, H, 2I]: column 2j is gate j, 2j + 1 is up j
     set_weight(moe, torch.cat([w[..., 0::2], w[..., 1::2]], dim=-1).transpose(1, 2).contiguous(), "gate_up")
     b = take(q + "experts.gate_up_proj_bias")

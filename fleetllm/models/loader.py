@@ -163,6 +163,23 @@ _GGUF_GEMMA3_NAMES = {
     "post_attention_norm.weight": "post_attention_layernorm.weight",
     "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
 }
+# Phi-3 keeps HF's fused projections: attn_qkv is qkv_proj, and its ffn_up is gate_up_proj (gate rows, then up).
+_GGUF_PHI3_NAMES = {**_GGUF_LAYER_NAMES, "attn_qkv.weight": "self_attn.qkv_proj.weight",
+                    "ffn_up.weight": "mlp.gate_up_proj.weight"}
+# GPT-OSS: the norm before the experts is post_attention_norm; the router, the experts and attention have biases.
+_GGUF_GPT_OSS_NAMES = {
+    **_GGUF_LAYER_NAMES,
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "attn_output.bias": "self_attn.o_proj.bias",
+    "attn_sinks.weight": "self_attn.sinks",
+    "ffn_gate_inp.weight": "mlp.router.weight",
+    "ffn_gate_inp.bias": "mlp.router.bias",
+    "ffn_gate_exps.bias": "mlp.experts.gate_proj_bias",
+    "ffn_up_exps.bias": "mlp.experts.up_proj_bias",
+    "ffn_down_exps.bias": "mlp.experts.down_proj_bias",
+}
+_GGUF_NAMES_BY_ARCH = {"gemma2": _GGUF_GEMMA3_NAMES, "gemma3": _GGUF_GEMMA3_NAMES, "phi3": _GGUF_PHI3_NAMES,
+                       "gpt_oss": _GGUF_GPT_OSS_NAMES}
 _GGUF_TOP_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -244,7 +261,7 @@ def _dequantise_gguf(path: Path) -> tuple[ModelConfig, list[LazyTensor], Tokeniz
     gguf = read_gguf_file(path)
     tok = TokenizerWrapper.from_gguf_metadata(gguf.metadata)
     cfg = gguf.model_config()
-    layer_names = _GGUF_GEMMA3_NAMES if cfg.architecture == "gemma3" else _GGUF_LAYER_NAMES
+    layer_names = _GGUF_NAMES_BY_ARCH.get(cfg.architecture, _GGUF_LAYER_NAMES)
     tensors: list[LazyTensor] = []
     for t in gguf.tensors:
         if t.name in _GGUF_TOP_NAMES:
@@ -278,7 +295,7 @@ def _kept_q8_0(hf: str, cfg: ModelConfig) -> bool:
         return False
     if hf in ("model.embed_tokens.weight", "lm_head.weight"):
         return cfg.num_experts > 0
-    return ".self_attn." in hf and hf.endswith("proj.weight")
+    return ".self_attn." in hf and hf.rsplit(".", 2)[-2] in ("q_proj", "k_proj", "v_proj", "o_proj")  # not Phi-3's qkv
 
 
 def _q8_parts(t: Any, cfg: ModelConfig, part: int) -> Iterator[torch.Tensor]:
@@ -354,7 +371,7 @@ def _hf_weight(t: Any, cfg: ModelConfig) -> Iterator[torch.Tensor]:
         heads = cfg.num_heads if ".attn_q." in t.name else cfg.num_kv_heads
         yield _unpermute(torch.from_numpy(dequantize_tensor(t)), heads)  # rows move between chunks: whole
         return
-    offset = -1.0 if cfg.architecture == "gemma3" and t.name.endswith("norm.weight") else 0.0
+    offset = -1.0 if cfg.architecture in GEMMA_FAMILIES and t.name.endswith("norm.weight") else 0.0
     # llama.cpp's converter stores Gemma's 1 + weight; HF checkpoints (our names) store weight
     shape = tuple(int(x) for x in reversed(t.shape))
     step = max(1, _CHUNK_BYTES // (4 * math.prod(shape[1:]))) if len(shape) > 1 else 1

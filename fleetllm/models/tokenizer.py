@@ -133,11 +133,11 @@ class TokenizerWrapper:
         template = meta.get("tokenizer.chat_template")
         if kind == "gpt2":
             tok = _byte_level_bpe(tokens, meta)
-        elif kind == "llama" and arch == "gemma3":
+        elif kind == "llama" and arch in ("gemma2", "gemma3"):  # one SentencePiece BPE for both
             tok = _gemma_sentencepiece(tokens)
             template = template or GEMMA_TURN_TEMPLATE
         else:
-            raise ValueError(f"GGUF tokenizer model {kind!r} ({arch}) is not supported: byte-level BPE 'gpt2', or Gemma 3's")
+            raise ValueError(f"GGUF tokenizer model {kind!r} ({arch}) is not supported: byte-level BPE 'gpt2', or Gemma 2/3's")
         # Control (3) and user-defined (4) tokens match whole, never split by BPE. Gemma's runs of spaces are
         # user-defined but respelled in the vocabulary: BPE builds them from U+2581 like any other piece.
         special = [AddedToken(t, special=(ty == 3), normalized=False) for t, ty in zip(tokens, types, strict=True)

@@ -1,5 +1,7 @@
-"""Mixture-of-experts models converted to GGUF by llama.cpp's own converter load to HF transformers' outputs:
-F32 (Qwen3-MoE, Qwen2-MoE with its shared expert) equal to the HF model, Q8_0 (Qwen3-MoE) equal to the HF model
+"""Models converted to GGUF by llama.cpp's own converter load to HF transformers' outputs: F32 mixtures of experts
+(Qwen3-MoE, Qwen2-MoE with its shared expert, Mixtral, GPT-OSS with its sinks, biases and alternating windows) and
+dense families (Mistral, Phi-3's fused projections and longrope factors, Gemma 2's soft-capping and alternating
+windows, from a SentencePiece vocabulary) equal to the HF model, Q8_0 (Qwen3-MoE) equal to the HF model
 whose weights are rounded as Q8_0 rounds them, in exact mode and with the experts, attention and LM head on the
 Q8_0 kernel; Q8_0 experts, attention projections and token embedding stay quantised in memory."""
 
@@ -33,9 +35,16 @@ def assert_equal_to(hf, outs: list[tuple[list[int], list[float]]]) -> None:
         assert (ref[range(NEW), out] - torch.tensor(logprobs)).abs().max() < 1e-4
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe", "mixtral"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe", "mixtral", "gpt_oss"])
 def test_an_f32_moe_gguf_equals_transformers(family: str, family_models) -> None:
     path, hf = family_models.gguf(family, "f32")
+    assert_equal_to(hf, greedy(path))
+
+
+@pytest.mark.parametrize("family", ["mistral", "phi3", "gemma2"])
+def test_an_f32_dense_family_gguf_equals_transformers(family: str, family_models) -> None:
+    path, hf = family_models.gguf(family, "f32")
+    assert load_model(str(path)).config.architecture == {"mistral": "llama"}.get(family, family)
     assert_equal_to(hf, greedy(path))
 
 
