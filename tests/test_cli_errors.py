@@ -128,6 +128,7 @@ CASES: list[tuple[list[str], str]] = [
     (["recommend", "--traffic", "5", "--slo", "ttft=5"], "unknown SLO"),
     (["recommend", "--traffic", "5", "--model", "llama-3.1-9b"], "did you mean `llama-3.1-8b`"),
     (["recommend", "--traffic", "5", "--catalogue", "{tmp}/none.yaml"], "no such file"),
+    (["recommend", "--traffic", "5", "--profile", "{tmp}/none.json"], "--profile"),
     (["recommend", "--traffic", "5", "--workload", "bursty"], "unknown workload"),
     (["recommend", "--traffic", "5", "--workload", "isl=512"], "isl=MEAN"),
     (["recommend", "--traffic", "5", "--objective", "speed"], "invalid choice"),

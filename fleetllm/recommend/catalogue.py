@@ -7,7 +7,7 @@ type missing from ``tflops`` runs at the next wider one the accelerator has (fp4
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -93,6 +93,15 @@ class Catalogue:
                                  f"accelerators: {', '.join(accelerators)})")
             chosen += [n for n in found if n not in chosen]
         return chosen
+
+
+def with_profile(cat: Catalogue, profile: str | None) -> Catalogue:
+    """``cat`` with this machine's instances (``local``) timed by ``profile`` (a ``fleetllm calibrate`` output)
+    instead of the catalogue's own; unchanged when ``profile`` is None."""
+    if not profile:
+        return cat
+    instances = [replace(i, profile=profile) if i.local else i for i in cat.instances]
+    return replace(cat, instances=instances)
 
 
 def _names_accelerator(name: str, accelerator: str) -> bool:

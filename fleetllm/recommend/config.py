@@ -48,6 +48,8 @@ class RecommendConfig:
     validate_top: int = opt(2, "--validate: local candidates to deploy")
     validate_simulated: bool = opt(False, "--validate with simulated workers (the calibrated profile) instead of real ones")
     validate_requests: int = opt(40, "--validate: measured requests per candidate")
+    profile: str | None = opt(None, "timing profile of `fleetllm calibrate` for this machine's instances (default: the "
+                                    "catalogue's); a profile of the very model recommended is used as measured")
     calibration: str | None = opt(None, "calibration.json of an earlier --validate: scales this machine's step "
                                         "times and adds its serving overhead")
     json: bool = opt(False, "print the result as JSON (machines)")

@@ -59,6 +59,22 @@ class ModelShape:
         """Weights one token multiplies by (2 FLOPs each): the LM head, not the embedding lookup."""
         return self.layers * (self.attention_params + self._mlp_params(self.experts_per_token or 1)) + self.vocab * self.hidden
 
+    def experts_touched(self, tokens: int) -> float:
+        """Distinct experts per layer a step of ``tokens`` tokens is expected to read: each token picks
+        ``experts_per_token`` of ``experts``, so an expert escapes all of them with probability (1 - k/E)^tokens
+        (top-8 of 64: 8 at one token, ~42 at 8, all 64 at a few hundred)."""
+        if not self.experts:
+            return 0.0
+        return self.experts * (1 - (1 - self.experts_per_token / self.experts) ** max(tokens, 1))
+
+    def params_read(self, tokens: int) -> float:
+        """Weights one step of ``tokens`` tokens reads: every weight of a dense model; a mixture of experts' shared
+        part (attention, router, embeddings) and the experts its tokens touch, each read once however many chose it."""
+        if not self.experts:
+            return float(self.params)
+        untouched = self.experts - self.experts_touched(tokens)
+        return self.params - self.layers * 3 * self.hidden * self.moe_intermediate * untouched
+
     def kv_bytes_per_token(self, bytes_per_value: float = 2.0) -> float:
         return 2 * self.layers * self.kv_heads * self.head_dim * bytes_per_value
 
@@ -127,3 +143,12 @@ def load_shape(ref: str) -> ModelShape:
         return from_gguf(p)
     raise UsageError(f"unknown model {ref!r}: give a config.json, a model directory, a .gguf file or one of "
                      f"{', '.join(CATALOGUE)}{did_you_mean(key, CATALOGUE)}")
+
+
+def profiled_shape(model: str) -> ModelShape | None:
+    """The shape of the model a timing profile measured (its ``model``: a catalogue name, a ``.gguf`` file or a
+    model directory), or None when it cannot be read here (the profile is then used unscaled)."""
+    try:
+        return load_shape(model)
+    except (UsageError, OSError, ValueError, KeyError):
+        return None

@@ -14,7 +14,8 @@ decoding sequence (read each step) dominates, and a mixture of experts reads onl
 tokens touch. The efficiency factors are what a vLLM-like engine
 reaches (see docs/recommend.md for the published figures they were checked against). On this machine
 the step time is the *measured* one, :class:`fleetllm.sim.profile.TimingProfile` from ``fleetllm
-calibrate`` (the same model the simulated worker runs), scaled by weight size for another model.
+calibrate`` (the same model the simulated worker runs), scaled by active parameters for another model, plus,
+for a mixture of experts, the reads of the experts a step's tokens touch beyond one token's.
 
 Both classes answer ``step_seconds(num_decode, prefill_tokens, decode_context_tokens)``, the
 TimingProfile's signature, so the fleet simulator runs either.
@@ -92,12 +93,7 @@ class Roofline:
 
     def _weights_read(self, tokens: int) -> float:
         """Bytes of weights one step reads: all of a dense model; a MoE's shared part and touched experts."""
-        s = self.shape
-        if not s.experts:
-            return self.weight_bytes
-        expert = 3 * s.hidden * s.moe_intermediate * self.fmt.bytes
-        touched = s.experts * (1 - (1 - s.experts_per_token / s.experts) ** max(tokens, 1))
-        return self.weight_bytes - s.layers * expert * (s.experts - touched)
+        return self.shape.params_read(tokens) * self.fmt.bytes
 
     def _allreduce_seconds(self, tokens: int) -> float:
         if self.tp == 1:
@@ -166,10 +162,23 @@ class Measured:
 
     def step_seconds(self, num_decode: int, prefill_tokens: int, decode_context_tokens: int = 0) -> float:
         t = self.profile.step_seconds(num_decode, prefill_tokens, decode_context_tokens) * self.scale
+        t += self._expert_reads_seconds(num_decode + prefill_tokens)
         t *= self.calibration.step_scale
         if self.fmt.bytes < 4.0 and num_decode and not prefill_tokens:
             t *= 0.6  # int4 weights: the decode-step gain measured in docs/quantization.md, roughly
         return t
+
+
+    def _expert_reads_seconds(self, tokens: int) -> float:
+        """What a scaled step of a mixture of experts adds for reading more experts than one token's: the profile's
+        fewest-sequence decode step (nearly all of it reading the profiled model's weights) per weight of it, times
+        the weights read beyond the active ones (a step of 8 tokens of a top-8-of-64 model reads ~42 experts a layer,
+        not 8). A profile of this very model measured that already."""
+        s, p = self.shape, self.profiled
+        if not s.experts or tokens <= 1 or self.scale == 1.0 or p is None:
+            return 0.0
+        extra = s.params_read(tokens) - s.params_read(1)
+        return self.profile.overlap_s * extra / p.params_read(1)
 
 
 def prefill_seconds(step: StepModel, tokens: int, chunk: int, num_decode: int = 0, context: int = 0) -> tuple[float, int]:

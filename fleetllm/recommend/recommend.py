@@ -12,7 +12,7 @@ from rich.console import Console
 from fleetllm.errors import UsageError, did_you_mean, existing_file
 from fleetllm.recommend.calibration import Calibration
 from fleetllm.recommend.candidate import LATENCY_KEYS
-from fleetllm.recommend.catalogue import load_catalogue
+from fleetllm.recommend.catalogue import load_catalogue, with_profile
 from fleetllm.recommend.config import RecommendConfig
 from fleetllm.recommend.fleet_sim import simulate
 from fleetllm.recommend.fleet_yaml import fleet_yaml
@@ -83,6 +83,8 @@ def check_inputs(cfg: RecommendConfig) -> None:
         raise UsageError("--traffic and --users are positive")
     if cfg.calibration:
         existing_file(cfg.calibration, "--calibration")
+    if cfg.profile:
+        existing_file(cfg.profile, "--profile")
     try:
         Path(cfg.out).mkdir(parents=True, exist_ok=True)
     except OSError as e:
@@ -93,7 +95,8 @@ def run_recommend(cfg: RecommendConfig, console: Console | None = None) -> dict[
     """Everything ``fleetllm recommend`` does; returns the JSON document (also written to ``cfg.out``)."""
     check_inputs(cfg)
     console = console or Console(stderr=cfg.json, width=200)
-    shape, w, slos, cat = load_shape(cfg.model), workload_of(cfg), parse_slo(cfg.slo), load_catalogue(cfg.catalogue)
+    shape, w, slos = load_shape(cfg.model), workload_of(cfg), parse_slo(cfg.slo)
+    cat = with_profile(load_catalogue(cfg.catalogue), cfg.profile)
     instances = cat.select(cfg.instances) or None
     rate = rate_for(cfg, w)
     calibration = Calibration.load(cfg.calibration)

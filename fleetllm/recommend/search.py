@@ -18,8 +18,7 @@ from dataclasses import dataclass, field
 from fleetllm.recommend.calibration import Calibration
 from fleetllm.recommend.candidate import Candidate, Prediction
 from fleetllm.recommend.catalogue import Catalogue, Format, Instance
-from fleetllm.recommend.model_shape import CATALOGUE as MODELS
-from fleetllm.recommend.model_shape import ModelShape
+from fleetllm.recommend.model_shape import ModelShape, profiled_shape
 from fleetllm.recommend.perf_model import Efficiency, Measured, Roofline, StepModel
 from fleetllm.recommend.queueing import capacity, meets, predict
 from fleetllm.recommend.speculation import CHOICES, Speculation
@@ -67,7 +66,7 @@ def step_model(shape: ModelShape, inst: Instance, fmt: Format, tp: int, eff: Eff
     """The measured profile (and the validation's calibration) on a machine that has one, the roofline elsewhere."""
     if inst.profile:
         profile = TimingProfile.load(inst.profile)
-        return Measured(profile, shape, fmt, MODELS.get(profile.model), calibration)
+        return Measured(profile, shape, fmt, profiled_shape(profile.model), calibration)
     return Roofline(shape, inst, fmt, tp, eff)
 
 
