@@ -93,6 +93,17 @@ class FamilyModels:
         path, model = self._built[key]
         return convert_to_gguf(path, outtype), model
 
+    def gguf_mxfp4(self) -> tuple[Path, Any]:
+        """The GPT-OSS model with its experts in MXFP4 as OpenAI's checkpoints hold them (``*_blocks``, ``*_scales``,
+        ``quantization_config.quant_method: mxfp4``), converted by llama.cpp's converter (which keeps them MXFP4);
+        and the HF model with those experts as transformers' own MXFP4 reading dequantises them."""
+        key = "gpt_oss-mxfp4"
+        if key not in self._built:
+            self._built[key] = self._build("gpt_oss", {"vocab_size": FULL_VOCAB, "tie_word_embeddings": True}, key)
+            _to_mxfp4(*self._built[key])
+        path, model = self._built[key]
+        return convert_to_gguf(path, "f32"), model
+
     def remove(self) -> None:
         shutil.rmtree(self.root, ignore_errors=True)
 
@@ -136,6 +147,38 @@ def sentencepiece_model() -> bytes:
     sentencepiece.SentencePieceTrainer.train(sentence_iterator=iter(lines), model_writer=out, vocab_size=320,
                                              model_type="bpe", byte_fallback=True, minloglevel=2, num_threads=1)
     return out.getvalue()
+
+
+_FP4 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)  # e2m1 by code
+
+
+def mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``w [..., rows, K]`` as MXFP4 in HF's layout: blocks of 32 along K, each a power-of-two scale (the byte
+    ``127 + e``, the block's largest magnitude over 4 rounded down to a power of two) and 32 e2m1 codes of the nearest
+    values, two a byte, the even element in the low nibble: (``[..., rows, K/32, 16]``, ``[..., rows, K/32]``) uint8."""
+    b = w.reshape(*w.shape[:-1], -1, 32)
+    amax = b.abs().amax(-1, keepdim=True)
+    e = torch.where(amax > 0, torch.floor(torch.log2(amax)) - 2, torch.zeros_like(amax))
+    codes = (b / 2.0**e).unsqueeze(-1).sub(torch.tensor(_FP4)).abs().argmin(-1).to(torch.uint8)
+    return codes[..., 0::2] | (codes[..., 1::2] << 4), (e.squeeze(-1) + 127).to(torch.uint8)
+
+
+@torch.no_grad()
+def _to_mxfp4(path: Path, model: Any) -> None:
+    """Rewrite the saved GPT-OSS checkpoint's experts as MXFP4 and set ``model``'s to what transformers reads back."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    sd, params = load_file(path / "model.safetensors"), dict(model.named_parameters())
+    for name in [k for k in sd if k.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        blocks, scales = mxfp4(sd.pop(name).transpose(1, 2).contiguous())  # blocks run along each output's inputs
+        sd[name + "_blocks"], sd[name + "_scales"] = blocks, scales
+        params[name].copy_(convert_moe_packed_tensors(blocks, scales, dtype=torch.float32))
+    save_file(sd, path / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "quantization_config": {"quant_method": "mxfp4"}}))
 
 
 @torch.no_grad()
@@ -212,6 +255,7 @@ def prepare_ggufs() -> None:
         models = FamilyModels(Path(d), "")
         for family, outtype in GGUF_CASES:
             models.gguf(family, outtype)
+        models.gguf_mxfp4()
 
 
 if __name__ == "__main__":

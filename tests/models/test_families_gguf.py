@@ -41,6 +41,13 @@ def test_an_f32_moe_gguf_equals_transformers(family: str, family_models) -> None
     assert_equal_to(hf, greedy(path))
 
 
+def test_an_mxfp4_gpt_oss_gguf_equals_transformers_on_its_dequantised_experts(family_models) -> None:
+    """OpenAI's MXFP4 expert layout, kept MXFP4 by llama.cpp's converter, dequantised at load as transformers does."""
+    path, hf = family_models.gguf_mxfp4()
+    assert {t.tensor_type.name for t in read_gguf_file(path).tensors if "_exps.weight" in t.name} == {"MXFP4"}
+    assert_equal_to(hf, greedy(path))
+
+
 @pytest.mark.parametrize("family", ["mistral", "phi3", "gemma2"])
 def test_an_f32_dense_family_gguf_equals_transformers(family: str, family_models) -> None:
     path, hf = family_models.gguf(family, "f32")
