@@ -129,6 +129,7 @@ class Measured:
     fmt: Format
     profiled: ModelShape | None = None  # the model the profile measured
     calibration: Calibration = Calibration()  # the serving path's share, from --validate
+    memory_gb: float = 0.0  # the replica's memory, which every weight (every expert) must fit; 0: not checked
 
     @property
     def request_overhead_s(self) -> float:
@@ -158,6 +159,9 @@ class Measured:
         return self.shape.kv_bytes_per_token(4.0)  # fp32 KV on the CPU
 
     def kv_capacity_tokens(self) -> int:
+        """The profile's KV pool, or 0 when the model's weights (all of them) do not fit the replica's memory."""
+        if self.memory_gb and self.weight_bytes > self.memory_gb * 2**30:
+            return 0
         return self.profile.num_blocks * self.profile.block_size
 
     def step_seconds(self, num_decode: int, prefill_tokens: int, decode_context_tokens: int = 0) -> float:

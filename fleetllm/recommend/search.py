@@ -66,7 +66,7 @@ def step_model(shape: ModelShape, inst: Instance, fmt: Format, tp: int, eff: Eff
     """The measured profile (and the validation's calibration) on a machine that has one, the roofline elsewhere."""
     if inst.profile:
         profile = TimingProfile.load(inst.profile)
-        return Measured(profile, shape, fmt, profiled_shape(profile.model), calibration)
+        return Measured(profile, shape, fmt, profiled_shape(profile.model), calibration, inst.memory_gb)
     return Roofline(shape, inst, fmt, tp, eff)
 
 

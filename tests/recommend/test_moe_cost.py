@@ -38,6 +38,14 @@ def test_memory_counts_every_expert_and_compute_the_chosen_ones() -> None:
     assert m.scale == pytest.approx(MOE.active_params / SMOL.active_params)
 
 
+def test_a_model_whose_experts_do_not_fit_this_machine_gets_no_kv_cache() -> None:
+    """30B-A3B: 3.3 B active parameters would be fast enough here, but its 30.5 B do not fit 12 GB in fp32."""
+    cpu, fp32 = CAT.instance("local-cpu"), CAT.formats["fp32"]
+    big = Measured(TimingProfile.default(), CATALOGUE["qwen3-30b-a3b"], fp32, SMOL, memory_gb=cpu.memory_gb)
+    assert big.kv_capacity_tokens() == 0
+    assert Measured(TimingProfile.default(), MOE, fp32, SMOL, memory_gb=cpu.memory_gb).kv_capacity_tokens() > 0
+
+
 def test_a_scaled_moe_step_adds_the_reads_of_the_experts_beyond_one_tokens() -> None:
     profile = TimingProfile.default()
     m = Measured(profile, MOE, CAT.formats["fp32"], SMOL)
