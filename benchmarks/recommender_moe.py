@@ -94,18 +94,19 @@ def measured(base: str, c: int, new: int, rounds: int) -> float:
 
 def measure_worker(gguf: Path, new: int, rounds: int) -> dict[int, float]:
     port = free_ports(1)
-    log = Path(tempfile.mkdtemp()) / "worker.log"
     cmd = [sys.executable, "-m", "fleetllm.cli", "worker", "--model", str(gguf), "--served-model-name", "moe",
            "--num-threads", "1", "--port", str(port), "--log-level", "warning", "--kv-cache-gb", "0.5"]
-    with open(log, "wb") as f:
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(f"{base}/health", proc, log, timeout=900)
-        _stream(base, list(range(50, 50 + PROMPT)), 4)  # warm-up: the mapped weights read once
-        return {c: measured(base, c, new, rounds) for c in CONCURRENCY}
-    finally:
-        stop_process(proc)
+    with tempfile.TemporaryDirectory() as d:
+        log = Path(d) / "worker.log"
+        with open(log, "wb") as f:
+            proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT)
+        base = f"http://127.0.0.1:{port}"
+        try:
+            wait_healthy(f"{base}/health", proc, log, timeout=900)
+            _stream(base, list(range(50, 50 + PROMPT)), 4)  # warm-up: the mapped weights read once
+            return {c: measured(base, c, new, rounds) for c in CONCURRENCY}
+        finally:
+            stop_process(proc)
 
 
 def main() -> None:
@@ -119,7 +120,7 @@ def main() -> None:
     ap.add_argument("--output", type=Path, help="write the rows as JSON here")
     args = ap.parse_args()
     gguf = args.gguf or realistic_gguf()
-    work = Path(tempfile.mkdtemp(prefix="recommender-moe-"))
+    work = Path(tempfile.mkdtemp(prefix="recommender-moe-"))  # the profiles calibrated here, kept for --profile
     profiles = list(args.profile)
     for i, model in enumerate(args.calibrate + ([str(gguf)] if args.calibrate_gguf else [])):
         profiles.append(calibrate(model, work / f"profile-{i}.json"))
