@@ -7,6 +7,7 @@ Sliding windows are 12 positions, shorter than the longer prompts, so windows cu
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import shutil
@@ -85,24 +86,32 @@ class FamilyModels:
     def gguf(self, family: str, outtype: str) -> tuple[Path, Any]:
         """The family's model with the tokenizer's whole vocabulary and tied embeddings (llama.cpp's converter wants
         every token id to have a row), converted to GGUF ``outtype`` by llama.cpp's own ``convert_hf_to_gguf.py``;
-        the conversion (~10 s, mostly its imports) is kept per machine, keyed by the weights' SHA-256."""
+        the conversion (~5 s, mostly its imports) is kept per machine, keyed by the weights' SHA-256."""
+        path, model = self.gguf_source(family)
+        return convert_to_gguf(path, outtype), model
+
+    def gguf_source(self, family: str) -> tuple[Path, Any]:
+        """The HF directory :meth:`gguf` converts, and its model."""
         key = f"{family}-full-vocab"
         if key not in self._built:
             overrides = {**GGUF_OVERRIDES.get(family, _DEFAULT_GGUF), "tie_word_embeddings": True}
             self._built[key] = self._build(family, overrides, key)
-        path, model = self._built[key]
-        return convert_to_gguf(path, outtype), model
+        return self._built[key]
 
     def gguf_mxfp4(self) -> tuple[Path, Any]:
         """The GPT-OSS model with its experts in MXFP4 as OpenAI's checkpoints hold them (``*_blocks``, ``*_scales``,
         ``quantization_config.quant_method: mxfp4``), converted by llama.cpp's converter (which keeps them MXFP4);
         and the HF model with those experts as transformers' own MXFP4 reading dequantises them."""
+        path, model = self.mxfp4_source()
+        return convert_to_gguf(path, "f32"), model
+
+    def mxfp4_source(self) -> tuple[Path, Any]:
+        """The HF directory :meth:`gguf_mxfp4` converts, and its model."""
         key = "gpt_oss-mxfp4"
         if key not in self._built:
             self._built[key] = self._build("gpt_oss", {"vocab_size": FULL_VOCAB, "tie_word_embeddings": True}, key)
             _to_mxfp4(*self._built[key])
-        path, model = self._built[key]
-        return convert_to_gguf(path, "f32"), model
+        return self._built[key]
 
     def remove(self) -> None:
         shutil.rmtree(self.root, ignore_errors=True)
@@ -204,20 +213,33 @@ def converter() -> Path | None:
 
 def convert_to_gguf(model_dir: Path, outtype: str) -> Path:
     """``model_dir`` converted by llama.cpp's script (its own gguf-py), cached under the fleetllm cache."""
+    return convert_many([(model_dir, outtype)])[0]
+
+
+def convert_many(jobs: list[tuple[Path, str]]) -> list[Path]:
+    """Each ``(model_dir, outtype)`` converted by llama.cpp's script, cached under the fleetllm cache: the missing
+    ones in one converter process (``gguf_convert_many.py``), each entry's lock held meanwhile."""
     from fleetllm.models.source import cache_dir
 
-    digest = hashlib.sha256((model_dir / "model.safetensors").read_bytes()).hexdigest()[:16]
-    target = cache_dir() / "gguf-families" / f"{model_dir.name}-{digest}-{outtype}.gguf"
-    with cache_lock(target):
-        if not target.exists():
+    targets = []
+    for model_dir, outtype in jobs:
+        digest = hashlib.sha256((model_dir / "model.safetensors").read_bytes()).hexdigest()[:16]
+        targets.append(cache_dir() / "gguf-families" / f"{model_dir.name}-{digest}-{outtype}.gguf")
+    with contextlib.ExitStack() as locks:
+        for target in sorted(set(targets)):  # one order for every process: none waits on another's held lock
+            locks.enter_context(cache_lock(target))
+        todo = {t: job for t, job in zip(targets, jobs, strict=True) if not t.exists()}
+        args = []
+        for target, (model_dir, outtype) in todo.items():
             for stale in target.parent.glob(f"{target.name}.*.tmp"):  # a killed conversion's (we hold the lock)
                 stale.unlink()
-            tmp = target.with_name(f"{target.name}.{os.getpid()}.tmp")
-            env = {**os.environ, "PYTHONPATH": str(LLAMA_CPP / "gguf-py")}
-            subprocess.run([sys.executable, str(converter()), str(model_dir), "--outtype", outtype, "--outfile", str(tmp)],
-                           check=True, env=env, capture_output=True, timeout=300, preexec_fn=_die_with_parent)
-            os.replace(tmp, target)
-    return target
+            args += [str(model_dir), outtype, str(target.with_name(f"{target.name}.{os.getpid()}.tmp"))]
+        if todo:
+            subprocess.run([sys.executable, str(Path(__file__).with_name("gguf_convert_many.py")), str(converter()),
+                            *args], check=True, capture_output=True, timeout=600, preexec_fn=_die_with_parent)
+        for target in todo:
+            os.replace(target.with_name(f"{target.name}.{os.getpid()}.tmp"), target)
+    return targets
 
 
 def _die_with_parent() -> None:
@@ -253,9 +275,8 @@ def prepare_ggufs() -> None:
         return
     with tempfile.TemporaryDirectory() as d:
         models = FamilyModels(Path(d), "")
-        for family, outtype in GGUF_CASES:
-            models.gguf(family, outtype)
-        models.gguf_mxfp4()
+        jobs = [(models.gguf_source(family)[0], outtype) for family, outtype in GGUF_CASES]
+        convert_many([*jobs, (models.mxfp4_source()[0], "f32")])
 
 
 if __name__ == "__main__":
