@@ -31,12 +31,12 @@ from common import free_ports, save_run, stop_process, wait_healthy  # noqa: E40
 
 ROOT = Path(__file__).resolve().parents[1]
 CLI = [sys.executable, "-m", "fleetllm.cli"]
-TOKEN_BYTES = 30 * 3 * 64 * 2 * 4  # SmolLM2-135M's KV per token: layers x KV heads x head dim x (K, V) x fp32
+BLOCK = 16  # the workers' KV block size (their default): pools are sized in blocks, whatever the KV dtype
 WORKLOAD = ["--workload", "agentic", "--system-len", "512", "--context-len", "128", "--step-len", "100",
             "--step-len-max", "600", "--turns", "40", "--osl", "16"]
 
 
-def fleet(tmp: Path, pool_gb: float, offload_gb: float) -> tuple[str, list[str], list[subprocess.Popen[bytes]]]:
+def fleet(tmp: Path, pool_blocks: int, offload_gb: float) -> tuple[str, list[str], list[subprocess.Popen[bytes]]]:
     """Two workers and a kv_aware router, started and healthy: the router's URL, the workers', the processes."""
     base = free_ports(3)
     workers = [f"http://127.0.0.1:{base + i}" for i in (1, 2)]
@@ -45,7 +45,7 @@ def fleet(tmp: Path, pool_gb: float, offload_gb: float) -> tuple[str, list[str],
     for i, url in enumerate(workers):
         log = tmp / f"worker{i}.log"
         procs.append(subprocess.Popen(CLI + ["worker", "--model", "smollm2-135m", "--port", str(base + 1 + i),
-                                             "--num-threads", "1", "--kv-cache-gb", f"{pool_gb:.4f}", *tier,
+                                             "--num-threads", "1", "--num-blocks", str(pool_blocks), *tier,
                                              "--log-level", "warning"],
                                       stdout=open(log, "wb"), stderr=subprocess.STDOUT, cwd=ROOT))
         wait_healthy(url + "/health", procs[-1], log)
@@ -70,12 +70,29 @@ def returning(records: list[dict]) -> dict:
         held = (p["input_tokens"] + (p["output_tokens"] or 0)) if p else r["cached_tokens"]
         reusable += min(held, r["input_tokens"] - 1)
     ttft = sorted(r["ttft_ms"] for r in back)
-    return {"turns": len(back), "first_turns": sum(1 for r in done if r["turn"] == 0),
+    return {"turns": len(back), "first_turns": sum(1 for r in done if r["turn"] == 0), **misses(back, prev),
             "hit": cached / sum(r["input_tokens"] for r in back) if back else None,
             "reuse": cached / reusable if reusable else None,
             "ttft_p50": statistics.median(ttft) if ttft else None,
             "ttft_p90": ttft[int(0.9 * (len(ttft) - 1))] if ttft else None,
             "prompt_mean": statistics.mean(r["input_tokens"] for r in back) if back else None}
+
+
+def misses(back: list[dict], prev: dict) -> dict:
+    """Where returning turns lost reusable tokens: turns sent to another worker than their previous turn's
+    (``moved``: their lost tokens), and turns that stayed yet missed part (``stayed``)."""
+    moved = stayed = moved_lost = stayed_lost = 0
+    for r in back:
+        p = prev.get((r["session_id"], r["turn"] - 1))
+        if p is None:
+            continue
+        lost = max(0, min(p["input_tokens"] + (p["output_tokens"] or 0), r["input_tokens"] - 1) - r["cached_tokens"])
+        if r.get("worker") and p.get("worker") and r["worker"] != p["worker"]:
+            moved, moved_lost = moved + 1, moved_lost + lost
+        elif lost > 16:  # more than a partial block
+            stayed, stayed_lost = stayed + 1, stayed_lost + lost
+    return {"moved_turns": moved, "moved_lost_tokens": moved_lost, "stayed_missing_turns": stayed,
+            "stayed_lost_tokens": stayed_lost}
 
 
 def metric(urls: list[str], name: str, label: str = "") -> float:
@@ -93,11 +110,11 @@ def metric(urls: list[str], name: str, label: str = "") -> float:
     return total
 
 
-def run(label: str, args: argparse.Namespace, pool_gb: float, offload_gb: float, out: Path) -> dict:
+def run(label: str, args: argparse.Namespace, pool_blocks: int, offload_gb: float, out: Path, rnd: int) -> dict:
     tmp = Path(tempfile.mkdtemp(prefix="kv-tiers-agentic-"))
-    router, workers, procs = fleet(tmp, pool_gb, offload_gb)
+    router, workers, procs = fleet(tmp, pool_blocks, offload_gb)
     try:
-        result = out / f"{label}.json"
+        result = out / f"{label.replace(' ', '-')}-{rnd}.json"
         subprocess.run(CLI + ["bench", "--url", router, "--model", "smollm2-135m", *WORKLOAD,
                               "--concurrency", str(args.sessions), "--max-context", str(args.max_context),
                               "--think-time", str(args.think_time),
@@ -105,9 +122,12 @@ def run(label: str, args: argparse.Namespace, pool_gb: float, offload_gb: float,
                               "--output", str(result)], check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
         records = [json.loads(ln) for ln in result.with_suffix(".requests.jsonl").read_text().splitlines()]
         summary = json.loads(result.read_text())["runs"][0]["summary"]
-        row = {"config": label, **returning(records), "output_tps": summary["output_token_throughput"],
+        row = {"config": label, "round": rnd, **returning(records), "output_tps": summary["output_token_throughput"],
                "failed": summary["requests"]["errors"],
                "tier_block_hits": metric(workers, "fleetllm:kv_tier_hits_total"),
+               "tier_block_misses": metric(workers, "fleetllm:kv_tier_misses_total"),
+               "tier_used_gib": metric(workers, "fleetllm:kv_tier_used_bytes") / 2**30,
+               "preemptions": metric(workers, "vllm:num_preemptions_total"),
                "spills": metric([router], "fleetllm_router_decisions_total", 'reason="spill"'),
                "load": os.getloadavg()[0]}
         print(json.dumps(row), flush=True)
@@ -123,17 +143,23 @@ def pct(v: float | None) -> str:
 
 def table(rows: list[dict]) -> str:
     lines = ["| config | returning turns | prompt hit rate | reuse rate | TTFT p50 | TTFT p90 | mean prompt | "
-             "output tok/s | tier block hits | spills | failed |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "output tok/s | tier block hits | spills | moved turns (tokens lost) | stayed, missed (tokens lost) | "
+             "preemptions | failed |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['config']} | {r['turns']} | {pct(r['hit'])} | {pct(r['reuse'])} | "
                      f"{r['ttft_p50']:.0f} ms | {r['ttft_p90']:.0f} ms | {r['prompt_mean']:.0f} | "
-                     f"{r['output_tps']:.1f} | {r['tier_block_hits']:.0f} | {r['spills']:.0f} | {r['failed']} |")
-    off, on = rows[0], rows[-1]
-    if len(rows) == 2 and on["ttft_p50"] and off["ttft_p50"]:
+                     f"{r['output_tps']:.1f} | {r['tier_block_hits']:.0f} | {r['spills']:.0f} | "
+                     f"{r['moved_turns']} ({r['moved_lost_tokens']}) | {r['stayed_missing_turns']} "
+                     f"({r['stayed_lost_tokens']}) | {r['preemptions']:.0f} | {r['failed']} |")
+    offs, ons = ([r for r in rows if r["config"] == c] for c in ("no tier", "host tier"))
+    if offs and ons and all(r["ttft_p50"] for r in offs + ons):
+        def med(rs: list[dict], k: str) -> float:
+            return statistics.median(r[k] for r in rs)
+
         lines.append("")
-        lines.append(f"With the host tier: TTFT p50 **{off['ttft_p50'] / on['ttft_p50']:.1f}x** lower (goal >= 3x), "
-                     f"reuse rate **{pct(on['reuse'])}** (goal >= 90%), throughput x{on['output_tps'] / off['output_tps']:.2f} "
-                     "(goal >= 1).")
+        lines.append(f"With the host tier (medians of {len(ons)} round(s)): TTFT p50 **{med(offs, 'ttft_p50') / med(ons, 'ttft_p50'):.1f}x** "
+                     f"lower (goal >= 3x), reuse rate **{pct(med(ons, 'reuse'))}** (goal >= 90%), throughput "
+                     f"x{med(ons, 'output_tps') / med(offs, 'output_tps'):.2f} (goal >= 1).")
     return "\n".join(lines) + "\n"
 
 
@@ -147,14 +173,18 @@ def main() -> int:
     ap.add_argument("--pool-fraction", type=float, default=0.25,
                     help="the two pools together hold this fraction of sessions x max context")
     ap.add_argument("--offload-gb", type=float, default=2.5, help="each worker's host tier")
+    ap.add_argument("--rounds", type=int, default=1, help="each configuration this many times, alternating")
     ap.add_argument("--out", type=Path, default=ROOT / "results" / "kv_tiers_agentic")
     ap.add_argument("--no-save", action="store_true")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    pool_gb = args.pool_fraction * args.sessions * args.max_context * TOKEN_BYTES / 2 / 2**30
+    pool_blocks = round(args.pool_fraction * args.sessions * args.max_context / 2 / BLOCK)
     start = os.getloadavg()[0]
-    rows = [run("no tier", args, pool_gb, 0.0, args.out), run("host tier", args, pool_gb, args.offload_gb, args.out)]
-    text = table(rows) + (f"\nPools {pool_gb:.3f} GiB per worker ({args.pool_fraction:g} of {args.sessions} sessions x "
+    rows = []
+    for rnd in range(args.rounds):
+        rows.append(run("no tier", args, pool_blocks, 0.0, args.out, rnd))
+        rows.append(run("host tier", args, pool_blocks, args.offload_gb, args.out, rnd))
+    text = table(rows) + (f"\nPools {pool_blocks} blocks of {BLOCK} tokens per worker ({args.pool_fraction:g} of {args.sessions} sessions x "
                           f"{args.max_context} tokens over 2 workers); host tier {args.offload_gb:g} GiB per worker. "
                           f"Load average (1 min) {start:.1f} at the start, "
                           + ", ".join(f"{r['load']:.1f}" for r in rows) + " after each configuration.\n")

@@ -51,6 +51,7 @@ class RequestRecord:
     input_tokens: int | None = None
     output_tokens: int | None = None
     cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens: the server's prefix hit
+    worker: str | None = None  # the worker a fleetllm router sent it to (its x-fleetllm-worker header)
     output_tokens_from_usage: bool = False
     output_text: str = ""
     finish_reason: str | None = None
@@ -183,6 +184,7 @@ async def _stream(
     # the session id lets session-affine routers keep a conversation on one replica
     headers = {"x-session-id": spec.session_id} if spec.session_id else None
     async with http.stream("POST", ENDPOINT_PATHS[cfg.endpoint], json=body, headers=headers) as resp:
+        rec.worker = resp.headers.get("x-fleetllm-worker")
         if resp.status_code != 200:
             detail = (await resp.aread())[:300].decode(errors="replace")
             rec.error, rec.error_detail = f"http_{resp.status_code}", detail

@@ -76,6 +76,7 @@ def record_row(rec: RequestRecord, run_label: str, t0_ns: int) -> dict[str, Any]
         "end_ms": (rec.end_ns - t0_ns) / 1e6,
         "output_tokens_from_usage": rec.output_tokens_from_usage,
         "cached_tokens": rec.cached_tokens,
+        "worker": rec.worker,
         **request_metrics(rec),
         "chunk_gaps_ms": chunk_gaps_ms(rec),
         "chunk_offsets_ms": [(c - rec.start_ns) / 1e6 for c in rec.chunk_ns],

@@ -112,10 +112,30 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         if len(self.waiting) >= self.cfg.max_waiting:
             raise QueueFull(f"{len(self.waiting)} requests already waiting")
+        seq.num_held_tokens = self.held_tokens(seq)
         if self.cfg.policy == "priority":
             bisect.insort(self.waiting, seq, key=self.cfg.rank)  # the head is always the best-ranked
         else:
             self.waiting.append(seq)
+
+    def held_tokens(self, seq: Sequence) -> int:
+        """Prompt tokens of ``seq`` this worker holds now, in its pool's prefix cache or (after those) a KV
+        connector's tiers: work its queue will not compute (a worker's reported load leaves them out, so a
+        router does not send a returning session away from the worker keeping its KV). Nothing is read or
+        marked recent: an estimate, which evictions before its admission may lower."""
+        blocks, _ = self.kv.prefix_hit(seq)
+        held = len(blocks) * self.kv.block_size
+        if self.connector is not None:
+            held += self.connector.num_held_tokens(seq, held)
+        return min(held, len(seq.prompt_token_ids))
+
+    def queued_prefill_tokens(self) -> int:
+        """Prompt tokens still to compute, of the waiting and prefilling sequences. A waiting sequence's prefix
+        held here when it arrived (:meth:`held_tokens`) is a hit or a load, not work: counted, it would price
+        the holder of a returning session as busy and send the session away from its KV. Read from the
+        server's thread without locking (the lists copied first): a slightly stale view is fine."""
+        return sum(max(0, len(s.prompt_token_ids) - max(s.num_computed_tokens, s.num_held_tokens))
+                   for s in [*self.waiting, *self.running])
 
     def has_room(self) -> bool:
         """Whether one more sequence may run now (a sequence slot is free)."""
@@ -195,9 +215,8 @@ class Scheduler:
             if not self._pin_lora(seq, out):
                 continue
             n = min(seq.num_uncomputed, budget)  # what admit allocated blocks for, beyond the hit
-            ext, n = self._load_external(seq, n, budget) if self.connector is not None else (0, n)
-            if seq.num_cached_tokens < 0:
-                seq.num_cached_tokens = cached + ext
+            n = self._load_external(seq, n, budget) if self.connector is not None else n
+            self._count_cached(seq, 0)
             seq.transition(Status.RUNNING)
             self.running.append(seq)
             out.scheduled.append(Scheduled(seq, n))
@@ -233,9 +252,9 @@ class Scheduler:
             self.lora.release(seq.lora_slot)
         seq.lora_slot = -1
 
-    def _load_external(self, seq: Sequence, n: int, budget: int) -> tuple[int, int]:
+    def _load_external(self, seq: Sequence, n: int, budget: int) -> int:
         """Load the tokens of ``seq`` the connector holds beyond its computed ones (counted as computed); return
-        how many loaded and the tokens its step computes (``n``, the step's chunk, when none loaded).
+        the tokens its step computes (``n``, the step's chunk, when none loaded).
 
         Loaded tokens cost no step budget: blocks are taken for all of them and the step's chunk where free;
         else for as many as the held and free blocks take (above the watermark), the step then computing only
@@ -258,20 +277,30 @@ class Scheduler:
             self._tier_more.discard(seq.request_id)
         seq.num_computed_tokens += ext
         self.connector.update_state_after_alloc(seq, ext)
-        loaded = max(0, seq.num_computed_tokens - before)
-        if not loaded:
-            return 0, n
-        return loaded, min(seq.num_uncomputed, budget, len(seq.block_table) * bs - seq.num_computed_tokens)
+        if seq.num_computed_tokens <= before:
+            return n
+        return min(seq.num_uncomputed, budget, len(seq.block_table) * bs - seq.num_computed_tokens)
 
     def _load_more(self, seq: Sequence, n: int, budget: int) -> int:
         """Ask the connector again for the tokens of running ``seq`` it holds that found no blocks at admission,
         once its step has its blocks (``n`` tokens' worth): they load into those and any free blocks rather than
         being computed, and count as cached as those loaded at admission. Returns the tokens the step computes."""
-        loaded, n = self._load_external(seq, n, budget)
-        seq.num_cached_tokens += loaded
+        before = seq.num_computed_tokens
+        n = self._load_external(seq, n, budget)
+        self._count_cached(seq, before)
         return n
 
+    @staticmethod
+    def _count_cached(seq: Sequence, before: int) -> None:
+        """Count as cached the prompt tokens ``seq`` got past ``before`` without computing them (a pool hit or a
+        connector's load), leaving out those it had computed itself before a preemption: ``cached_tokens`` is
+        every prompt token it did not compute, whichever admission found it."""
+        p = len(seq.prompt_token_ids)
+        start = min(max(before, seq.num_computed_before_preemption), p)
+        seq.num_cached_tokens = max(seq.num_cached_tokens, 0) + max(0, min(seq.num_computed_tokens, p) - start)
+
     def _preempt(self, seq: Sequence) -> None:
+        seq.num_computed_before_preemption = max(seq.num_computed_before_preemption, seq.num_computed_tokens)
         self.kv.free(seq)
         self._tier_more.discard(seq.request_id)  # asked again when it is admitted again
         self.unpin_lora(seq)

@@ -59,7 +59,9 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)  # hashes of the full, computed blocks so far
     num_computed_tokens: int = 0
-    num_cached_tokens: int = -1  # prefix-cache hit at first schedule (-1: not yet scheduled)
+    num_cached_tokens: int = -1  # prompt tokens it got without computing them (-1: not yet scheduled)
+    num_computed_before_preemption: int = 0  # the most tokens it held before a preemption (its own work)
+    num_held_tokens: int = 0  # prompt tokens its worker held (pool or a KV tier) when it arrived: no queued work
     num_preemptions: int = 0
     generator: torch.Generator | None = None  # a seeded request's sampling RNG (made by the executor)
     sampler_state: bytes | None = None  # the RNG state to start from instead of the seed (a handed-over prefill)

@@ -66,7 +66,8 @@ def _disk(root: Path, capacity: int, metrics: TierMetrics) -> StoredTierConnecto
         metrics.used.set(store.used_bytes)
 
     log.info("disk KV tier: %s (%d blocks kept from before, %.2f GiB at most)", root, len(store), capacity / 2**30)
-    tier = StoredTierConnector("disk", store.get_many, put, metrics, drop=store.drop, medium="DISK", held=store.hashes)
+    tier = StoredTierConnector("disk", store.get_many, put, metrics, drop=store.drop, medium="DISK", held=store.hashes,
+                               has=store.__contains__)
     store.on_removed = tier.gone
     return tier
 

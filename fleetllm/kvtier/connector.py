@@ -75,6 +75,10 @@ class TierConnector(KVConnectorBase):
         """The leading run of the blocks ``hashes`` (holding ``chunks``) this tier has, checked, in memory."""
         raise NotImplementedError
 
+    def _has(self, block_hash: int) -> bool:
+        """Whether the tier holds ``block_hash`` as far as this worker knows, reading nothing."""
+        raise NotImplementedError
+
     # ---- scheduler side -------------------------------------------------------------------------------
     def get_num_new_matched_tokens(self, seq: Sequence, num_computed_tokens: int) -> int:
         assert self.blocks is not None
@@ -97,6 +101,21 @@ class TierConnector(KVConnectorBase):
             self._matched[seq.request_id] = (start, found)
         # a request asked mid-prefill may have computed part of block ``start``: its load makes that part again
         return (start + len(found)) * bs - num_computed_tokens if found else 0
+
+    def num_held_tokens(self, seq: Sequence, num_computed_tokens: int) -> int:
+        if self.blocks is None or self.caches is None or not self._holds_any():
+            return 0
+        bs = self.blocks.pool.block_size
+        ids = seq.all_token_ids[: seq.num_tokens - 1]
+        full, start = len(ids) // bs, num_computed_tokens // bs
+        if start >= full:
+            return 0
+        n = 0
+        for h in hash_prefix_blocks(ids[: full * bs], bs, self.blocks.kv.key_of(seq.lora_name))[start:]:
+            if not self._has(h):
+                break
+            n += 1
+        return (start + n) * bs - num_computed_tokens if n else 0
 
     def update_state_after_alloc(self, seq: Sequence, num_external_tokens: int) -> None:
         first, found = self._matched.pop(seq.request_id, (0, []))
@@ -164,6 +183,9 @@ class HostTierConnector(TierConnector):
 
     def _holds_any(self) -> bool:
         return len(self.store) > 0
+
+    def _has(self, block_hash: int) -> bool:
+        return block_hash in self.store
 
     def _find(self, hashes: list[int], chunks: list[tuple[int, ...]]) -> list[HostBlock]:
         found: list[HostBlock] = []

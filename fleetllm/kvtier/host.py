@@ -46,6 +46,9 @@ class HostStore:
     def __len__(self) -> int:
         return len(self._blocks)
 
+    def __contains__(self, block_hash: int) -> bool:
+        return block_hash in self._blocks
+
     def hashes(self) -> list[int]:
         """The hashes kept now (least recent first)."""
         return list(self._blocks)

@@ -38,7 +38,8 @@ _KNOWN = 1 << 16  # hashes remembered as held by the tier (so a finished request
 
 class StoredTierConnector(TierConnector):
     """A tier whose blocks are bytes behind ``get_many`` and ``put`` (``drop``: forget a bad one, if it can;
-    ``held``: the hashes it holds, where it can list them; else those this worker wrote or loaded).
+    ``held``: the hashes it holds, where it can list them, and ``has`` whether it holds one; else those this
+    worker wrote or loaded).
 
     KV events (:attr:`listeners`, as ``medium``): a block is ``stored`` once its write succeeded (on the
     writer's thread), ``removed`` when the store evicts it (:meth:`gone`) or a lookup finds absent a block
@@ -47,10 +48,10 @@ class StoredTierConnector(TierConnector):
 
     def __init__(self, name: str, get_many: GetMany, put: Put, metrics: TierMetrics | None = None,
                  drop: Callable[[int], None] | None = None, medium: str = "DISK",
-                 held: Callable[[], list[int]] | None = None) -> None:
+                 held: Callable[[], list[int]] | None = None, has: Callable[[int], bool] | None = None) -> None:
         super().__init__(metrics)
         self._name, self.medium = name, medium
-        self._get_many, self._drop, self._held = get_many, drop, held
+        self._get_many, self._drop, self._held, self._holds = get_many, drop, held, has
         self._known: OrderedDict[int, None] = OrderedDict()
         self._known_lock = threading.Lock()  # the engine thread remembers, the writer's thread forgets
         self.writer = Writer(name, put, lambda: self._count_error("store"), self._written)
@@ -71,6 +72,12 @@ class StoredTierConnector(TierConnector):
             known = [h for h in hashes if self._known.pop(h, 0) is None]
         if known or self._held is not None:
             self._publish("removed", known if self._held is None else hashes, [])
+
+    def _has(self, block_hash: int) -> bool:
+        if self._holds is not None:
+            return self._holds(block_hash)
+        with self._known_lock:
+            return block_hash in self._known
 
     # ---- find (scheduler side) ------------------------------------------------------------------------
     def _find(self, hashes: list[int], chunks: list[tuple[int, ...]]) -> list[HostBlock]:

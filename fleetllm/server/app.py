@@ -567,10 +567,7 @@ class Worker:
     def load(self) -> dict[str, Any]:
         """The worker's load as routers see it (read without locking: a slightly stale view is fine)."""
         sched = self.engine.scheduler
-        # Prompt tokens still to prefill: a router weighs this queue against the prefix a worker holds.
-        # Waiting requests count whole (their cache hit is known only at admission).
-        queued = sum(len(s.prompt_token_ids) - s.num_computed_tokens for s in [*sched.waiting, *sched.running]
-                     if s.num_computed_tokens < len(s.prompt_token_ids))
+        queued = sched.queued_prefill_tokens()  # a router weighs this queue against the prefix a worker holds
         adapters = self.adapters.report() if self.adapters is not None else {}  # which adapters it holds
         return {"running": len(sched.running), "waiting": len(sched.waiting), "queued_prefill_tokens": queued,
                 "kv_usage": self.engine.pool.usage, **adapters}

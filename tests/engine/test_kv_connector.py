@@ -11,7 +11,7 @@ from fleetllm.engine.kv_cache_manager import KVCacheManager
 from fleetllm.engine.kv_connector import KVConnectorBase, KVConnectorMetadata, StepKV
 from fleetllm.engine.sampling import SamplingParams
 from fleetllm.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from fleetllm.engine.sequence import Sequence
+from fleetllm.engine.sequence import Sequence, Status
 from fleetllm.models.loader import LoadedModel
 
 GREEDY = SamplingParams(max_tokens=2, temperature=0.0)
@@ -92,3 +92,47 @@ def test_the_worker_side_sees_each_layer_loaded_then_saved_only_in_steps_that_as
     assert conn.calls == [("start", 0), ("start", 0), *(2 * [("start", 1), *per_layer, ("saved", -1)])]
     assert conn.finished == ["plain", "watched"]
     assert engine.kv_connector is conn and engine.pool.num_free == engine.pool.num_blocks
+
+
+class Holds(KVConnectorBase):
+    """Says it holds ``held`` tokens of every request (past those computed) and loads ``loads[request id]``."""
+
+    def __init__(self, held: int = 0, loads: dict[str, int] | None = None) -> None:
+        self.held, self.loads = held, loads or {}
+
+    def num_held_tokens(self, seq: Sequence, num_computed_tokens: int) -> int:
+        return self.held
+
+    def get_num_new_matched_tokens(self, seq: Sequence, num_computed_tokens: int) -> int:
+        return self.loads.get(seq.request_id, 0)
+
+
+def test_a_waiting_requests_prefix_a_connector_holds_is_left_out_of_the_queued_prefill_tokens() -> None:
+    s = Scheduler(SchedulerConfig(max_num_batched_tokens=32), KVCacheManager(BlockPool(16, 4), False))
+    s.connector = Holds(held=8)
+    s.add(Sequence("a", list(range(1, 21)), GREEDY, 2))
+    assert s.queued_prefill_tokens() == 12  # 20 prompt tokens, 8 of them a load, not work
+
+
+def step(s: Scheduler) -> None:
+    """One step as the engine runs it: each scheduled sequence computes its tokens, emitting one once its
+    prompt is done."""
+    for x in s.schedule().scheduled:
+        x.seq.num_computed_tokens += x.num_new_tokens
+        if x.seq.num_computed_tokens == x.seq.num_tokens:
+            x.seq.append_output(7, 0.0)
+
+
+def test_tokens_a_preempted_request_loads_at_readmission_count_as_cached_past_those_it_computed() -> None:
+    s = Scheduler(SchedulerConfig(max_num_batched_tokens=8, watermark=0.0), KVCacheManager(BlockPool(4, 4), False))
+    s.connector = conn = Holds()
+    a, b = Sequence("a", [1, 2, 3, 4], GREEDY, 8), Sequence("b", list(range(10, 22)), GREEDY, 2)
+    s.add(a)
+    s.add(b)
+    step(s)  # a's prompt and b's first 4 tokens computed
+    step(s)  # a decodes into a second block; b's next chunk finds no block: b, the newest, is preempted
+    assert b.status is Status.PREEMPTED and b.num_cached_tokens == 0
+    s.finish(a, Status.FINISHED_STOPPED)
+    conn.loads["b"] = 11  # its whole prompt but the last token, held outside now
+    step(s)
+    assert b.num_computed_tokens == 12 and b.num_cached_tokens == 7  # 11 loaded, 4 of them computed by b before

@@ -81,3 +81,14 @@ def test_the_host_store_drops_the_least_recently_used_block_and_rechecks_tokens(
     assert store.get(2, (2,)) is None and store.get(1, (1,)) is not None and store.get(3, (3,)) is not None
     assert store.get(3, (4,)) is None  # a hash whose tokens differ is a miss
     assert store.used_bytes == 64
+
+
+def test_a_waiting_prompt_held_in_host_memory_is_left_out_of_the_workers_queued_prefill(runs) -> None:
+    queued = {}
+    for name in ("off", "on"):
+        engine = runs[name][0]
+        engine.add_request("back", prompt(2), GREEDY)  # evicted from the pool by the prompts after it
+        queued[name] = engine.scheduler.queued_prefill_tokens()
+        engine.abort_request("back")
+        engine.take_outputs()
+    assert queued == {"off": 100, "on": 100 - 96}  # the tier's 6 full blocks are a load, not work

@@ -69,6 +69,11 @@ class KVConnectorScheduler(Protocol):
         """Tokens of ``seq`` beyond its ``num_computed_tokens`` local hits that can be loaded from outside."""
         ...
 
+    def num_held_tokens(self, seq: Sequence, num_computed_tokens: int) -> int:
+        """Tokens of ``seq`` beyond ``num_computed_tokens`` the connector would load as far as it knows now, read
+        from nothing and changing nothing (an estimate of the queue's work, asked as a request arrives)."""
+        ...
+
     def update_state_after_alloc(self, seq: Sequence, num_external_tokens: int) -> None:
         """``seq`` was admitted with blocks for its prompt; ``num_external_tokens`` of them are to be loaded (already
         counted in ``seq.num_computed_tokens``; a connector that cannot load them lowers it back by as many,
@@ -135,6 +140,9 @@ class KVConnectorBase:
         self.blocks = blocks
 
     def get_num_new_matched_tokens(self, seq: Sequence, num_computed_tokens: int) -> int:
+        return 0
+
+    def num_held_tokens(self, seq: Sequence, num_computed_tokens: int) -> int:
         return 0
 
     def update_state_after_alloc(self, seq: Sequence, num_external_tokens: int) -> None:

@@ -49,6 +49,13 @@ class MultiConnector:
                 return n
         return 0
 
+    def num_held_tokens(self, seq: Sequence, num_computed_tokens: int) -> int:
+        for c in self.connectors:  # as a match: the first connector holding any
+            n = c.num_held_tokens(seq, num_computed_tokens)
+            if n > 0:
+                return n
+        return 0
+
     def update_state_after_alloc(self, seq: Sequence, num_external_tokens: int) -> None:
         source = self._source.pop(seq.request_id, None)
         for c in self.connectors:
