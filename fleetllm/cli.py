@@ -288,7 +288,7 @@ POSITIVE_ENGINE_FLAGS = ("block_size", "num_blocks", "kv_cache_gb", "max_model_l
                          "max_num_batched_tokens", "num_threads")
 
 
-TIER_FLAGS = ("kv_offload_gb", "kv_disk_dir", "kv_disk_gb", "kv_remote")  # serve passes them to every real worker
+TIER_FLAGS = ("kv_offload_gb", "kv_offload_dtype", "kv_disk_dir", "kv_disk_gb", "kv_remote")  # serve passes them to every real worker
 
 
 def check_offload(args: argparse.Namespace) -> None:

@@ -28,6 +28,10 @@ class EngineConfig:
     kv_cache_gb: float = opt(1.0, "GiB of KV cache, when --num-blocks is not given")
     kv_offload_gb: float = opt(0.0, "GiB of host memory keeping KV blocks evicted from the cache, brought back "
                                     "instead of recomputed when a later prompt shares them (0: no such tier)")
+    kv_offload_dtype: Literal["auto", "bf16", "fp8"] = opt(
+        "auto", "how host memory (--kv-offload-gb) keeps KV blocks: auto (the KV cache's dtype: loaded back exactly), "
+                "bf16 (half of fp32's bytes) or fp8 (e4m3 and a scale per token and KV head: about a quarter); a "
+                "dtype no smaller than the cache's is not used")
     kv_disk_dir: str | None = opt(None, "folder of a disk tier behind the KV cache: every finished request's full "
                                         "blocks written there in the background, kept across restarts and brought "
                                         "back instead of recomputed (none: no disk tier)", metavar="DIR")

@@ -43,7 +43,8 @@ class LLM:
         cfg = EngineConfig(model=model, **engine_kwargs)
         self.engine = LLMEngine(cfg, loaded=loaded)
         # the KV tiers the config asks for, as a worker attaches them (their writes finish at close())
-        self.kv_tiers = attach_tiers(self.engine, cfg.kv_offload_gb, cfg.kv_disk_dir, cfg.kv_disk_gb, cfg.kv_remote)
+        self.kv_tiers = attach_tiers(self.engine, cfg.kv_offload_gb, cfg.kv_disk_dir, cfg.kv_disk_gb, cfg.kv_remote,
+                                     cfg.kv_offload_dtype)
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
 

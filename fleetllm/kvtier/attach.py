@@ -23,14 +23,15 @@ log = logging.getLogger("fleetllm.kvtier")
 
 
 def attach_tiers(engine: LLMEngine, offload_gb: float = 0.0, disk_dir: str | Path | None = None,
-                 disk_gb: float = 0.0, remote: str | None = None) -> list[TierConnector]:
+                 disk_gb: float = 0.0, remote: str | None = None, offload_dtype: str = "auto") -> list[TierConnector]:
     """Attach the tiers asked for to ``engine`` (their metrics on its registry); the tiers attached. The disk
-    and shared tiers need KV tensors: a simulated worker gets none of them."""
+    and shared tiers need KV tensors: a simulated worker gets none of them. ``offload_dtype``: how host memory
+    keeps blocks (``--kv-offload-dtype``)."""
     no_auto(remote)
     tiers: list[TierConnector] = []
     registry = engine.metrics.registry
     if offload_gb > 0:
-        tiers.append(HostTierConnector(int(offload_gb * 2**30), TierMetrics(registry, "host")))
+        tiers.append(HostTierConnector(int(offload_gb * 2**30), TierMetrics(registry, "host"), offload_dtype))
     ns = _namespace(engine) if disk_dir or remote else None
     if ns is not None and disk_dir and disk_gb > 0:
         tiers.append(_disk(Path(disk_dir) / ns, int(disk_gb * 2**30), TierMetrics(registry, "disk")))

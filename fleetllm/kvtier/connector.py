@@ -29,7 +29,10 @@ from fleetllm.engine.kv_connector.base import KVConnectorBase
 from fleetllm.kvtier.host import HostBlock, HostStore, TierListener
 
 if TYPE_CHECKING:
+    import torch
+
     from fleetllm.engine.kv_connector.access import BlockAccess
+    from fleetllm.engine.kv_connector.base import KVCaches
     from fleetllm.engine.sequence import Sequence
     from fleetllm.kvtier.metrics import TierMetrics
 
@@ -166,13 +169,21 @@ class TierConnector(KVConnectorBase):
 class HostTierConnector(TierConnector):
     """Blocks evicted from the pool kept in host memory and brought back instead of recomputed."""
 
-    def __init__(self, capacity_bytes: int, metrics: TierMetrics | None = None) -> None:
+    def __init__(self, capacity_bytes: int, metrics: TierMetrics | None = None, dtype: str = "auto") -> None:
+        """``dtype``: how blocks are kept (``--kv-offload-dtype``): ``auto`` as the pool holds them, ``bf16`` or
+        ``fp8`` (e4m3 rows with a scale per token and KV head) where that is smaller."""
         super().__init__(metrics)
         self.store = HostStore(capacity_bytes)
+        self.dtype = dtype
+        self._kept: torch.dtype | None = None  # the dtype blocks are kept in (None: the pool's), set at bind
 
     def bind(self, blocks: BlockAccess) -> None:
         super().bind(blocks)
         blocks.pool.on_evict.append(self._evicted)
+
+    def register_kv_caches(self, caches: KVCaches) -> None:
+        super().register_kv_caches(caches)
+        self._kept = kept_dtype(self.dtype, caches.layers[0][0]) if caches.layers else None
 
     @property
     def listeners(self) -> list[TierListener]:
@@ -202,11 +213,15 @@ class HostTierConnector(TierConnector):
             return
         import torch
 
+        from fleetllm.kernels import kv8
+
         try:
             layers = self.caches.layers
             for bid, block_hash, token_ids in gone:
                 k = torch.stack([lk[bid] for lk, _ in layers])  # a copy, [layers, block_size, heads, head_dim]
                 v = torch.stack([lv[bid] for _, lv in layers])
+                if self._kept is not None:  # compressed; a load converts the rows back (kv8.copy_rows)
+                    k, v = kv8.convert(k, self._kept), kv8.convert(v, self._kept)
                 block = HostBlock(token_ids, k, v)
                 if self.store.put(block_hash, block) and self.metrics is not None:
                     self.metrics.bytes.labels(tier=self.metrics.tier, direction="stored").inc(block.nbytes)
@@ -215,3 +230,21 @@ class HostTierConnector(TierConnector):
             self._count_error("store")
         if self.metrics is not None:
             self.metrics.used.set(self.store.used_bytes)
+
+
+def kept_dtype(name: str, cache: torch.Tensor) -> torch.dtype | None:
+    """The dtype host memory keeps a block of ``cache`` in, for ``--kv-offload-dtype name`` (None: the cache's
+    own): ``bf16`` or ``fp8`` only where its rows take fewer bytes than the cache's."""
+    import torch
+
+    from fleetllm.kernels import kv8
+
+    want = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}.get(name)
+    if want is None:
+        return None
+    d = kv8.head_dim_of(cache)
+
+    def row_bytes(dtype: torch.dtype) -> int:
+        return kv8.row_width(d, dtype) * dtype.itemsize
+
+    return want if row_bytes(want) < row_bytes(cache.dtype) else None

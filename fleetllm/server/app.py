@@ -110,7 +110,8 @@ class Worker:
         self.async_engine = AsyncEngine(engine, on_failure=self._engine_failed)
         self.adapters = adapters_of(self.async_engine, lora, store)  # LoRA (None without --enable-lora)
         c = engine.config  # KV kept beyond the pool: host memory, disk, a shared Redis
-        self.kv_tiers = attach_tiers(engine, c.kv_offload_gb, c.kv_disk_dir, c.kv_disk_gb, c.kv_remote)
+        self.kv_tiers = attach_tiers(engine, c.kv_offload_gb, c.kv_disk_dir, c.kv_disk_gb, c.kv_remote,
+                                     c.kv_offload_dtype)
         self.handoffs = Handoffs(engine.blocks)  # prompts prefilled elsewhere, held for their requests (P/D)
         self.kv_publisher = self._kv_publisher(kv_events, kv_events_index)  # vLLM-format KV events (ZMQ), or None
         self._report_tiers()

@@ -92,3 +92,14 @@ def test_a_waiting_prompt_held_in_host_memory_is_left_out_of_the_workers_queued_
         engine.abort_request("back")
         engine.take_outputs()
     assert queued == {"off": 100, "on": 100 - 96}  # the tier's 6 full blocks are a load, not work
+
+
+def test_host_memory_keeps_blocks_in_fp8_when_asked_and_loads_them_back(loaded_model: LoadedModel) -> None:
+    engine = LLMEngine(EngineConfig(num_blocks=24, max_num_batched_tokens=128, kv_cache_dtype="fp32"),
+                       loaded=loaded_model)
+    (tier,) = attach_tiers(engine, 0.05, offload_dtype="fp8")
+    _, again = session(engine)
+    layers, (_, bs, heads, dim) = len(engine.kv_blocks()), engine.kv_blocks()[0][0].shape
+    assert again.num_cached_tokens == (len(prompt(1)) - 1) // 16 * 16  # every full block back
+    assert len(tier.store) > 0 and tier.store.used_bytes == len(tier.store) * 2 * layers * bs * heads * (dim + 4)
+    engine.pool.check()
