@@ -128,6 +128,8 @@ def run(label: str, args: argparse.Namespace, pool_blocks: int, offload_gb: floa
                "tier_block_misses": metric(workers, "fleetllm:kv_tier_misses_total"),
                "tier_used_gib": metric(workers, "fleetllm:kv_tier_used_bytes") / 2**30,
                "preemptions": metric(workers, "vllm:num_preemptions_total"),
+               "tier_load_s_mean": metric(workers, "fleetllm:kv_tier_load_seconds_sum")
+               / max(1.0, metric(workers, "fleetllm:kv_tier_load_seconds_count")),
                "spills": metric([router], "fleetllm_router_decisions_total", 'reason="spill"'),
                "load": os.getloadavg()[0]}
         print(json.dumps(row), flush=True)

@@ -83,15 +83,15 @@ def test_the_host_store_drops_the_least_recently_used_block_and_rechecks_tokens(
     assert store.used_bytes == 64
 
 
-def test_a_waiting_prompt_held_in_host_memory_is_left_out_of_the_workers_queued_prefill(runs) -> None:
+def test_a_waiting_prompts_prefix_held_in_the_pool_or_host_memory_is_left_out_of_the_queued_prefill(runs) -> None:
     queued = {}
-    for name in ("off", "on"):
-        engine = runs[name][0]
-        engine.add_request("back", prompt(2), GREEDY)  # evicted from the pool by the prompts after it
+    for name, ids in (("off", prompt(2)), ("on", prompt(2)), ("pool", prompt(1))):
+        engine = runs["off" if name == "pool" else name][0]
+        engine.add_request("back", ids, GREEDY)  # prompt(2): evicted from the pool; prompt(1): just run again
         queued[name] = engine.scheduler.queued_prefill_tokens()
         engine.abort_request("back")
         engine.take_outputs()
-    assert queued == {"off": 100, "on": 100 - 96}  # the tier's 6 full blocks are a load, not work
+    assert queued == {"off": 100, "on": 100 - 96, "pool": 100 - 96}  # 6 full blocks held: a load or a hit
 
 
 def test_host_memory_keeps_blocks_in_fp8_when_asked_and_loads_them_back(loaded_model: LoadedModel) -> None:
