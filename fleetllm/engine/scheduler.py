@@ -133,7 +133,7 @@ class Scheduler:
         """Prompt tokens still to compute, of the waiting and prefilling sequences. A waiting sequence's prefix
         held here when it arrived (:meth:`held_tokens`) is a hit or a load, not work: counted, it would price
         the holder of a returning session as busy and send the session away from its KV. Read from the
-        server's thread without locking (the lists copied first): a slightly stale view is fine."""
+        server's thread without locking: a slightly stale view is fine."""
         return sum(max(0, len(s.prompt_token_ids) - max(s.num_computed_tokens, s.num_held_tokens))
                    for s in [*self.waiting, *self.running])
 

@@ -175,7 +175,7 @@ class HostTierConnector(TierConnector):
         super().__init__(metrics)
         self.store = HostStore(capacity_bytes)
         self.dtype = dtype
-        self._kept: torch.dtype | None = None  # the dtype blocks are kept in (None: the pool's), set at bind
+        self._kept: torch.dtype | None = None  # the dtype blocks are kept in (None: the pool's), set with the caches
 
     def bind(self, blocks: BlockAccess) -> None:
         super().bind(blocks)
