@@ -89,7 +89,7 @@ class PrefixAware(Pipeline):
         cost = cost or CostModel()
         w = {n: 1.0 for n in SCORER_NAMES} | dict(weights or {})
         self.index, self.cost = index, cost
-        super().__init__(name, LowestCostPicker(), filters=[BoundedLoad(balance)],
+        super().__init__(name, LowestCostPicker(), filters=[BoundedLoad(balance, index)],
                          scorers=[QueueScorer(cost, w["queue"]), PrefixScorer(index, cost, w["prefix"]),
                                   DecodeScorer(cost, w["decode"]), KVPressureScorer(cost, w["kv_pressure"]),
                                   LoraScorer(cost, w["lora"])],

@@ -190,3 +190,16 @@ def test_the_workers_load_events_carry_its_queued_prefill_tokens():
     WorkerMonitor([w], PrefixIndex(1.0), client=None)._apply(  # type: ignore[arg-type]
         w, {"type": "load", "running": 4, "waiting": 2, "kv_usage": 0.5, "queued_prefill_tokens": 700})
     assert (w.running, w.waiting, w.queued_prefill_tokens) == (4, 2, 700)
+
+
+def test_kv_aware_keeps_a_returning_session_on_the_worker_holding_its_history_past_the_load_bound():
+    idx = PrefixIndex(routed_ttl_s=0)
+    ws = workers(2)
+    idx.reset("w0", [1, 2, 3], capacity=100)
+    idx.stored("w0", [4], medium="CPU")  # the rest of its history, evicted into the worker's host tier
+    ws[0].inflight = 3  # its other sessions' turns: 3 + 1 > ceil(1.25 * 4 / 2)
+    req = _req([1, 2, 3, 4, 5])
+    p = make_policy("kv_aware", idx, CostModel(prefill_tokens_per_s=1000), seed=0)
+    assert p.choose(req, ws).worker.name == "w1"  # no session: bounded, as a hot prefix is
+    req.session_key = "agent-7"
+    assert p.choose(req, ws).worker.name == "w0"  # its own 4 of 5 blocks: the cost model weighs the queue

@@ -14,6 +14,7 @@ from collections.abc import Collection
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
+    from fleetllm.router.index import PrefixIndex
     from fleetllm.router.pipeline.request import RouteRequest
     from fleetllm.router.upstream import WorkerState
 
@@ -80,17 +81,37 @@ def load_bound(workers: list[WorkerState], c: float) -> int:
     return math.ceil(c * (sum(w.inflight for w in workers) + 1) / len(workers))
 
 
+# A session's request whose worker holds at least this share of its prompt's blocks (pool or KV tier) stays there
+# past the load bound: its own history, which another worker would recompute whole
+SESSION_HOLDER_SHARE = 0.5
+
+
 class BoundedLoad:
-    """Workers within :func:`load_bound`: a hot prefix or session spills instead of piling onto one worker. A
-    request's LoRA adapter's holders stay past the bound: sending it elsewhere costs a load there and evicts another
-    adapter (whose requests then miss in turn); the cost model weighs their queue against it."""
+    """Workers within :func:`load_bound`: a hot prefix or session spills instead of piling onto one worker. Past
+    the bound stay a request's LoRA adapter's holders (sending it elsewhere costs a load there and evicts another
+    adapter, whose requests then miss in turn) and, with a prefix ``index``, the workers holding most of a session's
+    prompt (:data:`SESSION_HOLDER_SHARE`, in the pool or a KV tier: an agent's returning turn, whose history
+    another worker would compute again, several times the turn's own work, when its sessions return in a burst);
+    the cost model weighs their queue against it."""
 
     name = "bounded_load"
 
-    def __init__(self, c: float = 1.25) -> None:
-        self.c = c
+    def __init__(self, c: float = 1.25, index: PrefixIndex | None = None) -> None:
+        self.c, self.index = c, index
 
     def apply(self, req: RouteRequest | None, workers: list[WorkerState]) -> list[WorkerState]:
         bound = load_bound(workers, self.c)
         lora = req.lora_name if req is not None else None
-        return [w for w in workers if w.inflight + 1 <= bound or lora in w.resident_adapters] or workers
+        over = {w.name for w in workers if w.inflight + 1 > bound and lora not in w.resident_adapters}
+        keep = self._session_holders(req, workers) if over and req is not None else set()
+        return [w for w in workers if w.name not in over or w.name in keep] or workers
+
+    def _session_holders(self, req: RouteRequest, workers: list[WorkerState]) -> set[str]:
+        """The workers holding :data:`SESSION_HOLDER_SHARE` of ``req``'s prompt blocks, when it has a session."""
+        from fleetllm.router.pipeline.scorers import leading_media
+
+        blocks = req.num_prompt_tokens // max(1, req.block_size)
+        if self.index is None or req.session_key is None or blocks == 0:
+            return set()
+        media = leading_media(self.index, req, workers)
+        return {name for name, m in media.items() if len(m) >= SESSION_HOLDER_SHARE * blocks}

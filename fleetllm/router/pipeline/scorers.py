@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING, Protocol
 from fleetllm.router.pipeline.cost import CostModel
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from fleetllm.router.index import PrefixIndex
     from fleetllm.router.pipeline.request import RouteRequest
     from fleetllm.router.upstream import WorkerState
@@ -85,11 +87,7 @@ class PrefixScorer:
 
     def score(self, c: Candidates) -> None:
         req, fraction = c.req, self.model.load_fraction
-        media: dict[str, list[str]] = {}  # per worker, where it holds each leading block (pool or a tier)
-        schemes = {w.hash_scheme for w in c.everyone}
-        for scheme in schemes:  # one lookup per way of hashing (fleetllm's, vLLM's)
-            same = c.everyone if len(schemes) == 1 else [w for w in c.everyone if w.hash_scheme == scheme]
-            media.update(self.index.match_media(req.hashes_for(same[0]), [w.name for w in same], fraction))
+        media = leading_media(self.index, req, c.everyone, fraction)  # per worker: pool or a tier, each block
         c.depth = {name: len(m) for name, m in media.items()}
         for i, w in enumerate(c.workers):
             bs = w.block_size or req.block_size
@@ -97,6 +95,19 @@ class PrefixScorer:
             loaded = bs * sum(fraction(m) for m in media[w.name])  # tier blocks: a load each
             c.cached[i] = cached
             c.cost[i] += self.weight * self.model.prefill_s(req.num_prompt_tokens - cached + loaded)
+
+
+def leading_media(index: PrefixIndex, req: RouteRequest, workers: list[WorkerState],
+                  rank: Callable[[str], float] = lambda m: 0.0) -> dict[str, list[str]]:
+    """Per worker, where it holds each leading block of ``req``'s prompt (its pool, or the medium of the KV tier
+    ranked lowest by ``rank`` of those holding it), up to its first miss: one index lookup per way of hashing
+    (fleetllm's, vLLM's) among ``workers``."""
+    media: dict[str, list[str]] = {}
+    schemes = {w.hash_scheme for w in workers}
+    for scheme in schemes:
+        same = workers if len(schemes) == 1 else [w for w in workers if w.hash_scheme == scheme]
+        media.update(index.match_media(req.hashes_for(same[0]), [w.name for w in same], rank))
+    return media
 
 
 class DecodeScorer(WorkerTermScorer):
