@@ -126,7 +126,7 @@ def run(label: str, args: argparse.Namespace, pool_blocks: int, offload_gb: floa
                "failed": summary["requests"]["errors"],
                "tier_block_hits": metric(workers, "fleetllm:kv_tier_hits_total"),
                "tier_block_misses": metric(workers, "fleetllm:kv_tier_misses_total"),
-               "tier_used_gib": metric(workers, "fleetllm:kv_tier_used_bytes") / 2**30,
+               "tier_used_gib": [metric([w], "fleetllm:kv_tier_used_bytes") / 2**30 for w in workers],
                "preemptions": metric(workers, "vllm:num_preemptions_total"),
                "tier_load_s_mean": metric(workers, "fleetllm:kv_tier_load_seconds_sum")
                / max(1.0, metric(workers, "fleetllm:kv_tier_load_seconds_count")),
