@@ -216,10 +216,13 @@ class HostTierConnector(TierConnector):
         from fleetllm.kernels import kv8
 
         try:
+            # a block loaded from here and evicted again holds the same KV: only marked recent, not copied
             layers = self.caches.layers
             for bid, block_hash, token_ids in gone:
-                k = torch.stack([lk[bid] for lk, _ in layers])  # a copy, [layers, block_size, heads, head_dim]
-                v = torch.stack([lv[bid] for _, lv in layers])
+                if self.store.touch(block_hash):  # loaded from here and evicted again: the same KV, not copied
+                    continue
+                k = torch.stack([lk[bid] for lk, _ in layers]).cpu()  # a copy, [layers, block_size, heads, head_dim]
+                v = torch.stack([lv[bid] for _, lv in layers]).cpu()
                 if self._kept is not None:  # compressed; a load converts the rows back (kv8.copy_rows)
                     k, v = kv8.convert(k, self._kept), kv8.convert(v, self._kept)
                 block = HostBlock(token_ids, k, v)

@@ -73,6 +73,13 @@ class HostStore:
             listener("stored", [block_hash], list(block.token_ids))
         return True
 
+    def touch(self, block_hash: int) -> bool:
+        """Mark the block kept under ``block_hash`` recent; False if none is."""
+        if block_hash not in self._blocks:
+            return False
+        self._blocks.move_to_end(block_hash)
+        return True
+
     def get(self, block_hash: int, token_ids: tuple[int, ...]) -> HostBlock | None:
         """The block kept under ``block_hash`` holding exactly ``token_ids`` (marked recent), or None."""
         block = self._blocks.get(block_hash)
