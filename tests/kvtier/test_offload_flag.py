@@ -6,10 +6,11 @@ from fleetllm.cli import build_parser, fleet_config
 
 
 def test_serve_passes_the_host_tier_to_every_worker() -> None:
-    cfg = fleet_config(build_parser().parse_args(["serve", "--prefill", "1", "--decode", "1", "--kv-offload-gb", "2"]))
+    argv = ["serve", "--prefill", "1", "--decode", "1", "--kv-offload-gb", "2", "--kv-offload-dtype", "fp8"]
+    cfg = fleet_config(build_parser().parse_args(argv))
     for m in cfg.models:
         args = m.worker_args()
-        assert args[args.index("--kv-offload-gb") + 1] == "2.0"
+        assert args[args.index("--kv-offload-gb") + 1] == "2.0" and args[args.index("--kv-offload-dtype") + 1] == "fp8"
     assert len(cfg.models) == 2
 
 
