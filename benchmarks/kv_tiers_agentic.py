@@ -117,7 +117,7 @@ def run(label: str, args: argparse.Namespace, pool_blocks: int, offload_gb: floa
         result = out / f"{label.replace(' ', '-')}-{rnd}.json"
         subprocess.run(CLI + ["bench", "--url", router, "--model", "smollm2-135m", *WORKLOAD,
                               "--concurrency", str(args.sessions), "--max-context", str(args.max_context),
-                              "--think-time", str(args.think_time),
+                              "--think-time", str(args.think_time), "--ramp-up", str(args.ramp_up),
                               "--duration", str(args.duration), "--seed", "1", "--no-progress",
                               "--output", str(result)], check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
         records = [json.loads(ln) for ln in result.with_suffix(".requests.jsonl").read_text().splitlines()]
@@ -176,6 +176,8 @@ def main() -> int:
                     help="the two pools together hold this fraction of sessions x max context")
     ap.add_argument("--offload-gb", type=float, default=2.5, help="each worker's host tier")
     ap.add_argument("--rounds", type=int, default=1, help="each configuration this many times, alternating")
+    ap.add_argument("--ramp-up", type=float, default=0.0,
+                    help="seconds over which the sessions start (0: all at once, so they return in bursts)")
     ap.add_argument("--out", type=Path, default=ROOT / "results" / "kv_tiers_agentic")
     ap.add_argument("--no-save", action="store_true")
     args = ap.parse_args()
