@@ -14,6 +14,12 @@ from fleetllm.engine.scheduler import SchedulerConfig
 from fleetllm.kvtier.remote import kv_remote_value
 from fleetllm.store.config import StoreConfig
 
+# What --kv-cache-dtype auto means for an fp32 model on the fast path (quantised weights on the CPU): the cache
+# that wins on speed while holding the fast-path quality bar (benchmarks/fast_path_quality.py; see
+# docs/kv-cache-dtype.md#quality). Exact mode (--quantization none) keeps the model's dtype, so its outputs stay
+# HF transformers' token for token.
+FAST_PATH_KV_DTYPE = "bf16"
+
 
 @dataclass
 class EngineConfig:
@@ -43,9 +49,10 @@ class EngineConfig:
                                       "auto)",
                                 parse=kv_remote_value, metavar="URL")
     kv_cache_dtype: Literal["auto", "fp32", "bf16", "fp16", "int8", "fp8", "fp8_e4m3", "fp8_e5m2"] = opt(
-        "auto", "dtype of the paged KV cache: auto (the model's), fp32, bf16 or fp16 (half the bytes per token), "
-                "int8, fp8 (= fp8_e4m3) or fp8_e5m2 (8 bits and a scale per token and KV head: about a quarter of "
-                "fp32's bytes, read in place by the attention kernels); see docs/kv-cache-dtype.md")
+        "auto", f"dtype of the paged KV cache: auto ({FAST_PATH_KV_DTYPE} with quantised weights on the CPU, the "
+                "model's dtype with --quantization none or on CUDA), fp32, bf16 or fp16 (half fp32's bytes per token), "
+                "int8, fp8 (= fp8_e4m3) or fp8_e5m2 (8 bits and a scale per 16 channels of a token and KV head: "
+                "under a third of fp32's bytes, read in place by the attention kernels); see docs/kv-cache-dtype.md")
     max_model_len: int | None = opt(None, "most tokens of one sequence, prompt and output (default: "
                                           "min(the model's context, 8192), capped by the KV cache)")
     max_num_seqs: int = opt(SchedulerConfig.max_num_seqs, "most sequences running in one step")

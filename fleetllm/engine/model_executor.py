@@ -59,7 +59,7 @@ class ModelExecutor:
         self.step_profile = StepProfile() if cfg.profile_steps else None
         # hooks on the model: an engine sharing these weights with others removes them when done profiling
         self.attention_hooks = time_attention(self.loaded.model, self.step_profile, self.device) if self.step_profile else []
-        kv_dtype = kv_dtype_of(cfg.kv_cache_dtype, self.loaded.model)
+        kv_dtype = kv_dtype_of(cfg.kv_cache_dtype, self.loaded.model, cfg.quantization)
         per_block = ModelRunner.kv_bytes_per_block(self.loaded.model, cfg.block_size, kv_dtype)
         self.num_blocks = cfg.num_blocks or max(16, int(cfg.kv_cache_gb * 2**30 // per_block))
         check_context_fits(cfg, self.loaded.config.max_position_embeddings, self.num_blocks, per_block)

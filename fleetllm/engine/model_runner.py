@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from fleetllm.engine.config import FAST_PATH_KV_DTYPE
 from fleetllm.engine.kv_connector.base import KVConnectorMetadata, KVConnectorWorker, StepKV
 from fleetllm.engine.kv_memory import SharedKVFile, kv_memory
 from fleetllm.engine.scheduler import Scheduled
@@ -27,9 +28,13 @@ KV_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float1
              "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 
 
-def kv_dtype_of(name: str, model: LlamaModel) -> torch.dtype:
-    """The KV cache's dtype for a ``--kv-cache-dtype`` name: ``auto`` is the model's own dtype."""
-    return next(model.parameters()).dtype if name == "auto" else KV_DTYPES[name]
+def kv_dtype_of(name: str, model: LlamaModel, quantization: str = "none") -> torch.dtype:
+    """The KV cache's dtype for a ``--kv-cache-dtype`` name: ``auto`` is :data:`FAST_PATH_KV_DTYPE` for an fp32
+    model with quantised weights, else the model's own dtype."""
+    if name != "auto":
+        return KV_DTYPES[name]
+    own = next(model.parameters()).dtype
+    return KV_DTYPES[FAST_PATH_KV_DTYPE] if own == torch.float32 and quantization != "none" else own
 
 
 class ModelRunner:
@@ -37,7 +42,7 @@ class ModelRunner:
 
     The cache may be narrower than the model (``kv_dtype`` bf16/fp16 under fp32 weights): attention casts
     what it stores and upcasts what it reads, so only the pool's bytes change. An 8-bit ``kv_dtype`` (int8,
-    fp8) has rows of ``head_dim + 4``: the values, then their scale (:mod:`fleetllm.kernels.kv8`).
+    fp8) has rows of ``kv8.row_width(head_dim)``: the values, then their scales (:mod:`fleetllm.kernels.kv8`).
     """
 
     def __init__(self, model: LlamaModel, num_blocks: int, block_size: int, device: str = "cpu",

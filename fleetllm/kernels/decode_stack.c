@@ -25,6 +25,7 @@
 #include <stdint.h>
 #include <string.h>
 #include "simd.h"
+#include "kv8.h"
 #include "gemv_common.h"  /* exp8 */
 
 typedef int (*gemv_fn)(const float *x, long ldx, const uint8_t *w, const uint16_t *d, const uint16_t *m, float *y,
@@ -37,7 +38,6 @@ typedef int (*attend_fn)(const float *q, long q_row_stride, const void *k_cache,
 typedef int (*lora_fn)(const float *x, long ldx, float *y, long ldy, int rows, const int32_t *slots, int n_slots,
                        const float *a, const float *b, int rank, int in, int out, int threads, int vector);
 
-enum { KV_F32 = 0, KV_F16 = 1, KV_BF16 = 2, KV_I8 = 3, KV_E4M3 = 4, KV_E5M2 = 5 };
 enum { LQ, LK, LV, LO, LGATE, LUP, LDOWN, LORA_MODULES };  /* fleetllm/lora/tables.py's MODULES, in order */
 
 /* One layer's LoRA tables per projection: a [n_slots, rank, in], b [n_slots, out, rank]; NULL: not adapted. */
@@ -136,19 +136,23 @@ static uint8_t to_fp8(float x, int man, int bias) {
     return sign | (uint8_t)((((int)(r >> man) - 127 + bias) << man) | (r & ((1u << man) - 1)));
 }
 
-/* One KV head's row of d values as 8-bit values and their scale (max |x| / qmax): see kv8.quantize. */
+/* One KV head's row of d values as 8-bit values, then one scale (max |x| / qmax) per KV8_GROUP of them: see
+ * kv8.quantize. */
 static void store_8bit(uint8_t *o, int dtype, const float *x, int d) {
     const float qmax = dtype == KV_I8 ? 127.f : dtype == KV_E4M3 ? 448.f : 57344.f;
-    float amax = 0.f;
-    for (int i = 0; i < d; i++) amax = fabsf(x[i]) > amax ? fabsf(x[i]) : amax;
-    float scale = amax / qmax;
-    scale = scale > 0.f ? scale : 1.f;
-    for (int i = 0; i < d; i++) {
-        float y = x[i] / scale;  /* a division, as PyTorch's x / scale */
-        y = y > qmax ? qmax : y < -qmax ? -qmax : y;
-        o[i] = dtype == KV_I8 ? (uint8_t)(int8_t)nearbyintf(y) : dtype == KV_E4M3 ? to_fp8(y, 3, 7) : to_fp8(y, 2, 15);
+    for (int g0 = 0; g0 < d; g0 += KV8_GROUP) {
+        const int g1 = g0 + KV8_GROUP < d ? g0 + KV8_GROUP : d;
+        float amax = 0.f;
+        for (int i = g0; i < g1; i++) amax = fabsf(x[i]) > amax ? fabsf(x[i]) : amax;
+        float scale = amax / qmax;
+        scale = scale > 0.f ? scale : 1.f;
+        for (int i = g0; i < g1; i++) {
+            float y = x[i] / scale;  /* a division, as PyTorch's x / scale */
+            y = y > qmax ? qmax : y < -qmax ? -qmax : y;
+            o[i] = dtype == KV_I8 ? (uint8_t)(int8_t)nearbyintf(y) : dtype == KV_E4M3 ? to_fp8(y, 3, 7) : to_fp8(y, 2, 15);
+        }
+        memcpy(o + d + 4 * (g0 / KV8_GROUP), &scale, 4);
     }
-    memcpy(o + d, &scale, 4);
 }
 
 /* The n = kv_heads * d values of one token's K (or V) into its slot. */
@@ -164,8 +168,8 @@ static void store_kv(void *cache, int dtype, long slot, const float *x, int n, i
         for (int i = 0; i < n; i++) o[i] = to_bf16(x[i]);
     } else {
         const int heads = n / d;
-        uint8_t *o = (uint8_t *)cache + slot * heads * (d + 4);
-        for (int h = 0; h < heads; h++) store_8bit(o + h * (d + 4), dtype, x + h * d, d);
+        uint8_t *o = (uint8_t *)cache + slot * heads * KV8_ROW(d);
+        for (int h = 0; h < heads; h++) store_8bit(o + h * KV8_ROW(d), dtype, x + h * d, d);
     }
 }
 

@@ -1,19 +1,23 @@
 """8-bit KV cache rows (``--kv-cache-dtype int8 | fp8 | fp8_e4m3 | fp8_e5m2``): layout, writing and reading.
 
-An 8-bit cache keeps, for every (token, KV head), its ``head_dim`` values in 8 bits followed by their scale, a
-float32 in the row's last four bytes: a layer's cache is ``[slots, kv_heads, head_dim + 4]`` of ``torch.int8``,
-``torch.float8_e4m3fn`` or ``torch.float8_e5m2``. The value of element ``i`` is ``row[i] * scale``; the scale is
-``max |x| / qmax`` of the row (qmax: 127, 448, 57344), so the row's largest value is the format's largest.
+An 8-bit cache keeps, for every (token, KV head), its ``head_dim`` values in 8 bits followed by one float32 scale
+per ``GROUP`` (16) channels: a layer's cache is ``[slots, kv_heads, row_width(head_dim)]`` of ``torch.int8``,
+``torch.float8_e4m3fn`` or ``torch.float8_e5m2`` (80 bytes for head_dim 64). The value of element ``i`` is
+``row[i] * scale[i // GROUP]``; a scale is ``max |x| / qmax`` of its group (qmax: 127, 448, 57344), so each
+group's largest value is the format's largest.
 
 Why per token and head, next to the values: a token's K/V is written once, when it is computed (a decode
 step writes one row, no block is ever requantised, as a per-block scale would need when a later token is
 larger); an outlier token costs precision to no other; and every copy of a block (P/D frames, the KV tiers,
-the prefix cache's blocks) carries its scales with it, because they are the same bytes. Four bytes per 64
-values: 6% on top of the 8-bit payload (68 bytes a row against fp32's 256).
+the prefix cache's blocks) carries its scales with it, because they are the same bytes. Why per group of
+channels rather than per row: keys have outlier channels, and a row-wide scale set by one of them rounds the
+row's other channels coarsely (a scale per 16 channels takes the KL divergence from fp32 KV's next-token
+distribution from 1.05e-3 to 4.0e-4 on SmolLM2-135M; docs/kv-cache-dtype.md). Sixteen bytes of scales per 64
+values: 25% on top of the 8-bit payload (80 bytes a row against fp32's 256).
 
-The C kernels (paged_attention.c, prefill_attention.c, decode_stack.c) read and write this layout in place;
-:func:`store` and :func:`read` are the PyTorch paths' (which may dequantise the rows they read), and
-:func:`convert` / :func:`copy_rows` move rows between pools of different layouts.
+The C kernels (paged_attention.c, prefill_attention.c, decode_stack.c; the layout's constants in kv8.h) read
+and write this layout in place; :func:`store` and :func:`read` are the PyTorch paths' (which may dequantise the
+rows they read), and :func:`convert` / :func:`copy_rows` move rows between pools of different layouts.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from __future__ import annotations
 import torch
 
 SCALE_BYTES = 4
+GROUP = 16  # channels per scale; the C kernels' KV8_GROUP (a multiple of 8: their vectors never straddle groups)
 QMAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
 
 
@@ -29,39 +34,59 @@ def quantized(dtype: torch.dtype) -> bool:
     return dtype in QMAX
 
 
+def groups(head_dim: int) -> int:
+    """Scales of one 8-bit row: one per ``GROUP`` channels (the last group may be shorter)."""
+    return -(-head_dim // GROUP)
+
+
 def row_width(head_dim: int, dtype: torch.dtype) -> int:
-    """Elements of one (token, KV head) row of a cache of ``dtype``: ``head_dim``, plus the scale's bytes when 8-bit."""
-    return head_dim + SCALE_BYTES if quantized(dtype) else head_dim
+    """Elements of one (token, KV head) row of a cache of ``dtype``: ``head_dim``, plus the scales' bytes when 8-bit."""
+    return head_dim + SCALE_BYTES * groups(head_dim) if quantized(dtype) else head_dim
 
 
 def head_dim_of(cache: torch.Tensor) -> int:
     """The head_dim of a cache (or a block of one) whose rows are its last dimension."""
-    return cache.shape[-1] - SCALE_BYTES if quantized(cache.dtype) else cache.shape[-1]
+    width = cache.shape[-1]
+    if not quantized(cache.dtype):
+        return width
+    # width = d + 4 ceil(d / GROUP) lies in [d (1 + 4 / GROUP), that + 4]; it grows with d, so one d has it
+    low = (width - SCALE_BYTES) * GROUP // (GROUP + SCALE_BYTES)
+    return next(d for d in range(max(low, 1), width) if row_width(d, cache.dtype) == width)
+
+
+def _grouped(x: torch.Tensor) -> torch.Tensor:
+    """``x [..., D]`` as ``[..., groups, GROUP]``, the last group padded with zeros."""
+    d = x.shape[-1]
+    pad = groups(d) * GROUP - d
+    if pad:
+        x = torch.nn.functional.pad(x, (0, pad))
+    return x.view(*x.shape[:-1], -1, GROUP)
 
 
 def quantize(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Rows ``x [..., D]`` as ``[..., D + 4]`` of ``dtype``: 8-bit values, then the row's float32 scale.
+    """Rows ``x [..., D]`` as ``[..., row_width(D)]`` of ``dtype``: 8-bit values, then one float32 scale per group.
 
     Division (not a multiplication by the reciprocal) and round-half-even, as decode_stack.c rounds, so both
     writers store the same bytes for the same values."""
-    x = x.float()
+    x, d = x.float(), x.shape[-1]
     qmax = QMAX[dtype]
-    scale = x.abs().amax(dim=-1, keepdim=True) / qmax
-    scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # an all-zero row: any scale
-    y = (x / scale).clamp_(-qmax, qmax)
+    g = _grouped(x)
+    scale = g.abs().amax(dim=-1, keepdim=True) / qmax
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # an all-zero group: any scale
+    y = (g / scale).clamp_(-qmax, qmax).flatten(-2)[..., :d]
     q = y.round_().to(torch.int8) if dtype == torch.int8 else y.to(dtype)
-    out = torch.empty(*x.shape[:-1], x.shape[-1] + SCALE_BYTES, dtype=torch.uint8, device=x.device)
-    out[..., : x.shape[-1]] = q.view(torch.uint8)
-    out[..., x.shape[-1] :] = scale.contiguous().view(torch.uint8)
+    out = torch.empty(*x.shape[:-1], row_width(d, dtype), dtype=torch.uint8, device=x.device)
+    out[..., :d] = q.view(torch.uint8)
+    out[..., d:] = scale.squeeze(-1).contiguous().view(torch.uint8)
     return out.view(dtype)
 
 
 def dequantize(rows: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """8-bit rows ``[..., D + 4]`` back to ``[..., D]`` values in ``dtype``."""
-    d = rows.shape[-1] - SCALE_BYTES
+    """8-bit rows ``[..., row_width(D)]`` back to ``[..., D]`` values in ``dtype``."""
+    d = head_dim_of(rows)
     raw = rows.contiguous().view(torch.uint8)
-    scale = raw[..., d:].contiguous().view(torch.float32)
-    return (rows[..., :d].float() * scale).to(dtype)
+    scale = raw[..., d:].contiguous().view(torch.float32).unsqueeze(-1)
+    return (_grouped(rows[..., :d].float()) * scale).flatten(-2)[..., :d].to(dtype)
 
 
 def read(cache: torch.Tensor, index: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -5,8 +5,8 @@
  * hands it data pointers of contiguous tensors through ctypes.
  *
  * Layout: the cache of one layer is [num_blocks * block_size, kv_heads, row] (fp32, fp16 or bf16: row =
- * head_dim; 8-bit int8 / fp8 e4m3 / fp8 e5m2: row = head_dim + 4 bytes, the values then their fp32 scale, see
- * fleetllm/kernels/kv8.py); key position p of a sequence lives in slot table[p / block_size] * block_size + p % block_size. A query
+ * head_dim; 8-bit int8 / fp8 e4m3 / fp8 e5m2: row = KV8_ROW(head_dim) bytes, the values then an fp32 scale per
+ * KV8_GROUP of them, see kv8.h); key position p of a sequence lives in slot table[p / block_size] * block_size + p % block_size. A query
  * row r reads the table row table_of[r] (r when table_of is NULL) and attends to positions [max(0, len - window), len) with
  * len = context_lens[r]: a decode step has one row per sequence, a chunk of n queries over cached context
  * has n rows sharing one table with lengths n_ctx - n + 1 ... n_ctx (causal by construction).
@@ -20,8 +20,9 @@
  * partition's values hit the L2 cache instead of memory. The partitions depend on the row's length and window
  * only: the result does not change with the batch or the thread count. Vector code (AVX2 + FMA, F16C for fp16 keys) is chosen at run time; a scalar path covers the rest.
  *
- * 8-bit rows are read in place and widened in registers: a score is scale_k * (q . k8) and a value row enters
- * as (p * scale_v) * v8, so the scales cost one multiply per key, not per element. fp8 goes through F16C: an
+ * 8-bit rows are read in place and widened in registers, each vector (8 or 16 channels, within one group) times
+ * its group's scale as it is widened: one multiply per vector of a key or value row, shared by the query heads
+ * that read it (GQA). fp8 goes through F16C: an
  * e5m2 byte is the top byte of an fp16, an e4m3 byte shifted into an fp16's exponent and mantissa is its
  * value / 256 (subnormals included), so 256 is folded into its scale.
  */
@@ -30,10 +31,9 @@
 #include <stdlib.h>
 #include <string.h>
 #include "simd.h"
+#include "kv8.h"
 #include "gemv_common.h"  /* hsum8, exp8 */
 
-enum { KV_F32 = 0, KV_F16 = 1, KV_BF16 = 2, KV_I8 = 3, KV_E4M3 = 4, KV_E5M2 = 5 };
-#define IS_8BIT(dt) ((dt) >= KV_I8)
 
 typedef struct {
     const float *q; long q_row_stride;        /* q[row * q_row_stride + head * head_dim + i] */
@@ -43,7 +43,7 @@ typedef struct {
     float *out; long out_row_stride;
     int heads, kv_heads, head_dim, block_size, window;
     float scale;
-    int row;  /* elements of one (slot, kv head) row: head_dim, or head_dim + 4 bytes (8-bit) */
+    int row;  /* elements of one (slot, kv head) row: head_dim, or KV8_ROW(head_dim) bytes (8-bit) */
 } PagedArgs;
 
 static inline float half_to_float(uint16_t h) {
@@ -60,7 +60,7 @@ static inline float half_to_float(uint16_t h) {
     float f; memcpy(&f, &bits, 4); return f;
 }
 
-/* An element as stored: 8-bit ones without their row's scale (see row_scale). */
+/* An element as stored: 8-bit ones without their group's scale (see group_scale). */
 static inline float load_scalar(const void *base, long idx, int dtype) {
     if (dtype == KV_F32) return ((const float *)base)[idx];
     if (dtype == KV_I8) return ((const int8_t *)base)[idx];
@@ -124,12 +124,12 @@ static inline long next_ahead(AheadSlots *it) {
 }
 #endif
 
-/* What the elements of the row at `base` are multiplied by: 1 for fp32/fp16/bf16, the row's scale for 8-bit
+/* What element i of the row at `base` is multiplied by: 1 for fp32/fp16/bf16, its group's scale for 8-bit
  * (times 256 for e4m3, which load_scalar and load8 read as value / 256). */
-static inline float row_scale(const void *cache, long base, int head_dim, int dtype) {
+static inline float group_scale(const void *cache, long base, int head_dim, int dtype, int i) {
     if (!IS_8BIT(dtype)) return 1.f;
     float s;
-    memcpy(&s, (const uint8_t *)cache + base + head_dim, 4);
+    memcpy(&s, (const uint8_t *)cache + base + head_dim + 4 * (i / KV8_GROUP), 4);
     return dtype == KV_E4M3 ? s * 256.f : s;
 }
 
@@ -155,11 +155,12 @@ static void task_scalar(const PagedArgs *a, const Part *t, float *scores) {
     float *out = t->out;
     for (int j = 0; j < n; j++) {
         long base = (slot_of(a, table, first + j) * a->kv_heads + kvh) * a->row;
-        const float ks = row_scale(a->k_cache, base, d, a->kv_dtype) * a->scale;
         for (int h = 0; h < g; h++) {
             float s = 0.f;
-            for (int i = 0; i < d; i++) s += q[h * d + i] * load_scalar(a->k_cache, base + i, a->kv_dtype);
-            scores[h * n + j] = s * ks;
+            for (int i = 0; i < d; i++)
+                s += q[h * d + i] * (load_scalar(a->k_cache, base + i, a->kv_dtype) *
+                                     group_scale(a->k_cache, base, d, a->kv_dtype, i));
+            scores[h * n + j] = s * a->scale;
         }
     }
     for (int h = 0; h < g; h++) {
@@ -172,9 +173,8 @@ static void task_scalar(const PagedArgs *a, const Part *t, float *scores) {
     memset(out, 0, sizeof(float) * g * d);
     for (int j = 0; j < n; j++) {
         long base = (slot_of(a, table, first + j) * a->kv_heads + kvh) * a->row;
-        const float vs = row_scale(a->v_cache, base, d, a->kv_dtype);
         for (int i = 0; i < d; i++) {
-            float v = load_scalar(a->v_cache, base + i, a->kv_dtype) * vs;
+            float v = load_scalar(a->v_cache, base + i, a->kv_dtype) * group_scale(a->v_cache, base, d, a->kv_dtype, i);
             for (int h = 0; h < g; h++) out[h * d + i] += scores[h * n + j] * v;
         }
     }
@@ -219,7 +219,7 @@ static void softmax_rows(float *scores, int g, int n, int vector, float *ml) {
 __attribute__((target("avx2,fma,f16c"), always_inline))
 static inline __m256 load8(const void *base, long idx, int dtype) {
     if (dtype == KV_F32) return _mm256_loadu_ps((const float *)base + idx);
-    if (IS_8BIT(dtype)) {  /* 8 bytes widened in registers (the row's scale applied by the caller) */
+    if (IS_8BIT(dtype)) {  /* 8 bytes widened in registers (their group's scale applied by load8s) */
         const __m128i b = _mm_loadl_epi64((const __m128i *)((const uint8_t *)base + idx));
         if (dtype == KV_I8) return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
         const __m128i h = _mm_slli_epi16(_mm_cvtepu8_epi16(b), 8);  /* the byte atop a 16-bit lane */
@@ -232,6 +232,13 @@ static inline __m256 load8(const void *base, long idx, int dtype) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
 
+/* The 8 elements from i of the row at `row`, 8-bit ones times their group's scale. */
+__attribute__((target("avx2,fma,f16c"), always_inline))
+static inline __m256 load8s(const void *cache, long row, int head_dim, int i, int dtype) {
+    const __m256 x = load8(cache, row + i, dtype);
+    return IS_8BIT(dtype) ? _mm256_mul_ps(x, _mm256_set1_ps(group_scale(cache, row, head_dim, dtype, i))) : x;
+}
+
 /* Scores of the g heads over the keys for head_dim's vectors v0 .. v0 + nb - 1: each key's vectors are loaded
  * into registers once for all g heads (written by the first block, added to by the others). Inlined with nb and
  * dtype constants, so the full block's loops unroll and its loads do not branch on the cache's type. */
@@ -241,10 +248,10 @@ static inline void score_block(const PagedArgs *a, const int32_t *table, int fir
     const int d = a->head_dim, g = a->heads / a->kv_heads;
     Slots it = slots_from(a, table, first);
     for (int j = 0; j < n; j++) {
-        const long row = (next_slot(&it) * a->kv_heads + kvh) * a->row, base = row + 8 * v0;
-        const float ks = row_scale(a->k_cache, row, d, dtype) * a->scale;
+        const long row = (next_slot(&it) * a->kv_heads + kvh) * a->row;
+        const float ks = a->scale;
         __m256 k[BLOCK_VECS];
-        for (int v = 0; v < nb; v++) k[v] = load8(a->k_cache, base + 8 * v, dtype);
+        for (int v = 0; v < nb; v++) k[v] = load8s(a->k_cache, row, d, 8 * (v0 + v), dtype);
         for (int h = 0; h < g; h++) {
             const float *qh = q + h * d + 8 * v0;
             __m256 acc = _mm256_setzero_ps();
@@ -265,9 +272,9 @@ static inline void value_block(const PagedArgs *a, const int32_t *table, int fir
         for (int v = 0; v < nb; v++) acc[v] = _mm256_setzero_ps();
         Slots it = slots_from(a, table, first);
         for (int j = 0; j < n; j++) {
-            const long row = (next_slot(&it) * a->kv_heads + kvh) * a->row, base = row + 8 * v0;
-            const __m256 p = _mm256_set1_ps(scores[h * n + j] * row_scale(a->v_cache, row, d, dtype));
-            for (int v = 0; v < nb; v++) acc[v] = _mm256_fmadd_ps(p, load8(a->v_cache, base + 8 * v, dtype), acc[v]);
+            const long row = (next_slot(&it) * a->kv_heads + kvh) * a->row;
+            const __m256 p = _mm256_set1_ps(scores[h * n + j]);
+            for (int v = 0; v < nb; v++) acc[v] = _mm256_fmadd_ps(p, load8s(a->v_cache, row, d, 8 * (v0 + v), dtype), acc[v]);
         }
         for (int v = 0; v < nb; v++) _mm256_storeu_ps(out + h * d + 8 * (v0 + v), acc[v]);
     }
@@ -336,6 +343,12 @@ static inline __m512 load16(const void *base, long idx, const int dtype) {
     return _mm512_cvtph_ps(_mm256_and_si256(_mm256_srai_epi16(h, 1), _mm256_set1_epi16((short)0xbfff)));
 }
 
+/* The 16 elements from i of an 8-bit row at `row`, times their group's scale. */
+__attribute__((target(AVX512), always_inline))
+static inline __m512 load16s(const void *cache, long row, int head_dim, int i, const int dtype) {
+    return _mm512_mul_ps(load16(cache, row + i, dtype), _mm512_set1_ps(group_scale(cache, row, head_dim, dtype, i)));
+}
+
 /* out[h0 + h] = sum_j p[h0 + h, j] v_j over head_dim's vectors v0 .. v0 + nb - 1, for hg heads at once. */
 __attribute__((target(AVX512), always_inline))
 static inline void value_block16(const PagedArgs *a, const int32_t *table, int first, int n, int kvh,
@@ -347,12 +360,11 @@ static inline void value_block16(const PagedArgs *a, const int32_t *table, int f
         for (int v = 0; v < nb; v++) acc[h][v] = _mm512_setzero_ps();
     AheadSlots it = ahead_from(a, table, first, n, a->v_cache, kvh);
     for (int j = 0; j < n; j++) {
-        const long row = (next_ahead(&it) * a->kv_heads + kvh) * a->row, base = row + 16 * v0;
-        const float vs = row_scale(a->v_cache, row, d, dtype);
+        const long row = (next_ahead(&it) * a->kv_heads + kvh) * a->row;
         __m512 x[ZV];
-        for (int v = 0; v < nb; v++) x[v] = load16(a->v_cache, base + 16 * v, dtype);
+        for (int v = 0; v < nb; v++) x[v] = load16s(a->v_cache, row, d, 16 * (v0 + v), dtype);
         for (int h = 0; h < hg; h++) {
-            const __m512 p = _mm512_set1_ps(scores[(h0 + h) * n + j] * vs);
+            const __m512 p = _mm512_set1_ps(scores[(h0 + h) * n + j]);
             for (int v = 0; v < nb; v++) acc[h][v] = _mm512_fmadd_ps(p, x[v], acc[h][v]);
         }
     }
@@ -383,7 +395,7 @@ static inline __m128 sum4x8(const __m256 *v) {
     return _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
 }
 
-/* Scores of SK keys (rows[], the first m real; ks[]: their scales times the softmax scale) for heads h0 .. h0 +
+/* Scores of SK keys (rows[], the first m real; ks[]: the softmax scale, 0 past m) for heads h0 .. h0 +
  * hn - 1, over head_dim's vectors v0 .. v0 + nb - 1: each key's vectors widened once for the hn heads, and the
  * SK x hn dot products summed across lanes together (one horizontal sum per key costs as much as its FMAs). */
 __attribute__((target(AVX512), always_inline))
@@ -394,7 +406,7 @@ static inline void score_group(const PagedArgs *a, const long *rows, const float
     __m512 acc[SH][SK];
     for (int j = 0; j < SK; j++) {
         __m512 k[ZV];
-        for (int v = 0; v < nb; v++) k[v] = load16(a->k_cache, rows[j] + 16 * (v0 + v), dtype);
+        for (int v = 0; v < nb; v++) k[v] = load16s(a->k_cache, rows[j], d, 16 * (v0 + v), dtype);
         for (int h = 0; h < hn; h++) {
             const float *qh = q + (h0 + h) * d + 16 * v0;
             __m512 s = _mm512_mul_ps(_mm512_loadu_ps(qh), k[0]);
@@ -424,7 +436,7 @@ static void scores_avx512(const PagedArgs *a, const int32_t *table, int first, i
         const int m = n - j0 < SK ? n - j0 : SK;
         for (int j = 0; j < SK; j++) {  /* a short last group repeats its first key, scaled by 0 and not stored */
             rows[j] = j < m ? (next_ahead(&it) * a->kv_heads + kvh) * a->row : rows[0];
-            ks[j] = j < m ? row_scale(a->k_cache, rows[j], d, a->kv_dtype) * a->scale : 0.f;
+            ks[j] = j < m ? a->scale : 0.f;
         }
         for (int v0 = 0; v0 < nv; v0 += ZV) {
             const int nb = nv - v0 < ZV ? nv - v0 : ZV;
@@ -551,7 +563,7 @@ int paged_attention(const float *q, long q_row_stride, const void *k_cache, cons
                     int block_size, int window, float scale, int threads) {
     PagedArgs a = {q, q_row_stride, k_cache, v_cache, kv_dtype, tables, table_stride, table_of, context_lens,
                    out, out_row_stride, heads, kv_heads, head_dim, block_size, window, scale,
-                   IS_8BIT(kv_dtype) ? head_dim + 4 : head_dim};
+                   IS_8BIT(kv_dtype) ? KV8_ROW(head_dim) : head_dim};
     const int isa = paged_attention_isa(), vec = isa >= 2 && head_dim % 8 == 0;
     const int vec512 = isa == 3 && head_dim % 16 == 0 && IS_8BIT(kv_dtype);  /* see the AVX-512 section */
     const int g = heads / kv_heads;

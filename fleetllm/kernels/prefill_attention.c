@@ -4,7 +4,7 @@
  *
  * Query i sits at position n_ctx - n_q + i and sees positions (pos - window, pos] (window 0: all of [0, pos]).
  * Layout as in paged_attention.c: one layer's cache is [num_blocks * block_size, kv_heads, row] (fp32, fp16 or
- * bf16: row = head_dim; int8 / fp8: head_dim + 4 bytes, the values then their scale); position p lives in slot
+ * bf16: row = head_dim; int8 / fp8: KV8_ROW(head_dim) bytes, the values then their groups' scales: kv8.h); position p lives in slot
  * table[p / block_size] * block_size + p % block_size. Keys and values of a narrower cache are widened (8-bit
  * ones times their scale) block by block into the thread's 64-row buffers as the block is read.
  *
@@ -19,12 +19,12 @@
  * their eager path (SDPA) where it does not. Plain C with no torch headers (see fleetllm/kernels/build.py).
  */
 #include "simd.h"
+#include "kv8.h"
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
-enum { KV_F32 = 0, KV_F16 = 1, KV_BF16 = 2, KV_I8 = 3, KV_E4M3 = 4, KV_E5M2 = 5 };
 
 #define ROWS 48       /* (query, head) rows of a tile: three vectors of 16 */
 #define RV (ROWS / 16)
@@ -42,7 +42,7 @@ typedef struct {
     float *out; long out_row_stride;
     int n_q, n_ctx, heads, kv_heads, head_dim, block_size, window;
     float scale;
-    int row;  /* elements of one (slot, kv head) row: head_dim, or head_dim + 4 bytes (8-bit) */
+    int row;  /* elements of one (slot, kv head) row: head_dim, or KV8_ROW(head_dim) bytes (8-bit) */
 } Args;
 
 typedef struct {  /* one thread's scratch (about 240 KB: L2-resident) */
@@ -75,13 +75,14 @@ static inline __m512 exp2_neg(__m512 x) {
     return _mm512_scalef_ps(p, n);
 }
 
-/* An 8-bit row (d values, then their fp32 scale) as fp32 values: fp8 through fp16 as paged_attention.c reads it. */
+/* An 8-bit row (d values, then an fp32 scale per KV8_GROUP) as fp32 values: fp8 through fp16 as paged_attention.c
+ * reads it. */
 __attribute__((target("avx512f,avx512bw,avx2")))
 static void widen_8bit(int dtype, const uint8_t *row, int d, float *out) {
-    float s;
-    memcpy(&s, row + d, 4);
-    const __m512 scale = _mm512_set1_ps(dtype == KV_E4M3 ? s * 256.f : s);
     for (int i = 0; i < d; i += 16) {
+        float s;
+        memcpy(&s, row + d + 4 * (i / KV8_GROUP), 4);
+        const __m512 scale = _mm512_set1_ps(dtype == KV_E4M3 ? s * 256.f : s);
         const __m128i b = _mm_loadu_si128((const __m128i *)(row + i));
         __m512 f;
         if (dtype == KV_I8) {
@@ -259,7 +260,7 @@ int prefill_attention(const float *q, long q_row_stride, const void *k_cache, co
     if (head_dim % 16 || head_dim > MAX_D || g > ROWS || !prefill_attention_isa()) return -1;
     const Args a = {q, q_row_stride, k_cache, v_cache, kv_dtype, table, out, out_row_stride,
                     n_q, n_ctx, heads, kv_heads, head_dim, block_size, window, scale,
-                    kv_dtype >= KV_I8 ? head_dim + 4 : head_dim};
+                    IS_8BIT(kv_dtype) ? KV8_ROW(head_dim) : head_dim};
     const int per_tile = ROWS / g, tiles = (n_q + per_tile - 1) / per_tile, tasks = tiles * kv_heads;
     const long work = (long)n_q * n_ctx * kv_heads;
     int failed = 0;

@@ -47,7 +47,7 @@ def test_an_int8_frame_carries_the_rows_and_scales_as_the_pool_holds_them(int8_s
     header, layers, ids = int8_source
     cfg = loaded_model.config
     assert header.dtype == "int8" and header.head_dim == cfg.head_dim
-    assert header.layer_bytes == header.num_blocks * 16 * cfg.num_kv_heads * (cfg.head_dim + 4)
+    assert header.layer_bytes == header.num_blocks * 16 * cfg.num_kv_heads * kv8.row_width(cfg.head_dim, torch.int8)
     dst = LLMEngine(EngineConfig(num_blocks=32, kv_cache_dtype="int8"), loaded=loaded_model)
     assert import_blocks(dst, header, layers)["imported"] == header.num_blocks
     assert torch.equal(pool_rows(dst, header, ids).view(torch.uint8), layers[0][0][0].view(torch.uint8))

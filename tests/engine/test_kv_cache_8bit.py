@@ -10,6 +10,7 @@ from fleetllm.engine.engine import EngineConfig, LLMEngine
 from fleetllm.engine.llm import LLM
 from fleetllm.engine.model_runner import ModelRunner
 from fleetllm.engine.params import SamplingParams
+from fleetllm.kernels import kv8
 from fleetllm.models.loader import LoadedModel
 
 PROMPTS = ["Explain why the sky is blue in two sentences.", "def fibonacci(n):",
@@ -21,12 +22,13 @@ def test_an_8bit_pool_holds_rows_of_values_and_a_scale_in_about_a_quarter_of_the
         loaded_model: LoadedModel) -> None:
     model = loaded_model.model
     head_dim = loaded_model.config.head_dim
-    fp32 = ModelRunner.kv_bytes_per_block(model, 16)
-    assert ModelRunner.kv_bytes_per_block(model, 16, torch.int8) * 4 * head_dim == fp32 * (head_dim + 4)
+    fp32 = ModelRunner.kv_bytes_per_block(model, 16, torch.float32)
+    width = head_dim + 4 * head_dim // kv8.GROUP  # the values, then a float32 scale per group
+    assert ModelRunner.kv_bytes_per_block(model, 16, torch.int8) * 4 * head_dim == fp32 * width
     for name, dtype in (("int8", torch.int8), ("fp8", torch.float8_e4m3fn), ("fp8_e4m3", torch.float8_e4m3fn),
                         ("fp8_e5m2", torch.float8_e5m2)):
         k, v = LLMEngine(EngineConfig(num_blocks=32, kv_cache_dtype=name), loaded=loaded_model).kv_blocks()[0]
-        assert k.dtype == v.dtype == dtype and k.shape[-1] == head_dim + 4
+        assert k.dtype == v.dtype == dtype and k.shape[-1] == width
 
 
 @pytest.fixture(scope="module")

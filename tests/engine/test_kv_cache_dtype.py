@@ -23,6 +23,13 @@ PROMPTS = [
 TOKENS = 32
 
 
+@pytest.mark.parametrize(("quantization", "dtype"), [("q4", torch.bfloat16), ("none", torch.float32)])
+def test_auto_is_bf16_on_the_fast_path_and_fp32_in_exact_mode(loaded_model: LoadedModel, quantization: str,
+                                                                dtype: torch.dtype) -> None:
+    engine = LLMEngine(EngineConfig(num_blocks=16, quantization=quantization), loaded=loaded_model)
+    assert engine.kv_blocks()[0][0].dtype == dtype
+
+
 def test_half_precision_halves_the_bytes_per_block_and_doubles_the_blocks(loaded_model: LoadedModel) -> None:
     model = loaded_model.model
     fp32 = ModelRunner.kv_bytes_per_block(model, 16)
@@ -60,7 +67,7 @@ def test_a_bf16_pool_agrees_with_fp32_on_the_first_16_greedy_tokens(outputs: dic
 
 def test_blocks_of_a_bf16_pool_import_into_an_fp32_pool(loaded_model: LoadedModel) -> None:
     src = LLMEngine(EngineConfig(num_blocks=64, kv_cache_dtype="bf16"), loaded=loaded_model)
-    dst = LLMEngine(EngineConfig(num_blocks=64), loaded=loaded_model)
+    dst = LLMEngine(EngineConfig(num_blocks=64, kv_cache_dtype="fp32"), loaded=loaded_model)
     ids = src.tokenizer.encode(PROMPTS[3] + " " + PROMPTS[0])
     src.add_request("p", ids, SamplingParams(max_tokens=1, temperature=0.0))
     while src.has_unfinished():

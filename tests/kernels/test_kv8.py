@@ -1,4 +1,4 @@
-"""8-bit KV rows (int8, fp8 e4m3, fp8 e5m2 with a scale per token and KV head): quantised within the format's
+"""8-bit KV rows (int8, fp8 e4m3, fp8 e5m2 with a scale per group of channels of a token and KV head): quantised within the format's
 rounding, read in place by the paged and prefill attention kernels as PyTorch reads them dequantised, and written
 by the C decode step byte for byte as the PyTorch path writes them."""
 
@@ -22,11 +22,12 @@ def caches(dtype: torch.dtype, kv_heads: int, dim: int, blocks: int = 40) -> tup
 
 
 @pytest.mark.parametrize("dtype", EIGHT_BIT)
-def test_rows_keep_their_scale_and_round_within_the_format(dtype: torch.dtype) -> None:
+def test_rows_keep_a_scale_per_group_and_round_within_the_format(dtype: torch.dtype) -> None:
     x = torch.randn(50, 3, 64) * torch.logspace(-4, 3, 50).view(-1, 1, 1)
+    x[:, :, 5] *= 30  # an outlier channel: it coarsens its own group's rounding, not the row's
     rows = kv8.quantize(x, dtype)
-    assert rows.shape == (50, 3, 68) and rows.dtype == dtype
-    amax = x.abs().amax(-1, keepdim=True)
+    assert rows.shape == (50, 3, 64 + 4 * 64 // kv8.GROUP) and rows.dtype == dtype
+    amax = x.unflatten(-1, (-1, kv8.GROUP)).abs().amax(-1, keepdim=True).expand(-1, -1, -1, kv8.GROUP).flatten(-2)
     # int8: half a step of amax / 127; fp8: half an ulp of the element (3 or 2 mantissa bits), plus the subnormals'
     bound = amax / 254 if dtype == torch.int8 else x.abs() * {torch.float8_e4m3fn: 2**-4, torch.float8_e5m2: 2**-3}[dtype]
     floor = amax / kv8.QMAX[dtype] * (2**-9 if dtype == torch.float8_e4m3fn else 2**-16)
@@ -66,7 +67,9 @@ def test_the_c_decode_step_stores_the_bytes_pytorch_stores(dtype: torch.dtype) -
     x = torch.randn(40, 3, 64) * torch.logspace(-6, 3, 40).view(-1, 1, 1)  # subnormal fp8 values included
     x[3], x[5, 1] = 0.0, 0.0  # all-zero rows
     slots = torch.randperm(50)[:40]
-    torch_rows, c_rows = torch.zeros(50, 3, 68, dtype=dtype), torch.zeros(50, 3, 68, dtype=dtype)
+    x[7, 2, 20:] = 0.0  # a row's all-zero groups
+    width = kv8.row_width(64, dtype)
+    torch_rows, c_rows = torch.zeros(50, 3, width, dtype=dtype), torch.zeros(50, 3, width, dtype=dtype)
     kv8.copy_rows(torch_rows, slots, kv8.quantize(x, dtype))  # PyTorch's arithmetic (kv8.store takes the C one)
     decode_stack.store_rows(c_rows, slots, x)
     assert torch.equal(torch_rows.view(torch.uint8), c_rows.view(torch.uint8))
