@@ -67,19 +67,26 @@ def prompt_ids(loaded: LoadedModel) -> list[list[int]]:
     return ids
 
 
+# An fp32 pool (the fast path's is bf16): a verify chunk or a recompute after preemption attends within the chunk
+# over K/V as computed, where plain decoding reads them back rounded to a narrower pool's dtype; equality across
+# these paths is a property of the scheduling and speculation, which an fp32 pool isolates.
+POOL = {"kv_cache_dtype": "fp32"}
+
+
 def greedy() -> SamplingParams:
     return SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
 def reference(loaded: LoadedModel, prompt_ids: list[list[int]]) -> list[list[int]]:
-    llm = LLM(loaded=loaded, num_blocks=512)
+    llm = LLM(loaded=loaded, num_blocks=512, **POOL)
     return [r.outputs[0].token_ids for r in llm.generate(prompt_ids, greedy())]
 
 
 def tight_llm(loaded: LoadedModel, method: str) -> LLM:
     # 128-token budget: long prompts are chunked; 20 blocks of 16 cannot hold the sequences as they grow
-    return LLM(loaded=loaded, num_blocks=20, max_num_batched_tokens=128, speculative=f"method={method},k=4,adaptive=0")
+    return LLM(loaded=loaded, num_blocks=20, max_num_batched_tokens=128, speculative=f"method={method},k=4,adaptive=0",
+               **POOL)
 
 
 def available(method: str) -> bool:
@@ -120,7 +127,7 @@ def test_no_block_leaks_after_speculation(spec_run) -> None:
 
 @pytest.mark.slow
 def test_one_request_at_a_time_equals_greedy_without(loaded: LoadedModel, prompt_ids, reference) -> None:
-    llm = LLM(loaded=loaded, num_blocks=256, speculative="method=suffix,k=6,adaptive=0")
+    llm = LLM(loaded=loaded, num_blocks=256, speculative="method=suffix,k=6,adaptive=0", **POOL)
     for ids, ref in list(zip(prompt_ids, reference, strict=True))[::6]:
         assert llm.generate([ids], greedy())[0].outputs[0].token_ids == ref
 
@@ -150,7 +157,7 @@ def test_logprobs_of_verified_tokens_match_plain_decoding(loaded: LoadedModel, p
 def test_adaptive_k_over_a_batch_equals_greedy_without(loaded: LoadedModel, prompt_ids, reference) -> None:
     # adaptive K splits drafts over the batch, then again over what was drafted; a flat step cost (verifies
     # free) makes it draft whatever it can, whatever this machine's measured cost would decide
-    llm = LLM(loaded=loaded, num_blocks=512, speculative="method=suffix")
+    llm = LLM(loaded=loaded, num_blocks=512, speculative="method=suffix", **POOL)
     llm.engine.spec.cost = StepCost([1, 1024], [1.0, 1.0])
     assert [r.outputs[0].token_ids for r in llm.generate(prompt_ids, greedy())] == reference
     assert llm.engine.spec.num_accepted > 0
