@@ -2,7 +2,7 @@
 
 The interface is the one a GPU kernel (FlashInfer / vLLM ``paged_attention``-style) plugs into: queries
 ``[R, H, D]``, one layer's flat caches ``[num_blocks * block_size, kv_heads, head_dim]`` (8-bit caches:
-``head_dim + 4``, the values and their scale, read in place; see :mod:`.kv8`), int32 block tables
+``kv8.row_width(head_dim)``, the values and their scales, read in place; see :mod:`.kv8`), int32 block tables
 ``[S, max_blocks]`` and per-row context lengths. Row ``r`` reads table row ``table_of[r]`` (default: ``r``)
 and attends to its last ``window`` (default: all) of ``context_lens[r]`` positions, the newest of which is
 its own. A decode step is one row per sequence; a chunk of ``n`` queries over cached context is ``n`` rows

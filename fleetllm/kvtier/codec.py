@@ -3,7 +3,7 @@
 A stored block is a 32-byte header (magic ``FLKV``, layout version, dtype code, layers, block size, KV heads,
 head dim, CRC-32C of what follows), the block's token ids (int32) and its K then V, ``[layers, block_size,
 kv_heads, head_dim]`` each in the pool's dtype (an 8-bit pool's rows with their scales, as it holds them: rows
-``head_dim + 4`` wide). :func:`decode` refuses anything that is not exactly one
+``kv8.row_width(head_dim)`` wide). :func:`decode` refuses anything that is not exactly one
 such block, for the layout and the tokens asked (:class:`CorruptBlock`): a value that fails its checksum, is
 truncated or belongs to another layout is recomputed, never used.
 """

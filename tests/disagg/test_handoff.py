@@ -29,10 +29,13 @@ TEXT = ("The history of the printing press begins in the fifteenth century, when
 
 @pytest.fixture(scope="module")
 def engines(loaded_model: LoadedModel) -> tuple[LLMEngine, LLMEngine, LLMEngine]:
-    # batch-invariant kernels: a prompt prefilled in chunks of 64 here and whole there takes the same arithmetic
-    a = LLMEngine(EngineConfig(num_blocks=256, max_num_batched_tokens=64, batch_invariant=True), loaded=loaded_model)
-    b = LLMEngine(EngineConfig(num_blocks=256, batch_invariant=True), loaded=loaded_model)
-    c = LLMEngine(EngineConfig(num_blocks=256, batch_invariant=True), loaded=loaded_model)
+    # batch-invariant kernels: a prompt prefilled in chunks of 64 here and whole there takes the same arithmetic;
+    # fp32 pools (the fast path's is bf16): a chunk attends over its own K/V as computed, the next one reads them
+    # back from the pool, so a narrower pool's rounding would enter at different points here and there
+    pin = {"num_blocks": 256, "batch_invariant": True, "kv_cache_dtype": "fp32"}
+    a = LLMEngine(EngineConfig(max_num_batched_tokens=64, **pin), loaded=loaded_model)
+    b = LLMEngine(EngineConfig(**pin), loaded=loaded_model)
+    c = LLMEngine(EngineConfig(**pin), loaded=loaded_model)
     return a, b, c
 
 

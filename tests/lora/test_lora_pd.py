@@ -74,7 +74,9 @@ def test_an_adapters_request_prefilled_on_a_prefill_worker_answers_the_colocated
     # q and v of SmolLM2-135M's 30 layers, large enough to change its greedy tokens (what shows the prefill used it)
     a1 = write_adapter(tmp_path / "a1", {"q_proj": (576, 576), "v_proj": (576, 192)}, 30, ["q_proj", "v_proj"], 8, 16,
                        seed=3, scale=0.1)
-    lora = ("--enable-lora", "--lora-modules", f"a1={a1}", "--batch-invariant")  # a prompt computed whole or handed over: the same arithmetic
+    # a prompt computed whole or handed over: the same arithmetic (batch-invariant), and an fp32 pool, so that the
+    # handed-over K/V are what the colocated worker's prompt attends over (a bf16 pool's would be rounded)
+    lora = ("--enable-lora", "--lora-modules", f"a1={a1}", "--batch-invariant", "--kv-cache-dtype", "fp32")
     prefill, decode, colocated = (worker_factory(*role, *lora) for role in (("--role", "prefill"),
                                                                             ("--role", "decode"), ()))
     ids = [(i * 104729) % 40000 + 100 for i in range(3 * 16 + 5)]
