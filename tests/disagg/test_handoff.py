@@ -30,7 +30,7 @@ TEXT = ("The history of the printing press begins in the fifteenth century, when
 @pytest.fixture(scope="module")
 def engines(loaded_model: LoadedModel) -> tuple[LLMEngine, LLMEngine, LLMEngine]:
     # batch-invariant kernels: a prompt prefilled in chunks of 64 here and whole there takes the same arithmetic;
-    # fp32 pools (the fast path's is bf16): a chunk attends over its own K/V as computed, the next one reads them
+    # fp32 pools (whatever auto is on the fast path): a chunk attends over its own K/V as computed, the next one reads them
     # back from the pool, so a narrower pool's rounding would enter at different points here and there
     pin = {"num_blocks": 256, "batch_invariant": True, "kv_cache_dtype": "fp32"}
     a = LLMEngine(EngineConfig(max_num_batched_tokens=64, **pin), loaded=loaded_model)

@@ -24,7 +24,7 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def engines(loaded_model: LoadedModel) -> tuple[LLMEngine, LLMEngine]:
-    # fp32 pools (the fast path's default is bf16): these tests convert frames between fp32 and half precision
+    # fp32 pools (whatever auto is on the fast path): these tests convert frames between fp32 and half precision
     a = LLMEngine(EngineConfig(num_blocks=256, max_num_batched_tokens=64, kv_cache_dtype="fp32"), loaded=loaded_model)
     b = LLMEngine(EngineConfig(num_blocks=256, kv_cache_dtype="fp32"), loaded=loaded_model)  # same weights, own pool
     return a, b

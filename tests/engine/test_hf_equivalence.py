@@ -104,9 +104,7 @@ def test_tiny_prefill_chunks_match(loaded, prompt_ids, reference):
 
 
 def test_preemption_by_tiny_block_pool_matches(loaded, prompt_ids, reference):
-    # an fp32 pool, as the reference's was not (the fast path's is bf16): a preempted sequence's recompute attends
-    # within its chunk over K/V as computed, where its first run's decode steps read them rounded to the pool's dtype
-    llm = LLM(loaded=loaded, max_num_seqs=16, num_blocks=8, block_size=8, kv_cache_dtype="fp32")
+    llm = LLM(loaded=loaded, max_num_seqs=16, num_blocks=8, block_size=8)
     assert greedy(llm, prompt_ids[1::2]) == reference[1::2]
     assert llm.engine.scheduler.num_preemptions > 0, "the pool was meant to force preemption"
     assert llm.engine.pool.num_free == llm.engine.pool.num_blocks

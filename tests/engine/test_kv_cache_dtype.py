@@ -8,9 +8,10 @@ import torch
 
 from fleetllm.disagg import frame
 from fleetllm.disagg.kv_io import export_blocks, import_blocks
+from fleetllm.engine.config import FAST_PATH_KV_DTYPE
 from fleetllm.engine.engine import EngineConfig, LLMEngine
 from fleetllm.engine.llm import LLM
-from fleetllm.engine.model_runner import ModelRunner
+from fleetllm.engine.model_runner import KV_DTYPES, ModelRunner
 from fleetllm.engine.params import SamplingParams
 from fleetllm.models.loader import LoadedModel
 
@@ -23,9 +24,9 @@ PROMPTS = [
 TOKENS = 32
 
 
-@pytest.mark.parametrize(("quantization", "dtype"), [("q4", torch.bfloat16), ("none", torch.float32)])
-def test_auto_is_bf16_on_the_fast_path_and_fp32_in_exact_mode(loaded_model: LoadedModel, quantization: str,
-                                                                dtype: torch.dtype) -> None:
+@pytest.mark.parametrize(("quantization", "dtype"), [("q4", KV_DTYPES[FAST_PATH_KV_DTYPE]), ("none", torch.float32)])
+def test_auto_is_the_fast_paths_dtype_with_quantised_weights_and_fp32_in_exact_mode(
+        loaded_model: LoadedModel, quantization: str, dtype: torch.dtype) -> None:
     engine = LLMEngine(EngineConfig(num_blocks=16, quantization=quantization), loaded=loaded_model)
     assert engine.kv_blocks()[0][0].dtype == dtype
 

@@ -42,7 +42,7 @@ def session(engine: LLMEngine) -> tuple[list[list[int]], RequestOutput]:
 def runs(loaded_model: LoadedModel) -> dict[str, tuple[LLMEngine, list[list[int]], RequestOutput]]:
     out = {}
     for name, gb in (("off", 0.0), ("on", 0.05)):
-        # an fp32 pool (the fast path's is bf16): the "off" run recomputes an evicted prefix, attending within its
+        # an fp32 pool (whatever auto is on the fast path): the "off" run recomputes an evicted prefix, attending within its
         # chunk over K/V as computed, where the "on" run reads them back from the pool rounded to bf16
         engine = LLMEngine(EngineConfig(num_blocks=24, max_num_batched_tokens=128, kv_cache_dtype="fp32"),
                            loaded=loaded_model)

@@ -86,7 +86,7 @@ def test_q8_0_experts_run_quantised_by_default_to_the_same_outputs(q8_reference)
     """Under the default quantization the experts, attention projections and LM head keep their Q8_0 levels (the
     Q8_0 GEMV, fp32 activations, for narrow steps)."""
     path, hf = q8_reference
-    # an fp32 pool (the default quantization's is bf16): what is held to transformers' logprobs is the Q8_0 weights
+    # an fp32 pool (whatever auto is under it): what is held to transformers' logprobs is the Q8_0 weights
     llm = LLM(str(path), max_num_batched_tokens=16, num_blocks=64, kv_cache_dtype="fp32")
     served = llm.engine.executor.runner.model
     assert all(layer.mlp.q8 is not None for layer in served.layers)

@@ -169,7 +169,7 @@ def prompt_ids(gemma) -> list[list[int]]:
 def batched(gemma, prompt_ids) -> tuple[LLM, list[list[int]]]:
     """All prompts batched together: the outputs every other regime must give (fp32 pools, here and below: a
     chunk attends over its own K/V as computed, a later one or a prefix hit reads them back from the pool, which
-    the fast path's bf16 rounds; the regimes' equality is one of scheduling)."""
+    a narrower --kv-cache-dtype rounds; the regimes' equality is one of scheduling)."""
     llm = LLM(loaded=gemma, kv_cache_gb=0.25, kv_cache_dtype="fp32")
     return llm, greedy(llm, prompt_ids, CAPS)
 

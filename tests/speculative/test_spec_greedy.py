@@ -67,7 +67,7 @@ def prompt_ids(loaded: LoadedModel) -> list[list[int]]:
     return ids
 
 
-# An fp32 pool (the fast path's is bf16): a verify chunk or a recompute after preemption attends within the chunk
+# An fp32 pool (whatever auto is on the fast path): a verify chunk or a recompute after preemption attends within the chunk
 # over K/V as computed, where plain decoding reads them back rounded to a narrower pool's dtype; equality across
 # these paths is a property of the scheduling and speculation, which an fp32 pool isolates.
 POOL = {"kv_cache_dtype": "fp32"}
