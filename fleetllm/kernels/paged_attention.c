@@ -307,12 +307,77 @@ static void by_blocks_avx2(const PagedArgs *a, const int32_t *table, int first, 
     }
 }
 
+/* ---- 16- and 32-bit caches: the scores key by key, K and V fetched ahead ----------------------------- */
+
+#define AHEAD_KEYS 8  /* keys between a row's prefetch and its use: ~8 KB of fp32 K at head_dim 256 */
+
+/* Asks for the (slot, kv head) row's cache lines of K (into L1) and V (into L2: the value pass reads it after
+ * the scores, several times per head). */
+__attribute__((target("avx2,fma,f16c"), always_inline))
+static inline void prefetch_kv_row(const PagedArgs *a, long slot, int kvh, const int elem) {
+    const long off = (slot * a->kv_heads + kvh) * (long)a->row * elem, bytes = (long)a->head_dim * elem;
+    const char *k = (const char *)a->k_cache + off, *v = (const char *)a->v_cache + off;
+    for (long b = 0; b < bytes; b += 64) {
+        _mm_prefetch(k + b, _MM_HINT_T0);
+        _mm_prefetch(v + b, _MM_HINT_T1);
+    }
+}
+
+/* One key's scores for the g heads over head_dim's vectors v0 .. v0 + nb - 1, added to `s` (g floats) as
+ * score_block adds them: the block's register sum, horizontally summed, times the scale. */
+__attribute__((target("avx2,fma,f16c"), always_inline))
+static inline void score_key(const PagedArgs *a, long base, const float *q, float *s, int v0, const int nb,
+                             const int dtype) {
+    const int d = a->head_dim, g = a->heads / a->kv_heads;
+    __m256 k[BLOCK_VECS];
+    for (int v = 0; v < nb; v++) k[v] = load8(a->k_cache, base + 8 * v, dtype);
+    for (int h = 0; h < g; h++) {
+        const float *qh = q + h * d + 8 * v0;
+        __m256 acc = _mm256_setzero_ps();
+        for (int v = 0; v < nb; v++) acc = _mm256_fmadd_ps(_mm256_loadu_ps(qh + 8 * v), k[v], acc);
+        const float x = hsum8(acc) * a->scale;
+        s[h] = v0 == 0 ? x : s[h] + x;
+    }
+}
+
+/* The scores of the g heads over n keys from `first` with score_block's arithmetic (the same floats), but key
+ * by key: each K row is read whole and in order, so K streams from memory once instead of once per 64 dims,
+ * and the rows AHEAD_KEYS on are prefetched, K and V (a pool's blocks lie anywhere: the hardware prefetcher
+ * loses the stream at every block's start). Inlined per cache type; 16- and 32-bit caches only (no scale). */
+__attribute__((target("avx2,fma,f16c"), always_inline))
+static inline void scores_by_key(const PagedArgs *a, const int32_t *table, int first, int n, int kvh,
+                                 const float *q, float *scores, const int dtype) {
+    const int nv = a->head_dim / 8, g = a->heads / a->kv_heads, elem = dtype == KV_F32 ? 4 : 2;
+    Slots it = slots_from(a, table, first), ahead = slots_from(a, table, first);
+    int fetched = 0;
+    for (; fetched < n && fetched < AHEAD_KEYS; fetched++) prefetch_kv_row(a, next_slot(&ahead), kvh, elem);
+    float s[64];  /* heads per KV head: at most 64 (checked by the caller) */
+    for (int j = 0; j < n; j++) {
+        if (fetched < n) { prefetch_kv_row(a, next_slot(&ahead), kvh, elem); fetched++; }
+        const long base = (next_slot(&it) * a->kv_heads + kvh) * a->row;
+        for (int v0 = 0; v0 < nv; v0 += BLOCK_VECS) {
+            if (nv - v0 >= BLOCK_VECS) score_key(a, base + 8 * v0, q, s, v0, BLOCK_VECS, dtype);
+            else score_key(a, base + 8 * v0, q, s, v0, nv - v0, dtype);
+        }
+        for (int h = 0; h < g; h++) scores[h * n + j] = s[h];
+    }
+}
+
+__attribute__((target("avx2,fma,f16c")))
+static void scores_wide(const PagedArgs *a, const int32_t *table, int first, int n, int kvh, const float *q,
+                        float *scores) {
+    if (a->kv_dtype == KV_F32) scores_by_key(a, table, first, n, kvh, q, scores, KV_F32);
+    else if (a->kv_dtype == KV_F16) scores_by_key(a, table, first, n, kvh, q, scores, KV_F16);
+    else scores_by_key(a, table, first, n, kvh, q, scores, KV_BF16);
+}
+
 __attribute__((target("avx2,fma,f16c")))
 static void task_avx2(const PagedArgs *a, const Part *t, float *scores) {
     const int g = a->heads / a->kv_heads;
     const int32_t *table = table_of_row(a, t->row);
     const float *q = a->q + t->row * a->q_row_stride + (long)t->kvh * g * a->head_dim;
-    by_blocks_avx2(a, table, t->first, t->n, t->kvh, q, scores, NULL, 0);
+    if (!IS_8BIT(a->kv_dtype) && g <= 64) scores_wide(a, table, t->first, t->n, t->kvh, q, scores);
+    else by_blocks_avx2(a, table, t->first, t->n, t->kvh, q, scores, NULL, 0);
     softmax_rows(scores, g, t->n, IS_8BIT(a->kv_dtype), t->ml);
     by_blocks_avx2(a, table, t->first, t->n, t->kvh, q, scores, t->out, 1);
 }

@@ -3,7 +3,8 @@
 Random caches and block tables (blocks in random order, shared between rows as a prefix cache shares them),
 GQA groups, lengths from one position to several blocks, sliding windows, fp32/fp16/bf16 caches, the
 vector path (head_dim a multiple of 8) and the scalar one, decode rows and causal chunks over cached context,
-and contexts long enough to be split into partitions (over ``PART_KEYS`` = 256 keys) and combined.
+contexts long enough to be split into partitions (over ``PART_KEYS`` = 256 keys) and combined, and heads wider
+than one 64-dim pass (16- and 32-bit caches score key by key).
 """
 
 from __future__ import annotations
@@ -68,6 +69,15 @@ def test_long_contexts_split_into_partitions_equal_gathered_attention(dim: int, 
     with threads_set(threads):
         got = paged_attention(q, k, v, tables, lens, dim**-0.5, BLOCK)
     torch.testing.assert_close(got, reference_attention(q, k, v, tables, lens, dim**-0.5, BLOCK), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dim", [256, 80])  # Gemma 3's four 64-dim passes per key; one pass and a partial one
+def test_wide_heads_scored_key_by_key_equal_gathered_attention(dim: int, dtype: torch.dtype) -> None:
+    q, k, v, tables, lens = random_case(4, 1, dim, [3, 300, 1000], dtype)  # rows prefetched ahead, past block ends
+    got = paged_attention(q, k, v, tables, lens, dim**-0.5, BLOCK, 700)
+    want = reference_attention(q, k, v, tables, lens, dim**-0.5, BLOCK, 700)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
 def test_a_rows_result_does_not_change_with_its_batch_or_the_threads() -> None:
