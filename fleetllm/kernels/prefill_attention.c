@@ -118,30 +118,40 @@ static void block_rows(const Args *a, const void *cache, int kvh, int k0, int nk
     }
 }
 
-/* s[j][r] = sum_d qt[d][r] * k_j[d] for the block's KEYS keys, KG keys at a time. */
-__attribute__((target("avx512f")))
-static void scores(const Args *a, Scratch *w, const float **krows) {
+/* s[j][r] = sum_d qt[d][r] * k_j[d] for the block's KEYS keys, KG keys at a time, rows 16 * rv; rv is a
+ * constant once inlined. */
+__attribute__((target("avx512f"), always_inline))
+static inline void scores_rv(const Args *a, Scratch *w, const float **krows, const int rv) {
     for (int j0 = 0; j0 < KEYS; j0 += KG) {
         __m512 acc[KG][RV];
         for (int j = 0; j < KG; j++)
-            for (int v = 0; v < RV; v++) acc[j][v] = _mm512_setzero_ps();
+            for (int v = 0; v < rv; v++) acc[j][v] = _mm512_setzero_ps();
         for (int d = 0; d < a->head_dim; d++) {
             __m512 q[RV];
-            for (int v = 0; v < RV; v++) q[v] = _mm512_load_ps(w->qt[d] + 16 * v);
+            for (int v = 0; v < rv; v++) q[v] = _mm512_load_ps(w->qt[d] + 16 * v);
             for (int j = 0; j < KG; j++) {
                 const __m512 k = _mm512_set1_ps(krows[j0 + j][d]);
-                for (int v = 0; v < RV; v++) acc[j][v] = _mm512_fmadd_ps(k, q[v], acc[j][v]);
+                for (int v = 0; v < rv; v++) acc[j][v] = _mm512_fmadd_ps(k, q[v], acc[j][v]);
             }
         }
         for (int j = 0; j < KG; j++)
-            for (int v = 0; v < RV; v++) _mm512_store_ps(w->s[j0 + j] + 16 * v, acc[j][v]);
+            for (int v = 0; v < rv; v++) _mm512_store_ps(w->s[j0 + j] + 16 * v, acc[j][v]);
     }
+}
+
+/* The scores of a tile's first 16 * rv rows only: a short chunk over a long context (a speculative verify of a
+ * few drafts: 4 heads x 5 queries fill 20 of the 48 rows) does not compute the empty rows' dot products. */
+__attribute__((target("avx512f")))
+static void scores(const Args *a, Scratch *w, const float **krows, int rv) {
+    if (rv == 1) scores_rv(a, w, krows, 1);
+    else if (rv == 2) scores_rv(a, w, krows, 2);
+    else scores_rv(a, w, krows, RV);
 }
 
 /* -inf where key k0 + j is after a row's query or before its window. */
 __attribute__((target("avx512f")))
-static void mask(const Args *a, Scratch *w, int k0) {
-    for (int v = 0; v < RV; v++) {
+static void mask(const Args *a, Scratch *w, int k0, int rv) {
+    for (int v = 0; v < rv; v++) {
         const __m512i pos = _mm512_load_si512((const void *)(w->pos + 16 * v));
         for (int j = 0; j < KEYS; j++) {
             const __m512i kp = _mm512_set1_epi32(k0 + j);
@@ -157,9 +167,9 @@ static void mask(const Args *a, Scratch *w, int k0) {
 /* The online-softmax step: new running max, probabilities in place of scores (0 where masked), the running
  * sums and the factor alpha that rescales what the rows had accumulated. */
 __attribute__((target("avx512f")))
-static void softmax_step(Scratch *w) {
+static void softmax_step(Scratch *w, int rv) {
     const __m512 neg_inf = _mm512_set1_ps(-INFINITY);
-    for (int v = 0; v < RV; v++) {
+    for (int v = 0; v < rv; v++) {
         __m512 mx = neg_inf;
         for (int j = 0; j < KEYS; j++) mx = _mm512_max_ps(mx, _mm512_load_ps(w->s[j] + 16 * v));
         const __m512 m_old = _mm512_load_ps(w->m + 16 * v), m_new = _mm512_max_ps(m_old, mx);
@@ -218,6 +228,8 @@ static void tile(const Args *a, Scratch *w, int kvh, int i0, int nq) {
     const int d = a->head_dim, g = a->heads / a->kv_heads, rows = nq * g, first_pos = a->n_ctx - a->n_q + i0;
     const int last_pos = first_pos + nq - 1, k_lo = a->window > 0 && first_pos >= a->window ? first_pos - a->window + 1 : 0;
     const float qs = a->scale * LOG2E;
+    /* vectors of 16 rows the block passes compute: every row the value pass reads (PR at a time) */
+    const int rv = ((rows + PR - 1) / PR * PR + 15) / 16 < RV ? ((rows + PR - 1) / PR * PR + 15) / 16 : RV;
     for (int r = 0; r < ROWS; r++) {
         const int i = r / g, h = r % g;
         const float *q = a->q + (long)(i0 + i) * a->q_row_stride + (long)(kvh * g + h) * d;
@@ -232,10 +244,10 @@ static void tile(const Args *a, Scratch *w, int kvh, int i0, int nq) {
         const int nk = last_pos + 1 - k0 < KEYS ? last_pos + 1 - k0 : KEYS;
         block_rows(a, a->k_cache, kvh, k0, nk, w->kbuf, krows);
         block_rows(a, a->v_cache, kvh, k0, nk, w->vbuf, vrows);
-        scores(a, w, krows);
+        scores(a, w, krows, rv);
         const int crosses_diagonal = k0 + KEYS - 1 > first_pos, before_window = a->window > 0 && k0 <= last_pos - a->window;
-        if (crosses_diagonal || before_window) mask(a, w, k0);
-        softmax_step(w);
+        if (crosses_diagonal || before_window) mask(a, w, k0, rv);
+        softmax_step(w, rv);
         values(a, w, vrows, nk, rows);
     }
     for (int r = 0; r < rows; r++) {

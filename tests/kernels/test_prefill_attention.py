@@ -46,6 +46,13 @@ def test_chunk_equals_gathered_causal_attention(n_q: int, n_ctx: int, heads: int
     torch.testing.assert_close(got, reference(q, k, v, table, n_ctx), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("n_q", [2, 4, 6, 12])  # 8, 16, 24, 48 of a tile's rows: one, two, two, three vectors
+def test_short_chunk_over_a_long_context_equals_gathered_attention(n_q: int) -> None:
+    q, k, v, table = random_chunk(4, 1, 256, n_q, 700)  # Gemma 3's shape: a speculative verify's chunk
+    got = prefill_attention(q, k, v, table, 700, 0.0625, BLOCK)
+    torch.testing.assert_close(got, reference(q, k, v, table, 700), rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("window", [1, 7, 64, 100, 500])
 @pytest.mark.parametrize(("n_q", "n_ctx"), [(40, 40), (90, 300)])
 def test_sliding_window_sees_only_its_last_positions(window: int, n_q: int, n_ctx: int) -> None:
