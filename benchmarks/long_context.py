@@ -39,17 +39,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=32, help="decode steps per measurement (default: %(default)s)")
     p.add_argument("--rounds", type=int, default=3, help="measurements per cell, median kept (default: %(default)s)")
     p.add_argument("--kv-cache-dtype", default="auto", help="the engine's --kv-cache-dtype (default: %(default)s)")
+    p.add_argument("--speculative", default=None, help="the engine's --speculative (default: the engine's, suffix "
+                                                       "drafting, which drafts from this benchmark's repetitive "
+                                                       "prompt; none isolates the attention's cost)")
     p.add_argument("--no-save", action="store_true", help="print only, write nothing to results/")
     return p.parse_args(argv)
 
 
-def engine_for(model: str, longest: int, steps: int, kv_dtype: str):  # noqa: ANN201 - LLMEngine, imported late
-    """An engine with the worker's defaults but a pool and ``max_model_len`` that hold ``longest`` + ``steps``."""
+def engine_for(model: str, longest: int, steps: int, kv_dtype: str,  # noqa: ANN201 - LLMEngine, imported late
+               speculative: str | None = None):
+    """An engine with the worker's defaults (``speculative``: that flag instead) but a pool and ``max_model_len``
+    that hold ``longest`` + ``steps``."""
     from fleetllm.engine.engine import EngineConfig, LLMEngine
 
     max_len = longest + steps + 64
     blocks = -(-max_len // 16) * 102 // 100 + 256  # the admission watermark (1%) and the measurements' own blocks
-    return LLMEngine(EngineConfig(model=model, max_model_len=max_len, num_blocks=blocks, kv_cache_dtype=kv_dtype))
+    spec = {} if speculative is None else {"speculative": speculative}
+    return LLMEngine(EngineConfig(model=model, max_model_len=max_len, num_blocks=blocks, kv_cache_dtype=kv_dtype, **spec))
 
 
 def decode_speed(engine, prompt: list[int], steps: int) -> float:  # noqa: ANN001
@@ -74,7 +80,7 @@ def measure(model: str, contexts: list[int], threads: list[int],
 
     from fleetllm.engine.model_runner import ModelRunner
 
-    engine = engine_for(model, max(contexts), args.steps, args.kv_cache_dtype)
+    engine = engine_for(model, max(contexts), args.steps, args.kv_cache_dtype, args.speculative)
     runner = engine.executor.runner
     kv_per_token = ModelRunner.kv_bytes_per_block(runner.model, 1, runner.kv_dtype)
     contexts = [min(n, engine.max_model_len - args.steps - 1) for n in contexts]
