@@ -11,16 +11,13 @@
  * never read. SiLU(gate) * up between them; each row's output is its choices' outputs times their weights,
  * added in ascending expert order (each product rounded, then the sum, as PyTorch's ops round them).
  *
- * Activations are quantised per row and group of 32 inputs to int16 (scale max|x| / 32767, as the q4
- * default's narrow steps quantise theirs: q4_int_gemm.c), the expert's input once per row, SiLU * up once per
- * (row, expert): the group's dot product with the Q8_0 levels is then exact in int32 (vpmaddwd: the levels
- * widen to int16, 16 a uop, where widening them to fp32 took two uops per 8 and was the kernel's cost at the one
- * or two rows an expert gets at decode), scaled by the weight's d and the activation's scale in fp32.
+ * Activations stay fp32 and each row's products are the Q8_0 GEMV's own (q8_rows.h): the weights the file
+ * holds, fp32 activations, the op-by-op path's numerics up to the router's and SiLU's rounding.
  *
  * One OpenMP region per call: every active expert's output rows are split over the threads with no barrier
  * between experts (one after gate_up, one after SiLU, one after down). Routing and grouping are a few
  * microseconds on one thread. Each row's result depends on that row alone: batch-invariant.
- * AVX2 is chosen at run time; a scalar path (the same integer sums) covers other CPUs.
+ * AVX2 + FMA is chosen at run time; a scalar path covers other CPUs.
  */
 #include <math.h>
 #include <stdint.h>
@@ -28,9 +25,9 @@
 #include <string.h>
 #include "simd.h"
 #include "gemv_common.h"
+#include "q8_rows.h"
 
 #define MAX_TOP_K 64
-#define MAX_ROWS 8  /* activation rows per pass over a weight row */
 
 /* One layer's experts: the router's fp32 weight, and each expert's Q8_0 gate_up ([2I, H]: gate rows, then up)
  * and down ([H, I]) as int8 levels and fp32 scales (one per 32 inputs), by expert id. */
@@ -43,18 +40,11 @@ typedef struct {
     int experts, top_k, hidden, inter, norm_topk;
 } MoeLayer;
 
-/* Int16 activation rows: levels [rows, n] and scales [rows, n / 32]. */
-typedef struct {
-    int16_t *q;
-    float *s;
-} Rows16;
-
 /* The step's pairs grouped by expert: slot s (of rows * k) holds one pair, and `slot_of[r * k + j]` is the
  * slot of row r's j-th choice (in ascending expert order). */
 typedef struct {
     int *slot_of, *active, *first, *count;  /* the active experts, their first slot and number of rows */
-    float *weight, *gu, *ys;                /* per pair: routing weight, gate_up output, expert output */
-    Rows16 tokens, xs, act;                 /* each row's input; each slot's input and SiLU * up */
+    float *weight, *xs, *gu, *act, *ys;  /* per pair: routing weight; per slot: input, gate_up, SiLU * up, output */
     int n_active;
 } Plan;
 
@@ -67,93 +57,7 @@ int moe_experts_isa(void) {
 #endif
 }
 
-static void quantize_scalar(const float *x, int groups, int16_t *q, float *s) {
-    for (int g = 0; g < groups; g++) {
-        float top = 0.f;
-        for (int i = 0; i < 32; i++) top = fabsf(x[32 * g + i]) > top ? fabsf(x[32 * g + i]) : top;
-        const float inv = top > 0.f ? 32767.f / top : 0.f;
-        s[g] = top / 32767.f;
-        for (int i = 0; i < 32; i++) q[32 * g + i] = (int16_t)nearbyintf(x[32 * g + i] * inv);
-    }
-}
-
-static void row_scalar(int rows, const int8_t *w, const float *d, const int16_t *xq, const float *xs, int k_in,
-                       float *out, long ldy) {
-    const int groups = k_in / 32;
-    for (int r = 0; r < rows; r++) {
-        float acc = 0.f;
-        for (int g = 0; g < groups; g++) {
-            int32_t dot = 0;
-            for (int i = 0; i < 32; i++) dot += w[32 * g + i] * xq[(long)r * k_in + 32 * g + i];
-            acc += (float)dot * d[g] * xs[(long)r * groups + g];
-        }
-        out[r * ldy] = acc;
-    }
-}
-
 #if FLEETLLM_X86
-/* x's groups as int16 levels and scales: the scalar path's arithmetic, 8 lanes at a time. */
-__attribute__((target("avx2,fma")))
-static void quantize_avx2(const float *x, int groups, int16_t *q, float *s) {
-    const __m256 sign = _mm256_set1_ps(-0.f);
-    for (int g = 0; g < groups; g++) {
-        __m256 v[4], top = _mm256_setzero_ps();
-        for (int j = 0; j < 4; j++) {
-            v[j] = _mm256_loadu_ps(x + 32 * g + 8 * j);
-            top = _mm256_max_ps(top, _mm256_andnot_ps(sign, v[j]));
-        }
-        float t8[8], t = 0.f;
-        _mm256_storeu_ps(t8, top);
-        for (int i = 0; i < 8; i++) t = t8[i] > t ? t8[i] : t;
-        const __m256 inv = _mm256_set1_ps(t > 0.f ? 32767.f / t : 0.f);
-        s[g] = t / 32767.f;
-        for (int j = 0; j < 4; j += 2) {
-            const __m256i a = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], inv));
-            const __m256i b = _mm256_cvtps_epi32(_mm256_mul_ps(v[j + 1], inv));
-            const __m256i ab = _mm256_permute4x64_epi64(_mm256_packs_epi32(a, b), 0xd8);  /* packs works per lane */
-            _mm256_storeu_si256((__m256i *)(q + 32 * g + 8 * j), ab);
-        }
-    }
-}
-
-/* One output row for `rows` activation rows (a compile-time constant once inlined): per group, the 32 levels
- * widened to int16 once, a vpmaddwd pair per row, the int32 sum scaled by d, then by the row's scale. */
-__attribute__((target("avx2,fma"), always_inline))
-static inline void row_avx2(const int rows, const int8_t *w, const float *d, const int16_t *xq, const float *xs,
-                            int k_in, float *out, long ldy) {
-    const int groups = k_in / 32;
-    __m256 acc[MAX_ROWS];
-    for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps();
-    for (int g = 0; g < groups; g++) {
-        const __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(w + 32 * g)));
-        const __m256i w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(w + 32 * g + 16)));
-        const __m256 dg = _mm256_broadcast_ss(d + g);
-        for (int r = 0; r < rows; r++) {
-            const int16_t *x = xq + (long)r * k_in + 32 * g;
-            const __m256i dot = _mm256_add_epi32(_mm256_madd_epi16(w0, _mm256_loadu_si256((const __m256i *)x)),
-                                                 _mm256_madd_epi16(w1, _mm256_loadu_si256((const __m256i *)(x + 16))));
-            const __m256 t = _mm256_mul_ps(_mm256_cvtepi32_ps(dot), dg);
-            acc[r] = _mm256_fmadd_ps(t, _mm256_broadcast_ss(xs + (long)r * groups + g), acc[r]);
-        }
-    }
-    for (int r = 0; r < rows; r++) out[r * ldy] = hsum8(acc[r]);
-}
-
-__attribute__((target("avx2,fma")))
-static void row_avx2_any(int rows, const int8_t *w, const float *d, const int16_t *xq, const float *xs, int k_in,
-                         float *out, long ldy) {
-    switch (rows) {
-        case 1: row_avx2(1, w, d, xq, xs, k_in, out, ldy); break;
-        case 2: row_avx2(2, w, d, xq, xs, k_in, out, ldy); break;
-        case 3: row_avx2(3, w, d, xq, xs, k_in, out, ldy); break;
-        case 4: row_avx2(4, w, d, xq, xs, k_in, out, ldy); break;
-        case 5: row_avx2(5, w, d, xq, xs, k_in, out, ldy); break;
-        case 6: row_avx2(6, w, d, xq, xs, k_in, out, ldy); break;
-        case 7: row_avx2(7, w, d, xq, xs, k_in, out, ldy); break;
-        default: row_avx2(8, w, d, xq, xs, k_in, out, ldy); break;
-    }
-}
-
 __attribute__((target("avx2,fma")))
 static float dot_avx2(const float *a, const float *b, int n) {
     __m256 acc = _mm256_setzero_ps();
@@ -171,16 +75,6 @@ static void silu_mul_avx2(const float *g, const float *u, int n, float *out) {
     }
 }
 #endif
-
-static void quantize(const float *x, int n, int16_t *q, float *s, int vec) {
-#if FLEETLLM_X86
-    if (vec) {
-        quantize_avx2(x, n / 32, q, s);
-        return;
-    }
-#endif
-    quantize_scalar(x, n / 32, q, s);
-}
 
 static float dot(const float *a, const float *b, int n, int vec) {
 #if FLEETLLM_X86
@@ -202,29 +96,22 @@ static void silu_mul(const float *g, const float *u, int n, float *out, int vec)
 }
 
 /* Output row j of an expert's weight (`w`, `d`: its levels and scales, `k_in` inputs) for its `n` rows of
- * `x` into `y` (ldy apart), in passes of MAX_ROWS. */
-static void expert_row(const int8_t *w, const float *d, int k_in, int j, Rows16 x, int n, float *y, long ldy,
+ * `x` (k_in apart) into `y` (ldy apart), in passes of MAX_ROWS. */
+static void expert_row(const int8_t *w, const float *d, int k_in, int j, const float *x, int n, float *y, long ldy,
                        int vec) {
     const int groups = k_in / 32;
     const int8_t *wj = w + (long)j * k_in;
     const float *dj = d + (long)j * groups;
     for (int r0 = 0; r0 < n; r0 += MAX_ROWS) {
         const int r = n - r0 < MAX_ROWS ? n - r0 : MAX_ROWS;
-        const int16_t *xq = x.q + (long)r0 * k_in;
-        const float *xs = x.s + (long)r0 * groups;
 #if FLEETLLM_X86
         if (vec) {
-            row_avx2_any(r, wj, dj, xq, xs, k_in, y + r0 * ldy + j, ldy);
+            row_avx2_any(r, wj, dj, x + (long)r0 * k_in, k_in, groups, y + r0 * ldy + j, ldy);
             continue;
         }
 #endif
-        row_scalar(r, wj, dj, xq, xs, k_in, y + r0 * ldy + j, ldy);
+        row_scalar(r, wj, dj, x + (long)r0 * k_in, k_in, groups, y + r0 * ldy + j, ldy);
     }
-}
-
-/* Rows [first, first + n) of `x` (n inputs each). */
-static Rows16 at(Rows16 x, long first, int n) {
-    return (Rows16){x.q + first * n, x.s + first * (n / 32)};
 }
 
 /* Row r's choices from its logits: expert ids ascending in `ids`, their weights in `w`. */
@@ -251,7 +138,7 @@ static void route(const float *logits, int e_count, int k, int norm, int *ids, f
 }
 
 /* Routes every row and groups the pairs by expert (one thread); adds each expert's pairs to `counts`. */
-static void plan_step(const MoeLayer *ly, const float *logits, int rows, Plan *pl, int64_t *counts) {
+static void plan_step(const MoeLayer *ly, const float *x, const float *logits, int rows, Plan *pl, int64_t *counts) {
     const int k = ly->top_k, E = ly->experts, H = ly->hidden;
     int ids[rows * k], per[E], next[E];
     memset(per, 0, sizeof(per));
@@ -270,10 +157,8 @@ static void plan_step(const MoeLayer *ly, const float *logits, int rows, Plan *p
     }
     for (int p = 0; p < rows * k; p++) {  /* rows in order within each expert */
         const int s = next[ids[p]]++;
-        const Rows16 from = at(pl->tokens, p / k, H), to = at(pl->xs, s, H);
         pl->slot_of[p] = s;
-        memcpy(to.q, from.q, sizeof(int16_t) * H);
-        memcpy(to.s, from.s, sizeof(float) * (H / 32));
+        memcpy(pl->xs + (long)s * H, x + (long)(p / k) * H, sizeof(float) * H);
     }
 }
 
@@ -284,22 +169,18 @@ static void experts_step(const MoeLayer *ly, const Plan *pl, int rows, float *ou
         const int e = pl->active[a], s = pl->first[a];
         #pragma omp for schedule(static) nowait
         for (int j = 0; j < 2 * I; j++)
-            expert_row(ly->gate_up[e], ly->gate_up_d[e], H, j, at(pl->xs, s, H), pl->count[a],
+            expert_row(ly->gate_up[e], ly->gate_up_d[e], H, j, pl->xs + (long)s * H, pl->count[a],
                        pl->gu + (long)s * 2 * I, 2 * I, vec);
     }
     #pragma omp barrier
     #pragma omp for schedule(static)
-    for (int s = 0; s < pairs; s++) {
-        float act[I];
-        const Rows16 to = at(pl->act, s, I);
-        silu_mul(pl->gu + (long)s * 2 * I, pl->gu + (long)s * 2 * I + I, I, act, vec);
-        quantize(act, I, to.q, to.s, vec);
-    }
+    for (int s = 0; s < pairs; s++)
+        silu_mul(pl->gu + (long)s * 2 * I, pl->gu + (long)s * 2 * I + I, I, pl->act + (long)s * I, vec);
     for (int a = 0; a < pl->n_active; a++) {
         const int e = pl->active[a], s = pl->first[a];
         #pragma omp for schedule(static) nowait
         for (int j = 0; j < H; j++)
-            expert_row(ly->down[e], ly->down_d[e], I, j, at(pl->act, s, I), pl->count[a], pl->ys + (long)s * H,
+            expert_row(ly->down[e], ly->down_d[e], I, j, pl->act + (long)s * I, pl->count[a], pl->ys + (long)s * H,
                        H, vec);
     }
     #pragma omp barrier
@@ -327,36 +208,25 @@ int moe_experts(const MoeLayer *ly, const float *x, int rows, float *out, int64_
     const long pairs = (long)rows * k;
     if (H % 32 || I % 32 || H <= 0 || I <= 0 || k < 1 || k > E || k > MAX_TOP_K || rows < 1) return -1;
     const int vec = vector && moe_experts_isa() == 2;
-    /* floats: logits, weights, gate_up and expert outputs, the three int16 row sets' scales */
-    const long floats = rows * (long)E + pairs * (1 + 2 * I + H) + (rows + pairs) * (H / 32) + pairs * (I / 32);
-    const long halves = (rows + pairs) * H + pairs * I;
-    float *buf = malloc(sizeof(float) * floats);
-    int16_t *levels = malloc(sizeof(int16_t) * halves);
+    float *buf = malloc(sizeof(float) * (rows * (long)E + pairs * (1 + H + 2 * I + I + H)));
     int *ints = malloc(sizeof(int) * (pairs + 3L * E));
-    if (buf == NULL || levels == NULL || ints == NULL) {
-        free(buf), free(levels), free(ints);
+    if (buf == NULL || ints == NULL) {
+        free(buf), free(ints);
         return -2;
     }
     Plan pl = {.slot_of = ints, .active = ints + pairs, .first = ints + pairs + E, .count = ints + pairs + 2 * E};
     float *logits = buf;
-    pl.weight = logits + rows * (long)E, pl.gu = pl.weight + pairs, pl.ys = pl.gu + pairs * 2 * I;
-    pl.tokens = (Rows16){levels, pl.ys + pairs * H};
-    pl.xs = (Rows16){pl.tokens.q + (long)rows * H, pl.tokens.s + (long)rows * (H / 32)};
-    pl.act = (Rows16){pl.xs.q + pairs * H, pl.xs.s + pairs * (H / 32)};
+    pl.weight = logits + rows * (long)E, pl.xs = pl.weight + pairs, pl.gu = pl.xs + pairs * H;
+    pl.act = pl.gu + pairs * 2 * I, pl.ys = pl.act + pairs * I;
     #pragma omp parallel num_threads(threads)
     {
-        #pragma omp for schedule(static) nowait
+        #pragma omp for schedule(static)
         for (int i = 0; i < rows * E; i++)
             logits[i] = dot(x + (long)(i / E) * H, ly->router + (long)(i % E) * H, H, vec);
-        #pragma omp for schedule(static)
-        for (int r = 0; r < rows; r++) {
-            const Rows16 t = at(pl.tokens, r, H);
-            quantize(x + (long)r * H, H, t.q, t.s, vec);
-        }
         #pragma omp single
-        plan_step(ly, logits, rows, &pl, counts);
+        plan_step(ly, x, logits, rows, &pl, counts);
         experts_step(ly, &pl, rows, out, vec);
     }
-    free(buf), free(levels), free(ints);
+    free(buf), free(ints);
     return 0;
 }
