@@ -64,6 +64,11 @@ class FusedExperts:
         self._layer = _Layer(moe.router.weight.data_ptr(), *(ctypes.addressof(a) for a in self._arrays), e,
                              moe.top_k, self.hidden, moe.inter, int(moe.norm_topk))
 
+    @property
+    def address(self) -> int:
+        """The C table's address (``MoeLayer *``), for the decode stack's layer table."""
+        return ctypes.addressof(self._layer)
+
     @classmethod
     def of(cls, moe: Any) -> FusedExperts | None:
         """The table of ``moe`` (a :class:`fleetllm.models.moe.MoE` with Q8_0 experts), or None when the kernel
