@@ -43,7 +43,8 @@ typedef struct {
 /* The step's pairs grouped by expert: slot s (of rows * k) holds one pair, and `slot_of[r * k + j]` is the
  * slot of row r's j-th choice (in ascending expert order). */
 typedef struct {
-    int *slot_of, *active, *first, *count;  /* the active experts, their first slot and number of rows */
+    int *ids, *slot_of;  /* per pair: its expert, its slot */
+    int *active, *first, *count;  /* the active experts, their first slot and number of rows */
     float *weight, *xs, *gu, *act, *ys;  /* per pair: routing weight; per slot: input, gate_up, SiLU * up, output */
     int n_active;
 } Plan;
@@ -119,7 +120,10 @@ static void route(const float *logits, int e_count, int k, int norm, int *ids, f
     float p[e_count], top = logits[0], sum = 0.f;
     for (int e = 1; e < e_count; e++) top = logits[e] > top ? logits[e] : top;
     for (int e = 0; e < e_count; e++) sum += p[e] = expf(logits[e] - top);
-    for (int e = 0; e < e_count; e++) p[e] /= sum;
+    for (int e = 0; e < e_count; e++) {
+        p[e] /= sum;
+        p[e] = p[e] == p[e] ? p[e] : 0.f;  /* NaN logits: never an id outside the experts (the output is NaN) */
+    }
     float chosen = 0.f;
     for (int j = 0; j < k; j++) {  /* k passes: k is small */
         int best = -1;
@@ -140,7 +144,7 @@ static void route(const float *logits, int e_count, int k, int norm, int *ids, f
 /* Routes every row and groups the pairs by expert (one thread); adds each expert's pairs to `counts`. */
 static void plan_step(const MoeLayer *ly, const float *x, const float *logits, int rows, Plan *pl, int64_t *counts) {
     const int k = ly->top_k, E = ly->experts, H = ly->hidden;
-    int ids[rows * k], per[E], next[E];
+    int *ids = pl->ids, per[E], next[E];
     memset(per, 0, sizeof(per));
     for (int r = 0; r < rows; r++) {
         route(logits + (long)r * E, E, k, ly->norm_topk, ids + r * k, pl->weight + r * k);
@@ -209,12 +213,13 @@ int moe_experts(const MoeLayer *ly, const float *x, int rows, float *out, int64_
     if (H % 32 || I % 32 || H <= 0 || I <= 0 || k < 1 || k > E || k > MAX_TOP_K || rows < 1) return -1;
     const int vec = vector && moe_experts_isa() == 2;
     float *buf = malloc(sizeof(float) * (rows * (long)E + pairs * (1 + H + 2 * I + I + H)));
-    int *ints = malloc(sizeof(int) * (pairs + 3L * E));
+    int *ints = malloc(sizeof(int) * (2 * pairs + 3L * E));
     if (buf == NULL || ints == NULL) {
         free(buf), free(ints);
         return -2;
     }
-    Plan pl = {.slot_of = ints, .active = ints + pairs, .first = ints + pairs + E, .count = ints + pairs + 2 * E};
+    Plan pl = {.ids = ints, .slot_of = ints + pairs, .active = ints + 2 * pairs};
+    pl.first = pl.active + E, pl.count = pl.first + E;
     float *logits = buf;
     pl.weight = logits + rows * (long)E, pl.xs = pl.weight + pairs, pl.gu = pl.xs + pairs * H;
     pl.act = pl.gu + pairs * 2 * I, pl.ys = pl.act + pairs * I;
