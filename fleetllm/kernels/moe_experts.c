@@ -14,9 +14,9 @@
  * Activations stay fp32 and each row's products are the Q8_0 GEMV's own (q8_rows.h): the weights the file
  * holds, fp32 activations, the op-by-op path's numerics up to the router's and SiLU's rounding.
  *
- * One OpenMP region per call: every active expert's output rows are split over the threads with no barrier
- * between experts (one after gate_up, one after SiLU, one after down). Routing and grouping are a few
- * microseconds on one thread. Each row's result depends on that row alone: batch-invariant.
+ * One OpenMP region per call, three barriers: after the router's logits, after routing and grouping (a few
+ * microseconds on one thread), after the experts, each active expert a work item handed out dynamically (see
+ * experts_step: on a shared machine a barrier per product cost more than the products). Each row's result depends on that row alone: batch-invariant.
  * AVX2 + FMA is chosen at run time; a scalar path covers other CPUs.
  */
 #include <math.h>
@@ -166,28 +166,22 @@ static void plan_step(const MoeLayer *ly, const float *x, const float *logits, i
     }
 }
 
-/* The step's expert products and the weighted sum, inside the caller's parallel region. */
+/* The step's expert products and the weighted sum, inside the caller's parallel region. Each active expert is
+ * one work item, handed out dynamically: its gate_up rows, SiLU * up, its down rows, on one thread with no
+ * barrier in between; a thread the OS takes away for a while holds up the others only by the expert it is on. */
 static void experts_step(const MoeLayer *ly, const Plan *pl, int rows, float *out, int vec) {
-    const int k = ly->top_k, H = ly->hidden, I = ly->inter, pairs = rows * k;
+    const int k = ly->top_k, H = ly->hidden, I = ly->inter;
+    #pragma omp for schedule(dynamic, 1)
     for (int a = 0; a < pl->n_active; a++) {
-        const int e = pl->active[a], s = pl->first[a];
-        #pragma omp for schedule(static) nowait
+        const int e = pl->active[a], s = pl->first[a], n = pl->count[a];
+        float *gu = pl->gu + (long)s * 2 * I, *act = pl->act + (long)s * I;
         for (int j = 0; j < 2 * I; j++)
-            expert_row(ly->gate_up[e], ly->gate_up_d[e], H, j, pl->xs + (long)s * H, pl->count[a],
-                       pl->gu + (long)s * 2 * I, 2 * I, vec);
-    }
-    #pragma omp barrier
-    #pragma omp for schedule(static)
-    for (int s = 0; s < pairs; s++)
-        silu_mul(pl->gu + (long)s * 2 * I, pl->gu + (long)s * 2 * I + I, I, pl->act + (long)s * I, vec);
-    for (int a = 0; a < pl->n_active; a++) {
-        const int e = pl->active[a], s = pl->first[a];
-        #pragma omp for schedule(static) nowait
+            expert_row(ly->gate_up[e], ly->gate_up_d[e], H, j, pl->xs + (long)s * H, n, gu, 2 * I, vec);
+        for (int r = 0; r < n; r++)
+            silu_mul(gu + (long)r * 2 * I, gu + (long)r * 2 * I + I, I, act + (long)r * I, vec);
         for (int j = 0; j < H; j++)
-            expert_row(ly->down[e], ly->down_d[e], I, j, pl->act + (long)s * I, pl->count[a], pl->ys + (long)s * H,
-                       H, vec);
+            expert_row(ly->down[e], ly->down_d[e], I, j, act, n, pl->ys + (long)s * H, H, vec);
     }
-    #pragma omp barrier
     #pragma omp for schedule(static)
     for (int h0 = 0; h0 < H; h0 += 64) {
         const int h1 = h0 + 64 < H ? h0 + 64 : H;
