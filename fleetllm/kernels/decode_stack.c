@@ -14,6 +14,11 @@
  * AVX2 + FMA is required (the caller checks `decode_stack_isa`); there is no scalar path: without AVX2 the
  * model takes its op-by-op path.
  *
+ * Q8_0 models with experts (a Q8_0 GGUF of Qwen3-MoE): a layer may hold Q8_0 linears (int8 levels, fp32 scales:
+ * q8_gemv.c's GEMV, passed in as `gemv8`), q/k RMSNorm per head before RoPE (Qwen3), and a mixture-of-experts
+ * block in place of the MLP (moe_experts.c's `moe_experts`: router, top-k, the chosen experts, their weighted
+ * sum), whose per-expert row counts go to the step's `counts` (per layer, for the load-imbalance metrics).
+ *
  * LoRA adapters (issue #39): a step whose rows use resident adapters passes per layer the adapted projections'
  * stacked A/B tables (fleetllm/lora/tables.py; NULL for a projection no adapter adapts) and each row's slot (-1:
  * none), and lora.c's `lora_apply` adds each row's update where the op-by-op path adds it: q, k and v into their
@@ -35,6 +40,11 @@ typedef int (*attend_fn)(const float *q, long q_row_stride, const void *k_cache,
                          const int32_t *context_lens, float *out, long out_row_stride, int rows, int heads,
                          int kv_heads, int head_dim, int block_size, int window, float scale, int threads);
 
+typedef int (*gemv8_fn)(const float *x, long ldx, const int8_t *w, const float *d, float *y, long ldy, int rows,
+                        int n, int k_in, int threads, int vector);
+typedef int (*moe_fn)(const void *layer, const float *x, int rows, float *out, int64_t *counts, int threads,
+                      int vector);
+
 typedef int (*lora_fn)(const float *x, long ldx, float *y, long ldy, int rows, const int32_t *slots, int n_slots,
                        const float *a, const float *b, int rank, int in, int out, int threads, int vector);
 
@@ -43,11 +53,15 @@ enum { LQ, LK, LV, LO, LGATE, LUP, LDOWN, LORA_MODULES };  /* fleetllm/lora/tabl
 /* One layer's LoRA tables per projection: a [n_slots, rank, in], b [n_slots, out, rank]; NULL: not adapted. */
 typedef struct { const float *a[LORA_MODULES], *b[LORA_MODULES]; } LoraLayer;
 
-typedef struct { const uint8_t *packed; const uint16_t *d, *m; } Q4;  /* blocked: see q4_int_gemm.c */
+/* blocked Q4_1 (see q4_int_gemm.c); in a Q8_0 layer `packed` points to int8 levels and `d` to fp32 scales */
+typedef struct { const void *packed; const void *d, *m; } Q4;
 
 typedef struct {
     const float *norm1, *norm2;  /* input and post-attention RMSNorm weights [hidden] */
-    Q4 qkv, o, gate_up, down;
+    Q4 qkv, o, gate_up, down;    /* gate_up and down unused in a layer with experts */
+    int q8;                      /* the linears are Q8_0 (gemv8), not Q4_1 (gemv) */
+    const float *q_norm, *k_norm;  /* per-head RMSNorm weights [head_dim] (NULL: none) */
+    const void *moe;             /* the layer's experts (moe_experts.c's MoeLayer; NULL: a dense MLP) */
 } Layer;
 
 typedef struct {
@@ -58,6 +72,8 @@ typedef struct {
     gemv_fn gemv;
     attend_fn attend;
     lora_fn lora;  /* lora.c's lora_apply (NULL when no step of this call has adapter rows) */
+    gemv8_fn gemv8;  /* q8_gemv.c's q8_gemv (NULL: no Q8_0 layer) */
+    moe_fn moe;      /* moe_experts.c's moe_experts (NULL: no layer with experts) */
 } Model;
 
 typedef struct {
@@ -72,6 +88,8 @@ typedef struct {
     const LoraLayer *lora;      /* per layer (NULL: no adapter rows in the step) */
     const int32_t *lora_slots;  /* per row: its adapter's slot, -1 for none */
     int lora_n_slots, lora_rank;
+    int64_t *counts;  /* layer li's experts' row counts at counts + li * count_stride (NULL: not counted) */
+    int count_stride;
 } Step;
 
 #if FLEETLLM_X86
@@ -202,6 +220,33 @@ static int lora_add(const Model *md, const Step *st, int li, int m, const float 
                     st->lora_rank, in, out, st->threads, 1);
 }
 
+/* y = x @ W^T for `rows` rows through the layer's GEMV (Q4_1 or Q8_0). */
+static int linear(const Model *md, const Layer *ly, const Q4 *w, const float *x, long ldx, float *y, long ldy, int rows,
+                  int n, int k_in, int threads) {
+    if (ly->q8) return md->gemv8(x, ldx, w->packed, w->d, y, ldy, rows, n, k_in, threads, 1);
+    return md->gemv(x, ldx, w->packed, w->d, w->m, y, ldy, rows, n, k_in, threads, 1);
+}
+
+/* The MLP half of a layer: RMSNorm'd `xn` through the experts or the dense SwiGLU MLP, added to the residual. */
+static int mlp(const Model *md, const Layer *ly, const Step *st, int li, float *xn, float *gu, float *act) {
+    const int R = st->rows, H = md->hidden;
+    int rc = 0;
+    if (ly->moe != NULL) {
+        int64_t *counts = st->counts == NULL ? NULL : st->counts + (long)li * st->count_stride;
+        rc |= md->moe(ly->moe, xn, R, gu, counts, st->threads, 1);
+        add_into(st->h, gu, (long)R * H);
+        return rc;
+    }
+    rc |= linear(md, ly, &ly->gate_up, xn, H, gu, 2 * md->inter, R, 2 * md->inter, H, st->threads);
+    rc |= lora_add(md, st, li, LGATE, xn, H, gu, 2 * md->inter, H, md->inter);
+    rc |= lora_add(md, st, li, LUP, xn, H, gu + md->inter, 2 * md->inter, H, md->inter);
+    silu_mul(gu, R, md->inter, act);
+    rc |= linear(md, ly, &ly->down, act, md->inter, xn, H, R, H, md->inter, st->threads);
+    rc |= lora_add(md, st, li, LDOWN, act, md->inter, xn, H, md->inter, H);
+    add_into(st->h, xn, (long)R * H);
+    return rc;
+}
+
 /* One layer for every row of the step; returns the first nonzero status of a GEMV or attention call. */
 static int layer(const Model *md, const Layer *ly, const Step *st, int li, float *xn, float *qkv, float *attn,
                  float *gu, float *act) {
@@ -209,31 +254,28 @@ static int layer(const Model *md, const Layer *ly, const Step *st, int li, float
     const int qw = md->heads * D, width = qw + 2 * kvw;
     int rc = 0;
     rms_norm(st->h, ly->norm1, md->eps, R, H, xn);
-    rc |= md->gemv(xn, H, ly->qkv.packed, ly->qkv.d, ly->qkv.m, qkv, width, R, width, H, st->threads, 1);
+    rc |= linear(md, ly, &ly->qkv, xn, H, qkv, width, R, width, H, st->threads);
     rc |= lora_add(md, st, li, LQ, xn, H, qkv, width, H, qw);
     rc |= lora_add(md, st, li, LK, xn, H, qkv + qw, width, H, kvw);
     rc |= lora_add(md, st, li, LV, xn, H, qkv + qw + kvw, width, H, kvw);
     for (int r = 0; r < R; r++) {
         float *row = qkv + (long)r * width;
         const float *c = md->cos + st->positions[r] * D, *s = md->sin + st->positions[r] * D;
+        if (ly->q_norm != NULL) {  /* Qwen3: each q and k head RMSNorm'd before RoPE */
+            rms_norm(row, ly->q_norm, md->eps, md->heads, D, row);
+            rms_norm(row + qw, ly->k_norm, md->eps, md->kv_heads, D, row + qw);
+        }
         rope(row, md->heads + md->kv_heads, D, c, s);  /* q heads, then the k heads right after them */
         store_kv(st->k_caches[li], md->kv_dtype, st->slots[r], row + qw, kvw, D);
         store_kv(st->v_caches[li], md->kv_dtype, st->slots[r], row + qw + kvw, kvw, D);
     }
     rc |= md->attend(qkv, width, st->k_caches[li], st->v_caches[li], md->kv_dtype, st->tables, st->table_stride,
                      st->table_of, st->lens, attn, qw, R, md->heads, md->kv_heads, D, md->block_size, 0, md->scale, st->threads);
-    rc |= md->gemv(attn, qw, ly->o.packed, ly->o.d, ly->o.m, xn, H, R, H, qw, st->threads, 1);
+    rc |= linear(md, ly, &ly->o, attn, qw, xn, H, R, H, qw, st->threads);
     rc |= lora_add(md, st, li, LO, attn, qw, xn, H, qw, H);
     add_into(st->h, xn, (long)R * H);
     rms_norm(st->h, ly->norm2, md->eps, R, H, xn);
-    rc |= md->gemv(xn, H, ly->gate_up.packed, ly->gate_up.d, ly->gate_up.m, gu, 2 * md->inter, R, 2 * md->inter, H,
-                   st->threads, 1);
-    rc |= lora_add(md, st, li, LGATE, xn, H, gu, 2 * md->inter, H, md->inter);
-    rc |= lora_add(md, st, li, LUP, xn, H, gu + md->inter, 2 * md->inter, H, md->inter);
-    silu_mul(gu, R, md->inter, act);
-    rc |= md->gemv(act, md->inter, ly->down.packed, ly->down.d, ly->down.m, xn, H, R, H, md->inter, st->threads, 1);
-    rc |= lora_add(md, st, li, LDOWN, act, md->inter, xn, H, md->inter, H);
-    add_into(st->h, xn, (long)R * H);
+    rc |= mlp(md, ly, st, li, xn, gu, act);
     return rc;
 }
 

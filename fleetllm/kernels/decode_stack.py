@@ -11,6 +11,13 @@ is taken when every row is a decode token or a query of a chunk whose queries ×
 rows as the stack's bound or more, a kernel not built, a model it does not cover) takes the model's op-by-op
 path. ``FLEETLLM_DECODE_STACK=eager`` keeps every step there.
 
+A Q8_0 GGUF of a mixture-of-experts model (Qwen3-MoE, served under ``q4``: its Q8_0 linears kept, their narrow steps
+on the Q8_0 GEMV) takes the stack too: Q8_0 attention projections (``q8_gemv.c``), Qwen3's per-head q/k norms,
+and each layer's experts through ``moe_experts.c`` (:class:`fleetllm.kernels.moe_experts.FusedExperts`: router,
+top-k, the chosen experts, their sum), whose per-expert row counts the step hands back to each layer's
+``expert_counts`` (the load-imbalance metrics). Such a model takes the stack below its linears' Q8_0 bound (the
+rows from which they multiply by dequantised weights instead).
+
 Steps whose rows use LoRA adapters pass the resident adapters' tables (:class:`fleetllm.lora.tables.LoraTables`)
 and each row's slot: the C step adds each row's update through ``lora.c`` where the op-by-op path adds it (see
 the C source). The per-layer pointers into the tables are made again whenever the tables' ``version`` moves.
@@ -32,7 +39,7 @@ from typing import Any
 
 import torch
 
-from fleetllm.kernels import attention, bf16, q4_int
+from fleetllm.kernels import attention, bf16, moe_experts, q4_int, q8
 from fleetllm.kernels.build import KernelLibrary
 from fleetllm.kernels.lora import LIBRARY as LORA_LIBRARY
 from fleetllm.kernels.lora import kernel_ready as lora_kernel_ready
@@ -54,7 +61,8 @@ class _Q4(ctypes.Structure):
 
 
 class _Layer(ctypes.Structure):
-    _fields_ = [("norm1", P), ("norm2", P), ("qkv", _Q4), ("o", _Q4), ("gate_up", _Q4), ("down", _Q4)]
+    _fields_ = [("norm1", P), ("norm2", P), ("qkv", _Q4), ("o", _Q4), ("gate_up", _Q4), ("down", _Q4), ("q8", INT),
+                ("q_norm", P), ("k_norm", P), ("moe", P)]
 
 
 class _LoraLayer(ctypes.Structure):
@@ -64,13 +72,14 @@ class _LoraLayer(ctypes.Structure):
 class _Model(ctypes.Structure):
     _fields_ = [("layers", P), ("n_layers", INT), ("hidden", INT), ("heads", INT), ("kv_heads", INT), ("head_dim", INT),
                 ("inter", INT), ("block_size", INT), ("kv_dtype", INT), ("eps", FLOAT), ("scale", FLOAT), ("cos", P),
-                ("sin", P), ("gemv", P), ("attend", P), ("lora", P)]
+                ("sin", P), ("gemv", P), ("attend", P), ("lora", P), ("gemv8", P), ("moe", P)]
 
 
 class _Step(ctypes.Structure):
     _fields_ = [("h", P), ("rows", INT), ("threads", INT), ("positions", P), ("slots", P), ("tables", P), ("lens", P),
                 ("table_of", P), ("table_stride", INT), ("k_caches", P), ("v_caches", P), ("scratch", P),
-                ("lora", P), ("lora_slots", P), ("lora_n_slots", INT), ("lora_rank", INT)]
+                ("lora", P), ("lora_slots", P), ("lora_n_slots", INT), ("lora_rank", INT), ("counts", P),
+                ("count_stride", INT)]
 
 
 def _declare(lib: ctypes.CDLL) -> None:
@@ -132,17 +141,56 @@ def _paired(linear: Any) -> bf16.PairedBF16 | None:
     return weight if isinstance(weight, bf16.PairedBF16) else None
 
 
-def _struct(w: q4_int.BlockedQ4 | bf16.PairedBF16) -> _Q4:
+def _q8(linear: Any) -> q8.Q8Weight | None:
+    """The Q8_0 weight of a linear kept as Q8_0 whose narrow steps take the Q8_0 GEMV (a ``q4`` copy of a
+    ``PackedQ8Linear``), else None."""
+    packed = getattr(linear, "packed", None)
+    return packed if isinstance(packed, q8.Q8Weight) and getattr(linear, "q8_rows", 0) > 0 else None
+
+
+def _struct(w: q4_int.BlockedQ4 | bf16.PairedBF16 | q8.Q8Weight | None) -> _Q4:
+    if w is None:  # gate_up and down of a layer with experts
+        return _Q4(None, None, None)
     if isinstance(w, bf16.PairedBF16):
         return _Q4(w.paired.data_ptr(), None, None)
+    if isinstance(w, q8.Q8Weight):
+        return _Q4(w.q.data_ptr(), w.d.data_ptr(), None)
     return _Q4(w.blocked.data_ptr(), w.d.data_ptr(), w.m.data_ptr())
 
 
 def _table(layers: list[dict[str, Any]], kind: str) -> ctypes.Array:
-    """The C layer table over ``layers``' weights of ``kind`` ("q4", or "bf16": the wide steps')."""
+    """The C layer table over ``layers``' weights of ``kind`` ("q4": the narrow steps' Q4_1 or Q8_0, or "bf16":
+    the wide steps')."""
+    def ptr(t: torch.Tensor | None) -> int | None:
+        return None if t is None else t.data_ptr()
+
     return (_Layer * len(layers))(*(
-        _Layer(ly["norm1"].data_ptr(), ly["norm2"].data_ptr(), *(_struct(ly[kind][name]) for name in LINEARS))
+        _Layer(ly["norm1"].data_ptr(), ly["norm2"].data_ptr(), *(_struct(ly[kind].get(name)) for name in LINEARS),
+               int(ly["q8"]), ptr(ly["q_norm"]), ptr(ly["k_norm"]), ly["moe"].address if ly["moe"] else None)
         for ly in layers))
+
+
+def _layer_entry(layer: Any) -> dict[str, Any] | None:
+    """One decoder layer's weights for the C table, or None when the stack does not cover it (see ``build``)."""
+    attn, mlp = layer.attn, layer.mlp
+    if type(layer).__name__ != "DecoderLayer" or getattr(layer, "sliding", False) or getattr(attn, "eager", False):
+        return None  # sliding windows, soft-capping, sinks: the C step has none of them
+    if getattr(attn.o, "bias", None) is not None or getattr(attn.qkv, "bias", None) is not None:
+        return None
+    experts = hasattr(mlp, "router")
+    moe = moe_experts.FusedExperts.of(mlp) if experts and mlp.shared is None and mlp.q8_rows > 0 else None
+    if (experts and moe is None) or (not experts and getattr(mlp, "gelu", True)):
+        return None
+    linears = {"qkv": attn.qkv, "o": attn.o, **({} if experts else {"gate_up": mlp.gate_up, "down": mlp.down})}
+    q4s, q8s = {k: _q4(v) for k, v in linears.items()}, {k: _q8(v) for k, v in linears.items()}
+    is_q8 = all(w is not None for w in q8s.values())
+    if not is_q8 and any(q is None for q in q4s.values()):
+        return None
+    q_norm, k_norm = (getattr(getattr(attn, n, None), "weight", None) for n in ("q_norm", "k_norm"))
+    return {"q4": q8s if is_q8 else {k: q.q4 for k, q in q4s.items()}, "q8": is_q8, "modules": list(linears.values()),
+            "bf16": {k: _paired(v) for k, v in linears.items()}, "norm1": layer.input_norm.weight,
+            "norm2": layer.post_attn_norm.weight, "q_norm": q_norm, "k_norm": k_norm, "moe": moe,
+            "moe_module": mlp if experts else None}
 
 
 def _lora_table(tables: LoraTables) -> ctypes.Array:
@@ -162,6 +210,11 @@ class DecodeStack:
         cfg, attn = model.cfg, model.layers[0].attn
         self.max_rows, self.bits, self.bf16_rows = max_rows, bits, bf16_rows
         self.hidden, self.inter = cfg.hidden_size, cfg.intermediate_size
+        self.q8 = any(ly["q8"] for ly in layers)
+        self.moes = [ly["moe_module"] if ly["moe"] else None for ly in layers]  # each layer's MoE block (None: dense)
+        self.num_experts = max((m.num_experts for m in self.moes if m is not None), default=0)
+        # scratch per row for the MLP's gate_up output, which also holds a layer's experts' sum
+        self.mlp_scratch = max(2 * self.inter, cfg.hidden_size if self.num_experts else 0)
         self.width = (attn.h + 2 * attn.hkv) * attn.d
         self.q_width = attn.h * attn.d
         self._keep = layers  # every weight pointer below points into these
@@ -174,36 +227,27 @@ class DecodeStack:
 
     @classmethod
     def build(cls, model: Any, max_rows: int) -> DecodeStack | None:
-        """The stack for ``model`` (a ``q4`` copy of a Llama model), or None when any layer is not covered:
-        a linear that is not Q4_1, q/k norms, attention biases, GeGLU, experts, sliding windows, soft-capping or sinks,
-        or a non-fp32 or non-contiguous tensor."""
+        """The stack for ``model`` (a ``q4`` copy of a Llama model, or of a Q8_0 GGUF's Qwen3-MoE), or None when any
+        layer is not covered: a linear that is neither Q4_1 nor Q8_0 on its GEMV, attention biases, GeGLU, experts
+        the fused kernel does not take (a shared expert, GPT-OSS's), sliding windows, soft-capping or sinks, or a
+        non-fp32 or non-contiguous tensor."""
         if not hasattr(model, "layers") or not hasattr(model, "rotary") or getattr(model.rotary, "partial", False):
             return None
-        layers, modules = [], []
-        for layer in model.layers:
-            attn, mlp = layer.attn, layer.mlp
-            if getattr(attn, "q_norm", None) is not None or getattr(mlp, "gelu", True) or type(layer).__name__ != "DecoderLayer":
-                return None
-            if getattr(layer, "sliding", False) or getattr(attn, "eager", False) or getattr(attn.o, "bias", None) is not None:
-                return None  # sliding windows, soft-capping, sinks: the C step has none of them
-            if getattr(attn.qkv, "bias", None) is not None:
-                return None
-            linears = dict(zip(LINEARS, (attn.qkv, attn.o, mlp.gate_up, mlp.down), strict=True))
-            q4s = {k: _q4(v) for k, v in linears.items()}
-            if any(q is None for q in q4s.values()):
-                return None
-            modules += linears.values()
-            layers.append({"q4": {k: q.q4 for k, q in q4s.items()}, "bf16": {k: _paired(v) for k, v in linears.items()},
-                           "norm1": layer.input_norm.weight, "norm2": layer.post_attn_norm.weight})
-        bits = {_q4(m).bits for m in modules}
-        tensors = [ly[k] for ly in layers for k in ("norm1", "norm2")]
-        if len(bits) != 1 or any(t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous()
-                                 for t in tensors):
+        layers = [_layer_entry(layer) for layer in model.layers]
+        if any(ly is None for ly in layers):
             return None
+        modules = [m for ly in layers for m in ly["modules"]]
+        bits = {_q4(m).bits for m in modules if _q4(m) is not None}
+        tensors = [t for ly in layers for k in ("norm1", "norm2", "q_norm", "k_norm") if (t := ly[k]) is not None]
+        if len(bits) > 1 or any(t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous()
+                                for t in tensors):
+            return None
+        q8_rows = [m.q8_rows for m in modules if _q8(m) is not None]  # Q8_0 linears: below their fp32 bound only
+        max_rows = min([max_rows, *q8_rows, *(ly["moe_module"].q8_rows for ly in layers if ly["moe"])])
         # a bf16 table where every linear has bf16 weights for its wide steps, all taking them from one width
         widths = {getattr(m, "rows", None) for m in modules}
         paired = len(widths) == 1 and all(_paired(m) is not None for m in modules)
-        return cls(model, layers, max_rows, bits.pop(), widths.pop() if paired else None)
+        return cls(model, layers, max_rows, bits.pop() if bits else 0, widths.pop() if paired else None)
 
     @staticmethod
     def supports(lora: Any) -> bool:
@@ -224,7 +268,10 @@ class DecodeStack:
                for t in (rotary.cos, rotary.sin)):
             return None
         libs = (LIBRARY.get(), attention.LIBRARY.get() if attention.kernel_enabled() else None)
-        if any(lib is None for lib in libs) or not q4_int.kernel_ready() or LIBRARY.lib.decode_stack_isa() != 2:
+        if any(lib is None for lib in libs) or LIBRARY.lib.decode_stack_isa() != 2:
+            return None
+        if (self.bits and not q4_int.kernel_ready()) or (self.q8 and not q8.kernel_ready()) or (
+                self.num_experts and not moe_experts.kernel_ready()):
             return None
         return Rows.of(meta, rows)
 
@@ -235,23 +282,41 @@ class DecodeStack:
         n = h.shape[0]
         positions = positions.to(torch.int64).contiguous()
         slots = meta.slot_mapping.to(torch.int64).contiguous()
-        scratch = torch.empty(n * (self.hidden + self.width + self.q_width + 3 * self.inter))
+        scratch = torch.empty(n * (self.hidden + self.width + self.q_width + self.mlp_scratch + self.inter))
         k_ptrs, v_ptrs = self._cache_pointers(kv_cache)
         md = _Model.from_buffer_copy(self._model)  # per call: engines sharing this model may run at once
         md.block_size, md.kv_dtype = meta.block_size, attention.KV_DTYPES[kv_cache[0][0].dtype]
         md.cos, md.sin = rotary.cos.data_ptr(), rotary.sin.data_ptr()
         wide = self.bf16_rows is not None and n >= self.bf16_rows and bf16.kernel_ready()
         md.layers = ctypes.addressof(self._tables["bf16" if wide else "q4"])
-        md.gemv = ctypes.cast(bf16.LIBRARY.lib.bf16_gemm if wide else q4_int.gemm_function(self.bits), P).value
+        if self.bits:
+            md.gemv = ctypes.cast(bf16.LIBRARY.lib.bf16_gemm if wide else q4_int.gemm_function(self.bits), P).value
         md.attend = ctypes.cast(attention.LIBRARY.lib.paged_attention, P).value
+        counts = self._with_experts(md)
         table_of = None if rows.table_of is None else rows.table_of.data_ptr()
         step = _Step(h.data_ptr(), n, torch.get_num_threads(), positions.data_ptr(), slots.data_ptr(),
                      rows.tables.data_ptr(), rows.lens.data_ptr(), table_of, rows.tables.stride(0),
                      ctypes.addressof(k_ptrs), ctypes.addressof(v_ptrs), scratch.data_ptr())
         keep = self._with_lora(md, step, lora)  # noqa: F841 - alive until the call returns
+        if counts is not None:
+            step.counts, step.count_stride = counts.data_ptr(), self.num_experts
         rc = LIBRARY.lib.decode_stack(ctypes.byref(md), ctypes.byref(step))
         if rc != 0:
             raise RuntimeError(f"decode_stack failed with status {rc}")
+        if counts is not None:
+            for moe, row in zip(self.moes, counts.tolist(), strict=True):
+                if moe is not None:
+                    moe._count(row[: moe.num_experts])
+
+    def _with_experts(self, md: _Model) -> torch.Tensor | None:
+        """Fill the call's Q8_0 GEMV and experts kernel; the per-layer expert counts the step fills (None: no
+        experts)."""
+        if self.q8:
+            md.gemv8 = ctypes.cast(q8.LIBRARY.lib.q8_gemv, P).value
+        if not self.num_experts:
+            return None
+        md.moe = ctypes.cast(moe_experts.LIBRARY.lib.moe_experts, P).value
+        return torch.zeros(len(self.moes), self.num_experts, dtype=torch.int64)
 
     def _with_lora(self, md: _Model, step: _Step, lora: Any) -> Any:
         """Fill the call's LoRA fields when a row uses an adapter a projection has; returns what must stay alive."""

@@ -64,9 +64,9 @@ def details(found: list[KernelStatus]) -> dict[str, dict[str, str]]:
 
 def libraries() -> dict[str, KernelLibrary]:
     """Every kernel's library, by kernel name (imports the modules that declare them)."""
-    from fleetllm.kernels import attention, bf16, decode_stack, lora, prefill, q4, q4_int, q8
+    from fleetllm.kernels import attention, bf16, decode_stack, lora, moe_experts, prefill, q4, q4_int, q8
 
-    libs = [m.LIBRARY for m in (q4_int, decode_stack, attention, q4, q8, bf16, prefill, lora)]
+    libs = [m.LIBRARY for m in (q4_int, decode_stack, attention, q4, q8, moe_experts, bf16, prefill, lora)]
     return {lib.name: lib for lib in libs}
 
 

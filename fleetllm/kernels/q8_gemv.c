@@ -11,8 +11,7 @@
 #include <stdint.h>
 #include "simd.h"
 #include "gemv_common.h"
-
-#define MAX_ROWS 8
+#include "q8_rows.h"
 
 int q8_gemv_isa(void) {
     static int isa = -1;
@@ -27,50 +26,7 @@ int q8_gemv_isa(void) {
     return isa;
 }
 
-static void row_scalar(int rows, const int8_t *w, const float *d, const float *x, long ldx, int groups,
-                       float *out, long ldy) {
-    for (int r = 0; r < rows; r++) {
-        float acc = 0.f;
-        for (int g = 0; g < groups; g++) {
-            const int8_t *b = w + 32 * g;
-            const float *xg = x + r * ldx + 32 * g;
-            float dot = 0.f;
-            for (int i = 0; i < 32; i++) dot += b[i] * xg[i];
-            acc += d[g] * dot;
-        }
-        out[r * ldy] = acc;
-    }
-}
-
 #if FLEETLLM_X86
-__attribute__((target("avx2,fma"), always_inline))
-static inline __m256 widen8(const int8_t *b) {
-    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)b)));
-}
-
-/* One output row for `rows` activation rows, a compile-time constant once inlined. Unlike the Q4 kernel,
- * two output rows at a time are slower here (M = 1: 2.0 against 0.9 ms for the 49152x576 LM head). */
-__attribute__((target("avx2,fma"), always_inline))
-static inline void row_avx2(const int rows, const int8_t *w, const float *d, const float *x, long ldx,
-                            int groups, float *out, long ldy) {
-    __m256 acc[MAX_ROWS];
-    for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps();
-    for (int g = 0; g < groups; g++) {
-        const int8_t *b = w + 32L * g;
-        const __m256 q0 = widen8(b), q1 = widen8(b + 8), q2 = widen8(b + 16), q3 = widen8(b + 24);
-        const __m256 dg = _mm256_broadcast_ss(d + g);
-        for (int r = 0; r < rows; r++) {
-            const float *xg = x + r * ldx + 32 * g;
-            __m256 t = _mm256_mul_ps(q0, _mm256_loadu_ps(xg));
-            t = _mm256_fmadd_ps(q1, _mm256_loadu_ps(xg + 8), t);
-            t = _mm256_fmadd_ps(q2, _mm256_loadu_ps(xg + 16), t);
-            t = _mm256_fmadd_ps(q3, _mm256_loadu_ps(xg + 24), t);
-            acc[r] = _mm256_fmadd_ps(dg, t, acc[r]);
-        }
-    }
-    for (int r = 0; r < rows; r++) out[r * ldy] = hsum8(acc[r]);
-}
-
 /* Output rows [0, n) for `rows` activation rows, the count fixed per call site so each is unrolled. */
 #define ROWS_AVX2(R) { \
     _Pragma("omp parallel for num_threads(threads) schedule(static)") \

@@ -72,6 +72,9 @@ KERNELS = {k.name: k for k in (
            "int4 linears dequantise in PyTorch: int4 decode several times slower"),
     Kernel("q8_gemv", ("avx2", "portable"), frozenset(),
            "the Q8_0 LM head runs in fp32 PyTorch: each step's last layer slower"),
+    Kernel("moe_experts", ("avx512", "avx2", "portable"), frozenset(),
+           "a mixture-of-experts model's decode steps run their router and experts op by op in PyTorch: MoE "
+           "decode ~2x slower"),
     Kernel("bf16_gemm", ("avx512", "portable"), frozenset({"avx512f", "avx512bw", "avx512vl", "avx512_bf16"}),
            "wide steps (prefill, large batches) take the Q4 or fp32 GEMM: prefill slower"),
     Kernel("prefill_attention", ("avx512", "portable"), frozenset({"avx512f", "avx512bw"}),

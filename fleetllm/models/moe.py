@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fleetllm.kernels import q8
+from fleetllm.kernels.moe_experts import FusedExperts
 from fleetllm.models.config import ModelConfig
 
 
@@ -55,6 +56,9 @@ class MoE(nn.Module):
         # the expert's weights (dequantised for that product when there are no fp32 ones: bit for bit the file's).
         self.q8: list[tuple[q8.Q8Weight, q8.Q8Weight]] | None = None
         self.q8_rows = 0
+        # Those steps' whole block (router, top-k, experts, sum) in one C call where the kernel covers the layer
+        # (kernels/moe_experts.py): built on the first such step, None when it does not cover it
+        self._fused: FusedExperts | None | bool = False
 
     def set_q8_experts(self, gate_up: torch.Tensor, gate_up_scale: torch.Tensor, down: torch.Tensor,
                        down_scale: torch.Tensor) -> None:
@@ -78,6 +82,7 @@ class MoE(nn.Module):
         super()._apply(fn, recurse)
         if "gate_up_q8" in self._buffers:
             self._view_q8()
+        self._fused = False  # its pointers were into the old tensors
         return self
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -114,6 +119,32 @@ class MoE(nn.Module):
         return self._linear(act, e, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self._fused_forward(x) if 0 < x.shape[0] < self.q8_rows and self.q8 is not None else None
+        if out is None:
+            out = self._experts(x)
+        if self.shared is not None:
+            out = out + torch.sigmoid(self.shared_gate(x)) * self.shared(x)
+        return out
+
+    def _fused_forward(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The routed experts' sum through the C kernel; None where it does not serve (not built yet, or the
+        layer not covered)."""
+        if self._fused is False:
+            self._fused = FusedExperts.of(self)
+        if self._fused is None:
+            return None
+        counts = torch.zeros(self.num_experts, dtype=torch.int64)
+        out = self._fused(x, counts)
+        if out is not None:
+            self._count(counts.tolist())
+        return out
+
+    def _count(self, counts: list[int]) -> None:
+        seen = self.expert_counts
+        self.expert_counts = counts if seen is None else [a + b for a, b in zip(seen, counts, strict=True)]
+
+    def _experts(self, x: torch.Tensor) -> torch.Tensor:
+        """The routed experts' weighted sum in PyTorch, grouped by expert (see the module doc)."""
         weights, idx = self.route(x)
         idx, perm = idx.sort(dim=-1)  # each token's choices in ascending expert order: the order HF sums them in
         weights = weights.gather(1, perm)
@@ -121,8 +152,7 @@ class MoE(nn.Module):
         flat = idx.flatten()
         order = torch.argsort(flat, stable=True)  # (token, choice) pairs grouped by expert, tokens in order
         counts = torch.bincount(flat, minlength=self.num_experts).tolist()
-        seen = self.expert_counts
-        self.expert_counts = counts if seen is None else [a + b for a, b in zip(seen, counts, strict=True)]
+        self._count(counts)
         xs = x.index_select(0, order // k)
         ys = torch.empty_like(xs)
         start = 0
@@ -137,6 +167,4 @@ class MoE(nn.Module):
         out = pairs[:, 0].clone()
         for j in range(1, k):  # one add at a time, as HF's index_add_ accumulates
             out += pairs[:, j]
-        if self.shared is not None:
-            out = out + torch.sigmoid(self.shared_gate(x)) * self.shared(x)
         return out

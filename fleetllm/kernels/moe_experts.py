@@ -1,0 +1,107 @@
+"""A mixture-of-experts block's narrow steps in one C call (``moe_experts.c``): router, top-k, Q8_0 experts.
+
+:class:`FusedExperts` holds one layer's C table (the router's fp32 weight, each expert's Q8_0 gate_up and down
+levels and scales) and runs a step's rows through it: the chosen experts only, each read once per step
+whatever number of rows chose it, their outputs weighted and summed in ascending expert order as
+:class:`fleetllm.models.moe.MoE` sums them. It covers the softmax-then-top-k router without bias (Qwen2-MoE,
+Qwen3-MoE, Mixtral) and SwiGLU experts without biases; GPT-OSS's router and clamped experts keep PyTorch's path.
+A shared expert (Qwen2-MoE) is the caller's to add.
+
+The library builds in the background on first use, as the Q8_0 GEMV does, under the same switch
+(``FLEETLLM_Q4_KERNEL=eager``); until then, or without a compiler, :meth:`FusedExperts.__call__` returns None
+and the caller takes PyTorch's path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fleetllm.kernels import q4
+from fleetllm.kernels.build import KernelLibrary
+
+P, INT = ctypes.c_void_p, ctypes.c_int
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [("router", P), ("gate_up", P), ("gate_up_d", P), ("down", P), ("down_d", P), ("experts", INT),
+                ("top_k", INT), ("hidden", INT), ("inter", INT), ("norm_topk", INT)]
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    lib.moe_experts.argtypes = [ctypes.POINTER(_Layer), P, INT, P, P, INT, INT]
+    lib.moe_experts.restype = INT
+    lib.moe_experts_isa.restype = INT
+
+
+LIBRARY = KernelLibrary(Path(__file__).with_name("moe_experts.c"), _declare)
+
+
+def kernel_ready(wait: bool = False) -> bool:
+    """Whether the C kernel is loaded and enabled; the first call starts its build (``wait``: and waits)."""
+    return q4.kernel_enabled() and LIBRARY.get(wait) is not None
+
+
+def _fp32(t: torch.Tensor) -> bool:
+    return t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous()
+
+
+class FusedExperts:
+    """One MoE layer's C table; :meth:`of` says whether the kernel covers the layer."""
+
+    def __init__(self, moe: Any) -> None:
+        self._keep = [moe.router.weight, *(w for pair in moe.q8 for w in pair)]  # the pointers below point here
+        e = moe.num_experts
+
+        def pointers(which: int, part: str) -> ctypes.Array:
+            return (P * e)(*(getattr(moe.q8[i][which], part).data_ptr() for i in range(e)))
+
+        self._arrays = [pointers(w, part) for w in (0, 1) for part in ("q", "d")]
+        self.hidden = moe.router.weight.shape[1]
+        self._layer = _Layer(moe.router.weight.data_ptr(), *(ctypes.addressof(a) for a in self._arrays), e,
+                             moe.top_k, self.hidden, moe.inter, int(moe.norm_topk))
+
+    @property
+    def address(self) -> int:
+        """The C table's address (``MoeLayer *``), for the decode stack's layer table."""
+        return ctypes.addressof(self._layer)
+
+    @classmethod
+    def of(cls, moe: Any) -> FusedExperts | None:
+        """The table of ``moe`` (a :class:`fleetllm.models.moe.MoE` with Q8_0 experts), or None when the kernel
+        does not cover it: another router, biases, a clamped SwiGLU, non-fp32 CPU tensors, widths that are not
+        multiples of 32."""
+        if moe.q8 is None or moe.router_kind != "softmax_topk" or moe.router.bias is not None:
+            return None
+        if moe.gate_up_bias is not None or moe.limit is not None or moe.top_k > min(moe.num_experts, 64):
+            return None
+        h, i = moe.router.weight.shape[1], moe.inter
+        if h % 32 or i % 32 or not _fp32(moe.router.weight):
+            return None
+        for gate_up, down in moe.q8:
+            if gate_up.shape != (2 * i, h) or down.shape != (h, i) or not all(
+                    t.device.type == "cpu" and t.is_contiguous() for t in (gate_up.q, gate_up.d, down.q, down.d)):
+                return None
+            if gate_up.q.dtype != torch.int8 or down.q.dtype != torch.int8 or not _fp32(gate_up.d) or not _fp32(down.d):
+                return None
+        return cls(moe)
+
+    def __call__(self, x: torch.Tensor, counts: torch.Tensor | None = None,
+                 vector: bool = True) -> torch.Tensor | None:
+        """The block's output for ``x [T, hidden]`` (fp32, CPU); ``counts`` (int64 ``[E]``) gains each expert's
+        rows. None while the kernel is not loaded. ``vector=False``: the scalar path (tests)."""
+        if x.dtype != torch.float32 or x.device.type != "cpu" or not kernel_ready():
+            return None
+        x = x.contiguous()
+        out = torch.empty_like(x)
+        status = LIBRARY.lib.moe_experts(ctypes.byref(self._layer), x.data_ptr(), x.shape[0], out.data_ptr(),
+                                         None if counts is None else counts.data_ptr(), torch.get_num_threads(),
+                                         int(vector))
+        if status == -2:
+            raise MemoryError("moe_experts: no memory for its scratch")
+        if status != 0:
+            raise ValueError(f"moe_experts: a step of {x.shape[0]} rows it does not take (status {status})")
+        return out
