@@ -9,6 +9,7 @@ from prometheus_client import generate_latest
 
 from fleetllm.engine.engine import EngineConfig, LLMEngine, RequestOutput
 from fleetllm.engine.params import SamplingParams
+from fleetllm.kernels import kv8
 from fleetllm.kvtier.attach import attach_tiers
 from fleetllm.kvtier.host import HostBlock, HostStore
 from fleetllm.models.loader import LoadedModel
@@ -104,5 +105,6 @@ def test_host_memory_keeps_blocks_in_fp8_when_asked_and_loads_them_back(loaded_m
     _, again = session(engine)
     layers, (_, bs, heads, dim) = len(engine.kv_blocks()), engine.kv_blocks()[0][0].shape
     assert again.num_cached_tokens == (len(prompt(1)) - 1) // 16 * 16  # every full block back
-    assert len(tier.store) > 0 and tier.store.used_bytes == len(tier.store) * 2 * layers * bs * heads * (dim + 4)
+    row = kv8.row_width(dim, torch.float8_e4m3fn)  # the 8-bit cache's row: values and their scales
+    assert len(tier.store) > 0 and tier.store.used_bytes == len(tier.store) * 2 * layers * bs * heads * row
     engine.pool.check()

@@ -27,8 +27,8 @@ def test_an_unsupported_hf_config_fails_naming_it(cfg: dict, named: str) -> None
 
 
 @pytest.mark.parametrize("meta,named", [
-    (_gguf("phi3"), "phi3"),
-    (_gguf("llama", **{"rope.scaling.type": "yarn", "rope.scaling.factor": 4.0}), "yarn"),
+    (_gguf("mamba"), "mamba"),
+    (_gguf("llama", **{"rope.scaling.type": "longrope", "rope.scaling.factor": 4.0}), "longrope"),
 ])
 def test_an_unsupported_gguf_fails_naming_it(meta: dict, named: str) -> None:
     with pytest.raises(UnsupportedModel, match=named):
