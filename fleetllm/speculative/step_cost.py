@@ -95,8 +95,10 @@ _MEASURED: weakref.WeakKeyDictionary[torch.nn.Module, dict[tuple[int, int], Step
 
 def _measure_or_cached(runner: ModelRunner, max_rows: int) -> StepCost:
     """The measure of this machine, model shape and code kept on disk (``step_cost_cache``), else a new one."""
+    from fleetllm.kernels.health import statuses
     from fleetllm.speculative import step_cost_cache
 
+    statuses(wait=True)  # the steps served are the kernels' (a measure of the eager fallback is wrong, and keyed apart)
     name = step_cost_cache.key(runner, max_rows)
     if (cost := step_cost_cache.load(name)) is None:
         cost = _measure(runner, row_sizes(runner.model, max_rows))
@@ -133,11 +135,12 @@ def _measure(runner: ModelRunner, sizes: list[int]) -> StepCost:
 
 
 def context_for(runner: ModelRunner) -> int:
-    """Tokens of context the context's share is measured at on ``runner``: ``CONTEXT``, or what its pool and model
-    hold."""
+    """Tokens of context the context's share is measured at on ``runner``: ``CONTEXT``, or the largest power of two
+    its pool and model hold. A power of two, so that pools of many sizes share one measure on disk
+    (``step_cost_cache`` keys by it): the share is scaled linearly to other lengths anyway."""
     slots = runner.kv_cache[0][0].shape[0]  # the pool: num_blocks * block_size
-    most = min(slots - runner.block_size, runner.model.cfg.max_position_embeddings)
-    return min(CONTEXT, most - max(CONTEXT_DRAFTS) - 1)
+    most = min(slots - runner.block_size, runner.model.cfg.max_position_embeddings) - max(CONTEXT_DRAFTS) - 1
+    return min(CONTEXT, 1 << (most.bit_length() - 1)) if most > 0 else most
 
 
 def _context_extra(runner: ModelRunner, cost: StepCost, context: int) -> list[float]:
