@@ -257,6 +257,7 @@ class Router:
         self.forwarder = Forwarder(self.client, self.cfg, self.metrics, self.index, self.uses_prefix)
         if self.flow is not None:
             self.forwarder.on_load_change = self.flow.kick  # a request ended or went: queues look again
+            self.forwarder.has_room = self.flow.has_room
         self.remote_prefill = RemotePrefill(self.client, self.cfg, self.metrics, self.events_index,
                                             on_failure=self.forwarder.failed)
         # the workers' KV events keep the events index exact (it is the policy's index under kv_aware)
@@ -618,7 +619,7 @@ class Router:
             exact = self.events_index.exact.get(w.name, set())
             row = {"name": w.name, "url": w.url, "zone": w.zone, "role": w.role, "healthy": w.healthy, "inflight": w.inflight,
                    "pending_prefill_tokens": w.pending_prefill_tokens, "decoding": w.decoding, "running": w.running,
-                   "waiting": w.waiting, "queued_prefill_tokens": w.queued_prefill_tokens, "kv_usage": w.kv_usage, "model": w.model, "variant": w.variant, "instance": w.instance,
+                   "waiting": w.waiting, "max_num_seqs": w.max_num_seqs, "queued_prefill_tokens": w.queued_prefill_tokens, "kv_usage": w.kv_usage, "model": w.model, "variant": w.variant, "instance": w.instance,
                    "events_connected": w.events_connected, "kind": w.kind, "breaker": w.breaker.state, "draining": w.draining,
                    "index_blocks": self.index.size(w.name), "exact_blocks": len(exact),
                    "adapters": sorted(w.adapters), "resident_adapters": sorted(w.resident_adapters)}

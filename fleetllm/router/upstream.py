@@ -96,6 +96,7 @@ class WorkerState:
     variant: str = ""  # which of its model's variants (canary, stable, ...) this copy runs; "" when unsplit
     block_size: int | None = None
     num_blocks: int | None = None
+    max_num_seqs: int | None = None  # its batch slots (a fleetllm worker's snapshot says): what it can start now
     instance: str | None = None
     events_connected: bool = False
     health_failures: int = 0
@@ -240,6 +241,7 @@ class WorkerMonitor:
                 self.index.drop(w.name)
             w.instance, w.model = ev["instance"], ev["model"]
             w.block_size, w.num_blocks = ev["block_size"], ev["num_blocks"]
+            w.max_num_seqs = ev.get("max_num_seqs")  # absent from older workers
             w.role = ev.get("role", w.role)
             self.index.reset(w.name, ev["hashes"], capacity=ev["num_blocks"])
             self.index.set_scope(w.name, ev.get("kv_namespace"))  # its shared KV tier's blocks: the fleet's

@@ -1,11 +1,23 @@
 """The admission stage: flow control before a worker is picked (``--flow-control``), as llm-d's flow control.
 
-While some copy of the request's model has room, a request goes straight on (nothing else waiting: no
-queue, no task). When every copy is saturated, it waits at the router in the model's
-:class:`~fleetllm.router.pipeline.fair_queue.FairQueue` (priority bands, weighted fair queuing between tenants)
-and is released as room appears. A worker is *saturated* when ``--flow-worker-queue`` requests already wait
-there (:func:`queued_at`) or its KV pool is ``--flow-kv-usage`` full. So the workers' own queues stay short and
-the router, which sees every tenant, decides who goes next.
+The router holds requests and releases to the workers only what they can start now, so a worker's own queue
+stays empty and the order (priority band first, then weighted fair queuing between tenants) is decided here,
+where every tenant is seen, not first come first served in a worker's queue. While some copy of the request's
+model has room and nothing waits, a request goes straight on (no queue, no task); otherwise it waits in the
+model's :class:`~fleetllm.router.pipeline.fair_queue.FairQueue` and is released as room appears.
+
+A worker's *room* (:func:`worker_room`): for a fleetllm worker, its batch slots (``max_num_seqs``, from its
+snapshot) less the requests it holds (:func:`occupied`), so a request released to it is admitted to its running
+batch at its next step; for another engine (no slots reported), room while fewer than one request of this
+router's waits there with no first byte (:func:`queued_at`). ``--flow-worker-queue`` lets that many more wait at
+each worker (a deeper queue there: fuller batches between the router's releases, later turns for the urgent).
+A worker whose KV pool is ``--flow-kv-usage`` full has no room.
+
+*Headroom* (``--flow-headroom``): bulk work leaves that fraction of each worker's slots free, so a request that is
+not bulk finds a slot at once instead of waiting for one to end. Bulk work is the low band (batch lines) and the
+requests of a tenant with more of its own waiting in its band (a tenant sending faster than it is served: a
+flood). While the head of the queue is bulk work held out of the headroom, the first request of a tenant with
+nothing else waiting may still take it (:meth:`~fleetllm.router.pipeline.fair_queue.FairQueue.first_light`).
 
 Shedding, in OpenAI's error format with ``Retry-After``:
 
@@ -33,17 +45,19 @@ if TYPE_CHECKING:
 
 POLL_S = 0.02  # how often a waiting queue looks again without a kick (the workers' own load reports)
 RETRY_AFTER_S = "1"
+LOW = len(BANDS) - 1  # the low band's index: batch work, bulk whoever sends it
 
 
 @dataclass
 class FlowLimits:
-    """When a worker is saturated, and how much may wait."""
+    """When a worker has room, and how much may wait at the router."""
 
-    worker_queue: int = 2  # requests waiting at a worker that saturate it
-    kv_usage: float = 0.95  # KV usage that saturates a worker
+    worker_queue: int = 0  # requests a worker may hold beyond those it can start now
+    kv_usage: float = 0.95  # KV usage that leaves a worker no room
     queue_max: int = 1024  # requests waiting at the router per model, all bands together
     timeout_s: float = 60.0  # the longest a request waits unless it says less
     aging_s: float = 10.0  # a band's oldest request climbs one band per this many seconds waited
+    headroom: float = 0.0  # the fraction of each worker's batch slots the low band leaves free
 
 
 def queued_at(w: WorkerState) -> int:
@@ -58,9 +72,33 @@ def queued_at(w: WorkerState) -> int:
     return w.inflight - w.decoding
 
 
-def room(workers: list[WorkerState], limits: FlowLimits) -> int:
-    """Requests ``workers`` could take now before every one is saturated."""
-    return sum(max(0, limits.worker_queue - queued_at(w)) for w in workers if w.kv_usage < limits.kv_usage)
+def reports_slots(w: WorkerState) -> bool:
+    """Whether the router knows ``w``'s batch slots and how many it holds (a fleetllm worker's KV-event stream)."""
+    return w.kind == "fleetllm" and w.events_connected and bool(w.max_num_seqs)
+
+
+def occupied(w: WorkerState) -> int:
+    """Requests ``w`` runs or holds waiting now: the larger of this router's requests in flight there (exact, but
+    blind to other routers') and the worker's last report plus what this router sent since, less what ended
+    since (every router's requests, as of a report up to 50 ms old)."""
+    return max(w.inflight, w.running + w.waiting + w.sent_since_report - w.ended_since_report)
+
+
+def worker_room(w: WorkerState, limits: FlowLimits, bulk: bool = False) -> int:
+    """Requests ``w`` can take now; ``bulk`` work leaves the headroom free (see the module's docstring)."""
+    if w.kv_usage >= limits.kv_usage:
+        return 0
+    if not reports_slots(w):
+        return max(0, max(1, limits.worker_queue) - queued_at(w))
+    slots = w.max_num_seqs or 0
+    if bulk and limits.headroom > 0:  # at least one slot kept, and never all of them
+        slots -= min(slots - 1, max(1, round(limits.headroom * slots)))
+    return max(0, slots + limits.worker_queue - occupied(w))
+
+
+def room(workers: list[WorkerState], limits: FlowLimits, bulk: bool = False) -> int:
+    """Requests (``bulk`` work or not) that ``workers`` could take now."""
+    return sum(worker_room(w, limits, bulk) for w in workers)
 
 
 class Gate:
@@ -73,11 +111,24 @@ class Gate:
         self.wake = asyncio.Event()
         self.pump: asyncio.Task[None] | None = None
 
-    def free(self, limits: FlowLimits) -> int:
-        """Requests that may go on now; with no routable worker at all, any number (each is answered 503 at
-        once by the forwarder rather than held)."""
+    def free(self, limits: FlowLimits, bulk: bool) -> int:
+        """Requests (``bulk`` work or not) that may go on now; with no routable worker at all, any number (each is
+        answered 503 at once by the forwarder rather than held)."""
         workers = self.workers()
-        return room(workers, limits) - self.in_transit if workers else 1 << 30
+        return room(workers, limits, bulk) - self.in_transit if workers else 1 << 30
+
+    def next(self, limits: FlowLimits, now: float) -> Entry | None:
+        """The queued request that may go now, if any: the queue's head, or while the head is bulk work held out
+        of the headroom, the first request of a tenant with nothing else waiting above the low band."""
+        head = self.queue.peek(now)
+        if head is None:
+            return None
+        bulk = head.band == LOW or self.queue.backlogged(head)
+        if self.free(limits, bulk) > 0:
+            return head
+        if not bulk or limits.headroom <= 0 or self.free(limits, False) <= 0:
+            return None
+        return self.queue.first_light(LOW)
 
 
 class Ticket:
@@ -111,6 +162,10 @@ class FlowControl:
             t.cancel()
         await asyncio.gather(*pumps, return_exceptions=True)
 
+    def has_room(self, w: WorkerState) -> bool:
+        """Whether ``w`` can start one more request now (the forwarder's candidates for a released request)."""
+        return worker_room(w, self.limits) > 0
+
     def kick(self) -> None:
         """Load changed somewhere (a request ended, was dispatched): queues look again now."""
         for g in self.gates.values():
@@ -123,7 +178,7 @@ class FlowControl:
         gate = self.gates.get(model)
         if gate is None:
             gate = self.gates[model] = Gate(self.limits, workers)
-        if not len(gate.queue) and gate.free(self.limits) > 0:
+        if not len(gate.queue) and gate.free(self.limits, priority_band == BANDS[LOW]) > 0:
             return Ticket(gate)
         waiter: asyncio.Future[Ticket] = asyncio.get_running_loop().create_future()
         entry = Entry(tenant.id, BANDS.index(priority_band), self.clock(), payload=(tenant, waiter))
@@ -136,6 +191,7 @@ class FlowControl:
         self.metrics.waiting(tenant, priority_band, +1)
         if gate.pump is None or gate.pump.done():
             gate.pump = asyncio.create_task(self._pump(gate), name=f"flow-{model}")
+        gate.wake.set()  # a light tenant's arrival may take the headroom now, not at the next poll
         return await self._wait(gate, entry, waiter, timeout_s or self.limits.timeout_s)
 
     async def _wait(self, gate: Gate, entry: Entry, waiter: asyncio.Future[Ticket], timeout_s: float) -> Ticket:
@@ -168,8 +224,9 @@ class FlowControl:
     async def _pump(self, gate: Gate) -> None:
         """Release queued requests while the model's workers have room; sleeps on a kick or POLL_S."""
         while len(gate.queue):
-            while len(gate.queue) and gate.free(self.limits) > 0:
-                e = gate.queue.pop(self.clock())
+            now = self.clock()
+            while (e := gate.next(self.limits, now)) is not None:
+                gate.queue.take(e)
                 tenant, waiter = e.payload
                 self.metrics.waiting(tenant, BANDS[e.band], -1)
                 if not waiter.done():

@@ -74,21 +74,43 @@ class FairQueue:
         b.size += 1
         return shed
 
+    def peek(self, now: float) -> Entry | None:
+        """The request :meth:`pop` would release now (None when empty), left queued."""
+        head = self._head(now)
+        return head[1][0] if head is not None else None
+
     def pop(self, now: float) -> Entry | None:
         """The next request to release (None when empty)."""
+        e = self.peek(now)
+        if e is not None:
+            self.take(e)
+        return e
+
+    def take(self, e: Entry) -> None:
+        """Release ``e`` (queued), whether or not it was next: the band's virtual time moves on to its tag."""
+        self.remove(e)
+        b = self.bands[e.band]
+        b.vtime = max(b.vtime, e.tag)
+
+    def backlogged(self, e: Entry) -> bool:
+        """Whether ``e``'s tenant has more requests waiting in ``e``'s band than ``e`` itself."""
+        return len(self.bands[e.band].tenants.get(e.tenant, ())) > 1
+
+    def first_light(self, below: int) -> Entry | None:
+        """The first request, by band then tag, of a tenant with nothing else waiting in its band, in the bands
+        above index ``below``."""
+        light = [q[0] for b in self.bands[:below] for q in b.tenants.values() if len(q) == 1]
+        return min(light, key=lambda e: (e.band, e.tag, e.seq), default=None)
+
+    def _head(self, now: float) -> tuple[_Band, deque[Entry]] | None:
+        """The band that goes next and, in it, the tenant queue whose head has the smallest tag."""
         heads = [(i, min(q[0].arrived for q in b.tenants.values())) for i, b in enumerate(self.bands) if b.size]
         if not heads:
             return None
         # a band's rank improves by one per aging_s its oldest request waited; level bands: the older goes first
         i = min(heads, key=lambda h: (h[0] - int((now - h[1]) / self.aging_s) if self.aging_s > 0 else h[0], h[1]))[0]
         b = self.bands[i]
-        q = min(b.tenants.values(), key=lambda q: (q[0].tag, q[0].seq))
-        e = q.popleft()
-        if not q:
-            del b.tenants[e.tenant]
-        b.size -= 1
-        b.vtime = e.tag
-        return e
+        return b, min(b.tenants.values(), key=lambda q: (q[0].tag, q[0].seq))
 
     def remove(self, e: Entry) -> bool:
         """Take ``e`` out (its deadline passed, its client left); False if it was not queued."""
