@@ -69,6 +69,7 @@ class Forward:
     reason: str = ""
     dispatched: float | None = None
     on_dispatch: Callable[[], None] | None = None  # once it reached a worker (the admission stage's ticket)
+    on_finish: Callable[[], None] | None = None  # once it ended, however (the ticket gives its tenant's slot back)
     first_byte: float | None = None
 
     @property
@@ -76,7 +77,10 @@ class Forward:
         return bool(self.body.get("stream"))
 
     def ended(self, usage: TokenCount | None) -> None:
-        """Report the request's tokens, exactly once (the key gate meters them)."""
+        """Report the request's tokens, exactly once (the key gate meters them), and that it ended."""
+        if self.on_finish is not None:
+            on_finish, self.on_finish = self.on_finish, None
+            on_finish()
         if self.on_end is not None:
             on_end, self.on_end = self.on_end, None
             prompt = usage.prompt if usage and usage.prompt else self.route.num_prompt_tokens

@@ -414,6 +414,10 @@ class Router:
             return error_response(self.metrics, e, "shed")
         try:
             return await self._forward(request, raw, body, name, group, t0, (key, priority), held, fid, tap, ticket)
+        except BaseException:
+            if ticket is not None:
+                ticket.finished()
+            raise
         finally:
             if ticket is not None:
                 ticket.dispatched()
@@ -469,7 +473,7 @@ class Router:
         headers = upstream_headers(request.headers, fid, pass_credentials=not (self.secret or self.gate))
         fwd = Forward(request.url.path, raw, body, headers, fid, req, t0)
         if ticket is not None:
-            fwd.on_dispatch = ticket.dispatched
+            fwd.on_dispatch, fwd.on_finish = ticket.dispatched, ticket.finished
         owner = tenant[0].id if tenant[0] is not None else ""
         if owner:  # the workers scope what they keep (stored Responses turns) to the key
             fwd.headers[OWNER_HEADER] = owner

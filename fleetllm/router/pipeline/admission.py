@@ -15,9 +15,8 @@ A worker whose KV pool is ``--flow-kv-usage`` full has no room.
 
 *Headroom* (``--flow-headroom``): bulk work leaves that fraction of each worker's slots free, so a request that is
 not bulk finds a slot at once instead of waiting for one to end. Bulk work is the low band (batch lines) and the
-requests of a tenant with more of its own waiting in its band (a tenant sending faster than it is served: a
-flood). While the head of the queue is bulk work held out of the headroom, the first request of a tenant with
-nothing else waiting may still take it (:meth:`~fleetllm.router.pipeline.fair_queue.FairQueue.first_light`).
+requests of a tenant already holding its weighted share of the slots (:meth:`Gate.bulk`: a flood). While the head
+of the queue is bulk work held out of the headroom, the first request that is not bulk may still take it.
 
 Shedding, in OpenAI's error format with ``Retry-After``:
 
@@ -102,41 +101,68 @@ def room(workers: list[WorkerState], limits: FlowLimits, bulk: bool = False) -> 
 
 
 class Gate:
-    """One model's queue, and the requests let through that have not reached a worker yet."""
+    """One model's queue, the requests let through that have not reached a worker yet, and each tenant's requests
+    let through that have not ended."""
 
     def __init__(self, limits: FlowLimits, workers: Callable[[], list[WorkerState]]) -> None:
+        self.limits = limits
         self.queue = FairQueue(limits.queue_max, limits.aging_s)
         self.workers = workers  # the model's routable decode workers, looked up afresh
         self.in_transit = 0  # released (or let straight through) and not yet dispatched
+        self.holding: dict[str, int] = {}  # per tenant: let through and not ended
+        self.weights: dict[str, float] = {}  # per tenant holding or waiting: its weight
         self.wake = asyncio.Event()
         self.pump: asyncio.Task[None] | None = None
 
-    def free(self, limits: FlowLimits, bulk: bool) -> int:
+    def free(self, bulk: bool) -> int:
         """Requests (``bulk`` work or not) that may go on now; with no routable worker at all, any number (each is
         answered 503 at once by the forwarder rather than held)."""
         workers = self.workers()
-        return room(workers, limits, bulk) - self.in_transit if workers else 1 << 30
+        return room(workers, self.limits, bulk) - self.in_transit if workers else 1 << 30
 
-    def next(self, limits: FlowLimits, now: float) -> Entry | None:
+    def bulk(self, tenant: Tenant, band: int) -> bool:
+        """Whether a request is bulk work: the low band's, or its tenant's while the tenant holds its weighted
+        share of the model's batch slots or more, the share counting one more tenant (of weight 1) than those
+        holding or waiting now when it is alone, so one busy tenant is bulk before a second one arrives."""
+        if band == LOW:
+            return True
+        if self.limits.headroom <= 0:
+            return False
+        slots = sum(w.max_num_seqs or 0 for w in self.workers() if reports_slots(w))
+        active = sum(self.weights.values()) + (0.0 if tenant.id in self.weights else tenant.weight)
+        return self.holding.get(tenant.id, 0) + 1 > slots * tenant.weight / max(active, tenant.weight + 1.0)
+
+    def next(self, now: float) -> Entry | None:
         """The queued request that may go now, if any: the queue's head, or while the head is bulk work held out
-        of the headroom, the first request of a tenant with nothing else waiting above the low band."""
+        of the headroom, the first request (band, then tag) that is not bulk."""
         head = self.queue.peek(now)
         if head is None:
             return None
-        bulk = head.band == LOW or self.queue.backlogged(head)
-        if self.free(limits, bulk) > 0:
+        bulk = self.bulk(head.payload[0], head.band)
+        if self.free(bulk) > 0:
             return head
-        if not bulk or limits.headroom <= 0 or self.free(limits, False) <= 0:
+        if not bulk or self.limits.headroom <= 0 or self.free(False) <= 0:
             return None
-        return self.queue.first_light(LOW)
+        return self.queue.first(lambda e: not self.bulk(e.payload[0], e.band), LOW)
+
+    def forget(self, tenant: Tenant) -> None:
+        """Drop ``tenant``'s weight once it holds and waits for nothing."""
+        if not self.holding.get(tenant.id) and not self.queue.waiting(tenant.id):
+            self.holding.pop(tenant.id, None)
+            self.weights.pop(tenant.id, None)
 
 
 class Ticket:
-    """A request let through: it holds a place in its gate's in-transit count until it is dispatched."""
+    """A request let through: it holds a place in its gate's in-transit count until it is dispatched, and one of
+    its tenant's until it ended."""
 
-    def __init__(self, gate: Gate) -> None:
+    def __init__(self, gate: Gate, tenant: Tenant) -> None:
         self.gate: Gate | None = gate
+        self.holds: Gate | None = gate
+        self.tenant = tenant
         gate.in_transit += 1
+        gate.holding[tenant.id] = gate.holding.get(tenant.id, 0) + 1
+        gate.weights[tenant.id] = tenant.weight
 
     def dispatched(self) -> None:
         """The request reached a worker (or ended without one): idempotent."""
@@ -144,6 +170,15 @@ class Ticket:
             self.gate.in_transit -= 1
             self.gate.wake.set()
             self.gate = None
+
+    def finished(self) -> None:
+        """The request ended (answered, failed or abandoned): idempotent."""
+        self.dispatched()
+        if self.holds is not None:
+            self.holds.holding[self.tenant.id] -= 1
+            self.holds.forget(self.tenant)
+            self.holds.wake.set()
+            self.holds = None
 
 
 class FlowControl:
@@ -178,8 +213,8 @@ class FlowControl:
         gate = self.gates.get(model)
         if gate is None:
             gate = self.gates[model] = Gate(self.limits, workers)
-        if not len(gate.queue) and gate.free(self.limits, priority_band == BANDS[LOW]) > 0:
-            return Ticket(gate)
+        if not len(gate.queue) and gate.free(gate.bulk(tenant, BANDS.index(priority_band))) > 0:
+            return Ticket(gate, tenant)
         waiter: asyncio.Future[Ticket] = asyncio.get_running_loop().create_future()
         entry = Entry(tenant.id, BANDS.index(priority_band), self.clock(), payload=(tenant, waiter))
         shed = gate.queue.push(entry, tenant.weight)
@@ -189,6 +224,7 @@ class FlowControl:
         if shed is not None:
             self._displace(shed)
         self.metrics.waiting(tenant, priority_band, +1)
+        gate.weights[tenant.id] = tenant.weight
         if gate.pump is None or gate.pump.done():
             gate.pump = asyncio.create_task(self._pump(gate), name=f"flow-{model}")
         gate.wake.set()  # a light tenant's arrival may take the headroom now, not at the next poll
@@ -205,13 +241,14 @@ class FlowControl:
             return waiter.result()  # released in the same instant
         except asyncio.CancelledError:  # the client went away
             if waiter.done() and not waiter.cancelled() and waiter.exception() is None:
-                waiter.result().dispatched()
+                waiter.result().finished()
             raise
         finally:
             if gate.queue.remove(entry):
                 self.metrics.waiting(tenant, band, -1)
             if not waiter.done():
                 waiter.cancel()
+            gate.forget(tenant)
 
     def _displace(self, e: Entry) -> None:
         tenant, waiter = e.payload
@@ -225,12 +262,12 @@ class FlowControl:
         """Release queued requests while the model's workers have room; sleeps on a kick or POLL_S."""
         while len(gate.queue):
             now = self.clock()
-            while (e := gate.next(self.limits, now)) is not None:
+            while (e := gate.next(now)) is not None:
                 gate.queue.take(e)
                 tenant, waiter = e.payload
                 self.metrics.waiting(tenant, BANDS[e.band], -1)
                 if not waiter.done():
-                    waiter.set_result(Ticket(gate))
+                    waiter.set_result(Ticket(gate, tenant))
             gate.wake.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(gate.wake.wait(), POLL_S)

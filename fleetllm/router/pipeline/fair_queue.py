@@ -19,6 +19,7 @@ drives it.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -92,15 +93,14 @@ class FairQueue:
         b = self.bands[e.band]
         b.vtime = max(b.vtime, e.tag)
 
-    def backlogged(self, e: Entry) -> bool:
-        """Whether ``e``'s tenant has more requests waiting in ``e``'s band than ``e`` itself."""
-        return len(self.bands[e.band].tenants.get(e.tenant, ())) > 1
+    def waiting(self, tenant: str) -> bool:
+        """Whether ``tenant`` has a request queued in any band."""
+        return any(tenant in b.tenants for b in self.bands)
 
-    def first_light(self, below: int) -> Entry | None:
-        """The first request, by band then tag, of a tenant with nothing else waiting in its band, in the bands
-        above index ``below``."""
-        light = [q[0] for b in self.bands[:below] for q in b.tenants.values() if len(q) == 1]
-        return min(light, key=lambda e: (e.band, e.tag, e.seq), default=None)
+    def first(self, ok: Callable[[Entry], bool], below: int) -> Entry | None:
+        """The first tenant's head, by band then tag, that ``ok`` accepts, in the bands above index ``below``."""
+        heads = [q[0] for b in self.bands[:below] for q in b.tenants.values() if ok(q[0])]
+        return min(heads, key=lambda e: (e.band, e.tag, e.seq), default=None)
 
     def _head(self, now: float) -> tuple[_Band, deque[Entry]] | None:
         """The band that goes next and, in it, the tenant queue whose head has the smallest tag."""
