@@ -76,7 +76,10 @@ async def stream_one(client: httpx.AsyncClient, url: str, key: str, max_tokens: 
             async for line in r.aiter_lines():
                 if not line.startswith("data: {"):
                     continue
-                event = json.loads(line[6:])
+                try:
+                    event = json.loads(line[6:])
+                except ValueError:  # a line split at a Unicode line break inside generated text (httpx splits there)
+                    continue
                 if first is None and event.get("choices") and event["choices"][0].get("text"):
                     first = time.perf_counter() - t0
                 if event.get("usage"):

@@ -7,7 +7,7 @@ import asyncio
 
 from prometheus_client import CollectorRegistry
 
-from fleetllm.router.pipeline.admission import FlowControl, FlowLimits, queued_at, room
+from fleetllm.router.pipeline.admission import FlowControl, FlowLimits, occupied, queued_at, room, worker_room
 from fleetllm.router.tenancy import Tenant, TenantMetrics
 from fleetllm.router.upstream import WorkerState
 
@@ -49,3 +49,61 @@ def test_a_waiting_request_goes_once_its_worker_has_room_and_holds_its_place_unt
         return queued, in_transit, flow.gates["m"].in_transit
 
     assert asyncio.run(run()) == (1, 1, 0)
+
+
+def fleetllm_worker(**kw) -> WorkerState:
+    """A fleetllm worker whose KV-event stream reported its batch slots (``max_num_seqs``) and load."""
+    return worker(kind="fleetllm", events_connected=True, **kw)
+
+
+def test_a_fleetllm_worker_has_room_for_its_free_batch_slots_by_the_larger_of_the_routers_count_and_its_report():
+    reported = fleetllm_worker(max_num_seqs=8, running=5, sent_since_report=2, ended_since_report=1, inflight=3)
+    counted = fleetllm_worker(max_num_seqs=8, running=2, inflight=7)
+    assert (occupied(reported), occupied(counted)) == (6, 7)
+    assert room([reported, counted], FlowLimits()) == 2 + 1
+    assert room([reported], FlowLimits(worker_queue=2)) == 4  # a deeper queue allowed at the worker
+
+
+def test_bulk_work_leaves_the_headroom_of_each_workers_slots_free():
+    w = fleetllm_worker(max_num_seqs=8, running=5, inflight=5)
+    limits = FlowLimits(headroom=0.25)
+    assert (worker_room(w, limits), worker_room(w, limits, bulk=True)) == (3, 1)
+
+
+def test_a_tenant_holding_its_share_of_the_slots_waits_while_a_light_tenants_later_request_takes_the_headroom():
+    async def run() -> tuple[bool, int, int]:
+        w = fleetllm_worker(max_num_seqs=4)  # headroom: one slot
+        flow = FlowControl(FlowLimits(headroom=0.25), TenantMetrics(CollectorRegistry()))
+        a, b = Tenant("a"), Tenant("b")
+        held = [await flow.admit("m", lambda: [w], a, "normal", 5.0) for _ in range(3)]  # a holds 3 of 4 slots
+        for t in held:
+            t.dispatched()
+        w.inflight = 3
+        flooding = asyncio.create_task(flow.admit("m", lambda: [w], a, "normal", 5.0))
+        await asyncio.sleep(0.05)
+        light = await asyncio.wait_for(flow.admit("m", lambda: [w], b, "normal", 5.0), 1.0)
+        a_waits, queued = not flooding.done(), len(flow.gates["m"].queue)
+        light.finished()
+        held[0].finished()
+        w.inflight = 2
+        flow.kick()
+        (await asyncio.wait_for(flooding, 1.0)).finished()
+        await flow.close()
+        return a_waits, queued, flow.gates["m"].holding.get("a", 0)
+
+    assert asyncio.run(run()) == (True, 1, 2)
+
+
+def test_the_low_band_is_bulk_even_for_a_tenant_holding_nothing():
+    async def run() -> bool:
+        w = fleetllm_worker(max_num_seqs=4, inflight=3)
+        flow = FlowControl(FlowLimits(headroom=0.25), TenantMetrics(CollectorRegistry()))
+        batch = asyncio.create_task(flow.admit("m", lambda: [w], Tenant("batch"), "low", 5.0))
+        await asyncio.sleep(0.05)
+        waits = not batch.done()
+        batch.cancel()
+        await asyncio.gather(batch, return_exceptions=True)
+        await flow.close()
+        return waits
+
+    assert asyncio.run(run()) is True

@@ -11,7 +11,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import httpx
 import pytest
-from fleet_helpers import ADMIN, ThreadServer, router, wait_state
+from fleet_helpers import ADMIN, ThreadServer, router, sim_workers, wait_state
 from prometheus_client.parser import text_string_to_metric_families
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -133,3 +133,20 @@ def test_the_router_state_names_the_pipeline_and_keeps_each_workers_url_and_heal
     state = httpx.get(url + "/router/state", headers=ADMIN, timeout=5).json()
     assert state["pipeline"] == {"filters": [], "scorers": {}, "picker": "round_robin"}
     assert state["workers"][0]["url"].startswith("http://127.0.0.1:") and state["workers"][0]["healthy"] is True
+
+
+def test_a_fleetllm_worker_is_sent_only_what_its_batch_slots_start_and_the_rest_waits_at_the_router():
+    sims = sim_workers(1, "--max-num-seqs", "2", "--sim-speed", "2")
+    with ThreadPoolExecutor(4) as pool:
+        r = router(sims.urls, "least_load", "--flow-control")
+        try:
+            wait_state(r.url, lambda s: s["workers"][0]["max_num_seqs"] == 2)
+            body = {"prompt": "hello there", "max_tokens": 40, "ignore_eos": True, "user": "a"}
+            futures = [pool.submit(httpx.post, r.url + "/v1/completions", json=body, timeout=60) for _ in range(4)]
+            state = wait_state(r.url, lambda s: sum(s["queued"].values()) == 2)
+            held = state["workers"][0]
+            assert held["inflight"] == 2 and held["waiting"] == 0  # its queue stays empty: the router holds the rest
+            assert [f.result().status_code for f in futures] == [200] * 4
+        finally:
+            r.stop()
+            sims.stop()
