@@ -138,7 +138,7 @@ def test_the_router_state_names_the_pipeline_and_keeps_each_workers_url_and_heal
 def test_a_fleetllm_worker_is_sent_only_what_its_batch_slots_start_and_the_rest_waits_at_the_router():
     sims = sim_workers(1, "--max-num-seqs", "2", "--sim-speed", "2")
     with ThreadPoolExecutor(4) as pool:
-        r = router(sims.urls, "least_load", "--flow-control")
+        r = router(sims.urls, "least_load", "--flow-control", "--flow-headroom", "0")
         try:
             wait_state(r.url, lambda s: s["workers"][0]["max_num_seqs"] == 2)
             body = {"prompt": "hello there", "max_tokens": 40, "ignore_eos": True, "user": "a"}

@@ -56,7 +56,7 @@ class FlowLimits:
     queue_max: int = 1024  # requests waiting at the router per model, all bands together
     timeout_s: float = 60.0  # the longest a request waits unless it says less
     aging_s: float = 10.0  # a band's oldest request climbs one band per this many seconds waited
-    headroom: float = 0.0  # the fraction of each worker's batch slots the low band leaves free
+    headroom: float = 0.125  # the fraction of each worker's batch slots bulk work leaves free
 
 
 def queued_at(w: WorkerState) -> int:
