@@ -111,8 +111,8 @@ class RouterConfig:
     scorer_weights: dict[str, str] = opt(doc="the weight of one of prefix and kv_aware's cost scorers (queue, prefix, "
                                              "decode, kv_pressure, lora; default 1 each)", factory=dict,
                                          flag="--scorer-weight", metavar="NAME=WEIGHT")
-    flow_control: bool = opt(False, "queue requests at the router while every copy of their model is saturated, "
-                                    "per priority band and, within a band, per tenant (API key, else x-tenant-id or "
+    flow_control: bool = opt(False, "hold requests at the router until a copy of their model can start them (a "
+                                    "free batch slot), queued per priority band and, within a band, per tenant (API key, else x-tenant-id or "
                                     "user) with weighted fair queuing; shed past --flow-queue-max or a request's "
                                     "deadline (off: requests go to the workers at once, first come first served)")
     flow_worker_queue: int = opt(FlowLimits.worker_queue, "requests a worker may hold waiting beyond those it can "
