@@ -54,6 +54,7 @@ from fleetllm.router.keys import KeyLimiter, KeyRecord, KeyStore
 from fleetllm.router.metrics import RouterMetrics
 from fleetllm.router.pipeline.admission import FlowControl, Ticket
 from fleetllm.router.pipeline.filters import Role, Routable, ServesModel
+from fleetllm.router.pipeline.shared_flow import SharedFlow
 from fleetllm.router.policies import RouteRequest, make_policy, scorer_weights
 from fleetllm.router.request_id import HEADER as REQUEST_ID_HEADER
 from fleetllm.router.request_id import mint
@@ -122,6 +123,9 @@ class Router:
         self.tenants = TenantMetrics(self.metrics.registry)
         # the admission stage (fleetllm/router/pipeline/admission.py): off, requests go to the workers at once
         self.flow = FlowControl(cfg.flow_limits(), self.tenants) if cfg.flow_control else None
+        # its tenants' counts shared with the other routers of the store: one flow controller (shared_flow.py)
+        self.shared_flow = (SharedFlow(cfg.state_url, cfg.state_namespace)
+                            if cfg.flow_control and cfg.state_url else None)
         self.batches = self._batch_api()
         # these four live while the app runs (they share the HTTP client its lifespan opens)
         self.client: httpx.AsyncClient | None = None
@@ -258,6 +262,8 @@ class Router:
         if self.flow is not None:
             self.forwarder.on_load_change = self.flow.kick  # a request ended or went: queues look again
             self.forwarder.has_room = self.flow.has_room
+            if self.shared_flow is not None:
+                self.shared_flow.start(lambda: self.flow.gates if self.flow is not None else {})
         self.remote_prefill = RemotePrefill(self.client, self.cfg, self.metrics, self.events_index,
                                             on_failure=self.forwarder.failed)
         # the workers' KV events keep the events index exact (it is the policy's index under kv_aware)
@@ -277,7 +283,7 @@ class Router:
         if self.flow is not None:
             await self.flow.close()
         await self.monitor.stop()
-        for store in (self.shared, self.shared_turns):
+        for store in (self.shared, self.shared_turns, self.shared_flow):
             if store is not None:
                 await store.close()
         if self.capture is not None:

@@ -1,13 +1,24 @@
-"""The admission stage without HTTP: when a worker counts as saturated, and a waiting request released as soon
-as room appears, each let-through request holding its place until it is dispatched."""
+"""The admission stage without HTTP: a worker's room (its free batch slots, or its queue for other engines), the
+headroom bulk work leaves, a waiting request released as soon as room appears (each let-through request holding
+its place until it is dispatched), and tenants' slots counted through every router sharing a store."""
 
 from __future__ import annotations
 
 import asyncio
+import socket
 
 from prometheus_client import CollectorRegistry
 
-from fleetllm.router.pipeline.admission import FlowControl, FlowLimits, occupied, queued_at, room, worker_room
+from fleetllm.router.pipeline.admission import (
+    FlowControl,
+    FlowLimits,
+    Gate,
+    occupied,
+    queued_at,
+    room,
+    worker_room,
+)
+from fleetllm.router.pipeline.shared_flow import SharedFlow
 from fleetllm.router.tenancy import Tenant, TenantMetrics
 from fleetllm.router.upstream import WorkerState
 
@@ -107,3 +118,37 @@ def test_the_low_band_is_bulk_even_for_a_tenant_holding_nothing():
         return waits
 
     assert asyncio.run(run()) is True
+
+
+def test_routers_sharing_a_store_count_a_tenants_slots_through_both_so_it_is_bulk_at_its_share_not_twice(redis_server):
+    async def run() -> tuple[bool, bool, bool, dict]:
+        w = fleetllm_worker(max_num_seqs=8)  # a's share beside one newcomer: 4 slots
+        flows = [FlowControl(FlowLimits(), TenantMetrics(CollectorRegistry())) for _ in range(2)]
+        shared = [SharedFlow(redis_server.url, f"test-{id(flows)}") for _ in flows]
+        held = [await flows[0].admit("m", lambda: [w], Tenant("a"), "normal", 5.0) for _ in range(4)]
+        gate = Gate(flows[1].limits, lambda: [w])
+        alone = gate.bulk(Tenant("a"), 1)  # this router's own count: a holds nothing here
+        await shared[0].sync(flows[0].gates)
+        await shared[1].sync({"m": gate})
+        together, other_tenant = gate.bulk(Tenant("a"), 1), gate.bulk(Tenant("b"), 1)
+        for t in held:
+            t.finished()
+        for s in shared:
+            await s.close()
+        return alone, together, other_tenant, gate.others
+
+    assert asyncio.run(run()) == (False, True, False, {"a": (4, 1.0)})
+
+
+def test_an_unreachable_store_leaves_each_router_counting_its_own_tenants():
+    async def run() -> dict:
+        gate = Gate(FlowLimits(), lambda: [])
+        gate.others = {"a": (4, 1.0)}
+        with socket.socket() as s:  # a port nothing listens on
+            s.bind(("127.0.0.1", 0))
+            shared = SharedFlow(f"redis://127.0.0.1:{s.getsockname()[1]}", "test")
+            await shared.tick({"m": gate})
+        await shared.close()
+        return gate.others
+
+    assert asyncio.run(run()) == {}

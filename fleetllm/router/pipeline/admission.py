@@ -111,6 +111,8 @@ class Gate:
         self.in_transit = 0  # released (or let straight through) and not yet dispatched
         self.holding: dict[str, int] = {}  # per tenant: let through and not ended
         self.weights: dict[str, float] = {}  # per tenant holding or waiting: its weight
+        # per tenant, (holding, weight) through the other routers sharing the state store (shared_flow.py)
+        self.others: dict[str, tuple[int, float]] = {}
         self.wake = asyncio.Event()
         self.pump: asyncio.Task[None] | None = None
 
@@ -122,15 +124,17 @@ class Gate:
 
     def bulk(self, tenant: Tenant, band: int) -> bool:
         """Whether a request is bulk work: the low band's, or its tenant's while the tenant holds its weighted
-        share of the model's batch slots or more, the share counting one more tenant (of weight 1) than those
-        holding or waiting now when it is alone, so one busy tenant is bulk before a second one arrives."""
+        share of the model's batch slots or more (through every router sharing the state store), the share counting
+        one more tenant (of weight 1) when it is alone, so one busy tenant is bulk before a second one arrives."""
         if band == LOW:
             return True
         if self.limits.headroom <= 0:
             return False
         slots = sum(w.max_num_seqs or 0 for w in self.workers() if reports_slots(w))
-        active = sum(self.weights.values()) + (0.0 if tenant.id in self.weights else tenant.weight)
-        return self.holding.get(tenant.id, 0) + 1 > slots * tenant.weight / max(active, tenant.weight + 1.0)
+        weights = {**{t: w for t, (_, w) in self.others.items()}, **self.weights}
+        active = sum(weights.values()) + (0.0 if tenant.id in weights else tenant.weight)
+        holding = self.holding.get(tenant.id, 0) + self.others.get(tenant.id, (0, 0.0))[0]
+        return holding + 1 > slots * tenant.weight / max(active, tenant.weight + 1.0)
 
     def next(self, now: float) -> Entry | None:
         """The queued request that may go now, if any: the queue's head, or while the head is bulk work held out
