@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -150,3 +151,26 @@ def test_a_fleetllm_worker_is_sent_only_what_its_batch_slots_start_and_the_rest_
         finally:
             r.stop()
             sims.stop()
+
+
+def test_a_router_with_a_store_publishes_what_its_tenants_hold_for_the_other_routers(redis_server):
+    import redis
+
+    worker, store = HeldWorker(), redis.Redis.from_url(redis_server.url, decode_responses=True)
+    with ThreadServer(worker.app) as up, ThreadPoolExecutor(2) as pool:
+        r = router([up.url], "round_robin", "--flow-control", "--state-url", redis_server.url,
+                   "--state-namespace", "flowtest")
+        try:
+            wait_state(r.url, lambda s: s["workers"][0]["healthy"])
+            held = send(r.url, pool, "team-a", None)
+            wait_state(r.url, lambda s: s["workers"][0]["inflight"] == 1)
+            deadline = time.monotonic() + 10
+            while not (found := [store.hgetall(k) for k in store.scan_iter("fleetllm:flowtest:flow:*")
+                                 if store.type(k) == "hash"]) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            worker.release(1)
+            assert held.result().status_code == 200
+            assert found == [{"team-a": "1 1"}]
+        finally:
+            worker.release(10)
+            r.stop()
