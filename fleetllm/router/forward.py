@@ -70,6 +70,7 @@ class Forward:
     dispatched: float | None = None
     on_dispatch: Callable[[], None] | None = None  # once it reached a worker (the admission stage's ticket)
     on_finish: Callable[[], None] | None = None  # once it ended, however (the ticket gives its tenant's slot back)
+    admitted: bool | None = None  # let through by flow control: as bulk work (True) or not; None: no flow control
     first_byte: float | None = None
 
     @property
@@ -184,8 +185,8 @@ class Forwarder:
         self.index = index  # the policy's index: learns where a prompt was routed when records_routed
         self.records_routed = records_routed
         self.on_load_change: Callable[[], None] | None = None  # the admission stage looks again
-        # with flow control: whether a worker can start one more request now (the admission stage's count)
-        self.has_room: Callable[[WorkerState], bool] | None = None
+        # with flow control: whether a worker can start one more request (bulk work or not) now (admission's count)
+        self.has_room: Callable[[WorkerState, bool], bool] | None = None
 
     async def forward(self, fwd: Forward, group: list[WorkerState], policy: Policy,
                       prepare: Prepare | None = None) -> Response:
@@ -198,8 +199,8 @@ class Forwarder:
             candidates = Routable(time.monotonic()).apply(fwd.route, Untried(tried).apply(fwd.route, group))
             if not candidates:
                 break
-            if self.has_room is not None:  # released for a free slot: the policy chooses among those that have one
-                candidates = [w for w in candidates if self.has_room(w)] or candidates
+            if self.has_room is not None and fwd.admitted is not None:  # released for a free slot: among those with one
+                candidates = [w for w in candidates if self.has_room(w, fwd.admitted)] or candidates
             d = _pinned(fwd, candidates) or policy.choose(fwd.route, candidates)
             reason = "retry" if attempt else d.reason
             self.metrics.decisions.labels(policy=policy.name, reason=reason, worker=d.worker.name).inc()

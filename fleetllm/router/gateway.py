@@ -479,7 +479,7 @@ class Router:
         headers = upstream_headers(request.headers, fid, pass_credentials=not (self.secret or self.gate))
         fwd = Forward(request.url.path, raw, body, headers, fid, req, t0)
         if ticket is not None:
-            fwd.on_dispatch, fwd.on_finish = ticket.dispatched, ticket.finished
+            fwd.on_dispatch, fwd.on_finish, fwd.admitted = ticket.dispatched, ticket.finished, ticket.bulk
         owner = tenant[0].id if tenant[0] is not None else ""
         if owner:  # the workers scope what they keep (stored Responses turns) to the key
             fwd.headers[OWNER_HEADER] = owner

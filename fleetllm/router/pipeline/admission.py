@@ -136,18 +136,19 @@ class Gate:
         holding = self.holding.get(tenant.id, 0) + self.others.get(tenant.id, (0, 0.0))[0]
         return holding + 1 > slots * tenant.weight / max(active, tenant.weight + 1.0)
 
-    def next(self, now: float) -> Entry | None:
-        """The queued request that may go now, if any: the queue's head, or while the head is bulk work held out
-        of the headroom, the first request (band, then tag) that is not bulk."""
+    def next(self, now: float) -> tuple[Entry, bool] | None:
+        """The queued request that may go now and whether it is bulk, if any: the queue's head, or while the head
+        is bulk work held out of the headroom, the first request (band, then tag) that is not bulk."""
         head = self.queue.peek(now)
         if head is None:
             return None
         bulk = self.bulk(head.payload[0], head.band)
         if self.free(bulk) > 0:
-            return head
+            return head, bulk
         if not bulk or self.limits.headroom <= 0 or self.free(False) <= 0:
             return None
-        return self.queue.first(lambda e: not self.bulk(e.payload[0], e.band), LOW)
+        light = self.queue.first(lambda e: not self.bulk(e.payload[0], e.band), LOW)
+        return (light, False) if light is not None else None
 
     def forget(self, tenant: Tenant) -> None:
         """Drop ``tenant``'s weight once it holds and waits for nothing."""
@@ -160,10 +161,11 @@ class Ticket:
     """A request let through: it holds a place in its gate's in-transit count until it is dispatched, and one of
     its tenant's until it ended."""
 
-    def __init__(self, gate: Gate, tenant: Tenant) -> None:
+    def __init__(self, gate: Gate, tenant: Tenant, bulk: bool) -> None:
         self.gate: Gate | None = gate
         self.holds: Gate | None = gate
         self.tenant = tenant
+        self.bulk = bulk  # released as bulk work: its worker must have room beyond the headroom
         gate.in_transit += 1
         gate.holding[tenant.id] = gate.holding.get(tenant.id, 0) + 1
         gate.weights[tenant.id] = tenant.weight
@@ -201,9 +203,10 @@ class FlowControl:
             t.cancel()
         await asyncio.gather(*pumps, return_exceptions=True)
 
-    def has_room(self, w: WorkerState) -> bool:
-        """Whether ``w`` can start one more request now (the forwarder's candidates for a released request)."""
-        return worker_room(w, self.limits) > 0
+    def has_room(self, w: WorkerState, bulk: bool) -> bool:
+        """Whether ``w`` can start one more request (``bulk`` work or not) now: the forwarder's candidates for a
+        released request."""
+        return worker_room(w, self.limits, bulk) > 0
 
     def kick(self) -> None:
         """Load changed somewhere (a request ended, was dispatched): queues look again now."""
@@ -217,8 +220,9 @@ class FlowControl:
         gate = self.gates.get(model)
         if gate is None:
             gate = self.gates[model] = Gate(self.limits, workers)
-        if not len(gate.queue) and gate.free(gate.bulk(tenant, BANDS.index(priority_band))) > 0:
-            return Ticket(gate, tenant)
+        bulk = gate.bulk(tenant, BANDS.index(priority_band))
+        if not len(gate.queue) and gate.free(bulk) > 0:
+            return Ticket(gate, tenant, bulk)
         waiter: asyncio.Future[Ticket] = asyncio.get_running_loop().create_future()
         entry = Entry(tenant.id, BANDS.index(priority_band), self.clock(), payload=(tenant, waiter))
         shed = gate.queue.push(entry, tenant.weight)
@@ -266,12 +270,13 @@ class FlowControl:
         """Release queued requests while the model's workers have room; sleeps on a kick or POLL_S."""
         while len(gate.queue):
             now = self.clock()
-            while (e := gate.next(now)) is not None:
+            while (release := gate.next(now)) is not None:
+                e, bulk = release
                 gate.queue.take(e)
                 tenant, waiter = e.payload
                 self.metrics.waiting(tenant, BANDS[e.band], -1)
                 if not waiter.done():
-                    waiter.set_result(Ticket(gate, tenant))
+                    waiter.set_result(Ticket(gate, tenant, bulk))
             gate.wake.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(gate.wake.wait(), POLL_S)
