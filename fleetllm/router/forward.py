@@ -341,8 +341,7 @@ class Forwarder:
                 watch.finish(load.worker.name, resp.status_code)
 
     def _dispatch(self, w: WorkerState, uncached: int, req: RouteRequest) -> None:
-        w.inflight += 1
-        w.sent_since_report += 1
+        w.dispatched()
         w.pending_prefill_tokens += uncached
         w.breaker.on_dispatch()
         hashes = req.hashes_for(w)

@@ -67,12 +67,33 @@ def fleetllm_worker(**kw) -> WorkerState:
     return worker(kind="fleetllm", events_connected=True, **kw)
 
 
-def test_a_fleetllm_worker_has_room_for_its_free_batch_slots_by_the_larger_of_the_routers_count_and_its_report():
-    reported = fleetllm_worker(max_num_seqs=8, running=5, sent_since_report=2, ended_since_report=1, inflight=3)
-    counted = fleetllm_worker(max_num_seqs=8, running=2, inflight=7)
-    assert (occupied(reported), occupied(counted)) == (6, 7)
-    assert room([reported, counted], FlowLimits()) == 2 + 1
-    assert room([reported], FlowLimits(worker_queue=2)) == 4  # a deeper queue allowed at the worker
+def test_a_fleetllm_worker_has_room_for_its_free_batch_slots_less_the_routers_requests_and_other_routers():
+    shared = fleetllm_worker(max_num_seqs=8, inflight=3)
+    shared.load_report(running=5, waiting=0)  # 3 of this router's, so 2 of another's
+    alone = fleetllm_worker(max_num_seqs=8, inflight=7)
+    alone.load_report(running=2, waiting=0)  # its requests are still arriving: no other router's
+    assert (occupied(shared), occupied(alone)) == (5, 7)
+    assert room([shared, alone], FlowLimits()) == 3 + 1
+    assert room([shared], FlowLimits(worker_queue=2)) == 5  # a deeper queue allowed at the worker
+
+
+def test_a_late_report_still_counting_requests_the_router_saw_end_holds_no_slot():
+    w = fleetllm_worker(max_num_seqs=8)
+    for _ in range(8):
+        w.dispatched()
+    w.load_report(running=8, waiting=0)  # full
+    w.inflight -= 3  # three ended: their answers were relayed before the worker's next report came
+    w.load_report(running=8, waiting=0)  # that report, taken before they ended, arrives now
+    assert (occupied(w), worker_room(w, FlowLimits())) == (5, 3)
+
+
+def test_other_routers_requests_count_from_each_report():
+    w = fleetllm_worker(max_num_seqs=8)
+    w.dispatched()
+    w.load_report(running=6, waiting=2)  # one of this router's: seven of others'
+    busy = worker_room(w, FlowLimits())
+    w.load_report(running=3, waiting=0)  # others' ended
+    assert (w.others, busy, worker_room(w, FlowLimits())) == (2, 0, 5)
 
 
 def test_bulk_work_leaves_the_headroom_of_each_workers_slots_free():

@@ -77,10 +77,10 @@ def reports_slots(w: WorkerState) -> bool:
 
 
 def occupied(w: WorkerState) -> int:
-    """Requests ``w`` runs or holds waiting now: the larger of this router's requests in flight there (exact, but
-    blind to other routers') and the worker's last report plus what this router sent since, less what ended
-    since (every router's requests, as of a report up to 50 ms old)."""
-    return max(w.inflight, w.running + w.waiting + w.sent_since_report - w.ended_since_report)
+    """Requests ``w`` runs or holds waiting now: this router's in flight there (its own count: exact and current)
+    and the other routers' as of the worker's last report (:meth:`~fleetllm.router.upstream.WorkerState.load_report`).
+    A late report never counts this router's ended requests as still there."""
+    return w.inflight + w.others
 
 
 def worker_room(w: WorkerState, limits: FlowLimits, bulk: bool = False) -> int:
