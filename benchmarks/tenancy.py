@@ -2,8 +2,8 @@
 router's flow control off (requests go to the workers at once, first come first served) and on (``--flow-control``:
 per-band, per-tenant weighted fair queuing at the router while the workers are saturated).
 
-Simulated workers (``fleetllm worker --simulate``, a small batch: ``--max-num-seqs``) behind one ``fleetllm
-router`` with API keys (weight 1 each), started afresh for every phase. First the fleet's capacity is measured
+Simulated workers (``fleetllm worker --simulate``), or with ``--real`` fleetllm workers on the embedded SmolLM2 (one
+thread each), a small batch (``--max-num-seqs``), behind one ``fleetllm router`` with API keys (weight 1 each), started afresh for every phase. First the fleet's capacity is measured
 (a closed loop well past its batch slots). Then:
 
 - **noisy neighbour**: tenant B streams at ``--b-load`` of the capacity (Poisson arrivals, ``--b-requests``
@@ -17,6 +17,7 @@ The workers run ``--scheduling-policy priority`` in every phase, so "off" alread
 
     python benchmarks/tenancy.py                      # both benchmarks, flow control off and on
     python benchmarks/tenancy.py --runs noisy --record
+    python benchmarks/tenancy.py --real --flow on --flow-flag=--flow-headroom --flow-flag=0.125
 """
 
 from __future__ import annotations
@@ -75,7 +76,10 @@ async def stream_one(client: httpx.AsyncClient, url: str, key: str, max_tokens: 
             async for line in r.aiter_lines():
                 if not line.startswith("data: {"):
                     continue
-                event = json.loads(line[6:])
+                try:
+                    event = json.loads(line[6:])
+                except ValueError:  # a line split at a Unicode line break inside generated text (httpx splits there)
+                    continue
                 if first is None and event.get("choices") and event["choices"][0].get("text"):
                     first = time.perf_counter() - t0
                 if event.get("usage"):
@@ -118,7 +122,8 @@ def pct(values: list[float], q: float) -> float:
 
 
 class Fleet:
-    """The simulated workers (started once) and a fresh router per phase."""
+    """The workers (started once: simulated, or ``--real`` fleetllm workers on the embedded model, one thread
+    each) and a fresh router per phase."""
 
     def __init__(self, args: argparse.Namespace, tmp: Path) -> None:
         self.args, self.tmp = args, tmp
@@ -127,12 +132,16 @@ class Fleet:
         self.keys_file = store.path
         port = free_ports(args.workers)
         self.workers = [f"http://127.0.0.1:{port + i}" for i in range(args.workers)]
-        log = tmp / "workers.log"
-        self.proc = start(["worker", "--simulate", "--count", str(args.workers), "--port", str(port),
-                           "--max-num-seqs", str(args.max_num_seqs), "--sim-speed", str(args.sim_speed),
-                           "--scheduling-policy", "priority", "--log-level", "warning"], log)
-        for w in self.workers:
-            wait_healthy(w + "/health", self.proc, log, 120)
+        engine = ["--max-num-seqs", str(args.max_num_seqs), "--scheduling-policy", "priority", "--log-level", "warning"]
+        if args.real:
+            self.procs = [start(["worker", "--model", "smollm2-135m", "--num-threads", "1", "--port", str(port + i),
+                                 *engine], tmp / f"worker-{i}.log") for i in range(args.workers)]
+        else:
+            self.procs = [start(["worker", "--simulate", "--count", str(args.workers), "--port", str(port),
+                                 "--sim-speed", str(args.sim_speed), *engine], tmp / "worker-0.log")]
+        for i, w in enumerate(self.workers):
+            j = i if args.real else 0
+            wait_healthy(w + "/ready", self.procs[j], tmp / f"worker-{j}.log", 300)
         self.phase = 0
 
     def router(self, flow: bool) -> tuple[str, subprocess.Popen[bytes]]:
@@ -142,13 +151,14 @@ class Fleet:
         flags = ["router", "--workers", ",".join(self.workers), "--policy", "least_load", "--port", str(port),
                  "--keys-file", str(self.keys_file), "--batch-dir", str(self.tmp / f"batches-{self.phase}"),
                  "--batch-concurrency", str(self.args.batch_concurrency), "--log-level", "warning"]
-        proc = start(flags + (["--flow-control"] if flow else []), log)
+        proc = start(flags + (["--flow-control", *self.args.flow_flag] if flow else []), log)
         wait_healthy(url + "/health", proc, log, 120)
         time.sleep(1.5)  # the workers' event streams connected
         return url, proc
 
     def stop(self) -> None:
-        stop_process(self.proc)
+        for p in self.procs:
+            stop_process(p)
 
 
 async def capacity(fleet: Fleet, seconds: float) -> tuple[float, float]:
@@ -283,7 +293,7 @@ async def run(fleet: Fleet, runs: list[str]) -> str:
         if kind not in runs:
             continue
         rows = []
-        for flow in (False, True):
+        for flow in [f == "on" for f in args.flow.split(",")]:
             for busy in (False, True):
                 rows.append(await phase(fleet, flow, busy, cap))
                 print(rows[-1], flush=True)
@@ -295,6 +305,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--runs", default="noisy,batch", help="comma-separated: noisy, batch")
     ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--real", action="store_true", help="fleetllm workers on the embedded SmolLM2 (one thread each) "
+                    "instead of simulated ones")
+    ap.add_argument("--flow", default="off,on", help="comma-separated: off, on (the router's --flow-control)")
+    ap.add_argument("--flow-flag", action="append", default=[], metavar="ARG",
+                    help="one more router argument with flow control on (repeat: --flow-flag=--flow-headroom "
+                    "--flow-flag=0.2)")
     ap.add_argument("--max-num-seqs", type=int, default=8, help="each simulated worker's batch slots")
     ap.add_argument("--sim-speed", type=float, default=4.0)
     ap.add_argument("--max-tokens", type=int, default=32)
@@ -313,8 +329,10 @@ def main() -> None:
             fleet.stop()
     print(lines)
     if args.record:
-        save_run("## Fair and prioritised serving", f"{args.workers} simulated workers (--max-num-seqs "
-                 f"{args.max_num_seqs}, --sim-speed {args.sim_speed:g}, priority scheduling), one router per phase "
+        kind = "real workers (SmolLM2, one thread each" if args.real else f"simulated workers (--sim-speed {args.sim_speed:g}"
+        save_run("## Fair and prioritised serving", f"{args.workers} {kind}, --max-num-seqs "
+                 f"{args.max_num_seqs}, priority scheduling), one router per phase "
+                 f"(flow control flags: --flow-control {' '.join(args.flow_flag)}) "
                  f"(least_load, API keys of weight 1); {args.max_tokens}-token completions of a ~60-token prompt; B "
                  f"at {args.b_load:g} of the capacity, A holding {args.flood_x}x the batch slots in flight; the batch "
                  f"job through the Batch API at --batch-concurrency {args.batch_concurrency}.", " ".join(sys.argv),

@@ -111,12 +111,16 @@ class RouterConfig:
     scorer_weights: dict[str, str] = opt(doc="the weight of one of prefix and kv_aware's cost scorers (queue, prefix, "
                                              "decode, kv_pressure, lora; default 1 each)", factory=dict,
                                          flag="--scorer-weight", metavar="NAME=WEIGHT")
-    flow_control: bool = opt(False, "queue requests at the router while every copy of their model is saturated, "
-                                    "per priority band and, within a band, per tenant (API key, else x-tenant-id or "
+    flow_control: bool = opt(False, "hold requests at the router until a copy of their model can start them (a "
+                                    "free batch slot), queued per priority band and, within a band, per tenant (API key, else x-tenant-id or "
                                     "user) with weighted fair queuing; shed past --flow-queue-max or a request's "
                                     "deadline (off: requests go to the workers at once, first come first served)")
-    flow_worker_queue: int = opt(FlowLimits.worker_queue, "requests waiting at a worker (not in its running batch) "
-                                                          "that saturate it")
+    flow_worker_queue: int = opt(FlowLimits.worker_queue, "requests a worker may hold waiting beyond those it can "
+                                                          "start now (a fleetllm worker: its free batch slots; "
+                                                          "another engine: at least 1 waiting)")
+    flow_headroom: float = opt(FlowLimits.headroom, "the fraction (0-1) of each fleetllm worker's batch slots that "
+                                                    "the low band (priority > 0: Batch API lines) leaves free for "
+                                                    "interactive requests (at least one slot when above 0)")
     flow_kv_usage: float = opt(FlowLimits.kv_usage, "KV-cache usage (0-1) that saturates a worker")
     flow_queue_max: int = opt(FlowLimits.queue_max, "requests waiting at the router per model; beyond, a lower "
                                                     "band's newest is shed (503), else the arrival (429)")
@@ -140,8 +144,10 @@ class RouterConfig:
     def check(self) -> None:
         """UsageError (one line) for settings no router can run with: the scorer weights, the flow limits."""
         scorer_weights(self.scorer_weights)
-        if self.flow_worker_queue < 1 or self.flow_queue_max < 1:
-            raise UsageError("--flow-worker-queue and --flow-queue-max must be at least 1")
+        if self.flow_worker_queue < 0 or self.flow_queue_max < 1:
+            raise UsageError("--flow-worker-queue must be at least 0 and --flow-queue-max at least 1")
+        if not 0 <= self.flow_headroom < 1:
+            raise UsageError(f"--flow-headroom {self.flow_headroom:g}: a fraction of the batch slots, in [0, 1)")
         if not 0 < self.flow_kv_usage <= 1:
             raise UsageError(f"--flow-kv-usage {self.flow_kv_usage:g}: a fraction of the KV cache, in (0, 1]")
         if not self.flow_queue_timeout_s > 0 or not self.flow_aging_s >= 0:
@@ -150,4 +156,4 @@ class RouterConfig:
     def flow_limits(self) -> FlowLimits:
         """The admission stage's limits (``--flow-*``)."""
         return FlowLimits(self.flow_worker_queue, self.flow_kv_usage, self.flow_queue_max, self.flow_queue_timeout_s,
-                          self.flow_aging_s)
+                          self.flow_aging_s, self.flow_headroom)

@@ -69,6 +69,8 @@ class Forward:
     reason: str = ""
     dispatched: float | None = None
     on_dispatch: Callable[[], None] | None = None  # once it reached a worker (the admission stage's ticket)
+    on_finish: Callable[[], None] | None = None  # once it ended, however (the ticket gives its tenant's slot back)
+    admitted: bool | None = None  # let through by flow control: as bulk work (True) or not; None: no flow control
     first_byte: float | None = None
 
     @property
@@ -76,7 +78,10 @@ class Forward:
         return bool(self.body.get("stream"))
 
     def ended(self, usage: TokenCount | None) -> None:
-        """Report the request's tokens, exactly once (the key gate meters them)."""
+        """Report the request's tokens, exactly once (the key gate meters them), and that it ended."""
+        if self.on_finish is not None:
+            on_finish, self.on_finish = self.on_finish, None
+            on_finish()
         if self.on_end is not None:
             on_end, self.on_end = self.on_end, None
             prompt = usage.prompt if usage and usage.prompt else self.route.num_prompt_tokens
@@ -180,6 +185,8 @@ class Forwarder:
         self.index = index  # the policy's index: learns where a prompt was routed when records_routed
         self.records_routed = records_routed
         self.on_load_change: Callable[[], None] | None = None  # the admission stage looks again
+        # with flow control: whether a worker can start one more request (bulk work or not) now (admission's count)
+        self.has_room: Callable[[WorkerState, bool], bool] | None = None
 
     async def forward(self, fwd: Forward, group: list[WorkerState], policy: Policy,
                       prepare: Prepare | None = None) -> Response:
@@ -192,6 +199,8 @@ class Forwarder:
             candidates = Routable(time.monotonic()).apply(fwd.route, Untried(tried).apply(fwd.route, group))
             if not candidates:
                 break
+            if self.has_room is not None and fwd.admitted is not None:  # released for a free slot: among those with one
+                candidates = [w for w in candidates if self.has_room(w, fwd.admitted)] or candidates
             d = _pinned(fwd, candidates) or policy.choose(fwd.route, candidates)
             reason = "retry" if attempt else d.reason
             self.metrics.decisions.labels(policy=policy.name, reason=reason, worker=d.worker.name).inc()
@@ -332,8 +341,7 @@ class Forwarder:
                 watch.finish(load.worker.name, resp.status_code)
 
     def _dispatch(self, w: WorkerState, uncached: int, req: RouteRequest) -> None:
-        w.inflight += 1
-        w.sent_since_report += 1
+        w.dispatched()
         w.pending_prefill_tokens += uncached
         w.breaker.on_dispatch()
         hashes = req.hashes_for(w)

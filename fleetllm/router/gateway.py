@@ -54,6 +54,7 @@ from fleetllm.router.keys import KeyLimiter, KeyRecord, KeyStore
 from fleetllm.router.metrics import RouterMetrics
 from fleetllm.router.pipeline.admission import FlowControl, Ticket
 from fleetllm.router.pipeline.filters import Role, Routable, ServesModel
+from fleetllm.router.pipeline.shared_flow import SharedFlow
 from fleetllm.router.policies import RouteRequest, make_policy, scorer_weights
 from fleetllm.router.request_id import HEADER as REQUEST_ID_HEADER
 from fleetllm.router.request_id import mint
@@ -122,6 +123,9 @@ class Router:
         self.tenants = TenantMetrics(self.metrics.registry)
         # the admission stage (fleetllm/router/pipeline/admission.py): off, requests go to the workers at once
         self.flow = FlowControl(cfg.flow_limits(), self.tenants) if cfg.flow_control else None
+        # its tenants' counts shared with the other routers of the store: one flow controller (shared_flow.py)
+        self.shared_flow = (SharedFlow(cfg.state_url, cfg.state_namespace)
+                            if cfg.flow_control and cfg.state_url else None)
         self.batches = self._batch_api()
         # these four live while the app runs (they share the HTTP client its lifespan opens)
         self.client: httpx.AsyncClient | None = None
@@ -257,6 +261,9 @@ class Router:
         self.forwarder = Forwarder(self.client, self.cfg, self.metrics, self.index, self.uses_prefix)
         if self.flow is not None:
             self.forwarder.on_load_change = self.flow.kick  # a request ended or went: queues look again
+            self.forwarder.has_room = self.flow.has_room
+            if self.shared_flow is not None:
+                self.shared_flow.start(lambda: self.flow.gates if self.flow is not None else {})
         self.remote_prefill = RemotePrefill(self.client, self.cfg, self.metrics, self.events_index,
                                             on_failure=self.forwarder.failed)
         # the workers' KV events keep the events index exact (it is the policy's index under kv_aware)
@@ -276,7 +283,7 @@ class Router:
         if self.flow is not None:
             await self.flow.close()
         await self.monitor.stop()
-        for store in (self.shared, self.shared_turns):
+        for store in (self.shared, self.shared_turns, self.shared_flow):
             if store is not None:
                 await store.close()
         if self.capture is not None:
@@ -413,6 +420,10 @@ class Router:
             return error_response(self.metrics, e, "shed")
         try:
             return await self._forward(request, raw, body, name, group, t0, (key, priority), held, fid, tap, ticket)
+        except BaseException:
+            if ticket is not None:
+                ticket.finished()
+            raise
         finally:
             if ticket is not None:
                 ticket.dispatched()
@@ -468,7 +479,7 @@ class Router:
         headers = upstream_headers(request.headers, fid, pass_credentials=not (self.secret or self.gate))
         fwd = Forward(request.url.path, raw, body, headers, fid, req, t0)
         if ticket is not None:
-            fwd.on_dispatch = ticket.dispatched
+            fwd.on_dispatch, fwd.on_finish, fwd.admitted = ticket.dispatched, ticket.finished, ticket.bulk
         owner = tenant[0].id if tenant[0] is not None else ""
         if owner:  # the workers scope what they keep (stored Responses turns) to the key
             fwd.headers[OWNER_HEADER] = owner
@@ -618,7 +629,7 @@ class Router:
             exact = self.events_index.exact.get(w.name, set())
             row = {"name": w.name, "url": w.url, "zone": w.zone, "role": w.role, "healthy": w.healthy, "inflight": w.inflight,
                    "pending_prefill_tokens": w.pending_prefill_tokens, "decoding": w.decoding, "running": w.running,
-                   "waiting": w.waiting, "queued_prefill_tokens": w.queued_prefill_tokens, "kv_usage": w.kv_usage, "model": w.model, "variant": w.variant, "instance": w.instance,
+                   "waiting": w.waiting, "max_num_seqs": w.max_num_seqs, "queued_prefill_tokens": w.queued_prefill_tokens, "kv_usage": w.kv_usage, "model": w.model, "variant": w.variant, "instance": w.instance,
                    "events_connected": w.events_connected, "kind": w.kind, "breaker": w.breaker.state, "draining": w.draining,
                    "index_blocks": self.index.size(w.name), "exact_blocks": len(exact),
                    "adapters": sorted(w.adapters), "resident_adapters": sorted(w.resident_adapters)}

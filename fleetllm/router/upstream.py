@@ -90,12 +90,16 @@ class WorkerState:
     waiting: int = 0
     sent_since_report: int = 0  # requests this router dispatched since the worker's last load report
     ended_since_report: int = 0  # and of its requests there, those that ended since (each freed a batch slot)
+    others: int = 0  # other routers' requests it held at its last load report (see load_report)
+    # the most of this router's requests in flight there since the last report, and in the window before it
+    inflight_peak: tuple[int, int] = (0, 0)
     queued_prefill_tokens: int = 0  # prompt tokens not yet computed of its waiting and prefilling requests
     kv_usage: float = 0.0
     model: str | None = None
     variant: str = ""  # which of its model's variants (canary, stable, ...) this copy runs; "" when unsplit
     block_size: int | None = None
     num_blocks: int | None = None
+    max_num_seqs: int | None = None  # its batch slots (a fleetllm worker's snapshot says): what it can start now
     instance: str | None = None
     events_connected: bool = False
     health_failures: int = 0
@@ -113,6 +117,29 @@ class WorkerState:
 
     def routable(self, now: float) -> bool:
         return self.healthy and not self.draining and self.breaker.allows(now)
+
+    def dispatched(self) -> None:
+        """One more of this router's requests is in flight here."""
+        self.inflight += 1
+        self.sent_since_report += 1
+        self.inflight_peak = (self.inflight_peak[0], max(self.inflight_peak[1], self.inflight))
+
+    def load_report(self, running: int, waiting: int) -> None:
+        """The worker's load report (it runs ``running`` requests and holds ``waiting``): those of other routers
+        are what it reports beyond this router's own requests there.
+
+        This router's own count (:attr:`inflight`, from dispatch to the end of the relayed answer) is exact and
+        current; a report is up to a poll old when it arrives and may still count requests this router has seen
+        end since (or miss ones it sent since). So the report is trusted only for what this router cannot count:
+        its own requests there when the report was taken are at most the most it had in flight over the last two
+        report windows, and the rest, if any, are other routers'. Alone, ``others`` stays 0 however late a report
+        comes (a stale one cannot hold slots that are free); beside other routers it is a lower bound, refreshed
+        at every report."""
+        mine = max(*self.inflight_peak, self.inflight)
+        self.others = max(0, running + waiting - mine)
+        self.inflight_peak = (self.inflight_peak[1], self.inflight)
+        self.running, self.waiting = running, waiting
+        self.sent_since_report = self.ended_since_report = 0
 
 
 class WorkerMonitor:
@@ -240,6 +267,7 @@ class WorkerMonitor:
                 self.index.drop(w.name)
             w.instance, w.model = ev["instance"], ev["model"]
             w.block_size, w.num_blocks = ev["block_size"], ev["num_blocks"]
+            w.max_num_seqs = ev.get("max_num_seqs")  # absent from older workers
             w.role = ev.get("role", w.role)
             self.index.reset(w.name, ev["hashes"], capacity=ev["num_blocks"])
             self.index.set_scope(w.name, ev.get("kv_namespace"))  # its shared KV tier's blocks: the fleet's
@@ -255,8 +283,8 @@ class WorkerMonitor:
         if "adapters" in ev:  # a LoRA worker's report (fleetllm/router/adapters.py)
             w.adapters, w.resident_adapters = frozenset(ev["adapters"]), frozenset(ev.get("resident_adapters", ()))
         if "kv_usage" in ev:
-            w.running, w.waiting, w.kv_usage = ev["running"], ev["waiting"], ev["kv_usage"]
-            w.sent_since_report = w.ended_since_report = 0
+            w.load_report(ev["running"], ev["waiting"])
+            w.kv_usage = ev["kv_usage"]
             w.queued_prefill_tokens = ev.get("queued_prefill_tokens", 0)  # absent from older workers
 
 

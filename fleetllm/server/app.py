@@ -586,8 +586,8 @@ class Worker:
     async def kv_events(self, request: Request) -> Response:
         """KV events as a server-sent event stream, for KV-aware routers.
 
-        First a ``snapshot`` (instance id, model, block size, pool size and every cached block hash; ``tiers``:
-        the hashes each KV tier holds, by medium; ``kv_namespace``: the layout a shared tier's blocks are
+        First a ``snapshot`` (instance id, model, block size, pool size, batch slots (``max_num_seqs``) and every
+        cached block hash; ``tiers``: the hashes each KV tier holds, by medium; ``kv_namespace``: the layout a shared tier's blocks are
         stored under), then ``stored`` / ``removed`` events with the hashes of blocks entering or leaving the
         prefix cache (with a ``medium`` when a KV tier's: ``CPU``, ``DISK``, ``SHARED``), ``draining`` once the
         worker takes no new requests, and a ``load`` event (running, waiting, queued prefill tokens, KV usage)
@@ -604,8 +604,8 @@ class Worker:
             try:
                 yield fmt.sse_event({"type": "snapshot", "instance": self.instance_id, "model": self.model_name,
                              "block_size": self.engine.pool.block_size, "num_blocks": self.engine.pool.num_blocks,
-                             "role": self.role, "hashes": snapshot, "tiers": media, "kv_namespace": namespace,
-                             **self.load()})
+                             "max_num_seqs": self.engine.scheduler.cfg.max_num_seqs, "role": self.role,
+                             "hashes": snapshot, "tiers": media, "kv_namespace": namespace, **self.load()})
                 # Load goes out as soon as it changes (checked every `poll` s), else every `interval` s: a
                 # report left standing after a request ends would make its worker look busy for that long.
                 poll, last = min(interval, 0.05), self.load()

@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import httpx
 import pytest
-from fleet_helpers import ADMIN, ThreadServer, router, wait_state
+from fleet_helpers import ADMIN, ThreadServer, router, sim_workers, wait_state
 from prometheus_client.parser import text_string_to_metric_families
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -133,3 +134,43 @@ def test_the_router_state_names_the_pipeline_and_keeps_each_workers_url_and_heal
     state = httpx.get(url + "/router/state", headers=ADMIN, timeout=5).json()
     assert state["pipeline"] == {"filters": [], "scorers": {}, "picker": "round_robin"}
     assert state["workers"][0]["url"].startswith("http://127.0.0.1:") and state["workers"][0]["healthy"] is True
+
+
+def test_a_fleetllm_worker_is_sent_only_what_its_batch_slots_start_and_the_rest_waits_at_the_router():
+    sims = sim_workers(1, "--max-num-seqs", "2", "--sim-speed", "2")
+    with ThreadPoolExecutor(4) as pool:
+        r = router(sims.urls, "least_load", "--flow-control", "--flow-headroom", "0")
+        try:
+            wait_state(r.url, lambda s: s["workers"][0]["max_num_seqs"] == 2)
+            body = {"prompt": "hello there", "max_tokens": 40, "ignore_eos": True, "user": "a"}
+            futures = [pool.submit(httpx.post, r.url + "/v1/completions", json=body, timeout=60) for _ in range(4)]
+            state = wait_state(r.url, lambda s: sum(s["queued"].values()) == 2)
+            held = state["workers"][0]
+            assert held["inflight"] == 2 and held["waiting"] == 0  # its queue stays empty: the router holds the rest
+            assert [f.result().status_code for f in futures] == [200] * 4
+        finally:
+            r.stop()
+            sims.stop()
+
+
+def test_a_router_with_a_store_publishes_what_its_tenants_hold_for_the_other_routers(redis_server):
+    import redis
+
+    worker, store = HeldWorker(), redis.Redis.from_url(redis_server.url, decode_responses=True)
+    with ThreadServer(worker.app) as up, ThreadPoolExecutor(2) as pool:
+        r = router([up.url], "round_robin", "--flow-control", "--state-url", redis_server.url,
+                   "--state-namespace", "flowtest")
+        try:
+            wait_state(r.url, lambda s: s["workers"][0]["healthy"])
+            held = send(r.url, pool, "team-a", None)
+            wait_state(r.url, lambda s: s["workers"][0]["inflight"] == 1)
+            deadline = time.monotonic() + 10
+            while not (found := [store.hgetall(k) for k in store.scan_iter("fleetllm:flowtest:flow:*")
+                                 if store.type(k) == "hash"]) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            worker.release(1)
+            assert held.result().status_code == 200
+            assert found == [{"team-a": "1 1"}]
+        finally:
+            worker.release(10)
+            r.stop()

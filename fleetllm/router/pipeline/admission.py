@@ -1,11 +1,22 @@
 """The admission stage: flow control before a worker is picked (``--flow-control``), as llm-d's flow control.
 
-While some copy of the request's model has room, a request goes straight on (nothing else waiting: no
-queue, no task). When every copy is saturated, it waits at the router in the model's
-:class:`~fleetllm.router.pipeline.fair_queue.FairQueue` (priority bands, weighted fair queuing between tenants)
-and is released as room appears. A worker is *saturated* when ``--flow-worker-queue`` requests already wait
-there (:func:`queued_at`) or its KV pool is ``--flow-kv-usage`` full. So the workers' own queues stay short and
-the router, which sees every tenant, decides who goes next.
+The router holds requests and releases to the workers only what they can start now, so a worker's own queue
+stays empty and the order (priority band first, then weighted fair queuing between tenants) is decided here,
+where every tenant is seen, not first come first served in a worker's queue. While some copy of the request's
+model has room and nothing waits, a request goes straight on (no queue, no task); otherwise it waits in the
+model's :class:`~fleetllm.router.pipeline.fair_queue.FairQueue` and is released as room appears.
+
+A worker's *room* (:func:`worker_room`): for a fleetllm worker, its batch slots (``max_num_seqs``, from its
+snapshot) less the requests it holds (:func:`occupied`), so a request released to it is admitted to its running
+batch at its next step; for another engine (no slots reported), room while fewer than one request of this
+router's waits there with no first byte (:func:`queued_at`). ``--flow-worker-queue`` lets that many more wait at
+each worker (a deeper queue there: fuller batches between the router's releases, later turns for the urgent).
+A worker whose KV pool is ``--flow-kv-usage`` full has no room.
+
+*Headroom* (``--flow-headroom``): bulk work leaves that fraction of each worker's slots free, so a request that is
+not bulk finds a slot at once instead of waiting for one to end. Bulk work is the low band (batch lines) and the
+requests of a tenant already holding its weighted share of the slots (:meth:`Gate.bulk`: a flood). While the head
+of the queue is bulk work held out of the headroom, the first request that is not bulk may still take it.
 
 Shedding, in OpenAI's error format with ``Retry-After``:
 
@@ -33,17 +44,19 @@ if TYPE_CHECKING:
 
 POLL_S = 0.02  # how often a waiting queue looks again without a kick (the workers' own load reports)
 RETRY_AFTER_S = "1"
+LOW = len(BANDS) - 1  # the low band's index: batch work, bulk whoever sends it
 
 
 @dataclass
 class FlowLimits:
-    """When a worker is saturated, and how much may wait."""
+    """When a worker has room, and how much may wait at the router."""
 
-    worker_queue: int = 2  # requests waiting at a worker that saturate it
-    kv_usage: float = 0.95  # KV usage that saturates a worker
+    worker_queue: int = 0  # requests a worker may hold beyond those it can start now
+    kv_usage: float = 0.95  # KV usage that leaves a worker no room
     queue_max: int = 1024  # requests waiting at the router per model, all bands together
     timeout_s: float = 60.0  # the longest a request waits unless it says less
     aging_s: float = 10.0  # a band's oldest request climbs one band per this many seconds waited
+    headroom: float = 0.125  # the fraction of each worker's batch slots bulk work leaves free
 
 
 def queued_at(w: WorkerState) -> int:
@@ -58,34 +71,104 @@ def queued_at(w: WorkerState) -> int:
     return w.inflight - w.decoding
 
 
-def room(workers: list[WorkerState], limits: FlowLimits) -> int:
-    """Requests ``workers`` could take now before every one is saturated."""
-    return sum(max(0, limits.worker_queue - queued_at(w)) for w in workers if w.kv_usage < limits.kv_usage)
+def reports_slots(w: WorkerState) -> bool:
+    """Whether the router knows ``w``'s batch slots and how many it holds (a fleetllm worker's KV-event stream)."""
+    return w.kind == "fleetllm" and w.events_connected and bool(w.max_num_seqs)
+
+
+def occupied(w: WorkerState) -> int:
+    """Requests ``w`` runs or holds waiting now: this router's in flight there (its own count: exact and current)
+    and the other routers' as of the worker's last report (:meth:`~fleetllm.router.upstream.WorkerState.load_report`).
+    A late report never counts this router's ended requests as still there."""
+    return w.inflight + w.others
+
+
+def worker_room(w: WorkerState, limits: FlowLimits, bulk: bool = False) -> int:
+    """Requests ``w`` can take now; ``bulk`` work leaves the headroom free (see the module's docstring)."""
+    if w.kv_usage >= limits.kv_usage:
+        return 0
+    if not reports_slots(w):
+        return max(0, max(1, limits.worker_queue) - queued_at(w))
+    slots = w.max_num_seqs or 0
+    if bulk and limits.headroom > 0:  # at least one slot kept, and never all of them
+        slots -= min(slots - 1, max(1, round(limits.headroom * slots)))
+    return max(0, slots + limits.worker_queue - occupied(w))
+
+
+def room(workers: list[WorkerState], limits: FlowLimits, bulk: bool = False) -> int:
+    """Requests (``bulk`` work or not) that ``workers`` could take now."""
+    return sum(worker_room(w, limits, bulk) for w in workers)
 
 
 class Gate:
-    """One model's queue, and the requests let through that have not reached a worker yet."""
+    """One model's queue, the requests let through that have not reached a worker yet, and each tenant's requests
+    let through that have not ended."""
 
     def __init__(self, limits: FlowLimits, workers: Callable[[], list[WorkerState]]) -> None:
+        self.limits = limits
         self.queue = FairQueue(limits.queue_max, limits.aging_s)
         self.workers = workers  # the model's routable decode workers, looked up afresh
         self.in_transit = 0  # released (or let straight through) and not yet dispatched
+        self.holding: dict[str, int] = {}  # per tenant: let through and not ended
+        self.weights: dict[str, float] = {}  # per tenant holding or waiting: its weight
+        # per tenant, (holding, weight) through the other routers sharing the state store (shared_flow.py)
+        self.others: dict[str, tuple[int, float]] = {}
         self.wake = asyncio.Event()
         self.pump: asyncio.Task[None] | None = None
 
-    def free(self, limits: FlowLimits) -> int:
-        """Requests that may go on now; with no routable worker at all, any number (each is answered 503 at
-        once by the forwarder rather than held)."""
+    def free(self, bulk: bool) -> int:
+        """Requests (``bulk`` work or not) that may go on now; with no routable worker at all, any number (each is
+        answered 503 at once by the forwarder rather than held)."""
         workers = self.workers()
-        return room(workers, limits) - self.in_transit if workers else 1 << 30
+        return room(workers, self.limits, bulk) - self.in_transit if workers else 1 << 30
+
+    def bulk(self, tenant: Tenant, band: int) -> bool:
+        """Whether a request is bulk work: the low band's, or its tenant's while the tenant holds its weighted
+        share of the model's batch slots or more (through every router sharing the state store), the share counting
+        one more tenant (of weight 1) when it is alone, so one busy tenant is bulk before a second one arrives."""
+        if band == LOW:
+            return True
+        if self.limits.headroom <= 0:
+            return False
+        slots = sum(w.max_num_seqs or 0 for w in self.workers() if reports_slots(w))
+        weights = {**{t: w for t, (_, w) in self.others.items()}, **self.weights}
+        active = sum(weights.values()) + (0.0 if tenant.id in weights else tenant.weight)
+        holding = self.holding.get(tenant.id, 0) + self.others.get(tenant.id, (0, 0.0))[0]
+        return holding + 1 > slots * tenant.weight / max(active, tenant.weight + 1.0)
+
+    def next(self, now: float) -> tuple[Entry, bool] | None:
+        """The queued request that may go now and whether it is bulk, if any: the queue's head, or while the head
+        is bulk work held out of the headroom, the first request (band, then tag) that is not bulk."""
+        head = self.queue.peek(now)
+        if head is None:
+            return None
+        bulk = self.bulk(head.payload[0], head.band)
+        if self.free(bulk) > 0:
+            return head, bulk
+        if not bulk or self.limits.headroom <= 0 or self.free(False) <= 0:
+            return None
+        light = self.queue.first(lambda e: not self.bulk(e.payload[0], e.band), LOW)
+        return (light, False) if light is not None else None
+
+    def forget(self, tenant: Tenant) -> None:
+        """Drop ``tenant``'s weight once it holds and waits for nothing."""
+        if not self.holding.get(tenant.id) and not self.queue.waiting(tenant.id):
+            self.holding.pop(tenant.id, None)
+            self.weights.pop(tenant.id, None)
 
 
 class Ticket:
-    """A request let through: it holds a place in its gate's in-transit count until it is dispatched."""
+    """A request let through: it holds a place in its gate's in-transit count until it is dispatched, and one of
+    its tenant's until it ended."""
 
-    def __init__(self, gate: Gate) -> None:
+    def __init__(self, gate: Gate, tenant: Tenant, bulk: bool) -> None:
         self.gate: Gate | None = gate
+        self.holds: Gate | None = gate
+        self.tenant = tenant
+        self.bulk = bulk  # released as bulk work: its worker must have room beyond the headroom
         gate.in_transit += 1
+        gate.holding[tenant.id] = gate.holding.get(tenant.id, 0) + 1
+        gate.weights[tenant.id] = tenant.weight
 
     def dispatched(self) -> None:
         """The request reached a worker (or ended without one): idempotent."""
@@ -93,6 +176,15 @@ class Ticket:
             self.gate.in_transit -= 1
             self.gate.wake.set()
             self.gate = None
+
+    def finished(self) -> None:
+        """The request ended (answered, failed or abandoned): idempotent."""
+        self.dispatched()
+        if self.holds is not None:
+            self.holds.holding[self.tenant.id] -= 1
+            self.holds.forget(self.tenant)
+            self.holds.wake.set()
+            self.holds = None
 
 
 class FlowControl:
@@ -111,6 +203,11 @@ class FlowControl:
             t.cancel()
         await asyncio.gather(*pumps, return_exceptions=True)
 
+    def has_room(self, w: WorkerState, bulk: bool) -> bool:
+        """Whether ``w`` can start one more request (``bulk`` work or not) now: the forwarder's candidates for a
+        released request."""
+        return worker_room(w, self.limits, bulk) > 0
+
     def kick(self) -> None:
         """Load changed somewhere (a request ended, was dispatched): queues look again now."""
         for g in self.gates.values():
@@ -123,8 +220,9 @@ class FlowControl:
         gate = self.gates.get(model)
         if gate is None:
             gate = self.gates[model] = Gate(self.limits, workers)
-        if not len(gate.queue) and gate.free(self.limits) > 0:
-            return Ticket(gate)
+        bulk = gate.bulk(tenant, BANDS.index(priority_band))
+        if not len(gate.queue) and gate.free(bulk) > 0:
+            return Ticket(gate, tenant, bulk)
         waiter: asyncio.Future[Ticket] = asyncio.get_running_loop().create_future()
         entry = Entry(tenant.id, BANDS.index(priority_band), self.clock(), payload=(tenant, waiter))
         shed = gate.queue.push(entry, tenant.weight)
@@ -134,8 +232,10 @@ class FlowControl:
         if shed is not None:
             self._displace(shed)
         self.metrics.waiting(tenant, priority_band, +1)
+        gate.weights[tenant.id] = tenant.weight
         if gate.pump is None or gate.pump.done():
             gate.pump = asyncio.create_task(self._pump(gate), name=f"flow-{model}")
+        gate.wake.set()  # a light tenant's arrival may take the headroom now, not at the next poll
         return await self._wait(gate, entry, waiter, timeout_s or self.limits.timeout_s)
 
     async def _wait(self, gate: Gate, entry: Entry, waiter: asyncio.Future[Ticket], timeout_s: float) -> Ticket:
@@ -149,13 +249,14 @@ class FlowControl:
             return waiter.result()  # released in the same instant
         except asyncio.CancelledError:  # the client went away
             if waiter.done() and not waiter.cancelled() and waiter.exception() is None:
-                waiter.result().dispatched()
+                waiter.result().finished()
             raise
         finally:
             if gate.queue.remove(entry):
                 self.metrics.waiting(tenant, band, -1)
             if not waiter.done():
                 waiter.cancel()
+            gate.forget(tenant)
 
     def _displace(self, e: Entry) -> None:
         tenant, waiter = e.payload
@@ -168,12 +269,14 @@ class FlowControl:
     async def _pump(self, gate: Gate) -> None:
         """Release queued requests while the model's workers have room; sleeps on a kick or POLL_S."""
         while len(gate.queue):
-            while len(gate.queue) and gate.free(self.limits) > 0:
-                e = gate.queue.pop(self.clock())
+            now = self.clock()
+            while (release := gate.next(now)) is not None:
+                e, bulk = release
+                gate.queue.take(e)
                 tenant, waiter = e.payload
                 self.metrics.waiting(tenant, BANDS[e.band], -1)
                 if not waiter.done():
-                    waiter.set_result(Ticket(gate))
+                    waiter.set_result(Ticket(gate, tenant, bulk))
             gate.wake.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(gate.wake.wait(), POLL_S)

@@ -19,6 +19,7 @@ drives it.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -74,21 +75,42 @@ class FairQueue:
         b.size += 1
         return shed
 
+    def peek(self, now: float) -> Entry | None:
+        """The request :meth:`pop` would release now (None when empty), left queued."""
+        head = self._head(now)
+        return head[1][0] if head is not None else None
+
     def pop(self, now: float) -> Entry | None:
         """The next request to release (None when empty)."""
+        e = self.peek(now)
+        if e is not None:
+            self.take(e)
+        return e
+
+    def take(self, e: Entry) -> None:
+        """Release ``e`` (queued), whether or not it was next: the band's virtual time moves on to its tag."""
+        self.remove(e)
+        b = self.bands[e.band]
+        b.vtime = max(b.vtime, e.tag)
+
+    def waiting(self, tenant: str) -> bool:
+        """Whether ``tenant`` has a request queued in any band."""
+        return any(tenant in b.tenants for b in self.bands)
+
+    def first(self, ok: Callable[[Entry], bool], below: int) -> Entry | None:
+        """The first tenant's head, by band then tag, that ``ok`` accepts, in the bands above index ``below``."""
+        heads = [q[0] for b in self.bands[:below] for q in b.tenants.values() if ok(q[0])]
+        return min(heads, key=lambda e: (e.band, e.tag, e.seq), default=None)
+
+    def _head(self, now: float) -> tuple[_Band, deque[Entry]] | None:
+        """The band that goes next and, in it, the tenant queue whose head has the smallest tag."""
         heads = [(i, min(q[0].arrived for q in b.tenants.values())) for i, b in enumerate(self.bands) if b.size]
         if not heads:
             return None
         # a band's rank improves by one per aging_s its oldest request waited; level bands: the older goes first
         i = min(heads, key=lambda h: (h[0] - int((now - h[1]) / self.aging_s) if self.aging_s > 0 else h[0], h[1]))[0]
         b = self.bands[i]
-        q = min(b.tenants.values(), key=lambda q: (q[0].tag, q[0].seq))
-        e = q.popleft()
-        if not q:
-            del b.tenants[e.tenant]
-        b.size -= 1
-        b.vtime = e.tag
-        return e
+        return b, min(b.tenants.values(), key=lambda q: (q[0].tag, q[0].seq))
 
     def remove(self, e: Entry) -> bool:
         """Take ``e`` out (its deadline passed, its client left); False if it was not queued."""
