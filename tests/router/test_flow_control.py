@@ -142,7 +142,8 @@ def test_a_fleetllm_worker_is_sent_only_what_its_batch_slots_start_and_the_rest_
         r = router(sims.urls, "least_load", "--flow-control", "--flow-headroom", "0")
         try:
             wait_state(r.url, lambda s: s["workers"][0]["max_num_seqs"] == 2)
-            body = {"prompt": "hello there", "max_tokens": 40, "ignore_eos": True, "user": "a"}
+            # long enough (~1-2 s each) that all four have arrived while the first two still run, on a loaded host too
+            body = {"prompt": "hello there", "max_tokens": 160, "ignore_eos": True, "user": "a"}
             futures = [pool.submit(httpx.post, r.url + "/v1/completions", json=body, timeout=60) for _ in range(4)]
             state = wait_state(r.url, lambda s: sum(s["queued"].values()) == 2)
             held = state["workers"][0]
