@@ -37,9 +37,9 @@ from fleetllm.models.quant import ByWidth
 if TYPE_CHECKING:
     from fleetllm.engine.model_runner import ModelRunner
 
-POWERS = (1, 2, 4, 8, 16, 32, 64, 128)
+POWERS = (1, 2, 4, 8, 16, 32, 64)  # wider steps: scaled from the widest (a start-up cost, paid by every worker)
 SHORT = 15  # tokens of context of the row measures: the step's tokens stay within the first two blocks
-REPEATS = 3
+REPEATS = 2
 WIDE = 32  # steps of more rows are timed once: most of the measure's time, and noise there only makes K smaller
 VERIFY_ROWS = 16  # the per-verify overhead is measured on this many rows, verified two by two
 CONTEXT = 2048  # tokens of context the context's share is measured at (fewer if the KV cache is smaller)
