@@ -114,18 +114,7 @@ class Router:
         self.secret = worker_secret()  # presented to fleetllm workers (fleetllm/router/worker_auth.py)
         # (fleetllm/router/admin_token.py) none configured: only admin keys open the admin routes
         self.admin_token = read_token(cfg.admin_token_file) if cfg.admin_token_file else None
-        # --state-url: the keys' limits counted in one store for every router (else each router counts alone)
-        # (a request's parallel slot is a lease that outlives its longest forward, should this router die)
-        self.shared = (SharedLimiter(cfg.state_url, self.metrics.registry, lease_s=cfg.request_timeout_s + 60)
-                       if cfg.state_url else None)
-        self.gate = (KeyGate(KeyStore(cfg.keys_file), KeyLimiter(), self.metrics.registry, self.shared)
-                     if cfg.keys_file else None)
-        self.tenants = TenantMetrics(self.metrics.registry)
-        # the admission stage (fleetllm/router/pipeline/admission.py): off, requests go to the workers at once
-        self.flow = FlowControl(cfg.flow_limits(), self.tenants) if cfg.flow_control else None
-        # its tenants' counts shared with the other routers of the store: one flow controller (shared_flow.py)
-        self.shared_flow = (SharedFlow(cfg.state_url, cfg.state_namespace)
-                            if cfg.flow_control and cfg.state_url else None)
+        self._limits_and_flow(cfg)
         self.batches = self._batch_api()
         # these four live while the app runs (they share the HTTP client its lifespan opens)
         self.client: httpx.AsyncClient | None = None
@@ -145,6 +134,21 @@ class Router:
                                 404: self._not_found, 405: self._not_found},
         )
         self.app = guarded(self.app, self, max_body_bytes)  # credentials first, then body caps, then the routes
+
+    def _limits_and_flow(self, cfg: RouterConfig) -> None:
+        """The keys' gate and limits, per-tenant accounting and flow control, each shared through ``--state-url``."""
+        # --state-url: the keys' limits counted in one store for every router (else each router counts alone)
+        # (a request's parallel slot is a lease that outlives its longest forward, should this router die)
+        self.shared = (SharedLimiter(cfg.state_url, self.metrics.registry, lease_s=cfg.request_timeout_s + 60)
+                       if cfg.state_url else None)
+        self.gate = (KeyGate(KeyStore(cfg.keys_file), KeyLimiter(), self.metrics.registry, self.shared)
+                     if cfg.keys_file else None)
+        self.tenants = TenantMetrics(self.metrics.registry)
+        # the admission stage (fleetllm/router/pipeline/admission.py): off, requests go to the workers at once
+        self.flow = FlowControl(cfg.flow_limits(), self.tenants) if cfg.flow_control else None
+        # its tenants' counts shared with the other routers of the store: one flow controller (shared_flow.py)
+        self.shared_flow = (SharedFlow(cfg.state_url, cfg.state_namespace)
+                            if cfg.flow_control and cfg.state_url else None)
 
     def _routes(self) -> list[Route]:
         return [
