@@ -78,10 +78,17 @@ class KernelWheel(bdist_wheel):
         return ("py3", "none", super().get_tag()[2])
 
 
+
+def _extensions() -> list[KernelExtension]:
+    """The objects to compile: ``FLEETLLM_WHEEL_VARIANTS`` (``all`` by default, or ``native``)."""
+    try:
+        builds = VARIANTS.wheel_builds(os.environ.get(VARIANTS.WHEEL_BUILDS, "all"))
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
+    return [KernelExtension(KERNEL_DIR / f"{kernel}.c", variant) for kernel, variant in builds]
+
+
 setup(
-    ext_modules=[KernelExtension(source, variant)
-                 for source in sorted(KERNEL_DIR.glob("*.c"))
-                 for variant in VARIANTS.KERNELS[source.stem].variants
-                 if variant in VARIANTS.variants_for_machine()],
+    ext_modules=_extensions(),
     cmdclass={"build_ext": BuildKernels, "bdist_wheel": KernelWheel},
 )

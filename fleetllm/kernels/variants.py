@@ -105,6 +105,21 @@ def variants_for_machine(machine: str | None = None) -> tuple[str, ...]:
     return tuple(name for name, v in VARIANTS.items() if x86 or not v.x86_only)
 
 
+WHEEL_BUILDS = "FLEETLLM_WHEEL_VARIANTS"  # which objects ``setup.py`` compiles into a wheel: see wheel_builds
+
+
+def wheel_builds(selection: str = "all") -> list[tuple[str, str]]:
+    """The ``(kernel, variant)`` objects a wheel built here carries. ``all`` (the default): every variant built on
+    this architecture, a wheel for any CPU of it; ``native``: the one build each kernel loads on this CPU, a wheel
+    for this machine only (a third of the compiles on x86), as ``TORCH_CUDA_ARCH_LIST`` narrows a CUDA build."""
+    if selection == "all":
+        here = variants_for_machine()
+        return [(k, v) for k in KERNELS for v in KERNELS[k].variants if v in here]
+    if selection == "native":
+        return [(k, supported_variants(k)[0]) for k in KERNELS]
+    raise ValueError(f"{WHEEL_BUILDS}={selection!r}: expected 'all' or 'native'")
+
+
 def supported_variants(kernel: str, flags: frozenset[str] | None = None) -> tuple[str, ...]:
     """The variants of ``kernel`` this CPU runs (``flags``: its ``/proc/cpuinfo`` flags), best first."""
     flags = cpu_info()[1] if flags is None else flags

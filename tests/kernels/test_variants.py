@@ -23,6 +23,8 @@ from fleetllm.kernels.variants import (
     library_name,
     source_digest,
     supported_variants,
+    variants_for_machine,
+    wheel_builds,
 )
 
 AVX2 = frozenset({"avx2", "fma", "f16c"})
@@ -46,6 +48,16 @@ def test_every_source_has_its_variants_declared() -> None:
     sources = {p.stem for p in Path(q8.__file__).parent.glob("*.c")}
     assert sources == set(KERNELS)
     assert all(set(k.variants) <= set(VARIANTS) and k.variants[-1] == "portable" for k in KERNELS.values())
+
+
+def test_a_wheel_holds_every_build_of_its_architecture_or_only_what_this_cpu_loads() -> None:
+    everything = wheel_builds()
+    assert set(everything) == {(k, v) for k in KERNELS for v in KERNELS[k].variants if v in variants_for_machine()}
+    native = wheel_builds("native")
+    assert {k for k, _ in native} == set(KERNELS) and set(native) <= set(everything)
+    assert all(v == supported_variants(k)[0] for k, v in native)
+    with pytest.raises(ValueError, match="FLEETLLM_WHEEL_VARIANTS='avx9'"):
+        wheel_builds("avx9")
 
 
 @pytest.fixture
