@@ -312,7 +312,7 @@ class DecodeStack:
         """Fill the call's Q8_0 GEMV and experts kernel; the per-layer expert counts the step fills (None: no
         experts)."""
         if self.q8:
-            md.gemv8 = ctypes.cast(q8.LIBRARY.lib.q8_gemv, P).value
+            md.gemv8 = ctypes.cast(q8.LIBRARY.lib.q8_i16_gemv, P).value
         if not self.num_experts:
             return None
         md.moe = ctypes.cast(moe_experts.LIBRARY.lib.moe_experts, P).value

@@ -25,7 +25,7 @@
 #include <string.h>
 #include "simd.h"
 #include "gemv_common.h"
-#include "q8_rows.h"
+#include "q8_i16_rows.h"
 
 #define MAX_TOP_K 64
 
@@ -45,14 +45,20 @@ typedef struct {
 typedef struct {
     int *ids, *slot_of;  /* per pair: its expert, its slot */
     int *active, *first, *count;  /* the active experts, their first slot and number of rows */
-    float *weight, *xs, *gu, *act, *ys;  /* per pair: routing weight; per slot: input, gate_up, SiLU * up, output */
+    float *weight, *gu, *act, *ys;  /* per pair: routing weight; per slot: gate_up, SiLU * up, output */
+    int16_t *xq, *actq;  /* per row: its input's int16 levels; per slot: SiLU * up's */
+    float *xs, *acts;    /* their scales, one per 32 inputs */
+    const int16_t **x_of, **act_of;  /* per slot: its row's input levels, its own SiLU * up levels */
+    const float **xs_of, **acts_of;  /* and their scales */
     int n_active;
 } Plan;
 
+/* 3: AVX-512 VNNI (+ VL) and AVX2 + FMA; 2: AVX2 + FMA; 0: neither (the scalar path). */
 int moe_experts_isa(void) {
 #if FLEETLLM_X86
     __builtin_cpu_init();
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") ? 2 : 0;
+    if (!__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("fma")) return 0;
+    return __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl") ? 3 : 2;
 #else
     return 0;
 #endif
@@ -96,23 +102,37 @@ static void silu_mul(const float *g, const float *u, int n, float *out, int vec)
     for (int i = 0; i < n; i++) out[i] = g[i] / (1.f + expf(-g[i])) * u[i];
 }
 
-/* Output row j of an expert's weight (`w`, `d`: its levels and scales, `k_in` inputs) for its `n` rows of
- * `x` (k_in apart) into `y` (ldy apart), in passes of MAX_ROWS. */
-static void expert_row(const int8_t *w, const float *d, int k_in, int j, const float *x, int n, float *y, long ldy,
-                       int vec) {
-    const int groups = k_in / 32;
-    const int8_t *wj = w + (long)j * k_in;
-    const float *dj = d + (long)j * groups;
-    for (int r0 = 0; r0 < n; r0 += MAX_ROWS) {
-        const int r = n - r0 < MAX_ROWS ? n - r0 : MAX_ROWS;
+/* One output row of an expert's weight for up to I16_PASS activation rows, on the level's row kernel. */
+typedef void row_fn(int rows, const int8_t *w, const float *d, const int16_t *const *xq, const float *const *sx,
+                    int groups, float *out, long ldy);
+
+static row_fn *row_kernel(int level) {
 #if FLEETLLM_X86
-        if (vec) {
-            row_avx2_any(r, wj, dj, x + (long)r0 * k_in, k_in, groups, y + r0 * ldy + j, ldy);
-            continue;
-        }
+    if (level >= 3) return row_i16_vnni_any;
+    if (level == 2) return row_i16_avx2_any;
 #endif
-        row_scalar(r, wj, dj, x + (long)r0 * k_in, k_in, groups, y + r0 * ldy + j, ldy);
+    return row_i16_scalar;
+}
+
+static void quantize_i16(const float *x, int n, int16_t *q, float *s, int level) {
+#if FLEETLLM_X86
+    if (level >= 2) {
+        quantize_i16_avx2(x, n, q, s);
+        return;
     }
+#endif
+    quantize_i16_scalar(x, n, q, s);
+}
+
+/* y[r, j] (ldy apart) = row j of an expert's weight (`w`, `d`: levels and scales, `k_in` inputs) times its `n`
+ * activation rows (levels `xq[r]`, scales `sx[r]`), each weight row read once per pass of I16_PASS rows. */
+static void expert_product(row_fn *row, const int8_t *w, const float *d, int k_in, int n_out,
+                           const int16_t *const *xq, const float *const *sx, int n, float *y, long ldy) {
+    const int groups = k_in / 32;
+    for (int j = 0; j < n_out; j++)
+        for (int r0 = 0; r0 < n; r0 += I16_PASS)
+            row(n - r0 < I16_PASS ? n - r0 : I16_PASS, w + (long)j * k_in, d + (long)j * groups, xq + r0, sx + r0,
+                groups, y + r0 * ldy + j, ldy);
 }
 
 /* Row r's choices from its logits: expert ids ascending in `ids`, their weights in `w`. */
@@ -142,7 +162,7 @@ static void route(const float *logits, int e_count, int k, int norm, int *ids, f
 }
 
 /* Routes every row and groups the pairs by expert (one thread); adds each expert's pairs to `counts`. */
-static void plan_step(const MoeLayer *ly, const float *x, const float *logits, int rows, Plan *pl, int64_t *counts) {
+static void plan_step(const MoeLayer *ly, const float *logits, int rows, Plan *pl, int64_t *counts) {
     const int k = ly->top_k, E = ly->experts, H = ly->hidden;
     int *ids = pl->ids, per[E], next[E];
     memset(per, 0, sizeof(per));
@@ -160,27 +180,29 @@ static void plan_step(const MoeLayer *ly, const float *x, const float *logits, i
         at_slot += per[e];
     }
     for (int p = 0; p < rows * k; p++) {  /* rows in order within each expert */
-        const int s = next[ids[p]]++;
+        const int s = next[ids[p]]++, r = p / k;
         pl->slot_of[p] = s;
-        memcpy(pl->xs + (long)s * H, x + (long)(p / k) * H, sizeof(float) * H);
+        pl->x_of[s] = pl->xq + (long)r * H, pl->xs_of[s] = pl->xs + (long)r * (H / 32);
     }
 }
 
 /* The step's expert products and the weighted sum, inside the caller's parallel region. Each active expert is
  * one work item, handed out dynamically: its gate_up rows, SiLU * up, its down rows, on one thread with no
  * barrier in between; a thread the OS takes away for a while holds up the others only by the expert it is on. */
-static void experts_step(const MoeLayer *ly, const Plan *pl, int rows, float *out, int vec) {
+static void experts_step(const MoeLayer *ly, const Plan *pl, int rows, float *out, int level) {
     const int k = ly->top_k, H = ly->hidden, I = ly->inter;
+    row_fn *row = row_kernel(level);
     #pragma omp for schedule(dynamic, 1)
     for (int a = 0; a < pl->n_active; a++) {
         const int e = pl->active[a], s = pl->first[a], n = pl->count[a];
         float *gu = pl->gu + (long)s * 2 * I, *act = pl->act + (long)s * I;
-        for (int j = 0; j < 2 * I; j++)
-            expert_row(ly->gate_up[e], ly->gate_up_d[e], H, j, pl->xs + (long)s * H, n, gu, 2 * I, vec);
-        for (int r = 0; r < n; r++)
-            silu_mul(gu + (long)r * 2 * I, gu + (long)r * 2 * I + I, I, act + (long)r * I, vec);
-        for (int j = 0; j < H; j++)
-            expert_row(ly->down[e], ly->down_d[e], I, j, act, n, pl->ys + (long)s * H, H, vec);
+        expert_product(row, ly->gate_up[e], ly->gate_up_d[e], H, 2 * I, pl->x_of + s, pl->xs_of + s, n, gu, 2 * I);
+        for (int r = 0; r < n; r++) {
+            silu_mul(gu + (long)r * 2 * I, gu + (long)r * 2 * I + I, I, act + (long)r * I, level >= 2);
+            quantize_i16(act + (long)r * I, I, (int16_t *)pl->act_of[s + r], (float *)pl->acts_of[s + r], level);
+        }
+        expert_product(row, ly->down[e], ly->down_d[e], I, H, pl->act_of + s, pl->acts_of + s, n,
+                       pl->ys + (long)s * H, H);
     }
     #pragma omp for schedule(static)
     for (int h0 = 0; h0 < H; h0 += 64) {
@@ -198,34 +220,52 @@ static void experts_step(const MoeLayer *ly, const Plan *pl, int rows, float *ou
     }
 }
 
+/* Points the plan into `floats`, `levels` and `ptrs` (sized by plan_sizes) and each slot at its own SiLU * up. */
+static void plan_layout(Plan *pl, int rows, int E, int H, int I, int k, float *floats, int16_t *levels,
+                        void **ptrs) {
+    const long pairs = (long)rows * k;
+    pl->weight = floats + rows * (long)E, pl->xs = pl->weight + pairs, pl->gu = pl->xs + rows * (long)(H / 32);
+    pl->act = pl->gu + pairs * 2 * I, pl->acts = pl->act + pairs * I, pl->ys = pl->acts + pairs * (I / 32);
+    pl->xq = levels, pl->actq = levels + rows * (long)H;
+    pl->x_of = (const int16_t **)ptrs, pl->act_of = pl->x_of + pairs;
+    pl->xs_of = (const float **)(ptrs + 2 * pairs), pl->acts_of = pl->xs_of + pairs;
+    for (long s = 0; s < pairs; s++) pl->act_of[s] = pl->actq + s * I, pl->acts_of[s] = pl->acts + s * (I / 32);
+}
+
 /* out[rows, H] = the MoE block of x[rows, H]; `counts` (NULL: none) gains each expert's pairs. Returns 0, -1
- * for a shape it does not take (H or I not a multiple of 32, k outside 1..min(E, 64)), -2 without memory;
- * `vector` 0 forces the scalar path (tests). */
+ * for a shape it does not take (H or I not a multiple of 32, k outside 1..min(E, 64)), -2 without memory.
+ * `vector` caps the instruction set (tests): 0 the scalar path, 2 AVX2, 3 or more the best this CPU has. The
+ * experts' products are the same bits at every level; AVX2 and VNNI give the same output, the scalar path rounds
+ * the router's dot products and SiLU its own way. */
 int moe_experts(const MoeLayer *ly, const float *x, int rows, float *out, int64_t *counts, int threads, int vector) {
     const int k = ly->top_k, E = ly->experts, H = ly->hidden, I = ly->inter;
     const long pairs = (long)rows * k;
     if (H % 32 || I % 32 || H <= 0 || I <= 0 || k < 1 || k > E || k > MAX_TOP_K || rows < 1) return -1;
-    const int vec = vector && moe_experts_isa() == 2;
-    float *buf = malloc(sizeof(float) * (rows * (long)E + pairs * (1 + H + 2 * I + I + H)));
+    const int isa = moe_experts_isa(), level = vector < isa ? vector : isa;
+    float *floats = malloc(sizeof(float) * (rows * (long)E + pairs + rows * (long)(H / 32)
+                                            + pairs * (2 * I + I + I / 32 + H)));
+    int16_t *levels = malloc(sizeof(int16_t) * (rows * (long)H + pairs * I));
+    void **ptrs = malloc(sizeof(void *) * 4 * pairs);
     int *ints = malloc(sizeof(int) * (2 * pairs + 3L * E));
-    if (buf == NULL || ints == NULL) {
-        free(buf), free(ints);
+    if (floats == NULL || levels == NULL || ptrs == NULL || ints == NULL) {
+        free(floats), free(levels), free(ptrs), free(ints);
         return -2;
     }
     Plan pl = {.ids = ints, .slot_of = ints + pairs, .active = ints + 2 * pairs};
     pl.first = pl.active + E, pl.count = pl.first + E;
-    float *logits = buf;
-    pl.weight = logits + rows * (long)E, pl.xs = pl.weight + pairs, pl.gu = pl.xs + pairs * H;
-    pl.act = pl.gu + pairs * 2 * I, pl.ys = pl.act + pairs * I;
+    plan_layout(&pl, rows, E, H, I, k, floats, levels, ptrs);
+    const float *logits = floats;
     #pragma omp parallel num_threads(threads)
     {
+        #pragma omp for schedule(static) nowait
+        for (int r = 0; r < rows; r++) quantize_i16(x + (long)r * H, H, pl.xq + (long)r * H, pl.xs + (long)r * (H / 32), level);
         #pragma omp for schedule(static)
         for (int i = 0; i < rows * E; i++)
-            logits[i] = dot(x + (long)(i / E) * H, ly->router + (long)(i % E) * H, H, vec);
+            floats[i] = dot(x + (long)(i / E) * H, ly->router + (long)(i % E) * H, H, level >= 2);
         #pragma omp single
-        plan_step(ly, x, logits, rows, &pl, counts);
-        experts_step(ly, &pl, rows, out, vec);
+        plan_step(ly, logits, rows, &pl, counts);
+        experts_step(ly, &pl, rows, out, level);
     }
-    free(buf), free(ints);
+    free(floats), free(levels), free(ptrs), free(ints);
     return 0;
 }

@@ -30,6 +30,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     p, i, L = ctypes.c_void_p, ctypes.c_int, ctypes.c_long
     lib.q8_gemv.argtypes = [p, L, p, p, p, L, i, i, i, i, i]
     lib.q8_gemv.restype = i
+    lib.q8_i16_gemv.argtypes = [p, L, p, p, p, L, i, i, i, i, i]
+    lib.q8_i16_gemv.restype = i
     lib.q8_gemv_isa.restype = i
     lib.q8_recover.argtypes = [p, L, i, p, p, i]
     lib.q8_recover.restype = i
@@ -103,3 +105,18 @@ def q8_linear(x: torch.Tensor, weight: Q8Weight, bias: torch.Tensor | None = Non
     return q4.gemv(x, n, k, bias, "q8_gemv", lambda rows, out: LIBRARY.lib.q8_gemv(
         rows.data_ptr(), rows.stride(0), weight.q.data_ptr(), weight.d.data_ptr(), out.data_ptr(), n,
         rows.shape[0], n, k, torch.get_num_threads(), int(vector)))
+
+
+def q8_i16_linear(x: torch.Tensor, weight: Q8Weight, bias: torch.Tensor | None = None,
+                  vector: int = 3) -> torch.Tensor | None:
+    """:func:`q8_linear` with each row of ``x`` first rounded to int16 per group of 32 inputs (scale
+    ``max |x| / 32767``) and integer dot products (``q8_i16_rows.h``): the arithmetic of the ``q4`` default's
+    narrow linears, for the Q8_0 weights a GGUF keeps at load. None when the kernel does not serve this call.
+    ``vector`` caps the instruction set (tests): 0 the scalar path, 2 AVX2, 3 AVX-512 VNNI where there is one.
+    """
+    if x.dtype != torch.float32 or x.device.type != "cpu" or not kernel_ready():
+        return None
+    n, k = weight.shape
+    return q4.gemv(x, n, k, bias, "q8_i16_gemv", lambda rows, out: LIBRARY.lib.q8_i16_gemv(
+        rows.data_ptr(), rows.stride(0), weight.q.data_ptr(), weight.d.data_ptr(), out.data_ptr(), n,
+        rows.shape[0], n, k, torch.get_num_threads(), vector))

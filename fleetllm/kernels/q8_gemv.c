@@ -9,9 +9,11 @@
  * AVX2 + FMA is chosen at run time; a scalar path covers other CPUs.
  */
 #include <stdint.h>
+#include <stdlib.h>
 #include "simd.h"
 #include "gemv_common.h"
 #include "q8_rows.h"
+#include "q8_i16_rows.h"
 
 int q8_gemv_isa(void) {
     static int isa = -1;
@@ -72,6 +74,63 @@ int q8_gemv(const float *x, long ldx, const int8_t *w, const float *d, float *y,
 #endif
         pass_scalar(r, w, d, xr, ldx, y + r0 * ldy, ldy, n, groups, threads);
     }
+    return 0;
+}
+
+/* 3 with AVX-512 VNNI (+ VL) besides AVX2 + FMA, else q8_gemv_isa's level: the int16 GEMV's best path. */
+static int q8_i16_isa(void) {
+#if FLEETLLM_X86
+    if (q8_gemv_isa() == 2 && __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl")) return 3;
+#endif
+    return q8_gemv_isa();
+}
+
+/* Output rows [0, n) for `rows` (up to I16_PASS) quantised activation rows on the level's row kernel. */
+static void pass_i16(int level, int rows, const int8_t *w, const float *d, const int16_t *const *xq,
+                     const float *const *sx, float *y, long ldy, int n, int groups, int threads) {
+    #pragma omp parallel for num_threads(threads) schedule(static)
+    for (int j = 0; j < n; j++) {
+        const int8_t *wj = w + (long)j * groups * 32;
+#if FLEETLLM_X86
+        if (level >= 3) row_i16_vnni_any(rows, wj, d + (long)j * groups, xq, sx, groups, y + j, ldy);
+        else if (level == 2) row_i16_avx2_any(rows, wj, d + (long)j * groups, xq, sx, groups, y + j, ldy);
+        else
+#endif
+        row_i16_scalar(rows, wj, d + (long)j * groups, xq, sx, groups, y + j, ldy);
+    }
+}
+
+/* q8_gemv's product with each activation row rounded first to int16 per group of 32 (q8_i16_rows.h): integer
+ * dot products, the contract of the q4 default's narrow linears. Same signature as q8_gemv (the decode stack
+ * takes either); `vector` caps the instruction set: 0 the scalar path, 2 AVX2, 3 or more the best. Returns 0,
+ * -1 for a k_in it cannot take, -2 without memory for the rounded rows. */
+int q8_i16_gemv(const float *x, long ldx, const int8_t *w, const float *d, float *y, long ldy, int rows, int n,
+                int k_in, int threads, int vector) {
+    if (k_in % 32 != 0 || k_in <= 0) return -1;
+    const int groups = k_in / 32, isa = q8_i16_isa(), level = vector < isa ? vector : isa;
+    int16_t *xq = malloc(sizeof(int16_t) * (long)rows * k_in);
+    float *sx = malloc(sizeof(float) * (long)rows * groups);
+    if (xq == NULL || sx == NULL) {
+        free(xq), free(sx);
+        return -2;
+    }
+    const int16_t *xr[I16_PASS];
+    const float *sr[I16_PASS];
+    for (int r0 = 0; r0 < rows; r0 += I16_PASS) {
+        const int r = rows - r0 < I16_PASS ? rows - r0 : I16_PASS;
+        for (int i = 0; i < r; i++) {
+            int16_t *q = xq + (long)(r0 + i) * k_in;
+            float *s = sx + (long)(r0 + i) * groups;
+#if FLEETLLM_X86
+            if (level >= 2) quantize_i16_avx2(x + (r0 + i) * ldx, k_in, q, s);
+            else
+#endif
+            quantize_i16_scalar(x + (r0 + i) * ldx, k_in, q, s);
+            xr[i] = q, sr[i] = s;
+        }
+        pass_i16(level, r, w, d, xr, sr, y + r0 * ldy, ldy, n, groups, threads);
+    }
+    free(xq), free(sx);
     return 0;
 }
 

@@ -52,7 +52,7 @@ class MoE(nn.Module):
         self.expert_counts: list[int] | None = None  # tokens per expert since metrics last took them
         # Each expert's exact Q8_0 (gate_up, down): set at load for a Q8_0 GGUF's experts (which then hold no fp32
         # weights: ``gate_up`` and ``down`` are None) or recovered by a quantised copy (models/quant.py). Groups
-        # of fewer than ``q8_rows`` tokens take the Q8_0 GEMV (fp32 activations), wider ones fp32 products over
+        # of fewer than ``q8_rows`` tokens take the Q8_0 GEMV (int16 activations), wider ones fp32 products over
         # the expert's weights (dequantised for that product when there are no fp32 ones: bit for bit the file's).
         self.q8: list[tuple[q8.Q8Weight, q8.Q8Weight]] | None = None
         self.q8_rows = 0
@@ -102,7 +102,7 @@ class MoE(nn.Module):
         bias = (self.gate_up_bias, self.down_bias)[which]
         b = None if bias is None else bias[e]
         if self.q8 is not None and x.shape[0] < self.q8_rows:
-            y = q8.q8_linear(x, self.q8[e][which], b)
+            y = q8.q8_i16_linear(x, self.q8[e][which], b)
             if y is not None:
                 return y
         stacked = (self.gate_up, self.down)[which]

@@ -2,8 +2,8 @@
 
 A Q8_0 GGUF's attention projections and token embedding (the tied LM head) load as int8 levels + one fp32
 scale per 32 inputs (1.125 bytes a weight, the file's 1.0625), as its experts do (:mod:`fleetllm.models.moe`),
-not as fp32 (4 bytes a weight). A product takes the Q8_0 GEMV (fp32 activations, :mod:`fleetllm.kernels.q8`)
-for steps of fewer than ``q8_rows`` rows: 0 on the loaded model, so exact mode (``--quantization none``) never
+not as fp32 (4 bytes a weight). A product takes the Q8_0 GEMV (activations rounded to int16 per group of 32, as the ``q4``
+default's Q4_1 linears round theirs: :func:`fleetllm.kernels.q8.q8_i16_linear`) for steps of fewer than ``q8_rows`` rows: 0 on the loaded model, so exact mode (``--quantization none``) never
 takes it; a ``q4`` copy sets it (:mod:`fleetllm.models.quant`). Wider steps multiply by the weight dequantised
 for that product (``CHUNK_WEIGHTS`` at a time): bit for bit the fp32 weight the loader used to hold, so exact
 mode's outputs are those of a fully dequantised load. An embedding lookup dequantises only the rows it reads.
@@ -57,7 +57,7 @@ class PackedQ8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.numel() // self.in_features < self.q8_rows:
-            y = q8.q8_linear(x, self.packed, self.bias)
+            y = q8.q8_i16_linear(x, self.packed, self.bias)
             if y is not None:
                 return y
         return dequantised_linear(x, self.packed, self.bias)

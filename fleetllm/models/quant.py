@@ -24,8 +24,9 @@ steps, but greedy output agrees with fp32 on only about 3 of 16 prompts (``bench
 The LM head, Q8_0 in the GGUF, gets the exact Q8_0 GEMV with fp32 activations for narrow steps
 (:mod:`fleetllm.kernels.q8`) and the bf16 kernel (else fp32 from ``Q4_WIDE_ROWS``) for wide ones; linears
 that are neither Q4_1 nor Q8_0 stay fp32. Linears a Q8_0 GGUF kept as Q8_0 at load (its attention, a mixture of
-experts' tied head: :mod:`fleetllm.models.q8_weights`) take the same GEMV below ``Q4_WIDE_ROWS`` rows and their
-weight dequantised per product from there, with no fp32 or bf16 copy.
+experts' tied head: :mod:`fleetllm.models.q8_weights`) and its experts take the Q8_0 GEMV below ``Q4_WIDE_ROWS``
+rows with activations rounded to int16 per group of 32, as the Q4_1 linears' (``q8_i16_gemv``, ``moe_experts.c``),
+and their weight dequantised per product from there, with no fp32 or bf16 copy.
 
 :func:`quantize_model` never changes the model it is given: it returns a copy sharing the embeddings and
 norms, cached per (model, method), so engines over one set of loaded weights can differ in quantisation.

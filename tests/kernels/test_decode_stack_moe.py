@@ -33,11 +33,12 @@ def test_stack_equals_the_op_by_op_step(moe_model, monkeypatch, lens: list[int])
     fused, fused_caches = forward(moe_model, ids, positions, meta, caches, stack=True)
     eager, eager_caches = forward(moe_model, ids, positions, meta, caches, stack=False)
     assert calls == [1]
-    # the same Q8_0 GEMV and experts kernel both ways; RMSNorm (the layers' and q/k's) rounds apart
-    assert relative(fused, eager) < 1e-5
+    # the same Q8_0 GEMV and experts kernel both ways; RMSNorm (the layers' and q/k's) rounds apart, and a last-bit
+    # difference may move an activation's int16 level by one (1/32767 of its group's largest input)
+    assert relative(fused, eager) < 1e-4
     for fc, ec in zip(fused_caches, eager_caches, strict=True):
         for f, e in zip(fc, ec, strict=True):
-            assert relative(f[meta.slot_mapping], e[meta.slot_mapping]) < 1e-5
+            assert relative(f[meta.slot_mapping], e[meta.slot_mapping]) < 1e-4
 
 
 def test_stack_steps_count_each_layers_experts(moe_model) -> None:

@@ -1,13 +1,14 @@
 """The fused MoE kernel (``moe_experts.c``): one call per layer equals the block's op-by-op path over the same
-Q8_0 weights (and an fp64 reference) up to rounding; it picks the same experts, counts them, and reads no expert
-no row chose."""
+Q8_0 weights (and an fp64 reference of its int16-activation contract) up to rounding; it picks the same experts,
+counts them, and reads no expert no row chose."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.nn.functional as F  # noqa: N812
-from kernel_checks import require_kernels  # tests/ is on the path (pytest's prepend mode)
+from int16_activations import int16_rounded  # tests/ is on the path (pytest's prepend mode)
+from kernel_checks import require_kernels
 
 from fleetllm.kernels import moe_experts, q8
 from fleetllm.kernels.moe_experts import FusedExperts
@@ -43,14 +44,16 @@ def kernels() -> None:
 
 
 def reference(m: MoE, x: torch.Tensor) -> torch.Tensor:
-    """The block in fp64 over the Q8_0 weights, each token's choices in ascending expert order."""
+    """The block in fp64 over the Q8_0 weights, each token's choices in ascending expert order, each expert's
+    inputs rounded to int16 as the kernel's contract says (its only departure from fp32 arithmetic)."""
     weights, idx = m.route(x)
     out = torch.zeros(x.shape, dtype=torch.float64)
     for t in range(x.shape[0]):
         for e in sorted(idx[t].tolist()):
             gate_up, down = (w.dequantize().double() for w in m.q8[e])
-            gate, up = (gate_up @ x[t].double()).split(INTER)
-            out[t] += weights[t, idx[t].tolist().index(e)].double() * (down @ (F.silu(gate) * up))
+            gate, up = (gate_up @ int16_rounded(x[t])).split(INTER)
+            act = int16_rounded((F.silu(gate) * up).float())
+            out[t] += weights[t, idx[t].tolist().index(e)].double() * (down @ act)
     return out
 
 
@@ -68,6 +71,13 @@ def test_the_scalar_path_equals_the_vector_path() -> None:
     x = torch.randn(20, H, generator=torch.Generator().manual_seed(1))
     fused = FusedExperts.of(m)
     torch.testing.assert_close(fused(x, vector=False), fused(x), rtol=1e-5, atol=1e-5)
+
+
+def test_the_avx2_path_gives_the_vnni_paths_bits() -> None:
+    m = q8_moe()
+    x = torch.randn(9, H, generator=torch.Generator().manual_seed(5))
+    fused = FusedExperts.of(m)
+    assert torch.equal(fused(x, vector=2), fused(x))
 
 
 def test_it_counts_the_rows_of_each_expert_as_the_router_chose() -> None:

@@ -28,11 +28,17 @@ def greedy(path, quantization: str = "none") -> list[tuple[list[int], list[float
     return [(r.outputs[0].token_ids, [lp.logprob for lp in r.outputs[0].logprobs]) for r in res]
 
 
-def assert_equal_to(hf, outs: list[tuple[list[int], list[float]]]) -> None:
+# The fast path's bound on logprobs: its narrow steps round activations to int16 per group of 32 (the q4 default's
+# contract; tests/models/test_fast_path_quality.py holds its perplexity within 1e-3 of fp32's), where exact mode's
+# outputs stay within float rounding (1e-4) of transformers'
+FAST_PATH_LOGPROB_TOL = 1e-3
+
+
+def assert_equal_to(hf, outs: list[tuple[list[int], list[float]]], tol: float = 1e-4) -> None:
     for prompt, (out, logprobs) in zip(PROMPTS, outs, strict=True):
         ref = hf_greedy_logprobs(hf, prompt, out)
         assert ref.argmax(-1).tolist() == out
-        assert (ref[range(NEW), out] - torch.tensor(logprobs)).abs().max() < 1e-4
+        assert (ref[range(NEW), out] - torch.tensor(logprobs)).abs().max() < tol
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe", "mixtral", "gpt_oss"])
@@ -84,7 +90,8 @@ def test_a_q8_0_mixtral_gguf_equals_transformers_on_its_rounded_weights(family_m
 
 def test_q8_0_experts_run_quantised_by_default_to_the_same_outputs(q8_reference) -> None:
     """Under the default quantization the experts, attention projections and LM head keep their Q8_0 levels (the
-    Q8_0 GEMV, fp32 activations, for narrow steps)."""
+    Q8_0 kernels, activations rounded to int16, for narrow steps): greedy tokens equal, logprobs within the fast
+    path's bound."""
     path, hf = q8_reference
     # an fp32 pool (whatever auto is under it): what is held to transformers' logprobs is the Q8_0 weights
     llm = LLM(str(path), max_num_batched_tokens=16, num_blocks=64, kv_cache_dtype="fp32")
@@ -93,7 +100,8 @@ def test_q8_0_experts_run_quantised_by_default_to_the_same_outputs(q8_reference)
     assert all(m.q8_rows > 1 for layer in served.layers for m in (layer.attn.qkv, layer.attn.o))
     assert served.lm_head.q8_rows > 1
     res = llm.generate(PROMPTS, SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True, logprobs=0))
-    assert_equal_to(hf, [(r.outputs[0].token_ids, [lp.logprob for lp in r.outputs[0].logprobs]) for r in res])
+    assert_equal_to(hf, [(r.outputs[0].token_ids, [lp.logprob for lp in r.outputs[0].logprobs]) for r in res],
+                    FAST_PATH_LOGPROB_TOL)
 
 
 def test_q8_0_experts_stay_quantised_in_memory(q8_reference) -> None:
