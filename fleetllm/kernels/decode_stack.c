@@ -233,7 +233,7 @@ static int mlp(const Model *md, const Layer *ly, const Step *st, int li, float *
     int rc = 0;
     if (ly->moe != NULL) {
         int64_t *counts = st->counts == NULL ? NULL : st->counts + (long)li * st->count_stride;
-        rc |= md->moe(ly->moe, xn, R, gu, counts, st->threads, 3);  /* 3: the best instruction set */
+        rc |= md->moe(ly->moe, xn, R, gu, counts, st->threads, 1);
         add_into(st->h, gu, (long)R * H);
         return rc;
     }

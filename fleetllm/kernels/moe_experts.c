@@ -234,14 +234,14 @@ static void plan_layout(Plan *pl, int rows, int E, int H, int I, int k, float *f
 
 /* out[rows, H] = the MoE block of x[rows, H]; `counts` (NULL: none) gains each expert's pairs. Returns 0, -1
  * for a shape it does not take (H or I not a multiple of 32, k outside 1..min(E, 64)), -2 without memory.
- * `vector` caps the instruction set (tests): 0 the scalar path, 2 AVX2, 3 or more the best this CPU has. The
+ * `vector` picks the instruction set (tests): 0 the scalar path, 2 AVX2, any other the best this CPU has. The
  * experts' products are the same bits at every level; AVX2 and VNNI give the same output, the scalar path rounds
  * the router's dot products and SiLU its own way. */
 int moe_experts(const MoeLayer *ly, const float *x, int rows, float *out, int64_t *counts, int threads, int vector) {
     const int k = ly->top_k, E = ly->experts, H = ly->hidden, I = ly->inter;
     const long pairs = (long)rows * k;
     if (H % 32 || I % 32 || H <= 0 || I <= 0 || k < 1 || k > E || k > MAX_TOP_K || rows < 1) return -1;
-    const int isa = moe_experts_isa(), level = vector < isa ? vector : isa;
+    const int isa = moe_experts_isa(), level = vector == 0 ? 0 : vector == 2 && isa > 2 ? 2 : isa;
     float *floats = malloc(sizeof(float) * (rows * (long)E + pairs + rows * (long)(H / 32)
                                             + pairs * (2 * I + I + I / 32 + H)));
     int16_t *levels = malloc(sizeof(int16_t) * (rows * (long)H + pairs * I));

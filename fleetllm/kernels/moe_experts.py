@@ -91,7 +91,7 @@ class FusedExperts:
 
     def __call__(self, x: torch.Tensor, counts: torch.Tensor | None = None, vector: int = 3) -> torch.Tensor | None:
         """The block's output for ``x [T, hidden]`` (fp32, CPU); ``counts`` (int64 ``[E]``) gains each expert's
-        rows. None while the kernel is not loaded. ``vector`` caps the instruction set (tests): 0 the scalar path,
+        rows. None while the kernel is not loaded. ``vector`` picks the instruction set (tests): 0 the scalar path,
         2 AVX2, 3 AVX-512 VNNI where the CPU has it."""
         if x.dtype != torch.float32 or x.device.type != "cpu" or not kernel_ready():
             return None

@@ -112,7 +112,7 @@ def q8_i16_linear(x: torch.Tensor, weight: Q8Weight, bias: torch.Tensor | None =
     """:func:`q8_linear` with each row of ``x`` first rounded to int16 per group of 32 inputs (scale
     ``max |x| / 32767``) and integer dot products (``q8_i16_rows.h``): the arithmetic of the ``q4`` default's
     narrow linears, for the Q8_0 weights a GGUF keeps at load. None when the kernel does not serve this call.
-    ``vector`` caps the instruction set (tests): 0 the scalar path, 2 AVX2, 3 AVX-512 VNNI where there is one.
+    ``vector`` picks the instruction set (tests): 0 the scalar path, 2 AVX2, 3 the best (AVX-512 VNNI where there is one).
     """
     if x.dtype != torch.float32 or x.device.type != "cpu" or not kernel_ready():
         return None

@@ -102,12 +102,12 @@ static void pass_i16(int level, int rows, const int8_t *w, const float *d, const
 
 /* q8_gemv's product with each activation row rounded first to int16 per group of 32 (q8_i16_rows.h): integer
  * dot products, the contract of the q4 default's narrow linears. Same signature as q8_gemv (the decode stack
- * takes either); `vector` caps the instruction set: 0 the scalar path, 2 AVX2, 3 or more the best. Returns 0,
+ * takes either); `vector` picks the instruction set: 0 the scalar path, 2 AVX2, any other the best. Returns 0,
  * -1 for a k_in it cannot take, -2 without memory for the rounded rows. */
 int q8_i16_gemv(const float *x, long ldx, const int8_t *w, const float *d, float *y, long ldy, int rows, int n,
                 int k_in, int threads, int vector) {
     if (k_in % 32 != 0 || k_in <= 0) return -1;
-    const int groups = k_in / 32, isa = q8_i16_isa(), level = vector < isa ? vector : isa;
+    const int groups = k_in / 32, isa = q8_i16_isa(), level = vector == 0 ? 0 : vector == 2 && isa > 2 ? 2 : isa;
     int16_t *xq = malloc(sizeof(int16_t) * (long)rows * k_in);
     float *sx = malloc(sizeof(float) * (long)rows * groups);
     if (xq == NULL || sx == NULL) {
