@@ -16,6 +16,8 @@ transformers runs the fp32 safetensors it was converted from (its greedy tokens 
 
 With ``--gguf``, llama.cpp's own ``llama-server`` serves the same file at c=1 and c=8 too, where
 ``benchmarks/build_llama_server.sh`` has built it (``benchmarks/moe_llama_server.py``; ``--no-llama-server``: not).
+``--gguf-file PATH`` measures only fleetllm and llama-server on a GGUF made before (``benchmarks/recommender_moe.py``
+keeps the realistic one in the cache's ``bench/``).
 """
 
 from __future__ import annotations
@@ -124,6 +126,21 @@ def in_process(target: Any, *args: Any) -> dict[str, Any]:
     return result
 
 
+def file_run(args: argparse.Namespace) -> None:
+    """``--gguf-file``: fleetllm and llama.cpp's ``llama-server`` on a GGUF already made (no HF model, no
+    conversion: the quick way to measure the two servers side by side again)."""
+    path = Path(args.gguf_file)
+    batch = [[t + i for t in range(100, 116)] for i in range(8)]
+    print(f"{path.name} ({path.stat().st_size / 1e9:.2f} GB), {args.threads} threads, load {os.getloadavg()[0]:.1f}")
+    r = in_process(serve_gguf, str(path), args.threads, args.new, batch, args.rounds)
+    peer = None if args.no_llama_server else llama_server_tok_s(path, args.threads, batch, args.new, args.rounds)
+    print(f"fleetllm c=1 {r['c1']:.2f} tok/s, c=8 {r['c8']:.2f} tok/s; RSS less its KV pool "
+          f"{(r['rss'] - r['kv']) / path.stat().st_size:.2f}x the GGUF")
+    if peer is not None:
+        print(f"llama.cpp's llama-server c=1 {peer[1]:.2f} tok/s, c=8 {peer[8]:.2f} tok/s | fleetllm / llama.cpp: "
+              f"c=1 {r['c1'] / peer[1]:.2f}x, c=8 {r['c8'] / peer[8]:.2f}x; load {os.getloadavg()[0]:.1f}")
+
+
 def gguf_run(args: argparse.Namespace) -> None:
     """The ``--gguf`` comparison: HF transformers on the fp32 checkpoint, fleetllm on its GGUF conversion."""
     prompt = list(range(100, 116))
@@ -187,8 +204,12 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--gguf", choices=("q8_0",), help="serve a llama.cpp conversion of the model (see the doc)")
     ap.add_argument("--no-llama-server", action="store_true", help="with --gguf: skip llama.cpp's llama-server")
+    ap.add_argument("--gguf-file", help="fleetllm and llama-server only, on this GGUF (made by an earlier run)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    if args.gguf_file:
+        file_run(args)
+        return
     if args.gguf:
         gguf_run(args)
         return
