@@ -15,7 +15,7 @@
  * model takes its op-by-op path.
  *
  * Q8_0 models with experts (a Q8_0 GGUF of Qwen3-MoE): a layer may hold Q8_0 linears (int8 levels, fp32 scales:
- * q8_gemv.c's GEMV, passed in as `gemv8`), q/k RMSNorm per head before RoPE (Qwen3), and a mixture-of-experts
+ * q8_gemv.c's q8_i16_gemv, int16 activations, passed in as `gemv8`), q/k RMSNorm per head before RoPE (Qwen3), and a mixture-of-experts
  * block in place of the MLP (moe_experts.c's `moe_experts`: router, top-k, the chosen experts, their weighted
  * sum), whose per-expert row counts go to the step's `counts` (per layer, for the load-imbalance metrics).
  *
@@ -72,7 +72,7 @@ typedef struct {
     gemv_fn gemv;
     attend_fn attend;
     lora_fn lora;  /* lora.c's lora_apply (NULL when no step of this call has adapter rows) */
-    gemv8_fn gemv8;  /* q8_gemv.c's q8_gemv (NULL: no Q8_0 layer) */
+    gemv8_fn gemv8;  /* q8_gemv.c's q8_i16_gemv (NULL: no Q8_0 layer) */
     moe_fn moe;      /* moe_experts.c's moe_experts (NULL: no layer with experts) */
 } Model;
 

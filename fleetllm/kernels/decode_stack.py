@@ -12,7 +12,8 @@ rows as the stack's bound or more, a kernel not built, a model it does not cover
 path. ``FLEETLLM_DECODE_STACK=eager`` keeps every step there.
 
 A Q8_0 GGUF of a mixture-of-experts model (Qwen3-MoE, served under ``q4``: its Q8_0 linears kept, their narrow steps
-on the Q8_0 GEMV) takes the stack too: Q8_0 attention projections (``q8_gemv.c``), Qwen3's per-head q/k norms,
+on the Q8_0 GEMV) takes the stack too: Q8_0 attention projections (``q8_gemv.c``'s ``q8_i16_gemv``: activations
+rounded to int16 per group of 32, as the Q4_1 linears'), Qwen3's per-head q/k norms,
 and each layer's experts through ``moe_experts.c`` (:class:`fleetllm.kernels.moe_experts.FusedExperts`: router,
 top-k, the chosen experts, their sum), whose per-expert row counts the step hands back to each layer's
 ``expert_counts`` (the load-imbalance metrics). Such a model takes the stack below its linears' Q8_0 bound (the

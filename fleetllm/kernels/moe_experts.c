@@ -129,10 +129,13 @@ static void quantize_i16(const float *x, int n, int16_t *q, float *s, int level)
 static void expert_product(row_fn *row, const int8_t *w, const float *d, int k_in, int n_out,
                            const int16_t *const *xq, const float *const *sx, int n, float *y, long ldy) {
     const int groups = k_in / 32;
-    for (int j = 0; j < n_out; j++)
+    for (int j = 0; j < n_out; j++) {
+        if (j + PREFETCH_ROWS < n_out)
+            prefetch_row(w + (long)(j + PREFETCH_ROWS) * k_in, d + (long)(j + PREFETCH_ROWS) * groups, k_in);
         for (int r0 = 0; r0 < n; r0 += I16_PASS)
             row(n - r0 < I16_PASS ? n - r0 : I16_PASS, w + (long)j * k_in, d + (long)j * groups, xq + r0, sx + r0,
                 groups, y + r0 * ldy + j, ldy);
+    }
 }
 
 /* Row r's choices from its logits: expert ids ascending in `ids`, their weights in `w`. */

@@ -91,6 +91,8 @@ static void pass_i16(int level, int rows, const int8_t *w, const float *d, const
     #pragma omp parallel for num_threads(threads) schedule(static)
     for (int j = 0; j < n; j++) {
         const int8_t *wj = w + (long)j * groups * 32;
+        if (j + PREFETCH_ROWS < n)  /* within this thread's rows but for its last few: see q8_i16_rows.h */
+            prefetch_row(wj + (long)PREFETCH_ROWS * groups * 32, d + (long)(j + PREFETCH_ROWS) * groups, groups * 32);
 #if FLEETLLM_X86
         if (level >= 3) row_i16_vnni_any(rows, wj, d + (long)j * groups, xq, sx, groups, y + j, ldy);
         else if (level == 2) row_i16_avx2_any(rows, wj, d + (long)j * groups, xq, sx, groups, y + j, ldy);

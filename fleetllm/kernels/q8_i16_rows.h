@@ -23,6 +23,17 @@
 #include "gemv_common.h"
 
 #define I16_PASS 8  /* activation rows per pass over a weight row */
+/* Weight rows read ahead of the one being multiplied. The hardware prefetchers stop at 4 KB pages, and a row of
+ * 1,024 levels is a quarter of one, so without this every fourth row waited for memory: on the realistic MoE
+ * shape (experts of 1024 x 512, one layer's step, 2 threads, best of 5 alternating) 4 rows ahead took 0.48 ms
+ * against 0.60 at one token and 3.1 against 3.6 ms at eight; 16 ahead 0.51 and 3.4. */
+#define PREFETCH_ROWS 4
+
+/* Asks for weight row j's levels (`k_in` bytes from `w`) and its scales (`k_in / 32` floats from `d`). */
+static inline void prefetch_row(const int8_t *w, const float *d, int k_in) {
+    for (int c = 0; c < k_in; c += 64) __builtin_prefetch(w + c);
+    __builtin_prefetch(d);
+}
 
 /* One activation row's n inputs (a multiple of 32) as int16 levels `q` and one fp32 scale per group `s`. A group
  * holding a NaN or an infinity gets levels 0 and scale NaN, so that the products it enters are NaN. */
