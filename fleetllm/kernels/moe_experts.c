@@ -7,17 +7,19 @@
  * softmax over all experts, the top k by probability (the lower expert id first on ties), renormalised to sum
  * to 1 when `norm_topk` (Qwen3-MoE, Mixtral); the choices sorted by expert id. The step's (row, choice) pairs
  * are then grouped by expert (rows in order), and each active expert's gate_up and down products run once over
- * all of its rows, in passes of up to MAX_ROWS rows that read each weight row once. An expert no row chose is
+ * all of its rows, in passes of up to I16_PASS rows that read each weight row once. An expert no row chose is
  * never read. SiLU(gate) * up between them; each row's output is its choices' outputs times their weights,
  * added in ascending expert order (each product rounded, then the sum, as PyTorch's ops round them).
  *
- * Activations stay fp32 and each row's products are the Q8_0 GEMV's own (q8_rows.h): the weights the file
- * holds, fp32 activations, the op-by-op path's numerics up to the router's and SiLU's rounding.
+ * The products are q8_i16_rows.h's: the weights the file holds, each row's input rounded to int16 per group of
+ * 32 once (and each pair's SiLU * up once), integer dot products summed exactly: the q4 default's contract for
+ * narrow steps, the same as the op-by-op path's Q8_0 GEMV (q8_i16_gemv) up to the router's and SiLU's rounding.
  *
  * One OpenMP region per call, three barriers: after the router's logits, after routing and grouping (a few
  * microseconds on one thread), after the experts, each active expert a work item handed out dynamically (see
- * experts_step: on a shared machine a barrier per product cost more than the products). Each row's result depends on that row alone: batch-invariant.
- * AVX2 + FMA is chosen at run time; a scalar path covers other CPUs.
+ * experts_step: on a shared machine a barrier per product cost more than the products); the weighted sum ends
+ * with the region. Each row's result depends on that row alone: batch-invariant. AVX-512 VNNI or AVX2 + FMA is
+ * chosen at run time (the same bits); a scalar path covers other CPUs.
  */
 #include <math.h>
 #include <stdint.h>
@@ -207,7 +209,7 @@ static void experts_step(const MoeLayer *ly, const Plan *pl, int rows, float *ou
         expert_product(row, ly->down[e], ly->down_d[e], I, H, pl->act_of + s, pl->acts_of + s, n,
                        pl->ys + (long)s * H, H);
     }
-    #pragma omp for schedule(static)
+    #pragma omp for schedule(static) nowait  /* the region's end is the barrier */
     for (int h0 = 0; h0 < H; h0 += 64) {
         const int h1 = h0 + 64 < H ? h0 + 64 : H;
         for (int r = 0; r < rows; r++) {

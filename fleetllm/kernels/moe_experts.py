@@ -5,7 +5,8 @@ levels and scales) and runs a step's rows through it: the chosen experts only, e
 whatever number of rows chose it, their outputs weighted and summed in ascending expert order as
 :class:`fleetllm.models.moe.MoE` sums them. It covers the softmax-then-top-k router without bias (Qwen2-MoE,
 Qwen3-MoE, Mixtral) and SwiGLU experts without biases; GPT-OSS's router and clamped experts keep PyTorch's path.
-A shared expert (Qwen2-MoE) is the caller's to add.
+A shared expert (Qwen2-MoE) is the caller's to add. The experts' inputs are rounded to int16 per group of 32 and
+multiplied in integers (``q8_i16_rows.h``: the ``q4`` default's contract, as :func:`fleetllm.kernels.q8.q8_i16_linear`).
 
 The library builds in the background on first use, as the Q8_0 GEMV does, under the same switch
 (``FLEETLLM_Q4_KERNEL=eager``); until then, or without a compiler, :meth:`FusedExperts.__call__` returns None
