@@ -13,6 +13,8 @@ served. Goals: with the tier, hit rate >= 90% of what is reusable, TTFT p50 >= 3
 
     python benchmarks/kv_tiers_agentic.py                               # the measured run
     python benchmarks/kv_tiers_agentic.py --sessions 4 --duration 60 --no-save   # a smaller one
+    python benchmarks/kv_tiers_agentic.py --configs no-tier --first-round 1     # one configuration a command
+    python benchmarks/kv_tiers_agentic.py --report                             # the table of the rows so far
 """
 
 from __future__ import annotations
@@ -42,13 +44,13 @@ def fleet(tmp: Path, pool_blocks: int, offload_gb: float) -> tuple[str, list[str
     workers = [f"http://127.0.0.1:{base + i}" for i in (1, 2)]
     procs: list[subprocess.Popen[bytes]] = []
     tier = ["--kv-offload-gb", str(offload_gb)] if offload_gb else []
-    for i, url in enumerate(workers):
-        log = tmp / f"worker{i}.log"
+    for i in range(len(workers)):  # started together, waited for after: their cold starts overlap
         procs.append(subprocess.Popen(CLI + ["worker", "--model", "smollm2-135m", "--port", str(base + 1 + i),
                                              "--num-threads", "1", "--num-blocks", str(pool_blocks), *tier,
                                              "--log-level", "warning"],
-                                      stdout=open(log, "wb"), stderr=subprocess.STDOUT, cwd=ROOT))
-        wait_healthy(url + "/health", procs[-1], log)
+                                      stdout=open(tmp / f"worker{i}.log", "wb"), stderr=subprocess.STDOUT, cwd=ROOT))
+    for i, url in enumerate(workers):
+        wait_healthy(url + "/health", procs[i], tmp / f"worker{i}.log")
     log = tmp / "router.log"
     procs.append(subprocess.Popen(CLI + ["router", "--workers", ",".join(workers), "--policy", "kv_aware",
                                          "--port", str(base), "--log-level", "warning"],
@@ -75,7 +77,19 @@ def returning(records: list[dict]) -> dict:
             "reuse": cached / reusable if reusable else None,
             "ttft_p50": statistics.median(ttft) if ttft else None,
             "ttft_p90": ttft[int(0.9 * (len(ttft) - 1))] if ttft else None,
-            "prompt_mean": statistics.mean(r["input_tokens"] for r in back) if back else None}
+            "prompt_mean": statistics.mean(r["input_tokens"] for r in back) if back else None,
+            "ttft_p50_by_turn": by_turn(done)}
+
+
+def by_turn(done: list[dict]) -> dict[str, list[float]]:
+    """Per turn index: [TTFT p50 ms, turns, mean prompt tokens, cached / prompt tokens] (where the median comes from)."""
+    turns: dict[int, list[dict]] = {}
+    for r in done:
+        turns.setdefault(r["turn"], []).append(r)
+    return {str(t): [statistics.median(r["ttft_ms"] for r in rs), len(rs),
+                     statistics.mean(r["input_tokens"] or 0 for r in rs),
+                     sum(r["cached_tokens"] or 0 for r in rs) / max(1, sum(r["input_tokens"] or 0 for r in rs))]
+            for t, rs in sorted(turns.items())}
 
 
 def misses(back: list[dict], prev: dict) -> dict:
@@ -162,7 +176,26 @@ def table(rows: list[dict]) -> str:
         lines.append(f"With the host tier (medians of {len(ons)} round(s)): TTFT p50 **{med(offs, 'ttft_p50') / med(ons, 'ttft_p50'):.1f}x** "
                      f"lower (goal >= 3x), reuse rate **{pct(med(ons, 'reuse'))}** (goal >= 90%), throughput "
                      f"x{med(ons, 'output_tps') / med(offs, 'output_tps'):.2f} (goal >= 1).")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + turn_table(rows)) + "\n"
+
+
+def turn_table(rows: list[dict]) -> list[str]:
+    """TTFT p50 per turn index, each configuration's rounds side by side (turns served, cached share)."""
+    turns = sorted({int(t) for r in rows for t in r.get("ttft_p50_by_turn", {})})
+    if not turns:
+        return []
+    head = [f"{r['config']} #{r['round']}" for r in rows]
+    out = ["", "TTFT p50 per turn (turns served, cached / prompt tokens):", "",
+           "| turn | mean prompt | " + " | ".join(head) + " |", "|---|---|" + "---|" * len(rows)]
+    for t in turns:
+        cells = [r.get("ttft_p50_by_turn", {}).get(str(t)) for r in rows]
+        prompt = max((c[2] for c in cells if c), default=0)
+        out.append(f"| {t} | {prompt:.0f} | " + " | ".join(
+            f"{c[0]:.0f} ms ({c[1]}, {100 * c[3]:.0f}%)" if c else "-" for c in cells) + " |")
+    return out
+
+
+CONFIGS = {"no-tier": "no tier", "host-tier": "host tier"}
 
 
 def main() -> int:
@@ -178,26 +211,40 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=1, help="each configuration this many times, alternating")
     ap.add_argument("--ramp-up", type=float, default=0.0,
                     help="seconds over which the sessions start (0: all at once, so they return in bursts)")
+    ap.add_argument("--configs", default="no-tier,host-tier",
+                    help="which configurations to run (comma list of no-tier, host-tier): one per command keeps "
+                         "each run short; their rows add up in OUT/rows.jsonl")
+    ap.add_argument("--first-round", type=int, default=0, help="the number of this command's first round")
+    ap.add_argument("--report", action="store_true",
+                    help="run nothing: the table of every row in OUT/rows.jsonl (runs of other commands)")
     ap.add_argument("--out", type=Path, default=ROOT / "results" / "kv_tiers_agentic")
     ap.add_argument("--no-save", action="store_true")
     args = ap.parse_args()
+    configs = [c.strip() for c in args.configs.split(",") if c.strip()]
+    if any(c not in CONFIGS for c in configs):
+        print(f"kv_tiers_agentic: --configs takes {', '.join(CONFIGS)}", file=sys.stderr)
+        return 2
     args.out.mkdir(parents=True, exist_ok=True)
     pool_blocks = round(args.pool_fraction * args.sessions * args.max_context / 2 / BLOCK)
+    rows_file = args.out / "rows.jsonl"
+    rows = [json.loads(ln) for ln in rows_file.read_text().splitlines()] if args.report and rows_file.exists() else []
     start = os.getloadavg()[0]
-    rows = []
-    for rnd in range(args.rounds):
-        rows.append(run("no tier", args, pool_blocks, 0.0, args.out, rnd))
-        rows.append(run("host tier", args, pool_blocks, args.offload_gb, args.out, rnd))
+    for rnd in range(args.first_round, args.first_round + (0 if args.report else args.rounds)):
+        for c in configs:
+            rows.append(run(CONFIGS[c], args, pool_blocks, args.offload_gb if c == "host-tier" else 0.0, args.out, rnd))
+            with rows_file.open("a") as f:
+                f.write(json.dumps({**rows[-1], "load_start": start}) + "\n")
     text = table(rows) + (f"\nPools {pool_blocks} blocks of {BLOCK} tokens per worker ({args.pool_fraction:g} of {args.sessions} sessions x "
                           f"{args.max_context} tokens over 2 workers); host tier {args.offload_gb:g} GiB per worker. "
-                          f"Load average (1 min) {start:.1f} at the start, "
-                          + ", ".join(f"{r['load']:.1f}" for r in rows) + " after each configuration.\n")
+                          "Load average (1 min) at each configuration's start -> end: "
+                          + ", ".join(f"{r['config']} {r.get('load_start', start):.1f} -> {r['load']:.1f}" for r in rows)
+                          + ".\n")
     print(text)
     if not args.no_save:
         cmd = "python benchmarks/kv_tiers_agentic.py " + " ".join(sys.argv[1:])
         save_run("## KV tiers: agent sessions with the host-memory tier (issue 38)",
                  "Agent sessions (`fleetllm bench " + " ".join(WORKLOAD) + f" --max-context {args.max_context} "
-                 f"--think-time {args.think_time:g}`) on "
+                 f"--think-time {args.think_time:g} --ramp-up {args.ramp_up:g}`) on "
                  "two SmolLM2-135M workers (1 thread each) behind a kv_aware router, pools a quarter of the sessions' "
                  "KV: without tiers, and with `--kv-offload-gb`.", cmd, text)
     return 0
