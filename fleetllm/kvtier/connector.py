@@ -52,6 +52,14 @@ class TierConnector(KVConnectorBase):
         self._rest: dict[str, tuple[int, list[HostBlock]]] = {}  # ... those found that no pool block took yet
         self._asked: set[str] = set()  # request ids whose misses are counted (once a request)
         self._listeners: list[TierListener] = []
+        self._spent_s = 0.0  # seconds spent finding and copying blocks that were loaded (engine thread)
+        self._loaded_blocks = 0
+
+    def load_s_per_block(self) -> float | None:
+        """Measured seconds to bring one block back from this tier, finding (a read, a decode, a check) and
+        copying it into the pool, over every block loaded so far (None before the first): the price a router
+        puts on a prefix this worker holds here. Read from the server's thread without locking."""
+        return self._spent_s / self._loaded_blocks if self._loaded_blocks else None
 
     @property
     def listeners(self) -> list[TierListener]:
@@ -96,7 +104,10 @@ class TierConnector(KVConnectorBase):
             found = rest[start - first :]
         elif self._holds_any():
             hashes = hash_prefix_blocks(ids[: full * bs], bs, self.blocks.kv.key_of(seq.lora_name))
+            t0 = time.perf_counter()
             found = self._find(hashes[start:], [tuple(ids[i * bs : (i + 1) * bs]) for i in range(start, full)])
+            if found:  # part of what loading them costs (a lookup that finds nothing is priced by no router)
+                self._spent_s += time.perf_counter() - t0
         if self.metrics is not None and seq.request_id not in self._asked:  # asked again as blocks free up
             self.metrics.misses.inc(full - start - len(found))
         self._asked.add(seq.request_id)
@@ -130,6 +141,7 @@ class TierConnector(KVConnectorBase):
             return
         try:
             self._load(list(zip(seq.block_table[first : first + n], found[:n], strict=True)))
+            self._loaded_blocks += n
             if self.metrics is not None:  # counted as loaded: a match that found no blocks is asked for again
                 self.metrics.hits.inc(n)
         except Exception:  # noqa: BLE001 - a load that fails is computed instead, never a failed request
@@ -157,8 +169,10 @@ class TierConnector(KVConnectorBase):
         for i, (k, v) in enumerate(layers):
             kv8.copy_rows(k, index, torch.stack([b.k[i] for _, b in loads]))  # 8-bit rows: their bytes
             kv8.copy_rows(v, index, torch.stack([b.v[i] for _, b in loads]))
+        spent = time.perf_counter() - t0
+        self._spent_s += spent
         if self.metrics is not None:
-            self.metrics.load_seconds.observe(time.perf_counter() - t0)
+            self.metrics.load_seconds.observe(spent)
             self.metrics.bytes.labels(tier=self.metrics.tier, direction="loaded").inc(sum(b.nbytes for _, b in loads))
 
     def _count_error(self, op: str) -> None:

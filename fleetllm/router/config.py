@@ -53,7 +53,8 @@ class RouterConfig:
     kv_tier_load: dict[str, str] = opt(doc="kv_aware's price of loading a prefix block from a worker's KV tier "
                                            "(the medium its KV events name: CPU for host memory, DISK, SHARED "
                                            "for the Redis tier every worker reads), as a fraction of "
-                                           "recomputing it (default: CPU=0.05, DISK=0.15, SHARED=0.25)",
+                                           "recomputing it, until the worker reports the load time it "
+                                           "measured (default: CPU=0.05, DISK=0.15, SHARED=0.25)",
                                        factory=dict, metavar="MEDIUM=FRACTION")
     lora_load_cost_s: float = opt(CostModel.lora_load_s, "kv_aware's price, in seconds, of sending a LoRA adapter's "
                                                          "request to a copy not holding it resident (its load there, "

@@ -95,6 +95,7 @@ class WorkerState:
     inflight_peak: tuple[int, int] = (0, 0)
     queued_prefill_tokens: int = 0  # prompt tokens not yet computed of its waiting and prefilling requests
     kv_usage: float = 0.0
+    tier_load_s: dict[str, float] = field(default_factory=dict)  # its KV tiers' measured seconds a block, by medium
     model: str | None = None
     variant: str = ""  # which of its model's variants (canary, stable, ...) this copy runs; "" when unsplit
     block_size: int | None = None
@@ -286,6 +287,7 @@ class WorkerMonitor:
             w.load_report(ev["running"], ev["waiting"])
             w.kv_usage = ev["kv_usage"]
             w.queued_prefill_tokens = ev.get("queued_prefill_tokens", 0)  # absent from older workers
+            w.tier_load_s = {str(m).upper(): float(s) for m, s in (ev.get("tier_load_s") or {}).items()}
 
 
 

@@ -570,8 +570,10 @@ class Worker:
         sched = self.engine.scheduler
         queued = sched.queued_prefill_tokens()  # a router weighs this queue against the prefix a worker holds
         adapters = self.adapters.report() if self.adapters is not None else {}  # which adapters it holds
+        # each KV tier's measured seconds a block (to the microsecond: a report goes out when the load changes)
+        measured = {t.medium: round(s, 6) for t in self.kv_tiers if (s := t.load_s_per_block()) is not None}
         return {"running": len(sched.running), "waiting": len(sched.waiting), "queued_prefill_tokens": queued,
-                "kv_usage": self.engine.pool.usage, **adapters}
+                "kv_usage": self.engine.pool.usage, **adapters, **({"tier_load_s": measured} if measured else {})}
 
     def _report_tiers(self) -> None:
         """Publish the blocks each KV tier keeps and drops, with its medium, on ``/kv/events`` and (when

@@ -73,6 +73,15 @@ def test_the_tier_reports_hits_bytes_and_load_time_on_the_engines_metrics(runs) 
     engine.pool.check()
 
 
+def test_the_tier_measures_its_load_time_a_block_for_the_router_to_price(runs) -> None:
+    from fleetllm.kvtier.connector import HostTierConnector
+
+    tier = runs["on"][0].kv_connector_of(HostTierConnector)
+    assert tier is not None and tier._loaded_blocks > 0  # the session's prefix came back from here
+    assert 0.0 < tier.load_s_per_block() < 1.0
+    assert HostTierConnector(1 << 20).load_s_per_block() is None  # nothing loaded: nothing measured
+
+
 def test_the_host_store_drops_the_least_recently_used_block_and_rechecks_tokens() -> None:
     def block(t: int) -> HostBlock:
         return HostBlock((t,), torch.zeros(1, 1, 1, 4), torch.zeros(1, 1, 1, 4))  # 32 bytes

@@ -9,7 +9,8 @@ import httpx
 from tests.kvtier.tier_helpers import complete
 
 
-def test_a_returning_prompt_evicted_from_the_pool_is_cached_tokens_from_the_host_tier(worker_factory) -> None:
+def test_a_returning_prompt_evicted_from_the_pool_is_cached_tokens_from_the_host_tier_at_a_reported_load_time(
+        worker_factory) -> None:
     w = worker_factory("--num-blocks", "24", "--max-num-batched-tokens", "128", "--kv-offload-gb", "0.05")
     first = [(7919 + 31 * i) % 3000 + 100 for i in range(100)]
     complete(w.url, first)
@@ -18,6 +19,8 @@ def test_a_returning_prompt_evicted_from_the_pool_is_cached_tokens_from_the_host
     again = complete(w.url, first)
     assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 96  # its 6 full blocks, none recomputed
     assert w.metrics()["fleetllm:kv_tier_hits_total"] > 0
+    snapshot, _ = tier_events(w.url, (), want=0)  # its load report: what a router prices the host tier's blocks at
+    assert 0.0 < snapshot["tier_load_s"]["CPU"] < 1.0 and set(snapshot["tier_load_s"]) == {"CPU"}
 
 
 def test_a_restarted_worker_answers_its_previous_prompt_from_its_disk_tier(worker_factory, tmp_path) -> None:

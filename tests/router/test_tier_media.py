@@ -48,13 +48,15 @@ def test_the_cheapest_tier_holding_a_block_is_the_one_it_would_load_from() -> No
     assert idx.match_media([1], ["w"], CostModel().load_fraction) == {"w": ["CPU"]}
 
 
-def _choose(media: dict[str, str | None]) -> str:
-    """The worker kv_aware picks among idle ones, each holding the whole prefix in ``media[w]`` (None: cold)."""
+def _choose(media: dict[str, str | None], measured: dict[str, dict[str, float]] | None = None) -> str:
+    """The worker kv_aware picks among idle ones, each holding the whole prefix in ``media[w]`` (None: cold), each
+    having measured its tiers' load seconds a block as ``measured[w]`` says (none: not yet)."""
     idx = PrefixIndex(routed_ttl_s=0)
     ws = []
     for name, medium in media.items():
         ws.append(WorkerState(name, f"http://{name}", healthy=True))
         ws[-1].block_size = BLOCK
+        ws[-1].tier_load_s = (measured or {}).get(name, {})
         if medium is not None:
             idx.stored(name, PREFIX, medium)
     req = RouteRequest(num_prompt_tokens=len(PREFIX) * BLOCK + 8, block_hashes=PREFIX, block_size=BLOCK)
@@ -89,3 +91,23 @@ def test_kv_tier_load_flag_reprices_a_tier_and_a_bad_fraction_is_one_usage_line(
     assert main(["router", "--workers", "http://127.0.0.1:1", "--kv-tier-load", "DISK=lots"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "--kv-tier-load DISK=lots" in err
+
+
+def test_a_workers_measured_tier_load_time_replaces_the_fraction_in_its_price() -> None:
+    recompute_s = CostModel().prefill_s(BLOCK)
+    assert _choose({"cold": None, "host": "CPU"}, {"host": {"CPU": 2 * recompute_s}}) == "cold"  # slower than computing
+    assert _choose({"a": "DISK", "b": "DISK"}, {"a": {"DISK": 0.9 * recompute_s}, "b": {"DISK": 0.1 * recompute_s}}) == "b"
+    w = WorkerState("w", "http://w", healthy=True)
+    assert CostModel().tier_block_s(w, "CPU", BLOCK) == 0.05 * recompute_s  # nothing measured: the fraction
+    assert CostModel().tier_block_s(w, POOL, BLOCK) == 0.0
+
+
+def test_a_load_report_carries_the_tiers_measured_load_time_to_the_worker_state() -> None:
+    from fleetllm.router.upstream import WorkerMonitor
+
+    w = WorkerState("w", "http://w", healthy=True)
+    monitor = WorkerMonitor([w], PrefixIndex(routed_ttl_s=0), client=None)  # type: ignore[arg-type]
+    monitor._apply(w, {"type": "load", "running": 0, "waiting": 0, "kv_usage": 0.1, "tier_load_s": {"cpu": 0.0004}})
+    assert w.tier_load_s == {"CPU": 0.0004}
+    monitor._apply(w, {"type": "load", "running": 0, "waiting": 0, "kv_usage": 0.1})  # an older worker: none measured
+    assert w.tier_load_s == {}

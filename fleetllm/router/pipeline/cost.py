@@ -5,7 +5,8 @@
 prompt tokens queued ahead of it at the prefill rate, plus a step's share for each request queued ahead
 (:meth:`CostModel.queue_s`). A prefix block a worker holds in a KV tier rather than its pool (host memory,
 disk: its KV events say the medium; or the shared tier every worker of its layout reads, whichever worker
-reported the block) costs :attr:`CostModel.tier_load` (a fraction of recomputing it). A request naming a LoRA
+reported the block) costs the load time that worker measured for that tier (its load reports say), or
+until it has loaded one, :attr:`CostModel.tier_load` (a fraction of recomputing it). A request naming a LoRA
 adapter its worker does not hold resident adds :attr:`CostModel.lora_load_s` (a fifth part, the ``lora`` scorer).
 """
 
@@ -54,6 +55,15 @@ class CostModel:
     def load_fraction(self, medium: str) -> float:
         """What a block held in ``medium`` costs, as a fraction of recomputing it (0 in the pool)."""
         return 0.0 if medium == POOL else min(1.0, self.tier_load.get(medium, 1.0))
+
+    def tier_block_s(self, w: WorkerState, medium: str, block_size: int) -> float:
+        """Seconds for ``w`` to bring one block of ``block_size`` tokens from ``medium``: the load time its KV
+        events report it measured for that tier, else (no load yet, or a worker that measures none) the tier's
+        :attr:`tier_load` fraction of recomputing the block; nothing from its pool."""
+        if medium == POOL:
+            return 0.0
+        measured = w.tier_load_s.get(medium)
+        return measured if measured is not None else self.load_fraction(medium) * self.prefill_s(block_size)
 
     def cost(self, w: WorkerState, uncached: float, lora_name: str | None = None) -> float:
         """Seconds until ``w`` would have computed a request's ``uncached`` prompt tokens (a fraction of a token

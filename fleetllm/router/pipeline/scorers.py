@@ -78,7 +78,7 @@ class QueueScorer(WorkerTermScorer):
 
 class PrefixScorer:
     """Prefill of the tokens the worker does not hold, by the prefix index (the pool's blocks are free, a
-    tier's cost their load fraction): the prefix-affinity part."""
+    tier's cost their load time, :meth:`CostModel.tier_block_s`): the prefix-affinity part."""
 
     name = "prefix"
 
@@ -92,9 +92,9 @@ class PrefixScorer:
         for i, w in enumerate(c.workers):
             bs = w.block_size or req.block_size
             cached = min(c.depth[w.name] * bs, max(req.num_prompt_tokens - 1, 0))
-            loaded = bs * sum(fraction(m) for m in media[w.name])  # tier blocks: a load each
+            loaded_s = sum(self.model.tier_block_s(w, m, bs) for m in media[w.name])  # tier blocks: a load each
             c.cached[i] = cached
-            c.cost[i] += self.weight * self.model.prefill_s(req.num_prompt_tokens - cached + loaded)
+            c.cost[i] += self.weight * (self.model.prefill_s(req.num_prompt_tokens - cached) + loaded_s)
 
 
 def leading_media(index: PrefixIndex, req: RouteRequest, workers: list[WorkerState],
