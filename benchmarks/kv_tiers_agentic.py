@@ -9,9 +9,16 @@ between turns (25: two single-thread workers recomputing 16 growing contexts are
 at 1 s both configurations are all queue, and sessions spill between workers). Per configuration (a fresh fleet
 each): returning turns' (turn >= 1) prompt-cache hit rate (cached / prompt tokens), their reuse rate (cached /
 the previous turn's prompt and output: what a cache could hold), TTFT p50 and p90, output throughput, turns
-served. Goals: with the tier, hit rate >= 90% of what is reusable, TTFT p50 >= 3x lower, throughput not lower.
+served, and the TTFT p50 of each turn index. Goals: with the tier, hit rate >= 90% of what is reusable, TTFT p50
+>= 3x lower, throughput not lower.
 
-    python benchmarks/kv_tiers_agentic.py                               # the measured run
+Sessions start over ``--ramp-up`` seconds (25, one think time), as agents arrive. Started in one instant they
+return in lock-step: every first turn's prefill shares the two workers, their replies end together, and the
+next turns come back as one burst again; those first turns, whose contexts the pools still hold whole (the
+pools are a quarter of the sessions' KV at their largest), queue the same with or without a tier and set the
+median of a 300 s run.
+
+    python benchmarks/kv_tiers_agentic.py --rounds 2                    # the measured run
     python benchmarks/kv_tiers_agentic.py --sessions 4 --duration 60 --no-save   # a smaller one
     python benchmarks/kv_tiers_agentic.py --configs no-tier --first-round 1     # one configuration a command
     python benchmarks/kv_tiers_agentic.py --report                             # the table of the rows so far
@@ -209,7 +216,7 @@ def main() -> int:
                     help="the two pools together hold this fraction of sessions x max context")
     ap.add_argument("--offload-gb", type=float, default=2.5, help="each worker's host tier")
     ap.add_argument("--rounds", type=int, default=1, help="each configuration this many times, alternating")
-    ap.add_argument("--ramp-up", type=float, default=0.0,
+    ap.add_argument("--ramp-up", type=float, default=25.0,
                     help="seconds over which the sessions start (0: all at once, so they return in bursts)")
     ap.add_argument("--configs", default="no-tier,host-tier",
                     help="which configurations to run (comma list of no-tier, host-tier): one per command keeps "
