@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -154,10 +155,11 @@ def run(label: str, args: argparse.Namespace, pool_blocks: int, offload_gb: floa
                "spills": metric([router], "fleetllm_router_decisions_total", 'reason="spill"'),
                "load": os.getloadavg()[0]}
         print(json.dumps(row), flush=True)
-        return row
     finally:
         for p in reversed(procs):
             stop_process(p)
+    shutil.rmtree(tmp, ignore_errors=True)  # the servers' logs: kept only when the run failed
+    return row
 
 
 def pct(v: float | None) -> str:
