@@ -9,8 +9,9 @@ with exact fp32.
 
     python benchmarks/kv8_error.py --choices f/f,r/r,r16/r16,b/b
 
-A choice is ``K/V``, each ``f`` (fp32), ``b`` (bf16), ``r`` (int8, a scale per row) or ``rN`` (int8, a scale per
-N channels).
+A choice is ``K/V``, each ``f`` (fp32), ``b`` (bf16), ``r`` (int8, a scale per row), ``rN`` (int8, a scale per
+N channels), ``hN`` (int8, a float16 scale per N channels: ``h8`` is as many bytes as ``r16``) or ``aN``
+(asymmetric: 255 levels between a group's minimum and maximum, both float16, per N channels).
 """
 
 from __future__ import annotations
@@ -39,7 +40,14 @@ def rounded(x: torch.Tensor, how: str) -> torch.Tensor:
         return x.bfloat16().float()
     group = x.shape[-1] if how == "r" else int(how[1:])
     g = x.float().unflatten(-1, (-1, group))
+    if how[0] == "a":
+        low = g.amin(-1, keepdim=True).half().float()
+        scale = ((g.amax(-1, keepdim=True) - low) / 255).half().float()
+        scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+        return (((g - low) / scale).clamp(0, 255).round() * scale + low).flatten(-2)
     scale = g.abs().amax(-1, keepdim=True) / 127
+    if how[0] == "h":
+        scale = scale.half().float()
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))
     return ((g / scale).clamp(-127, 127).round() * scale).flatten(-2)
 
@@ -92,18 +100,18 @@ def main() -> None:
     prompts, text = prompt_ids(loaded.tokenizer), stdlib_text(loaded.tokenizer, args.text_tokens)
     reference = greedy(loaded, {"quantization": "none"}, prompts, 32, one_by_one=False)
     base = log_probs(loaded, text, rounding)
-    print(f"| K | V | KL vs unrounded | top-1 changed | greedy, one batch ({len(base)} positions) |")
-    print("|---|---|---|---|---|")
+    print(f"| K | V | KL vs unrounded ({len(base)} positions) | top-1 changed | greedy, one batch | prompt by prompt |")
+    print("|---|---|---|---|---|---|")
     for choice in args.choices.split(","):
         t0 = time.perf_counter()
         rounding.k, rounding.v = choice.split("/")
-        got = greedy(loaded, {"kv_cache_dtype": "fp32"}, prompts, 32, one_by_one=False)
-        agree = sum(a == b for a, b in zip(reference, got, strict=True))
+        agree = [sum(a == b for a, b in zip(reference, greedy(loaded, {"kv_cache_dtype": "fp32"}, prompts, 32, one),
+                                            strict=True)) for one in (False, True)]
         lp = log_probs(loaded, text, rounding)
         kl = (base.exp() * (base - lp)).sum(-1).mean().item()
         flips = (base.argmax(-1) != lp.argmax(-1)).float().mean().item()
-        print(f"| {rounding.k} | {rounding.v} | {kl:.2e} | {flips:.2%} | {agree}/{len(prompts)} "
-              f"({time.perf_counter() - t0:.0f} s) |", flush=True)
+        print(f"| {rounding.k} | {rounding.v} | {kl:.2e} | {flips:.2%} | {agree[0]}/{len(prompts)} | "
+              f"{agree[1]}/{len(prompts)} ({time.perf_counter() - t0:.0f} s) |", flush=True)
 
 
 if __name__ == "__main__":
