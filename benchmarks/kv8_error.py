@@ -4,8 +4,8 @@ Each choice is measured without a kernel for it: the op-by-op ``q4`` path (no C 
 cache itself) with an fp32 pool, whose K and/or V rows are rounded as the format would round them as they are
 written. Reported per choice: the KL divergence of the next-token distribution from the same path with
 unrounded K/V (mean over the positions of ``--text-tokens`` of stdlib docstrings, windows of 512), the share of
-positions whose top token changes, and the greedy agreement of the 16 reference prompts (one batch, 32 tokens)
-with exact fp32.
+positions whose top token changes, and the greedy agreement of the 16 reference prompts (32 tokens, in one batch
+and prompt by prompt) with exact fp32.
 
     python benchmarks/kv8_error.py --choices f/f,r/r,r16/r16,b/b
 
