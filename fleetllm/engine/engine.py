@@ -348,8 +348,8 @@ class LLMEngine:
         return blamed
 
     def _note_scheduled(self, sched: SchedulerOutput) -> None:
-        if sched.preempted:
-            self.metrics.preempted(len(sched.preempted))
+        if sched.preempted or sched.displaced:
+            self.metrics.preempted(len(sched.preempted) + len(sched.displaced))
         now = time.monotonic()
         for s in sched.scheduled:
             if s.seq.first_scheduled_time is None:

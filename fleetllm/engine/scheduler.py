@@ -10,8 +10,9 @@ blocks usually survive in the prefix cache).
 
 Under the ``priority`` policy (vLLM's ``--scheduling-policy priority``) both orders follow each request's
 rank instead of its arrival alone: waiting sequences are admitted best rank first, running ones are served
-best rank first, and the worst-ranked running sequence is the one preempted. The rank ages so that no
-request starves: a request's effective priority improves by one level for every ``priority_aging_s``
+best rank first, and the worst-ranked running sequence is the one preempted: under KV pressure, and when every
+batch slot is taken and a more urgent waiting sequence ranks before it (it starts at once). The rank ages so
+that no request starves: a request's effective priority improves by one level for every ``priority_aging_s``
 seconds since it arrived, which orders requests by ``priority * priority_aging_s + arrival_time`` (a
 request of priority 5 arriving now ranks like one of priority 0 arriving 5 ageing periods later).
 """
@@ -81,6 +82,7 @@ class Scheduled:
 class SchedulerOutput:
     scheduled: list[Scheduled] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    displaced: list[Sequence] = field(default_factory=list)  # preempted for a better-ranked waiting sequence's slot
     start_time: float = field(default_factory=time.monotonic)  # when the step began (monotonic seconds)
     kv_connector_metadata: KVConnectorMetadata | None = None  # the KV connector's part of this step (None: none)
     failed: list[tuple[Sequence, str]] = field(default_factory=list)  # finished with an error at admission
@@ -160,6 +162,8 @@ class Scheduler:
         verified this step when budget and blocks allow."""
         drafts = drafts or {}
         out = SchedulerOutput()
+        if self.cfg.policy == "priority":
+            self._free_slot_for_better_rank(out)
         budget = self.cfg.max_num_batched_tokens
         kept: list[Sequence] = []
         # served in order, and preempted from the back: FCFS keeps arrival order, priority the best rank first
@@ -193,6 +197,23 @@ class Scheduler:
 
         self._admit(out, budget)
         return out
+
+    def _free_slot_for_better_rank(self, out: SchedulerOutput) -> None:
+        """Under ``priority``: while every batch slot is taken and the best-ranked waiting sequence ranks before
+        the worst-ranked running one, that running one gives up its slot (preempted: recomputed later, its full
+        blocks usually still cached). An urgent request then starts at this step instead of when some running
+        one ends. Only a more urgent ``priority`` displaces (a preempted request never displaces its peers that
+        arrived after it), and only while its rank is still better (ageing protects a long-running request)."""
+        while self.waiting and len(self.running) >= self.cfg.max_num_seqs:
+            head = self.waiting[0]
+            if head.lora_name is not None or self._alone(head):  # their admission has conditions of its own
+                return
+            worst = max(self.running, key=self.cfg.rank)
+            if head.params.priority >= worst.params.priority or self.cfg.rank(head) >= self.cfg.rank(worst):
+                return
+            self.running.remove(worst)
+            self._preempt(worst)
+            out.displaced.append(worst)
 
     def _admit(self, out: SchedulerOutput, budget: int) -> None:
         """Admit waiting sequences in order while budget, sequence slots and blocks last. A sequence whose adapter

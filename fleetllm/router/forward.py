@@ -246,8 +246,9 @@ class Forwarder:
 
     async def _attempt(self, fwd: Forward, d: Decision) -> Response:
         w = d.worker
-        load = _Load(self, w, d.uncached_tokens(fwd.route), d.on_end)
+        load = _Load(self, w, d.uncached_tokens(fwd.route), d.on_end, bulk=fwd.admitted is True)
         self._dispatch(w, load.uncached, fwd.route)
+        w.bulk_inflight += load.bulk
         fwd.dispatched = time.perf_counter()
         if fwd.on_dispatch is not None:
             fwd.on_dispatch()
@@ -403,8 +404,9 @@ class _Load:
     """The load one attempt puts on its worker: pending prefill until the first byte, then decoding."""
 
     def __init__(self, forwarder: Forwarder, w: WorkerState, uncached: int,
-                 on_end: Callable[[bool], None] | None = None) -> None:
+                 on_end: Callable[[bool], None] | None = None, bulk: bool = False) -> None:
         self.forwarder, self.worker, self.uncached, self.on_end = forwarder, w, uncached, on_end
+        self.bulk = bulk  # released by flow control as bulk work (counted in the worker's bulk_inflight)
         self.first_seen = False
 
     def first_byte(self) -> None:
@@ -415,6 +417,7 @@ class _Load:
     def release(self) -> None:
         w = self.worker
         w.inflight -= 1
+        w.bulk_inflight -= self.bulk
         w.ended_since_report += 1
         if self.first_seen:
             w.decoding -= 1

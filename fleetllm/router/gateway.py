@@ -72,7 +72,7 @@ from fleetllm.server.anthropic_errors import reshape
 from fleetllm.server.body_limit import DEFAULT_MAX_BODY_BYTES
 from fleetllm.server.limits import LARGE_INPUT_CHARS, check_inputs, off_loop
 from fleetllm.server.openapi import openapi_schema
-from fleetllm.server.protocol import APIError, json_object, request_timeout
+from fleetllm.server.protocol import BULK_HEADER, APIError, json_object, request_timeout
 from fleetllm.server.stored_turns import OWNER_HEADER, normalize_items
 from fleetllm.server.worker_secret import matches, worker_secret
 
@@ -484,6 +484,8 @@ class Router:
         fwd = Forward(request.url.path, raw, body, headers, fid, req, t0)
         if ticket is not None:
             fwd.on_dispatch, fwd.on_finish, fwd.admitted = ticket.dispatched, ticket.finished, ticket.bulk
+            if ticket.bulk:  # the worker serves it a level less urgent: an interactive request may take its slot
+                fwd.headers[BULK_HEADER] = "1"
         owner = tenant[0].id if tenant[0] is not None else ""
         if owner:  # the workers scope what they keep (stored Responses turns) to the key
             fwd.headers[OWNER_HEADER] = owner

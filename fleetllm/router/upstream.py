@@ -101,6 +101,9 @@ class WorkerState:
     block_size: int | None = None
     num_blocks: int | None = None
     max_num_seqs: int | None = None  # its batch slots (a fleetllm worker's snapshot says): what it can start now
+    # its snapshot's --scheduling-policy: "priority" gives a more urgent request the slot of a less urgent one
+    scheduling_policy: str | None = None
+    bulk_inflight: int = 0  # of this router's requests in flight there, those released as bulk work (flow control)
     instance: str | None = None
     events_connected: bool = False
     health_failures: int = 0
@@ -269,6 +272,7 @@ class WorkerMonitor:
             w.instance, w.model = ev["instance"], ev["model"]
             w.block_size, w.num_blocks = ev["block_size"], ev["num_blocks"]
             w.max_num_seqs = ev.get("max_num_seqs")  # absent from older workers
+            w.scheduling_policy = ev.get("scheduling_policy")
             w.role = ev.get("role", w.role)
             self.index.reset(w.name, ev["hashes"], capacity=ev["num_blocks"])
             self.index.set_scope(w.name, ev.get("kv_namespace"))  # its shared KV tier's blocks: the fleet's

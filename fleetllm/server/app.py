@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 import uuid
@@ -62,7 +63,9 @@ from fleetllm.server.limits import LARGE_INPUT_CHARS, check_chars, check_inputs,
 from fleetllm.server.lora_metrics import LoraMetrics
 from fleetllm.server.openapi import openapi_schema
 from fleetllm.server.protocol import (
+    BULK_HEADER,
     APIError,
+    bulk_priority,
     chat_messages,
     completion_prompts,
     json_object,
@@ -277,6 +280,8 @@ class Worker:
         finals: list[RequestOutput] = []
         status = 200
         subs = []
+        if request.headers.get(BULK_HEADER):  # released as bulk work by a router's flow control
+            params = dataclasses.replace(params, priority=bulk_priority(params.priority))
         for p_i, ids in enumerate(prompts):
             for k in range(params.n):
                 sub = params.for_choice(k)
@@ -588,8 +593,8 @@ class Worker:
     async def kv_events(self, request: Request) -> Response:
         """KV events as a server-sent event stream, for KV-aware routers.
 
-        First a ``snapshot`` (instance id, model, block size, pool size, batch slots (``max_num_seqs``) and every
-        cached block hash; ``tiers``: the hashes each KV tier holds, by medium; ``kv_namespace``: the layout a shared tier's blocks are
+        First a ``snapshot`` (instance id, model, block size, pool size, batch slots (``max_num_seqs``), its
+        ``scheduling_policy`` and every cached block hash; ``tiers``: the hashes each KV tier holds, by medium; ``kv_namespace``: the layout a shared tier's blocks are
         stored under), then ``stored`` / ``removed`` events with the hashes of blocks entering or leaving the
         prefix cache (with a ``medium`` when a KV tier's: ``CPU``, ``DISK``, ``SHARED``), ``draining`` once the
         worker takes no new requests, and a ``load`` event (running, waiting, queued prefill tokens, KV usage)
@@ -607,7 +612,7 @@ class Worker:
                 yield fmt.sse_event({"type": "snapshot", "instance": self.instance_id, "model": self.model_name,
                              "block_size": self.engine.pool.block_size, "num_blocks": self.engine.pool.num_blocks,
                              "max_num_seqs": self.engine.scheduler.cfg.max_num_seqs, "role": self.role,
-                             "hashes": snapshot, "tiers": media, "kv_namespace": namespace, **self.load()})
+                             "scheduling_policy": self.engine.scheduler.cfg.policy, "hashes": snapshot, "tiers": media, "kv_namespace": namespace, **self.load()})
                 # Load goes out as soon as it changes (checked every `poll` s), else every `interval` s: a
                 # report left standing after a request ends would make its worker look busy for that long.
                 poll, last = min(interval, 0.05), self.load()

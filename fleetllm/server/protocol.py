@@ -90,6 +90,18 @@ def request_priority(body: Mapping[str, Any]) -> int:
     return value
 
 
+# Set by a router's flow control on a request it released as bulk work (a tenant past its weighted share of the
+# batch slots): the worker serves it one priority level less urgent than it asked, so under
+# --scheduling-policy priority a waiting interactive request of the same priority takes its batch slot. A client
+# that sends it itself only demotes its own request.
+BULK_HEADER = "x-fleetllm-bulk"
+
+
+def bulk_priority(priority: int) -> int:
+    """The priority a bulk request is served at: one level less urgent (at most :data:`PRIORITY_MAX`)."""
+    return min(priority + 1, PRIORITY_MAX)
+
+
 def sampling_from_body(body: dict[str, Any], chat: bool) -> SamplingParams:
     """Build :class:`SamplingParams` from an OpenAI request body (chat or completions)."""
     reject_unsupported(body)

@@ -94,3 +94,28 @@ def test_a_preempted_request_waits_behind_more_urgent_ones_and_ahead_of_less_urg
     sched.add(seq("later-urgent", -20, 4.0, first_token=120))
     sched.schedule()  # preempts "batch"
     assert [s.request_id for s in sched.waiting] == ["later-urgent", "batch", "later-batch"]
+
+
+def test_a_more_urgent_request_takes_the_batch_slot_of_the_least_urgent_running_one():
+    sched = scheduler("priority", max_num_seqs=2)
+    sched.add(seq("bulk", 1, 1.0, first_token=1))
+    sched.add(seq("bulker", 2, 1.0, first_token=20))
+    run_step(sched)
+    sched.add(seq("urgent", 0, 1.5, first_token=50))
+    out = sched.schedule()
+    assert [s.request_id for s in out.displaced] == ["bulker"] and out.preempted == []
+    assert sorted(s.seq.request_id for s in out.scheduled) == ["bulk", "urgent"]
+    assert sched.waiting[0].request_id == "bulker" and sched.waiting[0].status is Status.PREEMPTED
+
+
+@pytest.mark.parametrize(("policy", "priority", "arrival"),
+                         [("fcfs", -5, 1.5), ("priority", 1, 1.5), ("priority", 0, 5.0)])
+def test_a_waiting_request_displaces_nobody_unless_more_urgent_and_still_ranked_first(policy, priority, arrival):
+    # fcfs never displaces; nor does a peer of the running requests' priority; nor an urgent request the running
+    # one has out-aged (priority 1 at t=1 ranks like priority 0 at t=2, before priority 0 at t=5)
+    sched = scheduler(policy, max_num_seqs=1)
+    sched.add(seq("running", 1, 1.0))
+    run_step(sched)
+    sched.add(seq("waiting", priority, arrival, first_token=50))
+    out = sched.schedule()
+    assert out.displaced == [] and [s.seq.request_id for s in out.scheduled] == ["running"]

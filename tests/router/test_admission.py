@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import socket
 
+import pytest
 from prometheus_client import CollectorRegistry
 
 from fleetllm.router.pipeline.admission import (
@@ -100,6 +101,15 @@ def test_bulk_work_leaves_the_headroom_of_each_workers_slots_free():
     w = fleetllm_worker(max_num_seqs=8, running=5, inflight=5)
     limits = FlowLimits(headroom=0.25)
     assert (worker_room(w, limits), worker_room(w, limits, bulk=True)) == (3, 1)
+
+
+@pytest.mark.parametrize(("policy", "room_for_others"), [("priority", 6), ("fcfs", 0)])
+def test_work_that_is_not_bulk_finds_room_in_the_bulk_slots_of_a_worker_under_priority_scheduling(policy,
+                                                                                                 room_for_others):
+    # 8 slots full: 6 of this router's requests are bulk (the worker serves them a level less urgent), 2 are not
+    w = fleetllm_worker(max_num_seqs=8, inflight=8, bulk_inflight=6, scheduling_policy=policy)
+    limits = FlowLimits(worker_queue=0, headroom=0.25)
+    assert (worker_room(w, limits), worker_room(w, limits, bulk=True)) == (room_for_others, 0)
 
 
 def test_a_tenant_holding_its_share_of_the_slots_waits_while_a_light_tenants_later_request_takes_the_headroom():

@@ -175,3 +175,35 @@ def test_a_router_with_a_store_publishes_what_its_tenants_hold_for_the_other_rou
         finally:
             worker.release(10)
             r.stop()
+
+
+def test_an_interactive_request_takes_the_slot_of_a_flooding_tenants_bulk_request_at_a_priority_worker():
+    # 4 slots, one kept from bulk work: tenant a's third request is bulk (past its share of 2 with b counted),
+    # filling the last slot but the headroom; b's first takes the headroom, its second a's bulk request's slot
+    sims = sim_workers(1, "--max-num-seqs", "4", "--sim-speed", "4", "--scheduling-policy", "priority")
+    with ThreadPoolExecutor(5) as pool:
+        r = router(sims.urls, "least_load", "--flow-control", "--flow-headroom", "0.25")
+        try:
+            wait_state(r.url, lambda s: s["workers"][0]["max_num_seqs"] == 4)
+            events: list[str] = []
+
+            def post(user: str, max_tokens: int) -> None:
+                body = {"prompt": "hello there", "max_tokens": max_tokens, "ignore_eos": True, "user": user,
+                        "stream": True}
+                with httpx.stream("POST", r.url + "/v1/completions", json=body, timeout=60) as resp:
+                    assert resp.status_code == 200
+                    for n, _ in enumerate(resp.iter_lines()):
+                        if n == 0:
+                            events.append(f"{user} first")
+                events.append(f"{user} end")
+
+            flood = [pool.submit(post, "a", 400) for _ in range(3)]
+            wait_state(r.url, lambda s: s["workers"][0]["inflight"] == 3)
+            light = [pool.submit(post, "b", 40) for _ in range(2)]
+            for f in light + flood:
+                f.result()
+            b = [e for e in events if e.startswith("b")]
+            assert b[:2] == ["b first", "b first"]  # both ran at once: the second did not wait for the first's end
+        finally:
+            r.stop()
+            sims.stop()

@@ -18,6 +18,13 @@ not bulk finds a slot at once instead of waiting for one to end. Bulk work is th
 requests of a tenant already holding its weighted share of the slots (:meth:`Gate.bulk`: a flood). While the head
 of the queue is bulk work held out of the headroom, the first request that is not bulk may still take it.
 
+*Displacing bulk work*: the headroom is soon taken when the other tenants' work lasts (their requests in flight
+outnumber the slots kept), and a request that is not bulk would then wait for some request to end. A bulk request
+is sent with ``x-fleetllm-bulk``, and a worker under ``--scheduling-policy priority`` serves it a level less
+urgent, giving its batch slot to a more urgent request that arrives while every slot is taken (the bulk one is
+preempted: recomputed later, its prefix still cached). So for work that is not bulk, such a worker's room leaves
+out this router's bulk requests there (:func:`displaceable`), and the request is sent at once.
+
 Shedding, in OpenAI's error format with ``Retry-After``:
 
 - a request arriving at a full queue (``--flow-queue-max``) pushes out the newest request of a lower band (503,
@@ -83,8 +90,16 @@ def occupied(w: WorkerState) -> int:
     return w.inflight + w.others
 
 
+def displaceable(w: WorkerState) -> int:
+    """This router's bulk requests at ``w`` whose batch slots a more urgent request would take: a worker under
+    ``--scheduling-policy priority`` serves bulk work a level less urgent (``x-fleetllm-bulk``) and gives a
+    waiting request of a more urgent level the slot of a running less urgent one."""
+    return w.bulk_inflight if w.scheduling_policy == "priority" else 0
+
+
 def worker_room(w: WorkerState, limits: FlowLimits, bulk: bool = False) -> int:
-    """Requests ``w`` can take now; ``bulk`` work leaves the headroom free (see the module's docstring)."""
+    """Requests ``w`` can take now; ``bulk`` work leaves the headroom free, and other work does not count the
+    bulk requests there it would displace (see the module's docstring)."""
     if w.kv_usage >= limits.kv_usage:
         return 0
     if not reports_slots(w):
@@ -92,7 +107,8 @@ def worker_room(w: WorkerState, limits: FlowLimits, bulk: bool = False) -> int:
     slots = w.max_num_seqs or 0
     if bulk and limits.headroom > 0:  # at least one slot kept, and never all of them
         slots -= min(slots - 1, max(1, round(limits.headroom * slots)))
-    return max(0, slots + limits.worker_queue - occupied(w))
+    taken = occupied(w) - (0 if bulk else displaceable(w))
+    return max(0, slots + limits.worker_queue - taken)
 
 
 def room(workers: list[WorkerState], limits: FlowLimits, bulk: bool = False) -> int:
@@ -131,6 +147,8 @@ class Gate:
         if self.limits.headroom <= 0:
             return False
         slots = sum(w.max_num_seqs or 0 for w in self.workers() if reports_slots(w))
+        if not slots:  # a share of no known slots: nobody's work is bulk (nor sent as such)
+            return False
         weights = {**{t: w for t, (_, w) in self.others.items()}, **self.weights}
         active = sum(weights.values()) + (0.0 if tenant.id in weights else tenant.weight)
         holding = self.holding.get(tenant.id, 0) + self.others.get(tenant.id, (0, 0.0))[0]
