@@ -122,6 +122,10 @@ class RouterConfig:
     flow_headroom: float = opt(FlowLimits.headroom, "the fraction (0-1) of each fleetllm worker's batch slots that "
                                                     "the low band (priority > 0: Batch API lines) leaves free for "
                                                     "interactive requests (at least one slot when above 0)")
+    flow_share_window_s: float = opt(FlowLimits.share_window_s, "seconds over which a tenant's batch slots held "
+                                                                "are averaged: it is bulk work (leaves the headroom, "
+                                                                "gives up its slots) while it holds its weighted "
+                                                                "share both now and on that average (0: now alone)")
     flow_kv_usage: float = opt(FlowLimits.kv_usage, "KV-cache usage (0-1) that saturates a worker")
     flow_queue_max: int = opt(FlowLimits.queue_max, "requests waiting at the router per model; beyond, a lower "
                                                     "band's newest is shed (503), else the arrival (429)")
@@ -151,10 +155,10 @@ class RouterConfig:
             raise UsageError(f"--flow-headroom {self.flow_headroom:g}: a fraction of the batch slots, in [0, 1)")
         if not 0 < self.flow_kv_usage <= 1:
             raise UsageError(f"--flow-kv-usage {self.flow_kv_usage:g}: a fraction of the KV cache, in (0, 1]")
-        if not self.flow_queue_timeout_s > 0 or not self.flow_aging_s >= 0:
-            raise UsageError("--flow-queue-timeout-s must be positive and --flow-aging-s at least 0")
+        if not self.flow_queue_timeout_s > 0 or not self.flow_aging_s >= 0 or not self.flow_share_window_s >= 0:
+            raise UsageError("--flow-queue-timeout must be positive, --flow-aging and --flow-share-window at least 0")
 
     def flow_limits(self) -> FlowLimits:
         """The admission stage's limits (``--flow-*``)."""
         return FlowLimits(self.flow_worker_queue, self.flow_kv_usage, self.flow_queue_max, self.flow_queue_timeout_s,
-                          self.flow_aging_s, self.flow_headroom)
+                          self.flow_aging_s, self.flow_headroom, self.flow_share_window_s)

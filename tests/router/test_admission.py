@@ -99,7 +99,7 @@ def test_other_routers_requests_count_from_each_report():
 
 def test_bulk_work_leaves_the_headroom_of_each_workers_slots_free():
     w = fleetllm_worker(max_num_seqs=8, running=5, inflight=5)
-    limits = FlowLimits(headroom=0.25)
+    limits = FlowLimits(headroom=0.25, share_window_s=0)
     assert (worker_room(w, limits), worker_room(w, limits, bulk=True)) == (3, 1)
 
 
@@ -115,7 +115,8 @@ def test_work_that_is_not_bulk_finds_room_in_the_bulk_slots_of_a_worker_under_pr
 def test_a_tenant_holding_its_share_of_the_slots_waits_while_a_light_tenants_later_request_takes_the_headroom():
     async def run() -> tuple[bool, int, int]:
         w = fleetllm_worker(max_num_seqs=4)  # headroom: one slot
-        flow = FlowControl(FlowLimits(headroom=0.25), TenantMetrics(CollectorRegistry()))
+        # the share judged at once (no averaging over time)
+        flow = FlowControl(FlowLimits(headroom=0.25, share_window_s=0), TenantMetrics(CollectorRegistry()))
         a, b = Tenant("a"), Tenant("b")
         held = [await flow.admit("m", lambda: [w], a, "normal", 5.0) for _ in range(3)]  # a holds 3 of 4 slots
         for t in held:
@@ -136,6 +137,18 @@ def test_a_tenant_holding_its_share_of_the_slots_waits_while_a_light_tenants_lat
     assert asyncio.run(run()) == (True, 1, 2)
 
 
+def test_a_burst_of_a_tenant_under_its_share_is_not_bulk_while_a_tenant_holding_its_share_for_seconds_is():
+    now = [0.0]
+    gate = Gate(FlowLimits(share_window_s=2.0), lambda: [fleetllm_worker(max_num_seqs=8)], lambda: now[0])
+    gate.weights = {"steady": 1.0, "bursty": 1.0}  # a share of 4 slots each
+    for _ in range(4):
+        gate.hold("steady", +1)
+    now[0] = 10.0
+    for _ in range(4):  # all at once, after holding nothing
+        gate.hold("bursty", +1)
+    assert (gate.bulk(Tenant("steady"), 1), gate.bulk(Tenant("bursty"), 1)) == (True, False)
+
+
 def test_the_low_band_is_bulk_even_for_a_tenant_holding_nothing():
     async def run() -> bool:
         w = fleetllm_worker(max_num_seqs=4, inflight=3)
@@ -154,7 +167,7 @@ def test_the_low_band_is_bulk_even_for_a_tenant_holding_nothing():
 def test_routers_sharing_a_store_count_a_tenants_slots_through_both_so_it_is_bulk_at_its_share_not_twice(redis_server):
     async def run() -> tuple[bool, bool, bool, dict]:
         w = fleetllm_worker(max_num_seqs=8)  # a's share beside one newcomer: 4 slots
-        flows = [FlowControl(FlowLimits(), TenantMetrics(CollectorRegistry())) for _ in range(2)]
+        flows = [FlowControl(FlowLimits(share_window_s=0), TenantMetrics(CollectorRegistry())) for _ in range(2)]
         shared = [SharedFlow(redis_server.url, f"test-{id(flows)}") for _ in flows]
         held = [await flows[0].admit("m", lambda: [w], Tenant("a"), "normal", 5.0) for _ in range(4)]
         gate = Gate(flows[1].limits, lambda: [w])

@@ -182,7 +182,7 @@ def test_an_interactive_request_takes_the_slot_of_a_flooding_tenants_bulk_reques
     # filling the last slot but the headroom; b's first takes the headroom, its second a's bulk request's slot
     sims = sim_workers(1, "--max-num-seqs", "4", "--sim-speed", "4", "--scheduling-policy", "priority")
     with ThreadPoolExecutor(5) as pool:
-        r = router(sims.urls, "least_load", "--flow-control", "--flow-headroom", "0.25")
+        r = router(sims.urls, "least_load", "--flow-control", "--flow-headroom", "0.25", "--flow-share-window", "0")
         try:
             wait_state(r.url, lambda s: s["workers"][0]["max_num_seqs"] == 4)
             events: list[str] = []

@@ -15,7 +15,8 @@ A worker whose KV pool is ``--flow-kv-usage`` full has no room.
 
 *Headroom* (``--flow-headroom``): bulk work leaves that fraction of each worker's slots free, so a request that is
 not bulk finds a slot at once instead of waiting for one to end. Bulk work is the low band (batch lines) and the
-requests of a tenant already holding its weighted share of the slots (:meth:`Gate.bulk`: a flood). While the head
+requests of a tenant holding its weighted share of the slots, now and on average over ``--flow-share-window``
+(:meth:`Gate.bulk`: a flood, not a burst). While the head
 of the queue is bulk work held out of the headroom, the first request that is not bulk may still take it.
 
 *Displacing bulk work*: the headroom is soon taken when the other tenants' work lasts (their requests in flight
@@ -43,6 +44,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from fleetllm.router.pipeline.fair_queue import BANDS, Entry, FairQueue
+from fleetllm.router.pipeline.held_average import HeldAverage
 from fleetllm.server.protocol import APIError
 
 if TYPE_CHECKING:
@@ -64,6 +66,7 @@ class FlowLimits:
     timeout_s: float = 60.0  # the longest a request waits unless it says less
     aging_s: float = 10.0  # a band's oldest request climbs one band per this many seconds waited
     headroom: float = 0.125  # the fraction of each worker's batch slots bulk work leaves free
+    share_window_s: float = 2.0  # a tenant is bulk holding its share on average over about this long (0: at once)
 
 
 def queued_at(w: WorkerState) -> int:
@@ -120,8 +123,11 @@ class Gate:
     """One model's queue, the requests let through that have not reached a worker yet, and each tenant's requests
     let through that have not ended."""
 
-    def __init__(self, limits: FlowLimits, workers: Callable[[], list[WorkerState]]) -> None:
+    def __init__(self, limits: FlowLimits, workers: Callable[[], list[WorkerState]],
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.limits = limits
+        self.clock = clock
+        self.held = HeldAverage(limits.share_window_s)  # each tenant's slots held, averaged over time
         self.queue = FairQueue(limits.queue_max, limits.aging_s)
         self.workers = workers  # the model's routable decode workers, looked up afresh
         self.in_transit = 0  # released (or let straight through) and not yet dispatched
@@ -138,9 +144,19 @@ class Gate:
         workers = self.workers()
         return room(workers, self.limits, bulk) - self.in_transit if workers else 1 << 30
 
+    def held_now(self, tenant_id: str) -> int:
+        """``tenant_id``'s requests let through and not ended, through every router sharing the state store."""
+        return self.holding.get(tenant_id, 0) + self.others.get(tenant_id, (0, 0.0))[0]
+
+    def hold(self, tenant_id: str, change: int) -> None:
+        """One request of ``tenant_id`` let through (+1) or ended (-1)."""
+        self.holding[tenant_id] = self.holding.get(tenant_id, 0) + change
+        self.held.note(tenant_id, self.held_now(tenant_id), self.clock())
+
     def bulk(self, tenant: Tenant, band: int) -> bool:
         """Whether a request is bulk work: the low band's, or its tenant's while the tenant holds its weighted
-        share of the model's batch slots or more (through every router sharing the state store), the share counting
+        share of the model's batch slots or more (through every router sharing the state store), both now and on
+        average over ``share_window_s`` (a burst of a tenant under its share is not a flood); the share counting
         one more tenant (of weight 1) when it is alone, so one busy tenant is bulk before a second one arrives."""
         if band == LOW:
             return True
@@ -151,7 +167,8 @@ class Gate:
             return False
         weights = {**{t: w for t, (_, w) in self.others.items()}, **self.weights}
         active = sum(weights.values()) + (0.0 if tenant.id in weights else tenant.weight)
-        holding = self.holding.get(tenant.id, 0) + self.others.get(tenant.id, (0, 0.0))[0]
+        holding = self.held_now(tenant.id)
+        holding = min(holding, self.held.note(tenant.id, holding, self.clock()))
         return holding + 1 > slots * tenant.weight / max(active, tenant.weight + 1.0)
 
     def next(self, now: float) -> tuple[Entry, bool] | None:
@@ -173,6 +190,7 @@ class Gate:
         if not self.holding.get(tenant.id) and not self.queue.waiting(tenant.id):
             self.holding.pop(tenant.id, None)
             self.weights.pop(tenant.id, None)
+            self.held.forget(tenant.id)
 
 
 class Ticket:
@@ -185,7 +203,7 @@ class Ticket:
         self.tenant = tenant
         self.bulk = bulk  # released as bulk work: its worker must have room beyond the headroom
         gate.in_transit += 1
-        gate.holding[tenant.id] = gate.holding.get(tenant.id, 0) + 1
+        gate.hold(tenant.id, +1)
         gate.weights[tenant.id] = tenant.weight
 
     def dispatched(self) -> None:
@@ -199,7 +217,7 @@ class Ticket:
         """The request ended (answered, failed or abandoned): idempotent."""
         self.dispatched()
         if self.holds is not None:
-            self.holds.holding[self.tenant.id] -= 1
+            self.holds.hold(self.tenant.id, -1)
             self.holds.forget(self.tenant)
             self.holds.wake.set()
             self.holds = None
@@ -237,7 +255,7 @@ class FlowControl:
         """Let the request through now or once there is room; raises APIError 429/503 when it is shed."""
         gate = self.gates.get(model)
         if gate is None:
-            gate = self.gates[model] = Gate(self.limits, workers)
+            gate = self.gates[model] = Gate(self.limits, workers, self.clock)
         bulk = gate.bulk(tenant, BANDS.index(priority_band))
         if not len(gate.queue) and gate.free(bulk) > 0:
             return Ticket(gate, tenant, bulk)
