@@ -18,6 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from hf_reference import cache_lock
 
@@ -281,3 +282,34 @@ def prepare_ggufs() -> None:
 
 if __name__ == "__main__":
     prepare_ggufs()
+
+
+def requantise_experts(src: Path, dst: Path, qtypes: dict[str, Any]) -> dict[str, Any]:
+    """``src`` (an F32 GGUF) rewritten to ``dst`` with each ``*_exps.weight`` whose name holds a key of ``qtypes``
+    quantised to that type by gguf-py (llama.cpp's ``llama-quantize`` is not built here); returns the fp32
+    weights those tensors now stand for (gguf-py's dequantisation), by GGUF name, in PyTorch layout."""
+    import gguf
+    from gguf.quants import dequantize, quantize
+
+    reader = gguf.GGUFReader(src)
+    arch = reader.fields[gguf.Keys.General.ARCHITECTURE].contents()
+    writer = gguf.GGUFWriter(dst, arch)
+    for field in reader.fields.values():
+        if field.name == gguf.Keys.General.ARCHITECTURE or field.name.startswith("GGUF."):
+            continue
+        sub = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(field.name, field.contents(), field.types[0], sub_type=sub)
+    rounded = {}
+    for t in reader.tensors:
+        qtype = next((q for key, q in qtypes.items() if key in t.name), None) if "_exps." in t.name else None
+        if qtype is None:
+            writer.add_tensor(t.name, t.data, raw_dtype=t.tensor_type)
+            continue
+        data = quantize(np.asarray(t.data, dtype=np.float32), qtype)
+        rounded[t.name] = torch.from_numpy(dequantize(data, qtype).copy())
+        writer.add_tensor(t.name, data, raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return rounded

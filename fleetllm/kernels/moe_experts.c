@@ -11,7 +11,7 @@
  * never read. SiLU(gate) * up between them; each row's output is its choices' outputs times their weights,
  * added in ascending expert order (each product rounded, then the sum, as PyTorch's ops round them).
  *
- * The products are q8_i16_rows.h's: the weights the file holds, each row's input rounded to int16 per group of
+ * The products are q8_i16_rows.h's (Q8_0 weights) or q4_i16_rows.h's (4-bit: a GGUF's Q4_0, Q4_1, Q4_K): the weights the file holds, each row's input rounded to int16 per group of
  * 32 once (and each pair's SiLU * up once), integer dot products summed exactly: the q4 default's contract for
  * narrow steps, the same as the op-by-op path's Q8_0 GEMV (q8_i16_gemv) up to the router's and SiLU's rounding.
  *
@@ -28,17 +28,21 @@
 #include "simd.h"
 #include "gemv_common.h"
 #include "q8_i16_rows.h"
+#include "q4_i16_rows.h"
 
 #define MAX_TOP_K 64
 
-/* One layer's experts: the router's fp32 weight, and each expert's Q8_0 gate_up ([2I, H]: gate rows, then up)
- * and down ([H, I]) as int8 levels and fp32 scales (one per 32 inputs), by expert id. */
+/* One layer's experts: the router's fp32 weight, and each expert's gate_up ([2I, H]: gate rows, then up) and down
+ * ([H, I]), by expert id, each either Q8_0 (int8 levels and fp32 scales, one per 32 inputs; offsets NULL) or 4-bit
+ * (q4_i16_rows.h's levels, two a byte, fp32 scales and offsets). */
 typedef struct {
     const float *router;  /* [E, H] */
-    const int8_t *const *gate_up;
+    const void *const *gate_up;
     const float *const *gate_up_d;
-    const int8_t *const *down;
+    const float *const *gate_up_m;  /* NULL: gate_up is Q8_0 */
+    const void *const *down;
     const float *const *down_d;
+    const float *const *down_m;  /* NULL: down is Q8_0 */
     int experts, top_k, hidden, inter, norm_topk;
 } MoeLayer;
 
@@ -50,8 +54,10 @@ typedef struct {
     float *weight, *gu, *act, *ys;  /* per pair: routing weight; per slot: gate_up, SiLU * up, output */
     int16_t *xq, *actq;  /* per row: its input's int16 levels; per slot: SiLU * up's */
     float *xs, *acts;    /* their scales, one per 32 inputs */
+    float *xsum, *actsum;  /* their groups' sums (group_sums), for 4-bit weights' offsets */
     const int16_t **x_of, **act_of;  /* per slot: its row's input levels, its own SiLU * up levels */
     const float **xs_of, **acts_of;  /* and their scales */
+    const float **xsum_of, **actsum_of;  /* and their groups' sums */
     int n_active;
 } Plan;
 
@@ -126,17 +132,49 @@ static void quantize_i16(const float *x, int n, int16_t *q, float *s, int level)
     quantize_i16_scalar(x, n, q, s);
 }
 
-/* y[r, j] (ldy apart) = row j of an expert's weight (`w`, `d`: levels and scales, `k_in` inputs) times its `n`
- * activation rows (levels `xq[r]`, scales `sx[r]`), each weight row read once per pass of I16_PASS rows. */
-static void expert_product(row_fn *row, const int8_t *w, const float *d, int k_in, int n_out,
-                           const int16_t *const *xq, const float *const *sx, int n, float *y, long ldy) {
+/* One output row of a 4-bit weight for up to I16_PASS activation rows (q4_i16_rows.h). */
+typedef void row4_fn(int rows, const uint8_t *w, const float *d, const float *m, const int16_t *const *xq,
+                     const float *const *sx, const float *const *xsum, int groups, float *out, long ldy);
+
+static row4_fn *row4_kernel(int level) {
+#if FLEETLLM_X86
+    if (level >= 3) return row_q4_vnni_any;
+    if (level == 2) return row_q4_avx2_any;
+#endif
+    return row_q4_scalar;
+}
+
+/* One expert's weight as the products read it: Q8_0 when `m` is NULL, else 4-bit. */
+typedef struct {
+    const void *w;
+    const float *d, *m;
+} Weight;
+
+/* y[r, j] (ldy apart) = row j of an expert's weight (`k_in` inputs) times its `n` activation rows (levels `xq[r]`,
+ * scales `sx[r]`, group sums `xsum[r]`), each weight row read once per pass of I16_PASS rows. */
+static void expert_product(int level, Weight wt, int k_in, int n_out, const int16_t *const *xq,
+                           const float *const *sx, const float *const *xsum, int n, float *y, long ldy) {
     const int groups = k_in / 32;
+    if (wt.m == NULL) {
+        row_fn *row = row_kernel(level);
+        const int8_t *w = wt.w;
+        for (int j = 0; j < n_out; j++) {
+            if (j + PREFETCH_ROWS < n_out)
+                prefetch_row(w + (long)(j + PREFETCH_ROWS) * k_in, wt.d + (long)(j + PREFETCH_ROWS) * groups, k_in);
+            for (int r0 = 0; r0 < n; r0 += I16_PASS)
+                row(n - r0 < I16_PASS ? n - r0 : I16_PASS, w + (long)j * k_in, wt.d + (long)j * groups, xq + r0,
+                    sx + r0, groups, y + r0 * ldy + j, ldy);
+        }
+        return;
+    }
+    row4_fn *row = row4_kernel(level);
+    const uint8_t *w = wt.w;
     for (int j = 0; j < n_out; j++) {
-        if (j + PREFETCH_ROWS < n_out)
-            prefetch_row(w + (long)(j + PREFETCH_ROWS) * k_in, d + (long)(j + PREFETCH_ROWS) * groups, k_in);
+        const long ahead = (long)(j + PREFETCH_ROWS) * groups;
+        if (j + PREFETCH_ROWS < n_out) prefetch_row4(w + ahead * 16, wt.d + ahead, wt.m + ahead, k_in);
         for (int r0 = 0; r0 < n; r0 += I16_PASS)
-            row(n - r0 < I16_PASS ? n - r0 : I16_PASS, w + (long)j * k_in, d + (long)j * groups, xq + r0, sx + r0,
-                groups, y + r0 * ldy + j, ldy);
+            row(n - r0 < I16_PASS ? n - r0 : I16_PASS, w + (long)j * groups * 16, wt.d + (long)j * groups,
+                wt.m + (long)j * groups, xq + r0, sx + r0, xsum + r0, groups, y + r0 * ldy + j, ldy);
     }
 }
 
@@ -188,6 +226,7 @@ static void plan_step(const MoeLayer *ly, const float *logits, int rows, Plan *p
         const int s = next[ids[p]]++, r = p / k;
         pl->slot_of[p] = s;
         pl->x_of[s] = pl->xq + (long)r * H, pl->xs_of[s] = pl->xs + (long)r * (H / 32);
+        pl->xsum_of[s] = pl->xsum + (long)r * (H / 32);
     }
 }
 
@@ -196,17 +235,21 @@ static void plan_step(const MoeLayer *ly, const float *logits, int rows, Plan *p
  * barrier in between; a thread the OS takes away for a while holds up the others only by the expert it is on. */
 static void experts_step(const MoeLayer *ly, const Plan *pl, int rows, float *out, int level) {
     const int k = ly->top_k, H = ly->hidden, I = ly->inter;
-    row_fn *row = row_kernel(level);
     #pragma omp for schedule(dynamic, 1)
     for (int a = 0; a < pl->n_active; a++) {
         const int e = pl->active[a], s = pl->first[a], n = pl->count[a];
         float *gu = pl->gu + (long)s * 2 * I, *act = pl->act + (long)s * I;
-        expert_product(row, ly->gate_up[e], ly->gate_up_d[e], H, 2 * I, pl->x_of + s, pl->xs_of + s, n, gu, 2 * I);
+        const Weight gate_up = {ly->gate_up[e], ly->gate_up_d[e], ly->gate_up_m ? ly->gate_up_m[e] : NULL};
+        const Weight down = {ly->down[e], ly->down_d[e], ly->down_m ? ly->down_m[e] : NULL};
+        expert_product(level, gate_up, H, 2 * I, pl->x_of + s, pl->xs_of + s, pl->xsum_of + s, n, gu, 2 * I);
         for (int r = 0; r < n; r++) {
+            int16_t *q = (int16_t *)pl->act_of[s + r];
+            float *sc = (float *)pl->acts_of[s + r];
             silu_mul(gu + (long)r * 2 * I, gu + (long)r * 2 * I + I, I, act + (long)r * I, level >= 2);
-            quantize_i16(act + (long)r * I, I, (int16_t *)pl->act_of[s + r], (float *)pl->acts_of[s + r], level);
+            quantize_i16(act + (long)r * I, I, q, sc, level);
+            if (down.m) group_sums(q, sc, I, (float *)pl->actsum_of[s + r]);
         }
-        expert_product(row, ly->down[e], ly->down_d[e], I, H, pl->act_of + s, pl->acts_of + s, n,
+        expert_product(level, down, I, H, pl->act_of + s, pl->acts_of + s, pl->actsum_of + s, n,
                        pl->ys + (long)s * H, H);
     }
     #pragma omp for schedule(static) nowait  /* the region's end is the barrier */
@@ -231,10 +274,15 @@ static void plan_layout(Plan *pl, int rows, int E, int H, int I, int k, float *f
     const long pairs = (long)rows * k;
     pl->weight = floats + rows * (long)E, pl->xs = pl->weight + pairs, pl->gu = pl->xs + rows * (long)(H / 32);
     pl->act = pl->gu + pairs * 2 * I, pl->acts = pl->act + pairs * I, pl->ys = pl->acts + pairs * (I / 32);
+    pl->xsum = pl->ys + pairs * H, pl->actsum = pl->xsum + rows * (long)(H / 32);
     pl->xq = levels, pl->actq = levels + rows * (long)H;
     pl->x_of = (const int16_t **)ptrs, pl->act_of = pl->x_of + pairs;
     pl->xs_of = (const float **)(ptrs + 2 * pairs), pl->acts_of = pl->xs_of + pairs;
-    for (long s = 0; s < pairs; s++) pl->act_of[s] = pl->actq + s * I, pl->acts_of[s] = pl->acts + s * (I / 32);
+    pl->xsum_of = (const float **)(ptrs + 4 * pairs), pl->actsum_of = pl->xsum_of + pairs;
+    for (long s = 0; s < pairs; s++) {
+        pl->act_of[s] = pl->actq + s * I, pl->acts_of[s] = pl->acts + s * (I / 32);
+        pl->actsum_of[s] = pl->actsum + s * (I / 32);
+    }
 }
 
 /* out[rows, H] = the MoE block of x[rows, H]; `counts` (NULL: none) gains each expert's pairs. Returns 0, -1
@@ -247,10 +295,10 @@ int moe_experts(const MoeLayer *ly, const float *x, int rows, float *out, int64_
     const long pairs = (long)rows * k;
     if (H % 32 || I % 32 || H <= 0 || I <= 0 || k < 1 || k > E || k > MAX_TOP_K || rows < 1) return -1;
     const int isa = moe_experts_isa(), level = vector == 0 ? 0 : vector == 2 && isa > 2 ? 2 : isa;
-    float *floats = malloc(sizeof(float) * (rows * (long)E + pairs + rows * (long)(H / 32)
-                                            + pairs * (2 * I + I + I / 32 + H)));
+    float *floats = malloc(sizeof(float) * (rows * (long)E + pairs + 2 * rows * (long)(H / 32)
+                                            + pairs * (2 * I + I + 2 * (I / 32) + H)));
     int16_t *levels = malloc(sizeof(int16_t) * (rows * (long)H + pairs * I));
-    void **ptrs = malloc(sizeof(void *) * 4 * pairs);
+    void **ptrs = malloc(sizeof(void *) * 6 * pairs);
     int *ints = malloc(sizeof(int) * (2 * pairs + 3L * E));
     if (floats == NULL || levels == NULL || ptrs == NULL || ints == NULL) {
         free(floats), free(levels), free(ptrs), free(ints);
@@ -263,7 +311,12 @@ int moe_experts(const MoeLayer *ly, const float *x, int rows, float *out, int64_
     #pragma omp parallel num_threads(threads)
     {
         #pragma omp for schedule(static) nowait
-        for (int r = 0; r < rows; r++) quantize_i16(x + (long)r * H, H, pl.xq + (long)r * H, pl.xs + (long)r * (H / 32), level);
+        for (int r = 0; r < rows; r++) {
+            int16_t *q = pl.xq + (long)r * H;
+            float *sc = pl.xs + (long)r * (H / 32);
+            quantize_i16(x + (long)r * H, H, q, sc, level);
+            if (ly->gate_up_m) group_sums(q, sc, H, pl.xsum + (long)r * (H / 32));
+        }
         #pragma omp for schedule(static)
         for (int i = 0; i < rows * E; i++)
             floats[i] = dot(x + (long)(i / E) * H, ly->router + (long)(i % E) * H, H, level >= 2);

@@ -1,7 +1,7 @@
-"""A mixture-of-experts block's narrow steps in one C call (``moe_experts.c``): router, top-k, Q8_0 experts.
+"""A mixture-of-experts block's narrow steps in one C call (``moe_experts.c``): router, top-k, quantised experts.
 
-:class:`FusedExperts` holds one layer's C table (the router's fp32 weight, each expert's Q8_0 gate_up and down
-levels and scales) and runs a step's rows through it: the chosen experts only, each read once per step
+:class:`FusedExperts` holds one layer's C table (the router's fp32 weight, each expert's gate_up and down, each
+Q8_0 levels and scales or :class:`Q4Weight` levels, scales and offsets) and runs a step's rows through it: the chosen experts only, each read once per step
 whatever number of rows chose it, their outputs weighted and summed in ascending expert order as
 :class:`fleetllm.models.moe.MoE` sums them. It covers the softmax-then-top-k router without bias (Qwen2-MoE,
 Qwen3-MoE, Mixtral) and SwiGLU experts without biases; GPT-OSS's router and clamped experts keep PyTorch's path.
@@ -16,6 +16,7 @@ and the caller takes PyTorch's path.
 from __future__ import annotations
 
 import ctypes
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -27,9 +28,32 @@ from fleetllm.kernels.build import KernelLibrary
 P, INT = ctypes.c_void_p, ctypes.c_int
 
 
+@dataclass
+class Q4Weight:
+    """One expert's ``[N, K]`` weight in 4 bits: levels ``q [N, K/2]`` uint8 (0..15, two a byte as Q4_0 packs
+    them: byte ``j`` of a group of 32 inputs holds input ``j`` low, ``j + 16`` high), scales ``d`` and offsets ``m``
+    ``[N, K/32]`` fp32; the weight is ``d * q + m`` (see :mod:`fleetllm.models.expert_quant`)."""
+
+    q: torch.Tensor
+    d: torch.Tensor
+    m: torch.Tensor
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """``(N, K)`` of the weight."""
+        return self.q.shape[0], 2 * self.q.shape[1]
+
+    def dequantize(self) -> torch.Tensor:
+        """The fp32 weight, bit for bit the GGUF's dequantised one."""
+        b = self.q.reshape(*self.d.shape, 16)
+        levels = torch.cat([b & 0x0F, b >> 4], dim=-1).float()
+        return (self.d.unsqueeze(-1) * levels + self.m.unsqueeze(-1)).reshape(self.shape)
+
+
 class _Layer(ctypes.Structure):
-    _fields_ = [("router", P), ("gate_up", P), ("gate_up_d", P), ("down", P), ("down_d", P), ("experts", INT),
-                ("top_k", INT), ("hidden", INT), ("inter", INT), ("norm_topk", INT)]
+    _fields_ = [("router", P), ("gate_up", P), ("gate_up_d", P), ("gate_up_m", P), ("down", P), ("down_d", P),
+                ("down_m", P), ("experts", INT), ("top_k", INT), ("hidden", INT), ("inter", INT),
+                ("norm_topk", INT)]
 
 
 def _declare(lib: ctypes.CDLL) -> None:
@@ -50,6 +74,14 @@ def _fp32(t: torch.Tensor) -> bool:
     return t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous()
 
 
+def _served(w: Any) -> bool:
+    """Whether the kernel reads weight ``w`` as it is: contiguous CPU parts of the dtypes its layout has."""
+    q4_levels = isinstance(w, Q4Weight)
+    if not w.q.is_contiguous() or w.q.device.type != "cpu" or w.q.dtype != (torch.uint8 if q4_levels else torch.int8):
+        return False
+    return _fp32(w.d) and (not q4_levels or _fp32(w.m))
+
+
 class FusedExperts:
     """One MoE layer's C table; :meth:`of` says whether the kernel covers the layer."""
 
@@ -57,12 +89,15 @@ class FusedExperts:
         self._keep = [moe.router.weight, *(w for pair in moe.q8 for w in pair)]  # the pointers below point here
         e = moe.num_experts
 
-        def pointers(which: int, part: str) -> ctypes.Array:
+        def pointers(which: int, part: str) -> ctypes.Array | None:
+            if not hasattr(moe.q8[0][which], part):
+                return None  # Q8_0: no offsets (NULL tells the kernel)
             return (P * e)(*(getattr(moe.q8[i][which], part).data_ptr() for i in range(e)))
 
-        self._arrays = [pointers(w, part) for w in (0, 1) for part in ("q", "d")]
+        self._arrays = [pointers(w, part) for w in (0, 1) for part in ("q", "d", "m")]
         self.hidden = moe.router.weight.shape[1]
-        self._layer = _Layer(moe.router.weight.data_ptr(), *(ctypes.addressof(a) for a in self._arrays), e,
+        self._layer = _Layer(moe.router.weight.data_ptr(),
+                             *(None if a is None else ctypes.addressof(a) for a in self._arrays), e,
                              moe.top_k, self.hidden, moe.inter, int(moe.norm_topk))
 
     @property
@@ -72,7 +107,7 @@ class FusedExperts:
 
     @classmethod
     def of(cls, moe: Any) -> FusedExperts | None:
-        """The table of ``moe`` (a :class:`fleetllm.models.moe.MoE` with Q8_0 experts), or None when the kernel
+        """The table of ``moe`` (a :class:`fleetllm.models.moe.MoE` with quantised experts), or None when the kernel
         does not cover it: another router, biases, a clamped SwiGLU, non-fp32 CPU tensors, widths that are not
         multiples of 32."""
         if moe.q8 is None or moe.router_kind != "softmax_topk" or moe.router.bias is not None:
@@ -82,11 +117,11 @@ class FusedExperts:
         h, i = moe.router.weight.shape[1], moe.inter
         if h % 32 or i % 32 or not _fp32(moe.router.weight):
             return None
-        for gate_up, down in moe.q8:
-            if gate_up.shape != (2 * i, h) or down.shape != (h, i) or not all(
-                    t.device.type == "cpu" and t.is_contiguous() for t in (gate_up.q, gate_up.d, down.q, down.d)):
+        kinds = tuple(type(w) for w in moe.q8[0])
+        for pair in moe.q8:
+            if pair[0].shape != (2 * i, h) or pair[1].shape != (h, i) or tuple(type(w) for w in pair) != kinds:
                 return None
-            if gate_up.q.dtype != torch.int8 or down.q.dtype != torch.int8 or not _fp32(gate_up.d) or not _fp32(down.d):
+            if not all(_served(w) for w in pair):
                 return None
         return cls(moe)
 

@@ -85,9 +85,8 @@ def load_moe(moe: MoE, cfg: ModelConfig, p: str, take: Take, sd: dict[str, torch
     mixtral = p + "block_sparse_moe.gate.weight" in sd
     q = p + ("block_sparse_moe." if mixtral else "mlp.")
     set_weight(moe.router, take(q + "gate.weight"))
-    if q + "experts.gate_up_proj.q8" in sd:  # a Q8_0 GGUF's *_exps, kept quantised in the cache
-        # popped as they are (``take`` would make the levels fp32)
-        moe.set_q8_experts(*(sd.pop(f"{q}experts.{w}_proj.{part}") for w in ("gate_up", "down") for part in ("q8", "q8_scale")))
+    if _quantised_experts(sd, q):  # a GGUF's quantised *_exps, kept so in the cache
+        moe.set_quantised_experts(*(_pop_parts(sd, f"{q}experts.{w}_proj") for w in ("gate_up", "down")))
         _load_shared(moe, q, take, sd)
         return
     if q + "experts.gate_up_proj" in sd or q + "experts.gate_proj" in sd:  # stacked (a GGUF's *_exps, cached)
@@ -107,6 +106,17 @@ def load_moe(moe: MoE, cfg: ModelConfig, p: str, take: Take, sd: dict[str, torch
     _load_shared(moe, q, take, sd)
 
 
+def _quantised_experts(sd: dict[str, torch.Tensor], q: str) -> bool:
+    return q + "experts.gate_up_proj.q8" in sd or q + "experts.gate_up_proj.q4" in sd
+
+
+def _pop_parts(sd: dict[str, torch.Tensor], name: str) -> tuple[torch.Tensor, ...]:
+    """A quantised expert weight's parts (models/expert_quant.py), popped as they are (``take`` would make the
+    levels fp32): Q4's levels, scales and offsets, or Q8_0's levels and scales."""
+    parts = (".q4", ".q4_scale", ".q4_min") if name + ".q4" in sd else (".q8", ".q8_scale")
+    return tuple(sd.pop(name + p) for p in parts)
+
+
 def _load_shared(moe: MoE, q: str, take: Take, sd: dict[str, torch.Tensor]) -> None:
     if moe.shared is not None:
         load_mlp(moe.shared, q + "shared_expert.", take, sd)
@@ -118,9 +128,8 @@ def _load_gpt_oss_experts(moe: MoE, q: str, take: Take, sd: dict[str, torch.Tens
     set_weight(moe.router, take(q + "router.weight"))
     set_weight(moe.router, take(q + "router.bias"), "bias")
     if q + "experts.gate_proj_bias" in sd:  # a GGUF's: stacked as the model multiplies, gate and up fused at load
-        if q + "experts.gate_up_proj.q8" in sd:
-            moe.set_q8_experts(*(sd.pop(f"{q}experts.{w}_proj.{part}") for w in ("gate_up", "down")
-                                 for part in ("q8", "q8_scale")))
+        if _quantised_experts(sd, q):
+            moe.set_quantised_experts(*(_pop_parts(sd, f"{q}experts.{w}_proj") for w in ("gate_up", "down")))
         else:
             set_weight(moe, take(q + "experts.gate_up_proj"), "gate_up")
             set_weight(moe, take(q + "experts.down_proj"), "down")

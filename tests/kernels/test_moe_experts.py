@@ -1,6 +1,7 @@
 """The fused MoE kernel (``moe_experts.c``): one call per layer equals the block's op-by-op path over the same
-Q8_0 weights (and an fp64 reference of its int16-activation contract) up to rounding; it picks the same experts,
-counts them, and reads no expert no row chose."""
+Q8_0 weights (and an fp64 reference of its int16-activation contract) up to rounding, and so do 4-bit experts (a
+GGUF's Q4_0, Q4_1, Q4_K) alone or beside Q8_0 ones; it picks the same experts, counts them, and reads no expert no
+row chose."""
 
 from __future__ import annotations
 
@@ -18,9 +19,10 @@ from fleetllm.models.moe import MoE
 H, INTER, EXPERTS = 64, 32, 8
 
 
-def q8_moe(top_k: int = 3, norm: bool = True, seed: int = 0) -> MoE:
-    """A seeded Qwen3-MoE block whose experts are Q8_0 (levels and fp16-rounded scales), as a GGUF loads them,
-    narrow steps on the Q8_0 kernels as a ``q4`` copy sets them."""
+def q8_moe(top_k: int = 3, norm: bool = True, seed: int = 0, bits: tuple[int, int] = (8, 8)) -> MoE:
+    """A seeded Qwen3-MoE block whose experts are Q8_0 (levels and fp16-rounded scales), as a GGUF loads them, or
+    4-bit (``bits`` of gate_up and down: levels, scales and offsets), narrow steps on the kernels as a ``q4`` copy
+    sets them."""
     cfg = ModelConfig(architecture="qwen3_moe", vocab_size=16, hidden_size=H, intermediate_size=64, num_layers=1,
                       num_heads=4, num_kv_heads=1, head_dim=16, num_experts=EXPERTS, num_experts_per_tok=top_k,
                       moe_intermediate_size=INTER, norm_topk_prob=norm)
@@ -33,7 +35,13 @@ def q8_moe(top_k: int = 3, norm: bool = True, seed: int = 0) -> MoE:
         q = torch.randint(-127, 128, (EXPERTS, n, k), generator=g, dtype=torch.int8)
         return q, (torch.rand(EXPERTS, n, k // 32, generator=g) * 0.004 + 1e-4).half().float()
 
-    m.set_q8_experts(*levels(2 * INTER, H), *levels(H, INTER))
+    def nibbles(n: int, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        q = torch.randint(0, 256, (EXPERTS, n, k // 2), generator=g, dtype=torch.uint8)
+        d = torch.rand(EXPERTS, n, k // 32, generator=g) * 0.06 + 1e-3
+        return q, d, -d * torch.rand(EXPERTS, n, k // 32, generator=g) * 16
+
+    shapes = ((2 * INTER, H), (H, INTER))
+    m.set_quantised_experts(*((levels if b == 8 else nibbles)(*shape) for b, shape in zip(bits, shapes, strict=True)))
     m.q8_rows = 48
     return m
 
@@ -64,6 +72,23 @@ def test_the_kernel_equals_the_blocks_reference(rows: int, norm: bool) -> None:
     x = torch.randn(rows, H, generator=torch.Generator().manual_seed(rows))
     torch.testing.assert_close(FusedExperts.of(m)(x), m._experts(x), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(FusedExperts.of(m)(x).double(), reference(m, x), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [1, 8, 40])
+@pytest.mark.parametrize("bits", [(4, 4), (4, 8)], ids=["4-bit", "4-bit-gate-up-q8-down"])
+def test_4_bit_experts_equal_the_blocks_reference(rows: int, bits: tuple[int, int]) -> None:
+    m = q8_moe(bits=bits)
+    x = torch.randn(rows, H, generator=torch.Generator().manual_seed(rows))
+    torch.testing.assert_close(FusedExperts.of(m)(x).double(), reference(m, x), rtol=1e-5, atol=1e-5)
+
+
+def test_4_bit_experts_agree_on_every_path() -> None:
+    """AVX2 gives VNNI's bits; the scalar path differs only by its router's and SiLU's rounding."""
+    m = q8_moe(bits=(4, 4))
+    x = torch.randn(11, H, generator=torch.Generator().manual_seed(6))
+    fused = FusedExperts.of(m)
+    assert torch.equal(fused(x, vector=2), fused(x))
+    torch.testing.assert_close(fused(x, vector=0), fused(x), rtol=1e-5, atol=1e-5)
 
 
 def test_the_scalar_path_equals_the_vector_path() -> None:

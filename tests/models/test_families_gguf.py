@@ -3,15 +3,19 @@
 dense families (Mistral, Phi-3's fused projections and longrope factors, Gemma 2's soft-capping and alternating
 windows, from a SentencePiece vocabulary) equal to the HF model, Q8_0 (Qwen3-MoE) equal to the HF model
 whose weights are rounded as Q8_0 rounds them, in exact mode and with the experts, attention and LM head on the
-Q8_0 kernel; Q8_0 experts, attention projections and token embedding stay quantised in memory."""
+Q8_0 kernel; Q8_0 experts, attention projections and token embedding stay quantised in memory; 4-bit experts
+(Q4_1 gate and up, Q4_0 down) stay 4-bit, equal to the HF model on their dequantised weights in exact mode and
+on the experts kernel."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from families import converter, hf_greedy_logprobs, q8_0
+from families import converter, hf_greedy_logprobs, q8_0, requantise_experts
 
 from fleetllm import LLM, SamplingParams
+from fleetllm.kernels import moe_experts
+from fleetllm.kernels.moe_experts import Q4Weight
 from fleetllm.models.gguf_file import read_gguf_file
 from fleetllm.models.loader import load_model
 from fleetllm.models.q8_weights import PackedQ8Embedding, PackedQ8Linear
@@ -128,3 +132,50 @@ def test_q8_0_attention_and_embeddings_stay_quantised_in_memory(q8_reference) ->
             if t.dtype == torch.float32 and t.dim() >= 2 and not n.startswith("rotary.") and not n.endswith("_d")}
     # (``*_d``: the Q8_0 scales, one per 32 weights)
     assert fp32 == {f"layers.{i}.mlp.router.weight" for i in range(len(model.layers))}
+
+
+@pytest.fixture(scope="module")
+def q4_reference(family_models, tmp_path_factory):
+    """The F32 Qwen3-MoE GGUF with its experts 4-bit (gate and up Q4_1, down Q4_0), and its HF model with those
+    experts' dequantised weights."""
+    from gguf import GGMLQuantizationType as T
+
+    src, hf = family_models.gguf("qwen3_moe", "f32")
+    path = tmp_path_factory.mktemp("q4-experts") / "qwen3-moe-q4.gguf"
+    rounded = requantise_experts(src, path, {"gate": T.Q4_1, "up": T.Q4_1, "down": T.Q4_0})
+    ref = type(hf)(hf.config).eval()
+    ref.load_state_dict(hf.state_dict())
+    with torch.no_grad():
+        for i, layer in enumerate(ref.model.layers):
+            gate, up, down = (rounded[f"blk.{i}.ffn_{w}_exps.weight"] for w in ("gate", "up", "down"))
+            layer.mlp.experts.gate_up_proj.copy_(torch.cat([gate, up], dim=1))
+            layer.mlp.experts.down_proj.copy_(down)
+    return path, ref
+
+
+def test_4_bit_experts_stay_4_bit_in_memory(q4_reference) -> None:
+    """No fp32 copy: 4-bit levels and fp32 scales and offsets, at most 1.35x their bytes in the file."""
+    path, _ = q4_reference
+    model = load_model(str(path)).model
+    in_file = sum(t.data.nbytes for t in read_gguf_file(path).tensors if t.name.endswith("_exps.weight"))
+    moes = [layer.mlp for layer in model.layers]
+    assert all(m.gate_up is None and m.down is None and isinstance(m.q8[0][1], Q4Weight) for m in moes)
+    held = sum(b.nbytes for m in moes for w in ("gate_up", "down") for b in (m.get_buffer(f"{w}_{p}") for p in ("q4", "d", "m")))
+    assert in_file <= held <= 1.35 * in_file
+
+
+def test_a_4_bit_experts_gguf_equals_transformers_on_its_dequantised_experts(q4_reference) -> None:
+    path, hf = q4_reference
+    assert_equal_to(hf, greedy(path))
+
+
+def test_4_bit_experts_run_on_the_experts_kernel_by_default_to_the_same_outputs(q4_reference) -> None:
+    path, hf = q4_reference
+    moe_experts.kernel_ready(wait=True)  # built before the first step, so that every narrow step takes it
+    llm = LLM(str(path), max_num_batched_tokens=16, num_blocks=64, kv_cache_dtype="fp32")
+    served = llm.engine.executor.runner.model
+    assert all(layer.mlp.q8_rows > 1 and isinstance(layer.mlp.q8[0][0], Q4Weight) for layer in served.layers)
+    res = llm.generate(PROMPTS, SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True, logprobs=0))
+    assert all(layer.mlp._fused not in (None, False) for layer in served.layers)  # the experts kernel served
+    assert_equal_to(hf, [(r.outputs[0].token_ids, [lp.logprob for lp in r.outputs[0].logprobs]) for r in res],
+                    FAST_PATH_LOGPROB_TOL)
