@@ -33,16 +33,18 @@
 #define MAX_TOP_K 64
 
 /* One layer's experts: the router's fp32 weight, and each expert's gate_up ([2I, H]: gate rows, then up) and down
- * ([H, I]), by expert id, each either Q8_0 (int8 levels and fp32 scales, one per 32 inputs; offsets NULL) or 4-bit
- * (q4_i16_rows.h's levels, two a byte, fp32 scales and offsets). */
+ * ([H, I]), by expert id, each either Q8_0 (int8 levels and fp32 scales, one per 32 inputs; factors NULL) or 4-bit
+ * (q4_i16_rows.h's levels two a byte, uint8 factors, fp32 scales per 2^shift groups). */
 typedef struct {
     const float *router;  /* [E, H] */
     const void *const *gate_up;
     const float *const *gate_up_d;
-    const float *const *gate_up_m;  /* NULL: gate_up is Q8_0 */
+    const uint8_t *const *gate_up_f;  /* NULL: gate_up is Q8_0 */
+    int gate_up_shift;
     const void *const *down;
     const float *const *down_d;
-    const float *const *down_m;  /* NULL: down is Q8_0 */
+    const uint8_t *const *down_f;  /* NULL: down is Q8_0 */
+    int down_shift;
     int experts, top_k, hidden, inter, norm_topk;
 } MoeLayer;
 
@@ -133,8 +135,9 @@ static void quantize_i16(const float *x, int n, int16_t *q, float *s, int level)
 }
 
 /* One output row of a 4-bit weight for up to I16_PASS activation rows (q4_i16_rows.h). */
-typedef void row4_fn(int rows, const uint8_t *w, const float *d, const float *m, const int16_t *const *xq,
-                     const float *const *sx, const float *const *xsum, int groups, float *out, long ldy);
+typedef void row4_fn(int rows, const uint8_t *w, const uint8_t *f, const float *d, int shift,
+                     const int16_t *const *xq, const float *const *sx, const float *const *xsum, int groups,
+                     float *out, long ldy);
 
 static row4_fn *row4_kernel(int level) {
 #if FLEETLLM_X86
@@ -144,10 +147,12 @@ static row4_fn *row4_kernel(int level) {
     return row_q4_scalar;
 }
 
-/* One expert's weight as the products read it: Q8_0 when `m` is NULL, else 4-bit. */
+/* One expert's weight as the products read it: Q8_0 when `f` is NULL, else 4-bit. */
 typedef struct {
     const void *w;
-    const float *d, *m;
+    const float *d;
+    const uint8_t *f;
+    int shift;
 } Weight;
 
 /* y[r, j] (ldy apart) = row j of an expert's weight (`k_in` inputs) times its `n` activation rows (levels `xq[r]`,
@@ -155,7 +160,7 @@ typedef struct {
 static void expert_product(int level, Weight wt, int k_in, int n_out, const int16_t *const *xq,
                            const float *const *sx, const float *const *xsum, int n, float *y, long ldy) {
     const int groups = k_in / 32;
-    if (wt.m == NULL) {
+    if (wt.f == NULL) {
         row_fn *row = row_kernel(level);
         const int8_t *w = wt.w;
         for (int j = 0; j < n_out; j++) {
@@ -169,12 +174,13 @@ static void expert_product(int level, Weight wt, int k_in, int n_out, const int1
     }
     row4_fn *row = row4_kernel(level);
     const uint8_t *w = wt.w;
+    const int scales = 2 * (groups >> wt.shift);  /* per row */
     for (int j = 0; j < n_out; j++) {
-        const long ahead = (long)(j + PREFETCH_ROWS) * groups;
-        if (j + PREFETCH_ROWS < n_out) prefetch_row4(w + ahead * 16, wt.d + ahead, wt.m + ahead, k_in);
+        const long ahead = j + PREFETCH_ROWS;
+        if (ahead < n_out) prefetch_row4(w + ahead * groups * 16, wt.f + ahead * groups * 2, wt.d + ahead * scales, k_in);
         for (int r0 = 0; r0 < n; r0 += I16_PASS)
-            row(n - r0 < I16_PASS ? n - r0 : I16_PASS, w + (long)j * groups * 16, wt.d + (long)j * groups,
-                wt.m + (long)j * groups, xq + r0, sx + r0, xsum + r0, groups, y + r0 * ldy + j, ldy);
+            row(n - r0 < I16_PASS ? n - r0 : I16_PASS, w + (long)j * groups * 16, wt.f + (long)j * groups * 2,
+                wt.d + (long)j * scales, wt.shift, xq + r0, sx + r0, xsum + r0, groups, y + r0 * ldy + j, ldy);
     }
 }
 
@@ -239,15 +245,16 @@ static void experts_step(const MoeLayer *ly, const Plan *pl, int rows, float *ou
     for (int a = 0; a < pl->n_active; a++) {
         const int e = pl->active[a], s = pl->first[a], n = pl->count[a];
         float *gu = pl->gu + (long)s * 2 * I, *act = pl->act + (long)s * I;
-        const Weight gate_up = {ly->gate_up[e], ly->gate_up_d[e], ly->gate_up_m ? ly->gate_up_m[e] : NULL};
-        const Weight down = {ly->down[e], ly->down_d[e], ly->down_m ? ly->down_m[e] : NULL};
+        const Weight gate_up = {ly->gate_up[e], ly->gate_up_d[e], ly->gate_up_f ? ly->gate_up_f[e] : NULL,
+                                ly->gate_up_shift};
+        const Weight down = {ly->down[e], ly->down_d[e], ly->down_f ? ly->down_f[e] : NULL, ly->down_shift};
         expert_product(level, gate_up, H, 2 * I, pl->x_of + s, pl->xs_of + s, pl->xsum_of + s, n, gu, 2 * I);
         for (int r = 0; r < n; r++) {
             int16_t *q = (int16_t *)pl->act_of[s + r];
             float *sc = (float *)pl->acts_of[s + r];
             silu_mul(gu + (long)r * 2 * I, gu + (long)r * 2 * I + I, I, act + (long)r * I, level >= 2);
             quantize_i16(act + (long)r * I, I, q, sc, level);
-            if (down.m) group_sums(q, sc, I, (float *)pl->actsum_of[s + r]);
+            if (down.f) group_sums(q, sc, I, (float *)pl->actsum_of[s + r]);
         }
         expert_product(level, down, I, H, pl->act_of + s, pl->acts_of + s, pl->actsum_of + s, n,
                        pl->ys + (long)s * H, H);
@@ -315,7 +322,7 @@ int moe_experts(const MoeLayer *ly, const float *x, int rows, float *out, int64_
             int16_t *q = pl.xq + (long)r * H;
             float *sc = pl.xs + (long)r * (H / 32);
             quantize_i16(x + (long)r * H, H, q, sc, level);
-            if (ly->gate_up_m) group_sums(q, sc, H, pl.xsum + (long)r * (H / 32));
+            if (ly->gate_up_f) group_sums(q, sc, H, pl.xsum + (long)r * (H / 32));
         }
         #pragma omp for schedule(static)
         for (int i = 0; i < rows * E; i++)

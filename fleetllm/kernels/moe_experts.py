@@ -1,7 +1,7 @@
 """A mixture-of-experts block's narrow steps in one C call (``moe_experts.c``): router, top-k, quantised experts.
 
 :class:`FusedExperts` holds one layer's C table (the router's fp32 weight, each expert's gate_up and down, each
-Q8_0 levels and scales or :class:`Q4Weight` levels, scales and offsets) and runs a step's rows through it: the chosen experts only, each read once per step
+Q8_0 levels and scales or :class:`Q4Weight` levels, factors and scales) and runs a step's rows through it: the chosen experts only, each read once per step
 whatever number of rows chose it, their outputs weighted and summed in ascending expert order as
 :class:`fleetllm.models.moe.MoE` sums them. It covers the softmax-then-top-k router without bias (Qwen2-MoE,
 Qwen3-MoE, Mixtral) and SwiGLU experts without biases; GPT-OSS's router and clamped experts keep PyTorch's path.
@@ -30,30 +30,36 @@ P, INT = ctypes.c_void_p, ctypes.c_int
 
 @dataclass
 class Q4Weight:
-    """One expert's ``[N, K]`` weight in 4 bits: levels ``q [N, K/2]`` uint8 (0..15, two a byte as Q4_0 packs
-    them: byte ``j`` of a group of 32 inputs holds input ``j`` low, ``j + 16`` high), scales ``d`` and offsets ``m``
-    ``[N, K/32]`` fp32; the weight is ``d * q + m`` (see :mod:`fleetllm.models.expert_quant`)."""
+    """One expert's ``[N, K]`` weight in 4 bits (:mod:`fleetllm.models.expert_quant`): levels ``q [N, K/2]`` uint8
+    (0..15, two a byte as Q4_0 packs them: byte ``j`` of a group of 32 inputs holds input ``j`` low, ``j + 16``
+    high), factors ``f [N, K/16]`` uint8 (``sc``, ``mn`` per group), scales ``d [N, 2 K/32/G]`` fp32 (``d``,
+    ``dmin`` per super-block of ``G`` groups); the weight is ``(d * sc) * q - dmin * mn``."""
 
     q: torch.Tensor
+    f: torch.Tensor
     d: torch.Tensor
-    m: torch.Tensor
 
     @property
     def shape(self) -> tuple[int, int]:
         """``(N, K)`` of the weight."""
         return self.q.shape[0], 2 * self.q.shape[1]
 
+    @property
+    def groups_per_scale(self) -> int:
+        """``G``: groups of 32 inputs per super-block (a power of two)."""
+        return self.f.shape[1] // self.d.shape[1]
+
     def dequantize(self) -> torch.Tensor:
         """The fp32 weight, bit for bit the GGUF's dequantised one."""
-        b = self.q.reshape(*self.d.shape, 16)
-        levels = torch.cat([b & 0x0F, b >> 4], dim=-1).float()
-        return (self.d.unsqueeze(-1) * levels + self.m.unsqueeze(-1)).reshape(self.shape)
+        from fleetllm.models.expert_quant import dequantise_q4
+
+        return dequantise_q4(self.q, self.f, self.d)
 
 
 class _Layer(ctypes.Structure):
-    _fields_ = [("router", P), ("gate_up", P), ("gate_up_d", P), ("gate_up_m", P), ("down", P), ("down_d", P),
-                ("down_m", P), ("experts", INT), ("top_k", INT), ("hidden", INT), ("inter", INT),
-                ("norm_topk", INT)]
+    _fields_ = [("router", P), ("gate_up", P), ("gate_up_d", P), ("gate_up_f", P), ("gate_up_shift", INT),
+                ("down", P), ("down_d", P), ("down_f", P), ("down_shift", INT), ("experts", INT), ("top_k", INT),
+                ("hidden", INT), ("inter", INT), ("norm_topk", INT)]
 
 
 def _declare(lib: ctypes.CDLL) -> None:
@@ -76,10 +82,11 @@ def _fp32(t: torch.Tensor) -> bool:
 
 def _served(w: Any) -> bool:
     """Whether the kernel reads weight ``w`` as it is: contiguous CPU parts of the dtypes its layout has."""
-    q4_levels = isinstance(w, Q4Weight)
-    if not w.q.is_contiguous() or w.q.device.type != "cpu" or w.q.dtype != (torch.uint8 if q4_levels else torch.int8):
-        return False
-    return _fp32(w.d) and (not q4_levels or _fp32(w.m))
+    if not isinstance(w, Q4Weight):
+        return w.q.is_contiguous() and w.q.device.type == "cpu" and w.q.dtype == torch.int8 and _fp32(w.d)
+    g = w.groups_per_scale
+    uint8 = all(t.is_contiguous() and t.device.type == "cpu" and t.dtype == torch.uint8 for t in (w.q, w.f))
+    return uint8 and _fp32(w.d) and w.f.shape[1] % w.d.shape[1] == 0 and g & (g - 1) == 0
 
 
 class FusedExperts:
@@ -89,16 +96,22 @@ class FusedExperts:
         self._keep = [moe.router.weight, *(w for pair in moe.q8 for w in pair)]  # the pointers below point here
         e = moe.num_experts
 
-        def pointers(which: int, part: str) -> ctypes.Array | None:
+        def pointers(which: int, part: str) -> int | None:
             if not hasattr(moe.q8[0][which], part):
-                return None  # Q8_0: no offsets (NULL tells the kernel)
-            return (P * e)(*(getattr(moe.q8[i][which], part).data_ptr() for i in range(e)))
+                return None  # Q8_0: no factors (NULL tells the kernel)
+            array = (P * e)(*(getattr(moe.q8[i][which], part).data_ptr() for i in range(e)))
+            self._arrays.append(array)
+            return ctypes.addressof(array)
 
-        self._arrays = [pointers(w, part) for w in (0, 1) for part in ("q", "d", "m")]
+        def shift(which: int) -> int:
+            w = moe.q8[0][which]
+            return w.groups_per_scale.bit_length() - 1 if isinstance(w, Q4Weight) else 0
+
+        self._arrays: list[ctypes.Array] = []
         self.hidden = moe.router.weight.shape[1]
-        self._layer = _Layer(moe.router.weight.data_ptr(),
-                             *(None if a is None else ctypes.addressof(a) for a in self._arrays), e,
-                             moe.top_k, self.hidden, moe.inter, int(moe.norm_topk))
+        weights = [x for w in (0, 1) for x in (pointers(w, "q"), pointers(w, "d"), pointers(w, "f"), shift(w))]
+        self._layer = _Layer(moe.router.weight.data_ptr(), *weights, e, moe.top_k, self.hidden, moe.inter,
+                             int(moe.norm_topk))
 
     @property
     def address(self) -> int:

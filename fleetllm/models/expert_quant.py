@@ -3,11 +3,13 @@
 - **Q8_0** (int8 levels, one fp32 scale per 32 inputs: 1.125 bytes a weight) for Q8_0 experts, bit for bit the
   file's, and for 5- and 6-bit ones (Q5_0, Q5_1, Q5_K, Q6_K), re-rounded to Q8_0 (``amax / 127`` per 32): within
   ``amax / 254`` of the file's weight, a quarter of the 5/6-bit rounding's own step.
-- **Q4** (4-bit levels ``q`` in 0..15, two a byte as Q4_0 packs them: byte ``j`` of a group holds input ``j``
-  in its low nibble and ``j + 16`` in its high one; one fp32 scale ``d`` and one fp32 offset ``m`` per 32 inputs;
-  the weight is ``d * q + m``: 0.75 bytes a weight) for Q4_0 (``m = -8d``), Q4_1 and Q4_K (each 32-input
-  sub-block's ``d * sc`` and ``-dmin * min``). The same fp32 products gguf-py's dequantisation forms, so the
-  weight ``d * q + m`` (a product rounded, then a sum) is bit for bit the file's dequantised weight.
+- **Q4** (4-bit levels ``q`` in 0..15, two a byte as Q4_0 packs them: byte ``j`` of a group of 32 inputs holds
+  input ``j`` in its low nibble and ``j + 16`` in its high one; per group two uint8 factors ``sc``, ``mn``; per
+  super-block of ``G`` groups two fp32 ``d``, ``dmin``; the weight is ``(d * sc) * q - dmin * mn``) for Q4_K
+  (``G`` 8: its own super-blocks and 6-bit factors, 0.59 bytes a weight against the file's 0.56), Q4_0 (``G`` 1,
+  ``sc`` 1, ``mn`` 8, ``dmin = d``) and Q4_1 (``G`` 1, ``sc`` 1, ``mn`` 1, ``dmin = -m``): 0.81 bytes a weight.
+  These are the fp32 products gguf-py's dequantisation forms, so the weight (products rounded, then the
+  difference) is bit for bit the file's dequantised weight.
 
 Other types (F32, F16, BF16, MXFP4, ...) are dequantised to fp32 as before. Nothing is materialised whole: the
 writer of the converted-weights cache asks for one expert's parts at a time.
@@ -23,15 +25,18 @@ import torch
 
 from fleetllm.models.q8_weights import Q8_LEVELS, Q8_SCALES
 
-Q4_LEVELS, Q4_SCALES, Q4_OFFSETS = ".q4", ".q4_scale", ".q4_min"  # a Q4 tensor's parts in the cache
+Q4_LEVELS, Q4_FACTORS, Q4_SCALES = ".q4", ".q4_factors", ".q4_scale"  # a Q4 tensor's parts in the cache
 _Q4_0, _Q4_1, _Q5_0, _Q5_1, _Q8_0, _Q4_K, _Q5_K, _Q6_K = 2, 3, 6, 7, 8, 12, 13, 14  # gguf.GGMLQuantizationType
 Q4_TYPES = (_Q4_0, _Q4_1, _Q4_K)
 Q8_TYPES = (_Q8_0, _Q5_0, _Q5_1, _Q5_K, _Q6_K)
 
 
 def expert_layout(*types: int) -> str | None:
-    """The layout experts of GGUF types ``types`` share (gate and up are fused: one layout for both): "q4" when all
-    are 4-bit, "q8" when all are quantised and one is wider, None (fp32) otherwise."""
+    """The layout experts of GGUF types ``types`` share (gate and up are fused: one layout for both): "q4k" (Q4,
+    super-blocks of 8 groups) when all are Q4_K, "q4" (Q4, one group each) when all are 4-bit, "q8" when all are
+    quantised and one is wider, None (fp32) otherwise."""
+    if all(t == _Q4_K for t in types):
+        return "q4k"
     if all(t in Q4_TYPES for t in types):
         return "q4"
     if all(t in Q4_TYPES + Q8_TYPES for t in types):
@@ -41,11 +46,12 @@ def expert_layout(*types: int) -> str | None:
 
 def layout_parts(layout: str, shape: tuple[int, ...]) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
     """``(suffix, shape, dtype)`` of each part of an ``[E, N, K]`` expert tensor held in ``layout``."""
-    groups = (*shape[:-1], shape[-1] // 32)
-    if layout == "q4":
-        return [(Q4_LEVELS, (*shape[:-1], shape[-1] // 2), torch.uint8), (Q4_SCALES, groups, torch.float32),
-                (Q4_OFFSETS, groups, torch.float32)]
-    return [(Q8_LEVELS, shape, torch.int8), (Q8_SCALES, groups, torch.float32)]
+    lead, k = shape[:-1], shape[-1]
+    if layout in ("q4", "q4k"):
+        per_super = 8 if layout == "q4k" else 1
+        return [(Q4_LEVELS, (*lead, k // 2), torch.uint8), (Q4_FACTORS, (*lead, k // 16), torch.uint8),
+                (Q4_SCALES, (*lead, 2 * k // (32 * per_super)), torch.float32)]
+    return [(Q8_LEVELS, shape, torch.int8), (Q8_SCALES, (*lead, k // 32), torch.float32)]
 
 
 def expert_parts(t: Any, layout: str, part: int) -> Iterator[torch.Tensor]:
@@ -54,36 +60,45 @@ def expert_parts(t: Any, layout: str, part: int) -> Iterator[torch.Tensor]:
     for e in range(data.shape[0]):
         blocks = data[e].reshape(-1, data.shape[-1])
         n = blocks.shape[0]
-        parts = _q4_parts(blocks, t.tensor_type) if layout == "q4" else _q8_parts(blocks, t.tensor_type)
+        if layout == "q8":
+            parts = _q8_parts(blocks, t.tensor_type)
+        else:
+            parts = _q4_parts(blocks, t.tensor_type, layout == "q4k")
         yield torch.from_numpy(np.ascontiguousarray(parts[part])).reshape(1, n, -1)
 
 
-def _q4_parts(rows: np.ndarray, qtype: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(levels ``[n, K/2]`` uint8, scales and offsets ``[n, K/32]`` fp32) of raw rows of a 4-bit type."""
+def _q4_parts(rows: np.ndarray, qtype: int, super_blocks: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(levels ``[n, K/2]``, factors ``sc``, ``mn`` per group ``[n, K/16]`` uint8, ``d``, ``dmin`` per super-block
+    ``[n, 2 K/32/G]`` fp32) of raw rows of a 4-bit type; ``super_blocks``: Q4_K's own (``G`` 8), else ``G`` 1."""
     n = rows.shape[0]
     if qtype == _Q4_K:
-        return _q4_k_parts(rows.reshape(-1, 144), n)
-    size = 18 if qtype == _Q4_0 else 20
-    blocks = rows.reshape(-1, size)
-    d = blocks[:, :2].copy().view(np.float16).astype(np.float32)
-    m = -8.0 * d if qtype == _Q4_0 else blocks[:, 2:4].copy().view(np.float16).astype(np.float32)
-    return blocks[:, size - 16:].reshape(n, -1), d.reshape(n, -1), m.reshape(n, -1)
+        levels, factors, d = _q4_k_parts(rows.reshape(-1, 144))
+        if not super_blocks:
+            d = np.repeat(d.reshape(-1, 1, 2), 8, axis=1)
+    else:
+        size = 18 if qtype == _Q4_0 else 20
+        blocks = rows.reshape(-1, size)
+        scale = blocks[:, :2].copy().view(np.float16).astype(np.float32)
+        if qtype == _Q4_0:
+            factors, d = np.tile(np.array([1, 8], np.uint8), (len(blocks), 1)), np.concatenate([scale, scale], 1)
+        else:
+            m = blocks[:, 2:4].copy().view(np.float16).astype(np.float32)
+            factors, d = np.ones((len(blocks), 2), np.uint8), np.concatenate([scale, -m], 1)
+        levels = blocks[:, size - 16:]
+    return levels.reshape(n, -1), factors.reshape(n, -1), d.reshape(n, -1)
 
 
-def _q4_k_parts(blocks: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _q4_k_parts(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Q4_K super-blocks (256 inputs: fp16 ``d``, ``dmin``, eight 6-bit scales and mins, 128 bytes where each 64
-    inputs' 32 bytes hold inputs 0-31 in their low nibbles and 32-63 in their high ones) as 32-input Q4 groups."""
+    inputs' 32 bytes hold inputs 0-31 in their low nibbles and 32-63 in their high ones) as levels ``[B*8, 16]``,
+    factors ``[B, 8, 2]``, ``d``/``dmin`` ``[B, 2]``."""
     from gguf.quants import Q4_K
 
-    d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)
-    dmin = blocks[:, 2:4].copy().view(np.float16).astype(np.float32)
+    d = blocks[:, 0:4].copy().view(np.float16).astype(np.float32)  # d, dmin
     sc, mn = Q4_K.get_scale_min(blocks[:, 4:16])
-    scale = d * sc.astype(np.float32)  # [blocks, 8]: gguf-py's products
-    offset = -(dmin * mn.astype(np.float32))
     qs = blocks[:, 16:].reshape(-1, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
     q = (qs & 0x0F).reshape(-1, 32)  # each 32-input group's levels in input order
-    packed = q[:, :16] | (q[:, 16:] << 4)
-    return packed.reshape(n, -1), scale.reshape(n, -1), offset.reshape(n, -1)
+    return q[:, :16] | (q[:, 16:] << 4), np.stack([sc, mn], axis=-1).astype(np.uint8), d
 
 
 def _q8_parts(rows: np.ndarray, qtype: int) -> tuple[np.ndarray, np.ndarray]:
@@ -103,8 +118,13 @@ def _q8_parts(rows: np.ndarray, qtype: int) -> tuple[np.ndarray, np.ndarray]:
     return q.reshape(n, -1), d.reshape(n, -1)
 
 
-def dequantise_q4(levels: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    """The fp32 weight ``d * q + m`` of Q4 parts (``[..., K/2]`` uint8, ``[..., K/32]`` fp32 twice)."""
-    b = levels.reshape(*scales.shape, 16)
+def dequantise_q4(levels: torch.Tensor, factors: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """The fp32 weight ``(d * sc) * q - dmin * mn`` of Q4 parts (``[..., K/2]``, ``[..., K/16]`` uint8,
+    ``[..., 2 K/32/G]`` fp32), as gguf-py rounds it."""
+    groups = factors.shape[-1] // 2
+    f = factors.reshape(*factors.shape[:-1], groups, 2).float()
+    d = scales.reshape(*scales.shape[:-1], -1, 2).repeat_interleave(groups // (scales.shape[-1] // 2), dim=-2)
+    scale, offset = d[..., 0] * f[..., 0], d[..., 1] * f[..., 1]
+    b = levels.reshape(*levels.shape[:-1], groups, 16)
     q = torch.cat([b & 0x0F, b >> 4], dim=-1).float()  # inputs 0-15, then 16-31
-    return (scales.unsqueeze(-1) * q + offsets.unsqueeze(-1)).reshape(*levels.shape[:-1], -1)
+    return (scale.unsqueeze(-1) * q - offset.unsqueeze(-1)).reshape(*levels.shape[:-1], -1)

@@ -112,8 +112,8 @@ def _quantised_experts(sd: dict[str, torch.Tensor], q: str) -> bool:
 
 def _pop_parts(sd: dict[str, torch.Tensor], name: str) -> tuple[torch.Tensor, ...]:
     """A quantised expert weight's parts (models/expert_quant.py), popped as they are (``take`` would make the
-    levels fp32): Q4's levels, scales and offsets, or Q8_0's levels and scales."""
-    parts = (".q4", ".q4_scale", ".q4_min") if name + ".q4" in sd else (".q8", ".q8_scale")
+    levels fp32): Q4's levels, factors and scales, or Q8_0's levels and scales."""
+    parts = (".q4", ".q4_factors", ".q4_scale") if name + ".q4" in sd else (".q8", ".q8_scale")
     return tuple(sd.pop(name + p) for p in parts)
 
 

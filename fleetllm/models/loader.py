@@ -32,8 +32,8 @@ import torch
 
 from fleetllm.models.config import ModelConfig
 from fleetllm.models.expert_quant import (
+    Q4_FACTORS,
     Q4_LEVELS,
-    Q4_OFFSETS,
     Q4_SCALES,
     dequantise_q4,
     expert_layout,
@@ -342,14 +342,14 @@ def quantised_experts(cached: Path) -> bool:
 
 def dequantised(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """``sd`` with each tensor kept quantised (Q8_0 or Q4 parts) as the one fp32 tensor it stands for."""
-    out = {k: v for k, v in sd.items() if not k.endswith((Q8_LEVELS, Q8_SCALES, Q4_LEVELS, Q4_SCALES, Q4_OFFSETS))}
+    out = {k: v for k, v in sd.items() if not k.endswith((Q8_LEVELS, Q8_SCALES, Q4_LEVELS, Q4_FACTORS, Q4_SCALES))}
     for name in sd:
         if name.endswith(Q8_LEVELS):
             q, d = sd[name], sd[name.removesuffix(Q8_LEVELS) + Q8_SCALES]
             out[name.removesuffix(Q8_LEVELS)] = (d.unsqueeze(-1) * q.reshape(*d.shape, 32).float()).reshape(q.shape)
         elif name.endswith(Q4_LEVELS):
             base = name.removesuffix(Q4_LEVELS)
-            out[base] = dequantise_q4(sd[name], sd[base + Q4_SCALES], sd[base + Q4_OFFSETS])
+            out[base] = dequantise_q4(sd[name], sd[base + Q4_FACTORS], sd[base + Q4_SCALES])
     return out
 
 
@@ -387,7 +387,7 @@ def _fuse_expert_gate_up(tensors: list[LazyTensor]) -> list[LazyTensor]:
 
 def _base_name(name: str) -> str:
     """A weight's name without the suffix of a quantised part."""
-    for suffix in (Q8_SCALES, Q8_LEVELS, Q4_SCALES, Q4_OFFSETS, Q4_LEVELS):
+    for suffix in (Q8_SCALES, Q8_LEVELS, Q4_SCALES, Q4_FACTORS, Q4_LEVELS):
         name = name.removesuffix(suffix)
     return name
 
@@ -421,7 +421,7 @@ def _write_cache(target: Path, cfg: ModelConfig, tensors: list[LazyTensor], tok:
     try:
         tmp = target.with_name(f"{target.name}.{os.getpid()}.tmp")
         tmp.mkdir(parents=True, exist_ok=True)
-        dtypes = {Q8_LEVELS: torch.int8, Q4_LEVELS: torch.uint8}
+        dtypes = {Q8_LEVELS: torch.int8, Q4_LEVELS: torch.uint8, Q4_FACTORS: torch.uint8}
         write_safetensors(tmp / "model.safetensors", tensors,
                           {name: dtypes[s] for name, _, _ in tensors for s in dtypes if name.endswith(s)})
         (tmp / "config.json").write_text(json.dumps(asdict(cfg)))

@@ -68,15 +68,15 @@ class MoE(nn.Module):
         self.set_quantised_experts((gate_up, gate_up_scale), (down, down_scale))
 
     def set_quantised_experts(self, gate_up: tuple[torch.Tensor, ...], down: tuple[torch.Tensor, ...]) -> None:
-        """Take each of the experts' two weights as Q8_0 parts (levels int8 ``[E, N, K]``, scales) or Q4 parts
-        (levels two a byte ``[E, N, K/2]`` uint8, scales, offsets: :class:`fleetllm.kernels.moe_experts.Q4Weight`),
-        one fp32 scale (and offset) per 32 inputs, in place of fp32 weights. Each expert's weight is a view of these."""
+        """Take each of the experts' two weights as Q8_0 parts (levels int8 ``[E, N, K]``, fp32 scales one per 32
+        inputs) or Q4 parts (levels two a byte ``[E, N, K/2]``, factors, scales:
+        :class:`fleetllm.kernels.moe_experts.Q4Weight`) in place of fp32 weights. Each expert's weight is a view."""
         for name, parts, want in (("gate_up", gate_up, self.gate_up.shape), ("down", down, self.down.shape)):
             levels = parts[0]
             shape = (*levels.shape[:-1], levels.shape[-1] * (2 if len(parts) == 3 else 1))
             if tuple(shape) != tuple(want):
                 raise ValueError(f"checkpoint experts {name} of shape {tuple(shape)} where the model has {tuple(want)}")
-            suffixes = ("_q4", "_d", "_m") if len(parts) == 3 else ("_q8", "_d")
+            suffixes = ("_q4", "_f", "_d") if len(parts) == 3 else ("_q8", "_d")
             for suffix, t in zip(suffixes, parts, strict=True):
                 self.register_buffer(name + suffix, t, persistent=False)
         self.gate_up = self.down = None
@@ -87,7 +87,7 @@ class MoE(nn.Module):
 
         def weight(name: str, e: int) -> q8.Q8Weight | Q4Weight:
             if name + "_q4" in b:
-                return Q4Weight(b[name + "_q4"][e], b[name + "_d"][e], b[name + "_m"][e])
+                return Q4Weight(b[name + "_q4"][e], b[name + "_f"][e], b[name + "_d"][e])
             return q8.Q8Weight(b[name + "_q8"][e], b[name + "_d"][e])
 
         self.q8 = [(weight("gate_up", e), weight("down", e)) for e in range(self.num_experts)]

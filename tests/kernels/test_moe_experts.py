@@ -36,9 +36,13 @@ def q8_moe(top_k: int = 3, norm: bool = True, seed: int = 0, bits: tuple[int, in
         return q, (torch.rand(EXPERTS, n, k // 32, generator=g) * 0.004 + 1e-4).half().float()
 
     def nibbles(n: int, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Levels, 6-bit factors per group, and a scale pair per super-block of 2 groups (Q4_K has 8) where there
+        are 2, else per group."""
         q = torch.randint(0, 256, (EXPERTS, n, k // 2), generator=g, dtype=torch.uint8)
-        d = torch.rand(EXPERTS, n, k // 32, generator=g) * 0.06 + 1e-3
-        return q, d, -d * torch.rand(EXPERTS, n, k // 32, generator=g) * 16
+        f = torch.randint(0, 64, (EXPERTS, n, k // 16), generator=g, dtype=torch.uint8)
+        supers = k // 64 if k % 64 == 0 else k // 32
+        d = torch.rand(EXPERTS, n, 2 * supers, generator=g) * torch.tensor([0.001, 0.0075]).repeat(supers) + 1e-4
+        return q, f, d
 
     shapes = ((2 * INTER, H), (H, INTER))
     m.set_quantised_experts(*((levels if b == 8 else nibbles)(*shape) for b, shape in zip(bits, shapes, strict=True)))

@@ -36,10 +36,12 @@ def parts(t: SimpleNamespace, layout: str) -> list[torch.Tensor]:
 @pytest.mark.parametrize("qtype", [T.Q4_0, T.Q4_1, T.Q4_K], ids=lambda q: q.name)
 def test_4_bit_experts_stay_4_bit_and_dequantise_to_the_files_weights(qtype: T) -> None:
     t = gguf_tensor(qtype)
-    levels, scales, offsets = parts(t, "q4")
-    assert levels.dtype == torch.uint8 and levels.shape == (E, N, K // 2) and scales.shape == (E, N, K // 32)
+    layout = expert_layout(qtype)
+    levels, factors, scales = parts(t, layout)
+    assert levels.dtype == torch.uint8 and levels.shape == (E, N, K // 2) and factors.shape == (E, N, K // 16)
+    assert scales.shape == (E, N, K // (128 if qtype == T.Q4_K else 16))  # d, dmin per super-block (Q4_K: 8 groups)
     expected = torch.from_numpy(dequantize(t.data, qtype)).reshape(E, N, K)
-    assert torch.equal(dequantise_q4(levels, scales, offsets), expected)
+    assert torch.equal(dequantise_q4(levels, factors, scales), expected)
 
 
 @pytest.mark.parametrize("qtype", [T.Q5_0, T.Q5_1], ids=lambda q: q.name)
@@ -51,7 +53,13 @@ def test_5_bit_experts_become_q8_0_within_half_its_step(qtype: T) -> None:
     assert ((got - expected).abs() <= scales.unsqueeze(-1) * 0.501).all()  # half a step, and the division's rounding
 
 
+def test_q4_k_beside_another_4_bit_type_keeps_its_weights_with_a_scale_pair_per_group() -> None:
+    t = gguf_tensor(T.Q4_K)
+    expected = torch.from_numpy(dequantize(t.data, T.Q4_K)).reshape(E, N, K)
+    assert torch.equal(dequantise_q4(*parts(t, "q4")), expected)
+
+
 def test_a_gate_and_up_pair_is_4_bit_only_when_both_are() -> None:
-    assert expert_layout(T.Q4_K, T.Q4_0) == "q4"
+    assert expert_layout(T.Q4_K, T.Q4_K) == "q4k" and expert_layout(T.Q4_K, T.Q4_0) == "q4"
     assert expert_layout(T.Q4_K, T.Q6_K) == "q8"
     assert expert_layout(T.Q4_K, T.F32) is None and expert_layout(T.MXFP4) is None
