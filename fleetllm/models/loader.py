@@ -310,7 +310,7 @@ def _expert_layouts(tensors: list[Any]) -> dict[str, str | None]:
 
 
 def _kept_q8_0(hf: str, cfg: ModelConfig) -> bool:
-    """Whether a Q8_0 tensor (HF name ``hf``) stays Q8_0 in the cache: the experts; outside Gemma (whose model reads
+    """Whether a Q8_0 tensor (HF name ``hf``) stays Q8_0 in the cache (experts: :func:`_expert_layouts`): outside Gemma (whose model reads
     fp32 weights) the attention projections; and a mixture of experts' token embedding and LM head. A dense model's
     Q8_0 head (SmolLM2's) stays fp32: "q4" gives its wide steps a bf16 copy, a measured speed win that costs
     memory, where a mixture of experts must fit its file's size (issue #37)."""
