@@ -61,7 +61,7 @@ def expert_parts(t: Any, layout: str, part: int) -> Iterator[torch.Tensor]:
         blocks = data[e].reshape(-1, data.shape[-1])
         n = blocks.shape[0]
         if layout == "q8":
-            parts = _q8_parts(blocks, t.tensor_type)
+            parts = q8_0_parts(blocks, t.tensor_type)
         else:
             parts = _q4_parts(blocks, t.tensor_type, layout == "q4k")
         yield torch.from_numpy(np.ascontiguousarray(parts[part])).reshape(1, n, -1)
@@ -101,7 +101,7 @@ def _q4_k_parts(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]
     return q[:, :16] | (q[:, 16:] << 4), np.stack([sc, mn], axis=-1).astype(np.uint8), d
 
 
-def _q8_parts(rows: np.ndarray, qtype: int) -> tuple[np.ndarray, np.ndarray]:
+def q8_0_parts(rows: np.ndarray, qtype: int) -> tuple[np.ndarray, np.ndarray]:
     """(levels ``[n, K]`` int8, scales ``[n, K/32]`` fp32) of raw rows: Q8_0's own, or a wider type's weights
     re-rounded to Q8_0."""
     n = rows.shape[0]
@@ -114,7 +114,8 @@ def _q8_parts(rows: np.ndarray, qtype: int) -> tuple[np.ndarray, np.ndarray]:
     w = dequantize(rows, qtype).astype(np.float32).reshape(-1, 32)
     top = np.abs(w).max(axis=1, keepdims=True)
     d = top / 127.0
-    q = np.round(np.divide(w, d, out=np.zeros_like(w), where=d > 0)).astype(np.int8)
+    x = np.divide(w, d, out=np.zeros_like(w), where=d > 0)
+    q = (np.sign(x) * np.floor(np.abs(x) + 0.5)).astype(np.int8)  # ties away from zero, as llama.cpp rounds
     return q.reshape(n, -1), d.reshape(n, -1)
 
 

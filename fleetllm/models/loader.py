@@ -35,10 +35,13 @@ from fleetllm.models.expert_quant import (
     Q4_FACTORS,
     Q4_LEVELS,
     Q4_SCALES,
+    Q4_TYPES,
+    Q8_TYPES,
     dequantise_q4,
     expert_layout,
     expert_parts,
     layout_parts,
+    q8_0_parts,
 )
 from fleetllm.models.gemma3 import Gemma3Model
 from fleetllm.models.gguf_file import read_gguf_file
@@ -286,7 +289,9 @@ def _dequantise_gguf(path: Path) -> tuple[ModelConfig, list[LazyTensor], Tokeniz
         if layouts.get(t.name):  # kept quantised, one expert at a time (models/expert_quant.py)
             tensors += [(hf + suffix, part_shape, functools.partial(expert_parts, t, layouts[t.name], i))
                         for i, (suffix, part_shape, _) in enumerate(layout_parts(layouts[t.name], shape))]
-        elif t.tensor_type == _Q8_0 and _kept_q8_0(hf, cfg):
+        elif _kept_q8_0(hf, cfg) and (t.tensor_type == _Q8_0 or cfg.num_experts > 0 and t.tensor_type in Q8_TYPES + Q4_TYPES):
+            # a mixture of experts' 4- to 6-bit attention and embeddings too, re-rounded to Q8_0: its file's size
+            # is what it must fit in (fp32 would be 4 bytes a weight)
             # kept quantised: int8 levels and fp32 scales, 1.125 bytes a weight (the file's Q8_0: 1.0625)
             tensors.append((hf + Q8_LEVELS, shape, functools.partial(_q8_parts, t, cfg, 0)))
             tensors.append((hf + Q8_SCALES, (*shape[:-1], shape[-1] // 32), functools.partial(_q8_parts, t, cfg, 1)))
@@ -355,14 +360,17 @@ def dequantised(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 def _q8_blocks(t: Any, part: int) -> Iterator[torch.Tensor]:
     """A Q8_0 tensor's levels (``part`` 0: int8, its shape) or scales (1: fp32, one per 32 weights), a few MB of
-    outermost rows at a time. A block is an fp16 scale then 32 int8 levels (34 bytes)."""
+    outermost rows at a time. A block is an fp16 scale then 32 int8 levels (34 bytes). Another quantised type's
+    weights are re-rounded to Q8_0 (:func:`q8_0_parts`)."""
     data = np.asarray(t.data)
     rows = data.shape[0]
     step = max(1, _CHUNK_BYTES // max(1, math.prod(data.shape[1:])))
     for start in range(0, rows, step):
         chunk = data[start:start + step]
-        blocks = chunk.reshape(-1, 34)
-        if part == 0:
+        blocks = chunk.reshape(-1, 34) if t.tensor_type == _Q8_0 else None
+        if blocks is None:
+            out = q8_0_parts(chunk.reshape(-1, chunk.shape[-1]), t.tensor_type)[part].reshape(*chunk.shape[:-1], -1)
+        elif part == 0:
             out = blocks[:, 2:].copy().view(np.int8).reshape(*chunk.shape[:-1], -1)
         else:
             out = blocks[:, :2].copy().view(np.float16).astype(np.float32).reshape(*chunk.shape[:-1], -1)
