@@ -284,10 +284,10 @@ if __name__ == "__main__":
     prepare_ggufs()
 
 
-def requantise_experts(src: Path, dst: Path, qtypes: dict[str, Any]) -> dict[str, Any]:
-    """``src`` (an F32 GGUF) rewritten to ``dst`` with each ``*_exps.weight`` whose name holds a key of ``qtypes``
-    quantised to that type by gguf-py (llama.cpp's ``llama-quantize`` is not built here); returns the fp32
-    weights those tensors now stand for (gguf-py's dequantisation), by GGUF name, in PyTorch layout."""
+def requantise(src: Path, dst: Path, qtypes: dict[str, Any]) -> dict[str, Any]:
+    """``src`` (an F32 GGUF) rewritten to ``dst`` with each tensor whose name holds a key of ``qtypes`` quantised
+    to that type by gguf-py (llama.cpp's ``llama-quantize`` is not built here); returns the fp32 weights those
+    tensors now stand for (gguf-py's dequantisation), by GGUF name, in PyTorch layout."""
     import gguf
     from gguf.quants import dequantize, quantize
 
@@ -301,7 +301,7 @@ def requantise_experts(src: Path, dst: Path, qtypes: dict[str, Any]) -> dict[str
         writer.add_key_value(field.name, field.contents(), field.types[0], sub_type=sub)
     rounded = {}
     for t in reader.tensors:
-        qtype = next((q for key, q in qtypes.items() if key in t.name), None) if "_exps." in t.name else None
+        qtype = next((q for key, q in qtypes.items() if key in t.name), None)
         if qtype is None:
             writer.add_tensor(t.name, t.data, raw_dtype=t.tensor_type)
             continue

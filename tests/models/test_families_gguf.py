@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from families import converter, hf_greedy_logprobs, q8_0, requantise_experts
+from families import converter, hf_greedy_logprobs, q8_0, requantise
 
 from fleetllm import LLM, SamplingParams
 from fleetllm.kernels import moe_experts
@@ -142,7 +142,7 @@ def q4_reference(family_models, tmp_path_factory):
 
     src, hf = family_models.gguf("qwen3_moe", "f32")
     path = tmp_path_factory.mktemp("q4-experts") / "qwen3-moe-q4.gguf"
-    rounded = requantise_experts(src, path, {"gate": T.Q4_1, "up": T.Q4_1, "down": T.Q4_0})
+    rounded = requantise(src, path, {"ffn_gate_exps": T.Q4_1, "ffn_up_exps": T.Q4_1, "ffn_down_exps": T.Q4_0})
     ref = type(hf)(hf.config).eval()
     ref.load_state_dict(hf.state_dict())
     with torch.no_grad():
@@ -180,3 +180,28 @@ def test_4_bit_experts_run_on_the_experts_kernel_by_default_to_the_same_outputs(
     assert all(layer.mlp._fused not in (None, False) for layer in served.layers)  # the experts kernel served
     assert_equal_to(hf, [(r.outputs[0].token_ids, [lp.logprob for lp in r.outputs[0].logprobs]) for r in res],
                     FAST_PATH_LOGPROB_TOL)
+
+
+def test_a_mixture_of_experts_4_bit_attention_loads_as_q8_0_within_its_rounding(family_models, tmp_path) -> None:
+    """A mixture of experts must fit its file: 4- to 6-bit attention projections load re-rounded to Q8_0
+    (``PackedQ8Linear``), not as fp32; exact mode then equals transformers on those Q8_0 weights."""
+    import numpy as np
+    from gguf import GGMLQuantizationType as T
+
+    from fleetllm.models.expert_quant import q8_0_parts
+
+    src, hf = family_models.gguf("qwen3_moe", "f32")
+    path = tmp_path / "qwen3-moe-q5-attention.gguf"
+    requantise(src, path, {"attn_output": T.Q5_0})
+    tensors = {t.name: t for t in read_gguf_file(path).tensors}
+    ref = type(hf)(hf.config).eval()
+    ref.load_state_dict(hf.state_dict())
+    with torch.no_grad():
+        for i, layer in enumerate(ref.model.layers):
+            t = tensors[f"blk.{i}.attn_output.weight"]
+            levels, scales = q8_0_parts(np.asarray(t.data), t.tensor_type)
+            w = torch.from_numpy(scales).repeat_interleave(32, dim=1) * torch.from_numpy(levels).float()
+            layer.self_attn.o_proj.weight.copy_(w)
+    model = load_model(str(path)).model
+    assert all(isinstance(layer.attn.o, PackedQ8Linear) for layer in model.layers)
+    assert_equal_to(ref, greedy(path))
