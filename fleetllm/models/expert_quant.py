@@ -11,7 +11,11 @@
   These are the fp32 products gguf-py's dequantisation forms, so the weight (products rounded, then the
   difference) is bit for bit the file's dequantised weight.
 
-Other types (F32, F16, BF16, MXFP4, ...) are dequantised to fp32 as before. Nothing is materialised whole: the
+- **MXFP4** (GPT-OSS: 32 e2m1 values and one power-of-two scale per block) in Q8_0's layout exactly: the file's
+  doubled e2m1 levels (-12..12) are the int8 levels and its scale ``2^(e-128)`` the fp32 one, so every weight is
+  the file's (1.125 bytes a weight against 0.53, where fp32 would take 4).
+
+Other types (F32, F16, BF16, ...) are dequantised to fp32 as before. Nothing is materialised whole: the
 writer of the converted-weights cache asks for one expert's parts at a time.
 """
 
@@ -26,9 +30,9 @@ import torch
 from fleetllm.models.q8_weights import Q8_LEVELS, Q8_SCALES
 
 Q4_LEVELS, Q4_FACTORS, Q4_SCALES = ".q4", ".q4_factors", ".q4_scale"  # a Q4 tensor's parts in the cache
-_Q4_0, _Q4_1, _Q5_0, _Q5_1, _Q8_0, _Q4_K, _Q5_K, _Q6_K = 2, 3, 6, 7, 8, 12, 13, 14  # gguf.GGMLQuantizationType
+_Q4_0, _Q4_1, _Q5_0, _Q5_1, _Q8_0, _Q4_K, _Q5_K, _Q6_K, _MXFP4 = 2, 3, 6, 7, 8, 12, 13, 14, 39  # GGMLQuantizationType
 Q4_TYPES = (_Q4_0, _Q4_1, _Q4_K)
-Q8_TYPES = (_Q8_0, _Q5_0, _Q5_1, _Q5_K, _Q6_K)
+Q8_TYPES = (_Q8_0, _Q5_0, _Q5_1, _Q5_K, _Q6_K, _MXFP4)
 
 
 def expert_layout(*types: int) -> str | None:
@@ -109,6 +113,8 @@ def q8_0_parts(rows: np.ndarray, qtype: int) -> tuple[np.ndarray, np.ndarray]:
         blocks = rows.reshape(-1, 34)
         return (blocks[:, 2:].copy().view(np.int8).reshape(n, -1),
                 blocks[:, :2].copy().view(np.float16).astype(np.float32).reshape(n, -1))
+    if qtype == _MXFP4:
+        return _mxfp4_parts(rows.reshape(-1, 17), n)
     from gguf.quants import dequantize
 
     w = dequantize(rows, qtype).astype(np.float32).reshape(-1, 32)
@@ -117,6 +123,17 @@ def q8_0_parts(rows: np.ndarray, qtype: int) -> tuple[np.ndarray, np.ndarray]:
     x = np.divide(w, d, out=np.zeros_like(w), where=d > 0)
     q = (np.sign(x) * np.floor(np.abs(x) + 0.5)).astype(np.int8)  # ties away from zero, as llama.cpp rounds
     return q.reshape(n, -1), d.reshape(n, -1)
+
+
+def _mxfp4_parts(blocks: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """MXFP4 blocks (a byte ``e``, then 32 e2m1 nibbles: inputs 0-15 low, 16-31 high) as Q8_0 levels and scales that
+    multiply to gguf-py's dequantised weights exactly (small integers times a power of two)."""
+    from gguf.quants import MXFP4
+
+    d = MXFP4.e8m0_to_fp32_half(blocks[:, :1].copy())
+    nibbles = blocks[:, 1:].reshape(-1, 1, 16) >> np.array([0, 4], dtype=np.uint8).reshape(1, 2, 1)
+    levels = np.array(MXFP4.kvalues, dtype=np.int8)[(nibbles & 0x0F).reshape(-1, 32)]
+    return levels.reshape(n, -1), d.reshape(n, -1)
 
 
 def dequantise_q4(levels: torch.Tensor, factors: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:

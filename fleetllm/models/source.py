@@ -118,7 +118,7 @@ def dequant_cache_dir(path: Path) -> Path:
     weights, and the same GGUF reached another way (pulled from a hub or bucket into the model store) hits the
     entry its twin left.
     """
-    key = hashlib.sha256(f"{_content_sha256(path)}|v6".encode()).hexdigest()[:24]
+    key = hashlib.sha256(f"{_content_sha256(path)}|v7".encode()).hexdigest()[:24]
     return cache_dir() / "gguf" / f"{path.stem}-{key}"
 
 

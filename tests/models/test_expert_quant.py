@@ -1,6 +1,7 @@
 """A GGUF's expert tensors in the experts kernel's layouts (``fleetllm.models.expert_quant``): 4-bit types (Q4_0,
 Q4_1, Q4_K) become 4-bit levels, scales and offsets whose weight is bit for bit gguf-py's dequantisation; 5- and
-6-bit types become Q8_0 within half a Q8_0 step of it; each gate and up pair shares one layout."""
+6-bit types become Q8_0 within half a Q8_0 step of it, MXFP4 Q8_0 levels of exactly its weights; each gate and up
+pair shares one layout."""
 
 from __future__ import annotations
 
@@ -53,6 +54,15 @@ def test_5_bit_experts_become_q8_0_within_half_its_step(qtype: T) -> None:
     assert ((got - expected).abs() <= scales.unsqueeze(-1) * 0.501).all()  # half a step, and the division's rounding
 
 
+def test_mxfp4_experts_become_q8_0_levels_of_exactly_the_files_weights() -> None:
+    t = gguf_tensor(T.MXFP4)
+    assert expert_layout(T.MXFP4) == "q8"
+    levels, scales = parts(t, "q8")
+    assert levels.dtype == torch.int8 and levels.abs().max() <= 12
+    expected = torch.from_numpy(dequantize(t.data, T.MXFP4)).reshape(E, N, K // 32, 32)
+    assert torch.equal(scales.unsqueeze(-1) * levels.reshape(E, N, K // 32, 32).float(), expected)
+
+
 def test_q4_k_beside_another_4_bit_type_keeps_its_weights_with_a_scale_pair_per_group() -> None:
     t = gguf_tensor(T.Q4_K)
     expected = torch.from_numpy(dequantize(t.data, T.Q4_K)).reshape(E, N, K)
@@ -62,4 +72,4 @@ def test_q4_k_beside_another_4_bit_type_keeps_its_weights_with_a_scale_pair_per_
 def test_a_gate_and_up_pair_is_4_bit_only_when_both_are() -> None:
     assert expert_layout(T.Q4_K, T.Q4_K) == "q4k" and expert_layout(T.Q4_K, T.Q4_0) == "q4"
     assert expert_layout(T.Q4_K, T.Q6_K) == "q8"
-    assert expert_layout(T.Q4_K, T.F32) is None and expert_layout(T.MXFP4) is None
+    assert expert_layout(T.Q4_K, T.F32) is None and expert_layout(T.MXFP4, T.F16) is None

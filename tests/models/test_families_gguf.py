@@ -52,9 +52,12 @@ def test_an_f32_moe_gguf_equals_transformers(family: str, family_models) -> None
 
 
 def test_an_mxfp4_gpt_oss_gguf_equals_transformers_on_its_dequantised_experts(family_models) -> None:
-    """OpenAI's MXFP4 expert layout, kept MXFP4 by llama.cpp's converter, dequantised at load as transformers does."""
+    """OpenAI's MXFP4 expert layout, kept MXFP4 by llama.cpp's converter, held as Q8_0 levels of exactly its weights
+    (no fp32 copy): transformers' greedy tokens on the dequantised experts."""
     path, hf = family_models.gguf_mxfp4()
     assert {t.tensor_type.name for t in read_gguf_file(path).tensors if "_exps.weight" in t.name} == {"MXFP4"}
+    moes = [layer.mlp for layer in load_model(str(path)).model.layers]
+    assert all(m.gate_up is None and m.down is None for m in moes)
     assert_equal_to(hf, greedy(path))
 
 
