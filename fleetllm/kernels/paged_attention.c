@@ -12,7 +12,10 @@
  * has n rows sharing one table with lengths n_ctx - n + 1 ... n_ctx (causal by construction).
  *
  * Work is split over (query row, KV head) with OpenMP: the g = heads / kv_heads query heads that share a
- * KV head are computed together, so every key and value vector is loaded once for all of them (GQA).
+ * KV head are computed together, so every key and value vector is loaded once for all of them (GQA). The
+ * queries of one chunk (a speculative verification's, up to MAX_GROUP) over the same keys share a task on the
+ * 16/32-bit vector path: each K row read from memory once for all of them, V from L2 after the first; every
+ * query's arithmetic (so its floats) as when it runs alone.
  * Softmax is exact two-pass over a per-task score buffer: scores, then max, exp and sum, then weighted
  * values. A context longer than PART_KEYS keys is split into partitions of PART_KEYS keys (flash-decoding):
  * each partition's unnormalised output, max and sum, then one combine per (row, KV head). So a long context
@@ -134,6 +137,7 @@ static inline float group_scale(const void *cache, long base, int head_dim, int 
 }
 
 #define PART_KEYS 256  /* keys of one partition: 256 KB of fp32 values at head_dim 256, L2-resident */
+#define MAX_GROUP 8  /* rows of one chunk whose scores one pass over K computes (see group_rows) */
 
 /* One task: a query row's g heads under KV head kvh over keys [first, first + n), into out (g * head_dim
  * floats): normalised when ml is NULL, else unnormalised with each head's max and sum in ml[2h], ml[2h + 1]. */
@@ -371,6 +375,74 @@ static void scores_wide(const PagedArgs *a, const int32_t *table, int first, int
     else scores_by_key(a, table, first, n, kvh, q, scores, KV_BF16);
 }
 
+/* One key's scores for the g heads of each of m query rows (qs[r]; rows whose n[r] the key is past skip it), the
+ * key's vectors loaded once for all of them: the same floats as score_key's, row by row. */
+__attribute__((target("avx2,fma,f16c"), always_inline))
+static inline void score_key_rows(const PagedArgs *a, long base, const float *const *qs, float *s, int m,
+                                  const int *live, int v0, const int nb, const int dtype) {
+    const int d = a->head_dim, g = a->heads / a->kv_heads;
+    __m256 k[BLOCK_VECS];
+    for (int v = 0; v < nb; v++) k[v] = load8(a->k_cache, base + 8 * v, dtype);
+    for (int r = 0; r < m; r++) {
+        if (!live[r]) continue;
+        for (int h = 0; h < g; h++) {
+            const float *qh = qs[r] + h * d + 8 * v0;
+            __m256 acc = _mm256_setzero_ps();
+            for (int v = 0; v < nb; v++) acc = _mm256_fmadd_ps(_mm256_loadu_ps(qh + 8 * v), k[v], acc);
+            const float x = hsum8(acc) * a->scale;
+            s[r * g + h] = v0 == 0 ? x : s[r * g + h] + x;
+        }
+    }
+}
+
+/* scores_by_key for the m rows of a chunk (see task_rows): each K row read from memory once for all of them,
+ * row r's scores (its n[r] keys from `first`) into scores + r * stride, laid out as scores_by_key lays them. */
+__attribute__((target("avx2,fma,f16c"), always_inline))
+static inline void scores_by_key_rows(const PagedArgs *a, const int32_t *table, int first, const int *n, int m,
+                                      int kvh, const float *const *qs, float *scores, long stride, const int dtype) {
+    const int nv = a->head_dim / 8, g = a->heads / a->kv_heads, elem = dtype == KV_F32 ? 4 : 2;
+    int keys = 0, live[MAX_GROUP];
+    for (int r = 0; r < m; r++) keys = n[r] > keys ? n[r] : keys;
+    Slots it = slots_from(a, table, first), ahead = slots_from(a, table, first);
+    int fetched = 0;
+    for (; fetched < keys && fetched < AHEAD_KEYS; fetched++) prefetch_kv_row(a, next_slot(&ahead), kvh, elem);
+    float s[64 * MAX_GROUP];  /* g <= 64 (checked by the caller) */
+    for (int j = 0; j < keys; j++) {
+        if (fetched < keys) { prefetch_kv_row(a, next_slot(&ahead), kvh, elem); fetched++; }
+        const long base = (next_slot(&it) * a->kv_heads + kvh) * a->row;
+        for (int r = 0; r < m; r++) live[r] = j < n[r];
+        for (int v0 = 0; v0 < nv; v0 += BLOCK_VECS) {
+            if (nv - v0 >= BLOCK_VECS) score_key_rows(a, base + 8 * v0, qs, s, m, live, v0, BLOCK_VECS, dtype);
+            else score_key_rows(a, base + 8 * v0, qs, s, m, live, v0, nv - v0, dtype);
+        }
+        for (int r = 0; r < m; r++)
+            if (live[r])
+                for (int h = 0; h < g; h++) scores[r * stride + h * n[r] + j] = s[r * g + h];
+    }
+}
+
+/* m rows of one chunk over the same partition of the same table (see group_rows): the scores of all of them in
+ * one pass over K, then each row's softmax and values as task_avx2 takes them (V, prefetched into L2 by the
+ * score pass, read from there). Each row's floats are task_avx2's. 16- and 32-bit caches, g <= 64. */
+__attribute__((target("avx2,fma,f16c")))
+static void task_avx2_rows(const PagedArgs *a, const Part *t, int m, float *scores, long stride) {
+    const int g = a->heads / a->kv_heads;
+    const int32_t *table = table_of_row(a, t[0].row);
+    const float *qs[MAX_GROUP];
+    int n[MAX_GROUP];
+    for (int r = 0; r < m; r++) {
+        qs[r] = a->q + t[r].row * a->q_row_stride + (long)t[r].kvh * g * a->head_dim;
+        n[r] = t[r].n;
+    }
+    if (a->kv_dtype == KV_F32) scores_by_key_rows(a, table, t[0].first, n, m, t[0].kvh, qs, scores, stride, KV_F32);
+    else if (a->kv_dtype == KV_F16) scores_by_key_rows(a, table, t[0].first, n, m, t[0].kvh, qs, scores, stride, KV_F16);
+    else scores_by_key_rows(a, table, t[0].first, n, m, t[0].kvh, qs, scores, stride, KV_BF16);
+    for (int r = 0; r < m; r++) {
+        softmax_rows(scores + r * stride, g, n[r], 0, t[r].ml);
+        by_blocks_avx2(a, table, t[r].first, n[r], t[r].kvh, qs[r], scores + r * stride, t[r].out, 1);
+    }
+}
+
 __attribute__((target("avx2,fma,f16c")))
 static void task_avx2(const PagedArgs *a, const Part *t, float *scores) {
     const int g = a->heads / a->kv_heads;
@@ -562,25 +634,51 @@ static inline int parts_of(int n) {
     return n > PART_KEYS ? (n + PART_KEYS - 1) / PART_KEYS : 1;
 }
 
-/* Partition p (of every row's, numbered row by row from part0[row]) under KV head kvh: a row of one
+/* Partition i of row `row` under KV head kvh (rows numbered their partitions from part0[row]): a row of one
  * partition writes its output in place; a split row's partitions write into buf for combine(). */
-static Part part_at(const PagedArgs *a, const int *part0, int rows, int p, int kvh, float *buf) {
-    int lo = 0, hi = rows - 1;
-    while (lo < hi) {  /* the last row whose first partition is at or before p */
-        const int mid = (lo + hi + 1) / 2;
-        if (part0[mid] <= p) lo = mid; else hi = mid - 1;
-    }
+static Part row_part(const PagedArgs *a, const int *part0, int row, int i, int kvh, float *buf) {
     const int g = a->heads / a->kv_heads, d = a->head_dim;
-    int first, n = keys_of(a, lo, &first);
-    Part t = {lo, kvh, first, n, a->out + lo * a->out_row_stride + (long)kvh * g * d, NULL};
-    if (part0[lo + 1] - part0[lo] > 1) {
-        const int i = p - part0[lo];
+    int first, n = keys_of(a, row, &first);
+    Part t = {row, kvh, first, n, a->out + row * a->out_row_stride + (long)kvh * g * d, NULL};
+    if (part0[row + 1] - part0[row] > 1) {
         t.first = first + i * PART_KEYS;
         t.n = n - i * PART_KEYS < PART_KEYS ? n - i * PART_KEYS : PART_KEYS;
-        t.out = buf + ((long)p * a->kv_heads + kvh) * g * (d + 2);
+        t.out = buf + ((long)(part0[row] + i) * a->kv_heads + kvh) * g * (d + 2);
         t.ml = t.out + g * d;
     }
     return t;
+}
+
+/* Groups of consecutive rows that read the same keys: rows of one chunk (the same table row, the same first key
+ * and as many partitions; a speculative verify chunk's queries) up to MAX_GROUP of them when `share` (the path
+ * that reads K once for a group), else one row each. Group u is rows group0[u] .. group0[u + 1] - 1; returns
+ * the number of groups. */
+static int group_rows(const PagedArgs *a, const int *part0, int rows, int share, int *group0) {
+    int groups = 0, lead_first = 0;
+    for (int r = 0; r < rows; r++) {
+        int first;
+        keys_of(a, r, &first);
+        const int lead = groups ? group0[groups - 1] : 0;
+        const int joins = share && groups && a->table_of && a->table_of[r] == a->table_of[lead] && r - lead < MAX_GROUP
+                          && first == lead_first && part0[r + 1] - part0[r] == part0[lead + 1] - part0[lead];
+        if (!joins) { group0[groups++] = r; lead_first = first; }
+    }
+    group0[groups] = rows;
+    return groups;
+}
+
+/* Task p of the groups' partitions (numbered group by group from gpart0[u], a group's count its rows'), under
+ * KV head kvh: partition i of each of group u's rows into t; returns how many rows. */
+static int group_at(const PagedArgs *a, const int *part0, const int *group0, const int *gpart0, int groups, int p,
+                    int kvh, float *buf, Part *t) {
+    int lo = 0, hi = groups - 1;
+    while (lo < hi) {  /* the last group whose first partition is at or before p */
+        const int mid = (lo + hi + 1) / 2;
+        if (gpart0[mid] <= p) lo = mid; else hi = mid - 1;
+    }
+    const int m = group0[lo + 1] - group0[lo];
+    for (int r = 0; r < m; r++) t[r] = row_part(a, part0, group0[lo] + r, p - gpart0[lo], kvh, buf);
+    return m;
 }
 
 /* A split row's output under KV head kvh from its partitions' (see part_at): each partition's sum and
@@ -620,6 +718,34 @@ int paged_attention_isa(void) {
 #endif
 }
 
+/* One task's rows (a group of several only on the path that shares their pass over K, see group_rows). */
+static void run_task(const PagedArgs *a, const Part *t, int m, float *scores, long stride, int vec512, int vec) {
+#if FLEETLLM_X86
+    if (m > 1) { task_avx2_rows(a, t, m, scores, stride); return; }
+    if (vec512) { task_avx512(a, t, scores); return; }
+    if (vec) { task_avx2(a, t, scores); return; }
+#endif
+    (void)stride, (void)vec512, (void)vec;
+    for (int r = 0; r < m; r++) task_scalar(a, &t[r], scores);
+}
+
+/* Each row's partitions (part0) and the groups of rows (group0, their partitions gpart0; see group_rows); sets
+ * the most keys a row reads and the keys of all rows. Returns the number of groups. */
+static int plan_rows(const PagedArgs *a, int rows, int share, int *part0, int *group0, int *gpart0, int *max_n,
+                     long *keys) {
+    part0[0] = 0;
+    for (int r = 0; r < rows; r++) {
+        int first, n = keys_of(a, r, &first);
+        part0[r + 1] = part0[r] + parts_of(n);
+        *max_n = n > *max_n ? n : *max_n;
+        *keys += n;
+    }
+    const int groups = group_rows(a, part0, rows, share, group0);
+    gpart0[0] = 0;
+    for (int u = 0; u < groups; u++) gpart0[u + 1] = gpart0[u] + part0[group0[u] + 1] - part0[group0[u]];
+    return groups;
+}
+
 /* Returns 0, or -1 when a buffer could not be allocated. Runs on `threads` OpenMP threads, or on the
  * caller's alone when the step reads few keys: waking a team costs more than a short decode's attention. */
 int paged_attention(const float *q, long q_row_stride, const void *k_cache, const void *v_cache, int kv_dtype,
@@ -631,21 +757,16 @@ int paged_attention(const float *q, long q_row_stride, const void *k_cache, cons
                    IS_8BIT(kv_dtype) ? KV8_ROW(head_dim) : head_dim};
     const int isa = paged_attention_isa(), vec = isa >= 2 && head_dim % 8 == 0;
     const int vec512 = isa == 3 && head_dim % 16 == 0 && IS_8BIT(kv_dtype);  /* see the AVX-512 section */
-    const int g = heads / kv_heads;
-    int *part0 = malloc(sizeof(int) * (rows + 1)), max_n = 1, failed = 0;
+    const int g = heads / kv_heads, share = vec && !IS_8BIT(kv_dtype) && g <= 64;  /* see task_avx2_rows */
+    int *part0 = malloc(sizeof(int) * (3 * (long)rows + 3)), max_n = 1, failed = 0;
     if (!part0) return -1;
+    int *group0 = part0 + rows + 1, *gpart0 = group0 + rows + 1;
     long keys = 0;
-    part0[0] = 0;
-    for (int r = 0; r < rows; r++) {
-        int first, n = keys_of(&a, r, &first);
-        part0[r + 1] = part0[r] + parts_of(n);
-        max_n = n > max_n ? n : max_n;
-        keys += n;
-    }
-    const int parts = part0[rows], tasks = parts * kv_heads;
-    float *buf = parts > rows ? malloc(sizeof(float) * tasks * g * (head_dim + 2)) : NULL;
+    const int groups = plan_rows(&a, rows, share, part0, group0, gpart0, &max_n, &keys);
+    const int parts = part0[rows], tasks = gpart0[groups] * kv_heads;
+    float *buf = parts > rows ? malloc(sizeof(float) * parts * kv_heads * g * (head_dim + 2)) : NULL;
     if (parts > rows && !buf) { free(part0); return -1; }
-    const long scratch = (long)g * (max_n < PART_KEYS ? max_n : PART_KEYS);
+    const long stride = (long)g * (max_n < PART_KEYS ? max_n : PART_KEYS), scratch = stride * (share ? MAX_GROUP : 1);
     #pragma omp parallel num_threads(threads) if(threads > 1 && keys * kv_heads >= PARALLEL_MIN_KEYS) reduction(|:failed)
     {
         float *scores = malloc(sizeof(float) * scratch);
@@ -653,13 +774,9 @@ int paged_attention(const float *q, long q_row_stride, const void *k_cache, cons
         #pragma omp for schedule(dynamic, 1)
         for (int t = 0; t < tasks; t++) {
             if (!scores) continue;
-            const Part p = part_at(&a, part0, rows, t / kv_heads, t % kv_heads, buf);
-#if FLEETLLM_X86
-            if (vec512) task_avx512(&a, &p, scores);
-            else if (vec) task_avx2(&a, &p, scores);
-            else
-#endif
-            task_scalar(&a, &p, scores);
+            Part p[MAX_GROUP];
+            const int m = group_at(&a, part0, group0, gpart0, groups, t / kv_heads, t % kv_heads, buf, p);
+            run_task(&a, p, m, scores, stride, vec512, vec);
         }
         free(scores);
         if (buf) {

@@ -89,6 +89,20 @@ def test_a_rows_result_does_not_change_with_its_batch_or_the_threads() -> None:
     assert torch.equal(batched[:1], alone)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_chunks_queries_read_together_equal_each_read_alone(dtype: torch.dtype, threads: int) -> None:
+    n_q, n_ctx = 12, 517  # more rows than one pass over K takes; rows of 2 and of 3 partitions
+    _, k, v, tables, _ = random_case(9, 3, 64, [n_ctx], dtype)
+    q = torch.randn(n_q, 9, 64)
+    rows, lens = chunk_rows(n_q, n_ctx)
+    with threads_set(threads):
+        together = paged_attention(q, k, v, tables, lens, 0.125, BLOCK, table_of=rows)
+    for r in range(n_q):
+        alone = paged_attention(q[r : r + 1], k, v, tables, lens[r : r + 1], 0.125, BLOCK)
+        assert torch.equal(together[r : r + 1], alone), r
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_half_precision_caches_are_read_as_stored(dtype: torch.dtype) -> None:
     q, k, v, tables, lens = random_case(9, 3, 64, [5, 70, 200], dtype)
