@@ -5,7 +5,7 @@ Two measurements, each eager and kernel back to back so the ratios share the mac
 * attention alone, one layer of SmolLM2-135M's shape (9 heads, 3 KV heads, head_dim 64): the eager path's
   gather + matmul + softmax (``Attention._decode``) against the C kernel, at batch 1/8/32 and contexts 256/1024;
 * a chunk of 1-16 queries over 1,024 cached positions (speculative verification, chunked prefill): the kernel
-  against gather + SDPA, which sets ``KERNEL_MAX_CHUNK`` in fleetllm/models/llama.py;
+  against gather + SDPA, which sets ``KERNEL_MAX_CHUNK`` in fleetllm/kernels/decode_stack.py;
 * a whole decode step (``ModelRunner.execute``: 30 layers, LM head) at batch 1/8/32, every sequence at the same
   context length, for exact fp32 and for ``--quantization int4``.
 

@@ -7,7 +7,8 @@ every row of a step, calling a GEMM and the paged attention kernel of their own 
 pointers, so each kernel has one source): the Q4 one (int16 or int8 activations) and, for steps as wide as the
 linears' bf16 bound (``q4`` on a CPU with AVX-512 BF16), the bf16 one over the linears' bf16 weights. A step
 is taken when every row is a decode token or a query of a chunk whose queries × positions stay under
-``MAX_CHUNK_KEYS`` (speculative verification, short prompts); any other step (a long prompt's prefill, as many
+``MAX_CHUNK_KEYS`` or of at most ``KERNEL_MAX_CHUNK`` queries over cached context (speculative verification,
+short prompts; see :func:`chunk_in_place`); any other step (a long prompt's prefill, as many
 rows as the stack's bound or more, a kernel not built, a model it does not cover) takes the model's op-by-op
 path. ``FLEETLLM_DECODE_STACK=eager`` keeps every step there.
 
@@ -53,6 +54,18 @@ _enabled = os.environ.get("FLEETLLM_DECODE_STACK", "auto") != "eager"
 # positions); e.g. 8 queries over 2,048 positions, or a 128-token prompt with nothing cached. A batch-invariant
 # q4 model keeps such chunks on the paged kernel off the stack too (``Attention.in_place_chunk_keys``).
 MAX_CHUNK_KEYS = 16384
+# Chunks over cached context of at most this many queries (speculative verification of a few drafts) read the cache
+# through the paged kernel at any context, on the stack and off it: the kernel reads each key once for all of a
+# chunk's queries. Longer ones (and every fresh prompt) take the prefill kernel off the stack, which reads each key
+# once per tile of queries, or gather + SDPA where it cannot run (benchmarks/paged_attention.py).
+KERNEL_MAX_CHUNK = 3
+
+
+def chunk_in_place(queries: int, context_len: int, fresh: bool, max_keys: int) -> bool:
+    """Whether a chunk of ``queries`` queries ending at ``context_len`` positions reads the cache through the paged
+    kernel: a verification's few queries over cached context (``KERNEL_MAX_CHUNK``), or at most ``max_keys``
+    query-position pairs (the stack's ``MAX_CHUNK_KEYS``, ``Attention.in_place_chunk_keys`` off it)."""
+    return (queries <= KERNEL_MAX_CHUNK and not fresh) or queries * context_len <= max_keys
 P, INT, FLOAT = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 LINEARS = ("qkv", "o", "gate_up", "down")
 
@@ -113,8 +126,8 @@ class Rows:
             ok = n_dec == rows
             return cls(meta.decode_tables.to(torch.int32).contiguous(), None, meta.decode_lens.to(torch.int32).contiguous()) if ok else None
         chunks = meta.prefills
-        if any(c.block_table is None or c.window is not None or (c.end - c.start) * c.context_len > MAX_CHUNK_KEYS
-               for c in chunks) or n_dec + sum(c.end - c.start for c in chunks) != rows:
+        if any(c.block_table is None or c.window is not None
+               or not chunk_in_place(c.end - c.start, c.context_len, c.fresh, MAX_CHUNK_KEYS) for c in chunks) or n_dec + sum(c.end - c.start for c in chunks) != rows:
             return None
         tables = [*(meta.decode_tables.tolist() if n_dec else []), *(c.block_table.tolist() for c in chunks)]
         width = max(len(t) for t in tables)

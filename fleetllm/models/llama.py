@@ -16,19 +16,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from fleetllm.kernels import chunk_rows, kernel_ready, kv8, paged_attention
-from fleetllm.kernels.decode_stack import DecodeStack
+from fleetllm.kernels.decode_stack import DecodeStack, chunk_in_place
 from fleetllm.kernels.prefill import prefill_attention, prefill_ready
 from fleetllm.lora.batch import LoraBatch
 from fleetllm.models.config import ModelConfig
 from fleetllm.models.eager_attention import eager_attention
 from fleetllm.models.moe import MoE
 from fleetllm.models.rope import rope_tables, rotary_dim
-
-# Chunks over cached context of at most this many queries (speculative verification of a few drafts) use the
-# paged decode kernel, which reads the keys once per query; longer ones (and every fresh prompt) take the
-# prefill kernel, which reads each key once per tile of queries, or gather + SDPA where it cannot run
-# (benchmarks/paged_attention.py, 1,024 positions: the decode kernel wins at 1-2 queries, SDPA from 4).
-KERNEL_MAX_CHUNK = 3
 
 
 @dataclass
@@ -229,8 +223,7 @@ class Attention(nn.Module):
     def _chunk_in_place(self, c: PrefillChunk, q: torch.Tensor, k_cache: torch.Tensor) -> bool:
         """Whether a chunk reads the cache through the paged decode kernel (``KERNEL_MAX_CHUNK``,
         ``in_place_chunk_keys``)."""
-        n = c.end - c.start
-        short = (n <= KERNEL_MAX_CHUNK and not c.fresh) or n * c.context_len <= self.in_place_chunk_keys
+        short = chunk_in_place(c.end - c.start, c.context_len, c.fresh, self.in_place_chunk_keys)
         return short and c.block_table is not None and kernel_ready(q, k_cache)
 
     def _decode_paged(self, q: torch.Tensor, meta: AttentionMetadata, k_cache: torch.Tensor, v_cache: torch.Tensor,

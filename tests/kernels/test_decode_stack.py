@@ -153,6 +153,18 @@ def test_steps_it_does_not_cover_go_op_by_op(q4_model, monkeypatch) -> None:
     assert calls == [1]
 
 
+def test_verification_chunks_take_the_stack_past_its_key_bound(q4_model, monkeypatch) -> None:
+    """A chunk of up to ``KERNEL_MAX_CHUNK`` queries over cached context reads the paged kernel at any context
+    (off the stack too), so the stack takes it; a longer one over as many keys goes op by op."""
+    monkeypatch.setattr(decode_stack, "MAX_CHUNK_KEYS", 64)
+    calls = spy(monkeypatch)
+    n = decode_stack.KERNEL_MAX_CHUNK
+    forward(q4_model, *verify_step(q4_model, [7, 70], n + 1, torch.float32), stack=True)
+    assert calls == []
+    forward(q4_model, *verify_step(q4_model, [7, 70], n, torch.float32), stack=True)
+    assert calls == [1]
+
+
 def test_models_it_does_not_cover_get_no_stack(loaded_model) -> None:
     assert DecodeStack.build(loaded_model.model, STACK_ROWS) is None  # fp32 linears
     assert getattr(quantize_model(loaded_model.model, "int4"), "decode_stack", None) is None
