@@ -48,9 +48,9 @@ from fleetllm.kernels.lora import kernel_ready as lora_kernel_ready
 from fleetllm.lora.tables import MODULES, LoraTables
 
 _enabled = os.environ.get("FLEETLLM_DECODE_STACK", "auto") != "eager"
-# A chunk (a prompt's, or a verification's) is taken while queries x positions stays under this: the paged kernel
-# reads every key once per query, where the op-by-op path's prefill kernel (or SDPA) reuses it across a tile of
-# queries (git log -p BENCHMARKS.md, "Paged attention kernel": the kernel wins at 1-2 queries over 1,024
+# A chunk (a prompt's, or a longer verification's) is taken while queries x positions stays under this: the paged
+# kernel reads each key once for a chunk's queries but runs each query's softmax and value pass over all of them,
+# where the op-by-op path's prefill kernel (or SDPA) works on a tile of queries (git log -p BENCHMARKS.md, "Paged attention kernel": the kernel wins at 1-2 queries over 1,024
 # positions); e.g. 8 queries over 2,048 positions, or a 128-token prompt with nothing cached. A batch-invariant
 # q4 model keeps such chunks on the paged kernel off the stack too (``Attention.in_place_chunk_keys``).
 MAX_CHUNK_KEYS = 16384
