@@ -279,13 +279,7 @@ class Worker:
         start = time.monotonic()
         finals: list[RequestOutput] = []
         status = 200
-        subs = []
-        if request.headers.get(BULK_HEADER):  # released as bulk work by a router's flow control
-            params = dataclasses.replace(params, priority=bulk_priority(params.priority))
-        for p_i, ids in enumerate(prompts):
-            for k in range(params.n):
-                sub = params.for_choice(k)
-                subs.append((p_i * params.n + k, f"{rid}-{p_i}-{k}", ids, sub))
+        subs = _sub_requests(request, rid, prompts, params)
         merged: asyncio.Queue[tuple[int, RequestOutput] | BaseException | None] = asyncio.Queue()
         lora = getattr(request.state, "lora_name", None)
         adapter = self.adapters.run_with(lora) if self.adapters is not None and lora else {}
@@ -695,6 +689,16 @@ async def _until(gen: AsyncIterator[T], deadline: float, timeout: float) -> Asyn
         raise APIError(408, f"the request passed its timeout of {timeout:g}s and was aborted", "timeout") from None
     finally:
         await gen.aclose()  # type: ignore[attr-defined]
+
+
+def _sub_requests(request: Request, rid: str, prompts: list[list[int]],
+                  params: SamplingParams) -> list[tuple[int, str, list[int], SamplingParams]]:
+    """(choice index, engine request id, prompt ids, sampling) of every prompt x ``n`` choice; a request a router's
+    flow control released as bulk work (``x-fleetllm-bulk``) one priority level less urgent."""
+    if request.headers.get(BULK_HEADER):
+        params = dataclasses.replace(params, priority=bulk_priority(params.priority))
+    return [(p_i * params.n + k, f"{rid}-{p_i}-{k}", ids, params.for_choice(k))
+            for p_i, ids in enumerate(prompts) for k in range(params.n)]
 
 
 def _as_api_error(e: BaseException) -> BaseException:
