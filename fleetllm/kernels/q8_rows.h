@@ -1,8 +1,8 @@
 /* Q8_0 weight rows against fp32 activation rows: one output row's dot products for up to MAX_ROWS activation
- * rows, each group's levels widened once and used for every row. Shared by q8_gemv.c (a linear layer) and
- * moe_experts.c (a mixture-of-experts block's experts), so both compute the same bits per row: per activation
- * row the group's partial dot product is scaled by d into a vector accumulator, reduced once per output row,
- * so a row's result does not depend on the other rows of its pass (batch-invariant). */
+ * rows, each group's levels widened once and used for every row (q8_gemv.c's fp32-activation path: SmolLM2's
+ * recovered Q8_0 head; a GGUF's kept Q8_0 weights and the experts take q8_i16_rows.h). Per activation row the
+ * group's partial dot product is scaled by d into a vector accumulator, reduced once per output row, so a row's
+ * result does not depend on the other rows of its pass (batch-invariant). */
 #ifndef FLEETLLM_Q8_ROWS_H
 #define FLEETLLM_Q8_ROWS_H
 #include <stdint.h>
