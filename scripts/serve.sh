@@ -16,7 +16,8 @@ TOKEN_FILE="$TOKEN_DIR/admin-token"
 fleetllm serve --replicas "$REPLICAS" --model smollm2-135m --host 127.0.0.1 --port "$PORT" \
   --admin-token-file "$TOKEN_FILE" ${SPECULATIVE:+--speculative "$SPECULATIVE"} &
 FLEET=$!
-trap 'kill $FLEET 2>/dev/null; wait $FLEET 2>/dev/null; rm -rf "$TOKEN_DIR"' EXIT INT TERM
+# (each step may fail where the fleet ended first: under set -e a failing step would end the trap before the rm)
+trap 'kill $FLEET 2>/dev/null || true; wait $FLEET 2>/dev/null || true; rm -rf "$TOKEN_DIR"' EXIT INT TERM
 for _ in $(seq 600); do
   [ -s "$TOKEN_FILE" ] && curl -sf -H "Authorization: Bearer $(cat "$TOKEN_FILE")" "http://127.0.0.1:$PORT/router/state" | python -c 'import json,sys; s=json.load(sys.stdin); sys.exit(not all(w["healthy"] for w in s["workers"]))' 2>/dev/null && break
   kill -0 $FLEET 2>/dev/null || { echo "fleet failed to start" >&2; exit 1; }
