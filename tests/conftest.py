@@ -100,6 +100,7 @@ _preparing: list[subprocess.Popen] = []
 def pytest_sessionstart(session: pytest.Session) -> None:
     if os.environ.get("PYTEST_XDIST_WORKER"):
         return
+    _write_bytecode(session)
     here = Path(__file__).parent
     asked = [(session.config.invocation_params.dir / a.split("::")[0]).resolve() for a in session.config.args]
     for what, files in _PREPARATIONS.items():
@@ -108,6 +109,20 @@ def pytest_sessionstart(session: pytest.Session) -> None:
             cmd = [sys.executable, *what.split(" ", 1)] if what.startswith("-c") else [sys.executable, str(here / what)]
             _preparing.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                                preexec_fn=lambda: os.nice(10)))
+
+
+def _write_bytecode(session: pytest.Session) -> None:
+    """Under pytest-xdist, the test files' bytecode written once, over two processes, before the test processes
+    start and each import every test file (tests/bytecode_cache.py says why)."""
+    if not getattr(session.config.option, "numprocesses", None):
+        return
+    import bytecode_cache
+
+    files = bytecode_cache.stale(sorted(p for p in Path(__file__).parent.rglob("*.py") if "__pycache__" not in p.parts))
+    writers = [subprocess.Popen([sys.executable, bytecode_cache.__file__, *map(str, files[i::2])])
+               for i in range(2) if files[i::2]]
+    for w in writers:
+        w.wait()
 
 
 # The suite's longest files (CPU seconds in a whole run), started first: under pytest-xdist each file runs whole
