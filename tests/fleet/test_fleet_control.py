@@ -182,7 +182,9 @@ def test_a_real_fleet_of_smollm2_and_gemma3_routes_each_model_to_its_own_workers
         # adaptive K off: on a loaded machine the measured step times may turn drafting off
         {"name": "smollm2", "source": "smollm2-135m", "replicas": 2, "speculative": "method=ngram,adaptive=0",
          "engine": {"num_threads": 1, "kv_cache_gb": TEST_KV_GB}},
-        {"name": "gemma", "source": "gemma3-270m", "engine": {"num_threads": 1, "kv_cache_gb": TEST_KV_GB}}]})
+        # no speculation: it would measure Gemma 3's step costs at start (~3 s of CPU), which no check here reads
+        {"name": "gemma", "source": "gemma3-270m", "speculative": "none",
+         "engine": {"num_threads": 1, "kv_cache_gb": TEST_KV_GB}}]})
     state = httpx.get(fleet.url + "/router/state", headers=ADMIN).json()
     workers = {m: {w["name"] for w in state["workers"] if w["model"] == m} for m in ("smollm2", "gemma")}
     assert (len(workers["smollm2"]), len(workers["gemma"])) == (2, 1)
