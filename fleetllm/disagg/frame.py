@@ -13,7 +13,7 @@ receiver refuses a frame from another model or layout before touching its pool. 
 ones (each hashed) and, when the token ids run past them, one partial block last (the prompt's tail: not
 hashed, never a prefix-cache entry; its KV is handed to the request, see :mod:`fleetllm.engine.handoff`). The wire dtype need not
 be the pool's (an fp32 pool may ship fp16 frames, half the bytes); the receiver converts on import. An 8-bit
-dtype (int8, fp8) ships each row as the cache holds it, ``head_dim`` values and their 4-byte scale
+dtype (int8, fp8) ships each row as the cache holds it, ``head_dim`` values and their scales
 (:mod:`fleetllm.kernels.kv8`): an 8-bit pool's blocks travel as they are, and a pool of another dtype
 dequantises (or quantises) them on import.
 
@@ -37,7 +37,7 @@ from crc32c import crc32c
 
 from fleetllm.kernels import kv8
 
-MAGIC, TRAILER, VERSION = b"FLKV", b"DONE", 2  # 2: CRC-32C (1: zlib's CRC-32)
+MAGIC, TRAILER, VERSION = b"FLKV", b"DONE", 3  # 3: 8-bit rows' float16 scales (2: CRC-32C; 1: zlib's CRC-32)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "int8": torch.int8,
           "float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}
 _PREFIX = 10  # magic, version, header length

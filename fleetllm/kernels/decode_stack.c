@@ -154,22 +154,26 @@ static uint8_t to_fp8(float x, int man, int bias) {
     return sign | (uint8_t)((((int)(r >> man) - 127 + bias) << man) | (r & ((1u << man) - 1)));
 }
 
-/* One KV head's row of d values as 8-bit values, then one scale (max |x| / qmax) per KV8_GROUP of them: see
- * kv8.quantize. */
+/* One KV head's row of d values as 8-bit values, then one float16 scale (max |x| / qmax, stored times
+ * 2^KV8_SHIFT) per KV8_GROUP of them: see kv8.quantize, whose bytes these are. */
+__attribute__((target("f16c")))
 static void store_8bit(uint8_t *o, int dtype, const float *x, int d) {
     const float qmax = dtype == KV_I8 ? 127.f : dtype == KV_E4M3 ? 448.f : 57344.f;
+    const float unit = ldexpf(1.f, KV8_SHIFT(dtype));
     for (int g0 = 0; g0 < d; g0 += KV8_GROUP) {
         const int g1 = g0 + KV8_GROUP < d ? g0 + KV8_GROUP : d;
         float amax = 0.f;
         for (int i = g0; i < g1; i++) amax = fabsf(x[i]) > amax ? fabsf(x[i]) : amax;
-        float scale = amax / qmax;
-        scale = scale > 0.f ? scale : 1.f;
+        const float want = amax / qmax * unit;
+        uint16_t stored = _cvtss_sh(want < 65504.f ? want : 65504.f, _MM_FROUND_TO_NEAREST_INT);
+        stored = stored ? stored : 0x3c00;  /* 1.0: an all-zero group (or one too small for a float16) */
+        const float scale = _cvtsh_ss(stored) / unit;
         for (int i = g0; i < g1; i++) {
             float y = x[i] / scale;  /* a division, as PyTorch's x / scale */
             y = y > qmax ? qmax : y < -qmax ? -qmax : y;
             o[i] = dtype == KV_I8 ? (uint8_t)(int8_t)nearbyintf(y) : dtype == KV_E4M3 ? to_fp8(y, 3, 7) : to_fp8(y, 2, 15);
         }
-        memcpy(o + d + 4 * (g0 / KV8_GROUP), &scale, 4);
+        memcpy(o + d + KV8_SCALE_BYTES * (g0 / KV8_GROUP), &stored, KV8_SCALE_BYTES);
     }
 }
 

@@ -1,19 +1,21 @@
 """8-bit KV cache rows (``--kv-cache-dtype int8 | fp8 | fp8_e4m3 | fp8_e5m2``): layout, writing and reading.
 
-An 8-bit cache keeps, for every (token, KV head), its ``head_dim`` values in 8 bits followed by one float32 scale
-per ``GROUP`` (16) channels: a layer's cache is ``[slots, kv_heads, row_width(head_dim)]`` of ``torch.int8``,
-``torch.float8_e4m3fn`` or ``torch.float8_e5m2`` (80 bytes for head_dim 64). The value of element ``i`` is
-``row[i] * scale[i // GROUP]``; a scale is ``max |x| / qmax`` of its group (qmax: 127, 448, 57344), so each
-group's largest value is the format's largest.
+An 8-bit cache keeps, for every (token, KV head), its ``head_dim`` values in 8 bits followed by one float16 scale
+per ``GROUP`` (8) channels: a layer's cache is ``[slots, kv_heads, row_width(head_dim)]`` of ``torch.int8``,
+``torch.float8_e4m3fn`` or ``torch.float8_e5m2`` (80 bytes for head_dim 64). A scale is ``max |x| / qmax`` of
+its group (qmax: 127, 448, 57344) rounded to float16, so each group's largest value is about the format's
+largest; it is stored times ``2 ** SHIFT[dtype]`` (a power of two near qmax, exact), which keeps the float16 near
+the group's largest |value|, normal for any K or V worth keeping (an fp8 scale itself would be a float16
+subnormal below max |x| of 0.03 or 3.5). The value of element ``i`` is ``row[i] * scale[i // GROUP]``.
 
 Why per token and head, next to the values: a token's K/V is written once, when it is computed (a decode
 step writes one row, no block is ever requantised, as a per-block scale would need when a later token is
 larger); an outlier token costs precision to no other; and every copy of a block (P/D frames, the KV tiers,
 the prefix cache's blocks) carries its scales with it, because they are the same bytes. Why per group of
 channels rather than per row: keys have outlier channels, and a row-wide scale set by one of them rounds the
-row's other channels coarsely (a scale per 16 channels takes the KL divergence from fp32 KV's next-token
-distribution from 1.05e-3 to 4.0e-4 on SmolLM2-135M; docs/kv-cache-dtype.md). Sixteen bytes of scales per 64
-values: 25% on top of the 8-bit payload (80 bytes a row against fp32's 256).
+row's other channels coarsely (the KL divergence from fp32 KV's next-token distribution on SmolLM2-135M: 1.05e-3
+with a scale per row, 4.0e-4 per 16 channels, 2.9e-4 with a float16 per 8; docs/kv-cache-dtype.md). Sixteen
+bytes of scales per 64 values: 25% on top of the 8-bit payload (80 bytes a row against fp32's 256).
 
 The C kernels (paged_attention.c, prefill_attention.c, decode_stack.c; the layout's constants in kv8.h) read
 and write this layout in place; :func:`store` and :func:`read` are the PyTorch paths' (which may dequantise the
@@ -24,9 +26,11 @@ from __future__ import annotations
 
 import torch
 
-SCALE_BYTES = 4
-GROUP = 16  # channels per scale; the C kernels' KV8_GROUP (a multiple of 8: their vectors never straddle groups)
+SCALE_BYTES = 2  # a float16; the C kernels' KV8_SCALE_BYTES
+GROUP = 8  # channels per scale; the C kernels' KV8_GROUP (an AVX2 vector: one group, an AVX-512 one: two)
 QMAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
+SHIFT = {torch.int8: 7, torch.float8_e4m3fn: 9, torch.float8_e5m2: 16}  # stored = scale * 2**SHIFT; KV8_SHIFT
+F16_MAX = 65504.0
 
 
 def quantized(dtype: torch.dtype) -> bool:
@@ -49,7 +53,8 @@ def head_dim_of(cache: torch.Tensor) -> int:
     width = cache.shape[-1]
     if not quantized(cache.dtype):
         return width
-    # width = d + 4 ceil(d / GROUP) lies in [d (1 + 4 / GROUP), that + 4]; it grows with d, so one d has it
+    # width = d + SCALE_BYTES ceil(d / GROUP) lies in [d (1 + SCALE_BYTES / GROUP), that + SCALE_BYTES]; it grows
+    # with d, so one d has it
     low = (width - SCALE_BYTES) * GROUP // (GROUP + SCALE_BYTES)
     return next(d for d in range(max(low, 1), width) if row_width(d, cache.dtype) == width)
 
@@ -63,21 +68,29 @@ def _grouped(x: torch.Tensor) -> torch.Tensor:
     return x.view(*x.shape[:-1], -1, GROUP)
 
 
-def quantize(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Rows ``x [..., D]`` as ``[..., row_width(D)]`` of ``dtype``: 8-bit values, then one float32 scale per group.
+def scales(amax: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each group's scale for its largest |value| ``amax``: as stored (float16, times ``2 ** SHIFT``) and as
+    applied (float32). A group whose float16 is 0 (all zeros, or too small to matter) stores 1."""
+    unit = 2.0 ** SHIFT[dtype]
+    stored = (amax / QMAX[dtype] * unit).clamp_(max=F16_MAX).half()
+    stored = torch.where(stored > 0, stored, torch.ones_like(stored))
+    return stored, stored.float() / unit
 
-    Division (not a multiplication by the reciprocal) and round-half-even, as decode_stack.c rounds, so both
-    writers store the same bytes for the same values."""
+
+def quantize(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Rows ``x [..., D]`` as ``[..., row_width(D)]`` of ``dtype``: 8-bit values, then one float16 scale per group.
+
+    Division by the float16 scale (not a multiplication by its reciprocal) and round-half-even, as
+    decode_stack.c rounds, so both writers store the same bytes for the same values."""
     x, d = x.float(), x.shape[-1]
     qmax = QMAX[dtype]
     g = _grouped(x)
-    scale = g.abs().amax(dim=-1, keepdim=True) / qmax
-    scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # an all-zero group: any scale
+    stored, scale = scales(g.abs().amax(dim=-1, keepdim=True), dtype)
     y = (g / scale).clamp_(-qmax, qmax).flatten(-2)[..., :d]
     q = y.round_().to(torch.int8) if dtype == torch.int8 else y.to(dtype)
     out = torch.empty(*x.shape[:-1], row_width(d, dtype), dtype=torch.uint8, device=x.device)
     out[..., :d] = q.view(torch.uint8)
-    out[..., d:] = scale.squeeze(-1).contiguous().view(torch.uint8)
+    out[..., d:] = stored.squeeze(-1).contiguous().view(torch.uint8)
     return out.view(dtype)
 
 
@@ -85,7 +98,7 @@ def dequantize(rows: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.
     """8-bit rows ``[..., row_width(D)]`` back to ``[..., D]`` values in ``dtype``."""
     d = head_dim_of(rows)
     raw = rows.contiguous().view(torch.uint8)
-    scale = raw[..., d:].contiguous().view(torch.float32).unsqueeze(-1)
+    scale = raw[..., d:].contiguous().view(torch.float16).float().unsqueeze(-1) / 2.0 ** SHIFT[rows.dtype]
     return (_grouped(rows[..., :d].float()) * scale).flatten(-2)[..., :d].to(dtype)
 
 

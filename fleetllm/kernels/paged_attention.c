@@ -5,8 +5,8 @@
  * hands it data pointers of contiguous tensors through ctypes.
  *
  * Layout: the cache of one layer is [num_blocks * block_size, kv_heads, row] (fp32, fp16 or bf16: row =
- * head_dim; 8-bit int8 / fp8 e4m3 / fp8 e5m2: row = KV8_ROW(head_dim) bytes, the values then an fp32 scale per
- * KV8_GROUP of them, see kv8.h); key position p of a sequence lives in slot table[p / block_size] * block_size + p % block_size. A query
+ * head_dim; 8-bit int8 / fp8 e4m3 / fp8 e5m2: row = KV8_ROW(head_dim) bytes, the values then a float16 scale
+ * per KV8_GROUP of them, see kv8.h); key position p of a sequence lives in slot table[p / block_size] * block_size + p % block_size. A query
  * row r reads the table row table_of[r] (r when table_of is NULL) and attends to positions [max(0, len - window), len) with
  * len = context_lens[r]: a decode step has one row per sequence, a chunk of n queries over cached context
  * has n rows sharing one table with lengths n_ctx - n + 1 ... n_ctx (causal by construction).
@@ -23,9 +23,10 @@
  * partition's values hit the L2 cache instead of memory. The partitions depend on the row's length and window
  * only: the result does not change with the batch or the thread count. Vector code (AVX2 + FMA, F16C for fp16 keys) is chosen at run time; a scalar path covers the rest.
  *
- * 8-bit rows are read in place and widened in registers, each vector (8 or 16 channels, within one group) times
- * its group's scale as it is widened: one multiply per vector of a key or value row, shared by the query heads
- * that read it (GQA). fp8 goes through F16C: an
+ * 8-bit rows are read in place and widened in registers, each vector (8 or 16 channels: one group or two) times
+ * its groups' scales as it is widened: one multiply per vector of a key or value row, shared by the query heads
+ * that read it (GQA); the AVX-512 path widens a row's 8 float16 scales per 64 channels at once and spreads them
+ * over its vectors with a permute each. fp8 goes through F16C: an
  * e5m2 byte is the top byte of an fp16, an e4m3 byte shifted into an fp16's exponent and mantissa is its
  * value / 256 (subnormals included), so 256 is folded into its scale.
  */
@@ -127,13 +128,22 @@ static inline long next_ahead(AheadSlots *it) {
 }
 #endif
 
-/* What element i of the row at `base` is multiplied by: 1 for fp32/fp16/bf16, its group's scale for 8-bit
- * (times 256 for e4m3, which load_scalar and load8 read as value / 256). */
+/* What an 8-bit row's stored scale is multiplied by: 2^-KV8_SHIFT, times 256 for e4m3 (which load_scalar, load8
+ * and load16 read as value / 256). Powers of two: the products are exact. */
+static inline float scale_unit(int dtype) {
+    return (dtype == KV_E4M3 ? 256.f : 1.f) / (float)(1 << KV8_SHIFT(dtype));
+}
+
+/* The stored float16 scale of element i's group in the 8-bit row at `base`. */
+static inline uint16_t stored_scale(const void *cache, long base, int head_dim, int i) {
+    uint16_t h;
+    memcpy(&h, (const uint8_t *)cache + base + head_dim + KV8_SCALE_BYTES * (i / KV8_GROUP), KV8_SCALE_BYTES);
+    return h;
+}
+
+/* What element i of the row at `base` is multiplied by: 1 for fp32/fp16/bf16, its group's scale for 8-bit. */
 static inline float group_scale(const void *cache, long base, int head_dim, int dtype, int i) {
-    if (!IS_8BIT(dtype)) return 1.f;
-    float s;
-    memcpy(&s, (const uint8_t *)cache + base + head_dim + 4 * (i / KV8_GROUP), 4);
-    return dtype == KV_E4M3 ? s * 256.f : s;
+    return IS_8BIT(dtype) ? half_to_float(stored_scale(cache, base, head_dim, i)) * scale_unit(dtype) : 1.f;
 }
 
 #define PART_KEYS 256  /* keys of one partition: 256 KB of fp32 values at head_dim 256, L2-resident */
@@ -236,11 +246,13 @@ static inline __m256 load8(const void *base, long idx, int dtype) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
 
-/* The 8 elements from i of the row at `row`, 8-bit ones times their group's scale. */
+/* The 8 elements from i of the row at `row` (one group), 8-bit ones times their group's scale. */
 __attribute__((target("avx2,fma,f16c"), always_inline))
 static inline __m256 load8s(const void *cache, long row, int head_dim, int i, int dtype) {
     const __m256 x = load8(cache, row + i, dtype);
-    return IS_8BIT(dtype) ? _mm256_mul_ps(x, _mm256_set1_ps(group_scale(cache, row, head_dim, dtype, i))) : x;
+    if (!IS_8BIT(dtype)) return x;
+    const float s = _cvtsh_ss(stored_scale(cache, row, head_dim, i)) * scale_unit(dtype);
+    return _mm256_mul_ps(x, _mm256_set1_ps(s));
 }
 
 /* Scores of the g heads over the keys for head_dim's vectors v0 .. v0 + nb - 1: each key's vectors are loaded
@@ -480,10 +492,29 @@ static inline __m512 load16(const void *base, long idx, const int dtype) {
     return _mm512_cvtph_ps(_mm256_and_si256(_mm256_srai_epi16(h, 1), _mm256_set1_epi16((short)0xbfff)));
 }
 
-/* The 16 elements from i of an 8-bit row at `row`, times their group's scale. */
+/* The scales of an 8-bit row at `row` for head_dim's vectors v0 .. v0 + nb - 1 (16 channels, two groups each):
+ * lanes 2v and 2v + 1 hold vector v0 + v's, as floats times scale_unit (lanes from 2 nb: 0; from 8: undefined).
+ * One 16-byte load and one conversion for a pass's 64 channels. */
 __attribute__((target(AVX512), always_inline))
-static inline __m512 load16s(const void *cache, long row, int head_dim, int i, const int dtype) {
-    return _mm512_mul_ps(load16(cache, row + i, dtype), _mm512_set1_ps(group_scale(cache, row, head_dim, dtype, i)));
+static inline __m512 row_scales(const void *cache, long row, int head_dim, int v0, const int nb, const int dtype) {
+    const uint8_t *at = (const uint8_t *)cache + row + head_dim + KV8_SCALE_BYTES * (16 / KV8_GROUP) * v0;
+    __m128i h;
+    if (nb == ZV) {
+        h = _mm_loadu_si128((const __m128i *)at);
+    } else {  /* a last pass under 64 channels: its scales end the row */
+        uint16_t t[8] = {0};
+        memcpy(t, at, KV8_SCALE_BYTES * (16 / KV8_GROUP) * nb);
+        h = _mm_loadu_si128((const __m128i *)t);
+    }
+    return _mm512_castps256_ps512(_mm256_mul_ps(_mm256_cvtph_ps(h), _mm256_set1_ps(scale_unit(dtype))));
+}
+
+/* The 16 elements of vector v of a pass (see row_scales) of an 8-bit row, each group times its scale. */
+__attribute__((target(AVX512), always_inline))
+static inline __m512 load16s(const void *cache, long row, int v0, int v, __m512 scales, const int dtype) {
+    const __m512i lanes = _mm512_set_epi32(2 * v + 1, 2 * v + 1, 2 * v + 1, 2 * v + 1, 2 * v + 1, 2 * v + 1, 2 * v + 1,
+                                           2 * v + 1, 2 * v, 2 * v, 2 * v, 2 * v, 2 * v, 2 * v, 2 * v, 2 * v);
+    return _mm512_mul_ps(load16(cache, row + 16 * (v0 + v), dtype), _mm512_permutexvar_ps(lanes, scales));
 }
 
 /* out[h0 + h] = sum_j p[h0 + h, j] v_j over head_dim's vectors v0 .. v0 + nb - 1, for hg heads at once. */
@@ -499,7 +530,8 @@ static inline void value_block16(const PagedArgs *a, const int32_t *table, int f
     for (int j = 0; j < n; j++) {
         const long row = (next_ahead(&it) * a->kv_heads + kvh) * a->row;
         __m512 x[ZV];
-        for (int v = 0; v < nb; v++) x[v] = load16s(a->v_cache, row, d, 16 * (v0 + v), dtype);
+        const __m512 sc = row_scales(a->v_cache, row, d, v0, nb, dtype);
+        for (int v = 0; v < nb; v++) x[v] = load16s(a->v_cache, row, v0, v, sc, dtype);
         for (int h = 0; h < hg; h++) {
             const __m512 p = _mm512_set1_ps(scores[(h0 + h) * n + j]);
             for (int v = 0; v < nb; v++) acc[h][v] = _mm512_fmadd_ps(p, x[v], acc[h][v]);
@@ -543,7 +575,8 @@ static inline void score_group(const PagedArgs *a, const long *rows, const float
     __m512 acc[SH][SK];
     for (int j = 0; j < SK; j++) {
         __m512 k[ZV];
-        for (int v = 0; v < nb; v++) k[v] = load16s(a->k_cache, rows[j], d, 16 * (v0 + v), dtype);
+        const __m512 sc = row_scales(a->k_cache, rows[j], d, v0, nb, dtype);
+        for (int v = 0; v < nb; v++) k[v] = load16s(a->k_cache, rows[j], v0, v, sc, dtype);
         for (int h = 0; h < hn; h++) {
             const float *qh = q + (h0 + h) * d + 16 * v0;
             __m512 s = _mm512_mul_ps(_mm512_loadu_ps(qh), k[0]);

@@ -75,21 +75,23 @@ static inline __m512 exp2_neg(__m512 x) {
     return _mm512_scalef_ps(p, n);
 }
 
-/* An 8-bit row (d values, then an fp32 scale per KV8_GROUP) as fp32 values: fp8 through fp16 as paged_attention.c
- * reads it. */
-__attribute__((target("avx512f,avx512bw,avx2")))
+/* An 8-bit row (d values, then a float16 scale per KV8_GROUP stored times 2^KV8_SHIFT) as fp32 values: fp8
+ * through fp16 as paged_attention.c reads it (e4m3 as value / 256, 256 folded into the scales' unit). */
+__attribute__((target("avx512f,avx512bw,avx2,f16c")))
 static void widen_8bit(int dtype, const uint8_t *row, int d, float *out) {
+    const float unit = (dtype == KV_E4M3 ? 256.f : 1.f) / (float)(1 << KV8_SHIFT(dtype));
     for (int i = 0; i < d; i += 16) {
-        float s;
-        memcpy(&s, row + d + 4 * (i / KV8_GROUP), 4);
-        const __m512 scale = _mm512_set1_ps(dtype == KV_E4M3 ? s * 256.f : s);
+        uint16_t h[2];
+        memcpy(h, row + d + KV8_SCALE_BYTES * (i / KV8_GROUP), sizeof h);  /* the two groups of these 16 */
+        const __m512 scale = _mm512_mask_blend_ps(0xff00, _mm512_set1_ps(_cvtsh_ss(h[0]) * unit),
+                                                  _mm512_set1_ps(_cvtsh_ss(h[1]) * unit));
         const __m128i b = _mm_loadu_si128((const __m128i *)(row + i));
         __m512 f;
         if (dtype == KV_I8) {
             f = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b));
         } else {
-            const __m256i h = _mm256_slli_epi16(_mm256_cvtepu8_epi16(b), 8);
-            f = _mm512_cvtph_ps(dtype == KV_E5M2 ? h : _mm256_and_si256(_mm256_srai_epi16(h, 1), _mm256_set1_epi16((short)0xbfff)));
+            const __m256i x = _mm256_slli_epi16(_mm256_cvtepu8_epi16(b), 8);
+            f = _mm512_cvtph_ps(dtype == KV_E5M2 ? x : _mm256_and_si256(_mm256_srai_epi16(x, 1), _mm256_set1_epi16((short)0xbfff)));
         }
         _mm512_storeu_ps(out + i, _mm512_mul_ps(f, scale));
     }

@@ -22,9 +22,10 @@ if TYPE_CHECKING:
     import torch
 
 MAGIC = b"FLKV"
-VERSION = 1  # the stored layout: bump when the header or the tensors' order changes
+VERSION = 2  # the stored layout: bump when the header, the tensors' order or a row's layout changes (2: 8-bit rows'
+# scales became a float16 per 8 channels, as wide as the float32 per 16 of version 1)
 _HEADER = struct.Struct("<4sHHIIIII")  # magic, version, dtype, layers, block size, kv heads, head dim, crc32c
-# a dtype's code is its index here; 8-bit rows hold head_dim values and their 4-byte scale (fleetllm.kernels.kv8),
+# a dtype's code is its index here; 8-bit rows hold head_dim values and their scales (fleetllm.kernels.kv8),
 # so a stored block's "head dim" is its rows' width, and the namespace keeps them from other dtypes' blocks
 _DTYPES = ("float32", "bfloat16", "float16", "int8", "float8_e4m3fn", "float8_e5m2")
 

@@ -23,7 +23,7 @@ def test_an_8bit_pool_holds_rows_of_values_and_a_scale_in_about_a_quarter_of_the
     model = loaded_model.model
     head_dim = loaded_model.config.head_dim
     fp32 = ModelRunner.kv_bytes_per_block(model, 16, torch.float32)
-    width = head_dim + 4 * head_dim // kv8.GROUP  # the values, then a float32 scale per group
+    width = head_dim + kv8.SCALE_BYTES * head_dim // kv8.GROUP  # the values, then a float16 scale per group
     assert ModelRunner.kv_bytes_per_block(model, 16, torch.int8) * 4 * head_dim == fp32 * width
     for name, dtype in (("int8", torch.int8), ("fp8", torch.float8_e4m3fn), ("fp8_e4m3", torch.float8_e4m3fn),
                         ("fp8_e5m2", torch.float8_e5m2)):

@@ -21,7 +21,7 @@ from tests.kvtier.tier_helpers import FULL_BLOCKS, close, flush, prompt, run
 def test_an_8bit_block_round_trips_bit_for_bit(dtype: torch.dtype) -> None:
     g = torch.Generator().manual_seed(0)
     k, v = (kv8.quantize(torch.randn(2, 4, 3, 8, generator=g), dtype) for _ in range(2))
-    back = decode(encode(HostBlock((1, 2, 3, 4), k, v)), (1, 2, 3, 4), dtype, (2, 4, 3, 12))
+    back = decode(encode(HostBlock((1, 2, 3, 4), k, v)), (1, 2, 3, 4), dtype, (2, 4, 3, kv8.row_width(8, dtype)))
     assert back.k.dtype == dtype and torch.equal(back.k.view(torch.uint8), k.view(torch.uint8))
     assert torch.equal(back.v.view(torch.uint8), v.view(torch.uint8))
 
