@@ -100,30 +100,39 @@ static inline long next_slot(Slots *it) {
 }
 
 #if FLEETLLM_X86
-/* Slots that also prefetch, on entering a block, the rows of the block after it that this KV head reads (8-bit
- * rows, `ahead_of` positions up to `last`): blocks lie anywhere in the pool, so the hardware prefetcher, which
- * follows a block's rows once it has seen a few, misses the start of every block; at 8-bit's small blocks
- * those misses would cost more than reading them. */
-typedef struct { Slots at; const uint8_t *cache; long head, stride; int rows, row_bytes, last_block; } AheadSlots;
+#define AHEAD_ROWS 16  /* 8-bit rows between a row's prefetch and its use (8: 4% slower at 8k, 32: 2%) */
+/* Slots that also prefetch the row AHEAD_ROWS positions on that this KV head reads (8-bit rows; never past the
+ * n positions asked): blocks lie anywhere in the pool, so the hardware prefetcher, which follows a block's rows
+ * once it has seen a few, misses the start of every block, and an 8-bit row is too little work to hide a miss.
+ * One row a step keeps a steady few misses in flight (a whole block's at once filled the miss buffers and
+ * stalled the loads behind them). `also` (or NULL): the same row of a second cache, into L2 (the score pass
+ * asks for V's, which the value pass reads next). */
+typedef struct {
+    Slots at, ahead; const uint8_t *cache, *also; long head, stride; int row_bytes, left;
+} AheadSlots;
 
-static inline void prefetch_block(const AheadSlots *it, int block) {
-    const uint8_t *p = it->cache + ((long)it->at.table[block] * it->at.block_size) * it->stride + it->head;
-    for (int r = 0; r < it->rows; r++, p += it->stride) {
-        _mm_prefetch((const char *)p, _MM_HINT_T0);
-        _mm_prefetch((const char *)p + it->row_bytes - 1, _MM_HINT_T0);
-    }
+static inline void prefetch_row(const AheadSlots *it, long slot) {
+    const long off = slot * it->stride + it->head;
+    _mm_prefetch((const char *)it->cache + off, _MM_HINT_T0);
+    _mm_prefetch((const char *)it->cache + off + it->row_bytes - 1, _MM_HINT_T0);
+    if (!it->also) return;
+    _mm_prefetch((const char *)it->also + off, _MM_HINT_T1);
+    _mm_prefetch((const char *)it->also + off + it->row_bytes - 1, _MM_HINT_T1);
 }
 
 static inline AheadSlots ahead_from(const PagedArgs *a, const int32_t *table, int first, int n, const void *cache,
-                                    int kvh) {
-    AheadSlots it = {slots_from(a, table, first), (const uint8_t *)cache, (long)kvh * a->row,
-                     (long)a->kv_heads * a->row, a->block_size, a->row, (first + n - 1) / a->block_size};
-    if (it.at.block + 1 <= it.last_block) prefetch_block(&it, it.at.block + 1);
+                                    const void *also, int kvh) {
+    AheadSlots it = {slots_from(a, table, first), slots_from(a, table, first), (const uint8_t *)cache,
+                     (const uint8_t *)also, (long)kvh * a->row, (long)a->kv_heads * a->row, a->row, n};
+    for (int i = 0; i < AHEAD_ROWS && it.left > 0; i++, it.left--) prefetch_row(&it, next_slot(&it.ahead));
     return it;
 }
 
 static inline long next_ahead(AheadSlots *it) {
-    if (it->at.left == 0 && it->at.block + 2 <= it->last_block) prefetch_block(it, it->at.block + 2);
+    if (it->left > 0) {
+        prefetch_row(it, next_slot(&it->ahead));
+        it->left--;
+    }
     return next_slot(&it->at);
 }
 #endif
@@ -469,8 +478,11 @@ static void task_avx2(const PagedArgs *a, const Part *t, float *scores) {
 /* ---- AVX-512 path: head_dim a multiple of 16 ------------------------------------------------------ */
 /* The same two passes 16 lanes wide, for 8-bit caches: the score pass widens each key once for up to SH heads
  * and sums SK keys' dot products across lanes together; the value pass widens each value row once for up to HG
- * heads (the AVX2 pass reads it once per head). fp32, fp16 and bf16 caches keep the AVX2 path: memory-bound,
- * they gain little here, and their summation order (so greedy near-ties in tests) stays what it was. */
+ * heads (the AVX2 pass reads it once per head). Both prefetch row by row AHEAD_ROWS keys on, the score pass V's
+ * rows too (into L2): an 8-bit row is so little arithmetic that the misses, not the widening, set the pace
+ * (prefetching a whole block as it started took 1.6x as long at 8k). fp32, fp16 and bf16 caches keep the AVX2
+ * path: memory-bound, they gain little here, and their summation order (so greedy near-ties in tests) stays
+ * what it was. */
 
 #define ZV 4  /* vectors of head_dim (64 floats) per pass */
 #define HG 4  /* heads per value pass: HG x ZV accumulators */
@@ -493,8 +505,9 @@ static inline __m512 load16(const void *base, long idx, const int dtype) {
 }
 
 /* The scales of an 8-bit row at `row` for head_dim's vectors v0 .. v0 + nb - 1 (16 channels, two groups each):
- * lanes 2v and 2v + 1 hold vector v0 + v's, as floats times scale_unit (lanes from 2 nb: 0; from 8: undefined).
- * One 16-byte load and one conversion for a pass's 64 channels. */
+ * lanes 2v and 2v + 1 hold vector v0 + v's, as stored (lanes from 2 nb: 0; from 8: undefined): the passes
+ * multiply their sums by scale_unit instead (a power of two, so the same floats). One 16-byte load and one
+ * conversion for a pass's 64 channels. */
 __attribute__((target(AVX512), always_inline))
 static inline __m512 row_scales(const void *cache, long row, int head_dim, int v0, const int nb, const int dtype) {
     const uint8_t *at = (const uint8_t *)cache + row + head_dim + KV8_SCALE_BYTES * (16 / KV8_GROUP) * v0;
@@ -506,7 +519,7 @@ static inline __m512 row_scales(const void *cache, long row, int head_dim, int v
         memcpy(t, at, KV8_SCALE_BYTES * (16 / KV8_GROUP) * nb);
         h = _mm_loadu_si128((const __m128i *)t);
     }
-    return _mm512_castps256_ps512(_mm256_mul_ps(_mm256_cvtph_ps(h), _mm256_set1_ps(scale_unit(dtype))));
+    return _mm512_castps256_ps512(_mm256_cvtph_ps(h));
 }
 
 /* The 16 elements of vector v of a pass (see row_scales) of an 8-bit row, each group times its scale. */
@@ -526,7 +539,7 @@ static inline void value_block16(const PagedArgs *a, const int32_t *table, int f
     __m512 acc[HG][ZV];
     for (int h = 0; h < hg; h++)
         for (int v = 0; v < nb; v++) acc[h][v] = _mm512_setzero_ps();
-    AheadSlots it = ahead_from(a, table, first, n, a->v_cache, kvh);
+    AheadSlots it = ahead_from(a, table, first, n, a->v_cache, NULL, kvh);
     for (int j = 0; j < n; j++) {
         const long row = (next_ahead(&it) * a->kv_heads + kvh) * a->row;
         __m512 x[ZV];
@@ -537,8 +550,10 @@ static inline void value_block16(const PagedArgs *a, const int32_t *table, int f
             for (int v = 0; v < nb; v++) acc[h][v] = _mm512_fmadd_ps(p, x[v], acc[h][v]);
         }
     }
+    const __m512 unit = _mm512_set1_ps(scale_unit(dtype));  /* see row_scales */
     for (int h = 0; h < hg; h++)
-        for (int v = 0; v < nb; v++) _mm512_storeu_ps(out + (h0 + h) * d + 16 * (v0 + v), acc[h][v]);
+        for (int v = 0; v < nb; v++)
+            _mm512_storeu_ps(out + (h0 + h) * d + 16 * (v0 + v), _mm512_mul_ps(acc[h][v], unit));
 }
 
 /* Constants for the common shapes (64 dims a pass, 1-4 heads a value pass), per cache type; the rest (a last
@@ -564,9 +579,10 @@ static inline __m128 sum4x8(const __m256 *v) {
     return _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
 }
 
-/* Scores of SK keys (rows[], the first m real; ks[]: the softmax scale, 0 past m) for heads h0 .. h0 +
- * hn - 1, over head_dim's vectors v0 .. v0 + nb - 1: each key's vectors widened once for the hn heads, and the
- * SK x hn dot products summed across lanes together (one horizontal sum per key costs as much as its FMAs). */
+/* Scores of SK keys (rows[], the first m real; ks[]: the softmax scale times scale_unit, 0 past m) for heads
+ * h0 .. h0 + hn - 1, over head_dim's vectors v0 .. v0 + nb - 1: each key's vectors widened once for the hn
+ * heads, and the SK x hn dot products summed across lanes together (one horizontal sum per key costs as much as
+ * its FMAs). */
 __attribute__((target(AVX512), always_inline))
 static inline void score_group(const PagedArgs *a, const long *rows, const float *ks, int m, const float *q,
                                float *scores, int n, int j0, int v0, const int nb, int h0, const int hn,
@@ -599,14 +615,14 @@ __attribute__((target(AVX512)))
 static void scores_avx512(const PagedArgs *a, const int32_t *table, int first, int n, int kvh, const float *q,
                           float *scores) {
     const int d = a->head_dim, nv = d / 16, g = a->heads / a->kv_heads;
-    AheadSlots it = ahead_from(a, table, first, n, a->k_cache, kvh);
+    AheadSlots it = ahead_from(a, table, first, n, a->k_cache, a->v_cache, kvh);
     long rows[SK];
     float ks[SK];
     for (int j0 = 0; j0 < n; j0 += SK) {
         const int m = n - j0 < SK ? n - j0 : SK;
         for (int j = 0; j < SK; j++) {  /* a short last group repeats its first key, scaled by 0 and not stored */
             rows[j] = j < m ? (next_ahead(&it) * a->kv_heads + kvh) * a->row : rows[0];
-            ks[j] = j < m ? a->scale : 0.f;
+            ks[j] = j < m ? a->scale * scale_unit(a->kv_dtype) : 0.f;  /* see row_scales */
         }
         for (int v0 = 0; v0 < nv; v0 += ZV) {
             const int nb = nv - v0 < ZV ? nv - v0 : ZV;
