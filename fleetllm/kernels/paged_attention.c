@@ -659,6 +659,102 @@ static void values_avx512(const PagedArgs *a, const int32_t *table, int first, i
     }
 }
 
+/* ---- 8-bit K shared by the rows of a chunk (a speculative verify chunk's queries) ------------------- */
+/* score_group split in two, so that SK keys' vectors are widened once for every row of a chunk: widen_keys
+ * into `k` (in L1), then per row dots_group with score_group's arithmetic (the same floats as the row alone). */
+
+__attribute__((target(AVX512), always_inline))
+static inline void widen_keys(const PagedArgs *a, const long *rows, int v0, const int nb, const int dtype,
+                              __m512 (*k)[ZV]) {
+    for (int j = 0; j < SK; j++) {
+        const __m512 sc = row_scales(a->k_cache, rows[j], a->head_dim, v0, nb, dtype);
+        for (int v = 0; v < nb; v++) k[j][v] = load16s(a->k_cache, rows[j], v0, v, sc, dtype);
+    }
+}
+
+__attribute__((target(AVX512), always_inline))
+static inline void dots_group(const PagedArgs *a, __m512 (*k)[ZV], const float *ks, int m, const float *q,
+                              float *scores, int n, int j0, int v0, const int nb, int h0, const int hn) {
+    const int d = a->head_dim;
+    __m512 acc[SH][SK];
+    for (int j = 0; j < SK; j++)
+        for (int h = 0; h < hn; h++) {
+            const float *qh = q + (h0 + h) * d + 16 * v0;
+            __m512 s = _mm512_mul_ps(_mm512_loadu_ps(qh), k[j][0]);
+            for (int v = 1; v < nb; v++) s = _mm512_fmadd_ps(_mm512_loadu_ps(qh + 16 * v), k[j][v], s);
+            acc[h][j] = s;
+        }
+    const __m128 scale = _mm_loadu_ps(ks);
+    for (int h = 0; h < hn; h++) {
+        __m256 f[SK];
+        float sum[SK], *out = scores + (h0 + h) * n + j0;
+        for (int j = 0; j < SK; j++) f[j] = fold16(acc[h][j]);
+        _mm_storeu_ps(sum, _mm_mul_ps(sum4x8(f), scale));
+        for (int j = 0; j < m; j++) out[j] = v0 == 0 ? sum[j] : out[j] + sum[j];
+    }
+}
+
+/* Row r's scores (its n[r] keys from `first`, query qs[r]) into scores + r * stride, as scores_avx512 lays
+ * them, for the m rows of a chunk: each key widened once for all of them. */
+__attribute__((target(AVX512)))
+static void scores_avx512_rows(const PagedArgs *a, const int32_t *table, int first, const int *n, int m, int kvh,
+                               const float *const *qs, float *scores, long stride) {
+    const int nv = a->head_dim / 16, g = a->heads / a->kv_heads;
+    int keys = 0;
+    for (int r = 0; r < m; r++) keys = n[r] > keys ? n[r] : keys;
+    AheadSlots it = ahead_from(a, table, first, keys, a->k_cache, a->v_cache, kvh);
+    long rows[SK];
+    __m512 k[SK][ZV];
+    for (int j0 = 0; j0 < keys; j0 += SK) {
+        for (int j = 0; j < SK; j++)  /* past the last key: its first key again, scaled by 0 and not stored */
+            rows[j] = j < keys - j0 ? (next_ahead(&it) * a->kv_heads + kvh) * a->row : rows[0];
+        for (int v0 = 0; v0 < nv; v0 += ZV) {
+            const int nb = nv - v0 < ZV ? nv - v0 : ZV;
+#define WIDEN(NB, DT) widen_keys(a, rows, v0, NB, DT, k)
+            if (nb < ZV) WIDEN(nb, a->kv_dtype);
+            else if (a->kv_dtype == KV_I8) WIDEN(ZV, KV_I8);
+            else if (a->kv_dtype == KV_E4M3) WIDEN(ZV, KV_E4M3);
+            else WIDEN(ZV, KV_E5M2);
+#undef WIDEN
+            for (int r = 0; r < m; r++) {
+                const int mr = n[r] - j0 < SK ? n[r] - j0 : SK;  /* row r's keys in this group */
+                if (mr <= 0) continue;
+                float ks[SK];
+                for (int j = 0; j < SK; j++) ks[j] = j < mr ? a->scale * scale_unit(a->kv_dtype) : 0.f;
+                for (int h0 = 0; h0 < g; h0 += SH) {
+                    const int hn = g - h0 < SH ? g - h0 : SH;
+#define DOTS(NB, HN) dots_group(a, k, ks, mr, qs[r], scores + r * stride, n[r], j0, v0, NB, h0, HN)
+                    if (nb < ZV) DOTS(nb, hn);
+                    else if (hn == 3) DOTS(ZV, 3);
+                    else if (hn == 2) DOTS(ZV, 2);
+                    else DOTS(ZV, 1);
+#undef DOTS
+                }
+            }
+        }
+    }
+}
+
+/* m rows of one chunk over the same partition of the same table (see group_rows), 8-bit: the scores of all of
+ * them in one pass over K, then each row's softmax and values as task_avx512 takes them (V from L2, prefetched
+ * by the score pass). Each row's floats are task_avx512's. */
+__attribute__((target(AVX512)))
+static void task_avx512_rows(const PagedArgs *a, const Part *t, int m, float *scores, long stride) {
+    const int g = a->heads / a->kv_heads;
+    const int32_t *table = table_of_row(a, t[0].row);
+    const float *qs[MAX_GROUP];
+    int n[MAX_GROUP];
+    for (int r = 0; r < m; r++) {
+        qs[r] = a->q + t[r].row * a->q_row_stride + (long)t[r].kvh * g * a->head_dim;
+        n[r] = t[r].n;
+    }
+    scores_avx512_rows(a, table, t[0].first, n, m, t[0].kvh, qs, scores, stride);
+    for (int r = 0; r < m; r++) {
+        softmax_rows(scores + r * stride, g, n[r], 1, t[r].ml);
+        values_avx512(a, table, t[r].first, n[r], t[r].kvh, scores + r * stride, t[r].out);
+    }
+}
+
 __attribute__((target(AVX512)))
 static void task_avx512(const PagedArgs *a, const Part *t, float *scores) {
     const int g = a->heads / a->kv_heads;
@@ -770,6 +866,7 @@ int paged_attention_isa(void) {
 /* One task's rows (a group of several only on the path that shares their pass over K, see group_rows). */
 static void run_task(const PagedArgs *a, const Part *t, int m, float *scores, long stride, int vec512, int vec) {
 #if FLEETLLM_X86
+    if (m > 1 && vec512) { task_avx512_rows(a, t, m, scores, stride); return; }
     if (m > 1) { task_avx2_rows(a, t, m, scores, stride); return; }
     if (vec512) { task_avx512(a, t, scores); return; }
     if (vec) { task_avx2(a, t, scores); return; }
@@ -806,7 +903,8 @@ int paged_attention(const float *q, long q_row_stride, const void *k_cache, cons
                    IS_8BIT(kv_dtype) ? KV8_ROW(head_dim) : head_dim};
     const int isa = paged_attention_isa(), vec = isa >= 2 && head_dim % 8 == 0;
     const int vec512 = isa == 3 && head_dim % 16 == 0 && IS_8BIT(kv_dtype);  /* see the AVX-512 section */
-    const int g = heads / kv_heads, share = vec && !IS_8BIT(kv_dtype) && g <= 64;  /* see task_avx2_rows */
+    /* rows of a chunk share their pass over K: task_avx2_rows (16/32-bit), task_avx512_rows (8-bit) */
+    const int g = heads / kv_heads, share = vec && (!IS_8BIT(kv_dtype) || vec512) && g <= 64;
     int *part0 = malloc(sizeof(int) * (3 * (long)rows + 3)), max_n = 1, failed = 0;
     if (!part0) return -1;
     int *group0 = part0 + rows + 1, *gpart0 = group0 + rows + 1;

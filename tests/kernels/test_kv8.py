@@ -49,6 +49,18 @@ def test_the_paged_kernel_reads_8bit_rows_in_place(dtype: torch.dtype, heads: in
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.int8, torch.float8_e5m2])
+def test_a_chunks_queries_over_8bit_rows_read_together_equal_each_read_alone(dtype: torch.dtype) -> None:
+    require_kernels(attention.LIBRARY)  # a verify chunk's rows share each widened key (AVX-512), with each row's floats
+    k, v = caches(dtype, 3, 64)
+    n_q, n_ctx = 11, 517  # more rows than one pass over K takes; rows of 2 and of 3 partitions
+    table, q = torch.randperm(40)[:33].int().view(1, -1), torch.randn(n_q, 9, 64)
+    rows, lens = chunk_rows(n_q, n_ctx)
+    together = paged_attention(q, k, v, table, lens, 0.125, BLOCK, table_of=rows)
+    for r in range(n_q):
+        assert torch.equal(together[r], paged_attention(q[r : r + 1], k, v, table, lens[r : r + 1], 0.125, BLOCK)[0]), r
+
+
 @pytest.mark.parametrize("dtype", EIGHT_BIT)
 def test_the_prefill_kernel_reads_8bit_rows_in_place(dtype: torch.dtype) -> None:
     require_kernels(prefill.LIBRARY)
