@@ -4,8 +4,8 @@ An 8-bit cache keeps, for every (token, KV head), its ``head_dim`` values in 8 b
 per ``GROUP`` (8) channels: a layer's cache is ``[slots, kv_heads, row_width(head_dim)]`` of ``torch.int8``,
 ``torch.float8_e4m3fn`` or ``torch.float8_e5m2`` (80 bytes for head_dim 64). A scale is ``max |x| / qmax`` of
 its group (qmax: 127, 448, 57344) rounded to float16, so each group's largest value is about the format's
-largest; it is stored times ``2 ** SHIFT[dtype]`` (a power of two near qmax, exact), which keeps the float16 near
-the group's largest |value|, normal for any K or V worth keeping (an fp8 scale itself would be a float16
+largest; it is stored times ``2 ** SHIFT[dtype]`` (exact: a power of two), which puts the float16 near an eighth of
+the group's largest |value|, normal from about 5e-4 to 4.6e5 (an fp8 scale itself would be a float16
 subnormal below max |x| of 0.03 or 3.5). The value of element ``i`` is ``row[i] * scale[i // GROUP]``.
 
 Why per token and head, next to the values: a token's K/V is written once, when it is computed (a decode
@@ -29,7 +29,7 @@ import torch
 SCALE_BYTES = 2  # a float16; the C kernels' KV8_SCALE_BYTES
 GROUP = 8  # channels per scale; the C kernels' KV8_GROUP (an AVX2 vector: one group, an AVX-512 one: two)
 QMAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
-SHIFT = {torch.int8: 7, torch.float8_e4m3fn: 9, torch.float8_e5m2: 16}  # stored = scale * 2**SHIFT; KV8_SHIFT
+SHIFT = {torch.int8: 4, torch.float8_e4m3fn: 6, torch.float8_e5m2: 13}  # stored = scale * 2**SHIFT; KV8_SHIFT
 F16_MAX = 65504.0
 
 

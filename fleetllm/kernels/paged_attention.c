@@ -271,9 +271,10 @@ __attribute__((target("avx2,fma,f16c"), always_inline))
 static inline void score_block(const PagedArgs *a, const int32_t *table, int first, int n, int kvh, const float *q,
                                float *scores, int v0, const int nb, const int dtype) {
     const int d = a->head_dim, g = a->heads / a->kv_heads;
-    Slots it = slots_from(a, table, first);
+    /* 8-bit rows prefetched as on the AVX-512 path (see AheadSlots: 1.6x as fast at 8k); the others' reads as they were */
+    AheadSlots it = ahead_from(a, table, first, IS_8BIT(dtype) ? n : 0, a->k_cache, a->v_cache, kvh);
     for (int j = 0; j < n; j++) {
-        const long row = (next_slot(&it) * a->kv_heads + kvh) * a->row;
+        const long row = (next_ahead(&it) * a->kv_heads + kvh) * a->row;
         const float ks = a->scale;
         __m256 k[BLOCK_VECS];
         for (int v = 0; v < nb; v++) k[v] = load8s(a->k_cache, row, d, 8 * (v0 + v), dtype);
@@ -295,9 +296,9 @@ static inline void value_block(const PagedArgs *a, const int32_t *table, int fir
     for (int h = 0; h < g; h++) {
         __m256 acc[BLOCK_VECS];
         for (int v = 0; v < nb; v++) acc[v] = _mm256_setzero_ps();
-        Slots it = slots_from(a, table, first);
+        AheadSlots it = ahead_from(a, table, first, IS_8BIT(dtype) ? n : 0, a->v_cache, NULL, kvh);  /* see score_block */
         for (int j = 0; j < n; j++) {
-            const long row = (next_slot(&it) * a->kv_heads + kvh) * a->row;
+            const long row = (next_ahead(&it) * a->kv_heads + kvh) * a->row;
             const __m256 p = _mm256_set1_ps(scores[h * n + j]);
             for (int v = 0; v < nb; v++) acc[v] = _mm256_fmadd_ps(p, load8s(a->v_cache, row, d, 8 * (v0 + v), dtype), acc[v]);
         }
