@@ -736,9 +736,69 @@ static void scores_avx512_rows(const PagedArgs *a, const int32_t *table, int fir
     }
 }
 
+#define VHC 16  /* (row, head) pairs of a chunk's value pass at once: VHC accumulators over 16 dims */
+
+/* out[e] += sum_j p[e][j] v_j over head_dim's vector v (16 dims) for VHC (row, head) pairs, each value vector
+ * widened once for all of them; pair e reads its first lim[e] keys (the rest weigh 0), and only the first vn
+ * are stored. Each pair's sum is value_block16's, key by key from zero (the same floats as its row alone). */
+__attribute__((target(AVX512), always_inline))
+static inline void values_slice(const PagedArgs *a, const int32_t *table, int first, int keys, int kvh,
+                                const float *const *p, const int *lim, float *const *out, int vn, int v,
+                                const int dtype) {
+    const int d = a->head_dim;
+    const __m512i lanes = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+    __m512 acc[VHC];
+    int common = keys;  /* keys every stored pair reads */
+    for (int e = 0; e < VHC; e++) acc[e] = _mm512_setzero_ps();
+    for (int e = 0; e < vn; e++) common = lim[e] < common ? lim[e] : common;
+    Slots it = slots_from(a, table, first);
+    for (int j = 0; j < keys; j++) {
+        const long row = (next_slot(&it) * a->kv_heads + kvh) * a->row;
+        uint32_t two;  /* the float16 scales of this vector's two groups */
+        memcpy(&two, (const uint8_t *)a->v_cache + row + d + KV8_SCALE_BYTES * (16 / KV8_GROUP) * v, sizeof two);
+        const __m512 sc = _mm512_permutexvar_ps(lanes, _mm512_castps128_ps512(_mm_cvtph_ps(_mm_cvtsi32_si128((int)two))));
+        const __m512 x = _mm512_mul_ps(load16(a->v_cache, row + 16 * v, dtype), sc);
+        if (j < common) {
+            for (int e = 0; e < VHC; e++) acc[e] = _mm512_fmadd_ps(_mm512_set1_ps(p[e][j]), x, acc[e]);
+        } else {
+            for (int e = 0; e < VHC; e++)
+                acc[e] = _mm512_fmadd_ps(_mm512_set1_ps(j < lim[e] ? p[e][j] : 0.f), x, acc[e]);
+        }
+    }
+    const __m512 unit = _mm512_set1_ps(scale_unit(dtype));  /* see row_scales */
+    for (int e = 0; e < vn; e++) _mm512_storeu_ps(out[e] + 16 * v, _mm512_mul_ps(acc[e], unit));
+}
+
+/* The weighted values of the m rows of a chunk (row r's probabilities at scores + r * stride, its output
+ * t[r].out), their (row, head) pairs VHC at a time (see values_slice). */
+__attribute__((target(AVX512)))
+static void values_avx512_rows(const PagedArgs *a, const int32_t *table, int first, const int *n, int m, int kvh,
+                               const float *scores, long stride, const Part *t) {
+    const int g = a->heads / a->kv_heads, d = a->head_dim, pairs = m * g;
+    int keys = 0;
+    for (int r = 0; r < m; r++) keys = n[r] > keys ? n[r] : keys;
+    for (int e0 = 0; e0 < pairs; e0 += VHC) {
+        const int vn = pairs - e0 < VHC ? pairs - e0 : VHC;
+        const float *p[VHC];
+        float *out[VHC];
+        int lim[VHC];
+        for (int e = 0; e < VHC; e++) {  /* pairs past vn: the first one again, weighing nothing, not stored */
+            const int k = e0 + (e < vn ? e : 0), r = k / g, h = k % g;
+            p[e] = scores + r * stride + (long)h * n[r];
+            out[e] = t[r].out + (long)h * d;
+            lim[e] = e < vn ? n[r] : 0;
+        }
+        for (int v = 0; v < d / 16; v++) {
+            if (a->kv_dtype == KV_I8) values_slice(a, table, first, keys, kvh, p, lim, out, vn, v, KV_I8);
+            else if (a->kv_dtype == KV_E4M3) values_slice(a, table, first, keys, kvh, p, lim, out, vn, v, KV_E4M3);
+            else values_slice(a, table, first, keys, kvh, p, lim, out, vn, v, KV_E5M2);
+        }
+    }
+}
+
 /* m rows of one chunk over the same partition of the same table (see group_rows), 8-bit: the scores of all of
- * them in one pass over K, then each row's softmax and values as task_avx512 takes them (V from L2, prefetched
- * by the score pass). Each row's floats are task_avx512's. */
+ * them in one pass over K, each row's softmax, then the values of all of them with each V vector widened once
+ * (V from L2, prefetched by the score pass). Each row's floats are task_avx512's. */
 __attribute__((target(AVX512)))
 static void task_avx512_rows(const PagedArgs *a, const Part *t, int m, float *scores, long stride) {
     const int g = a->heads / a->kv_heads;
@@ -750,10 +810,8 @@ static void task_avx512_rows(const PagedArgs *a, const Part *t, int m, float *sc
         n[r] = t[r].n;
     }
     scores_avx512_rows(a, table, t[0].first, n, m, t[0].kvh, qs, scores, stride);
-    for (int r = 0; r < m; r++) {
-        softmax_rows(scores + r * stride, g, n[r], 1, t[r].ml);
-        values_avx512(a, table, t[r].first, n[r], t[r].kvh, scores + r * stride, t[r].out);
-    }
+    for (int r = 0; r < m; r++) softmax_rows(scores + r * stride, g, n[r], 1, t[r].ml);
+    values_avx512_rows(a, table, t[0].first, n, m, t[0].kvh, scores, stride, t);
 }
 
 __attribute__((target(AVX512)))
