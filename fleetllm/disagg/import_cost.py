@@ -71,7 +71,8 @@ class FrameMaker:
         ids = [(self.count * 7919 + i * 31) % (self.vocab - 100) + 100 for i in range(tokens)]
         eng = self.engine
         header = frame_header(eng, ids, hash_prefix_blocks(ids, eng.pool.block_size, eng.kv.extra_key))
-        layers = [(torch.randn(header.shape), torch.randn(header.shape)) for _ in range(header.num_layers)]
+        values = (*header.shape[:3], header.head_dim)  # the rows' values (an 8-bit wire row adds its scales)
+        layers = [(torch.randn(values), torch.randn(values)) for _ in range(header.num_layers)]
         return bytearray(b"".join(encode(header, layers)))
 
 

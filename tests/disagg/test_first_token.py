@@ -88,8 +88,9 @@ def test_logprobs_are_the_colocated_ones(pd):
     assert [sorted(t) for t in remote["top_logprobs"]] == [sorted(t) for t in local["top_logprobs"]]
     # the prefill worker runs its layers op by op (torch's norms, RoPE, SiLU) where the colocated one runs a short
     # prompt through the C decode stack: the same kernels for GEMMs and attention, other float rounding elsewhere
-    # (measured: up to 1.3e-3 apart; a prompt whose KV went astray would be whole nats apart)
-    assert remote["token_logprobs"] == pytest.approx(local["token_logprobs"], abs=5e-3)
+    # (measured with fp32 KV: up to 1.3e-3 apart), which the default 8-bit KV's rounding turns into a level here and
+    # there, growing over the decoded tokens (measured: 3.7e-2 at the 4th); KV gone astray is whole nats apart
+    assert remote["token_logprobs"] == pytest.approx(local["token_logprobs"], abs=0.1)
 
 
 @pytest.mark.parametrize("stop", ["max_tokens", "stop_string"])

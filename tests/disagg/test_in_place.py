@@ -24,6 +24,7 @@ from fleetllm.engine.kv_cache_manager import KVCacheManager
 from fleetllm.engine.sampling import SamplingParams
 from fleetllm.engine.scheduler import Scheduler, SchedulerConfig
 from fleetllm.engine.sequence import Sequence, Status
+from fleetllm.kernels import kv8
 
 GREEDY = SamplingParams(max_tokens=1, temperature=0.0)
 
@@ -55,9 +56,10 @@ def in_place_stream(here: LLMEngine, there: LLMEngine, ids: list[int]) -> LayerS
 
 
 def kv_of(engine_views: list, blocks: list[int], n: int, bs: int) -> torch.Tensor:
-    """K and V of the first ``n`` positions held in ``blocks``, every layer."""
+    """K and V of the first ``n`` positions held in ``blocks``, every layer (8-bit rows as the values they hold)."""
     idx = torch.tensor(blocks, dtype=torch.long)
-    parts = [t.index_select(0, idx).flatten(0, 1)[:n] for k, v in engine_views for t in (k, v)]
+    parts = [kv8.convert(t.index_select(0, idx).flatten(0, 1)[:n], torch.float32)
+             for k, v in engine_views for t in (k, v)]
     return torch.stack(parts)
 
 
