@@ -580,6 +580,21 @@ static inline __m128 sum4x8(const __m256 *v) {
     return _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
 }
 
+/* The SK x hn dot products' lanes summed and scaled into the heads' scores (the first m keys; added to what the
+ * earlier vectors of head_dim gave after the first). */
+__attribute__((target(AVX512), always_inline))
+static inline void store_group(__m512 (*acc)[SK], const float *ks, int m, float *scores, int n, int j0, int v0,
+                               int h0, const int hn) {
+    const __m128 scale = _mm_loadu_ps(ks);
+    for (int h = 0; h < hn; h++) {
+        __m256 f[SK];
+        float sum[SK], *out = scores + (h0 + h) * n + j0;
+        for (int j = 0; j < SK; j++) f[j] = fold16(acc[h][j]);
+        _mm_storeu_ps(sum, _mm_mul_ps(sum4x8(f), scale));
+        for (int j = 0; j < m; j++) out[j] = v0 == 0 ? sum[j] : out[j] + sum[j];
+    }
+}
+
 /* Scores of SK keys (rows[], the first m real; ks[]: the softmax scale times scale_unit, 0 past m) for heads
  * h0 .. h0 + hn - 1, over head_dim's vectors v0 .. v0 + nb - 1: each key's vectors widened once for the hn
  * heads, and the SK x hn dot products summed across lanes together (one horizontal sum per key costs as much as
@@ -601,14 +616,7 @@ static inline void score_group(const PagedArgs *a, const long *rows, const float
             acc[h][j] = s;
         }
     }
-    const __m128 scale = _mm_loadu_ps(ks);
-    for (int h = 0; h < hn; h++) {
-        __m256 f[SK];
-        float sum[SK], *out = scores + (h0 + h) * n + j0;
-        for (int j = 0; j < SK; j++) f[j] = fold16(acc[h][j]);
-        _mm_storeu_ps(sum, _mm_mul_ps(sum4x8(f), scale));
-        for (int j = 0; j < m; j++) out[j] = v0 == 0 ? sum[j] : out[j] + sum[j];
-    }
+    store_group(acc, ks, m, scores, n, j0, v0, h0, hn);
 }
 
 /* Every head's scores over the n keys from `first`, SK keys at a time. */
@@ -685,14 +693,7 @@ static inline void dots_group(const PagedArgs *a, __m512 (*k)[ZV], const float *
             for (int v = 1; v < nb; v++) s = _mm512_fmadd_ps(_mm512_loadu_ps(qh + 16 * v), k[j][v], s);
             acc[h][j] = s;
         }
-    const __m128 scale = _mm_loadu_ps(ks);
-    for (int h = 0; h < hn; h++) {
-        __m256 f[SK];
-        float sum[SK], *out = scores + (h0 + h) * n + j0;
-        for (int j = 0; j < SK; j++) f[j] = fold16(acc[h][j]);
-        _mm_storeu_ps(sum, _mm_mul_ps(sum4x8(f), scale));
-        for (int j = 0; j < m; j++) out[j] = v0 == 0 ? sum[j] : out[j] + sum[j];
-    }
+    store_group(acc, ks, m, scores, n, j0, v0, h0, hn);
 }
 
 /* Row r's scores (its n[r] keys from `first`, query qs[r]) into scores + r * stride, as scores_avx512 lays
