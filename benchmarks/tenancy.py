@@ -3,8 +3,11 @@ router's flow control off (requests go to the workers at once, first come first 
 per-band, per-tenant weighted fair queuing at the router while the workers are saturated).
 
 Simulated workers (``fleetllm worker --simulate``), or with ``--real`` fleetllm workers on the embedded SmolLM2 (one
-thread each), a small batch (``--max-num-seqs``), behind one ``fleetllm router`` with API keys (weight 1 each), started afresh for every phase. First the fleet's capacity is measured
-(a closed loop well past its batch slots). Then:
+thread each), a small batch (``--max-num-seqs``), behind one ``fleetllm router`` with API keys (weight 1 each),
+started afresh for every phase. The fleet's capacity (a closed loop well past its batch slots) is measured first and
+again after every phase: each phase is reported beside the capacity just before and just after it, so a slow spell
+of a shared host shows as a capacity change rather than as a latency ratio, and a fair share is computed against
+the capacity beside its own phase. Tenant B's rate stays that of the first measure, so its phases compare. Then:
 
 - **noisy neighbour**: tenant B streams at ``--b-load`` of the capacity (Poisson arrivals, ``--b-requests``
   requests), alone and while tenant A floods (a closed loop holding ``--flood-x`` times the fleet's batch slots in
@@ -25,6 +28,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import subprocess
 import sys
@@ -202,8 +206,31 @@ async def interactive(client: httpx.AsyncClient, url: str, fleet: Fleet, rate: f
     return Window(result, seconds, (done - before) / seconds)
 
 
-async def noisy(fleet: Fleet, flow: bool, flood: bool, cap: tuple[float, float]) -> str:
-    """B alone or beside A's flood; one table row."""
+@dataclass
+class Beside:
+    """The fleet's capacity (requests/s, output tokens/s) measured just before and just after a phase, and the
+    host's 1-minute load average at the phase's start and end."""
+
+    before: tuple[float, float]
+    after: tuple[float, float]
+    load: tuple[float, float]
+
+    @property
+    def tok_s(self) -> float:
+        """The capacity during the phase, as output tokens/s: the mean of the two measures."""
+        return (self.before[1] + self.after[1]) / 2
+
+    @property
+    def req_s(self) -> float:
+        return (self.before[0] + self.after[0]) / 2
+
+    def cells(self) -> str:
+        return (f"{self.before[0]:.1f} → {self.after[0]:.1f} | "
+                f"{self.load[0]:.1f} → {self.load[1]:.1f}")
+
+
+async def noisy(fleet: Fleet, flow: bool, flood: bool, rate: float) -> Window:
+    """B alone (at ``rate``), or beside A's flood (``others_tok_s``: A's output tokens/s)."""
     args = fleet.args
     url, proc = fleet.router(flow)
     try:
@@ -218,18 +245,24 @@ async def noisy(fleet: Fleet, flow: bool, flood: bool, cap: tuple[float, float])
             async def a_tokens() -> float:
                 return float(a.tokens)
 
-            w = await interactive(client, url, fleet, args.b_load * cap[0], a_tokens if flood else None)
+            w = await interactive(client, url, fleet, rate, a_tokens if flood else None)
             stop.set()
             if flooding is not None:
                 await flooding
     finally:
         stop_process(proc)
+    return w
+
+
+def noisy_row(flow: bool, flood: bool, w: Window, beside: Beside) -> str:
+    """One table row: B's TTFT, and A's output tokens/s against its fair share (the capacity beside the phase,
+    less B's output)."""
     b = w.result
-    share = (f"{w.others_tok_s:.0f} / {cap[1] - b.tokens / w.seconds:.0f} = "
-             f"{w.others_tok_s / (cap[1] - b.tokens / w.seconds):.2f}" if flood else "-")
+    fair = beside.tok_s - b.tokens / w.seconds
+    share = f"{w.others_tok_s:.0f} / {fair:.0f} = {w.others_tok_s / fair:.2f}" if flood else "-"
     return (f"| {'on' if flow else 'off'} | {'A floods' if flood else 'B alone'} | {len(b.ttft)} | "
             f"{1e3 * pct(b.ttft, 0.5):.0f} | {1e3 * pct(b.ttft, 0.9):.0f} | {1e3 * pct(b.ttft, 0.99):.0f} | "
-            f"{b.failed} | {share} |")
+            f"{b.failed} | {share} | {beside.cells()} |")
 
 
 async def submit_batch(client: httpx.AsyncClient, url: str, key: str, lines: int, max_tokens: int) -> str:
@@ -248,16 +281,16 @@ async def submit_batch(client: httpx.AsyncClient, url: str, key: str, lines: int
     return b.json()["id"]
 
 
-async def with_batch(fleet: Fleet, flow: bool, batch: bool, cap: tuple[float, float]) -> str:
-    """The interactive stream alone or beside a Batch API job; one table row."""
+async def with_batch(fleet: Fleet, flow: bool, batch: bool, rate: float) -> Window:
+    """The interactive stream (at ``rate``) alone, or beside a Batch API job (``others_tok_s``: the batch's output
+    tokens/s)."""
     args = fleet.args
     url, proc = fleet.router(flow)
-    rate = args.b_load * cap[0]
     try:
         async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=2000)) as client:
             auth = {"authorization": f"Bearer {fleet.keys['batch']}"}
             if batch:
-                lines = int(cap[0] * (args.b_requests / rate + 30) * 1.5)
+                lines = int(rate / args.b_load * (args.b_requests / rate + 30) * 1.5)
                 batch_id = await submit_batch(client, url, fleet.keys["batch"], lines, args.max_tokens)
                 await asyncio.sleep(5.0)  # the batch fills the fleet first
 
@@ -270,34 +303,62 @@ async def with_batch(fleet: Fleet, flow: bool, batch: bool, cap: tuple[float, fl
                 await client.post(url + f"/v1/batches/{batch_id}/cancel", headers=auth)
     finally:
         stop_process(proc)
+    return w
+
+
+def batch_row(flow: bool, batch: bool, w: Window, beside: Beside) -> str:
+    """One table row: the interactive TTFT, and the batch's output tokens/s against the capacity beside the phase
+    that the interactive traffic leaves."""
     r = w.result
-    left = cap[1] - r.tokens / w.seconds
+    left = beside.tok_s - r.tokens / w.seconds
     used = f"{w.others_tok_s:.0f} / {left:.0f} = {w.others_tok_s / left:.2f}" if batch else "-"
     return (f"| {'on' if flow else 'off'} | {'batch job' if batch else 'alone'} | {len(r.ttft)} | "
-            f"{1e3 * pct(r.ttft, 0.5):.0f} | {1e3 * pct(r.ttft, 0.99):.0f} | {r.failed} | {used} |")
+            f"{1e3 * pct(r.ttft, 0.5):.0f} | {1e3 * pct(r.ttft, 0.99):.0f} | {r.failed} | {used} | "
+            f"{beside.cells()} |")
 
 
+def ratio_line(kind: str, flow: bool, alone: tuple[Window, Beside], busy: tuple[Window, Beside]) -> str:
+    """The goal's ratio (B's TTFT p90 under the flood, or the interactive p99 beside the batch, over its value
+    alone) and how far the capacity beside the two phases moved."""
+    q, what = (0.9, "B TTFT p90") if kind == "noisy" else (0.99, "interactive TTFT p99")
+    ratio = pct(busy[0].result.ttft, q) / pct(alone[0].result.ttft, q)
+    drift = busy[1].req_s / alone[1].req_s - 1
+    return (f"flow {'on' if flow else 'off'}: {what} {ratio:.2f}x its value alone; capacity beside the phases "
+            f"{alone[1].req_s:.1f} and {busy[1].req_s:.1f} requests/s ({100 * drift:+.0f}%)")
+
+
+BESIDE = "capacity req/s before → after | load"
 NOISY_HEAD = ("| flow control | phase | B requests | B TTFT p50 ms | p90 ms | p99 ms | B failed | A tok/s / its fair "
-              "share |\n|---|---|---:|---:|---:|---:|---:|---|\n")
+              f"share | {BESIDE} |\n|---|---|---:|---:|---:|---:|---:|---|---|---|\n")
 BATCH_HEAD = ("| flow control | phase | interactive requests | TTFT p50 ms | p99 ms | failed | batch tok/s / capacity "
-              "left |\n|---|---|---:|---:|---:|---:|---|\n")
+              f"left | {BESIDE} |\n|---|---|---:|---:|---:|---:|---|---|---|\n")
+PHASES = {"noisy": (NOISY_HEAD, noisy, noisy_row), "batch": (BATCH_HEAD, with_batch, batch_row)}
 
 
 async def run(fleet: Fleet, runs: list[str]) -> str:
     args = fleet.args
     cap = await capacity(fleet, args.capacity_s)
     print(f"capacity: {cap[0]:.1f} requests/s, {cap[1]:.0f} output tokens/s", flush=True)
-    out = [f"Capacity (closed loop at 4x the batch slots, flow control off): {cap[0]:.1f} requests/s, "
-           f"{cap[1]:.0f} output tokens/s.\n"]
-    for kind, head, phase in (("noisy", NOISY_HEAD, noisy), ("batch", BATCH_HEAD, with_batch)):
-        if kind not in runs:
-            continue
-        rows = []
+    out = [f"Capacity (closed loop at 4x the batch slots, flow control off), first measure: {cap[0]:.1f} requests/s, "
+           f"{cap[1]:.0f} output tokens/s; measured again after every phase.\n"]
+    rate = args.b_load * cap[0]
+    for kind in (k for k in PHASES if k in runs):
+        head, phase, row = PHASES[kind]
+        rows, ratios = [], []
         for flow in [f == "on" for f in args.flow.split(",")]:
+            done = []
             for busy in (False, True):
-                rows.append(await phase(fleet, flow, busy, cap))
+                load = os.getloadavg()[0]
+                w = await phase(fleet, flow, busy, rate)
+                load = (load, os.getloadavg()[0])
+                after = await capacity(fleet, args.capacity_s)
+                done.append((w, Beside(cap, after, load)))
+                cap = after
+                rows.append(row(flow, busy, *done[-1]))
                 print(rows[-1], flush=True)
-        out.append(head + "\n".join(rows) + "\n")
+            ratios.append(ratio_line(kind, flow, *done))
+            print(ratios[-1], flush=True)
+        out.append(head + "\n".join(rows) + "\n\n" + "\n".join(ratios) + "\n")
     return "\n".join(out)
 
 
