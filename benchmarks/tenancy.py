@@ -206,6 +206,9 @@ async def interactive(client: httpx.AsyncClient, url: str, fleet: Fleet, rate: f
     return Window(result, seconds, (done - before) / seconds)
 
 
+STEADY = 0.10  # capacity measures this close (relative) count as one host state: phases beside them compare
+
+
 @dataclass
 class Beside:
     """The fleet's capacity (requests/s, output tokens/s) measured just before and just after a phase, and the
@@ -223,6 +226,11 @@ class Beside:
     @property
     def req_s(self) -> float:
         return (self.before[0] + self.after[0]) / 2
+
+    def steady(self) -> bool:
+        """Whether the capacity held within ``STEADY`` across the phase."""
+        lo, hi = sorted((self.before[0], self.after[0]))
+        return hi <= lo * (1 + STEADY)
 
     def cells(self) -> str:
         return (f"{self.before[0]:.1f} → {self.after[0]:.1f} | "
@@ -323,8 +331,10 @@ def ratio_line(kind: str, flow: bool, alone: tuple[Window, Beside], busy: tuple[
     q, what = (0.9, "B TTFT p90") if kind == "noisy" else (0.99, "interactive TTFT p99")
     ratio = pct(busy[0].result.ttft, q) / pct(alone[0].result.ttft, q)
     drift = busy[1].req_s / alone[1].req_s - 1
+    comparable = alone[1].steady() and busy[1].steady() and abs(drift) <= STEADY
     return (f"flow {'on' if flow else 'off'}: {what} {ratio:.2f}x its value alone; capacity beside the phases "
-            f"{alone[1].req_s:.1f} and {busy[1].req_s:.1f} requests/s ({100 * drift:+.0f}%)")
+            f"{alone[1].req_s:.1f} and {busy[1].req_s:.1f} requests/s ({100 * drift:+.0f}%): "
+            f"{'comparable' if comparable else f'NOT comparable (capacity moved more than {STEADY:.0%})'}")
 
 
 BESIDE = "capacity req/s before → after | load"
