@@ -362,7 +362,8 @@ async def run(fleet: Fleet, runs: list[str]) -> str:
     print(f"capacity: {cap[0]:.1f} requests/s, {cap[1]:.0f} output tokens/s", flush=True)
     out = [f"Capacity (closed loop at 4x the batch slots, flow control off), first measure (the higher of two): "
            f"{cap[0]:.1f} requests/s, {cap[1]:.0f} output tokens/s; measured again after every phase.\n"]
-    rate = args.b_load * cap[0]
+    rate = args.b_load * (args.capacity or cap[0])
+    out[0] += f"B's rate: {rate:.2f} requests/s ({args.b_load:g} of {args.capacity or cap[0]:.1f}).\n"
     for kind in (k for k in PHASES if k in runs):
         head, phase, row = PHASES[kind]
         rows, ratios = [], []
@@ -401,6 +402,9 @@ def main() -> None:
     ap.add_argument("--flood-x", type=int, default=5, help="A's requests in flight, in multiples of the batch slots")
     ap.add_argument("--batch-concurrency", type=int, default=64, help="the router's --batch-concurrency")
     ap.add_argument("--capacity-s", type=float, default=15.0)
+    ap.add_argument("--capacity", type=float, default=0.0, metavar="REQ_S",
+                    help="the capacity B's rate is a share of (default: the first measure; a host busy at the start "
+                    "lowers that one, the measures beside the phases check the value given)")
     ap.add_argument("--record", action="store_true", help="write results/<section>.md")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="fleetllm-tenancy-") as tmp:
