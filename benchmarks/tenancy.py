@@ -5,9 +5,10 @@ per-band, per-tenant weighted fair queuing at the router while the workers are s
 Simulated workers (``fleetllm worker --simulate``), or with ``--real`` fleetllm workers on the embedded SmolLM2 (one
 thread each), a small batch (``--max-num-seqs``), behind one ``fleetllm router`` with API keys (weight 1 each),
 started afresh for every phase. The fleet's capacity (a closed loop well past its batch slots) is measured first (the
-higher of two measures) and again after every phase: each phase is reported beside the capacity just before and just after it, so a slow spell
-of a shared host shows as a capacity change rather than as a latency ratio, and a fair share is computed against
-the capacity beside its own phase. Tenant B's rate stays that of the first measure, so its phases compare. Then:
+higher of two measures) and again after every phase: each phase is reported beside the capacity just before and
+just after it, so a slow spell of a shared host shows as a capacity change rather than as a latency ratio, and a
+fair share is computed against the capacity beside its own phase. Tenant B's rate stays that of the first measure
+(or ``--capacity``), so its phases compare. Then:
 
 - **noisy neighbour**: tenant B streams at ``--b-load`` of the capacity (Poisson arrivals, ``--b-requests``
   requests), alone and while tenant A floods (a closed loop holding ``--flood-x`` times the fleet's batch slots in
