@@ -3,8 +3,12 @@ router's flow control off (requests go to the workers at once, first come first 
 per-band, per-tenant weighted fair queuing at the router while the workers are saturated).
 
 Simulated workers (``fleetllm worker --simulate``), or with ``--real`` fleetllm workers on the embedded SmolLM2 (one
-thread each), a small batch (``--max-num-seqs``), behind one ``fleetllm router`` with API keys (weight 1 each), started afresh for every phase. First the fleet's capacity is measured
-(a closed loop well past its batch slots). Then:
+thread each), a small batch (``--max-num-seqs``), behind one ``fleetllm router`` with API keys (weight 1 each),
+started afresh for every phase. The fleet's capacity (a closed loop well past its batch slots) is measured first (the
+higher of two measures) and again after every phase: each phase is reported beside the capacity just before and
+just after it, so a slow spell of a shared host shows as a capacity change rather than as a latency ratio, and a
+fair share is computed against the capacity beside its own phase. Tenant B's rate stays that of the first measure
+(or ``--capacity``), so its phases compare. Then:
 
 - **noisy neighbour**: tenant B streams at ``--b-load`` of the capacity (Poisson arrivals, ``--b-requests``
   requests), alone and while tenant A floods (a closed loop holding ``--flood-x`` times the fleet's batch slots in
@@ -25,6 +29,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import subprocess
 import sys
@@ -190,6 +195,11 @@ class Window:
     seconds: float
     others_tok_s: float = 0.0
 
+    @property
+    def fleet_tok_s(self) -> float:
+        """Every tenant's output tokens/s over the window."""
+        return self.others_tok_s + self.result.tokens / self.seconds
+
 
 async def interactive(client: httpx.AsyncClient, url: str, fleet: Fleet, rate: float,
                       others: Callable[[], Awaitable[float]] | None = None) -> Window:
@@ -202,8 +212,42 @@ async def interactive(client: httpx.AsyncClient, url: str, fleet: Fleet, rate: f
     return Window(result, seconds, (done - before) / seconds)
 
 
-async def noisy(fleet: Fleet, flow: bool, flood: bool, cap: tuple[float, float]) -> str:
-    """B alone or beside A's flood; one table row."""
+STEADY = 0.10  # capacity measures this close (relative) count as one host state: phases beside them compare
+# a saturated phase whose fleet output fell below this share of the capacity beside it had a slow spell within it
+# (flow control's headroom and the displaced requests' recomputation cost ~10%)
+BUSY_FLOOR = 0.8
+
+
+@dataclass
+class Beside:
+    """The fleet's capacity (requests/s, output tokens/s) measured just before and just after a phase, and the
+    host's 1-minute load average at the phase's start and end."""
+
+    before: tuple[float, float]
+    after: tuple[float, float]
+    load: tuple[float, float]
+
+    @property
+    def tok_s(self) -> float:
+        """The capacity during the phase, as output tokens/s: the mean of the two measures."""
+        return (self.before[1] + self.after[1]) / 2
+
+    @property
+    def req_s(self) -> float:
+        return (self.before[0] + self.after[0]) / 2
+
+    def steady(self) -> bool:
+        """Whether the capacity held within ``STEADY`` across the phase."""
+        lo, hi = sorted((self.before[0], self.after[0]))
+        return hi <= lo * (1 + STEADY)
+
+    def cells(self) -> str:
+        return (f"{self.before[0]:.1f} → {self.after[0]:.1f} | "
+                f"{self.load[0]:.1f} → {self.load[1]:.1f}")
+
+
+async def noisy(fleet: Fleet, flow: bool, flood: bool, rate: float) -> Window:
+    """B alone (at ``rate``), or beside A's flood (``others_tok_s``: A's output tokens/s)."""
     args = fleet.args
     url, proc = fleet.router(flow)
     try:
@@ -218,18 +262,24 @@ async def noisy(fleet: Fleet, flow: bool, flood: bool, cap: tuple[float, float])
             async def a_tokens() -> float:
                 return float(a.tokens)
 
-            w = await interactive(client, url, fleet, args.b_load * cap[0], a_tokens if flood else None)
+            w = await interactive(client, url, fleet, rate, a_tokens if flood else None)
             stop.set()
             if flooding is not None:
                 await flooding
     finally:
         stop_process(proc)
+    return w
+
+
+def noisy_row(flow: bool, flood: bool, w: Window, beside: Beside) -> str:
+    """One table row: B's TTFT, and A's output tokens/s against its fair share (the capacity beside the phase,
+    less B's output)."""
     b = w.result
-    share = (f"{w.others_tok_s:.0f} / {cap[1] - b.tokens / w.seconds:.0f} = "
-             f"{w.others_tok_s / (cap[1] - b.tokens / w.seconds):.2f}" if flood else "-")
+    fair = beside.tok_s - b.tokens / w.seconds
+    share = f"{w.others_tok_s:.0f} / {fair:.0f} = {w.others_tok_s / fair:.2f}" if flood else "-"
     return (f"| {'on' if flow else 'off'} | {'A floods' if flood else 'B alone'} | {len(b.ttft)} | "
             f"{1e3 * pct(b.ttft, 0.5):.0f} | {1e3 * pct(b.ttft, 0.9):.0f} | {1e3 * pct(b.ttft, 0.99):.0f} | "
-            f"{b.failed} | {share} |")
+            f"{b.failed} | {share} | {beside.cells()} |")
 
 
 async def submit_batch(client: httpx.AsyncClient, url: str, key: str, lines: int, max_tokens: int) -> str:
@@ -248,16 +298,16 @@ async def submit_batch(client: httpx.AsyncClient, url: str, key: str, lines: int
     return b.json()["id"]
 
 
-async def with_batch(fleet: Fleet, flow: bool, batch: bool, cap: tuple[float, float]) -> str:
-    """The interactive stream alone or beside a Batch API job; one table row."""
+async def with_batch(fleet: Fleet, flow: bool, batch: bool, rate: float) -> Window:
+    """The interactive stream (at ``rate``) alone, or beside a Batch API job (``others_tok_s``: the batch's output
+    tokens/s)."""
     args = fleet.args
     url, proc = fleet.router(flow)
-    rate = args.b_load * cap[0]
     try:
         async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=2000)) as client:
             auth = {"authorization": f"Bearer {fleet.keys['batch']}"}
             if batch:
-                lines = int(cap[0] * (args.b_requests / rate + 30) * 1.5)
+                lines = int(rate / args.b_load * (args.b_requests / rate + 30) * 1.5)
                 batch_id = await submit_batch(client, url, fleet.keys["batch"], lines, args.max_tokens)
                 await asyncio.sleep(5.0)  # the batch fills the fleet first
 
@@ -270,34 +320,68 @@ async def with_batch(fleet: Fleet, flow: bool, batch: bool, cap: tuple[float, fl
                 await client.post(url + f"/v1/batches/{batch_id}/cancel", headers=auth)
     finally:
         stop_process(proc)
+    return w
+
+
+def batch_row(flow: bool, batch: bool, w: Window, beside: Beside) -> str:
+    """One table row: the interactive TTFT, and the batch's output tokens/s against the capacity beside the phase
+    that the interactive traffic leaves."""
     r = w.result
-    left = cap[1] - r.tokens / w.seconds
+    left = beside.tok_s - r.tokens / w.seconds
     used = f"{w.others_tok_s:.0f} / {left:.0f} = {w.others_tok_s / left:.2f}" if batch else "-"
     return (f"| {'on' if flow else 'off'} | {'batch job' if batch else 'alone'} | {len(r.ttft)} | "
-            f"{1e3 * pct(r.ttft, 0.5):.0f} | {1e3 * pct(r.ttft, 0.99):.0f} | {r.failed} | {used} |")
+            f"{1e3 * pct(r.ttft, 0.5):.0f} | {1e3 * pct(r.ttft, 0.99):.0f} | {r.failed} | {used} | "
+            f"{beside.cells()} |")
 
 
+def ratio_line(kind: str, flow: bool, alone: tuple[Window, Beside], busy: tuple[Window, Beside]) -> str:
+    """The goal's ratio (B's TTFT p90 under the flood, or the interactive p99 beside the batch, over its value
+    alone) and how far the capacity beside the two phases moved."""
+    q, what = (0.9, "B TTFT p90") if kind == "noisy" else (0.99, "interactive TTFT p99")
+    ratio = pct(busy[0].result.ttft, q) / pct(alone[0].result.ttft, q)
+    drift = busy[1].req_s / alone[1].req_s - 1
+    busy_share = busy[0].fleet_tok_s / busy[1].tok_s
+    comparable = alone[1].steady() and busy[1].steady() and abs(drift) <= STEADY and busy_share >= BUSY_FLOOR
+    return (f"flow {'on' if flow else 'off'}: {what} {ratio:.2f}x its value alone; capacity beside the phases "
+            f"{alone[1].req_s:.1f} and {busy[1].req_s:.1f} requests/s ({100 * drift:+.0f}%), the fleet's output "
+            f"while busy {busy_share:.2f} of the capacity beside it: "
+            f"{'comparable' if comparable else 'NOT comparable (capacity moved or the busy phase ran slow)'}")
+
+
+BESIDE = "capacity req/s before → after | load"
 NOISY_HEAD = ("| flow control | phase | B requests | B TTFT p50 ms | p90 ms | p99 ms | B failed | A tok/s / its fair "
-              "share |\n|---|---|---:|---:|---:|---:|---:|---|\n")
+              f"share | {BESIDE} |\n|---|---|---:|---:|---:|---:|---:|---|---|---|\n")
 BATCH_HEAD = ("| flow control | phase | interactive requests | TTFT p50 ms | p99 ms | failed | batch tok/s / capacity "
-              "left |\n|---|---|---:|---:|---:|---:|---|\n")
+              f"left | {BESIDE} |\n|---|---|---:|---:|---:|---:|---|---|---|\n")
+PHASES = {"noisy": (NOISY_HEAD, noisy, noisy_row), "batch": (BATCH_HEAD, with_batch, batch_row)}
 
 
 async def run(fleet: Fleet, runs: list[str]) -> str:
     args = fleet.args
-    cap = await capacity(fleet, args.capacity_s)
+    # B's rate is set once from the first measure: the higher of two, as a slow spell of the host lowers one
+    cap = max([await capacity(fleet, args.capacity_s) for _ in range(2)])
     print(f"capacity: {cap[0]:.1f} requests/s, {cap[1]:.0f} output tokens/s", flush=True)
-    out = [f"Capacity (closed loop at 4x the batch slots, flow control off): {cap[0]:.1f} requests/s, "
-           f"{cap[1]:.0f} output tokens/s.\n"]
-    for kind, head, phase in (("noisy", NOISY_HEAD, noisy), ("batch", BATCH_HEAD, with_batch)):
-        if kind not in runs:
-            continue
-        rows = []
+    out = [f"Capacity (closed loop at 4x the batch slots, flow control off), first measure (the higher of two): "
+           f"{cap[0]:.1f} requests/s, {cap[1]:.0f} output tokens/s; measured again after every phase.\n"]
+    rate = args.b_load * (args.capacity or cap[0])
+    out[0] += f"B's rate: {rate:.2f} requests/s ({args.b_load:g} of {args.capacity or cap[0]:.1f}).\n"
+    for kind in (k for k in PHASES if k in runs):
+        head, phase, row = PHASES[kind]
+        rows, ratios = [], []
         for flow in [f == "on" for f in args.flow.split(",")]:
+            done = []
             for busy in (False, True):
-                rows.append(await phase(fleet, flow, busy, cap))
+                load = os.getloadavg()[0]
+                w = await phase(fleet, flow, busy, rate)
+                load = (load, os.getloadavg()[0])
+                after = await capacity(fleet, args.capacity_s)
+                done.append((w, Beside(cap, after, load)))
+                cap = after
+                rows.append(row(flow, busy, *done[-1]))
                 print(rows[-1], flush=True)
-        out.append(head + "\n".join(rows) + "\n")
+            ratios.append(ratio_line(kind, flow, *done))
+            print(ratios[-1], flush=True)
+        out.append(head + "\n".join(rows) + "\n\n" + "\n".join(ratios) + "\n")
     return "\n".join(out)
 
 
@@ -319,6 +403,9 @@ def main() -> None:
     ap.add_argument("--flood-x", type=int, default=5, help="A's requests in flight, in multiples of the batch slots")
     ap.add_argument("--batch-concurrency", type=int, default=64, help="the router's --batch-concurrency")
     ap.add_argument("--capacity-s", type=float, default=15.0)
+    ap.add_argument("--capacity", type=float, default=0.0, metavar="REQ_S",
+                    help="the capacity B's rate is a share of (default: the first measure; a host busy at the start "
+                    "lowers that one, the measures beside the phases check the value given)")
     ap.add_argument("--record", action="store_true", help="write results/<section>.md")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="fleetllm-tenancy-") as tmp:
