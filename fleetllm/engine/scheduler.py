@@ -11,10 +11,7 @@ blocks usually survive in the prefix cache).
 Under the ``priority`` policy (vLLM's ``--scheduling-policy priority``) both orders follow each request's
 rank instead of its arrival alone: waiting sequences are admitted best rank first, running ones are served
 best rank first, and the worst-ranked running sequence is the one preempted: under KV pressure, and when every
-batch slot is taken and a more urgent waiting sequence ranks before it (it starts at once). A step that computes a
-more urgent sequence's first token leaves out the running sequences it outranks (bulk work's decode rows), so that
-first token costs a step of the urgent work alone, not of a full batch; a sequence left out of one step is never
-left out of the next, so the work it outranks keeps every other step at least. The rank ages so
+batch slot is taken and a more urgent waiting sequence ranks before it (it starts at once). The rank ages so
 that no request starves: a request's effective priority improves by one level for every ``priority_aging_s``
 seconds since it arrived, which orders requests by ``priority * priority_aging_s + arrival_time`` (a
 request of priority 5 arriving now ranks like one of priority 0 arriving 5 ageing periods later).
@@ -109,7 +106,6 @@ class Scheduler:
         self.connector: KVConnectorScheduler | None = None  # the KV connector's scheduler side, if attached
         self.lora: LoraManager | None = None  # the adapters' slots (set with --enable-lora)
         self._tier_more: set[str] = set()  # request ids whose connector-held tokens did not all find blocks
-        self._left_out: set[str] = set()  # request ids left out of the last step for a more urgent first token
 
     def _alone(self, seq: Sequence) -> bool:
         """Whether ``seq``'s step must hold nothing else (the connector computes its KV outside this pool)."""
@@ -166,19 +162,14 @@ class Scheduler:
         verified this step when budget and blocks allow."""
         drafts = drafts or {}
         out = SchedulerOutput()
-        left_out: set[str] = set()
         if self.cfg.policy == "priority":
             self._free_slot_for_better_rank(out)
-            left_out = self._leave_out_for_first_token()
         budget = self.cfg.max_num_batched_tokens
         kept: list[Sequence] = []
         # served in order, and preempted from the back: FCFS keeps arrival order, priority the best rank first
         queue = sorted(self.running, key=self.cfg.rank) if self.cfg.policy == "priority" else list(self.running)
         while queue:
             seq = queue.pop(0)
-            if seq.request_id in left_out:  # a more urgent first token goes without it this step
-                kept.append(seq)
-                continue
             alone = self._alone(seq)
             if budget <= 0 or (alone and out.scheduled):
                 kept.append(seq)
@@ -218,36 +209,11 @@ class Scheduler:
             if head.lora_name is not None or self._alone(head):  # their admission has conditions of its own
                 return
             worst = max(self.running, key=self.cfg.rank)
-            if not self._outranks(head, worst):
+            if head.params.priority >= worst.params.priority or self.cfg.rank(head) >= self.cfg.rank(worst):
                 return
             self.running.remove(worst)
             self._preempt(worst)
             out.displaced.append(worst)
-
-    def _outranks(self, a: Sequence, b: Sequence) -> bool:
-        """Whether ``a`` asks for a more urgent ``priority`` than ``b`` and its aged rank is still the better one
-        (ageing protects a request that has waited or run long)."""
-        return a.params.priority < b.params.priority and self.cfg.rank(a) < self.cfg.rank(b)
-
-    def _leave_out_for_first_token(self) -> set[str]:
-        """Under ``priority``: the running sequences this step leaves out because it computes the first token of
-        one they are outranked by (a sequence still in its prompt, or the waiting head when a slot is free for it).
-
-        A step's time grows with its rows (SmolLM2 on one thread: an interactive first token's step took 38 ms
-        beside seven bulk decode rows, 22 ms alone), all of it on the urgent request's time to first token, while
-        one step's wait costs each left-out request one step of its whole. Never twice in a row for one sequence:
-        outranked work keeps at least every other step, however many urgent requests arrive."""
-        before, self._left_out = self._left_out, set()
-        candidates = list(self.running)
-        if self.waiting and len(self.running) < self.cfg.max_num_seqs:  # the head is admitted this step
-            candidates.append(self.waiting[0])
-        firsts = [s for s in candidates if not s.output_token_ids]
-        if not firsts:
-            return self._left_out
-        urgent = min(firsts, key=self.cfg.rank)
-        self._left_out = {s.request_id for s in self.running
-                          if s.request_id not in before and self._outranks(urgent, s)}
-        return self._left_out
 
     def _admit(self, out: SchedulerOutput, budget: int) -> None:
         """Admit waiting sequences in order while budget, sequence slots and blocks last. A sequence whose adapter

@@ -19,8 +19,8 @@ def scheduler(policy: str, num_blocks: int = 16, max_num_seqs: int = 8, aging_s:
     return Scheduler(SchedulerConfig(max_num_seqs, 256, watermark=0.0, policy=policy, priority_aging_s=aging_s), kv)
 
 
-def seq(rid: str, priority: int, arrival: float, first_token: int = 1, blocks: int = 1) -> Sequence:
-    s = Sequence(rid, [first_token + i for i in range(blocks * BS)], SamplingParams(max_tokens=8, priority=priority), 8)
+def seq(rid: str, priority: int, arrival: float, first_token: int = 1) -> Sequence:
+    s = Sequence(rid, [first_token + i for i in range(BS)], SamplingParams(max_tokens=8, priority=priority), 8)
     s.arrival_time = arrival
     return s
 
@@ -91,9 +91,8 @@ def test_a_preempted_request_waits_behind_more_urgent_ones_and_ahead_of_less_urg
     sched.add(seq("urgent", -10, 2.0, first_token=50))
     run_step(sched)
     sched.add(seq("later-batch", 20, 3.0, first_token=90))
-    sched.add(seq("later-urgent", -20, 4.0, first_token=120, blocks=2))  # more blocks than are free
-    sched.schedule()  # leaves the running two out for the urgent first token, which finds no blocks
-    sched.schedule()  # not left out twice in a row: "batch" needs a block and is preempted
+    sched.add(seq("later-urgent", -20, 4.0, first_token=120))
+    sched.schedule()  # preempts "batch"
     assert [s.request_id for s in sched.waiting] == ["later-urgent", "batch", "later-batch"]
 
 
@@ -105,7 +104,7 @@ def test_a_more_urgent_request_takes_the_batch_slot_of_the_least_urgent_running_
     sched.add(seq("urgent", 0, 1.5, first_token=50))
     out = sched.schedule()
     assert [s.request_id for s in out.displaced] == ["bulker"] and out.preempted == []
-    assert "urgent" in [s.seq.request_id for s in out.scheduled]
+    assert sorted(s.seq.request_id for s in out.scheduled) == ["bulk", "urgent"]
     assert sched.waiting[0].request_id == "bulker" and sched.waiting[0].status is Status.PREEMPTED
 
 
@@ -120,24 +119,3 @@ def test_a_waiting_request_displaces_nobody_unless_more_urgent_and_still_ranked_
     sched.add(seq("waiting", priority, arrival, first_token=50))
     out = sched.schedule()
     assert out.displaced == [] and [s.seq.request_id for s in out.scheduled] == ["running"]
-
-
-def test_an_urgent_first_token_is_computed_without_the_running_rows_it_outranks():
-    sched = scheduler("priority", num_blocks=32)
-    sched.add(seq("bulk-1", 1, 1.0, first_token=1))
-    sched.add(seq("bulk-2", 1, 1.0, first_token=20))
-    sched.add(seq("peer", 0, 1.2, first_token=40))
-    run_step(sched)
-    sched.add(seq("urgent", 0, 1.5, first_token=60))
-    assert sorted(run_step(sched)) == ["peer", "urgent"]  # its peer in priority keeps its row
-    assert run_step(sched) == ["peer", "urgent", "bulk-1", "bulk-2"]
-
-
-def test_a_row_left_out_for_a_first_token_is_not_left_out_of_the_next_step():
-    sched = scheduler("priority", num_blocks=32)
-    sched.add(seq("bulk", 1, 1.0, first_token=1))
-    run_step(sched)
-    sched.add(seq("urgent-1", 0, 1.5, first_token=20))
-    assert run_step(sched) == ["urgent-1"]
-    sched.add(seq("urgent-2", 0, 1.6, first_token=40))
-    assert sorted(run_step(sched)) == ["bulk", "urgent-1", "urgent-2"]
