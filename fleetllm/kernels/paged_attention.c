@@ -443,6 +443,15 @@ static inline void scores_by_key_rows(const PagedArgs *a, const int32_t *table, 
     }
 }
 
+/* Each of a chunk's m rows' queries (its KV head's group of heads) and keys to score. */
+static void chunk_rows(const PagedArgs *a, const Part *t, int m, const float **qs, int *n) {
+    const int g = a->heads / a->kv_heads;
+    for (int r = 0; r < m; r++) {
+        qs[r] = a->q + t[r].row * a->q_row_stride + (long)t[r].kvh * g * a->head_dim;
+        n[r] = t[r].n;
+    }
+}
+
 /* m rows of one chunk over the same partition of the same table (see group_rows): the scores of all of them in
  * one pass over K, then each row's softmax and values as task_avx2 takes them (V, prefetched into L2 by the
  * score pass, read from there). Each row's floats are task_avx2's. 16- and 32-bit caches, g <= 64. */
@@ -452,10 +461,7 @@ static void task_avx2_rows(const PagedArgs *a, const Part *t, int m, float *scor
     const int32_t *table = table_of_row(a, t[0].row);
     const float *qs[MAX_GROUP];
     int n[MAX_GROUP];
-    for (int r = 0; r < m; r++) {
-        qs[r] = a->q + t[r].row * a->q_row_stride + (long)t[r].kvh * g * a->head_dim;
-        n[r] = t[r].n;
-    }
+    chunk_rows(a, t, m, qs, n);
     if (a->kv_dtype == KV_F32) scores_by_key_rows(a, table, t[0].first, n, m, t[0].kvh, qs, scores, stride, KV_F32);
     else if (a->kv_dtype == KV_F16) scores_by_key_rows(a, table, t[0].first, n, m, t[0].kvh, qs, scores, stride, KV_F16);
     else scores_by_key_rows(a, table, t[0].first, n, m, t[0].kvh, qs, scores, stride, KV_BF16);
@@ -806,10 +812,7 @@ static void task_avx512_rows(const PagedArgs *a, const Part *t, int m, float *sc
     const int32_t *table = table_of_row(a, t[0].row);
     const float *qs[MAX_GROUP];
     int n[MAX_GROUP];
-    for (int r = 0; r < m; r++) {
-        qs[r] = a->q + t[r].row * a->q_row_stride + (long)t[r].kvh * g * a->head_dim;
-        n[r] = t[r].n;
-    }
+    chunk_rows(a, t, m, qs, n);
     scores_avx512_rows(a, table, t[0].first, n, m, t[0].kvh, qs, scores, stride);
     for (int r = 0; r < m; r++) softmax_rows(scores + r * stride, g, n[r], 1, t[r].ml);
     values_avx512_rows(a, table, t[0].first, n, m, t[0].kvh, scores, stride, t);
