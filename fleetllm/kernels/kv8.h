@@ -20,4 +20,10 @@ enum { KV_F32 = 0, KV_F16 = 1, KV_BF16 = 2, KV_I8 = 3, KV_E4M3 = 4, KV_E5M2 = 5 
 #define KV8_ROW(d) ((d) + KV8_SCALE_BYTES * KV8_SCALES(d))  /* bytes of an 8-bit row */
 #define KV8_SHIFT(dt) ((dt) == KV_I8 ? 4 : (dt) == KV_E4M3 ? 6 : 13)
 
+/* What a reader multiplies a stored scale by: 2^-KV8_SHIFT, times 256 for e4m3 (paged_attention.c and
+ * prefill_attention.c widen an e4m3 byte as an fp16 of value / 256). Powers of two: the products are exact. */
+static inline float kv8_read_unit(int dt) {
+    return (dt == KV_E4M3 ? 256.f : 1.f) / (float)(1 << KV8_SHIFT(dt));
+}
+
 #endif

@@ -137,12 +137,6 @@ static inline long next_ahead(AheadSlots *it) {
 }
 #endif
 
-/* What an 8-bit row's stored scale is multiplied by: 2^-KV8_SHIFT, times 256 for e4m3 (which load_scalar, load8
- * and load16 read as value / 256). Powers of two: the products are exact. */
-static inline float scale_unit(int dtype) {
-    return (dtype == KV_E4M3 ? 256.f : 1.f) / (float)(1 << KV8_SHIFT(dtype));
-}
-
 /* The stored float16 scale of element i's group in the 8-bit row at `base`. */
 static inline uint16_t stored_scale(const void *cache, long base, int head_dim, int i) {
     uint16_t h;
@@ -152,7 +146,7 @@ static inline uint16_t stored_scale(const void *cache, long base, int head_dim, 
 
 /* What element i of the row at `base` is multiplied by: 1 for fp32/fp16/bf16, its group's scale for 8-bit. */
 static inline float group_scale(const void *cache, long base, int head_dim, int dtype, int i) {
-    return IS_8BIT(dtype) ? half_to_float(stored_scale(cache, base, head_dim, i)) * scale_unit(dtype) : 1.f;
+    return IS_8BIT(dtype) ? half_to_float(stored_scale(cache, base, head_dim, i)) * kv8_read_unit(dtype) : 1.f;
 }
 
 #define PART_KEYS 256  /* keys of one partition: 256 KB of fp32 values at head_dim 256, L2-resident */
@@ -260,7 +254,7 @@ __attribute__((target("avx2,fma,f16c"), always_inline))
 static inline __m256 load8s(const void *cache, long row, int head_dim, int i, int dtype) {
     const __m256 x = load8(cache, row + i, dtype);
     if (!IS_8BIT(dtype)) return x;
-    const float s = _cvtsh_ss(stored_scale(cache, row, head_dim, i)) * scale_unit(dtype);
+    const float s = _cvtsh_ss(stored_scale(cache, row, head_dim, i)) * kv8_read_unit(dtype);
     return _mm256_mul_ps(x, _mm256_set1_ps(s));
 }
 
@@ -513,7 +507,7 @@ static inline __m512 load16(const void *base, long idx, const int dtype) {
 
 /* The scales of an 8-bit row at `row` for head_dim's vectors v0 .. v0 + nb - 1 (16 channels, two groups each):
  * lanes 2v and 2v + 1 hold vector v0 + v's, as stored (lanes from 2 nb: 0; from 8: undefined): the passes
- * multiply their sums by scale_unit instead (a power of two, so the same floats). One 16-byte load and one
+ * multiply their sums by kv8_read_unit instead (a power of two, so the same floats). One 16-byte load and one
  * conversion for a pass's 64 channels. */
 __attribute__((target(AVX512), always_inline))
 static inline __m512 row_scales(const void *cache, long row, int head_dim, int v0, const int nb, const int dtype) {
@@ -557,7 +551,7 @@ static inline void value_block16(const PagedArgs *a, const int32_t *table, int f
             for (int v = 0; v < nb; v++) acc[h][v] = _mm512_fmadd_ps(p, x[v], acc[h][v]);
         }
     }
-    const __m512 unit = _mm512_set1_ps(scale_unit(dtype));  /* see row_scales */
+    const __m512 unit = _mm512_set1_ps(kv8_read_unit(dtype));  /* see row_scales */
     for (int h = 0; h < hg; h++)
         for (int v = 0; v < nb; v++)
             _mm512_storeu_ps(out + (h0 + h) * d + 16 * (v0 + v), _mm512_mul_ps(acc[h][v], unit));
@@ -601,7 +595,7 @@ static inline void store_group(__m512 (*acc)[SK], const float *ks, int m, float 
     }
 }
 
-/* Scores of SK keys (rows[], the first m real; ks[]: the softmax scale times scale_unit, 0 past m) for heads
+/* Scores of SK keys (rows[], the first m real; ks[]: the softmax scale times kv8_read_unit, 0 past m) for heads
  * h0 .. h0 + hn - 1, over head_dim's vectors v0 .. v0 + nb - 1: each key's vectors widened once for the hn
  * heads, and the SK x hn dot products summed across lanes together (one horizontal sum per key costs as much as
  * its FMAs). */
@@ -631,13 +625,14 @@ static void scores_avx512(const PagedArgs *a, const int32_t *table, int first, i
                           float *scores) {
     const int d = a->head_dim, nv = d / 16, g = a->heads / a->kv_heads;
     AheadSlots it = ahead_from(a, table, first, n, a->k_cache, a->v_cache, kvh);
+    const float key_scale = a->scale * kv8_read_unit(a->kv_dtype);  /* see row_scales */
     long rows[SK];
     float ks[SK];
     for (int j0 = 0; j0 < n; j0 += SK) {
         const int m = n - j0 < SK ? n - j0 : SK;
         for (int j = 0; j < SK; j++) {  /* a short last group repeats its first key, scaled by 0 and not stored */
             rows[j] = j < m ? (next_ahead(&it) * a->kv_heads + kvh) * a->row : rows[0];
-            ks[j] = j < m ? a->scale * scale_unit(a->kv_dtype) : 0.f;  /* see row_scales */
+            ks[j] = j < m ? key_scale : 0.f;
         }
         for (int v0 = 0; v0 < nv; v0 += ZV) {
             const int nb = nv - v0 < ZV ? nv - v0 : ZV;
@@ -711,6 +706,7 @@ static void scores_avx512_rows(const PagedArgs *a, const int32_t *table, int fir
     int keys = 0;
     for (int r = 0; r < m; r++) keys = n[r] > keys ? n[r] : keys;
     AheadSlots it = ahead_from(a, table, first, keys, a->k_cache, a->v_cache, kvh);
+    const float key_scale = a->scale * kv8_read_unit(a->kv_dtype);  /* see row_scales */
     long rows[SK];
     __m512 k[SK][ZV];
     for (int j0 = 0; j0 < keys; j0 += SK) {
@@ -728,7 +724,7 @@ static void scores_avx512_rows(const PagedArgs *a, const int32_t *table, int fir
                 const int mr = n[r] - j0 < SK ? n[r] - j0 : SK;  /* row r's keys in this group */
                 if (mr <= 0) continue;
                 float ks[SK];
-                for (int j = 0; j < SK; j++) ks[j] = j < mr ? a->scale * scale_unit(a->kv_dtype) : 0.f;
+                for (int j = 0; j < SK; j++) ks[j] = j < mr ? key_scale : 0.f;
                 for (int h0 = 0; h0 < g; h0 += SH) {
                     const int hn = g - h0 < SH ? g - h0 : SH;
 #define DOTS(NB, HN) dots_group(a, k, ks, mr, qs[r], scores + r * stride, n[r], j0, v0, NB, h0, HN)
@@ -772,7 +768,7 @@ static inline void values_slice(const PagedArgs *a, const int32_t *table, int fi
                 acc[e] = _mm512_fmadd_ps(_mm512_set1_ps(j < lim[e] ? p[e][j] : 0.f), x, acc[e]);
         }
     }
-    const __m512 unit = _mm512_set1_ps(scale_unit(dtype));  /* see row_scales */
+    const __m512 unit = _mm512_set1_ps(kv8_read_unit(dtype));  /* see row_scales */
     for (int e = 0; e < vn; e++) _mm512_storeu_ps(out[e] + 16 * v, _mm512_mul_ps(acc[e], unit));
 }
 

@@ -79,7 +79,7 @@ static inline __m512 exp2_neg(__m512 x) {
  * through fp16 as paged_attention.c reads it (e4m3 as value / 256, 256 folded into the scales' unit). */
 __attribute__((target("avx512f,avx512bw,avx2,f16c")))
 static void widen_8bit(int dtype, const uint8_t *row, int d, float *out) {
-    const float unit = (dtype == KV_E4M3 ? 256.f : 1.f) / (float)(1 << KV8_SHIFT(dtype));
+    const float unit = kv8_read_unit(dtype);
     for (int i = 0; i < d; i += 16) {
         uint16_t h[2];
         memcpy(h, row + d + KV8_SCALE_BYTES * (i / KV8_GROUP), sizeof h);  /* the two groups of these 16 */
