@@ -22,6 +22,11 @@ import py_compile
 import sys
 from pathlib import Path
 
+try:
+    from _pytest.assertion.rewrite import PYC_TAIL, _read_pyc, _rewrite_test, _write_pyc_fp, get_cache_dir
+except ImportError:  # a pytest that moved them: nothing is written, the run is as slow as without this file
+    _rewrite_test = None
+
 # pytest's default `python_files` (pyproject.toml sets none) and its conftest files: the modules it rewrites
 REWRITTEN = ("test_*.py", "*_test.py", "conftest.py")
 
@@ -30,16 +35,19 @@ def _rewritten(fn: Path) -> bool:
     return any(fnmatch.fnmatch(fn.name, p) for p in REWRITTEN)
 
 
+def _rewritten_pyc(fn: Path) -> Path:
+    """Where pytest reads test file ``fn``'s rewritten bytecode."""
+    return get_cache_dir(fn) / (fn.name[:-3] + PYC_TAIL)
+
+
 def stale(files: list[Path]) -> list[Path]:
-    """The files whose bytecode is missing or older than their source (all of them where pytest moved)."""
-    try:
-        from _pytest.assertion.rewrite import PYC_TAIL, _read_pyc, get_cache_dir
-    except ImportError:
+    """The files whose bytecode is missing or older than their source (none where pytest moved its rewriter)."""
+    if _rewrite_test is None:
         return []
     out = []
     for fn in files:
         if _rewritten(fn):
-            fresh = _read_pyc(fn, get_cache_dir(fn) / (fn.name[:-3] + PYC_TAIL)) is not None
+            fresh = _read_pyc(fn, _rewritten_pyc(fn)) is not None
         else:
             pyc = Path(importlib.util.cache_from_source(str(fn)))
             fresh = pyc.exists() and pyc.stat().st_mtime >= fn.stat().st_mtime
@@ -50,15 +58,13 @@ def stale(files: list[Path]) -> list[Path]:
 
 def write(files: list[Path]) -> int:
     """Bytecode for each file (pytest's rewritten form for test files, Python's own for the rest); how many."""
-    try:
-        from _pytest.assertion.rewrite import PYC_TAIL, _rewrite_test, _write_pyc_fp, get_cache_dir
-    except ImportError:
+    if _rewrite_test is None:
         return 0
     written = 0
     for fn in files:
         if _rewritten(fn):
             source_hash, co = _rewrite_test(fn, None)  # type: ignore[arg-type]  # None: the default ini
-            pyc = get_cache_dir(fn) / (fn.name[:-3] + PYC_TAIL)
+            pyc = _rewritten_pyc(fn)
             pyc.parent.mkdir(exist_ok=True)
             tmp = pyc.with_name(f"{pyc.name}.{os.getpid()}")
             with open(tmp, "wb") as fp:
