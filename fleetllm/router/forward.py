@@ -30,6 +30,7 @@ from fleetllm.router.adapters import holds
 from fleetllm.router.index import PrefixIndex
 from fleetllm.router.metrics import RouterMetrics
 from fleetllm.router.pipeline.filters import Routable, Untried
+from fleetllm.router.pipeline.output_length import OutputLengths
 from fleetllm.router.policies import Decision, Policy, RouteRequest
 from fleetllm.router.request_id import HEADER as FLEET_ID_HEADER
 from fleetllm.router.sessions import ResponseWatch
@@ -187,6 +188,7 @@ class Forwarder:
         self.on_load_change: Callable[[], None] | None = None  # the admission stage looks again
         # with flow control: whether a worker can start one more request (bulk work or not) now (admission's count)
         self.has_room: Callable[[WorkerState, bool], bool] | None = None
+        self.lengths = OutputLengths()  # output tokens per answer, by model: what the routing cost expects
 
     async def forward(self, fwd: Forward, group: list[WorkerState], policy: Policy,
                       prepare: Prepare | None = None) -> Response:
@@ -195,6 +197,7 @@ class Forwarder:
         ``prepare`` runs once on the first decision before it is sent (the P/D path's remote prefill)."""
         tried: set[str] = set()
         last: AttemptFailed | None = None
+        fwd.route.expected_output_tokens = self.lengths.expected(self._model(fwd), fwd.body)
         for attempt in range(self.cfg.max_retries + 1):
             candidates = Routable(time.monotonic()).apply(fwd.route, Untried(tried).apply(fwd.route, group))
             if not candidates:
@@ -246,7 +249,8 @@ class Forwarder:
 
     async def _attempt(self, fwd: Forward, d: Decision) -> Response:
         w = d.worker
-        load = _Load(self, w, d.uncached_tokens(fwd.route), d.on_end, bulk=fwd.admitted is True)
+        load = _Load(self, w, d.uncached_tokens(fwd.route), fwd.route.num_prompt_tokens, d.on_end,
+                     bulk=fwd.admitted is True)
         self._dispatch(w, load.uncached, fwd.route)
         w.bulk_inflight += load.bulk
         fwd.dispatched = time.perf_counter()
@@ -274,7 +278,10 @@ class Forwarder:
                 await resp.aclose()
                 load.release()
             body = first + b"".join(rest)
-            fwd.ended(TokenCount.of_body(body) if fwd.on_end else None)
+            count = TokenCount.of_body(body)
+            if status == 200:
+                self.lengths.observe(self._model(fwd), count.completion)
+            fwd.ended(count)
             if fwd.watch is not None:
                 fwd.watch.body(body)
                 fwd.watch.finish(w.name, status)
@@ -316,20 +323,19 @@ class Forwarder:
 
     async def _relay(self, fwd: Forward, first: bytes, chunks: AsyncIterator[bytes], resp: httpx.Response,
                      load: _Load) -> AsyncIterator[bytes]:
-        count = TokenCount() if fwd.on_end else None  # parsed only when someone meters tokens
+        count = TokenCount()  # the answer's tokens: metered, and what the routing cost expects of the next ones
         watch = fwd.watch
         try:
             yield first
-            if count:
-                count.feed(first)
+            count.feed(first)
             if watch:
                 watch.feed(first)
             async for c in chunks:
                 yield c
-                if count:
-                    count.feed(c)
+                count.feed(c)
                 if watch:
                     watch.feed(c)
+            self.lengths.observe(self._model(fwd), count.completion)
         except httpx.HTTPError as e:
             self.metrics.errors.labels(kind="stream_broken").inc()
             err = APIError(502, f"the worker's stream broke: {type(e).__name__}").body()
@@ -341,9 +347,15 @@ class Forwarder:
             if watch:
                 watch.finish(load.worker.name, resp.status_code)
 
+    @staticmethod
+    def _model(fwd: Forward) -> str:
+        model = fwd.body.get("model")
+        return model if isinstance(model, str) else ""
+
     def _dispatch(self, w: WorkerState, uncached: int, req: RouteRequest) -> None:
         w.dispatched()
         w.pending_prefill_tokens += uncached
+        w.inflight_tokens += req.num_prompt_tokens
         w.breaker.on_dispatch()
         hashes = req.hashes_for(w)
         if self.records_routed and hashes:
@@ -356,7 +368,10 @@ class Forwarder:
         self.load_changed(w)
 
     def load_changed(self, w: WorkerState) -> None:
-        """Export ``w``'s router-side load after it changed."""
+        """Export ``w``'s router-side load after it changed, and note it in its time averages."""
+        now, window = time.monotonic(), self.cfg.cost.load_window_s
+        w.streams_avg.note(w.inflight, now, window)
+        w.tokens_avg.note(w.inflight_tokens, now, window)
         self.metrics.inflight.labels(worker=w.name).set(w.inflight)
         self.metrics.pending_prefill.labels(worker=w.name).set(w.pending_prefill_tokens)
         if self.on_load_change is not None:
@@ -403,9 +418,10 @@ async def _unless_lost(w: WorkerState, aw: Awaitable[T]) -> T:
 class _Load:
     """The load one attempt puts on its worker: pending prefill until the first byte, then decoding."""
 
-    def __init__(self, forwarder: Forwarder, w: WorkerState, uncached: int,
+    def __init__(self, forwarder: Forwarder, w: WorkerState, uncached: int, tokens: int,
                  on_end: Callable[[bool], None] | None = None, bulk: bool = False) -> None:
         self.forwarder, self.worker, self.uncached, self.on_end = forwarder, w, uncached, on_end
+        self.tokens = tokens  # the request's prompt tokens (counted in the worker's inflight_tokens)
         self.bulk = bulk  # released by flow control as bulk work (counted in the worker's bulk_inflight)
         self.first_seen = False
 
@@ -417,6 +433,7 @@ class _Load:
     def release(self) -> None:
         w = self.worker
         w.inflight -= 1
+        w.inflight_tokens -= self.tokens
         w.bulk_inflight -= self.bulk
         w.ended_since_report += 1
         if self.first_seen:

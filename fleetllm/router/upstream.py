@@ -25,6 +25,7 @@ import httpx
 from fleetllm.router.backends import detect
 from fleetllm.router.backends.watch import watch_engine
 from fleetllm.router.index import PrefixIndex
+from fleetllm.router.pipeline.held_average import TimeAverage
 from fleetllm.server.worker_secret import CHALLENGE
 
 log = logging.getLogger(__name__)
@@ -85,6 +86,10 @@ class WorkerState:
     inflight: int = 0
     pending_prefill_tokens: int = 0  # uncached prompt tokens of requests still waiting for a first byte
     decoding: int = 0  # requests streaming tokens
+    inflight_tokens: int = 0  # the prompt tokens (whole contexts) of this router's requests in flight there
+    # those two counts averaged over time (the routing cost's load window; noted at each change, by the forwarder)
+    streams_avg: TimeAverage = field(default_factory=TimeAverage)
+    tokens_avg: TimeAverage = field(default_factory=TimeAverage)
     # reported by the worker (KV events stream)
     running: int = 0
     waiting: int = 0

@@ -79,7 +79,8 @@ class TimingProfile:
         n, t = max(self.prefill)
         pts = sorted(self.decode)
         per_seq = (pts[-1][1] - pts[0][1]) / max(1, pts[-1][0] - pts[0][0]) if len(pts) > 1 else pts[0][1]
-        return CostModel(prefill_tokens_per_s=n / t, decode_tokens_per_s=1.0 / max(per_seq, 1e-6))
+        return CostModel(prefill_tokens_per_s=n / t, decode_tokens_per_s=1.0 / max(per_seq, 1e-6),
+                         decode_context_s=self.ctx_s_per_token)
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(asdict(self), indent=2) + "\n")

@@ -1,7 +1,7 @@
-"""The routing cost model: the seconds a worker would take to start a request, in four parts, each a scorer.
+"""The routing cost model: the seconds a worker would take to finish a request, in four parts, each a scorer.
 
-``queue + this request's uncached tokens / prefill_rate + γ · decoding / decode_rate + KV-pressure penalty``
-(docs/architecture.md, "Routing cost"). The queue is the time before this request's prefill would start: the
+``queue + this request's uncached tokens / prefill_rate + γ · its expected output tokens · what the worker's
+streams add to each of its steps + KV-pressure penalty`` (docs/architecture.md, "Routing cost"). The queue is the time before this request's prefill would start: the
 prompt tokens queued ahead of it at the prefill rate, plus a step's share for each request queued ahead
 (:meth:`CostModel.queue_s`). A prefix block a worker holds in a KV tier rather than its pool (host memory,
 disk: its KV events say the medium; or the shared tier every worker of its layout reads, whichever worker
@@ -12,6 +12,7 @@ adapter its worker does not hold resident adds :attr:`CostModel.lora_load_s` (a 
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
@@ -24,11 +25,16 @@ if TYPE_CHECKING:
 
 @dataclass
 class CostModel:
-    """Seconds a worker would take to start this request; calibrated rates come from a profile."""
+    """Seconds a worker would take to finish this request; calibrated rates come from a profile."""
 
     prefill_tokens_per_s: float = 1000.0
     decode_tokens_per_s: float = 50.0  # one running stream's share of a step, in steps per second
+    # what each context token of a running stream adds to a decode step, in seconds (its KV read)
+    decode_context_s: float = 0.0
     gamma: float = 1.0
+    # a worker's streams are counted as the larger of now and their time average over this window, so an agent
+    # session between turns (no request in flight, its context held there for its next turn) still counts
+    load_window_s: float = 5.0
     kv_high: float = 0.8  # above this KV usage a worker is penalised, up to kv_penalty_s at 100%
     kv_penalty_s: float = 2.0
     # Loading a block from a worker's KV tier, as a fraction of recomputing it (by the tier's medium in the
@@ -65,12 +71,12 @@ class CostModel:
         measured = w.tier_load_s.get(medium)
         return measured if measured is not None else self.load_fraction(medium) * self.prefill_s(block_size)
 
-    def cost(self, w: WorkerState, uncached: float, lora_name: str | None = None) -> float:
+    def cost(self, w: WorkerState, uncached: float, lora_name: str | None = None, output_tokens: float = 1.0) -> float:
         """Seconds until ``w`` would have computed a request's ``uncached`` prompt tokens (a fraction of a token
         each for those it would load from a KV tier), with its LoRA adapter ``lora_name`` loaded first if ``w``
-        does not hold it: the sum of the parts."""
-        return (self.queue_s(w) + self.prefill_s(uncached) + self.decode_s(w) + self.pressure_s(w)
-                + self.adapter_s(w, lora_name))
+        does not hold it, and then its ``output_tokens`` beside ``w``'s streams: the sum of the parts."""
+        return (self.queue_s(w) + self.prefill_s(uncached) + self.decode_s(w, output_tokens)
+                + self.pressure_s(w) + self.adapter_s(w, lora_name))
 
     def queue_s(self, w: WorkerState) -> float:
         """Seconds before a request sent to ``w`` now would start its prefill.
@@ -87,9 +93,19 @@ class CostModel:
         """Seconds to compute ``uncached`` prompt tokens."""
         return uncached / self.prefill_tokens_per_s
 
-    def decode_s(self, w: WorkerState) -> float:
-        """What ``w``'s running streams slow a new request's steps by."""
-        return self.gamma * max(w.decoding, w.running - pending(w)) / self.decode_tokens_per_s
+    def decode_s(self, w: WorkerState, output_tokens: float = 1.0, now: float | None = None) -> float:
+        """What ``w``'s streams add to a new request's decode of ``output_tokens`` tokens: each of its steps
+        carries their rows (a step's share each, and their contexts' KV reads), times ``gamma``.
+
+        The streams are the larger of those running now (the router's count or the worker's report) and this
+        router's requests there averaged over :attr:`load_window_s`; their context tokens likewise (this
+        router's own requests'). An agent's session that sits between turns is so still counted where its
+        context is, and a worker holding long contexts is priced by them, not by its count of requests."""
+        now = time.monotonic() if now is None else now
+        streams = max(w.decoding, w.running - pending(w), w.streams_avg.at(now, self.load_window_s))
+        context = max(w.inflight_tokens, w.tokens_avg.at(now, self.load_window_s))
+        per_step = streams / self.decode_tokens_per_s + context * self.decode_context_s
+        return self.gamma * output_tokens * per_step
 
     def adapter_s(self, w: WorkerState, lora_name: str | None) -> float:
         """Loading the request's LoRA adapter on ``w`` first (none: the base model, or one ``w`` holds resident)."""

@@ -23,6 +23,7 @@ class RouteRequest:
     session_key: str | None = None
     lora_name: str | None = None  # the LoRA adapter the request names (None: the base model)
     scheme_hashes: dict[str, list[int]] = field(default_factory=dict)  # other engines' hashes (vLLM's), by scheme
+    expected_output_tokens: float = 1.0  # what it will generate, as the router expects (pipeline/output_length.py)
 
     def hashes_for(self, w: WorkerState) -> list[int]:
         """The prompt's block hashes as ``w``'s index entries are keyed."""

@@ -2,7 +2,7 @@
 
 The parts of :class:`~fleetllm.router.pipeline.cost.CostModel`, one scorer each: ``queue`` (the work
 queued ahead), ``prefix`` (prefilling what the worker does not hold: the prefix affinity), ``decode`` (its
-running streams), ``kv_pressure`` (a nearly full pool) and ``lora`` (loading the request's adapter where it is
+streams, over the request's expected output), ``kv_pressure`` (a nearly full pool) and ``lora`` (loading the request's adapter where it is
 not resident: the adapter affinity). The ``prefix`` scorer also records, for the
 picker's reason, how many leading blocks each worker holds (:attr:`Candidates.depth`).
 """
@@ -111,12 +111,13 @@ def leading_media(index: PrefixIndex, req: RouteRequest, workers: list[WorkerSta
 
 
 class DecodeScorer(WorkerTermScorer):
-    """The running streams a new request's steps would share (:meth:`CostModel.decode_s`)."""
+    """What the worker's streams add to the request's decode, over the tokens it is expected to generate
+    (:meth:`CostModel.decode_s`)."""
 
     name = "decode"
 
     def term(self, w: WorkerState, req: RouteRequest) -> float:
-        return self.model.decode_s(w)
+        return self.model.decode_s(w, req.expected_output_tokens)
 
 
 class LoraScorer(WorkerTermScorer):
