@@ -77,3 +77,20 @@ def test_expected_output_is_the_models_moving_average_capped_by_what_the_request
     assert lengths.expected("m", {"max_completion_tokens": 20}) == 20
     assert lengths.expected("m", {"max_tokens": True}) == pytest.approx(120)  # not a count: ignored
     assert lengths.expected("other", {}) == FIRST_GUESS  # per model
+
+
+def test_a_returning_session_is_not_its_own_neighbour_where_its_history_is():
+    idx = PrefixIndex(routed_ttl_s=0)
+    ws = [WorkerState(f"w{i}", f"http://w{i}", healthy=True) for i in range(2)]
+    history = list(range(100, 164))  # 1024 tokens: the session's previous turn, held by w0
+    idx.reset("w0", history, capacity=1000)
+    t = time.monotonic()
+    ws[0].streams_avg.note(1, t - 3, 3.0)  # that turn ran there until a moment ago
+    ws[0].streams_avg.note(0, t - 0.2, 3.0)
+    ws[0].tokens_avg.note(1024, t - 3, 3.0)
+    ws[0].tokens_avg.note(0, t - 0.2, 3.0)
+    req = RouteRequest(num_prompt_tokens=1100, block_hashes=[*history, 7], expected_output_tokens=200)
+    cost = CostModel(prefill_tokens_per_s=700, decode_tokens_per_s=500, decode_context_s=7e-6)
+    assert cost.decode_s(ws[0], 200, own_history=1024, now=t) == 0.0
+    assert cost.decode_s(ws[0], 200, now=t) > 1.0  # anyone else's request would see that turn's load
+    assert make_policy("kv_aware", idx, cost, seed=0).choose(req, ws).worker.name == "w0"

@@ -199,7 +199,7 @@ def test_kv_aware_keeps_a_returning_session_on_the_worker_holding_its_history_pa
     idx.stored("w0", [4], medium="CPU")  # the rest of its history, evicted into the worker's host tier
     ws[0].inflight = 3  # its other sessions' turns: 3 + 1 > ceil(1.25 * 4 / 2)
     req = _req([1, 2, 3, 4, 5])
-    p = make_policy("kv_aware", idx, CostModel(prefill_tokens_per_s=1000), seed=0)
+    p = make_policy("kv_aware", idx, CostModel(prefill_tokens_per_s=1000, decode_tokens_per_s=500), seed=0)
     assert p.choose(req, ws).worker.name == "w1"  # no session: bounded, as a hot prefix is
     req.session_key = "agent-7"
     assert p.choose(req, ws).worker.name == "w0"  # its own 4 of 5 blocks: the cost model weighs the queue

@@ -34,7 +34,7 @@ class CostModel:
     gamma: float = 1.0
     # a worker's streams are counted as the larger of now and their time average over this window, so an agent
     # session between turns (no request in flight, its context held there for its next turn) still counts
-    load_window_s: float = 5.0
+    load_window_s: float = 3.0
     kv_high: float = 0.8  # above this KV usage a worker is penalised, up to kv_penalty_s at 100%
     kv_penalty_s: float = 2.0
     # Loading a block from a worker's KV tier, as a fraction of recomputing it (by the tier's medium in the
@@ -93,17 +93,21 @@ class CostModel:
         """Seconds to compute ``uncached`` prompt tokens."""
         return uncached / self.prefill_tokens_per_s
 
-    def decode_s(self, w: WorkerState, output_tokens: float = 1.0, now: float | None = None) -> float:
+    def decode_s(self, w: WorkerState, output_tokens: float = 1.0, own_history: int = 0,
+                 now: float | None = None) -> float:
         """What ``w``'s streams add to a new request's decode of ``output_tokens`` tokens: each of its steps
         carries their rows (a step's share each, and their contexts' KV reads), times ``gamma``.
 
-        The streams are the larger of those running now (the router's count or the worker's report) and this
-        router's requests there averaged over :attr:`load_window_s`; their context tokens likewise (this
-        router's own requests'). An agent's session that sits between turns is so still counted where its
-        context is, and a worker holding long contexts is priced by them, not by its count of requests."""
+        The streams are the larger of those there now (the router's requests, or the worker's report) and this
+        router's requests there averaged over :attr:`load_window_s`; their context tokens likewise (this router's
+        own requests'). An agent's session between turns is so still counted where its context is, and a worker
+        holding long contexts is priced by them, not by its count of requests. Where ``w`` holds the request's
+        own history (``own_history`` of its prompt tokens, its previous turn's), that turn is in the average
+        too and is left out of it: a session is not its own neighbour."""
         now = time.monotonic() if now is None else now
-        streams = max(w.decoding, w.running - pending(w), w.streams_avg.at(now, self.load_window_s))
-        context = max(w.inflight_tokens, w.tokens_avg.at(now, self.load_window_s))
+        ghost = 1.0 if own_history else 0.0
+        streams = max(w.inflight, w.running, w.streams_avg.at(now, self.load_window_s) - ghost)
+        context = max(w.inflight_tokens, w.tokens_avg.at(now, self.load_window_s) - own_history)
         per_step = streams / self.decode_tokens_per_s + context * self.decode_context_s
         return self.gamma * output_tokens * per_step
 

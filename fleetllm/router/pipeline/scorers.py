@@ -110,14 +110,21 @@ def leading_media(index: PrefixIndex, req: RouteRequest, workers: list[WorkerSta
     return media
 
 
-class DecodeScorer(WorkerTermScorer):
+class DecodeScorer:
     """What the worker's streams add to the request's decode, over the tokens it is expected to generate
-    (:meth:`CostModel.decode_s`)."""
+    (:meth:`CostModel.decode_s`). Runs after ``prefix``: a worker holding at least half of the prompt holds the
+    request's own history (a session's previous turn), which its load average is not to count against it."""
 
     name = "decode"
 
-    def term(self, w: WorkerState, req: RouteRequest) -> float:
-        return self.model.decode_s(w, req.expected_output_tokens)
+    def __init__(self, cost: CostModel, weight: float = 1.0) -> None:
+        self.model, self.weight = cost, weight
+
+    def score(self, c: Candidates) -> None:
+        out, half = c.req.expected_output_tokens, c.req.num_prompt_tokens / 2
+        for i, w in enumerate(c.workers):
+            own = c.cached[i] if c.cached and c.cached[i] >= half > 0 else 0
+            c.cost[i] += self.weight * self.model.decode_s(w, out, own)
 
 
 class LoraScorer(WorkerTermScorer):
