@@ -280,7 +280,7 @@ class Forwarder:
             body = first + b"".join(rest)
             count = TokenCount.of_body(body)
             if status == 200:
-                self.lengths.observe(self._model(fwd), count.completion)
+                self._answered(fwd, count.completion)
             fwd.ended(count)
             if fwd.watch is not None:
                 fwd.watch.body(body)
@@ -335,7 +335,7 @@ class Forwarder:
                 count.feed(c)
                 if watch:
                     watch.feed(c)
-            self.lengths.observe(self._model(fwd), count.completion)
+            self._answered(fwd, count.completion)
         except httpx.HTTPError as e:
             self.metrics.errors.labels(kind="stream_broken").inc()
             err = APIError(502, f"the worker's stream broke: {type(e).__name__}").body()
@@ -351,6 +351,11 @@ class Forwarder:
     def _model(fwd: Forward) -> str:
         model = fwd.body.get("model")
         return model if isinstance(model, str) else ""
+
+    def _answered(self, fwd: Forward, output_tokens: int) -> None:
+        """An answer ended whole with ``output_tokens``: the routing cost's expectation of its model learns it."""
+        model = self._model(fwd)
+        self.metrics.expected_output.labels(model=model).set(self.lengths.observe(model, output_tokens))
 
     def _dispatch(self, w: WorkerState, uncached: int, req: RouteRequest) -> None:
         w.dispatched()

@@ -17,6 +17,9 @@ class RouterMetrics:
         self.pending_prefill = Gauge("fleetllm_router_pending_prefill_tokens",
                                      "Uncached prompt tokens dispatched to a worker and still before their first byte.",
                                      ["worker"], registry=r)
+        self.expected_output = Gauge("fleetllm_router_expected_output_tokens",
+                                     "Output tokens per answer, the model's moving average: what the routing cost "
+                                     "expects of a request that asks for more.", ["model"], registry=r)
         self.retries = Counter("fleetllm_router_retries", "Requests retried elsewhere after failing on this worker "
                                "before their first byte.", ["worker"], registry=r)
         self.breaker_open = Gauge("fleetllm_router_breaker_open", "1 while the worker's circuit breaker is open.",

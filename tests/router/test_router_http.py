@@ -39,6 +39,10 @@ def test_kv_aware_sends_a_returning_prefix_to_the_worker_that_cached_it(procs):
         assert resp.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= 32
     metrics = httpx.get(r.url + "/metrics").text
     assert 'fleetllm_router_decisions_total{policy="kv_aware",reason="affinity"' in metrics
+    # the answers' lengths (8 tokens asked; usage says) are what the routing cost now expects of the model's requests
+    expected = next(float(line.split()[-1]) for line in metrics.splitlines()
+                    if line.startswith('fleetllm_router_expected_output_tokens{model="smollm2-135m"}'))
+    assert 1 <= expected <= 8
 
 
 def test_round_robin_spreads_requests_over_every_worker(procs):

@@ -21,10 +21,11 @@ class OutputLengths:
     def __init__(self) -> None:
         self._mean: dict[str, float] = {}
 
-    def observe(self, model: str, tokens: int) -> None:
-        """One answer of ``model`` ended normally with ``tokens`` output tokens."""
+    def observe(self, model: str, tokens: int) -> float:
+        """One answer of ``model`` ended normally with ``tokens`` output tokens; return the model's new average."""
         mean = self._mean.get(model)
-        self._mean[model] = float(tokens) if mean is None else mean + WEIGHT * (tokens - mean)
+        self._mean[model] = new = float(tokens) if mean is None else mean + WEIGHT * (tokens - mean)
+        return new
 
     def expected(self, model: str, body: dict[str, Any]) -> float:
         """Output tokens expected of ``body``, a request for ``model`` (at least 1)."""
