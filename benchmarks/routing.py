@@ -63,10 +63,12 @@ QUICK_SCALE = {"--requests": 0.25, "--concurrency": 0.5}
 _SAMPLE = re.compile(r'^([a-zA-Z_:][\w:]*)(?:\{[^}]*\})?\s+([-+0-9.eEinfINFNa]+)$')
 
 
-def scrape(url: str) -> dict[str, float]:
-    """Counters we need from one worker's /metrics (labels summed)."""
+def scrape(url: str, secret: str) -> dict[str, float]:
+    """Counters we need from one worker's /metrics (labels summed); a fleet's workers answer its secret only."""
     out: dict[str, float] = {}
-    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
+    r = httpx.get(url + "/metrics", timeout=10, headers={"Authorization": f"Bearer {secret}"})
+    r.raise_for_status()
+    for line in r.text.splitlines():
         m = _SAMPLE.match(line)
         if m and m.group(1) in ("vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total",
                                 "vllm:request_success_total", "vllm:generation_tokens_total",
@@ -117,7 +119,7 @@ def run_one(fleet_kind: str, n_workers: int, policy: str, workloads: dict[str, l
     rows = []
     try:
         for wname, flags in workloads.items():
-            before = {u: scrape(u) for u in fleet.worker_urls}
+            before = {u: scrape(u, fleet.secret) for u in fleet.worker_urls}
             out = out_dir / f"{label}-{policy}-{wname}.json"
             cmd = [sys.executable, "-m", "fleetllm.cli", "bench", "--url", fleet.url, "--model", "smollm2-135m",
                    "--seed", str(seed), "--no-progress", "--timeout", "600", "--output", str(out),
@@ -125,7 +127,7 @@ def run_one(fleet_kind: str, n_workers: int, policy: str, workloads: dict[str, l
             t0 = time.monotonic()
             subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
             wall = time.monotonic() - t0
-            after = {u: scrape(u) for u in fleet.worker_urls}
+            after = {u: scrape(u, fleet.secret) for u in fleet.worker_urls}
 
             def delta(u: str, k: str, a: dict = after, b: dict = before) -> float:
                 return a[u].get(k, 0.0) - b[u].get(k, 0.0)
