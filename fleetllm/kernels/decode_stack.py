@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 
-from fleetllm.kernels import attention, bf16, moe_experts, q4_int, q8
+from fleetllm.kernels import attention, bf16, kv8, moe_experts, q4_int, q8
 from fleetllm.kernels.build import KernelLibrary
 from fleetllm.kernels.lora import LIBRARY as LORA_LIBRARY
 from fleetllm.kernels.lora import kernel_ready as lora_kernel_ready
@@ -59,13 +59,24 @@ MAX_CHUNK_KEYS = 16384
 # chunk's queries. Longer ones (and every fresh prompt) take the prefill kernel off the stack, which reads each key
 # once per tile of queries, or gather + SDPA where it cannot run (benchmarks/paged_attention.py).
 KERNEL_MAX_CHUNK = 3
+# An 8-bit cache's chunks also share each widened key vector among their queries (paged_attention.c,
+# scores_avx512_rows), so the paged kernel keeps the lead to longer verifications: 2 sequences verifying up to 4
+# drafts each at 4,300 / 7,500 tokens of context, one thread, int8: 78.7 -> 64.8 / 109.6 -> 94.4 ms a step with 5
+# rather than 3 (fp32 at 4,300: 104.4 -> 108.0, so fp32 keeps 3; 2026-12-06, in-process, under the lock).
+KERNEL_MAX_CHUNK_8BIT = 5
 
 
-def chunk_in_place(queries: int, context_len: int, fresh: bool, max_keys: int) -> bool:
-    """Whether a chunk of ``queries`` queries ending at ``context_len`` positions reads the cache through the paged
-    kernel: a verification's few queries over cached context (``KERNEL_MAX_CHUNK``), or at most ``max_keys``
-    query-position pairs (the stack's ``MAX_CHUNK_KEYS``, ``Attention.in_place_chunk_keys`` off it)."""
-    return (queries <= KERNEL_MAX_CHUNK and not fresh) or queries * context_len <= max_keys
+def kernel_max_chunk(kv_dtype: torch.dtype | None) -> int:
+    """The most queries of a chunk over cached context that read a ``kv_dtype`` cache through the paged kernel."""
+    return KERNEL_MAX_CHUNK_8BIT if kv_dtype in kv8.QMAX else KERNEL_MAX_CHUNK
+
+
+def chunk_in_place(queries: int, context_len: int, fresh: bool, max_keys: int,
+                   kv_dtype: torch.dtype | None = None) -> bool:
+    """Whether a chunk of ``queries`` queries ending at ``context_len`` positions reads a ``kv_dtype`` cache through
+    the paged kernel: a verification's few queries over cached context (:func:`kernel_max_chunk`), or at most
+    ``max_keys`` query-position pairs (the stack's ``MAX_CHUNK_KEYS``, ``Attention.in_place_chunk_keys`` off it)."""
+    return (queries <= kernel_max_chunk(kv_dtype) and not fresh) or queries * context_len <= max_keys
 P, INT, FLOAT = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 LINEARS = ("qkv", "o", "gate_up", "down")
 
@@ -117,8 +128,8 @@ class Rows:
     lens: torch.Tensor  # [rows] int32
 
     @classmethod
-    def of(cls, meta: Any, rows: int) -> Rows | None:
-        """The rows of a step of decode tokens and short chunks; None for any other step."""
+    def of(cls, meta: Any, rows: int, kv_dtype: torch.dtype | None = None) -> Rows | None:
+        """The rows of a step of decode tokens and short chunks over a ``kv_dtype`` cache; None for any other step."""
         n_dec = 0 if meta.decode_idx is None else meta.decode_idx.shape[0]
         if n_dec and meta.decode_tables is None:
             return None
@@ -127,7 +138,7 @@ class Rows:
             return cls(meta.decode_tables.to(torch.int32).contiguous(), None, meta.decode_lens.to(torch.int32).contiguous()) if ok else None
         chunks = meta.prefills
         if any(c.block_table is None or c.window is not None
-               or not chunk_in_place(c.end - c.start, c.context_len, c.fresh, MAX_CHUNK_KEYS) for c in chunks) or n_dec + sum(c.end - c.start for c in chunks) != rows:
+               or not chunk_in_place(c.end - c.start, c.context_len, c.fresh, MAX_CHUNK_KEYS, kv_dtype) for c in chunks) or n_dec + sum(c.end - c.start for c in chunks) != rows:
             return None
         tables = [*(meta.decode_tables.tolist() if n_dec else []), *(c.block_table.tolist() for c in chunks)]
         width = max(len(t) for t in tables)
@@ -287,7 +298,7 @@ class DecodeStack:
         if (self.bits and not q4_int.kernel_ready()) or (self.q8 and not q8.kernel_ready()) or (
                 self.num_experts and not moe_experts.kernel_ready()):
             return None
-        return Rows.of(meta, rows)
+        return Rows.of(meta, rows, k_cache.dtype)
 
     def run(self, h: torch.Tensor, positions: torch.Tensor, meta: Any,
             kv_cache: list[tuple[torch.Tensor, torch.Tensor]], rotary: Any, rows: Rows, lora: Any = None) -> None:

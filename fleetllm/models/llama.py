@@ -143,7 +143,7 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 class Attention(nn.Module):
     # Chunks of at most this many query-position pairs also read the cache through the paged decode kernel (0:
-    # only chunks of up to KERNEL_MAX_CHUNK queries). A batch-invariant ``q4`` copy sets the decode stack's bound
+    # only chunks of up to KERNEL_MAX_CHUNK queries, or KERNEL_MAX_CHUNK_8BIT over an 8-bit cache). A batch-invariant ``q4`` copy sets the decode stack's bound
     # (``MAX_CHUNK_KEYS``), so a short prompt's attention is the same whether its step went through the stack or
     # op by op (a P/D prefill worker, a step the stack refuses): one kernel per row, not one per step shape.
     in_place_chunk_keys = 0
@@ -223,7 +223,7 @@ class Attention(nn.Module):
     def _chunk_in_place(self, c: PrefillChunk, q: torch.Tensor, k_cache: torch.Tensor) -> bool:
         """Whether a chunk reads the cache through the paged decode kernel (``KERNEL_MAX_CHUNK``,
         ``in_place_chunk_keys``)."""
-        short = chunk_in_place(c.end - c.start, c.context_len, c.fresh, self.in_place_chunk_keys)
+        short = chunk_in_place(c.end - c.start, c.context_len, c.fresh, self.in_place_chunk_keys, k_cache.dtype)
         return short and c.block_table is not None and kernel_ready(q, k_cache)
 
     def _decode_paged(self, q: torch.Tensor, meta: AttentionMetadata, k_cache: torch.Tensor, v_cache: torch.Tensor,

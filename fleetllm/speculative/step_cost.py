@@ -43,7 +43,7 @@ REPEATS = 2
 WIDE = 32  # steps of more rows are timed once: most of the measure's time, and noise there only makes K smaller
 VERIFY_ROWS = 16  # the per-verify overhead is measured on this many rows, verified two by two
 CONTEXT = 2048  # tokens of context the context's share is measured at (fewer if the KV cache is smaller)
-CONTEXT_DRAFTS = (0, 2, 3, 8)  # drafts it is measured with (between: interpolated): 2 and 3 straddle KERNEL_MAX_CHUNK
+CONTEXT_DRAFTS = (0, 2, 3, 8)  # drafts it is measured with (between: interpolated)
 
 
 @dataclass

@@ -7,7 +7,7 @@ import torch
 from kernel_checks import require_kernels  # tests/ is on the path (pytest's prepend mode)
 
 from fleetllm import LLM, SamplingParams
-from fleetllm.kernels import attention, bf16, decode_stack, q4, q4_int
+from fleetllm.kernels import attention, bf16, decode_stack, kv8, q4, q4_int
 from fleetllm.kernels.decode_stack import DecodeStack
 from fleetllm.models.llama import AttentionMetadata, PrefillChunk
 from fleetllm.models.quant import STACK_ROWS, quantize_model
@@ -48,7 +48,7 @@ def decode_step(model, lens: list[int], dtype: torch.dtype, seed: int = 0):
         row = [order.pop() for _ in range(-(-n // BLOCK))]
         tables[r, : len(row)] = torch.tensor(row, dtype=torch.int32)
         slots.append(row[(n - 1) // BLOCK] * BLOCK + (n - 1) % BLOCK)
-    caches = [tuple(torch.randn(blocks * BLOCK, attn.hkv, attn.d, generator=g).to(dtype) for _ in range(2))
+    caches = [tuple(kv8.convert(torch.randn(blocks * BLOCK, attn.hkv, attn.d, generator=g), dtype) for _ in range(2))
               for _ in model.layers]
     meta = AttentionMetadata(slot_mapping=torch.tensor(slots), decode_idx=torch.arange(len(lens)),
                              decode_tables=tables, decode_lens=torch.tensor(lens, dtype=torch.int32), block_size=BLOCK)
@@ -153,15 +153,17 @@ def test_steps_it_does_not_cover_go_op_by_op(q4_model, monkeypatch) -> None:
     assert calls == [1]
 
 
-def test_verification_chunks_take_the_stack_past_its_key_bound(q4_model, monkeypatch) -> None:
-    """A chunk of up to ``KERNEL_MAX_CHUNK`` queries over cached context reads the paged kernel at any context
-    (off the stack too), so the stack takes it; a longer one over as many keys goes op by op."""
+@pytest.mark.parametrize(("dtype", "n"), [(torch.float32, decode_stack.KERNEL_MAX_CHUNK),
+                                         (torch.int8, decode_stack.KERNEL_MAX_CHUNK_8BIT)])
+def test_verification_chunks_take_the_stack_past_its_key_bound(q4_model, monkeypatch, dtype, n) -> None:
+    """A chunk of up to ``KERNEL_MAX_CHUNK`` queries over cached context (``KERNEL_MAX_CHUNK_8BIT`` over an 8-bit
+    cache) reads the paged kernel at any context (off the stack too), so the stack takes it; a longer one over as
+    many keys goes op by op."""
     monkeypatch.setattr(decode_stack, "MAX_CHUNK_KEYS", 64)
     calls = spy(monkeypatch)
-    n = decode_stack.KERNEL_MAX_CHUNK
-    forward(q4_model, *verify_step(q4_model, [7, 70], n + 1, torch.float32), stack=True)
+    forward(q4_model, *verify_step(q4_model, [7, 70], n + 1, dtype), stack=True)
     assert calls == []
-    forward(q4_model, *verify_step(q4_model, [7, 70], n, torch.float32), stack=True)
+    forward(q4_model, *verify_step(q4_model, [7, 70], n, dtype), stack=True)
     assert calls == [1]
 
 
