@@ -209,29 +209,27 @@ class Scheduler:
                 budget = 0 if alone else budget - n - len(proposed)
         self.running = kept
 
-        self._admit(out, budget)
+        self._admit(out, budget, (urgent, room, held))
         return out
 
     def _urgent_priority(self, running: list[Sequence]) -> int | None:
         """Under ``priority`` with ``urgent_step_rows`` set: the most urgent ``priority`` among the requests whose
         first token this step computes (the waiting head when a batch slot is free for it, running ones whose
-        prompt's rest fits the step's budget), when some running request is less urgent; else None (no limit).
+        prompt's rest fits the step's budget) of the normal or high band (priority <= 0: someone waits on it; the
+        low band is batch and bulk work, whose first tokens hold nothing back); None when there are none.
 
         A step's time grows with its rows, and a request's first token waits for its whole step: carrying fewer
         less urgent rows in that one step shortens the urgent request's time to first token, while those rows lose
         one step each (their throughput pays a step's fixed cost once more per urgent arrival). A row left out of
         one step is carried in the next whatever arrives, so urgent arrivals at every step slow it to half speed
         at worst, never stop it."""
-        if self.cfg.policy != "priority" or self.cfg.urgent_step_rows is None or not running:
+        if self.cfg.policy != "priority" or self.cfg.urgent_step_rows is None:
             return None
         budget = self.cfg.max_num_batched_tokens
-        firsts = [s.params.priority for s in running if not s.output_token_ids and s.num_uncomputed <= budget]
+        firsts = [s for s in running if not s.output_token_ids and s.num_uncomputed <= budget]
         if self.waiting and len(running) < self.cfg.max_num_seqs and not self.waiting[0].output_token_ids:
-            firsts.append(self.waiting[0].params.priority)
-        if not firsts:
-            return None
-        urgent = min(firsts)
-        return urgent if any(s.params.priority > urgent for s in running) else None
+            firsts.append(self.waiting[0])
+        return min((s.params.priority for s in firsts if s.params.priority <= 0), default=None)
 
     def _free_slot_for_better_rank(self, out: SchedulerOutput) -> None:
         """Under ``priority``: while every batch slot is taken and the best-ranked waiting sequence ranks before
@@ -250,14 +248,23 @@ class Scheduler:
             self._preempt(worst)
             out.displaced.append(worst)
 
-    def _admit(self, out: SchedulerOutput, budget: int) -> None:
+    def _admit(self, out: SchedulerOutput, budget: int,
+               urgent: tuple[int | None, int, set[str]] = (None, 0, set())) -> None:
         """Admit waiting sequences in order while budget, sequence slots and blocks last. A sequence whose adapter
         finds no slot (every one pinned by running requests) waits at its place, and only base-model sequences
-        pass it until it gets one: the adapters running drain, so it never starves."""
+        pass it until it gets one: the adapters running drain, so it never starves. ``urgent``: in a step
+        computing a first token of that priority, the rows left for less urgent sequences and those held back
+        from the last step (:meth:`_urgent_priority`); a less urgent one held back once is admitted at the next."""
         watermark = self.watermark_blocks
         skipped: list[Sequence] = []
+        priority, room, held = urgent
         while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs and not out.preempted:
             seq = self.waiting[0]
+            if priority is not None and seq.params.priority > priority and seq.request_id not in held:
+                if room <= 0:  # its first step would lengthen the urgent one's: it starts at the next
+                    self._held_back.add(seq.request_id)
+                    break
+                room -= 1
             if seq.lora_name is not None and (skipped or not self._lora_fits(seq)):
                 skipped.append(self.waiting.popleft())
                 continue

@@ -154,3 +154,18 @@ def test_a_row_held_back_for_an_urgent_first_token_is_carried_in_the_next_step_w
     assert run_step(sched) == ["urgent"]
     sched.add(seq("urgent-2", 0, 6.0, first_token=130))
     assert sorted(run_step(sched)) == ["bulk", "urgent", "urgent-2"]
+
+
+def test_a_less_urgent_request_waits_to_be_admitted_until_the_step_after_an_urgent_first_token():
+    sched = scheduler("priority", urgent_step_rows=0)
+    sched.add(seq("urgent", 0, 5.0, first_token=90))
+    sched.add(seq("bulk", 1, 5.5))  # ranks after "urgent" (priority 1 at 5.5 ranks like priority 0 at 6.5)
+    assert run_step(sched) == ["urgent"]
+    assert sorted(run_step(sched)) == ["bulk", "urgent"]
+
+
+def test_a_first_token_of_the_low_band_holds_back_no_less_urgent_rows():
+    sched = scheduler("priority", urgent_step_rows=0)
+    decoding(sched, [("batch", 2)])
+    sched.add(seq("bulk", 1, 5.0, first_token=90))
+    assert sorted(run_step(sched)) == ["batch", "bulk"]
