@@ -15,8 +15,9 @@ batch slot is taken and a more urgent waiting sequence ranks before it (it start
 that no request starves: a request's effective priority improves by one level for every ``priority_aging_s``
 seconds since it arrived, which orders requests by ``priority * priority_aging_s + arrival_time`` (a
 request of priority 5 arriving now ranks like one of priority 0 arriving 5 ageing periods later). A step that
-computes a request's first token carries at most ``urgent_step_rows`` running rows of a less urgent priority (0 by
-default: a first token's step as short as its own priority's rows make it), each such row waiting one step at most.
+computes the first token of a request of priority <= 0 carries, and admits, at most ``urgent_step_rows`` sequences
+of a less urgent priority (0 by default: a first token's step as short as its own priority's rows make it), each
+one held back waiting one step at most.
 """
 
 from __future__ import annotations
@@ -248,8 +249,7 @@ class Scheduler:
             self._preempt(worst)
             out.displaced.append(worst)
 
-    def _admit(self, out: SchedulerOutput, budget: int,
-               urgent: tuple[int | None, int, set[str]] = (None, 0, set())) -> None:
+    def _admit(self, out: SchedulerOutput, budget: int, urgent: tuple[int | None, int, set[str]] | None = None) -> None:
         """Admit waiting sequences in order while budget, sequence slots and blocks last. A sequence whose adapter
         finds no slot (every one pinned by running requests) waits at its place, and only base-model sequences
         pass it until it gets one: the adapters running drain, so it never starves. ``urgent``: in a step
@@ -257,7 +257,7 @@ class Scheduler:
         from the last step (:meth:`_urgent_priority`); a less urgent one held back once is admitted at the next."""
         watermark = self.watermark_blocks
         skipped: list[Sequence] = []
-        priority, room, held = urgent
+        priority, room, held = urgent or (None, 0, set())
         while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs and not out.preempted:
             seq = self.waiting[0]
             if priority is not None and seq.params.priority > priority and seq.request_id not in held:
