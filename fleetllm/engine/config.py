@@ -66,6 +66,10 @@ class EngineConfig:
     priority_aging_s: float = opt(SchedulerConfig.priority_aging_s,
                                   "--scheduling-policy priority: seconds of waiting that improve a request's "
                                   "priority by one level, so none starves (0: no ageing)")
+    urgent_step_rows: int | None = opt(
+        SchedulerConfig.urgent_step_rows, "--scheduling-policy priority: the most rows of a less urgent priority a "
+        "step carries while it computes a more urgent request's first token (the others wait that step, never two "
+        "in a row: a shorter step, a sooner first token; docs/routing.md, \"Priorities and tenants\")", metavar="N")
     enable_prefix_caching: bool = opt(True, "reuse the KV blocks of prompt prefixes computed before",
                                       flag="--no-prefix-caching")
     num_threads: int | None = opt(None, "torch threads (default: all cores)")

@@ -72,7 +72,8 @@ class LLMEngine:
         self.kv = KVCacheManager(self.pool, cfg.enable_prefix_caching, model=self.model_name)
         self.scheduler = Scheduler(
             SchedulerConfig(cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.max_waiting,
-                            policy=cfg.scheduling_policy, priority_aging_s=cfg.priority_aging_s), self.kv
+                            policy=cfg.scheduling_policy, priority_aging_s=cfg.priority_aging_s,
+                            urgent_step_rows=cfg.urgent_step_rows), self.kv
         )
         self.lora: LoraManager | None = None  # the adapters (--enable-lora), their slots in the step's tables
         if cfg.enable_lora:

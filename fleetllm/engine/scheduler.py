@@ -14,7 +14,10 @@ best rank first, and the worst-ranked running sequence is the one preempted: und
 batch slot is taken and a more urgent waiting sequence ranks before it (it starts at once). The rank ages so
 that no request starves: a request's effective priority improves by one level for every ``priority_aging_s``
 seconds since it arrived, which orders requests by ``priority * priority_aging_s + arrival_time`` (a
-request of priority 5 arriving now ranks like one of priority 0 arriving 5 ageing periods later).
+request of priority 5 arriving now ranks like one of priority 0 arriving 5 ageing periods later). A step that
+computes the first token of a request of priority <= 0 carries, and admits, at most ``urgent_step_rows`` sequences
+of a less urgent priority (0 by default: a first token's step as short as its own priority's rows make it), each
+one held back waiting one step at most.
 """
 
 from __future__ import annotations
@@ -42,6 +45,9 @@ class SchedulerConfig:
     watermark: float = 0.01  # fraction of blocks kept free when admitting new work
     policy: Literal["fcfs", "priority"] = "fcfs"  # admission and preemption order
     priority_aging_s: float = 1.0  # under "priority": seconds of waiting worth one priority level (0: no ageing)
+    # under "priority": the most rows of a less urgent priority a step carries while it computes the first token of
+    # a more urgent request (the best-ranked of them; the others wait that step, never two in a row); None: no limit
+    urgent_step_rows: int | None = 0
 
     def rank(self, seq: Sequence) -> tuple[float, float]:
         """``seq``'s place in the priority order (smaller is served first, preempted last)."""
@@ -106,6 +112,7 @@ class Scheduler:
         self.connector: KVConnectorScheduler | None = None  # the KV connector's scheduler side, if attached
         self.lora: LoraManager | None = None  # the adapters' slots (set with --enable-lora)
         self._tier_more: set[str] = set()  # request ids whose connector-held tokens did not all find blocks
+        self._held_back: set[str] = set()  # request ids left out of the last step for an urgent first token
 
     def _alone(self, seq: Sequence) -> bool:
         """Whether ``seq``'s step must hold nothing else (the connector computes its KV outside this pool)."""
@@ -168,8 +175,16 @@ class Scheduler:
         kept: list[Sequence] = []
         # served in order, and preempted from the back: FCFS keeps arrival order, priority the best rank first
         queue = sorted(self.running, key=self.cfg.rank) if self.cfg.policy == "priority" else list(self.running)
+        urgent, room = self._urgent_priority(queue), self.cfg.urgent_step_rows or 0
+        held, self._held_back = self._held_back, set()
         while queue:
             seq = queue.pop(0)
+            if urgent is not None and seq.params.priority > urgent and seq.request_id not in held:
+                if room <= 0:  # the urgent first token's step stays short: this row waits one step
+                    self._held_back.add(seq.request_id)
+                    kept.append(seq)
+                    continue
+                room -= 1
             alone = self._alone(seq)
             if budget <= 0 or (alone and out.scheduled):
                 kept.append(seq)
@@ -195,8 +210,27 @@ class Scheduler:
                 budget = 0 if alone else budget - n - len(proposed)
         self.running = kept
 
-        self._admit(out, budget)
+        self._admit(out, budget, (urgent, room, held))
         return out
+
+    def _urgent_priority(self, running: list[Sequence]) -> int | None:
+        """Under ``priority`` with ``urgent_step_rows`` set: the most urgent ``priority`` among the requests whose
+        first token this step computes (the waiting head when a batch slot is free for it, running ones whose
+        prompt's rest fits the step's budget) of the normal or high band (priority <= 0: someone waits on it; the
+        low band is batch and bulk work, whose first tokens hold nothing back); None when there are none.
+
+        A step's time grows with its rows, and a request's first token waits for its whole step: carrying fewer
+        less urgent rows in that one step shortens the urgent request's time to first token, while those rows lose
+        one step each (their throughput pays a step's fixed cost once more per urgent arrival). A row left out of
+        one step is carried in the next whatever arrives, so urgent arrivals at every step slow it to half speed
+        at worst, never stop it."""
+        if self.cfg.policy != "priority" or self.cfg.urgent_step_rows is None:
+            return None
+        budget = self.cfg.max_num_batched_tokens
+        firsts = [s for s in running if not s.output_token_ids and s.num_uncomputed <= budget]
+        if self.waiting and len(running) < self.cfg.max_num_seqs and not self.waiting[0].output_token_ids:
+            firsts.append(self.waiting[0])
+        return min((s.params.priority for s in firsts if s.params.priority <= 0), default=None)
 
     def _free_slot_for_better_rank(self, out: SchedulerOutput) -> None:
         """Under ``priority``: while every batch slot is taken and the best-ranked waiting sequence ranks before
@@ -215,14 +249,22 @@ class Scheduler:
             self._preempt(worst)
             out.displaced.append(worst)
 
-    def _admit(self, out: SchedulerOutput, budget: int) -> None:
+    def _admit(self, out: SchedulerOutput, budget: int, urgent: tuple[int | None, int, set[str]] | None = None) -> None:
         """Admit waiting sequences in order while budget, sequence slots and blocks last. A sequence whose adapter
         finds no slot (every one pinned by running requests) waits at its place, and only base-model sequences
-        pass it until it gets one: the adapters running drain, so it never starves."""
+        pass it until it gets one: the adapters running drain, so it never starves. ``urgent``: in a step
+        computing a first token of that priority, the rows left for less urgent sequences and those held back
+        from the last step (:meth:`_urgent_priority`); a less urgent one held back once is admitted at the next."""
         watermark = self.watermark_blocks
         skipped: list[Sequence] = []
+        priority, room, held = urgent or (None, 0, set())
         while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs and not out.preempted:
             seq = self.waiting[0]
+            if priority is not None and seq.params.priority > priority and seq.request_id not in held:
+                if room <= 0:  # its first step would lengthen the urgent one's: it starts at the next
+                    self._held_back.add(seq.request_id)
+                    break
+                room -= 1
             if seq.lora_name is not None and (skipped or not self._lora_fits(seq)):
                 skipped.append(self.waiting.popleft())
                 continue

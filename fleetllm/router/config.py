@@ -116,9 +116,12 @@ class RouterConfig:
                                     "free batch slot), queued per priority band and, within a band, per tenant (API key, else x-tenant-id or "
                                     "user) with weighted fair queuing; shed past --flow-queue-max or a request's "
                                     "deadline (off: requests go to the workers at once, first come first served)")
-    flow_worker_queue: int = opt(FlowLimits.worker_queue, "requests a worker may hold waiting beyond those it can "
-                                                          "start now (a fleetllm worker: its free batch slots; "
-                                                          "another engine: at least 1 waiting)")
+    flow_worker_queue: int | None = opt(FlowLimits.worker_queue, "requests a worker may hold waiting beyond those it "
+                                                                 "can start now (a fleetllm worker: its free batch "
+                                                                 "slots; another engine: at least 1 waiting); default "
+                                                                 "1 at a fleetllm worker under --scheduling-policy "
+                                                                 "priority (its next request starts as one ends), "
+                                                                 "else 0", metavar="N")
     flow_headroom: float = opt(FlowLimits.headroom, "the fraction (0-1) of each fleetllm worker's batch slots that "
                                                     "the low band (priority > 0: Batch API lines) leaves free for "
                                                     "interactive requests (at least one slot when above 0)")
@@ -149,7 +152,7 @@ class RouterConfig:
     def check(self) -> None:
         """UsageError (one line) for settings no router can run with: the scorer weights, the flow limits."""
         scorer_weights(self.scorer_weights)
-        if self.flow_worker_queue < 0 or self.flow_queue_max < 1:
+        if (self.flow_worker_queue or 0) < 0 or self.flow_queue_max < 1:
             raise UsageError("--flow-worker-queue must be at least 0 and --flow-queue-max at least 1")
         if not 0 <= self.flow_headroom < 1:
             raise UsageError(f"--flow-headroom {self.flow_headroom:g}: a fraction of the batch slots, in [0, 1)")

@@ -475,9 +475,12 @@ class Router:
         group = Role().apply(None, group)
         # --pd-threshold auto without prefill workers: another worker of the model may prefill, when it wins
         peers = not prefill_pool and self.cfg.pd_threshold == AUTO
-        # tokenising (and a tokenizer's first load) takes a thread: a long prompt never stalls the relayed streams
-        req = await asyncio.to_thread(self.route_request, request.url.path, body, request.headers, group,
-                                      bool(prefill_pool) or peers, name)
+        tokenize = bool(prefill_pool) or peers
+        args = (request.url.path, body, request.headers, group, tokenize, name)
+        # tokenising (and a tokenizer's first load) takes a thread: a long prompt never stalls the relayed streams;
+        # with nothing to tokenise, no thread (its hop waits its turn behind the relayed streams: milliseconds)
+        req = (await asyncio.to_thread(self.route_request, *args) if self.uses_prefix or tokenize
+               else self.route_request(*args))
         variant, group = self._variant(name, group, req.session_key or fid)
         # the router's own id (minted at arrival) keys the request; the client's x-request-id travels beside it
         headers = upstream_headers(request.headers, fid, pass_credentials=not (self.secret or self.gate))

@@ -73,7 +73,7 @@ from fleetllm.server.protocol import (
     sampling_from_body,
 )
 from fleetllm.server.responses import ConversationStore, responses_route
-from fleetllm.server.structured_fields import constrain
+from fleetllm.server.structured_fields import constrain, names_constraint
 from fleetllm.server.worker_secret import RequireSecret, worker_secret
 from fleetllm.store.config import StoreConfig
 from fleetllm.tools.config import ToolConfig
@@ -417,6 +417,8 @@ class Worker:
             check_params(params, self.engine.loaded.config.vocab_size)
         except InvalidParameter as e:
             raise APIError(400, str(e), e.param) from None
+        if forced is None and not names_constraint(body):  # nothing to compile: no thread's hop (milliseconds
+            return params  # behind a running step's hold on the interpreter)
         return await asyncio.to_thread(constrain, params, body, lambda: self.engine.grammars, forced)
 
     async def completions(self, request: Request) -> Response:

@@ -25,6 +25,11 @@ if TYPE_CHECKING:
 GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 
 
+def names_constraint(body: dict[str, Any]) -> bool:
+    """Whether the request has any field that may set an output constraint (checked or not)."""
+    return any(body.get(name) is not None for name in ("response_format", "structured_outputs", *GUIDED))
+
+
 def structured_from_body(body: dict[str, Any]) -> tuple[GrammarSpec, str] | None:
     """The request's constraint and the field that set it, or None when it asks for none."""
     found: list[tuple[GrammarSpec, str]] = []

@@ -14,9 +14,11 @@ from fleetllm.engine.sequence import Sequence, Status
 BS = 4
 
 
-def scheduler(policy: str, num_blocks: int = 16, max_num_seqs: int = 8, aging_s: float = 1.0) -> Scheduler:
+def scheduler(policy: str, num_blocks: int = 16, max_num_seqs: int = 8, aging_s: float = 1.0,
+              urgent_step_rows: int | None = None) -> Scheduler:
     kv = KVCacheManager(BlockPool(num_blocks, BS), enable_prefix_caching=False)
-    return Scheduler(SchedulerConfig(max_num_seqs, 256, watermark=0.0, policy=policy, priority_aging_s=aging_s), kv)
+    return Scheduler(SchedulerConfig(max_num_seqs, 256, watermark=0.0, policy=policy, priority_aging_s=aging_s,
+                                     urgent_step_rows=urgent_step_rows), kv)
 
 
 def seq(rid: str, priority: int, arrival: float, first_token: int = 1) -> Sequence:
@@ -119,3 +121,51 @@ def test_a_waiting_request_displaces_nobody_unless_more_urgent_and_still_ranked_
     sched.add(seq("waiting", priority, arrival, first_token=50))
     out = sched.schedule()
     assert out.displaced == [] and [s.seq.request_id for s in out.scheduled] == ["running"]
+
+
+def decoding(sched: Scheduler, rows: list[tuple[str, int]]) -> None:
+    """``rows`` (id, priority) running, past their first token."""
+    for i, (rid, priority) in enumerate(rows):
+        sched.add(seq(rid, priority, 1.0 + i, first_token=10 * i + 1))
+    run_step(sched)
+
+
+@pytest.mark.parametrize(("limit", "carried"), [(0, []), (1, ["bulk-a"]), (5, ["bulk-a", "bulk-b"])])
+def test_an_urgent_first_token_step_carries_at_most_urgent_step_rows_less_urgent_rows(limit, carried):
+    sched = scheduler("priority", urgent_step_rows=limit)
+    decoding(sched, [("bulk-a", 1), ("bulk-b", 2), ("peer", 0)])
+    sched.add(seq("urgent", 0, 5.0, first_token=90))
+    assert sorted(run_step(sched)) == sorted(["urgent", "peer", *carried])
+    assert sorted(run_step(sched)) == ["bulk-a", "bulk-b", "peer", "urgent"]  # the next step carries every row
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+def test_urgent_step_rows_holds_back_nothing_when_all_requests_share_one_priority(policy):
+    sched = scheduler(policy, urgent_step_rows=0)
+    decoding(sched, [("a", 0), ("b", 0)])
+    sched.add(seq("new", 0, 5.0, first_token=90))
+    assert sorted(run_step(sched)) == ["a", "b", "new"]
+
+
+def test_a_row_held_back_for_an_urgent_first_token_is_carried_in_the_next_step_whatever_arrives():
+    sched = scheduler("priority", urgent_step_rows=0)
+    decoding(sched, [("bulk", 1)])
+    sched.add(seq("urgent", 0, 5.0, first_token=90))
+    assert run_step(sched) == ["urgent"]
+    sched.add(seq("urgent-2", 0, 6.0, first_token=130))
+    assert sorted(run_step(sched)) == ["bulk", "urgent", "urgent-2"]
+
+
+def test_a_less_urgent_request_waits_to_be_admitted_until_the_step_after_an_urgent_first_token():
+    sched = scheduler("priority", urgent_step_rows=0)
+    sched.add(seq("urgent", 0, 5.0, first_token=90))
+    sched.add(seq("bulk", 1, 5.5))  # ranks after "urgent" (priority 1 at 5.5 ranks like priority 0 at 6.5)
+    assert run_step(sched) == ["urgent"]
+    assert sorted(run_step(sched)) == ["bulk", "urgent"]
+
+
+def test_a_first_token_of_the_low_band_holds_back_no_less_urgent_rows():
+    sched = scheduler("priority", urgent_step_rows=0)
+    decoding(sched, [("batch", 2)])
+    sched.add(seq("bulk", 1, 5.0, first_token=90))
+    assert sorted(run_step(sched)) == ["batch", "bulk"]

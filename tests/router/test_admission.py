@@ -112,6 +112,45 @@ def test_work_that_is_not_bulk_finds_room_in_the_bulk_slots_of_a_worker_under_pr
     assert (worker_room(w, limits), worker_room(w, limits, bulk=True)) == (room_for_others, 0)
 
 
+@pytest.mark.parametrize(("policy", "flag", "depth"), [("priority", None, 1), ("fcfs", None, 0), ("priority", 0, 0),
+                                                    ("fcfs", 2, 2)])
+def test_a_worker_under_priority_scheduling_holds_one_request_waiting_unless_told_otherwise(policy, flag, depth):
+    w = fleetllm_worker(max_num_seqs=8, inflight=8, scheduling_policy=policy)  # every slot taken
+    assert worker_room(w, FlowLimits(worker_queue=flag, headroom=0)) == depth
+
+
+def test_a_worker_under_priority_scheduling_keeps_no_headroom_from_bulk_work():
+    w = fleetllm_worker(max_num_seqs=8, running=5, inflight=5, scheduling_policy="priority")
+    limits = FlowLimits(worker_queue=0, headroom=0.25, share_window_s=0)
+    assert worker_room(w, limits, bulk=True) == 3
+
+
+def test_an_arrival_that_may_go_past_a_held_queue_is_let_through_without_waiting_a_turn_of_the_event_loop():
+    async def run() -> tuple[bool, int]:
+        w = fleetllm_worker(max_num_seqs=4)  # headroom: one slot
+        flow = FlowControl(FlowLimits(headroom=0.25, share_window_s=0), TenantMetrics(CollectorRegistry()))
+        a, b = Tenant("a"), Tenant("b")
+        held = [await flow.admit("m", lambda: [w], a, "normal", 5.0) for _ in range(3)]
+        for t in held:
+            t.dispatched()
+        w.inflight = 3
+        flooding = asyncio.create_task(flow.admit("m", lambda: [w], a, "normal", 5.0))  # bulk: held
+        await asyncio.sleep(0.01)
+        arrival = flow.admit("m", lambda: [w], b, "normal", 5.0)
+        try:
+            arrival.send(None)
+            suspended = True
+        except StopIteration as done:
+            suspended = False
+            done.value.finished()
+        flooding.cancel()
+        await asyncio.gather(flooding, return_exceptions=True)
+        await flow.close()
+        return suspended, len(flow.gates["m"].queue)
+
+    assert asyncio.run(run()) == (False, 0)
+
+
 def test_a_tenant_holding_its_share_of_the_slots_waits_while_a_light_tenants_later_request_takes_the_headroom():
     async def run() -> tuple[bool, int, int]:
         w = fleetllm_worker(max_num_seqs=4)  # headroom: one slot

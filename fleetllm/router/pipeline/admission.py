@@ -10,14 +10,17 @@ A worker's *room* (:func:`worker_room`): for a fleetllm worker, its batch slots 
 snapshot) less the requests it holds (:func:`occupied`), so a request released to it is admitted to its running
 batch at its next step; for another engine (no slots reported), room while fewer than one request of this
 router's waits there with no first byte (:func:`queued_at`). ``--flow-worker-queue`` lets that many more wait at
-each worker (a deeper queue there: fuller batches between the router's releases, later turns for the urgent).
+each worker (a deeper queue there: fuller batches between the router's releases, later turns for the urgent);
+by default one at a worker under ``--scheduling-policy priority``, none elsewhere (:func:`queue_depth`).
 A worker whose KV pool is ``--flow-kv-usage`` full has no room.
 
 *Headroom* (``--flow-headroom``): bulk work leaves that fraction of each worker's slots free, so a request that is
 not bulk finds a slot at once instead of waiting for one to end. Bulk work is the low band (batch lines) and the
 requests of a tenant holding its weighted share of the slots, now and on average over ``--flow-share-window``
 (:meth:`Gate.bulk`: a flood, not a burst). While the head
-of the queue is bulk work held out of the headroom, the first request that is not bulk may still take it.
+of the queue is bulk work held out of the headroom, the first request that is not bulk may still take it. A worker
+that displaces bulk work (below) keeps no headroom: there an urgent request takes a bulk request's slot at once,
+and a slot kept free would cost the bulk work that slot all the time.
 
 *Displacing bulk work*: the headroom is soon taken when the other tenants' work lasts (their requests in flight
 outnumber the slots kept), and a request that is not bulk would then wait for some request to end. A bulk request
@@ -60,7 +63,7 @@ LOW = len(BANDS) - 1  # the low band's index: batch work, bulk whoever sends it
 class FlowLimits:
     """When a worker has room, and how much may wait at the router."""
 
-    worker_queue: int = 0  # requests a worker may hold beyond those it can start now
+    worker_queue: int | None = None  # requests a worker may hold beyond those it can start now (None: queue_depth)
     kv_usage: float = 0.95  # KV usage that leaves a worker no room
     queue_max: int = 1024  # requests waiting at the router per model, all bands together
     timeout_s: float = 60.0  # the longest a request waits unless it says less
@@ -93,11 +96,26 @@ def occupied(w: WorkerState) -> int:
     return w.inflight + w.others
 
 
+def displaces(w: WorkerState) -> bool:
+    """Whether ``w`` gives a more urgent request the batch slot of a running less urgent one: a worker under
+    ``--scheduling-policy priority``, which serves bulk work a level less urgent (``x-fleetllm-bulk``)."""
+    return w.scheduling_policy == "priority"
+
+
 def displaceable(w: WorkerState) -> int:
-    """This router's bulk requests at ``w`` whose batch slots a more urgent request would take: a worker under
-    ``--scheduling-policy priority`` serves bulk work a level less urgent (``x-fleetllm-bulk``) and gives a
-    waiting request of a more urgent level the slot of a running less urgent one."""
-    return w.bulk_inflight if w.scheduling_policy == "priority" else 0
+    """This router's bulk requests at ``w`` whose batch slots a more urgent request would take (:func:`displaces`)."""
+    return w.bulk_inflight if displaces(w) else 0
+
+
+def queue_depth(w: WorkerState, limits: FlowLimits) -> int:
+    """Requests ``w`` may hold waiting beyond those it can start now: ``worker_queue``, by default one at a worker
+    under ``--scheduling-policy priority`` and none elsewhere. Waiting there, the next request starts in the step
+    after a running one ends, where released from the router it would miss that step (the end's report, the
+    release and its forwarding take longer than a step); a more urgent request passes it at such a worker, so it
+    delays nobody more urgent. At a first-come-first-served worker it would delay an urgent request behind it."""
+    if limits.worker_queue is not None:
+        return limits.worker_queue
+    return 1 if displaces(w) else 0
 
 
 def worker_room(w: WorkerState, limits: FlowLimits, bulk: bool = False) -> int:
@@ -106,12 +124,13 @@ def worker_room(w: WorkerState, limits: FlowLimits, bulk: bool = False) -> int:
     if w.kv_usage >= limits.kv_usage:
         return 0
     if not reports_slots(w):
-        return max(0, max(1, limits.worker_queue) - queued_at(w))
+        return max(0, max(1, queue_depth(w, limits)) - queued_at(w))
     slots = w.max_num_seqs or 0
-    if bulk and limits.headroom > 0:  # at least one slot kept, and never all of them
+    # at least one slot kept, and never all of them; none at a worker that displaces bulk work for urgent work
+    if bulk and limits.headroom > 0 and not displaces(w):
         slots -= min(slots - 1, max(1, round(limits.headroom * slots)))
     taken = occupied(w) - (0 if bulk else displaceable(w))
-    return max(0, slots + limits.worker_queue - taken)
+    return max(0, slots + queue_depth(w, limits) - taken)
 
 
 def room(workers: list[WorkerState], limits: FlowLimits, bulk: bool = False) -> int:
@@ -269,14 +288,16 @@ class FlowControl:
             self._displace(shed)
         self.metrics.waiting(tenant, priority_band, +1)
         gate.weights[tenant.id] = tenant.weight
-        if gate.pump is None or gate.pump.done():
+        self._release(gate)  # a light tenant's arrival may take the headroom now, not on the pump's next turn
+        if len(gate.queue) and (gate.pump is None or gate.pump.done()):
             gate.pump = asyncio.create_task(self._pump(gate), name=f"flow-{model}")
-        gate.wake.set()  # a light tenant's arrival may take the headroom now, not at the next poll
         return await self._wait(gate, entry, waiter, timeout_s or self.limits.timeout_s)
 
     async def _wait(self, gate: Gate, entry: Entry, waiter: asyncio.Future[Ticket], timeout_s: float) -> Ticket:
         tenant, band = entry.payload[0], BANDS[entry.band]
         try:
+            if waiter.done():  # released at its arrival: on at once, not after turns of a busy event loop
+                return waiter.result()
             return await asyncio.wait_for(asyncio.shield(waiter), timeout_s)
         except TimeoutError:
             if not waiter.done():
@@ -302,17 +323,21 @@ class FlowControl:
         if not waiter.done():
             waiter.set_exception(_shed(503, "shed from the router's full queue for a more urgent request"))
 
+    def _release(self, gate: Gate) -> None:
+        """Release the queued requests that may go now, in order."""
+        now = self.clock()
+        while (release := gate.next(now)) is not None:
+            e, bulk = release
+            gate.queue.take(e)
+            tenant, waiter = e.payload
+            self.metrics.waiting(tenant, BANDS[e.band], -1)
+            if not waiter.done():
+                waiter.set_result(Ticket(gate, tenant, bulk))
+
     async def _pump(self, gate: Gate) -> None:
         """Release queued requests while the model's workers have room; sleeps on a kick or POLL_S."""
         while len(gate.queue):
-            now = self.clock()
-            while (release := gate.next(now)) is not None:
-                e, bulk = release
-                gate.queue.take(e)
-                tenant, waiter = e.payload
-                self.metrics.waiting(tenant, BANDS[e.band], -1)
-                if not waiter.done():
-                    waiter.set_result(Ticket(gate, tenant, bulk))
+            self._release(gate)
             gate.wake.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(gate.wake.wait(), POLL_S)
