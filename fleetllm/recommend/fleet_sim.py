@@ -161,7 +161,11 @@ class _Router:
             cached = min(len(self.engines[i].kv.cached_prefix(req.prompt)[0]) * BLOCK, len(req.prompt) - 1)
             queued = sum(s.num_uncomputed for s in sched.waiting)
             queue = queued / self.cost.prefill_tokens_per_s + len(sched.waiting) / self.cost.decode_tokens_per_s
-            decode = self.cost.gamma * len(sched.running) / self.cost.decode_tokens_per_s
+            # the router's decode term (CostModel.decode_s): its output (a simulated request runs to max_tokens,
+            # what the router's moving average learns) beside the worker's sequences and their contexts
+            streams = [*sched.running, *sched.waiting]
+            context = sum(s.num_tokens for s in streams)
+            decode = self.cost.gamma * req.max_tokens * self.cost.step_share_s(len(streams), context)
             costs.append((queue + (len(req.prompt) - cached) / self.cost.prefill_tokens_per_s + decode, i))
         low = min(c for c, _ in costs)
         return self.rng.choice([i for c, i in costs if c <= low + 1e-9])

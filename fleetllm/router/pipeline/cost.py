@@ -108,8 +108,12 @@ class CostModel:
         ghost = 1.0 if own_history else 0.0
         streams = max(w.inflight, w.running, w.streams_avg.at(now, self.load_window_s) - ghost)
         context = max(w.inflight_tokens, w.tokens_avg.at(now, self.load_window_s) - own_history)
-        per_step = streams / self.decode_tokens_per_s + context * self.decode_context_s
-        return self.gamma * output_tokens * per_step
+        return self.gamma * output_tokens * self.step_share_s(streams, context)
+
+    def step_share_s(self, streams: float, context_tokens: float) -> float:
+        """What ``streams`` running beside a request, holding ``context_tokens`` of context in all, add to each of
+        its decode steps: a row's share each and their KV reads."""
+        return streams / self.decode_tokens_per_s + context_tokens * self.decode_context_s
 
     def adapter_s(self, w: WorkerState, lora_name: str | None) -> float:
         """Loading the request's LoRA adapter on ``w`` first (none: the base model, or one ``w`` holds resident)."""
