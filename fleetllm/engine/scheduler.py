@@ -98,6 +98,28 @@ class SchedulerOutput:
         return sum(s.num_new_tokens for s in self.scheduled)
 
 
+@dataclass
+class UrgentStep:
+    """A step computing a first token of ``priority`` (None: no such step, nothing held back): ``room`` rows left
+    for less urgent sequences, ``held`` the ids left out of the last step (carried or admitted now whatever
+    arrives), ``held_back`` those this step leaves out."""
+
+    priority: int | None
+    room: int
+    held: set[str]
+    held_back: set[str] = field(default_factory=set)
+
+    def holds_back(self, seq: Sequence) -> bool:
+        """Whether ``seq`` waits this step (the urgent first token's step stays short); else it takes a row."""
+        if self.priority is None or seq.params.priority <= self.priority or seq.request_id in self.held:
+            return False
+        if self.room <= 0:
+            self.held_back.add(seq.request_id)
+            return True
+        self.room -= 1
+        return False
+
+
 class QueueFull(RuntimeError):
     pass
 
@@ -175,16 +197,13 @@ class Scheduler:
         kept: list[Sequence] = []
         # served in order, and preempted from the back: FCFS keeps arrival order, priority the best rank first
         queue = sorted(self.running, key=self.cfg.rank) if self.cfg.policy == "priority" else list(self.running)
-        urgent, room = self._urgent_priority(queue), self.cfg.urgent_step_rows or 0
-        held, self._held_back = self._held_back, set()
+        urgent = UrgentStep(self._urgent_priority(queue), self.cfg.urgent_step_rows or 0, self._held_back)
+        self._held_back = urgent.held_back
         while queue:
             seq = queue.pop(0)
-            if urgent is not None and seq.params.priority > urgent and seq.request_id not in held:
-                if room <= 0:  # the urgent first token's step stays short: this row waits one step
-                    self._held_back.add(seq.request_id)
-                    kept.append(seq)
-                    continue
-                room -= 1
+            if urgent.holds_back(seq):
+                kept.append(seq)
+                continue
             alone = self._alone(seq)
             if budget <= 0 or (alone and out.scheduled):
                 kept.append(seq)
@@ -210,7 +229,7 @@ class Scheduler:
                 budget = 0 if alone else budget - n - len(proposed)
         self.running = kept
 
-        self._admit(out, budget, (urgent, room, held))
+        self._admit(out, budget, urgent)
         return out
 
     def _urgent_priority(self, running: list[Sequence]) -> int | None:
@@ -249,22 +268,18 @@ class Scheduler:
             self._preempt(worst)
             out.displaced.append(worst)
 
-    def _admit(self, out: SchedulerOutput, budget: int, urgent: tuple[int | None, int, set[str]] | None = None) -> None:
+    def _admit(self, out: SchedulerOutput, budget: int, urgent: UrgentStep | None = None) -> None:
         """Admit waiting sequences in order while budget, sequence slots and blocks last. A sequence whose adapter
         finds no slot (every one pinned by running requests) waits at its place, and only base-model sequences
-        pass it until it gets one: the adapters running drain, so it never starves. ``urgent``: in a step
-        computing a first token of that priority, the rows left for less urgent sequences and those held back
-        from the last step (:meth:`_urgent_priority`); a less urgent one held back once is admitted at the next."""
+        pass it until it gets one: the adapters running drain, so it never starves. ``urgent``: a step
+        computing an urgent first token (:meth:`_urgent_priority`), which admits less urgent sequences only within
+        its rows left; one held back once is admitted at the next."""
         watermark = self.watermark_blocks
         skipped: list[Sequence] = []
-        priority, room, held = urgent or (None, 0, set())
         while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs and not out.preempted:
             seq = self.waiting[0]
-            if priority is not None and seq.params.priority > priority and seq.request_id not in held:
-                if room <= 0:  # its first step would lengthen the urgent one's: it starts at the next
-                    self._held_back.add(seq.request_id)
-                    break
-                room -= 1
+            if urgent is not None and urgent.holds_back(seq):  # its first step would lengthen the urgent one's
+                break
             if seq.lora_name is not None and (skipped or not self._lora_fits(seq)):
                 skipped.append(self.waiting.popleft())
                 continue
