@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Literal, NoReturn
 
 from fleetllm.capture.config import CaptureConfig
-from fleetllm.cli_options import add_options, cli_fields, from_args, opt
+from fleetllm.cli_options import add_options, cli_fields, flag_name, from_args, opt
 from fleetllm.disagg.config import TransferOptions
 from fleetllm.engine.config import EngineConfig
 from fleetllm.errors import UsageError, did_you_mean, existing_file, one_line
@@ -286,6 +286,8 @@ def check_lora_args(args: argparse.Namespace) -> None:
 # Engine flags that count something: 0 or less is a typo, which the engine would only find after the model loads.
 POSITIVE_ENGINE_FLAGS = ("block_size", "num_blocks", "kv_cache_gb", "max_model_len", "max_num_seqs",
                          "max_num_batched_tokens", "num_threads")
+# Engine flags whose 0 means something (no ageing, no rows beside an urgent first token): below 0 is a typo.
+NON_NEGATIVE_ENGINE_FLAGS = ("priority_aging_s", "urgent_step_rows")
 
 
 TIER_FLAGS = ("kv_offload_gb", "kv_offload_dtype", "kv_disk_dir", "kv_disk_gb", "kv_remote")  # serve passes them to every real worker
@@ -322,6 +324,10 @@ def check_engine_args(args: argparse.Namespace) -> None:
         value = getattr(args, name, None)
         if value is not None and value <= 0:
             raise UsageError(f"--{name.replace('_', '-')} {value}: give a positive number (or leave it out)")
+    for f in (f for f in cli_fields(EngineConfig) if f.name in NON_NEGATIVE_ENGINE_FLAGS):
+        value = getattr(args, f.name, None)
+        if value is not None and value < 0:
+            raise UsageError(f"{flag_name(f)} {value}: give 0 or more")
     check_offload(args)
     try:
         no_auto(getattr(args, "kv_remote", None))

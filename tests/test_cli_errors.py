@@ -48,6 +48,8 @@ CASES: list[tuple[list[str], str]] = [
     (["router", "--workers", "http://127.0.0.1:1", "--lora-load-cost", "-1"], "--lora-load-cost"),
     (["worker", "--simulate", "--profile", "{tmp}/none.json"], "no such file"),
     (["worker", "--max-model-len", "-5"], "positive"),
+    (["worker", "--urgent-step-rows", "-1"], "--urgent-step-rows -1: give 0 or more"),
+    (["worker", "--priority-aging", "-2"], "--priority-aging -2.0: give 0 or more"),
     (["worker", "--kv-offload-gb", "-1"], "--kv-offload-gb"),
     (["worker", "--kv-disk-dir", "{tmp}", "--kv-disk-gb", "0"], "--kv-disk-gb"),
     (["worker", "--kv-remote", "http://:hunter2@host:6379"], "rediss://"),
