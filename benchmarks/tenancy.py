@@ -137,7 +137,8 @@ class Fleet:
         self.keys_file = store.path
         port = free_ports(args.workers)
         self.workers = [f"http://127.0.0.1:{port + i}" for i in range(args.workers)]
-        engine = ["--max-num-seqs", str(args.max_num_seqs), "--scheduling-policy", "priority", "--log-level", "warning"]
+        engine = ["--max-num-seqs", str(args.max_num_seqs), "--scheduling-policy", "priority", "--log-level", "warning",
+                  *args.worker_flag]
         if args.real:
             self.procs = [start(["worker", "--model", "smollm2-135m", "--num-threads", "1", "--port", str(port + i),
                                  *engine], tmp / f"worker-{i}.log") for i in range(args.workers)]
@@ -395,6 +396,8 @@ def main() -> None:
     ap.add_argument("--flow-flag", action="append", default=[], metavar="ARG",
                     help="one more router argument with flow control on (repeat: --flow-flag=--flow-headroom "
                     "--flow-flag=0.2)")
+    ap.add_argument("--worker-flag", action="append", default=[], metavar="ARG",
+                    help="one more worker argument (repeat; e.g. --worker-flag=--no-step-pause)")
     ap.add_argument("--max-num-seqs", type=int, default=8, help="each simulated worker's batch slots")
     ap.add_argument("--sim-speed", type=float, default=4.0)
     ap.add_argument("--max-tokens", type=int, default=32)

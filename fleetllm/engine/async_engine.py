@@ -21,6 +21,7 @@ import logging
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -58,6 +59,9 @@ class AsyncEngine:
         self.kv_media: dict[str, Callable[[], list[int]]] = {}
         self._kv_publish = False  # becomes True with the first subscriber (engine thread only)
         self.steps = 0
+        self._deferred: deque[tuple[str, Any]] = deque()  # commands that came while a step was paused
+        if engine.step_pause is not None:
+            engine.step_pause.on_pause = self._while_paused
         engine.pool.on_event = self._on_kv_event  # called on the engine thread
         engine.blocks.runner = self._between_steps  # a KV connector's pool edits run on the engine thread
 
@@ -101,6 +105,8 @@ class AsyncEngine:
         # the request arrives now, not when the engine thread next takes commands (after a running step)
         arrival = time.monotonic() if arrival_time is None else arrival_time
         self._cmds.put(("add", (request_id, prompt_token_ids, params, arrival, handoff, lora_name, added)))
+        if self.engine.step_pause is not None and handoff is None:
+            self.engine.step_pause.ask(params.priority)  # the step in flight may pause for its first token
         finished = False
         try:
             await added  # raises the engine's validation error (bad params, too long, queue full)
@@ -185,6 +191,8 @@ class AsyncEngine:
     def _loop_steps(self) -> None:
         eng = self.engine
         while not self._stop.is_set():
+            while self._deferred:
+                self._apply(self._deferred.popleft())
             try:
                 block = not eng.has_unfinished()
                 cmd = self._cmds.get(block=block, timeout=0.5 if block else None) if block else self._cmds.get_nowait()
@@ -203,6 +211,25 @@ class AsyncEngine:
                 self.steps += 1
                 if outs:
                     self._loop.call_soon_threadsafe(self._deliver, outs)
+
+    def _while_paused(self) -> None:
+        """A step paused between layers for an urgent arrival (engine thread, :mod:`fleetllm.engine.step_pause`):
+        queue the requests that arrived, compute the urgent ones' prompts in a step of their own, and hand out
+        their first tokens now. Any other command waits for the step's end (an abort would free blocks the
+        paused step's rows write; a handed-over prefill would start running), and so does every command after
+        it (in order: an adapter loaded, then asked for)."""
+        while True:
+            try:
+                cmd = self._cmds.get_nowait()
+            except queue.Empty:
+                break
+            if cmd[0] == "add" and cmd[1][4] is None and not self._deferred:
+                self._apply(cmd)
+            else:
+                self._deferred.append(cmd)
+        outs = self.engine.urgent_step()
+        if outs:
+            self._loop.call_soon_threadsafe(self._deliver, outs)
 
     def _apply(self, cmd: tuple[str, Any]) -> None:
         kind, arg = cmd
@@ -265,7 +292,7 @@ class AsyncEngine:
             stream.put_nowait(err)
         while True:
             try:
-                kind, arg = self._cmds.get_nowait()
+                kind, arg = self._deferred.popleft() if self._deferred else self._cmds.get_nowait()
             except queue.Empty:
                 break
             fut = arg[-1] if kind in ("add", "call", "kv_snapshot") else None

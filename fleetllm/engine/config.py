@@ -70,6 +70,10 @@ class EngineConfig:
         SchedulerConfig.urgent_step_rows, "--scheduling-policy priority: the most rows of a less urgent priority a "
         "step carries while it computes a more urgent request's first token (the others wait that step, never two "
         "in a row: a shorter step, a sooner first token; docs/routing.md, \"Priorities and tenants\")", metavar="N")
+    step_pause: bool = opt(True, "--scheduling-policy priority: a step of less urgent rows pauses between two layers "
+                                 "when a more urgent request (priority <= 0) arrives, computes its prompt and resumes "
+                                 "(its first token need not wait for the step; docs/routing.md, \"Priorities and "
+                                 "tenants\"); the C decode stack's steps only", flag="--no-step-pause")
     enable_prefix_caching: bool = opt(True, "reuse the KV blocks of prompt prefixes computed before",
                                       flag="--no-prefix-caching")
     num_threads: int | None = opt(None, "torch threads (default: all cores)")

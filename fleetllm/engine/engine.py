@@ -30,6 +30,7 @@ from fleetllm.engine.outputs import RequestOutput, RequestTiming, TokenLogprob
 from fleetllm.engine.params import InvalidParameter, PromptTooLong, SamplingParams, check_params, check_prompt
 from fleetllm.engine.scheduler import Scheduled, Scheduler, SchedulerConfig, SchedulerOutput
 from fleetllm.engine.sequence import Sequence, Status
+from fleetllm.engine.step_pause import StepPause, step_guard
 from fleetllm.engine.step_profile import StepProfile, phase
 
 if TYPE_CHECKING:
@@ -101,6 +102,10 @@ class LLMEngine:
         # --profile-steps: the executor's profile when it keeps one (it times its own phases), else the engine's
         self.profile: StepProfile | None = getattr(executor, "step_profile", None) or (
             StepProfile() if cfg.profile_steps else None)
+        # a running step paused between layers for a more urgent arrival (under priority scheduling, see
+        # step_pause.py); a profile's phases would hold the urgent step inside the paused one's forward: none then
+        pausing = cfg.scheduling_policy == "priority" and cfg.step_pause and self.profile is None
+        self.step_pause: StepPause | None = getattr(executor, "step_pause", None) if pausing else None
 
     @property
     def grammars(self) -> GrammarCompiler:
@@ -297,6 +302,7 @@ class LLMEngine:
             self._note_scheduled(sched)
         outputs += [self._finish_output(seq, [], None, error=why) for seq, why in sched.failed]
         if sched.scheduled:
+            self._arm_pause(sched)
             result, failed = self._execute(sched)
             outputs += failed
             if result is not None:
@@ -310,6 +316,34 @@ class LLMEngine:
         if prof is not None:
             prof.step_done(time.perf_counter() - t0, sum(len(o.new_token_ids) for o in outputs))
         return outputs
+
+    def urgent_step(self) -> list[RequestOutput]:
+        """While a step is paused between layers (:mod:`fleetllm.engine.step_pause`, on the engine thread): compute in
+        a step of its own the prompts of the waiting requests more urgent than the paused step's guard (none
+        preempted: the paused step's rows keep their blocks), and return its outputs (the urgent first tokens)."""
+        guard = self.step_pause.guard if self.step_pause is not None else None
+        if guard is None:
+            return []
+        sched = self.scheduler.schedule_urgent(guard)
+        self._note_scheduled(sched)
+        outputs = [self._finish_output(seq, [], None, error=why) for seq, why in sched.failed]
+        if sched.scheduled:
+            result, failed = self._execute(sched)
+            outputs += failed
+            if result is not None:
+                outputs += self.update_from_output(sched, result)
+        return outputs
+
+    def _arm_pause(self, sched: SchedulerOutput) -> None:
+        """Let arrivals more urgent than ``sched``'s rows pause it. Not a step a KV connector drives: its per-step
+        state would see another step start inside this one."""
+        if self.step_pause is None:
+            return
+        if self.kv_connector is not None:
+            self.step_pause.arm(None)
+            return
+        rows = [(s.seq.params.priority, not s.seq.output_token_ids) for s in sched.scheduled]
+        self.step_pause.arm(step_guard(rows))
 
     def _execute(self, sched: SchedulerOutput) -> tuple[ModelOutput | None, list[RequestOutput]]:
         """The step's model output, and the outputs of the requests it failed.

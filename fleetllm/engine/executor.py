@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from fleetllm.engine.kv_connector.base import KVCaches, KVConnectorWorker
     from fleetllm.engine.scheduler import SchedulerOutput
     from fleetllm.engine.sequence import Sequence
+    from fleetllm.engine.step_pause import StepPause
     from fleetllm.models.config import ModelConfig
     from fleetllm.models.tokenizer import TokenizerWrapper
     from fleetllm.speculative.decoder import SpecDecoder
@@ -57,6 +58,7 @@ class Executor(Protocol):
     num_blocks: int  # KV blocks it holds; the engine's block pool has exactly these
     needs_warm_up: bool  # first calls pay one-off costs (allocator, kernels) worth paying before serving
     spec: SpecDecoder | None  # the speculative decoder (its counters feed the metrics), None without
+    step_pause: StepPause | None  # what may pause a running step between layers (None: its steps never pause)
 
     def execute(self, sched: SchedulerOutput) -> ModelOutput:
         """Compute the scheduled tokens and sample (or verify drafts) where a request reaches its end."""

@@ -24,6 +24,7 @@ from fleetllm.engine.outputs import TokenLogprob
 from fleetllm.engine.sampling import Sampler
 from fleetllm.engine.scheduler import Scheduled, SchedulerConfig, SchedulerOutput
 from fleetllm.engine.sequence import Sequence
+from fleetllm.engine.step_pause import StepPause
 from fleetllm.engine.step_profile import StepProfile, phase
 from fleetllm.errors import UsageError
 from fleetllm.kernels import health
@@ -66,6 +67,7 @@ class ModelExecutor:
         self.runner = ModelRunner(self.loaded.model, self.num_blocks, cfg.block_size, self.device, kv_dtype,
                                   self.step_profile, shm_dir() if cfg.kv_pool_shared else None)
         self.sampler = Sampler()
+        self.step_pause = StepPause()  # the engine arms it per step (--scheduling-policy priority)
         spec_cfg = SpeculativeConfig.parse(cfg.speculative)
         self.spec = SpecDecoder(spec_cfg, self.loaded, self.runner, self.device) if spec_cfg else None
         if self.step_profile:  # adaptive K timed steps of its own through the runner: they are no serving steps
@@ -82,7 +84,7 @@ class ModelExecutor:
         verifying = any(s.draft_token_ids for s in batch)
         t0 = time.perf_counter()
         logits, aux = self.runner.execute(batch, rows, self.spec.aux_layers if self.spec else None,
-                                          sched.kv_connector_metadata)
+                                          sched.kv_connector_metadata, self.step_pause)
         out = ModelOutput()
         with phase(self.step_profile, "sampling"):
             if not verifying and _all_plain_greedy(batch):

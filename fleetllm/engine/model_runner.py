@@ -18,6 +18,7 @@ from fleetllm.engine.config import FAST_PATH_KV_DTYPE
 from fleetllm.engine.kv_connector.base import KVConnectorMetadata, KVConnectorWorker, StepKV
 from fleetllm.engine.kv_memory import SharedKVFile, kv_memory
 from fleetllm.engine.scheduler import Scheduled
+from fleetllm.engine.step_pause import StepPause
 from fleetllm.engine.step_profile import StepProfile, phase
 from fleetllm.kernels import kv8
 from fleetllm.lora.batch import LoraBatch
@@ -81,17 +82,18 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(
         self, batch: list[Scheduled], logit_rows: list[int], aux_layers: tuple[int, ...] | None = None,
-        meta: KVConnectorMetadata | None = None,
+        meta: KVConnectorMetadata | None = None, pause: StepPause | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Run one step; return logits ``[len(logit_rows), vocab]`` for the given rows of the flat batch,
         and with ``aux_layers`` the features of those decoder layers for every row (else None). ``meta``: the
-        KV connector's part of the step.
+        KV connector's part of the step; ``pause``: what may pause it between layers (:mod:`..step_pause`).
 
         The LM head runs over those rows only (a decode step: one row per sequence, not the whole batch)."""
         conn = self.connector if meta is not None else None
         with phase(self.profile, "prepare"):
             placed = conn.start_load_kv(meta, self.kv_cache) if conn is not None else None
             ids, positions, meta_attn = self._inputs(batch, placed)
+            meta_attn.pause = pause
             rows = torch.tensor(logit_rows, dtype=torch.long, device=self.device)
             lora = self._lora(batch)
         kv = placed.kv_cache if placed else self.kv_cache

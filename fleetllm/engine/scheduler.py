@@ -25,7 +25,7 @@ from __future__ import annotations
 import bisect
 import time
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
@@ -232,6 +232,21 @@ class Scheduler:
         self._admit(out, budget, urgent)
         return out
 
+    def schedule_urgent(self, guard: float) -> SchedulerOutput:
+        """A step of its own while the step in flight is paused between layers (:mod:`fleetllm.engine.step_pause`):
+        the waiting requests of priority <= 0 more urgent than ``guard`` (the paused step's), best-ranked first,
+        admitted within the budget and free blocks without preempting anything (every running row may be in the
+        paused step, writing its blocks), and up to one batch slot past ``max_num_seqs`` (no row gives its slot up
+        mid-step; the next step's better-ranked admissions displace down to ``max_num_seqs`` again)."""
+        out = SchedulerOutput()
+
+        def eligible(seq: Sequence) -> bool:
+            p = seq.params.priority
+            return p <= 0 and p < guard and seq.lora_name is None and not self._alone(seq)
+
+        self._admit(out, self.cfg.max_num_batched_tokens, slots=self.cfg.max_num_seqs + 1, eligible=eligible)
+        return out
+
     def _urgent_priority(self, running: list[Sequence]) -> int | None:
         """Under ``priority`` with ``urgent_step_rows`` set: the most urgent ``priority`` among the requests whose
         first token this step computes (the waiting head when a batch slot is free for it, running ones whose
@@ -268,17 +283,22 @@ class Scheduler:
             self._preempt(worst)
             out.displaced.append(worst)
 
-    def _admit(self, out: SchedulerOutput, budget: int, urgent: UrgentStep | None = None) -> None:
+    def _admit(self, out: SchedulerOutput, budget: int, urgent: UrgentStep | None = None, slots: int | None = None,
+               eligible: Callable[[Sequence], bool] | None = None) -> None:
         """Admit waiting sequences in order while budget, sequence slots and blocks last. A sequence whose adapter
         finds no slot (every one pinned by running requests) waits at its place, and only base-model sequences
         pass it until it gets one: the adapters running drain, so it never starves. ``urgent``: a step
         computing an urgent first token (:meth:`_urgent_priority`), which admits less urgent sequences only within
-        its rows left; one held back once is admitted at the next."""
+        its rows left; one held back once is admitted at the next. ``slots``: the batch slots (default
+        ``max_num_seqs``); ``eligible``: admission stops at the first waiting sequence it refuses."""
         watermark = self.watermark_blocks
         skipped: list[Sequence] = []
-        while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs and not out.preempted:
+        slots = self.cfg.max_num_seqs if slots is None else slots
+        while self.waiting and budget > 0 and len(self.running) < slots and not out.preempted:
             seq = self.waiting[0]
             if urgent is not None and urgent.holds_back(seq):  # its first step would lengthen the urgent one's
+                break
+            if eligible is not None and not eligible(seq):
                 break
             if seq.lora_name is not None and (skipped or not self._lora_fits(seq)):
                 skipped.append(self.waiting.popleft())

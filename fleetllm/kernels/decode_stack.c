@@ -90,6 +90,9 @@ typedef struct {
     int lora_n_slots, lora_rank;
     int64_t *counts;  /* layer li's experts' row counts at counts + li * count_stride (NULL: not counted) */
     int count_stride;
+    const volatile int *pause;  /* nonzero: stop after the layer being run (NULL: never; fleetllm/engine/step_pause.py) */
+    int first_layer;            /* the layer to start from: 0, or where a paused call stopped */
+    int next_layer;             /* out: n_layers when every layer ran, else the layer a paused call resumes at */
 } Step;
 
 #if FLEETLLM_X86
@@ -289,17 +292,25 @@ void decode_stack_store(void *cache, int dtype, const int64_t *slots, const floa
     for (int r = 0; r < rows; r++) store_kv(cache, dtype, slots[r], x + (long)r * n, n, d);
 }
 
-/* Every layer of the model over the step's rows. Returns 0, or nonzero when a kernel call failed. */
-int decode_stack(const Model *md, const Step *st) {
+/* The model's layers over the step's rows, from st->first_layer on; stops early, after a layer, when *st->pause
+ * is set (another thread asks for the core: a more urgent request's first token), leaving in st->next_layer the
+ * layer to resume at: the state between two layers is the residual stream st->h alone, so a call resumed there
+ * computes what one uninterrupted call computes. Returns 0, or nonzero when a kernel call failed. */
+int decode_stack(const Model *md, Step *st) {
     const int R = st->rows, D = md->head_dim;
     if (D > 512 || D % 2) return -2;
     float *xn = st->scratch, *qkv = xn + (long)R * md->hidden;
     float *attn = qkv + (long)R * (md->heads + 2 * md->kv_heads) * D, *gu = attn + (long)R * md->heads * D;
     float *act = gu + (long)R * 2 * md->inter;
-    for (int li = 0; li < md->n_layers; li++) {
+    for (int li = st->first_layer; li < md->n_layers; li++) {
         const int rc = layer(md, md->layers + li, st, li, xn, qkv, attn, gu, act);
         if (rc) return rc;
+        if (st->pause != NULL && *st->pause && li + 1 < md->n_layers) {
+            st->next_layer = li + 1;
+            return 0;
+        }
     }
+    st->next_layer = md->n_layers;
     return 0;
 }
 
@@ -307,7 +318,7 @@ int decode_stack(const Model *md, const Step *st) {
 int decode_stack_isa(void) {
     return 0;
 }
-int decode_stack(const Model *md, const Step *st) {
+int decode_stack(const Model *md, Step *st) {
     return -2;
 }
 void decode_stack_store(void *cache, int dtype, const int64_t *slots, const float *x, int rows, int n, int d) {

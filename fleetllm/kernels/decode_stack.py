@@ -104,7 +104,7 @@ class _Step(ctypes.Structure):
     _fields_ = [("h", P), ("rows", INT), ("threads", INT), ("positions", P), ("slots", P), ("tables", P), ("lens", P),
                 ("table_of", P), ("table_stride", INT), ("k_caches", P), ("v_caches", P), ("scratch", P),
                 ("lora", P), ("lora_slots", P), ("lora_n_slots", INT), ("lora_rank", INT), ("counts", P),
-                ("count_stride", INT)]
+                ("count_stride", INT), ("pause", P), ("first_layer", INT), ("next_layer", INT)]
 
 
 def _declare(lib: ctypes.CDLL) -> None:
@@ -325,13 +325,25 @@ class DecodeStack:
         keep = self._with_lora(md, step, lora)  # noqa: F841 - alive until the call returns
         if counts is not None:
             step.counts, step.count_stride = counts.data_ptr(), self.num_experts
-        rc = LIBRARY.lib.decode_stack(ctypes.byref(md), ctypes.byref(step))
-        if rc != 0:
-            raise RuntimeError(f"decode_stack failed with status {rc}")
+        self._call(md, step, getattr(meta, "pause", None))
         if counts is not None:
             for moe, row in zip(self.moes, counts.tolist(), strict=True):
                 if moe is not None:
                     moe._count(row[: moe.num_experts])
+
+    @staticmethod
+    def _call(md: _Model, step: _Step, pause: Any) -> None:
+        """Run the step's layers; when ``pause`` (a :class:`fleetllm.engine.step_pause.StepPause`) stops it between
+        two layers, let it run what it must and resume where the step stopped (``step.h`` is its whole state)."""
+        step.pause = pause.address() if pause is not None else None
+        while True:
+            rc = LIBRARY.lib.decode_stack(ctypes.byref(md), ctypes.byref(step))
+            if rc != 0:
+                raise RuntimeError(f"decode_stack failed with status {rc}")
+            if step.next_layer >= md.n_layers:
+                return
+            pause.pause()
+            step.first_layer = step.next_layer
 
     def _with_experts(self, md: _Model) -> torch.Tensor | None:
         """Fill the call's Q8_0 GEMV and experts kernel; the per-layer expert counts the step fills (None: no

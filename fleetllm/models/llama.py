@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fleetllm.engine.step_pause import StepPause
 from fleetllm.kernels import chunk_rows, kernel_ready, kv8, paged_attention
 from fleetllm.kernels.decode_stack import DecodeStack, chunk_in_place
 from fleetllm.kernels.prefill import prefill_attention, prefill_ready
@@ -51,6 +52,7 @@ class AttentionMetadata:
     window: int | None = None  # a sliding-window layer's view: decode queries see their last ``window`` positions
     layer_by_layer: bool = False  # something watches each layer's K/V as it is written (P/D): no fused decode stack
     mask_dtype: torch.dtype = torch.float32  # the eager paths' scores' dtype (the model's)
+    pause: StepPause | None = None  # set by the engine's runner: the C stack may stop between layers for it
     _decode_keys: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, init=False, repr=False)
 
     @property

@@ -42,6 +42,7 @@ class TimingExecutor:
     device = "cpu"
     needs_warm_up = False  # no weights, no kernels
     spec = None
+    step_pause = None  # a simulated step is one sleep: nothing to pause between
 
     def __init__(self, model: SimulatedModel, profile: TimingProfile, num_blocks: int, speed: float = 1.0,
                  lora_load_s: float = 0.0) -> None:

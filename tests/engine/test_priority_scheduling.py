@@ -169,3 +169,21 @@ def test_a_first_token_of_the_low_band_holds_back_no_less_urgent_rows():
     decoding(sched, [("batch", 2)])
     sched.add(seq("bulk", 1, 5.0, first_token=90))
     assert sorted(run_step(sched)) == ["batch", "bulk"]
+
+
+def test_a_paused_step_admits_an_urgent_arrival_past_a_full_batch_preempting_nothing():
+    sched = scheduler("priority", max_num_seqs=2, urgent_step_rows=0)
+    decoding(sched, [("bulk-a", 1), ("bulk-b", 1)])
+    sched.add(seq("urgent", 0, 5.0, first_token=90))
+    out = sched.schedule_urgent(guard=1.5)  # the paused step: the two bulk rows decoding
+    assert [s.seq.request_id for s in out.scheduled] == ["urgent"] and out.num_tokens == BS
+    assert out.preempted == out.displaced == [] and len(sched.running) == 3
+    sched.add(seq("urgent-2", 0, 6.0, first_token=130))
+    assert sched.schedule_urgent(guard=1.5).scheduled == []  # one slot past the batch's, no more
+
+
+@pytest.mark.parametrize(("priority", "guard"), [(1, 1.5), (0, 0.0), (0, -0.5)])
+def test_a_paused_step_admits_no_arrival_as_urgent_as_its_rows_nor_of_the_low_band(priority, guard):
+    sched = scheduler("priority", urgent_step_rows=0)
+    sched.add(seq("arrival", priority, 5.0))
+    assert sched.schedule_urgent(guard).scheduled == [] and [s.request_id for s in sched.waiting] == ["arrival"]

@@ -188,3 +188,20 @@ def test_greedy_tokens_equal_the_op_by_op_path(loaded_model, q4_model) -> None:
         finally:
             decode_stack.set_enabled(True)
     assert runs[True] == runs[False]
+
+
+def test_a_step_paused_after_every_layer_and_resumed_computes_what_one_call_does(q4_model) -> None:
+    from fleetllm.engine.step_pause import StepPause
+
+    ids, positions, meta, caches = decode_step(q4_model, [5, 17, 33, 64], torch.int8)
+    whole, whole_caches = forward(q4_model, ids, positions, meta, caches, stack=True)
+    pause = StepPause()
+    pause.on_pause = lambda: setattr(pause.flag, "value", 1)  # each pause asks for the next: one after every layer
+    pause.arm(1.5)
+    pause.flag.value = 1
+    meta.pause = pause
+    paused, paused_caches = forward(q4_model, ids, positions, meta, caches, stack=True)
+    assert pause.pauses == len(q4_model.layers) - 1
+    assert torch.equal(paused, whole)
+    for (pk, pv), (wk, wv) in zip(paused_caches, whole_caches, strict=True):
+        assert torch.equal(pk, wk) and torch.equal(pv, wv)
