@@ -212,7 +212,8 @@ def real_worker(*extra: str) -> Proc:
 
 
 def router(workers: list[str], policy: str = "kv_aware", *extra: str) -> ThreadServers:
-    """What ``fleetllm router --workers W --policy P EXTRA`` serves, in-process (health checks every 0.5 s)."""
+    """What ``fleetllm router --workers W --policy P EXTRA`` serves, in-process (health checks every 0.5 s); it
+    listens, so this returns, once each worker has answered its first health check."""
     from fleetllm.cli import build_parser, router_config
     from fleetllm.router.gateway import Router
 

@@ -273,7 +273,7 @@ class Router:
         # the workers' KV events keep the events index exact (it is the policy's index under kv_aware)
         self.monitor = WorkerMonitor(self.workers, self.events_index, self.client, self.cfg.health_interval_s,
                                      on_change=self._on_worker_change)
-        self.monitor.start()
+        await self.monitor.start()  # its workers' first readiness checks answered before the router listens
         if self.capture is not None:
             self.capture.start()
         self.batches.start()  # unfinished batches a previous run left resume now

@@ -5,7 +5,7 @@ of arrivals spreads instead of piling onto the worker that looked idle a moment 
 two background tasks: a readiness check (``/ready``: a worker that is alive but warming up or draining
 gets no requests; ``/health`` for upstreams without ``/ready``), and a subscription to its ``/kv/events`` stream that keeps the
 exact prefix index and the worker-reported load (running, waiting, queued prefill tokens, KV usage)
-current. A worker whose
+current. The router listens only once every worker's first check has answered (or timed out). A worker whose
 health check fails is out of rotation and its index entries are dropped at once; when it comes back
 (possibly restarted, with an empty cache) the event stream's snapshot re-syncs the index.
 """
@@ -168,14 +168,24 @@ class WorkerMonitor:
         self.subscribers: dict[str, Any] = {}  # vLLM workers' KV-event subscribers, by worker name
         self.stopping = False
 
-    def start(self) -> None:
-        for w in self.workers:
-            self.watch(w)
+    async def start(self) -> None:
+        """Watch every worker; return once each has answered its first readiness check, or after one check's
+        timeout (a check still unanswered then goes on in the background).
 
-    def watch(self, w: WorkerState) -> None:
-        """Start ``w``'s health checks and KV-event subscription (also for a worker added later)."""
-        self._tasks[w.name] = [asyncio.create_task(self._health_loop(w), name=f"health-{w.name}"),
+        The router's lifespan awaits this before its server listens: a router that took requests before its
+        first round of checks came back answered them 503 "no healthy worker" while its whole fleet was up
+        (every worker starts out of rotation until a check says it is ready)."""
+        first = [self.watch(w) for w in self.workers]
+        if first:
+            await asyncio.wait(first, timeout=self.health_timeout_s)
+
+    def watch(self, w: WorkerState) -> asyncio.Task[bool]:
+        """Start ``w``'s health checks and KV-event subscription (also for a worker added later); the task of its
+        first check."""
+        first = asyncio.create_task(self.check(w), name=f"first-check-{w.name}")
+        self._tasks[w.name] = [first, asyncio.create_task(self._health_loop(w, first), name=f"health-{w.name}"),
                                asyncio.create_task(self._engine_loop(w), name=f"events-{w.name}")]
+        return first
 
     async def unwatch(self, w: WorkerState) -> None:
         """Stop watching a removed worker and forget what it had cached."""
@@ -225,10 +235,12 @@ class WorkerMonitor:
                 self.mark_down(w, "health check failed")
         return ok
 
-    async def _health_loop(self, w: WorkerState) -> None:
+    async def _health_loop(self, w: WorkerState, first: asyncio.Task[bool]) -> None:
+        """A check every health interval after the ``first``."""
+        await first
         while not self.stopping:
-            await self.check(w)
             await asyncio.sleep(self.health_interval_s)
+            await self.check(w)
 
     async def _engine_loop(self, w: WorkerState) -> None:
         """A fleetllm worker's event stream; another engine's load poll (and its vLLM-format KV events: also a

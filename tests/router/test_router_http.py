@@ -135,10 +135,14 @@ def test_a_restarted_worker_is_resynced_from_its_snapshot(procs):
 CHUNKS = [b'data: {"a": 1}\n\n', b'data: {"b": "\xc3\xa9t\xc3\xa9"}\n\n', b"data: [DONE]\n\n"]
 
 
-def fake_worker(mode: str, gap: float = 0.3) -> Starlette:
-    """A minimal upstream: /health ok, no KV events, completions that stream CHUNKS (``gap`` seconds apart) or
-    fail."""
+def fake_worker(mode: str, gap: float = 0.3, probe_s: float = 0.0) -> Starlette:
+    """A minimal upstream: /health ok (after ``probe_s`` seconds: a slow host), no KV events, completions that
+    stream CHUNKS (``gap`` seconds apart) or fail."""
     calls = {"n": 0}
+
+    async def health(request):
+        await asyncio.sleep(probe_s)
+        return JSONResponse({"status": "ok"})
 
     async def completions(request):
         calls["n"] += 1
@@ -153,7 +157,7 @@ def fake_worker(mode: str, gap: float = 0.3) -> Starlette:
         return StreamingResponse(gen(), media_type="text/event-stream", headers={"x-request-id": request.headers["x-request-id"]})
 
     app = Starlette(routes=[
-        Route("/health", lambda r: JSONResponse({"status": "ok"})),
+        Route("/health", health),
         Route("/kv/events", lambda r: Response(status_code=404)),
         Route("/v1/chat/completions", completions, methods=["POST"]),
     ])
@@ -175,6 +179,16 @@ def test_streaming_through_the_router_is_byte_for_byte_and_chunk_by_chunk(procs)
                 arrivals.append(time.monotonic())
         assert got == b"".join(CHUNKS)
         assert arrivals[-1] - arrivals[0] > 0.4  # relayed as they came, not buffered to the end
+
+
+def test_a_router_serves_its_first_request_though_its_workers_answer_health_checks_slowly(procs):
+    # the worker's health answer takes longer than the router takes to listen (a loaded host): a router that
+    # listened before its first round of checks came back answered 503 "no healthy worker" to a healthy fleet
+    with ThreadServer(fake_worker("stream", gap=0, probe_s=0.5)) as up:
+        r = router([up.url], "round_robin")
+        procs.append(r)
+        resp = httpx.post(r.url + "/v1/chat/completions", json={"messages": []}, timeout=30)
+        assert resp.status_code == 200 and resp.content == b"".join(CHUNKS)
 
 
 @pytest.mark.slow
