@@ -12,7 +12,9 @@ fair share is computed against the capacity beside its own phase. Tenant B's rat
 
 - **noisy neighbour**: tenant B streams at ``--b-load`` of the capacity (Poisson arrivals, ``--b-requests``
   requests), alone and while tenant A floods (a closed loop holding ``--flood-x`` times the fleet's batch slots in
-  flight). Reported: B's TTFT p50/p90/p99, and A's output tokens/s against its fair share (what B leaves).
+  flight, from a client process of its own: two tenants are two clients, and in one event loop the flood's ~500
+  events a second delayed B's own reading of its first token). Reported: B's TTFT p50/p90/p99, and A's output
+  tokens/s against its fair share (what B leaves).
 - **interactive vs batch**: the same interactive stream alone, and while a Batch API job (lines at the batch
   priority, ``--batch-concurrency`` in flight) fills the fleet. Reported: interactive TTFT p50/p99, and the batch's
   output tokens/s against the capacity the interactive traffic leaves.
@@ -29,6 +31,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import multiprocessing
 import os
 import random
 import subprocess
@@ -38,6 +41,7 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -60,6 +64,7 @@ class Result:
     ttft: list[float] = field(default_factory=list)
     tokens: int = 0
     failed: int = 0
+    why: list[str] = field(default_factory=list)  # each failure's status and body, or the client's error
 
 
 def body(max_tokens: int) -> dict:
@@ -75,7 +80,7 @@ async def stream_one(client: httpx.AsyncClient, url: str, key: str, max_tokens: 
         async with client.stream("POST", url + "/v1/completions", json=body(max_tokens),
                                  headers={"authorization": f"Bearer {key}"}) as r:
             if r.status_code != 200:
-                await r.aread()
+                out.why.append(f"{r.status_code} {(await r.aread())[:200]!r}")
                 out.failed += 1
                 return
             async for line in r.aiter_lines():
@@ -89,7 +94,8 @@ async def stream_one(client: httpx.AsyncClient, url: str, key: str, max_tokens: 
                     first = time.perf_counter() - t0
                 if event.get("usage"):
                     out.tokens += event["usage"]["completion_tokens"]
-    except httpx.HTTPError:
+    except httpx.HTTPError as e:
+        out.why.append(f"{type(e).__name__}: {e}")
         out.failed += 1
         return
     if first is not None:
@@ -247,27 +253,66 @@ class Beside:
                 f"{self.load[0]:.1f} → {self.load[1]:.1f}")
 
 
+def flood_process(url: str, key: str, concurrency: int, max_tokens: int, tokens: Any, stop: Any) -> None:
+    """Tenant A's client, a process of its own (another tenant's load generator, not B's): a closed loop of
+    ``concurrency`` streams until ``stop`` is set, its output tokens kept in ``tokens`` (a shared integer)."""
+
+    async def main() -> None:
+        done, out = asyncio.Event(), Result()
+
+        async def report() -> None:
+            while not stop.is_set():
+                tokens.value = out.tokens
+                await asyncio.sleep(0.05)
+            tokens.value = out.tokens
+            done.set()
+
+        async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=2000)) as client:
+            await asyncio.gather(report(), closed_loop(client, url, key, concurrency, max_tokens, done, out))
+            tokens.value = out.tokens
+
+    asyncio.run(main())
+
+
 async def noisy(fleet: Fleet, flow: bool, flood: bool, rate: float) -> Window:
-    """B alone (at ``rate``), or beside A's flood (``others_tok_s``: A's output tokens/s)."""
+    """B alone (at ``rate``), or beside A's flood (``others_tok_s``: A's output tokens/s). A's client runs in a
+    process of its own (``--flood-in-process``: in B's event loop, whose lag then adds to B's measured TTFT)."""
     args = fleet.args
     url, proc = fleet.router(flow)
+    ctx = multiprocessing.get_context("spawn")
+    tokens, stop_a = ctx.Value("q", 0), ctx.Event()
+    flooder = None
     try:
         async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=2000)) as client:
             stop, a = asyncio.Event(), Result()
             slots = args.workers * args.max_num_seqs
-            flooding = (asyncio.create_task(closed_loop(client, url, fleet.keys["A"], args.flood_x * slots,
-                                                        args.max_tokens, stop, a)) if flood else None)
-            if flooding is not None:
+            flooding = None
+            if flood and args.flood_in_process:
+                flooding = asyncio.create_task(closed_loop(client, url, fleet.keys["A"], args.flood_x * slots,
+                                                           args.max_tokens, stop, a))
+            elif flood:
+                flooder = ctx.Process(target=flood_process, args=(url, fleet.keys["A"], args.flood_x * slots,
+                                                                  args.max_tokens, tokens, stop_a))
+                flooder.start()
+            if flood:
                 await asyncio.sleep(3.0)  # the flood fills the fleet first
 
             async def a_tokens() -> float:
-                return float(a.tokens)
+                return float(a.tokens if flooding is not None else tokens.value)
 
             w = await interactive(client, url, fleet, rate, a_tokens if flood else None)
+            if w.result.why:
+                print(f"B's failures ({'A flooding' if flood else 'alone'}): {w.result.why[:5]}", file=sys.stderr)
             stop.set()
+            stop_a.set()
             if flooding is not None:
                 await flooding
     finally:
+        if flooder is not None:
+            stop_a.set()
+            flooder.join(60)
+            if flooder.is_alive():
+                flooder.kill()
         stop_process(proc)
     return w
 
@@ -396,6 +441,8 @@ def main() -> None:
     ap.add_argument("--flow-flag", action="append", default=[], metavar="ARG",
                     help="one more router argument with flow control on (repeat: --flow-flag=--flow-headroom "
                     "--flow-flag=0.2)")
+    ap.add_argument("--flood-in-process", action="store_true",
+                    help="tenant A's client in B's event loop (before 2026-12-06: its lag then adds to B's TTFT)")
     ap.add_argument("--worker-flag", action="append", default=[], metavar="ARG",
                     help="one more worker argument (repeat; e.g. --worker-flag=--no-step-pause)")
     ap.add_argument("--max-num-seqs", type=int, default=8, help="each simulated worker's batch slots")
@@ -417,6 +464,10 @@ def main() -> None:
             lines = asyncio.run(run(fleet, args.runs.split(",")))
         finally:
             fleet.stop()
+            for log in sorted(Path(tmp).glob("*.log")):  # the processes' errors, before their folder goes
+                errors = [ln for ln in log.read_text(errors="replace").splitlines() if "ERROR" in ln or "Traceback" in ln]
+                if errors:
+                    print(f"{log.name}: {len(errors)} error lines, the first: {errors[0][:300]}", file=sys.stderr)
     print(lines)
     if args.record:
         kind = "real workers (SmolLM2, one thread each" if args.real else f"simulated workers (--sim-speed {args.sim_speed:g}"

@@ -324,6 +324,7 @@ class LLMEngine:
         guard = self.step_pause.guard if self.step_pause is not None else None
         if guard is None:
             return []
+        self.metrics.paused()
         sched = self.scheduler.schedule_urgent(guard)
         self._note_scheduled(sched)
         outputs = [self._finish_output(seq, [], None, error=why) for seq, why in sched.failed]
@@ -335,12 +336,10 @@ class LLMEngine:
         return outputs
 
     def _arm_pause(self, sched: SchedulerOutput) -> None:
-        """Let arrivals more urgent than ``sched``'s rows pause it. Not a step a KV connector drives: its per-step
-        state would see another step start inside this one."""
+        """Let arrivals more urgent than ``sched``'s rows pause it. Only the C stack pauses, and a step with a KV
+        connector's per-layer work (a P/D prefill streaming its layers) runs op by op: the connector's per-step
+        state never sees another step start inside one of its own."""
         if self.step_pause is None:
-            return
-        if self.kv_connector is not None:
-            self.step_pause.arm(None)
             return
         rows = [(s.seq.params.priority, not s.seq.output_token_ids) for s in sched.scheduled]
         self.step_pause.arm(step_guard(rows))

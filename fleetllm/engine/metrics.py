@@ -78,6 +78,8 @@ class EngineMetrics:
         self.prefix_queries = counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
         self.prefix_hits = counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.")
         self.preemptions = counter("vllm:num_preemptions", "Sequences preempted for lack of KV blocks.")
+        self.step_pauses = counter("fleetllm:step_pauses", "Running steps paused between layers for a more urgent "
+                                   "request's prompt (--scheduling-policy priority).")
         self.prompt_tokens = counter("vllm:prompt_tokens", "Prompt tokens processed.")
         self.generation_tokens = counter("vllm:generation_tokens", "Tokens generated.")
         self.ttft = hist("vllm:time_to_first_token_seconds", "Time to first token.", _TTFT)
@@ -146,6 +148,11 @@ class EngineMetrics:
     def scheduled_first(self, seq: Sequence, now: float) -> None:
         if self.enabled:
             self.queue_time.observe(now - seq.arrival_time)
+
+    def paused(self) -> None:
+        """A running step paused for a more urgent request (``fleetllm/engine/step_pause.py``)."""
+        if self.enabled:
+            self.step_pauses.inc()
 
     def preempted(self, n: int) -> None:
         if self.enabled:

@@ -105,10 +105,15 @@ def test_an_urgent_prompt_computed_in_a_paused_step_changes_no_token_and_comes_o
 
 def test_a_request_arriving_at_the_async_engine_pauses_the_bulk_step_and_streams_its_first_token_before_it_ends(
         q4_engine):
+    """As in a worker, whose engine always has the P/D connector attached (its steps without per-layer work still
+    run on the C stack, and pause)."""
     import asyncio
 
+    from fleetllm.disagg.connector import pd_connector
     from fleetllm.engine.async_engine import AsyncEngine
     from fleetllm.engine.params import SamplingParams
+
+    pd_connector(q4_engine)
 
     bulk = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True, priority=1)
     urgent = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True, priority=0)
