@@ -37,6 +37,13 @@ if TYPE_CHECKING:
     from fleetllm.lora.registry import LoraManager
 
 
+# The batch slots past max_num_seqs that urgent arrivals may take while a step is paused for them, as a fraction of
+# max_num_seqs (one at least): an urgent request arriving while an earlier one still decodes in the one extra slot
+# waited for the running step (~20 ms of bulk rows on one thread) to displace a bulk row: the fair-serving
+# benchmark's B arrives ~3.4 times a second at each worker and decodes ~0.4 s.
+URGENT_OVERFLOW = 0.25
+
+
 @dataclass
 class SchedulerConfig:
     max_num_seqs: int = 64
@@ -236,15 +243,17 @@ class Scheduler:
         """A step of its own while the step in flight is paused between layers (:mod:`fleetllm.engine.step_pause`):
         the waiting requests of priority <= 0 more urgent than ``guard`` (the paused step's), best-ranked first,
         admitted within the budget and free blocks without preempting anything (every running row may be in the
-        paused step, writing its blocks), and up to one batch slot past ``max_num_seqs`` (no row gives its slot up
-        mid-step; the next step's better-ranked admissions displace down to ``max_num_seqs`` again)."""
+        paused step, writing its blocks), into up to :data:`URGENT_OVERFLOW` of ``max_num_seqs`` more batch slots
+        (no row gives its slot up mid-step; the batch is back within ``max_num_seqs`` as rows end, since nothing
+        is admitted while it is over)."""
         out = SchedulerOutput()
 
         def eligible(seq: Sequence) -> bool:
             p = seq.params.priority
             return p <= 0 and p < guard and seq.lora_name is None and not self._alone(seq)
 
-        self._admit(out, self.cfg.max_num_batched_tokens, slots=self.cfg.max_num_seqs + 1, eligible=eligible)
+        slots = self.cfg.max_num_seqs + max(1, int(self.cfg.max_num_seqs * URGENT_OVERFLOW))
+        self._admit(out, self.cfg.max_num_batched_tokens, slots=slots, eligible=eligible)
         return out
 
     def _urgent_priority(self, running: list[Sequence]) -> int | None:

@@ -171,15 +171,16 @@ def test_a_first_token_of_the_low_band_holds_back_no_less_urgent_rows():
     assert sorted(run_step(sched)) == ["batch", "bulk"]
 
 
-def test_a_paused_step_admits_an_urgent_arrival_past_a_full_batch_preempting_nothing():
-    sched = scheduler("priority", max_num_seqs=2, urgent_step_rows=0)
-    decoding(sched, [("bulk-a", 1), ("bulk-b", 1)])
-    sched.add(seq("urgent", 0, 5.0, first_token=90))
-    out = sched.schedule_urgent(guard=1.5)  # the paused step: the two bulk rows decoding
-    assert [s.seq.request_id for s in out.scheduled] == ["urgent"] and out.num_tokens == BS
-    assert out.preempted == out.displaced == [] and len(sched.running) == 3
-    sched.add(seq("urgent-2", 0, 6.0, first_token=130))
-    assert sched.schedule_urgent(guard=1.5).scheduled == []  # one slot past the batch's, no more
+@pytest.mark.parametrize(("max_num_seqs", "extra"), [(2, 1), (8, 2)])
+def test_a_paused_step_admits_urgent_arrivals_into_a_quarter_more_slots_preempting_nothing(max_num_seqs, extra):
+    sched = scheduler("priority", num_blocks=32, max_num_seqs=max_num_seqs, urgent_step_rows=0)
+    decoding(sched, [(f"bulk-{i}", 1) for i in range(max_num_seqs)])
+    for i in range(extra + 1):
+        sched.add(seq(f"urgent-{i}", 0, 20.0 + i, first_token=90 + 40 * i))
+    out = sched.schedule_urgent(guard=1.5)  # the paused step: the bulk rows decoding
+    assert [s.seq.request_id for s in out.scheduled] == [f"urgent-{i}" for i in range(extra)]
+    assert out.preempted == out.displaced == [] and len(sched.running) == max_num_seqs + extra
+    assert [s.request_id for s in sched.waiting] == [f"urgent-{extra}"]
 
 
 @pytest.mark.parametrize(("priority", "guard"), [(1, 1.5), (0, 0.0), (0, -0.5)])
