@@ -223,7 +223,9 @@ class AsyncEngine:
                 cmd = self._cmds.get_nowait()
             except queue.Empty:
                 break
-            if cmd[0] == "add" and cmd[1][4] is None and not self._deferred:
+            kind, arg = cmd
+            handoff = arg[4] if kind == "add" else None
+            if kind == "add" and handoff is None and not self._deferred:
                 self._apply(cmd)
             else:
                 self._deferred.append(cmd)

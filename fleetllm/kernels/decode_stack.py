@@ -37,7 +37,7 @@ import os
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -46,6 +46,9 @@ from fleetllm.kernels.build import KernelLibrary
 from fleetllm.kernels.lora import LIBRARY as LORA_LIBRARY
 from fleetllm.kernels.lora import kernel_ready as lora_kernel_ready
 from fleetllm.lora.tables import MODULES, LoraTables
+
+if TYPE_CHECKING:
+    from fleetllm.engine.step_pause import StepPause
 
 _enabled = os.environ.get("FLEETLLM_DECODE_STACK", "auto") != "eager"
 # A chunk (a prompt's, or a longer verification's) is taken while queries x positions stays under this: the paged
@@ -325,16 +328,15 @@ class DecodeStack:
         keep = self._with_lora(md, step, lora)  # noqa: F841 - alive until the call returns
         if counts is not None:
             step.counts, step.count_stride = counts.data_ptr(), self.num_experts
-        self._call(md, step, getattr(meta, "pause", None))
+        self._call(md, step, meta.pause)
         if counts is not None:
             for moe, row in zip(self.moes, counts.tolist(), strict=True):
                 if moe is not None:
                     moe._count(row[: moe.num_experts])
 
     @staticmethod
-    def _call(md: _Model, step: _Step, pause: Any) -> None:
-        """Run the step's layers; when ``pause`` (a :class:`fleetllm.engine.step_pause.StepPause`) stops it between
-        two layers, let it run what it must and resume where the step stopped (``step.h`` is its whole state)."""
+    def _call(md: _Model, step: _Step, pause: StepPause | None) -> None:
+        """Run the step's layers; when ``pause`` stops it between two layers, let it run what it must and resume where the step stopped (``step.h`` is its whole state)."""
         step.pause = pause.address() if pause is not None else None
         while True:
             rc = LIBRARY.lib.decode_stack(ctypes.byref(md), ctypes.byref(step))
