@@ -124,13 +124,15 @@ def test_values_equal_what_the_client_sent_and_measured(labelled: Any) -> None:
     assert delta("vllm:inter_token_latency_seconds_count") == output - n
     assert delta("vllm:time_per_output_token_seconds_count") == output - n
     # The server's clock starts after the request reached it and stops before the last bytes left, so
-    # its sums never exceed the client's; the lower bound only catches unit or coverage errors (how much
-    # lower depends on how loaded the machine is, which a test must not assume).
+    # its sums never exceed the client's. The lower bound only catches unit errors (milliseconds counted
+    # as seconds would be 1,000x off): how much lower the server's share is depends on how loaded the
+    # machine is (the client shares this process's GIL with the worker; on CI's 2 busy cores the
+    # server's TTFT was a fifth of the client's), which a test must not assume.
     client_e2e, client_ttft = sum(r["e2e"] for r in runs), sum(r["ttft"] for r in runs)
     server_e2e = delta("vllm:e2e_request_latency_seconds_sum")
     server_ttft = delta("vllm:time_to_first_token_seconds_sum")
-    assert 0.2 * client_e2e < server_e2e <= client_e2e
-    assert 0.2 * client_ttft < server_ttft <= client_ttft
+    assert 0.01 * client_e2e < server_e2e <= client_e2e
+    assert 0.01 * client_ttft < server_ttft <= client_ttft
     phases = sum(delta(f"vllm:request_{p}_time_seconds_sum") for p in ("queue", "prefill", "decode"))
     assert phases == pytest.approx(server_e2e, rel=1e-6, abs=1e-6)  # the phases tile the request
     assert after_m["vllm:kv_cache_usage_perc"] == 0
