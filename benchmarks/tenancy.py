@@ -62,7 +62,8 @@ def start(args: list[str], log: Path) -> subprocess.Popen[bytes]:
 
 @dataclass
 class Result:
-    ttft: list[float] = field(default_factory=list)
+    ttft: list[float] = field(default_factory=list)  # to the first chunk with a choice (the first token's)
+    text_ttft: list[float] = field(default_factory=list)  # to the first chunk with text (a character may take 3)
     tokens: int = 0
     failed: int = 0
     why: list[str] = field(default_factory=list)  # each failure's status and body, or the client's error
@@ -74,9 +75,12 @@ def body(max_tokens: int) -> dict:
 
 
 async def stream_one(client: httpx.AsyncClient, url: str, key: str, max_tokens: int, out: Result) -> None:
-    """One streamed completion: its time to the first token and its output tokens, into ``out``."""
+    """One streamed completion: its time to the first token and its output tokens, into ``out``.
+
+    The first token is the first chunk with a choice, as vLLM's benchmark times it: its text may be empty (a
+    character split over several tokens waits for its last byte), and the first chunk with text is timed apart."""
     t0 = time.perf_counter()
-    first = None
+    first = text = None
     try:
         async with client.stream("POST", url + "/v1/completions", json=body(max_tokens),
                                  headers={"authorization": f"Bearer {key}"}) as r:
@@ -91,8 +95,10 @@ async def stream_one(client: httpx.AsyncClient, url: str, key: str, max_tokens: 
                     event = json.loads(line[6:])
                 except ValueError:  # a line split at a Unicode line break inside generated text (httpx splits there)
                     continue
-                if first is None and event.get("choices") and event["choices"][0].get("text"):
+                if first is None and event.get("choices"):
                     first = time.perf_counter() - t0
+                if text is None and event.get("choices") and event["choices"][0].get("text"):
+                    text = time.perf_counter() - t0
                 if event.get("usage"):
                     out.tokens += event["usage"]["completion_tokens"]
     except httpx.HTTPError as e:
@@ -101,6 +107,8 @@ async def stream_one(client: httpx.AsyncClient, url: str, key: str, max_tokens: 
         return
     if first is not None:
         out.ttft.append(first)
+    if text is not None:
+        out.text_ttft.append(text)
 
 
 async def open_loop(client: httpx.AsyncClient, url: str, key: str, rate: float, n: int, max_tokens: int) -> Result:
@@ -386,10 +394,13 @@ def ratio_line(kind: str, flow: bool, alone: tuple[Window, Beside], busy: tuple[
     alone) and how far the capacity beside the two phases moved."""
     q, what = (0.9, "B TTFT p90") if kind == "noisy" else (0.99, "interactive TTFT p99")
     ratio = pct(busy[0].result.ttft, q) / pct(alone[0].result.ttft, q)
+    text = pct(busy[0].result.text_ttft, q) / pct(alone[0].result.text_ttft, q)
     drift = busy[1].req_s / alone[1].req_s - 1
     busy_share = busy[0].fleet_tok_s / busy[1].tok_s
     comparable = alone[1].steady() and busy[1].steady() and abs(drift) <= STEADY and busy_share >= BUSY_FLOOR
-    return (f"flow {'on' if flow else 'off'}: {what} {ratio:.2f}x its value alone; capacity beside the phases "
+    return (f"flow {'on' if flow else 'off'}: {what} {ratio:.2f}x its value alone (to the first text: "
+            f"{1e3 * pct(alone[0].result.text_ttft, q):.0f} -> {1e3 * pct(busy[0].result.text_ttft, q):.0f} ms, "
+            f"{text:.2f}x); capacity beside the phases "
             f"{alone[1].req_s:.1f} and {busy[1].req_s:.1f} requests/s ({100 * drift:+.0f}%), the fleet's output "
             f"while busy {busy_share:.2f} of the capacity beside it: "
             f"{'comparable' if comparable else 'NOT comparable (capacity moved or the busy phase ran slow)'}")

@@ -484,7 +484,7 @@ class Worker:
                     continue
                 opened = index in counts
                 counts[index] = fmt.token_counts(out)
-                choices = fmt.stream_choices(kind, index, out, not opened, self.token_text)
+                choices = fmt.stream_choices(kind, index, out, not opened, self.token_text, every_token=True)
                 if prompts is not None:
                     fmt.add_token_ids(choices, out, prompts[index // n] if not opened else None)
                 for choice in choices:

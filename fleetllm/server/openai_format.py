@@ -143,12 +143,17 @@ def add_token_ids(choices: list[dict[str, Any]], out: RequestOutput, prompt: lis
         choices[0]["prompt_token_ids"] = prompt
 
 
-def stream_choices(kind: str, index: int, out: RequestOutput, first: bool, token_text: TokenText) -> list[dict[str, Any]]:
+def stream_choices(kind: str, index: int, out: RequestOutput, first: bool, token_text: TokenText,
+                   every_token: bool = False) -> list[dict[str, Any]]:
     """The chunk choices one output of choice ``index`` streams, one chunk each (possibly none).
 
-    ``first`` says this is the choice's first output: a chat stream opens each choice with the role."""
+    ``first`` says this is the choice's first output: a chat stream opens each choice with the role.
+    ``every_token``: an output that made tokens whose text is still held back (the first bytes of a character
+    split over several tokens) streams a choice with empty text, as vLLM's do: a client sees each token when it
+    is made, and times its first token as the engine does, not three tokens later."""
+    made = every_token and bool(out.new_token_ids)
     if kind != "chat":
-        if not (out.new_text or out.finished or out.logprobs):
+        if not (out.new_text or out.finished or out.logprobs or made):
             return []
         return [{"index": index, "text": out.new_text, "logprobs": text_logprobs(out, token_text),
                  "finish_reason": finish_reason(out) if out.finished else None,
@@ -157,7 +162,7 @@ def stream_choices(kind: str, index: int, out: RequestOutput, first: bool, token
     if first:
         choices.append({"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                         "finish_reason": None})
-    if out.new_text or out.logprobs:
+    if out.new_text or out.logprobs or (made and not first):  # a first output's role chunk already shows it
         choices.append({"index": index, "delta": {"content": out.new_text},
                         "logprobs": chat_logprobs(out, token_text), "finish_reason": None})
     if out.finished:

@@ -115,6 +115,18 @@ def test_completion_stream_concatenates_to_the_non_streaming_text(client: openai
     assert chunks[-1].choices[0].finish_reason == full.choices[0].finish_reason
 
 
+def test_a_completion_stream_sends_a_chunk_for_every_token_even_while_its_text_is_held_back(
+        client: openai.OpenAI, model: str) -> None:
+    # greedy, this prompt's first token is the first byte of a Japanese character: its text waits for the next
+    kwargs: dict[str, Any] = {"model": model, "prompt": "Translate to Japanese: thank you ->", "max_tokens": 4,
+                              "temperature": 0}
+    full = client.completions.create(**kwargs)
+    chunks = [c for c in client.completions.create(stream=True, **kwargs) if c.choices]
+    assert len(chunks) == full.usage.completion_tokens == 4
+    assert chunks[0].choices[0].text == "" and chunks[1].choices[0].text != ""
+    assert "".join(c.choices[0].text for c in chunks) == full.choices[0].text
+
+
 def test_completion_stream_with_include_usage_ends_with_a_usage_chunk(client: openai.OpenAI, model: str) -> None:
     chunks = list(client.completions.create(
         model=model, prompt="The capital of France is", max_tokens=MAX_TOKENS, temperature=0, stream=True,

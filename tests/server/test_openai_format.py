@@ -107,6 +107,17 @@ def test_an_output_with_nothing_new_streams_no_chunk() -> None:
     assert fmt.stream_choices("text", 0, out(""), False, text_of) == []
 
 
+def test_a_token_whose_text_is_held_back_streams_an_empty_choice_when_every_token_streams() -> None:
+    held = RequestOutput("r", [226], "", False, 5, 1, 0)  # the first byte of a three-byte character
+    assert fmt.stream_choices("text", 0, held, True, text_of) == []
+    assert fmt.stream_choices("text", 0, held, True, text_of, every_token=True) == [
+        {"index": 0, "text": "", "logprobs": None, "finish_reason": None, "stop_reason": None}]
+    assert fmt.stream_choices("chat", 0, held, False, text_of, every_token=True) == [
+        {"index": 0, "delta": {"content": ""}, "logprobs": None, "finish_reason": None}]
+    assert len(fmt.stream_choices("chat", 0, held, True, text_of, every_token=True)) == 1  # the role chunk only
+    assert fmt.stream_choices("text", 0, out(""), False, text_of, every_token=True) == []  # no token: no chunk
+
+
 def test_a_completions_stream_carries_the_finish_reason_on_the_last_text_chunk() -> None:
     assert fmt.stream_choices("text", 2, out("!", True, "stop", stop_reason="\n"), True, text_of) == [
         {"index": 2, "text": "!", "logprobs": None, "finish_reason": "stop", "stop_reason": "\n"}]
