@@ -276,14 +276,18 @@ class Scheduler:
         return min((s.params.priority for s in firsts if s.params.priority <= 0), default=None)
 
     def _free_slot_for_better_rank(self, out: SchedulerOutput) -> None:
-        """Under ``priority``: while every batch slot is taken and the best-ranked waiting sequence ranks before
-        the worst-ranked running one, that running one gives up its slot (preempted: recomputed later, its full
-        blocks usually still cached). An urgent request then starts at this step instead of when some running
-        one ends. Only a more urgent ``priority`` displaces (a preempted request never displaces its peers that
-        arrived after it), and only while its rank is still better (ageing protects a long-running request)."""
-        while self.waiting and len(self.running) >= self.cfg.max_num_seqs:
-            head = self.waiting[0]
-            if head.lora_name is not None or self._alone(head):  # their admission has conditions of its own
+        """Under ``priority``: every waiting sequence, in order, that finds no free batch slot and ranks before the
+        worst-ranked running one takes that one's slot (preempted: recomputed later, its full blocks usually still
+        cached). Urgent requests then start at this step instead of when some running ones end, all of a burst at
+        once (one slot a step left the second of two urgent arrivals a step behind the first). Only a more urgent
+        ``priority`` displaces (a preempted request never displaces its peers that arrived after it), and only
+        while its rank is still better (ageing protects a long-running request)."""
+        free = self.cfg.max_num_seqs - len(self.running)
+        for head in list(self.waiting):
+            if free > 0:  # a slot is free for it
+                free -= 1
+                continue
+            if head.lora_name is not None or self._alone(head) or not self.running:  # admission has its own rules
                 return
             worst = max(self.running, key=self.cfg.rank)
             if head.params.priority >= worst.params.priority or self.cfg.rank(head) >= self.cfg.rank(worst):

@@ -110,6 +110,19 @@ def test_a_more_urgent_request_takes_the_batch_slot_of_the_least_urgent_running_
     assert sched.waiting[0].request_id == "bulker" and sched.waiting[0].status is Status.PREEMPTED
 
 
+def test_a_burst_of_urgent_arrivals_takes_the_slots_of_as_many_bulk_rows_in_one_step():
+    sched = scheduler("priority", max_num_seqs=3)
+    for i, rid in enumerate(["bulk", "bulker", "bulkest"]):
+        sched.add(seq(rid, 1 + i, 1.0, first_token=1 + 20 * i))
+    run_step(sched)
+    sched.add(seq("urgent", 0, 1.5, first_token=70))
+    sched.add(seq("urgent-too", 0, 1.6, first_token=90))
+    out = sched.schedule()
+    assert [s.request_id for s in out.displaced] == ["bulkest", "bulker"] and out.preempted == []
+    assert sorted(s.seq.request_id for s in out.scheduled) == ["bulk", "urgent", "urgent-too"]
+    assert [s.request_id for s in sched.waiting] == ["bulker", "bulkest"]
+
+
 @pytest.mark.parametrize(("policy", "priority", "arrival"),
                          [("fcfs", -5, 1.5), ("priority", 1, 1.5), ("priority", 0, 5.0)])
 def test_a_waiting_request_displaces_nobody_unless_more_urgent_and_still_ranked_first(policy, priority, arrival):
