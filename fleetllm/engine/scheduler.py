@@ -282,19 +282,19 @@ class Scheduler:
         once (one slot a step left the second of two urgent arrivals a step behind the first). Only a more urgent
         ``priority`` displaces (a preempted request never displaces its peers that arrived after it), and only
         while its rank is still better (ageing protects a long-running request)."""
-        free = self.cfg.max_num_seqs - len(self.running)
+        promised = 0  # the slots the waiting sequences before ``head`` take
         for head in list(self.waiting):
-            if free > 0:  # a slot is free for it
-                free -= 1
-                continue
-            if head.lora_name is not None or self._alone(head) or not self.running:  # admission has its own rules
-                return
-            worst = max(self.running, key=self.cfg.rank)
-            if head.params.priority >= worst.params.priority or self.cfg.rank(head) >= self.cfg.rank(worst):
-                return
-            self.running.remove(worst)
-            self._preempt(worst)
-            out.displaced.append(worst)
+            # the batch may be over max_num_seqs (urgent rows admitted while a step was paused): back under it first
+            while len(self.running) + promised >= self.cfg.max_num_seqs:
+                if head.lora_name is not None or self._alone(head) or not self.running:  # their own admission rules
+                    return
+                worst = max(self.running, key=self.cfg.rank)
+                if head.params.priority >= worst.params.priority or self.cfg.rank(head) >= self.cfg.rank(worst):
+                    return
+                self.running.remove(worst)
+                self._preempt(worst)
+                out.displaced.append(worst)
+            promised += 1
 
     def _admit(self, out: SchedulerOutput, budget: int, urgent: UrgentStep | None = None, slots: int | None = None,
                eligible: Callable[[Sequence], bool] | None = None) -> None:

@@ -196,6 +196,19 @@ def test_a_paused_step_admits_urgent_arrivals_into_a_quarter_more_slots_preempti
     assert [s.request_id for s in sched.waiting] == [f"urgent-{extra}"]
 
 
+def test_an_urgent_arrival_left_out_of_the_extra_slots_takes_a_slot_at_the_next_step():
+    # the batch is over max_num_seqs with urgent rows a paused step admitted: the next one displaces bulk rows
+    # until it is back under, and the urgent arrival left waiting starts then
+    sched = scheduler("priority", num_blocks=32, max_num_seqs=2, urgent_step_rows=None)
+    decoding(sched, [("bulk-0", 1), ("bulk-1", 2)])
+    sched.add(seq("urgent-0", 0, 1.2, first_token=90))
+    sched.add(seq("urgent-1", 0, 1.3, first_token=130))
+    assert [s.seq.request_id for s in sched.schedule_urgent(guard=1.5).scheduled] == ["urgent-0"]
+    out = sched.schedule()
+    assert [s.request_id for s in out.displaced] == ["bulk-1", "bulk-0"] and out.preempted == []
+    assert sorted(s.seq.request_id for s in out.scheduled) == ["urgent-0", "urgent-1"]
+
+
 @pytest.mark.parametrize(("priority", "guard"), [(1, 1.5), (0, 0.0), (0, -0.5)])
 def test_a_paused_step_admits_no_arrival_as_urgent_as_its_rows_nor_of_the_low_band(priority, guard):
     sched = scheduler("priority", urgent_step_rows=0)
