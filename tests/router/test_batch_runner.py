@@ -4,6 +4,7 @@ every line answered exactly once, the lines answered before the stop never sent 
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import stat
 import time
@@ -93,3 +94,30 @@ def test_a_batch_kept_in_s3_resumes_on_a_new_router_answering_every_line_once(s3
     store.drop_batch("batch-1")
     store.delete_file("file-in")
     assert open_store(where).all("batches") == [] and open_store(where).load("files", "file-in") is None
+
+
+def test_a_runner_stopped_while_its_calls_fail_on_the_way_out_leaves_no_error_unretrieved(tmp_path):
+    # a stopping router closes its client: the lines in flight fail with its error rather than end cancelled
+    async def stopped() -> list[str]:
+        unretrieved: list[str] = []
+        asyncio.get_running_loop().set_exception_handler(lambda _, ctx: unretrieved.append(ctx["message"]))
+        sent: list[str] = []
+
+        async def call(path: str, body: dict, owner: str) -> tuple[int, dict, str]:
+            sent.append(body["prompt"])
+            try:
+                await asyncio.Event().wait()
+            except asyncio.CancelledError:
+                raise ConnectionError("the router's client closed") from None
+            return 200, {}, "r"
+
+        runner = BatchRunner(BatchStore(tmp_path / "batches"), call, concurrency=2)
+        runner.submit(make_batch(runner.store))
+        while len(sent) < 2:
+            await asyncio.sleep(0.01)
+        await runner.stop()
+        gc.collect()  # an unretrieved future reports when it is collected
+        await asyncio.sleep(0)
+        return unretrieved
+
+    assert asyncio.run(stopped()) == []

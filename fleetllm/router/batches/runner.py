@@ -111,9 +111,13 @@ class BatchRunner:
         left = batch["expires_at"] - time.time()
         senders = [asyncio.create_task(sender()) for _ in range(min(self.concurrency, len(lines)))]
         try:
-            await asyncio.wait_for(asyncio.gather(*senders), timeout=max(left, 0.0))
-        except TimeoutError:
-            if batch["status"] == "in_progress":
+            # not wait_for(gather(...)): a gather cancelled with the runner (a router stopping mid-batch) took the
+            # error a sender raised while cancelled and logged "exception was never retrieved"
+            done, pending = await asyncio.wait(senders, timeout=max(left, 0.0), return_when=asyncio.FIRST_EXCEPTION)
+            failed = next((t.exception() for t in done if not t.cancelled() and t.exception() is not None), None)
+            if failed is not None:
+                raise failed
+            if pending and batch["status"] == "in_progress":
                 batch["status"] = "expiring"  # (internal) no more lines go; the finalizer names it expired
         finally:
             for s in senders:
