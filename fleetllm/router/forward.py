@@ -198,6 +198,7 @@ class Forwarder:
         tried: set[str] = set()
         last: AttemptFailed | None = None
         fwd.route.expected_output_tokens = self.lengths.expected(self._model(fwd), fwd.body)
+        fwd.route.urgent = fwd.admitted is False
         for attempt in range(self.cfg.max_retries + 1):
             candidates = Routable(time.monotonic()).apply(fwd.route, Untried(tried).apply(fwd.route, group))
             if not candidates:

@@ -94,6 +94,16 @@ def test_a_pipeline_whose_stage_lacks_what_it_needs_falls_back_to_the_least_load
     assert (d.worker.name, d.reason) == ("w1", "fallback")
 
 
+@pytest.mark.parametrize(("urgent", "policy", "chosen"), [(True, "priority", "w0"), (False, "priority", "w1"),
+                                                        (True, "fcfs", "w1")])
+def test_least_load_leaves_out_the_bulk_requests_an_urgent_one_would_displace(urgent, policy, chosen):
+    # w0: five in flight, four of them this router's bulk requests; w1: three interactive streams
+    ws = workers(2, scheduling_policy=policy)
+    ws[0].inflight, ws[0].bulk_inflight, ws[1].inflight = 5, 4, 3
+    d = make_policy("least_load", PrefixIndex(60.0), seed=0).choose(RouteRequest(urgent=urgent), ws)
+    assert d.worker.name == chosen
+
+
 def test_the_lowest_cost_picker_breaks_ties_at_random_among_the_cheapest_only():
     ws = workers(3)
     c = Candidates(RouteRequest(), ws, ws, [1.0, 1.0, 2.0], [0, 0, 0])

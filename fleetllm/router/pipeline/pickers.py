@@ -18,6 +18,7 @@ import hashlib
 import random
 from typing import TYPE_CHECKING, Protocol
 
+from fleetllm.router.pipeline.admission import displaceable
 from fleetllm.router.pipeline.filters import load_bound
 from fleetllm.router.pipeline.request import Decision
 
@@ -35,10 +36,21 @@ class Picker(Protocol):
         ...
 
 
-def least_loaded(workers: list[WorkerState], rng: random.Random) -> WorkerState:
-    """Fewest requests in flight (counted at dispatch), then fewest pending prefill tokens; ties at random."""
-    best = min((w.inflight, w.pending_prefill_tokens) for w in workers)
-    return rng.choice([w for w in workers if (w.inflight, w.pending_prefill_tokens) == best])
+def least_loaded(workers: list[WorkerState], rng: random.Random, req: RouteRequest | None = None) -> WorkerState:
+    """Fewest requests in flight that ``req`` would wait behind (counted at dispatch), then fewest in flight, then
+    fewest pending prefill tokens; ties at random.
+
+    An ``urgent`` request does not wait behind this router's bulk requests at a worker that gives it their batch
+    slots (:func:`~fleetllm.router.pipeline.admission.displaceable`): counting them sent a burst of interactive
+    requests beside a batch job to the worker with fewer batch lines but more interactive streams, where the
+    ninth found every slot held by its peers (TTFT 300 ms against a p50 of 37)."""
+
+    def load(w: WorkerState) -> tuple[int, int, int]:
+        ahead = w.inflight - (displaceable(w) if req is not None and req.urgent else 0)
+        return ahead, w.inflight, w.pending_prefill_tokens
+
+    best = min(load(w) for w in workers)
+    return rng.choice([w for w in workers if load(w) == best])
 
 
 class RoundRobinPicker:
@@ -61,7 +73,7 @@ class LeastLoadPicker:
     name = "least_load"
 
     def pick(self, c: Candidates, rng: random.Random) -> Decision:
-        return Decision(least_loaded(c.workers, rng), "balance")
+        return Decision(least_loaded(c.workers, rng, c.req), "balance")
 
 
 class LowestCostPicker:

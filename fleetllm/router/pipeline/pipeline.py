@@ -36,7 +36,7 @@ class Pipeline:
     def choose(self, req: RouteRequest, workers: list[WorkerState]) -> Decision:
         """Pick one of ``workers`` (non-empty, all routable)."""
         if self.requires is not None and not self.requires(req):
-            return Decision(least_loaded(workers, self.rng), "fallback")
+            return Decision(least_loaded(workers, self.rng, req), "fallback")
         narrowed = workers
         for f in self.filters:
             narrowed = f.apply(req, narrowed)

@@ -24,6 +24,9 @@ class RouteRequest:
     lora_name: str | None = None  # the LoRA adapter the request names (None: the base model)
     scheme_hashes: dict[str, list[int]] = field(default_factory=dict)  # other engines' hashes (vLLM's), by scheme
     expected_output_tokens: float = 1.0  # what it will generate, as the router expects (pipeline/output_length.py)
+    # released by flow control as work that is not bulk: a worker under priority scheduling gives it the batch slot
+    # of one of this router's bulk requests there, so those are not load it waits behind (pickers.least_loaded)
+    urgent: bool = False
 
     def hashes_for(self, w: WorkerState) -> list[int]:
         """The prompt's block hashes as ``w``'s index entries are keyed."""
