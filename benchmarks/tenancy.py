@@ -169,7 +169,7 @@ class Fleet:
         self.phase += 1
         port = free_ports(1)
         url, log = f"http://127.0.0.1:{port}", self.tmp / f"router-{self.phase}.log"
-        flags = ["router", "--workers", ",".join(self.workers), "--policy", "least_load", "--port", str(port),
+        flags = ["router", "--workers", ",".join(self.workers), "--policy", self.args.policy, "--port", str(port),
                  "--keys-file", str(self.keys_file), "--batch-dir", str(self.tmp / f"batches-{self.phase}"),
                  "--batch-concurrency", str(self.args.batch_concurrency), "--log-level", "warning"]
         proc = start(flags + (["--flow-control", *self.args.flow_flag] if flow else []), log)
@@ -454,6 +454,7 @@ def main() -> None:
     ap.add_argument("--real", action="store_true", help="fleetllm workers on the embedded SmolLM2 (one thread each) "
                     "instead of simulated ones")
     ap.add_argument("--flow", default="off,on", help="comma-separated: off, on (the router's --flow-control)")
+    ap.add_argument("--policy", default="least_load", help="the router's --policy")
     ap.add_argument("--flow-flag", action="append", default=[], metavar="ARG",
                     help="one more router argument with flow control on (repeat: --flow-flag=--flow-headroom "
                     "--flow-flag=0.2)")
@@ -490,7 +491,7 @@ def main() -> None:
         save_run("## Fair and prioritised serving", f"{args.workers} {kind}, --max-num-seqs "
                  f"{args.max_num_seqs}, priority scheduling), one router per phase "
                  f"(flow control flags: --flow-control {' '.join(args.flow_flag)}) "
-                 f"(least_load, API keys of weight 1); {args.max_tokens}-token completions of a ~60-token prompt; B "
+                 f"({args.policy}, API keys of weight 1); {args.max_tokens}-token completions of a ~60-token prompt; B "
                  f"at {args.b_load:g} of the capacity, A holding {args.flood_x}x the batch slots in flight; the batch "
                  f"job through the Batch API at --batch-concurrency {args.batch_concurrency}.", " ".join(sys.argv),
                  lines)
