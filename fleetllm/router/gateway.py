@@ -77,6 +77,7 @@ from fleetllm.server.stored_turns import OWNER_HEADER, normalize_items
 from fleetllm.server.worker_secret import matches, worker_secret
 
 log = logging.getLogger(__name__)
+TOKENIZER_POLL_S = 0.2  # how often the router looks for a served model whose tokenizer it has not loaded
 
 
 class Router:
@@ -278,6 +279,8 @@ class Router:
             self.capture.start()
         self.batches.start()  # unfinished batches a previous run left resume now
         tasks = [asyncio.create_task(run(self), name=f"background-{i}") for i, run in enumerate(self.background)]
+        if self.uses_prefix:
+            tasks.append(asyncio.create_task(self._preload_tokenizers(), name="tokenizers"))
         self._log_state()
         yield
         for t in tasks:
@@ -304,6 +307,15 @@ class Router:
                         "the keys' limits alone, so N routers admit up to N times a key's limit")
         else:
             log.info("router state is this router's own (no --state-url)")
+
+    async def _preload_tokenizers(self) -> None:
+        """Load each served model's tokenizer once the router knows the model (configured, or a worker's KV events
+        snapshot names it), on a thread, before its first request needs it (:meth:`PromptTokenizer.preload`)."""
+        while True:
+            new = sorted(m for m in self.served_models() if not self.tokens.loaded(m))
+            if new:
+                await asyncio.to_thread(self.tokens.preload, new)
+            await asyncio.sleep(TOKENIZER_POLL_S)
 
     def _on_worker_change(self, w: WorkerState) -> None:
         self.metrics.healthy.labels(worker=w.name, zone=w.zone).set(1 if w.healthy else 0)

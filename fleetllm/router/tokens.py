@@ -34,6 +34,16 @@ class PromptTokenizer:
         with self._loading:
             return self._load(model)
 
+    def preload(self, models: list[str]) -> None:
+        """Load ``models``' tokenizers now (a router starting, on a thread): loaded on first use, a tokenizer took
+        ~0.2 s of CPU that the first requests of a prefix-aware router waited for (their TTFT 140-300 ms)."""
+        for model in models:
+            self.tokenizer(model)
+
+    def loaded(self, model: str) -> bool:
+        """Whether ``model``'s tokenizer was loaded (or found missing) already."""
+        return model in self._cache
+
     def _load(self, model: str) -> TokenizerWrapper | None:
         if model not in self._cache:
             from fleetllm.models.source import load_tokenizer
