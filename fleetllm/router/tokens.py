@@ -21,6 +21,9 @@ from fleetllm.tools.request import render_prompt, tool_request
 log = logging.getLogger(__name__)
 
 
+_LOADED: dict[str, TokenizerWrapper] = {}  # tokenizers loaded in this process, by model reference
+
+
 class PromptTokenizer:
     """Tokenizers by served model name, loaded on first use; ``refs`` maps a served name to a model
     reference when the name alone does not resolve (e.g. ``--served-model-name``)."""
@@ -48,8 +51,11 @@ class PromptTokenizer:
         if model not in self._cache:
             from fleetllm.models.source import load_tokenizer
 
+            ref = self.refs.get(model, model)
             try:
-                self._cache[model] = load_tokenizer(self.refs.get(model, model))[1]
+                if ref not in _LOADED:  # routers of one process (a test session, a simulated fleet) load it once
+                    _LOADED[ref] = load_tokenizer(ref)[1]
+                self._cache[model] = _LOADED[ref]
             except Exception as e:  # an unknown model only costs prefix affinity, never the request
                 log.warning("no tokenizer for model %r (%s): prefix-aware routing falls back to load", model, e)
                 self._cache[model] = None
