@@ -9,31 +9,24 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import signal
-import socket
 from collections.abc import Callable, Generator
 from typing import Any
-
-import uvicorn
 
 from fleetllm.lora.options import LoraServingOptions
 from fleetllm.models.source import load_tokenizer
 from fleetllm.server.app import ObservabilityConfig, Worker
 from fleetllm.server.config import KVEventsOptions
 from fleetllm.server.header_timeout import DEFAULT_HEADER_TIMEOUT_S
-from fleetllm.server.uvicorn_runner import TLSFiles, freeze_startup_heap, server_config
+from fleetllm.server.uvicorn_runner import FrozenHeapServer, TLSFiles, server_config
 from fleetllm.sim.engine import SimConfig, sim_engine
 from fleetllm.sim.profile import TimingProfile
 from fleetllm.store.config import StoreConfig
 
 
-class _Server(uvicorn.Server):
+class _Server(FrozenHeapServer):
     @contextlib.contextmanager
     def capture_signals(self) -> Generator[None, None, None]:
         yield  # signals are handled once for all servers in serve_simulated
-
-    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
-        freeze_startup_heap()
-        await super().startup(sockets)
 
 
 def build_workers(model: str, count: int, cfg: SimConfig, profile: TimingProfile | None,
