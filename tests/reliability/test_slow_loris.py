@@ -50,6 +50,10 @@ def url(request, sim) -> Iterator[str]:
         r = Router(router_config(args))
         app, closing = r.app, lambda: setattr(r, "closing", True)
     server, thread = _serve(app, port, closing)
+    if request.param == "router":  # started whole: its tokenizer loaded (on a thread, holding the GIL at times)
+        end = time.monotonic() + 30
+        while not r.tokens.loaded("smollm2-135m") and time.monotonic() < end:
+            time.sleep(0.02)
     yield f"http://127.0.0.1:{port}"
     server.exit_now()
     thread.join(30)
